@@ -1,0 +1,350 @@
+// Package connector implements the NixlConnector semantics of kvbridge: the kv_transfer_params
+// contract, the side-channel handshake, leases and heartbeats, the load-failure policy and the
+// transfer statistics (see ../shared/spec/vllm-nixl-protocol.md).
+package connector
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// ErrConfig reports an invalid --kv-transfer-config; the message names the offending key.
+var ErrConfig = errors.New("invalid --kv-transfer-config")
+
+// Role is an engine's KV role. With NixlConnector the proxy decides who prefills and who decodes;
+// the role only documents intent, as in vLLM.
+type Role string
+
+// The accepted roles. RoleBoth is deprecated (vllm#33702) and accepted with a warning.
+const (
+	RoleProducer Role = "kv_producer"
+	RoleConsumer Role = "kv_consumer"
+	RoleBoth     Role = "kv_both"
+)
+
+// FailurePolicy says what a consumer does when loading remote KV fails.
+type FailurePolicy string
+
+// The load-failure policies of kv_load_failure_policy.
+const (
+	// PolicyFail finishes the request with an error (HTTP 500 for non-streaming clients).
+	PolicyFail FailurePolicy = "fail"
+	// PolicyRecompute computes the missing tokens locally and answers normally.
+	PolicyRecompute FailurePolicy = "recompute"
+)
+
+// Config is the parsed --kv-transfer-config. The zero value is "no connector".
+type Config struct {
+	// Connector is kv_connector; only "NixlConnector" is supported.
+	Connector string
+	// Role is kv_role.
+	Role Role
+	// EngineID is engine_id; a UUID when not given.
+	EngineID string
+	// LoadFailurePolicy is kv_load_failure_policy (default fail).
+	LoadFailurePolicy FailurePolicy
+	// EnablePermuteLocalKV is enable_permute_local_kv: accept a remote HND layout into a local NHD one.
+	EnablePermuteLocalKV bool
+	// KVBufferDevice is kv_buffer_device; accepted for compatibility, KV always lives in host memory.
+	KVBufferDevice string
+
+	// Backends is kv_connector_extra_config.backends, in order of preference; empty means automatic.
+	Backends []string
+	// LeaseDuration is kv_lease_duration: how long a prefiller holds finished blocks for the decoder.
+	LeaseDuration time.Duration
+	// Bidirectional is bidirectional_kv_xfer: D keeps its blocks so that P can pull them next turn.
+	Bidirectional bool
+	// RecomputeThreshold is kv_recompute_threshold: fewer remote tokens than this are recomputed.
+	RecomputeThreshold int
+	// DecoderBlocksTTL is decoder_kv_blocks_ttl: how long D holds a finished turn's blocks.
+	DecoderBlocksTTL time.Duration
+	// EnforceHandshakeCompat is enforce_handshake_compat: refuse peers whose compatibility hash differs.
+	EnforceHandshakeCompat bool
+	// EngineTTL is engine_ttl: remote engines idle this long are forgotten.
+	EngineTTL time.Duration
+	// NumThreads is num_threads; accepted for compatibility (transfer workers size themselves).
+	NumThreads int
+	// AuthToken is auth_token: a shared secret required on side-channel and transfer connections.
+	AuthToken string
+}
+
+// Enabled reports whether a connector is configured.
+func (c *Config) Enabled() bool { return c != nil && c.Connector != "" }
+
+// Known backends and those that name real NIXL plugins this build does not have.
+var (
+	availableBackends   = []string{"SHM", "TCP"}
+	unavailableBackends = []string{"UCX", "LIBFABRIC", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "UCCL", "HF3FS", "AZURE_BLOB"}
+)
+
+// ParseConfig decodes a --kv-transfer-config JSON document. Unknown keys are logged as warnings on
+// log (when non-nil); a value of the wrong type is an error naming the key. Defaults follow the
+// seed guide: policy fail, lease 30 s, decoder TTL 480 s, threshold 64, engine TTL 3600 s.
+func ParseConfig(data []byte, log *slog.Logger) (*Config, error) {
+	var raw map[string]any
+	dec := json.NewDecoder(strings.NewReader(string(data)))
+	dec.UseNumber()
+	if err := dec.Decode(&raw); err != nil {
+		return nil, fmt.Errorf("%w: not a JSON object: %v", ErrConfig, err)
+	}
+	if raw == nil {
+		return nil, fmt.Errorf("%w: not a JSON object", ErrConfig)
+	}
+	return configFromMap(raw, log)
+}
+
+func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
+	c := &Config{
+		LoadFailurePolicy:      PolicyFail,
+		LeaseDuration:          30 * time.Second,
+		RecomputeThreshold:     64,
+		DecoderBlocksTTL:       480 * time.Second,
+		EnforceHandshakeCompat: true,
+		EngineTTL:              3600 * time.Second,
+	}
+	p := fieldParser{log: log}
+	for key, v := range raw {
+		switch key {
+		case "kv_connector":
+			c.Connector = p.str(key, v)
+		case "kv_role":
+			c.Role = Role(p.str(key, v))
+		case "engine_id":
+			c.EngineID = p.str(key, v)
+		case "kv_load_failure_policy":
+			c.LoadFailurePolicy = FailurePolicy(p.str(key, v))
+		case "enable_permute_local_kv":
+			c.EnablePermuteLocalKV = p.boolean(key, v)
+		case "kv_buffer_device":
+			c.KVBufferDevice = p.str(key, v)
+		case "kv_connector_extra_config":
+			extra, ok := v.(map[string]any)
+			if !ok && v != nil {
+				p.fail(key, v, "an object")
+				continue
+			}
+			p.extra(c, extra)
+		case "kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_buffer_size", "kv_connector_module_path", "enable_cross_layers_blocks":
+			// Accepted vLLM keys with no meaning here.
+		default:
+			p.unknown(key)
+		}
+	}
+	if p.err != nil {
+		return nil, p.err
+	}
+	return c, c.validate(log)
+}
+
+func (p *fieldParser) extra(c *Config, extra map[string]any) {
+	for key, v := range extra {
+		name := "kv_connector_extra_config." + key
+		switch key {
+		case "backends":
+			c.Backends = p.strings(name, v)
+		case "kv_lease_duration":
+			c.LeaseDuration = p.seconds(name, v)
+		case "bidirectional_kv_xfer":
+			c.Bidirectional = p.boolean(name, v)
+		case "kv_recompute_threshold":
+			c.RecomputeThreshold = p.integer(name, v)
+		case "decoder_kv_blocks_ttl":
+			c.DecoderBlocksTTL = p.seconds(name, v)
+		case "enforce_handshake_compat":
+			c.EnforceHandshakeCompat = p.boolean(name, v)
+		case "engine_ttl":
+			c.EngineTTL = p.seconds(name, v)
+		case "num_threads":
+			c.NumThreads = p.integer(name, v)
+		case "auth_token":
+			c.AuthToken = p.str(name, v)
+		case "enable_cross_layers_blocks":
+			// Accepted: kvbridge blocks are always contiguous across layers.
+		default:
+			p.unknown(name)
+		}
+	}
+}
+
+func (c *Config) validate(log *slog.Logger) error {
+	if c.Connector == "" {
+		return fmt.Errorf("%w: kv_connector is required (use \"NixlConnector\")", ErrConfig)
+	}
+	if c.Connector != "NixlConnector" {
+		return fmt.Errorf("%w: kv_connector %q is not supported; kvbridge implements \"NixlConnector\"", ErrConfig, c.Connector)
+	}
+	switch c.Role {
+	case RoleProducer, RoleConsumer:
+	case RoleBoth:
+		if log != nil {
+			log.Warn("kv_role=\"kv_both\" is deprecated for NixlConnector; set kv_producer on prefill instances and kv_consumer on decode instances (vllm#33702)")
+		}
+	case "":
+		return fmt.Errorf("%w: kv_role is required (kv_producer or kv_consumer)", ErrConfig)
+	default:
+		return fmt.Errorf("%w: kv_role %q must be kv_producer, kv_consumer or kv_both", ErrConfig, c.Role)
+	}
+	switch c.LoadFailurePolicy {
+	case PolicyFail, PolicyRecompute:
+	default:
+		return fmt.Errorf("%w: kv_load_failure_policy %q must be \"fail\" or \"recompute\"", ErrConfig, c.LoadFailurePolicy)
+	}
+	for _, b := range c.Backends {
+		switch {
+		case slices.Contains(availableBackends, b):
+		case slices.Contains(unavailableBackends, b):
+			return fmt.Errorf("%w: kv_connector_extra_config.backends: %q is not available in this build (available: SHM, TCP)", ErrConfig, b)
+		default:
+			return fmt.Errorf("%w: kv_connector_extra_config.backends: unknown backend %q (available: SHM, TCP)", ErrConfig, b)
+		}
+	}
+	if c.LeaseDuration < time.Second {
+		return fmt.Errorf("%w: kv_connector_extra_config.kv_lease_duration must be at least 1 second", ErrConfig)
+	}
+	if c.DecoderBlocksTTL <= 0 || c.EngineTTL <= 0 {
+		return fmt.Errorf("%w: decoder_kv_blocks_ttl and engine_ttl must be positive", ErrConfig)
+	}
+	if c.RecomputeThreshold < 0 {
+		return fmt.Errorf("%w: kv_connector_extra_config.kv_recompute_threshold must not be negative", ErrConfig)
+	}
+	if c.EngineID == "" {
+		c.EngineID = uuid.NewString()
+	}
+	return nil
+}
+
+// fieldParser converts loosely typed JSON values, remembering the first type error.
+type fieldParser struct {
+	log *slog.Logger
+	err error
+}
+
+func (p *fieldParser) fail(key string, v any, want string) {
+	if p.err == nil {
+		p.err = fmt.Errorf("%w: %s must be %s, got %s", ErrConfig, key, want, describe(v))
+	}
+}
+
+func (p *fieldParser) unknown(key string) {
+	if p.log != nil {
+		p.log.Warn("ignoring unknown --kv-transfer-config key", "key", key)
+	}
+}
+
+func (p *fieldParser) str(key string, v any) string {
+	switch x := v.(type) {
+	case string:
+		return x
+	case nil:
+		return ""
+	}
+	p.fail(key, v, "a string")
+	return ""
+}
+
+// boolean accepts JSON booleans and the strings "true"/"false" in any case (the seed guide writes
+// "enable_permute_local_kv":"True").
+func (p *fieldParser) boolean(key string, v any) bool {
+	switch x := v.(type) {
+	case bool:
+		return x
+	case string:
+		if b, err := strconv.ParseBool(strings.ToLower(x)); err == nil {
+			return b
+		}
+	}
+	p.fail(key, v, "a boolean")
+	return false
+}
+
+func (p *fieldParser) number(key string, v any) (float64, bool) {
+	var s string
+	switch x := v.(type) {
+	case json.Number:
+		s = x.String()
+	case float64:
+		return x, true
+	case string:
+		s = x
+	default:
+		p.fail(key, v, "a number")
+		return 0, false
+	}
+	f, err := strconv.ParseFloat(s, 64)
+	if err != nil || math.IsNaN(f) || math.IsInf(f, 0) {
+		p.fail(key, v, "a number")
+		return 0, false
+	}
+	return f, true
+}
+
+func (p *fieldParser) integer(key string, v any) int {
+	f, ok := p.number(key, v)
+	if !ok {
+		return 0
+	}
+	if f != math.Trunc(f) || math.Abs(f) > 1<<31 {
+		p.fail(key, v, "an integer")
+		return 0
+	}
+	return int(f)
+}
+
+func (p *fieldParser) seconds(key string, v any) time.Duration {
+	f, ok := p.number(key, v)
+	if !ok {
+		return 0
+	}
+	if f < 0 || f > 1e7 {
+		p.fail(key, v, "a number of seconds between 0 and 1e7")
+		return 0
+	}
+	return time.Duration(f * float64(time.Second))
+}
+
+func (p *fieldParser) strings(key string, v any) []string {
+	switch x := v.(type) {
+	case []any:
+		out := make([]string, 0, len(x))
+		for _, e := range x {
+			s, ok := e.(string)
+			if !ok {
+				p.fail(key, v, "a list of strings")
+				return nil
+			}
+			out = append(out, s)
+		}
+		return out
+	case string:
+		return []string{x}
+	}
+	p.fail(key, v, "a list of strings")
+	return nil
+}
+
+func describe(v any) string {
+	switch x := v.(type) {
+	case nil:
+		return "null"
+	case string:
+		return fmt.Sprintf("the string %q", x)
+	case bool:
+		return fmt.Sprintf("the boolean %v", x)
+	case json.Number, float64:
+		return fmt.Sprintf("the number %v", x)
+	case []any:
+		return "a list"
+	case map[string]any:
+		return "an object"
+	}
+	return fmt.Sprintf("%T", v)
+}

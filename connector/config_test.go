@@ -1,0 +1,80 @@
+package connector
+
+import (
+	"errors"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestParseConfigSeedGuide(t *testing.T) {
+	c, err := ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"fail",
+		"enable_permute_local_kv":"True",
+		"kv_connector_extra_config":{"backends":["TCP"],"kv_lease_duration":60,"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":600}}`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Role != RoleProducer || c.LoadFailurePolicy != PolicyFail || !c.EnablePermuteLocalKV || !c.Bidirectional {
+		t.Errorf("parsed %+v", c)
+	}
+	if c.LeaseDuration != 60*time.Second || c.DecoderBlocksTTL != 600*time.Second || c.Backends[0] != "TCP" {
+		t.Errorf("parsed %+v", c)
+	}
+	if c.EngineID == "" {
+		t.Error("engine_id not defaulted to a UUID")
+	}
+}
+
+func TestParseConfigDefaults(t *testing.T) {
+	c, err := ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.LoadFailurePolicy != PolicyFail || c.LeaseDuration != 30*time.Second || c.RecomputeThreshold != 64 ||
+		c.DecoderBlocksTTL != 480*time.Second || !c.EnforceHandshakeCompat || c.EngineTTL != time.Hour {
+		t.Errorf("defaults = %+v", c)
+	}
+}
+
+// TestParseConfigErrors checks that each bad value is refused with a message naming its key.
+func TestParseConfigErrors(t *testing.T) {
+	for doc, key := range map[string]string{
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":"soon"}}`: "kv_lease_duration",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["LIBFABRIC"]}}`:   "not available in this build",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["RDMA"]}}`:        "unknown backend",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":"x y"}}`:           "",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"bidirectional_kv_xfer":3}}`:  "bidirectional_kv_xfer",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":[]}`:                           "kv_connector_extra_config",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"retry"}`:                         "kv_load_failure_policy",
+		`{"kv_connector":"NixlConnector","kv_role":"decoder"}`:                                                              "kv_role",
+		`{"kv_connector":"LMCacheConnector","kv_role":"kv_producer"}`:                                                       "kv_connector",
+		`{"kv_role":"kv_producer"}`: "kv_connector",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":7}`:                                              "engine_id",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_recompute_threshold":1.5}}`: "kv_recompute_threshold",
+		`null`: "JSON object",
+		`[`:    "JSON object",
+	} {
+		_, err := ParseConfig([]byte(doc), nil)
+		if key == "" {
+			// "x y" is a single backend name, unknown: still an error.
+			if err == nil {
+				t.Errorf("ParseConfig(%s) succeeded", doc)
+			}
+			continue
+		}
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), key) {
+			t.Errorf("ParseConfig(%s) error = %v, want ErrConfig naming %q", doc, err, key)
+		}
+	}
+}
+
+func TestParseConfigKVBothWarns(t *testing.T) {
+	var log strings.Builder
+	c, err := ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_both","surprise":1}`), testLogger(&log))
+	if err != nil || c.Role != RoleBoth {
+		t.Fatalf("kv_both refused: %v", err)
+	}
+	if !strings.Contains(log.String(), "deprecated") || !strings.Contains(log.String(), "surprise") {
+		t.Errorf("log = %q, want the kv_both deprecation and the unknown key", log.String())
+	}
+}

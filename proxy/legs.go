@@ -1,0 +1,160 @@
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"time"
+)
+
+// Config configures a proxy. Prefill and Decode must not be empty.
+type Config struct {
+	// Prefill and Decode are the engines, chosen round-robin with independent cursors.
+	Prefill, Decode []Instance
+	// APIKey, when set, is sent as "Authorization: Bearer <key>" to engines when the client sent no
+	// Authorization header of its own (the Python proxies read $OPENAI_API_KEY).
+	APIKey string
+	// Logger receives one line per failed leg; nil discards.
+	Logger *slog.Logger
+	// HeaderTimeout bounds the wait for an engine's response headers; P answers only after its
+	// prefill, so this must cover the longest prefill. Default 5 minutes.
+	HeaderTimeout time.Duration
+	// IdleTimeout bounds the silence between two reads of a response body. Default 2 minutes.
+	IdleTimeout time.Duration
+	// MaxBodyBytes limits a client's request body. Default 32 MiB.
+	MaxBodyBytes int64
+	// Transport carries the engine legs; nil uses a dedicated http.Transport.
+	Transport http.RoundTripper
+}
+
+func (c *Config) defaults() error {
+	if len(c.Prefill) == 0 || len(c.Decode) == 0 {
+		return errors.New("proxy: at least one prefill and one decode instance are needed")
+	}
+	if c.HeaderTimeout <= 0 {
+		c.HeaderTimeout = 5 * time.Minute
+	}
+	if c.IdleTimeout <= 0 {
+		c.IdleTimeout = 2 * time.Minute
+	}
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = 32 << 20
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.Transport == nil {
+		c.Transport = &http.Transport{
+			DialContext:           (&net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+			MaxIdleConns:          1024,
+			MaxIdleConnsPerHost:   256,
+			IdleConnTimeout:       90 * time.Second,
+			ResponseHeaderTimeout: c.HeaderTimeout,
+		}
+	}
+	return nil
+}
+
+// legs sends requests to engines; it is shared by the one-way and multi-turn proxies.
+type legs struct {
+	cfg    Config
+	client *http.Client
+}
+
+// legError is a failed leg, with what the client should be told.
+type legError struct {
+	status int    // HTTP status for the client
+	body   []byte // an engine's own error body to relay, or nil
+	code   string // proxy error code when body is nil
+	msg    string
+}
+
+func (e *legError) Error() string { return fmt.Sprintf("%d %s: %s", e.status, e.code, e.msg) }
+
+// write answers the client with the error.
+func (e *legError) write(w http.ResponseWriter) {
+	if e.body != nil {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(e.status)
+		_, _ = w.Write(e.body)
+		return
+	}
+	writeError(w, e.status, "BadGatewayError", e.code, e.msg)
+}
+
+// post sends b to inst's path with the request id and credentials.
+func (l *legs) post(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body) (*http.Response, error) {
+	data, err := json.Marshal(b)
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, inst.URL(path), bytes.NewReader(data))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", reqID)
+	switch {
+	case hdr.Get("Authorization") != "":
+		req.Header.Set("Authorization", hdr.Get("Authorization"))
+	case l.cfg.APIKey != "":
+		req.Header.Set("Authorization", "Bearer "+l.cfg.APIKey)
+	}
+	return l.client.Do(req)
+}
+
+// prefillResult is what P answered.
+type prefillResult struct {
+	params map[string]any // kv_transfer_params, nil when P returned none
+	usage  map[string]any // P's usage, nil when absent
+}
+
+// prefill runs the P leg to completion. A 4xx from P is the client's fault and is relayed as is;
+// a 5xx, a transport failure or an unreadable answer is a 502 prefill_request_failed.
+func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body) (prefillResult, *legError) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	resp, err := l.post(ctx, inst, path, reqID, hdr, b)
+	if err != nil {
+		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: %v", inst, err)})
+	}
+	defer resp.Body.Close()
+	data, err := readAllIdle(resp.Body, l.cfg.IdleTimeout, cancel)
+	if err != nil {
+		err = legCause(ctx, err)
+		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: reading the response: %v", inst, err)})
+	}
+	if resp.StatusCode >= 400 && resp.StatusCode < 500 {
+		return prefillResult{}, &legError{status: resp.StatusCode, body: data}
+	}
+	if resp.StatusCode/100 != 2 {
+		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s answered %d: %s", inst, resp.StatusCode, truncate(data, 300))})
+	}
+	var out struct {
+		KV    map[string]any `json:"kv_transfer_params"`
+		Usage map[string]any `json:"usage"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	if err := dec.Decode(&out); err != nil {
+		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: response is not JSON: %v", inst, err)})
+	}
+	return prefillResult{params: out.KV, usage: out.Usage}, nil
+}
+
+func (l *legs) fail(leg string, inst Instance, reqID string, e *legError) *legError {
+	l.cfg.Logger.Warn("proxy leg failed", "leg", leg, "instance", inst.String(), "request_id", reqID, "status", e.status, "error", e.msg)
+	return e
+}
+
+func truncate(b []byte, n int) string {
+	if len(b) > n {
+		return string(b[:n]) + "…"
+	}
+	return string(b)
+}

@@ -1,0 +1,149 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+
+	"github.com/google/uuid"
+)
+
+// OneWay is the toy proxy's flow (spec §1): every request is prefilled on P and decoded on D.
+type OneWay struct {
+	legs
+	p, d roundRobin
+	mux  *http.ServeMux
+}
+
+// NewOneWay returns the one-way proxy for cfg.
+func NewOneWay(cfg Config) (*OneWay, error) {
+	if err := cfg.defaults(); err != nil {
+		return nil, err
+	}
+	o := &OneWay{
+		legs: legs{cfg: cfg, client: &http.Client{Transport: cfg.Transport}},
+		p:    roundRobin{list: cfg.Prefill},
+		d:    roundRobin{list: cfg.Decode},
+		mux:  http.NewServeMux(),
+	}
+	o.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/completions") })
+	o.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/chat/completions") })
+	o.mux.HandleFunc("GET /healthcheck", o.health)
+	o.mux.HandleFunc("GET /v1/models", o.models)
+	o.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "NotFoundError", "not_found", fmt.Sprintf("%s %s is not a route of this proxy", r.Method, r.URL.Path))
+	})
+	return o, nil
+}
+
+// ServeHTTP implements http.Handler.
+func (o *OneWay) ServeHTTP(w http.ResponseWriter, r *http.Request) { o.mux.ServeHTTP(w, r) }
+
+// Close releases idle connections to the engines. It is idempotent.
+func (o *OneWay) Close() error {
+	if t, ok := o.cfg.Transport.(interface{ CloseIdleConnections() }); ok {
+		t.CloseIdleConnections()
+	}
+	return nil
+}
+
+func (o *OneWay) health(w http.ResponseWriter, _ *http.Request) {
+	w.Header().Set("Content-Type", "application/json")
+	_ = json.NewEncoder(w).Encode(map[string]any{
+		"status": "ok", "prefill_instances": len(o.cfg.Prefill), "decode_instances": len(o.cfg.Decode),
+	})
+}
+
+// models relays a decoder's /v1/models (the benchmark asks for it; the toy proxy lacks it).
+func (o *OneWay) models(w http.ResponseWriter, r *http.Request) {
+	relayGet(w, r, &o.legs, o.d.pick(), "/v1/models")
+}
+
+func relayGet(w http.ResponseWriter, r *http.Request, l *legs, inst Instance, path string) {
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, inst.URL(path), nil)
+	if err == nil {
+		if a := r.Header.Get("Authorization"); a != "" {
+			req.Header.Set("Authorization", a)
+		} else if l.cfg.APIKey != "" {
+			req.Header.Set("Authorization", "Bearer "+l.cfg.APIKey)
+		}
+	}
+	var resp *http.Response
+	if err == nil {
+		resp, err = l.client.Do(req)
+	}
+	if err != nil {
+		writeError(w, http.StatusBadGateway, "BadGatewayError", codeDecodeFailed, fmt.Sprintf("decode instance %s: %v", inst, err))
+		return
+	}
+	defer resp.Body.Close()
+	_, _ = relay(w, resp, r.Header.Get("X-Request-Id"), l.cfg.IdleTimeout, cancel, nil)
+}
+
+// readBody reads and decodes the client's JSON body, answering the client itself on failure.
+func (l *legs) readBody(w http.ResponseWriter, r *http.Request) (body, bool) {
+	data, err := io.ReadAll(http.MaxBytesReader(w, r.Body, l.cfg.MaxBodyBytes))
+	if err != nil {
+		var tooBig *http.MaxBytesError
+		if errors.As(err, &tooBig) {
+			writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request_too_large", fmt.Sprintf("the request body exceeds %d bytes", tooBig.Limit))
+			return nil, false
+		}
+		writeError(w, http.StatusBadRequest, "BadRequestError", codeBadRequest, "reading the request body: "+err.Error())
+		return nil, false
+	}
+	b, err := decodeBody(data)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "BadRequestError", codeBadRequest, err.Error())
+		return nil, false
+	}
+	return b, true
+}
+
+// requestID is the client's X-Request-Id, or a new UUID; both legs carry the same one.
+func requestID(r *http.Request) string {
+	if id := r.Header.Get("X-Request-Id"); id != "" {
+		return id
+	}
+	return uuid.NewString()
+}
+
+func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
+	b, ok := o.readBody(w, r)
+	if !ok {
+		return
+	}
+	reqID := requestID(r)
+	pre, lerr := o.prefill(r.Context(), o.p.pick(), path, reqID, r.Header, prefillRequest(b, prefillTemplate()))
+	if lerr != nil {
+		lerr.write(w)
+		return
+	}
+	o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params), nil)
+}
+
+// decode runs the D leg and relays its answer, whatever its status (vllm#23981).
+func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, b body, onLine func([]byte)) error {
+	ctx, cancel := context.WithCancelCause(r.Context())
+	defer cancel(nil)
+	resp, err := l.post(ctx, inst, path, reqID, r.Header, b)
+	if err != nil {
+		if r.Context().Err() != nil {
+			return err // the client left; nobody to answer
+		}
+		l.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
+		return err
+	}
+	defer resp.Body.Close()
+	if _, err := relay(w, resp, reqID, l.cfg.IdleTimeout, cancel, onLine); err != nil {
+		err = legCause(ctx, err)
+		l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
+		return err
+	}
+	return nil
+}
