@@ -1,0 +1,206 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvbridge/kvbridge/kvcache"
+)
+
+// The connectors below are stand-ins for package connector (issue 4), which does not exist yet:
+// they exercise the engine's side of the Connector contract end to end — a producer engine holds
+// its KV after finishing (delayed free), a consumer engine parks a request while the test copies
+// that KV into its blocks (the "transfer"), then LoadsDone resumes it — without any networking.
+
+// holdConnector is a producer: finished do_remote_decode requests keep their blocks for a
+// remote reader.
+type holdConnector struct {
+	NoConnector
+	held chan heldKV
+}
+
+type heldKV struct {
+	id          string
+	blocks      []int32
+	numComputed int
+}
+
+func (c *holdConnector) Finished(q *Sequence, st Status, _ time.Time) (bool, map[string]any) {
+	if q.KVTransfer()["do_remote_decode"] != true || (st != StatusFinishedLengthCapped && st != StatusFinishedStopped) {
+		return false, nil
+	}
+	c.held <- heldKV{id: q.ID(), blocks: slices.Clone(q.Blocks()), numComputed: q.NumComputed()}
+	return true, map[string]any{"do_remote_prefill": true, "remote_request_id": q.ID(), "remote_num_tokens": q.NumComputed()}
+}
+
+// loadConnector is a consumer: requests with remote params load their prompt's KV asynchronously.
+type loadConnector struct {
+	NoConnector
+	allocs chan loadAlloc
+	loaded map[string]bool // step loop only
+}
+
+type loadAlloc struct {
+	id                 string
+	blocks             []int32
+	localHit, external int
+}
+
+func (c *loadConnector) MatchedExternal(q *Sequence, localHit int) (int, bool) {
+	if q.KVTransfer()["remote_request_id"] == nil || c.loaded[q.ID()] {
+		return 0, false
+	}
+	return q.NumPromptTokens() - localHit, true
+}
+
+func (c *loadConnector) AfterAlloc(q *Sequence, blocks []int32, numExternal int) {
+	if numExternal == 0 {
+		return
+	}
+	c.loaded[q.ID()] = true
+	c.allocs <- loadAlloc{id: q.ID(), blocks: slices.Clone(blocks), localHit: q.NumLocalHitTokens(), external: numExternal}
+}
+
+// copyKV copies the blocks holding positions [a.localHit, a.localHit+a.external) from the
+// producer's pool into the consumer's (same geometry, so block i holds the same positions).
+func copyKV(t *testing.T, dst, src *kvcache.Pool, a loadAlloc, srcBlocks []int32) {
+	t.Helper()
+	bs := dst.Geometry().BlockSize
+	for i := a.localHit / bs; i < (a.localHit+a.external+bs-1)/bs; i++ {
+		if err := dst.WriteBlock(a.blocks[i], src.Bytes(srcBlocks[i])); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func recv[T any](t *testing.T, ch <-chan T) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(waitTimeout):
+		t.Fatal("timeout")
+	}
+	var zero T
+	return zero
+}
+
+func TestEngineConnectorAsyncLoad(t *testing.T) {
+	m := openTiny(t)
+	const bs = 16
+	prompt := testPrompts(m, 40)[0]
+	want := oneAtATime(t, m, bs, []*Request{greedy("ref", prompt, 10)})[0]
+
+	for _, tc := range []struct {
+		name     string
+		policy   FailurePolicy
+		badBlock int // -1: the load succeeds
+		cached   int
+	}{
+		{"ok", FailurePolicyFail, -1, 40},
+		{"fail", FailurePolicyFail, 1, 40},
+		{"recompute", FailurePolicyRecompute, 1, 16},
+		{"recompute from zero", FailurePolicyRecompute, 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pc := &holdConnector{held: make(chan heldKV, 4)}
+			pe, ppool := newTestEngine(t, m, 16, Config{BlockSize: bs, PrefixCaching: true, Connector: pc})
+			dc := &loadConnector{allocs: make(chan loadAlloc, 4), loaded: map[string]bool{}}
+			de, dpool := newTestEngine(t, m, 16, Config{BlockSize: bs, PrefixCaching: true, Connector: dc,
+				KVLoadFailurePolicy: tc.policy})
+
+			// Prefill on the producer: max_tokens 1, KV held after the finish.
+			ps, err := pe.Add(t.Context(), &Request{ID: "p", Prompt: prompt, MaxTokens: 1,
+				KVTransfer: map[string]any{"do_remote_decode": true}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			pr := collect(t, ps)
+			held := recv(t, pc.held)
+			if pr.final.KVTransfer["remote_request_id"] != "p" || held.numComputed != len(prompt) || !slices.Equal(pr.tokens, want.tokens[:1]) {
+				t.Fatalf("producer: %+v, held %+v", pr.final, held)
+			}
+			if st := pe.Stats(); st.Delayed != 1 || ppool.NumFree() != ppool.NumBlocks()-3 {
+				t.Fatalf("producer holds %d requests, %d blocks free", st.Delayed, ppool.NumFree())
+			}
+
+			// Decode on the consumer: parks until the KV is copied.
+			ds, err := de.Add(t.Context(), &Request{ID: "d", Prompt: prompt, MaxTokens: 10, KVTransfer: pr.final.KVTransfer})
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := recv(t, dc.allocs)
+			if a.localHit != 0 || a.external != 40 || len(a.blocks) != 3 {
+				t.Fatalf("consumer alloc %+v", a)
+			}
+			copyKV(t, dpool, ppool, a, held.blocks)
+			if tc.badBlock < 0 {
+				de.LoadsDone([]string{"d"}, nil)
+			} else {
+				de.LoadsDone(nil, map[string]int{"d": tc.badBlock})
+			}
+			pe.ReleaseDelayed("p") // the "notification": the producer frees
+			got := collect(t, ds)
+			if tc.name == "fail" {
+				if got.final.FinishReason != "error" || !errors.Is(got.final.Err, ErrKVLoad) || len(got.tokens) != 0 {
+					t.Fatalf("fail policy: %+v", got.final)
+				}
+				if de.Stats().LoadFailures != 1 {
+					t.Fatalf("stats %+v", de.Stats())
+				}
+				return
+			}
+			if !slices.Equal(got.tokens, want.tokens) || got.text != want.text {
+				t.Fatalf("consumer output %v, want %v", got.tokens, want.tokens)
+			}
+			if got.final.CachedTokens != tc.cached {
+				t.Fatalf("cached tokens %d, want %d", got.final.CachedTokens, tc.cached)
+			}
+		})
+	}
+}
+
+func TestEngineAbortWhileWaitingForRemoteKV(t *testing.T) {
+	m := openTiny(t)
+	dc := &loadConnector{allocs: make(chan loadAlloc, 4), loaded: map[string]bool{}}
+	de, dpool := newTestEngine(t, m, 16, Config{BlockSize: 16, Connector: dc})
+	ctx, cancel := context.WithCancel(t.Context())
+	s, err := de.Add(ctx, &Request{ID: "d", Prompt: testPrompts(m, 30)[0], MaxTokens: 4,
+		KVTransfer: map[string]any{"remote_request_id": "p"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	recv(t, dc.allocs)
+	if st := de.Stats(); st.WaitingForRemote != 1 || dpool.NumFree() != dpool.NumBlocks()-2 {
+		t.Fatalf("stats %+v", st)
+	}
+	cancel()
+	if r := collect(t, s); r.final.FinishReason != "abort" {
+		t.Fatalf("final %+v", r.final)
+	}
+	assertPoolFull(t, dpool)
+	de.LoadsDone([]string{"d"}, nil) // a late completion for an aborted request is ignored
+}
+
+func TestEngineCloseReleasesHeldBlocks(t *testing.T) {
+	m := openTiny(t)
+	pc := &holdConnector{held: make(chan heldKV, 8)}
+	pe, ppool := newTestEngine(t, m, 16, Config{BlockSize: 16, Connector: pc})
+	for i := range 3 {
+		s, err := pe.Add(t.Context(), &Request{ID: fmt.Sprint(i), Prompt: testPrompts(m, 20)[0], MaxTokens: 1,
+			KVTransfer: map[string]any{"do_remote_decode": true}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		collect(t, s)
+	}
+	if ppool.NumFree() == ppool.NumBlocks() {
+		t.Fatal("nothing held")
+	}
+	pe.Close()
+	assertPoolFull(t, ppool)
+}

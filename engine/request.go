@@ -1,0 +1,69 @@
+package engine
+
+import (
+	"fmt"
+
+	"github.com/kvbridge/kvbridge/model"
+)
+
+// Request is one generation request. The engine does not modify it; its slices and map must not
+// be modified by the caller after Add.
+type Request struct {
+	// ID names the request (the HTTP layer's request id). Empty means the engine picks one. It
+	// must be unique among live requests.
+	ID string
+	// Prompt is the tokenized prompt; it must not be empty.
+	Prompt []int32
+	// Sampling configures the per-request sampler. A zero Seed means "no seed": the engine
+	// derives one from Config.Seed and the request's arrival number.
+	Sampling model.SamplingParams
+	// MaxTokens bounds the generated tokens (> 0). Generation also stops at MaxModelLen.
+	MaxTokens int
+	// MinTokens is the number of tokens generated before EOS, stop token ids and stop strings
+	// may end the request (their logits are masked until then).
+	MinTokens int
+	// Stop lists stop strings: the output text ends before the first occurrence of any of them.
+	Stop []string
+	// StopTokenIDs end the request when sampled (the token counts, its text is not emitted).
+	StopTokenIDs []int32
+	// IgnoreEOS keeps generating past EOS (until MaxTokens or MaxModelLen).
+	IgnoreEOS bool
+	// KVTransfer is kv_transfer_params, opaque to the engine; the Connector interprets it.
+	KVTransfer map[string]any
+}
+
+// validate checks the request against the engine limits. vocab ≤ 0 skips the token range check.
+func (r *Request) validate(maxModelLen, vocab int) error {
+	if r == nil {
+		return fmt.Errorf("nil request: %w", ErrInvalidRequest)
+	}
+	if len(r.Prompt) == 0 {
+		return fmt.Errorf("request %q: empty prompt: %w", r.ID, ErrInvalidRequest)
+	}
+	if maxModelLen > 0 && len(r.Prompt) >= maxModelLen {
+		return &promptTooLongError{msg: fmt.Sprintf(
+			"engine: request %q: prompt of %d tokens leaves no room to generate within max model length %d: %v",
+			r.ID, len(r.Prompt), maxModelLen, ErrPromptTooLong)}
+	}
+	if r.MaxTokens <= 0 {
+		return fmt.Errorf("request %q: max_tokens %d must be positive: %w", r.ID, r.MaxTokens, ErrInvalidRequest)
+	}
+	if r.MinTokens < 0 || r.MinTokens > r.MaxTokens {
+		return fmt.Errorf("request %q: min_tokens %d must be in [0, max_tokens %d]: %w",
+			r.ID, r.MinTokens, r.MaxTokens, ErrInvalidRequest)
+	}
+	if vocab > 0 {
+		for i, t := range r.Prompt {
+			if t < 0 || int(t) >= vocab {
+				return fmt.Errorf("request %q: prompt token %d at position %d is outside the vocabulary of %d: %w",
+					r.ID, t, i, vocab, ErrInvalidRequest)
+			}
+		}
+	}
+	for _, s := range r.Stop {
+		if s == "" {
+			return fmt.Errorf("request %q: empty stop string: %w", r.ID, ErrInvalidRequest)
+		}
+	}
+	return nil
+}
