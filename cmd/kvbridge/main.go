@@ -1,12 +1,65 @@
-// Command kvbridge is a disaggregated prefill/decode LLM server with KV-cache transfer.
+// Command kvbridge is a disaggregated prefill/decode LLM server with KV-cache transfer: an engine
+// with a NixlConnector-compatible connector (serve), the P/D proxies (proxy), benchmarks (bench)
+// and a one-command showcase (demo).
 package main
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/spf13/cobra"
 )
 
 func main() {
-	fmt.Fprintln(os.Stderr, "kvbridge: under construction")
-	os.Exit(2)
+	os.Exit(run(os.Args[1:]))
+}
+
+// run executes the command line and returns the process exit status: 0 on success, 2 for a
+// usage error (bad flag, bad value, bad config key), 1 for any other failure.
+func run(args []string) int {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	args, err := normalizeArgs(args)
+	if err == nil {
+		root := newRootCmd()
+		root.SetArgs(args)
+		err = root.ExecuteContext(ctx)
+	}
+	if err == nil {
+		return 0
+	}
+	fmt.Fprintln(os.Stderr, "kvbridge:", err)
+	if errors.Is(err, errUsage) {
+		return 2
+	}
+	return 1
+}
+
+func newRootCmd() *cobra.Command {
+	root := &cobra.Command{
+		Use:           "kvbridge",
+		Short:         "Disaggregated prefill/decode LLM serving with KV-cache transfer",
+		SilenceUsage:  true,
+		SilenceErrors: true,
+	}
+	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError("%v", err) })
+	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd())
+	return root
+}
+
+func newBenchCmd() *cobra.Command {
+	bench := &cobra.Command{
+		Use:   "bench",
+		Short: "Benchmarks that print each figure next to a ceiling measured in the same run",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return usageError("bench needs a subcommand; see kvbridge bench --help")
+		},
+	}
+	bench.AddCommand(newBenchTransferCmd(), newBenchEngineCmd())
+	return bench
 }

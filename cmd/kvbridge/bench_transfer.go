@@ -1,0 +1,168 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/kvbridge/kvbridge/bench/xferbench"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// newBenchTransferCmd returns `kvbridge bench transfer`: the transfer engine's
+// nixlbench-like matrix between this process and a re-executed peer process.
+func newBenchTransferCmd() *cobra.Command {
+	var (
+		backends, ops, blocks, batches  string
+		iters, warmup, workers, streams int
+		maxBytes, jsonPath              string
+		notify, quiet, peer             bool
+	)
+	cmd := &cobra.Command{
+		Use:   "transfer",
+		Short: "Benchmark the KV transfer engine (SHM and TCP) against memcpy and raw TCP ceilings",
+		Long: `Runs READ and WRITE transfers between this process and a peer process on this machine:
+block sizes × batch sizes, descriptors in scattered order, on the SHM and TCP backends. The
+ceilings are measured in the same run (a single-thread memcpy of the same bytes, a raw Go
+loopback TCP stream) and every row reports its ratio to the ceiling.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			ctx := cmd.Context()
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			if peer {
+				return xferbench.RunPeer(ctx, os.Stdin, os.Stdout)
+			}
+			opts := xferbench.Options{Iters: iters, Warmup: warmup, Workers: workers, Streams: streams, Notify: notify}
+			var err error
+			if opts.Backends, err = splitList(backends); err != nil {
+				return err
+			}
+			opNames, err := splitList(ops)
+			if err != nil {
+				return err
+			}
+			for _, o := range opNames {
+				switch strings.ToUpper(o) {
+				case "READ":
+					opts.Ops = append(opts.Ops, transfer.Read)
+				case "WRITE":
+					opts.Ops = append(opts.Ops, transfer.Write)
+				default:
+					return fmt.Errorf("--ops: unknown op %q (READ, WRITE)", o)
+				}
+			}
+			if opts.Blocks, err = parseSizes(blocks); err != nil {
+				return fmt.Errorf("--blocks: %w", err)
+			}
+			bs, err := splitList(batches)
+			if err != nil {
+				return err
+			}
+			for _, b := range bs {
+				n, err := strconv.Atoi(b)
+				if err != nil || n <= 0 {
+					return fmt.Errorf("--batches: invalid batch %q", b)
+				}
+				opts.Batches = append(opts.Batches, n)
+			}
+			if maxBytes != "" {
+				mb, err := parseSizes(maxBytes)
+				if err != nil || len(mb) != 1 {
+					return fmt.Errorf("--max-bytes: invalid size %q", maxBytes)
+				}
+				opts.MaxBytes = mb[0]
+			}
+			if !quiet {
+				opts.Log = cmd.ErrOrStderr()
+			}
+			self, err := os.Executable()
+			if err != nil {
+				return err
+			}
+			// Re-execute this very command as the peer: same binary, same subcommand path.
+			path := strings.Fields(cmd.CommandPath())[1:]
+			opts.PeerCommand = func(ctx context.Context) *exec.Cmd {
+				c := exec.CommandContext(ctx, self, append(path, "--peer")...)
+				c.Stderr = cmd.ErrOrStderr()
+				return c
+			}
+			rows, err := xferbench.Run(ctx, opts)
+			if len(rows) > 0 {
+				if terr := xferbench.WriteTable(cmd.OutOrStdout(), rows); terr != nil && err == nil {
+					err = terr
+				}
+				if jsonPath != "" {
+					if jerr := xferbench.WriteJSON(jsonPath, rows); jerr != nil && err == nil {
+						err = jerr
+					}
+				}
+			}
+			return err
+		},
+	}
+	f := cmd.Flags()
+	f.StringVar(&backends, "backends", "SHM,TCP", "backends to measure, in order (SHM, TCP)")
+	f.StringVar(&ops, "ops", "READ,WRITE", "operations to measure")
+	f.StringVar(&blocks, "blocks", "4K,16K,64K,256K,1M,4M", "block sizes (K, M suffixes = KiB, MiB)")
+	f.StringVar(&batches, "batches", "1,4,16,64,256,1024", "descriptors per request")
+	f.IntVar(&iters, "iters", 0, "timed posts per row (0 = automatic, by bytes moved)")
+	f.IntVar(&warmup, "warmup", 3, "untimed posts per row")
+	f.StringVar(&maxBytes, "max-bytes", "256M", "skip rows whose request (block × batch) is larger")
+	f.IntVar(&workers, "workers", 0, "SHM copy workers (0 = GOMAXPROCS)")
+	f.IntVar(&streams, "streams", 0, "TCP connections per peer (0 = engine default)")
+	f.BoolVar(&notify, "notify", false, "attach a notification to every post")
+	f.StringVar(&jsonPath, "json", "", "also write the rows as JSON to this file")
+	f.BoolVarP(&quiet, "quiet", "q", false, "no progress lines on stderr")
+	f.BoolVar(&peer, "peer", false, "run as the benchmark's peer process (internal)")
+	_ = f.MarkHidden("peer")
+	return cmd
+}
+
+// splitList splits a comma-separated flag value.
+func splitList(s string) ([]string, error) {
+	var out []string
+	for _, p := range strings.Split(s, ",") {
+		if p = strings.TrimSpace(p); p != "" {
+			out = append(out, p)
+		}
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("empty list %q", s)
+	}
+	return out, nil
+}
+
+// parseSizes parses "4K,64K,1M" (binary units; KiB/MiB/GiB and plain bytes accepted).
+func parseSizes(s string) ([]int64, error) {
+	parts, err := splitList(s)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]int64, 0, len(parts))
+	for _, p := range parts {
+		u := strings.ToUpper(p)
+		mult := int64(1)
+		for _, suf := range []struct {
+			s string
+			m int64
+		}{{"KIB", 1 << 10}, {"MIB", 1 << 20}, {"GIB", 1 << 30}, {"K", 1 << 10}, {"M", 1 << 20}, {"G", 1 << 30}, {"B", 1}} {
+			if strings.HasSuffix(u, suf.s) {
+				u, mult = strings.TrimSuffix(u, suf.s), suf.m
+				break
+			}
+		}
+		n, err := strconv.ParseInt(u, 10, 64)
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("invalid size %q", p)
+		}
+		out = append(out, n*mult)
+	}
+	return out, nil
+}
