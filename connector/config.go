@@ -63,7 +63,9 @@ type Config struct {
 	LeaseDuration time.Duration
 	// Bidirectional is bidirectional_kv_xfer: D keeps its blocks so that P can pull them next turn.
 	Bidirectional bool
-	// RecomputeThreshold is kv_recompute_threshold: fewer remote tokens than this are recomputed.
+	// RecomputeThreshold is kv_recompute_threshold: fewer remote tokens than this are recomputed
+	// instead of pulled. Unset (-1) means 64 with bidirectional transfer and 0 without, as in vLLM,
+	// so that a one-way prompt shorter than a block is still pulled (conformance item 13).
 	RecomputeThreshold int
 	// DecoderBlocksTTL is decoder_kv_blocks_ttl: how long D holds a finished turn's blocks.
 	DecoderBlocksTTL time.Duration
@@ -77,6 +79,17 @@ type Config struct {
 	AuthToken string
 }
 
+// Threshold returns the effective kv_recompute_threshold.
+func (c *Config) Threshold() int {
+	switch {
+	case c.RecomputeThreshold >= 0:
+		return c.RecomputeThreshold
+	case c.Bidirectional:
+		return 64
+	}
+	return 0
+}
+
 // Enabled reports whether a connector is configured.
 func (c *Config) Enabled() bool { return c != nil && c.Connector != "" }
 
@@ -88,7 +101,8 @@ var (
 
 // ParseConfig decodes a --kv-transfer-config JSON document. Unknown keys are logged as warnings on
 // log (when non-nil); a value of the wrong type is an error naming the key. Defaults follow the
-// seed guide: policy fail, lease 30 s, decoder TTL 480 s, threshold 64, engine TTL 3600 s.
+// seed guide: policy fail, lease 30 s, decoder TTL 480 s, threshold 64 (bidirectional) or 0,
+// engine TTL 3600 s.
 func ParseConfig(data []byte, log *slog.Logger) (*Config, error) {
 	var raw map[string]any
 	dec := json.NewDecoder(strings.NewReader(string(data)))
@@ -106,7 +120,7 @@ func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
 	c := &Config{
 		LoadFailurePolicy:      PolicyFail,
 		LeaseDuration:          30 * time.Second,
-		RecomputeThreshold:     64,
+		RecomputeThreshold:     -1,
 		DecoderBlocksTTL:       480 * time.Second,
 		EnforceHandshakeCompat: true,
 		EngineTTL:              3600 * time.Second,
@@ -213,7 +227,7 @@ func (c *Config) validate(log *slog.Logger) error {
 	if c.DecoderBlocksTTL <= 0 || c.EngineTTL <= 0 {
 		return fmt.Errorf("%w: decoder_kv_blocks_ttl and engine_ttl must be positive", ErrConfig)
 	}
-	if c.RecomputeThreshold < 0 {
+	if c.RecomputeThreshold < -1 {
 		return fmt.Errorf("%w: kv_connector_extra_config.kv_recompute_threshold must not be negative", ErrConfig)
 	}
 	if c.EngineID == "" {

@@ -17,6 +17,9 @@ func TestParseConfigSeedGuide(t *testing.T) {
 	if c.Role != RoleProducer || c.LoadFailurePolicy != PolicyFail || !c.EnablePermuteLocalKV || !c.Bidirectional {
 		t.Errorf("parsed %+v", c)
 	}
+	if c.Threshold() != 64 {
+		t.Errorf("bidirectional threshold = %d, want 64", c.Threshold())
+	}
 	if c.LeaseDuration != 60*time.Second || c.DecoderBlocksTTL != 600*time.Second || c.Backends[0] != "TCP" {
 		t.Errorf("parsed %+v", c)
 	}
@@ -30,7 +33,7 @@ func TestParseConfigDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.LoadFailurePolicy != PolicyFail || c.LeaseDuration != 30*time.Second || c.RecomputeThreshold != 64 ||
+	if c.LoadFailurePolicy != PolicyFail || c.LeaseDuration != 30*time.Second || c.Threshold() != 0 ||
 		c.DecoderBlocksTTL != 480*time.Second || !c.EnforceHandshakeCompat || c.EngineTTL != time.Hour {
 		t.Errorf("defaults = %+v", c)
 	}

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 )
 
@@ -16,6 +17,11 @@ type PoolConfig struct {
 	// PrefixCaching enables block-level prefix caching. When false, Match finds nothing and
 	// Cache does nothing.
 	PrefixCaching bool
+	// GenerationTable, if non-nil, is memory (8 bytes per block, 8-byte aligned, usually in the
+	// same shared arena as the blocks) where the pool publishes each block's generation as a
+	// little-endian uint64 whenever it changes, before the block is handed out. A remote reader
+	// that reads a block and then its table entry knows whether the block was reused meanwhile.
+	GenerationTable []byte
 }
 
 // Pool is a paged KV block pool over caller-owned memory. All methods are safe for concurrent
@@ -34,6 +40,7 @@ type Pool struct {
 	free   idHeap // uncached free blocks
 	lru    lruList
 	byHash map[BlockHash]int32 // prefix cache: hash → block
+	gens   []uint64            // published generations (PoolConfig.GenerationTable), or nil
 }
 
 // NewPool makes a pool over mem, which must be 64-byte aligned and hold at least
@@ -67,7 +74,18 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 		return nil, fmt.Errorf("kvcache: memory at %#x is not 64-byte aligned: %w", p, ErrMemory)
 	}
 	mem = mem[: n*bb : n*bb]
+	var gens []uint64
+	if t := cfg.GenerationTable; t != nil {
+		if len(t) < 8*n || uintptr(unsafe.Pointer(unsafe.SliceData(t)))%8 != 0 {
+			return nil, fmt.Errorf("kvcache: generation table of %d bytes for %d blocks (need %d, 8-byte aligned): %w", len(t), n, 8*n, ErrMemory)
+		}
+		gens = unsafe.Slice((*uint64)(unsafe.Pointer(unsafe.SliceData(t))), n)
+		for i := range gens {
+			atomic.StoreUint64(&gens[i], 0)
+		}
+	}
 	p := &Pool{
+		gens:   gens,
 		geo:    g,
 		bb:     bb,
 		n:      n,
@@ -161,6 +179,9 @@ func (p *Pool) Allocate(n int) ([]int32, error) {
 		m.ref = 1
 		m.state = stateUsed
 		m.gen++
+		if p.gens != nil {
+			atomic.StoreUint64(&p.gens[id], m.gen)
+		}
 		ids[i] = id
 	}
 	return ids, nil

@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"encoding/binary"
 	"errors"
 	"slices"
 	"sync"
@@ -335,4 +336,31 @@ func TestConcurrentUse(t *testing.T) {
 		t.Fatal(err)
 	}
 	checkAllFree(t, p)
+}
+
+// TestGenerationTablePublishesGenerations checks the table a remote reader consults.
+func TestGenerationTablePublishesGenerations(t *testing.T) {
+	g := Geometry{NumLayers: 1, NumKVHeads: 1, HeadDim: 4, BlockSize: 2}
+	table := AlignedMemory(8 * 4)
+	p, err := NewPool(AlignedMemory(4*g.BlockBytes()), PoolConfig{Geometry: g, NumBlocks: 4, GenerationTable: table})
+	if err != nil {
+		t.Fatal(err)
+	}
+	read := func(id int32) uint64 { return binary.LittleEndian.Uint64(table[8*id:]) }
+	ids, _ := p.Allocate(2)
+	for _, id := range ids {
+		if read(id) != p.Generation(id) || read(id) == 0 {
+			t.Fatalf("table[%d] = %d, pool generation %d", id, read(id), p.Generation(id))
+		}
+	}
+	before := read(ids[0])
+	p.Free(ids...)
+	again, _ := p.Allocate(4)
+	if read(ids[0]) == before {
+		t.Errorf("reusing block %d did not change its published generation", ids[0])
+	}
+	p.Free(again...)
+	if _, err := NewPool(AlignedMemory(4*g.BlockBytes()), PoolConfig{Geometry: g, NumBlocks: 4, GenerationTable: table[:8]}); !errors.Is(err, ErrMemory) {
+		t.Errorf("short generation table: %v, want ErrMemory", err)
+	}
 }

@@ -108,13 +108,13 @@ func serve(ctx context.Context, f serveFlags) error {
 	if f.maxNumSeqs <= 0 || f.maxNumBatchedTokens <= 0 || f.maxModelLen < 0 || f.numBlocksOverride < 0 {
 		return usageError("--max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks-override must be positive")
 	}
-	layout := kvcache.HND
+	kvLayout := kvcache.HND
 	if f.kvCacheLayout != "" {
 		l, err := kvcache.ParseLayout(f.kvCacheLayout)
 		if err != nil {
 			return usageError("--kv-cache-layout: %v", err)
 		}
-		layout = l
+		kvLayout = l
 	}
 	kvMem, err := parseBytes(f.kvCacheMemory)
 	if err != nil {
@@ -127,7 +127,6 @@ func serve(ctx context.Context, f serveFlags) error {
 			return usageError("%v", err)
 		}
 	}
-	_ = kvCfg // The connector (issue 4) consumes it; parsing it now validates the command line.
 
 	var opts model.OpenOptions
 	if f.chatTemplate != "" {
@@ -151,7 +150,7 @@ func serve(ctx context.Context, f serveFlags) error {
 		return usageError("--max-model-len %d exceeds the model's max_position_embeddings %d", maxLen, cfg.MaxPositionEmbeddings)
 	}
 	geo := engine.KVGeometry(m, f.blockSize)
-	geo.Layout = layout
+	geo.Layout = kvLayout
 	numBlocks := f.numBlocksOverride
 	if numBlocks == 0 {
 		numBlocks = int(kvMem / int64(geo.BlockBytes()))
@@ -159,34 +158,61 @@ func serve(ctx context.Context, f serveFlags) error {
 	if need := (maxLen + f.blockSize - 1) / f.blockSize; numBlocks < need {
 		return usageError("the KV cache holds %d blocks of %d tokens but one %d-token sequence needs %d: raise --kv-cache-memory-bytes or lower --max-model-len", numBlocks, f.blockSize, maxLen, need)
 	}
-	arena, err := transfer.NewArena("kvcache", int64(numBlocks)*int64(geo.BlockBytes()))
-	if err != nil {
-		return fmt.Errorf("allocate the KV cache: %w", err)
-	}
-	defer arena.Close()
-	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: numBlocks, PrefixCaching: f.prefixCaching && !f.noPrefixCaching})
-	if err != nil {
-		return err
-	}
-	eng, err := engine.New(m, pool, engine.Config{
-		BlockSize:           f.blockSize,
-		NumBlocks:           numBlocks,
-		MaxModelLen:         maxLen,
-		MaxNumSeqs:          f.maxNumSeqs,
-		MaxNumBatchedTokens: f.maxNumBatchedTokens,
-		PrefixCaching:       f.prefixCaching && !f.noPrefixCaching,
-		Seed:                f.seed,
-	}, log)
-	if err != nil {
-		return err
-	}
-	defer eng.Close()
-
 	names := f.servedModelNames
 	if len(names) == 0 {
 		names = []string{f.model}
 	}
 	reg := metrics.NewRegistry()
+	em := reg.Engine(names[0], "0")
+
+	layout := connector.NewArenaLayout(geo.BlockBytes(), numBlocks)
+	arena, err := transfer.NewArena("kvcache", layout.Size)
+	if err != nil {
+		return fmt.Errorf("allocate the KV cache: %w", err)
+	}
+	defer arena.Close()
+	prefix := f.prefixCaching && !f.noPrefixCaching
+	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{
+		Geometry: geo, NumBlocks: numBlocks, PrefixCaching: prefix,
+		GenerationTable: layout.GenerationTable(arena.Bytes()),
+	})
+	if err != nil {
+		return err
+	}
+	ecfg := engine.Config{
+		BlockSize:           f.blockSize,
+		NumBlocks:           numBlocks,
+		MaxModelLen:         maxLen,
+		MaxNumSeqs:          f.maxNumSeqs,
+		MaxNumBatchedTokens: f.maxNumBatchedTokens,
+		PrefixCaching:       prefix,
+		Seed:                f.seed,
+	}
+	var conn *connector.Connector
+	if kvCfg != nil {
+		conn, err = startConnector(kvCfg, m, pool, arena, layout, em, log)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		ecfg.Connector = conn
+		if kvCfg.LoadFailurePolicy == connector.PolicyRecompute {
+			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
+		}
+		logCtx, cancelLog := context.WithCancel(ctx)
+		defer cancelLog()
+		go em.Nixl().LogEvery(logCtx, log, statsInterval())
+	}
+	eng, err := engine.New(m, pool, ecfg, log)
+	if err != nil {
+		return err
+	}
+	defer eng.Close() // runs before conn.Close: the engine releases every held block first
+	if conn != nil {
+		conn.Start(eng)
+		log.Info("NIXL connector ready", "engine_id", conn.EngineID(), "role", string(kvCfg.Role), "side_channel", conn.SideChannelAddr())
+	}
+
 	srv := openai.NewServer(openai.Config{
 		ServedModelNames: names,
 		MaxModelLen:      maxLen,
@@ -218,4 +244,47 @@ func parseBytes(s string) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("%q is not a positive size such as 1G, 512M or 1048576", s)
+}
+
+// startConnector starts the NixlConnector for an engine: side channel at
+// VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT (localhost:5600 by default), transfer
+// agent, registered KV arena.
+func startConnector(cfg *connector.Config, m *model.Model, pool *kvcache.Pool, arena *transfer.Arena, layout connector.ArenaLayout, em *metrics.EngineMetrics, log *slog.Logger) (*connector.Connector, error) {
+	host := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST")
+	if host == "" {
+		host = "localhost"
+	}
+	port := 5600
+	if v := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_PORT"); v != "" {
+		p, err := strconv.Atoi(v)
+		if err != nil || p < 0 || p > 65535 {
+			return nil, usageError("VLLM_NIXL_SIDE_CHANNEL_PORT=%q is not a port number", v)
+		}
+		port = p
+	}
+	mc := m.Config()
+	listenHost := host
+	if listenHost == "localhost" {
+		listenHost = "127.0.0.1"
+	}
+	return connector.New(connector.Options{
+		Config: cfg, Pool: pool, Arena: arena, Layout: layout,
+		Compat: connector.CompatFactors{
+			Model: m.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
+			NumLayers: mc.NumLayers, CacheDType: "float32",
+		},
+		SideChannelAddr: net.JoinHostPort(listenHost, strconv.Itoa(port)),
+		AdvertiseHost:   host,
+		Logger:          log,
+		Metrics:         em.Nixl(),
+		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listenHost, "0")},
+	})
+}
+
+// statsInterval is VLLM_LOG_STATS_INTERVAL (seconds, default 10).
+func statsInterval() time.Duration {
+	if v, err := strconv.ParseFloat(os.Getenv("VLLM_LOG_STATS_INTERVAL"), 64); err == nil && v > 0 {
+		return time.Duration(v * float64(time.Second))
+	}
+	return 10 * time.Second
 }

@@ -1,0 +1,262 @@
+package connector
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/metrics"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// Scheduler is what the connector tells its engine: which asynchronous loads finished and which
+// delayed frees may happen. *engine.Engine implements it.
+type Scheduler interface {
+	LoadsDone(ok []string, failed map[string]int)
+	ReleaseDelayed(id string)
+}
+
+// Options are a Connector's parts. Config, Pool, Arena and Compat are required.
+type Options struct {
+	// Config is the parsed --kv-transfer-config.
+	Config *Config
+	// Pool is the engine's KV pool; its blocks start at offset 0 of Arena and its generation
+	// table lives at Layout.GenOffset (see NewArenaLayout).
+	Pool   *kvcache.Pool
+	Arena  *transfer.Arena
+	Layout ArenaLayout
+	// Compat names what peers must agree on (model, dtype, KV shape).
+	Compat CompatFactors
+	// SideChannelAddr is where the side channel listens (host:port; port 0 picks one).
+	SideChannelAddr string
+	// AdvertiseHost is the remote_host put in kv_transfer_params (default: the host of
+	// SideChannelAddr, "localhost" when that is empty or unspecified).
+	AdvertiseHost string
+	// Logger receives the connector's log lines; nil discards.
+	Logger *slog.Logger
+	// Metrics receives transfer statistics; nil records nothing.
+	Metrics *metrics.NixlMetrics
+	// Now is the clock (default time.Now); Tick drives lease sweeps and heartbeats (default a
+	// ticker every 250 ms). Tests substitute both.
+	Now  func() time.Time
+	Tick <-chan time.Time
+	// Transfer overrides transfer agent settings (Backends comes from Config).
+	Transfer transfer.Config
+}
+
+// Connector is kvbridge's NixlConnector: it implements engine.Connector (the scheduler side),
+// runs the transfers (the worker side) and serves the side channel. Its hooks run on the
+// engine's step loop and never block; one worker goroutine handles notifications, lease expiry
+// and heartbeats, and each load runs on a goroutine the connector owns until it reports.
+type Connector struct {
+	cfg     *Config
+	pool    *kvcache.Pool
+	geo     kvcache.Geometry
+	layout  ArenaLayout
+	log     *slog.Logger
+	metrics *metrics.NixlMetrics
+	now     func() time.Time
+	epoch   time.Time
+	hash    string
+	host    string
+	port    int
+
+	agent   *transfer.Agent
+	kvReg   *transfer.Region
+	genReg  *transfer.Region
+	scrReg  *transfer.Region
+	side    *sideChannelServer
+	scratch []uint64 // generations read from producers, maxRatio slots per local block
+
+	rejections atomic.Int64
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+	tick   <-chan time.Time
+	ticker *time.Ticker
+
+	mu         sync.Mutex
+	sched      Scheduler
+	reqs       map[string]*reqState
+	leases     LeaseTable
+	heartbeats HeartbeatTracker
+	remotes    map[string]*remoteEngine
+	localLists map[int]*transfer.PreparedList
+	scrList    *transfer.PreparedList
+	closed     bool
+}
+
+// reqState is the connector's bookkeeping of one live request.
+type reqState struct {
+	params    *Params
+	processed bool // AfterAlloc ran: never read twice (vLLM's _remote_blocks_processed)
+	loading   bool // a load goroutine owns the request's blocks
+	finished  bool // the engine finished the request while it was loading
+	tracked   bool // heartbeats are being sent for it
+	pullFromD bool // a bidirectional turn: P pulls D's blocks
+}
+
+// New builds a connector: it starts a transfer agent, registers the KV arena, and listens on
+// the side channel. Call Start with the engine before the first request.
+func New(opts Options) (*Connector, error) {
+	cfg := opts.Config
+	if cfg == nil || opts.Pool == nil || opts.Arena == nil {
+		return nil, errors.New("connector: Config, Pool and Arena are required")
+	}
+	c := &Connector{
+		cfg:        cfg,
+		pool:       opts.Pool,
+		geo:        opts.Pool.Geometry(),
+		layout:     opts.Layout,
+		log:        opts.Logger,
+		metrics:    opts.Metrics,
+		now:        opts.Now,
+		hash:       CompatibilityHash(opts.Compat),
+		reqs:       map[string]*reqState{},
+		remotes:    map[string]*remoteEngine{},
+		localLists: map[int]*transfer.PreparedList{},
+		tick:       opts.Tick,
+	}
+	if c.log == nil {
+		c.log = slog.New(slog.DiscardHandler)
+	}
+	if c.now == nil {
+		c.now = time.Now
+	}
+	c.epoch = c.now()
+	c.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
+	if err := c.layout.check(opts.Pool, opts.Arena); err != nil {
+		return nil, err
+	}
+	tc := opts.Transfer
+	tc.Backends = cfg.Backends
+	if tc.Logger == nil {
+		tc.Logger = c.log
+	}
+	agent, err := transfer.NewAgent("kvbridge-"+cfg.EngineID, tc)
+	if err != nil {
+		return nil, fmt.Errorf("connector: start the transfer agent: %w", err)
+	}
+	c.agent = agent
+	fail := func(err error) (*Connector, error) {
+		c.closeResources()
+		return nil, err
+	}
+	if c.kvReg, err = agent.Register(opts.Arena, 0, c.layout.BlocksBytes, transfer.PermRead); err != nil {
+		return fail(fmt.Errorf("connector: register the KV blocks: %w", err))
+	}
+	if c.genReg, err = agent.Register(opts.Arena, c.layout.GenOffset, c.layout.GenBytes, transfer.PermRead); err != nil {
+		return fail(fmt.Errorf("connector: register the generation table: %w", err))
+	}
+	if c.scrReg, err = agent.Register(opts.Arena, c.layout.ScratchOffset, c.layout.ScratchBytes, 0); err != nil {
+		return fail(fmt.Errorf("connector: register the scratch area: %w", err))
+	}
+	c.scratch = u64s(c.scrReg.Bytes())
+	meta := AgentMetadata{
+		EngineID:      cfg.EngineID,
+		AgentMetadata: agent.LocalMetadata(),
+		KVRegion:      c.kvReg.ID(),
+		GenRegion:     c.genReg.ID(),
+		NumBlocks:     opts.Pool.NumBlocks(),
+		BlockLen:      opts.Pool.BlockBytes(),
+		BlockSize:     c.geo.BlockSize,
+		KVCacheLayout: c.geo.Layout.String(),
+		NumLayers:     c.geo.NumLayers,
+		NumKVHeads:    c.geo.NumKVHeads,
+		HeadDim:       c.geo.HeadDim,
+		Version:       ConnectorVersion,
+	}
+	payload, err := encodeMetadata(c.hash, meta)
+	if err != nil {
+		return fail(err)
+	}
+	if c.side, err = listenSideChannel(opts.SideChannelAddr, payload, c.clockSeconds, c.log); err != nil {
+		return fail(err)
+	}
+	c.host = opts.AdvertiseHost
+	h, p, _ := net.SplitHostPort(c.side.addr().String())
+	c.port, _ = strconv.Atoi(p)
+	if c.host == "" {
+		c.host, _, _ = net.SplitHostPort(opts.SideChannelAddr)
+		if ip := net.ParseIP(c.host); c.host == "" || (ip != nil && ip.IsUnspecified()) {
+			c.host = "localhost"
+		}
+		_ = h
+	}
+	c.ctx, c.cancel = context.WithCancel(context.Background())
+	return c, nil
+}
+
+// Start attaches the engine and starts the worker goroutine.
+func (c *Connector) Start(s Scheduler) {
+	c.mu.Lock()
+	c.sched = s
+	c.mu.Unlock()
+	if c.tick == nil {
+		c.ticker = time.NewTicker(250 * time.Millisecond)
+		c.tick = c.ticker.C
+	}
+	c.wg.Add(1)
+	go c.worker()
+}
+
+// SideChannelAddr returns the address the side channel listens on.
+func (c *Connector) SideChannelAddr() string { return c.side.addr().String() }
+
+// EngineID returns this engine's id (engine_id).
+func (c *Connector) EngineID() string { return c.cfg.EngineID }
+
+// Agent returns the transfer agent (for diagnostics and tests).
+func (c *Connector) Agent() *transfer.Agent { return c.agent }
+
+// Close stops the worker and the loads, the side channel and the transfer agent. It is
+// idempotent. Blocks still held for remote readers stay allocated: close the engine first (its
+// Close releases every delayed free).
+func (c *Connector) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	c.mu.Unlock()
+	if c.cancel != nil {
+		c.cancel()
+	}
+	c.wg.Wait()
+	if c.ticker != nil {
+		c.ticker.Stop()
+	}
+	return c.closeResources()
+}
+
+func (c *Connector) closeResources() error {
+	var errs []error
+	if c.side != nil {
+		errs = append(errs, c.side.close())
+	}
+	if c.agent != nil {
+		for _, r := range []*transfer.Region{c.kvReg, c.genReg, c.scrReg} {
+			if r != nil {
+				_ = c.agent.Deregister(r)
+			}
+		}
+		errs = append(errs, c.agent.Close())
+	}
+	return errors.Join(errs...)
+}
+
+// clockSeconds is this engine's clock for the side channel and remote_blocks_expiry_time:
+// seconds since the connector started (monotonic).
+func (c *Connector) clockSeconds() float64 { return c.now().Sub(c.epoch).Seconds() }
+
+var _ engine.Connector = (*Connector)(nil)

@@ -1,0 +1,431 @@
+package connector
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// ErrStaleBlocks reports a read of blocks that the producer freed and reused before the read
+// finished (its lease expired): the KV read is not the prompt's and must not be used.
+var ErrStaleBlocks = errors.New("KV blocks were reused by the producer before they were read")
+
+// ErrExpired reports a bidirectional read declined because the decoder's blocks expire too soon.
+var ErrExpired = errors.New("remote KV blocks expire too soon to be read")
+
+// loadTimeout bounds one load: handshake, READ and generation check.
+const loadTimeout = 60 * time.Second
+
+// expiryMargin is how close to a decoder's TTL a bidirectional read is still attempted.
+const expiryMargin = 5 * time.Second
+
+// loadJob is one request's pull of remote KV into its own blocks.
+type loadJob struct {
+	id       string
+	params   *Params
+	blocks   []int32 // the request's whole block table
+	localHit int     // tokens already in the leading blocks (a multiple of the block size)
+	count    int     // tokens to load after them
+	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
+}
+
+// remoteEngine is a producer this engine has handshaken with.
+type remoteEngine struct {
+	id, addr string
+	ready    chan struct{} // closed when the handshake ended; then err or the rest is set
+	err      error
+
+	meta     AgentMetadata
+	offset   float64 // producer clock − our clock, seconds
+	peer     string  // transfer agent name
+	ratio    int     // local block size ÷ remote block size
+	layout   kvcache.Layout
+	kv, gen  *transfer.PreparedList
+	local    *transfer.PreparedList
+	lastUsed time.Time
+}
+
+// startLoad runs j on a goroutine the connector owns. c.mu must be held.
+func (c *Connector) startLoad(j loadJob) {
+	if c.closed {
+		c.finishLoad(j, j.localHit/c.geo.BlockSize, transfer.ErrClosed, true)
+		return
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		ctx, cancel := context.WithTimeout(c.ctx, loadTimeout)
+		defer cancel()
+		bad, err := c.load(ctx, j)
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		c.finishLoad(j, bad, err, false)
+	}()
+}
+
+// finishLoad reports a load to the engine. c.mu must be held.
+func (c *Connector) finishLoad(j loadJob, firstBad int, err error, quiet bool) {
+	st := c.reqs[j.id]
+	finished := st == nil || st.finished
+	if st != nil {
+		st.loading = false
+		c.untrack(st)
+		if st.finished {
+			delete(c.reqs, j.id)
+		}
+	}
+	if err != nil && !quiet {
+		c.log.Error("NIXL transfer failure: transfer_failed", "request_id", j.id, "remote_engine_id", j.params.RemoteEngineID,
+			"remote_request_id", j.params.RemoteRequestID, "remote_host", j.params.RemoteHost, "remote_port", j.params.RemotePort,
+			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "error", err)
+		if c.metrics != nil && !errors.Is(err, ErrExpired) {
+			c.metrics.CountFailedTransfer()
+		}
+	}
+	if c.sched == nil {
+		return
+	}
+	switch {
+	case finished:
+		c.sched.ReleaseDelayed(j.id)
+	case err != nil:
+		c.sched.LoadsDone(nil, map[string]int{j.id: firstBad})
+	default:
+		c.sched.LoadsDone([]string{j.id}, nil)
+	}
+}
+
+// load reads the producer's KV for positions [localHit, localHit+count) into j's blocks and
+// checks that the producer did not reuse them meanwhile. It returns the index (in j.blocks) of
+// the first block that could not be loaded.
+func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
+	bs := c.geo.BlockSize
+	first := j.localHit / bs
+	r, err := c.remote(ctx, j.params)
+	if err != nil {
+		return first, err
+	}
+	if j.fromD && j.params.RemoteBlocksExpiryTime != nil {
+		deadline := *j.params.RemoteBlocksExpiryTime - r.offset // on our clock
+		if c.clockSeconds()+expiryMargin.Seconds() >= deadline {
+			c.log.Warn(fmt.Sprintf("Declining expired remote read for %s from engine %s", j.id, r.id))
+			if c.metrics != nil {
+				c.metrics.CountExpiredRequest()
+			}
+			return first, fmt.Errorf("%w: request %s, engine %s", ErrExpired, j.id, r.id)
+		}
+	}
+	plan, err := c.plan(j, r)
+	if err != nil {
+		return first, err
+	}
+	notif := []byte(j.params.RemoteRequestID + ":1")
+	checkGens := j.params.BlockGenerations != nil
+	data, err := c.agent.MakeRequest(transfer.Read, r.local, plan.local, r.kv, plan.remote, &transfer.RequestOptions{Timeout: loadTimeout})
+	if err != nil {
+		return first, c.forgetOn(r, err)
+	}
+	defer data.Release()
+	dataNotif := notif
+	if checkGens {
+		dataNotif = nil // the notification rides on the generation read, which comes last
+	}
+	if err := data.Post(ctx, dataNotif); err != nil {
+		return first, c.forgetOn(r, err)
+	}
+	if err := data.Wait(ctx); err != nil {
+		return first, c.forgetOn(r, err)
+	}
+	if c.metrics != nil {
+		t := data.Telemetry()
+		c.metrics.ObserveTransfer(metricsSample(t))
+	}
+	if checkGens {
+		gens, err := c.agent.MakeRequest(transfer.Read, c.scrList, plan.scratch, r.gen, plan.remote, &transfer.RequestOptions{Timeout: loadTimeout})
+		if err != nil {
+			return first, c.forgetOn(r, err)
+		}
+		defer gens.Release()
+		if err := gens.Post(ctx, notif); err != nil {
+			return first, c.forgetOn(r, err)
+		}
+		if err := gens.Wait(ctx); err != nil {
+			return first, c.forgetOn(r, err)
+		}
+		for k, slot := range plan.scratch {
+			rj := plan.remoteIndex[k]
+			if rj >= len(j.params.BlockGenerations) {
+				break
+			}
+			if got, want := atomic.LoadUint64(&c.scratch[slot]), j.params.BlockGenerations[rj]; got != want {
+				return plan.localIndex[k], fmt.Errorf("%w: request %s, remote block %d had generation %d, now %d",
+					ErrStaleBlocks, j.id, j.params.Blocks()[rj], want, got)
+			}
+		}
+	}
+	if err := c.postprocess(j, r, plan); err != nil {
+		return first, err
+	}
+	return 0, nil
+}
+
+// readPlan pairs local sub-blocks with remote blocks, by token position.
+type readPlan struct {
+	local, remote, scratch []int // descriptor indices in r.local, r.kv/r.gen, c.scrList
+	localIndex             []int // index in j.blocks of each pair's local block
+	remoteIndex            []int // index in the producer's block list of each pair
+	firstLocal, lastLocal  int   // range of j.blocks indices filled
+}
+
+// plan aligns blocks by position: remote block k of the producer's list holds positions
+// [k×b, (k+1)×b) and local block i holds [i×B, (i+1)×B) with B = ratio×b, so local block i is
+// filled from remote blocks i×ratio … i×ratio+ratio−1. Only blocks that hold positions in
+// [localHit, localHit+count) are read.
+func (c *Connector) plan(j loadJob, r *remoteEngine) (readPlan, error) {
+	bs := c.geo.BlockSize
+	rbs := r.meta.BlockSize
+	remote := j.params.Blocks()
+	end := j.localHit + j.count
+	p := readPlan{firstLocal: j.localHit / bs, lastLocal: (end+bs-1)/bs - 1}
+	if p.lastLocal >= len(j.blocks) {
+		return p, fmt.Errorf("request %s: %d tokens need %d blocks, it holds %d", j.id, end, p.lastLocal+1, len(j.blocks))
+	}
+	for i := p.firstLocal; i <= p.lastLocal; i++ {
+		for k := range r.ratio {
+			rj := i*r.ratio + k
+			if rj*rbs >= end {
+				break
+			}
+			if rj >= len(remote) {
+				return p, fmt.Errorf("request %s: the producer named %d blocks of %d tokens, %d tokens are needed", j.id, len(remote), rbs, end)
+			}
+			rid := int(remote[rj])
+			if rid < 0 || rid >= r.meta.NumBlocks {
+				return p, fmt.Errorf("request %s: remote block id %d out of range [0,%d)", j.id, rid, r.meta.NumBlocks)
+			}
+			lb := int(j.blocks[i])
+			p.local = append(p.local, lb*r.ratio+k)
+			p.remote = append(p.remote, rid)
+			p.scratch = append(p.scratch, lb*maxBlockRatio+k)
+			p.localIndex = append(p.localIndex, i)
+			p.remoteIndex = append(p.remoteIndex, rj)
+		}
+	}
+	return p, nil
+}
+
+// postprocess turns raw remote-geometry bytes into local blocks: regrouping smaller remote
+// blocks, or permuting HND into NHD (enable_permute_local_kv).
+func (c *Connector) postprocess(j loadJob, r *remoteEngine, p readPlan) error {
+	if r.ratio == 1 && r.layout == c.geo.Layout {
+		return nil
+	}
+	remoteGeo := c.geo
+	remoteGeo.BlockSize = r.meta.BlockSize
+	remoteGeo.Layout = r.layout
+	for i := p.firstLocal; i <= p.lastLocal; i++ {
+		b := c.pool.Bytes(j.blocks[i])
+		var err error
+		if r.ratio > 1 {
+			err = kvcache.RegroupBlocks(b, b, c.geo, remoteGeo)
+		} else {
+			err = kvcache.ConvertLayout(b, b, c.geo, r.layout, c.geo.Layout)
+		}
+		if err != nil {
+			return fmt.Errorf("request %s: post-process block %d: %w", j.id, j.blocks[i], err)
+		}
+	}
+	return nil
+}
+
+// forgetOn drops a remote engine whose agent restarted or disconnected, so that the next
+// request handshakes again; it returns err.
+func (c *Connector) forgetOn(r *remoteEngine, err error) error {
+	if errors.Is(err, transfer.ErrStaleIncarnation) || errors.Is(err, transfer.ErrRemoteDisconnect) || errors.Is(err, transfer.ErrNotFound) {
+		c.mu.Lock()
+		if c.remotes[r.id] == r {
+			delete(c.remotes, r.id)
+		}
+		c.mu.Unlock()
+	}
+	return err
+}
+
+// startNotify tells a producer that this engine will not read its blocks (a full local hit, or
+// a request that ended before its read) so that it frees them now. c.mu must be held.
+func (c *Connector) startNotify(p *Params) {
+	if c.closed {
+		return
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
+		defer cancel()
+		r, err := c.remote(ctx, p)
+		if err == nil {
+			err = c.agent.SendNotif(ctx, r.peer, []byte(p.RemoteRequestID+":1"))
+		}
+		if err != nil {
+			c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "error", err)
+			if c.metrics != nil {
+				c.metrics.CountFailedNotification()
+			}
+		}
+	}()
+}
+
+// remote returns the handshaken producer named by p, starting one handshake per engine (later
+// callers wait for the same one).
+func (c *Connector) remote(ctx context.Context, p *Params) (*remoteEngine, error) {
+	c.mu.Lock()
+	r, err := c.entry(p)
+	c.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-r.ready:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("%w: waiting for the handshake with %s: %w", ErrHandshake, r.addr, ctx.Err())
+	}
+	if r.err != nil {
+		c.mu.Lock()
+		if c.remotes[r.id] == r {
+			delete(c.remotes, r.id) // the next request tries again
+		}
+		c.mu.Unlock()
+		return nil, r.err
+	}
+	return r, nil
+}
+
+// entry returns the record of the producer named by p, starting its handshake if there is none.
+// c.mu must be held.
+func (c *Connector) entry(p *Params) (*remoteEngine, error) {
+	addr := net.JoinHostPort(p.RemoteHost, strconv.Itoa(p.RemotePort))
+	r := c.remotes[p.RemoteEngineID]
+	if r != nil && r.addr != addr {
+		c.dropRemote(r) // the engine moved (restarted elsewhere): handshake again
+		r = nil
+	}
+	if r == nil {
+		if c.closed {
+			return nil, transfer.ErrClosed
+		}
+		r = &remoteEngine{id: p.RemoteEngineID, addr: addr, ready: make(chan struct{})}
+		c.remotes[r.id] = r
+		c.wg.Add(1)
+		go func() {
+			defer c.wg.Done()
+			c.handshakeWith(r)
+		}()
+	}
+	r.lastUsed = c.now()
+	return r, nil
+}
+
+// dropRemote forgets r and its transfer peer. c.mu must be held.
+func (c *Connector) dropRemote(r *remoteEngine) {
+	if c.remotes[r.id] == r {
+		delete(c.remotes, r.id)
+	}
+	select {
+	case <-r.ready:
+		if r.err == nil && r.peer != "" {
+			_ = c.agent.InvalidateRemote(r.peer)
+		}
+	default:
+	}
+}
+
+// handshakeWith runs the side-channel handshake and prepares the descriptor lists, then closes
+// r.ready.
+func (c *Connector) handshakeWith(r *remoteEngine) {
+	defer close(r.ready)
+	ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
+	defer cancel()
+	fail := func(err error) {
+		r.err = err
+		c.log.Error("NIXL transfer failure: handshake_setup_failed", "remote_engine_id", r.id, "remote_addr", r.addr, "error", err)
+		if c.metrics != nil {
+			c.metrics.CountFailedTransfer()
+		}
+	}
+	res, err := handshake(ctx, r.addr, r.id, c.hash, c.cfg.EnforceHandshakeCompat, 3, c.clockSeconds)
+	if err != nil {
+		fail(err)
+		return
+	}
+	m := res.meta
+	layout, err := kvcache.ParseLayout(m.KVCacheLayout)
+	if err != nil {
+		fail(fmt.Errorf("%w: %w", ErrIncompatible, err))
+		return
+	}
+	remoteGeo := kvcache.Geometry{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, HeadDim: m.HeadDim, BlockSize: m.BlockSize, Layout: layout}
+	ratio, err := kvcache.BlockRatio(c.geo, remoteGeo, c.cfg.EnablePermuteLocalKV)
+	if err != nil {
+		fail(fmt.Errorf("%w with engine %s: %w", ErrIncompatible, r.id, err))
+		return
+	}
+	if ratio > maxBlockRatio || m.BlockLen != remoteGeo.BlockBytes() || m.NumBlocks <= 0 {
+		fail(fmt.Errorf("%w: engine %s publishes %d blocks of %d bytes for block size %d (ratio %d, at most %d)",
+			ErrIncompatible, r.id, m.NumBlocks, m.BlockLen, m.BlockSize, ratio, maxBlockRatio))
+		return
+	}
+	peer, err := c.agent.LoadRemote(m.AgentMetadata)
+	if err != nil {
+		fail(err)
+		return
+	}
+	kv, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.KVRegion, 0, int64(m.BlockLen), m.NumBlocks), nil)
+	if err != nil {
+		fail(err)
+		return
+	}
+	gen, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.GenRegion, 0, 8, m.NumBlocks), nil)
+	if err != nil {
+		fail(err)
+		return
+	}
+	local, err := c.localList(ratio)
+	if err != nil {
+		fail(err)
+		return
+	}
+	r.meta, r.offset, r.peer, r.ratio, r.layout, r.kv, r.gen, r.local = m, res.offset, peer, ratio, layout, kv, gen, local
+	c.log.Info("NIXL handshake done", "remote_engine_id", r.id, "addr", r.addr, "backend", kv.Backend().String(),
+		"remote_block_size", m.BlockSize, "layout", m.KVCacheLayout, "clock_offset_s", res.offset)
+}
+
+// localList returns the local descriptor list that splits each block into ratio sub-blocks,
+// and (once) the scratch list for generations.
+func (c *Connector) localList(ratio int) (*transfer.PreparedList, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.scrList == nil {
+		l, err := c.agent.PrepareLocal(transfer.BlockDescs(c.scrReg.ID(), 0, 8, c.pool.NumBlocks()*maxBlockRatio))
+		if err != nil {
+			return nil, err
+		}
+		c.scrList = l
+	}
+	if l := c.localLists[ratio]; l != nil {
+		return l, nil
+	}
+	sub := int64(c.pool.BlockBytes() / ratio)
+	l, err := c.agent.PrepareLocal(transfer.BlockDescs(c.kvReg.ID(), 0, sub, c.pool.NumBlocks()*ratio))
+	if err != nil {
+		return nil, err
+	}
+	c.localLists[ratio] = l
+	return l, nil
+}

@@ -1,0 +1,319 @@
+package connector
+
+import (
+	"bufio"
+	"context"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// The side channel is how a consumer learns how to read a producer's KV: one TCP listener per
+// engine at VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT (+ data-parallel rank).
+// Its wire format is kvbridge's own (vLLM uses ZeroMQ), shaped after vLLM's messages:
+//
+//	frame    = length (uint32, big-endian, at most 16 MiB) ‖ msgpack body
+//	request  = msgpack array [bin "get_meta_msg", pp_rank int, tp_rank int]
+//	response = msgpack array [payload map, ts float64]
+//	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin, "error": str}
+//
+// agent_metadata_bytes is the msgpack map AgentMetadata, decoded only after the hash matched, so
+// a schema change fails with a clear error. ts is the responder's clock in seconds (its own
+// monotonic epoch, like Python's perf_counter): the consumer estimates the clock offset from the
+// sample with the smallest round trip. A connection may carry several requests; the server
+// closes it after an idle period. A request that is not get_meta_msg gets a payload with only
+// "error" set.
+
+// handshakeMagic is the request tag, as in vLLM.
+const handshakeMagic = "get_meta_msg"
+
+// maxFrame bounds a side-channel frame.
+const maxFrame = 16 << 20
+
+// ConnectorVersion is folded into the compatibility hash; bump it when P/D interoperability
+// changes.
+const ConnectorVersion = 1
+
+// Errors of the handshake, checkable with errors.Is.
+var (
+	// ErrHandshake is any side-channel failure (dial, timeout, bad frame, refused peer).
+	ErrHandshake = errors.New("NIXL handshake failed")
+	// ErrIncompatible is a peer whose compatibility hash or geometry does not match.
+	ErrIncompatible = errors.New("incompatible KV peer")
+)
+
+// AgentMetadata is what a producer publishes about its KV memory (vLLM's NixlAgentMetadata).
+type AgentMetadata struct {
+	EngineID      string `msgpack:"engine_id"`
+	AgentMetadata []byte `msgpack:"agent_metadata"` // the transfer agent's metadata blob
+	KVRegion      uint32 `msgpack:"kv_region"`      // region id of the blocks
+	GenRegion     uint32 `msgpack:"gen_region"`     // region id of the block generation table
+	NumBlocks     int    `msgpack:"num_blocks"`
+	BlockLen      int    `msgpack:"block_len"`  // bytes per block
+	BlockSize     int    `msgpack:"block_size"` // tokens per block
+	KVCacheLayout string `msgpack:"kv_cache_layout"`
+	NumLayers     int    `msgpack:"num_layers"`
+	NumKVHeads    int    `msgpack:"num_kv_heads"`
+	HeadDim       int    `msgpack:"head_dim"`
+	Version       int    `msgpack:"connector_version"`
+}
+
+type handshakePayload struct {
+	CompatibilityHash  string `msgpack:"compatibility_hash"`
+	AgentMetadataBytes []byte `msgpack:"agent_metadata_bytes"`
+	Error              string `msgpack:"error,omitempty"`
+}
+
+// CompatFactors are what two engines must agree on to exchange KV.
+type CompatFactors struct {
+	Model      string
+	DType      string
+	NumKVHeads int
+	HeadSize   int
+	NumLayers  int
+	CacheDType string
+}
+
+// CompatibilityHash returns the SHA-256 hex of the canonical JSON of the factors, the connector
+// version and the transfer mode. The block size is not part of it (heterogeneous block sizes are
+// allowed).
+func CompatibilityHash(f CompatFactors) string {
+	m := map[string]any{
+		"kvbridge_connector_version": ConnectorVersion,
+		"model":                      f.Model,
+		"dtype":                      f.DType,
+		"num_kv_heads":               f.NumKVHeads,
+		"head_size":                  f.HeadSize,
+		"num_hidden_layers":          f.NumLayers,
+		"cache_dtype":                f.CacheDType,
+		"transfer_mode":              "pull",
+	}
+	data, _ := json.Marshal(m) // map keys are sorted
+	sum := sha256.Sum256(data)
+	return hex.EncodeToString(sum[:])
+}
+
+func writeFrame(w io.Writer, v any) error {
+	body, err := msgpack.Marshal(v)
+	if err != nil {
+		return err
+	}
+	if len(body) > maxFrame {
+		return fmt.Errorf("frame of %d bytes exceeds %d", len(body), maxFrame)
+	}
+	var hdr [4]byte
+	binary.BigEndian.PutUint32(hdr[:], uint32(len(body)))
+	if _, err := w.Write(hdr[:]); err != nil {
+		return err
+	}
+	_, err = w.Write(body)
+	return err
+}
+
+func readFrame(r io.Reader) ([]byte, error) {
+	var hdr [4]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return nil, err
+	}
+	n := binary.BigEndian.Uint32(hdr[:])
+	if n > maxFrame {
+		return nil, fmt.Errorf("frame of %d bytes exceeds %d", n, maxFrame)
+	}
+	body := make([]byte, n)
+	if _, err := io.ReadFull(r, body); err != nil {
+		return nil, err
+	}
+	return body, nil
+}
+
+// decodeRequest checks a request frame: a msgpack array whose first element is the magic.
+func decodeRequest(body []byte) error {
+	var parts []msgpack.RawMessage
+	if err := msgpack.Unmarshal(body, &parts); err != nil {
+		return fmt.Errorf("request is not a msgpack array: %w", err)
+	}
+	if len(parts) == 0 {
+		return errors.New("empty request")
+	}
+	var magic []byte
+	if err := msgpack.Unmarshal(parts[0], &magic); err != nil || string(magic) != handshakeMagic {
+		return fmt.Errorf("unexpected request tag %q", magic)
+	}
+	return nil
+}
+
+// sideChannelServer answers handshakes with a fixed payload.
+type sideChannelServer struct {
+	ln      net.Listener
+	payload handshakePayload
+	clock   func() float64
+	log     *slog.Logger
+	idle    time.Duration
+
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	conns  map[net.Conn]struct{}
+	closed bool
+}
+
+// listenSideChannel starts serving handshakes on addr.
+func listenSideChannel(addr string, payload handshakePayload, clock func() float64, log *slog.Logger) (*sideChannelServer, error) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("NIXL side channel: listen on %s: %w (set VLLM_NIXL_SIDE_CHANNEL_PORT to a free port; each engine on a host needs its own)", addr, err)
+	}
+	s := &sideChannelServer{ln: ln, payload: payload, clock: clock, log: log, idle: 30 * time.Second, conns: map[net.Conn]struct{}{}}
+	s.wg.Add(1)
+	go s.accept()
+	return s, nil
+}
+
+func (s *sideChannelServer) addr() net.Addr { return s.ln.Addr() }
+
+func (s *sideChannelServer) accept() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.Accept()
+		if err != nil {
+			return
+		}
+		s.mu.Lock()
+		if s.closed {
+			s.mu.Unlock()
+			c.Close()
+			return
+		}
+		s.conns[c] = struct{}{}
+		s.wg.Add(1)
+		s.mu.Unlock()
+		go s.serve(c)
+	}
+}
+
+func (s *sideChannelServer) serve(c net.Conn) {
+	defer s.wg.Done()
+	defer func() {
+		s.mu.Lock()
+		delete(s.conns, c)
+		s.mu.Unlock()
+		c.Close()
+	}()
+	r := bufio.NewReader(c)
+	for {
+		_ = c.SetDeadline(time.Now().Add(s.idle))
+		body, err := readFrame(r)
+		if err != nil {
+			return
+		}
+		resp := s.payload
+		if err := decodeRequest(body); err != nil {
+			s.log.Warn("NIXL side channel: bad handshake request", "peer", c.RemoteAddr().String(), "error", err)
+			resp = handshakePayload{Error: err.Error()}
+		}
+		if err := writeFrame(c, []any{resp, s.clock()}); err != nil {
+			return
+		}
+	}
+}
+
+// close stops the listener and every connection, and waits for their goroutines. Idempotent.
+func (s *sideChannelServer) close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	err := s.ln.Close()
+	for c := range s.conns {
+		c.Close()
+	}
+	s.mu.Unlock()
+	s.wg.Wait()
+	return err
+}
+
+// handshakeResult is what a consumer learns from a producer's side channel.
+type handshakeResult struct {
+	meta AgentMetadata
+	// offset is the producer's clock minus ours, in seconds.
+	offset float64
+}
+
+// handshake fetches a producer's metadata from addr, checks the compatibility hash (unless
+// enforce is false) and the engine id, and estimates the clock offset from the best of samples
+// round trips. clock reads this engine's clock in seconds.
+func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce bool, samples int, clock func() float64) (handshakeResult, error) {
+	fail := func(err error) (handshakeResult, error) {
+		return handshakeResult{}, fmt.Errorf("%w with %s: %w", ErrHandshake, addr, err)
+	}
+	if _, ok := ctx.Deadline(); !ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithTimeout(ctx, 5*time.Second)
+		defer cancel()
+	}
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return fail(err)
+	}
+	defer c.Close()
+	if dl, ok := ctx.Deadline(); ok {
+		_ = c.SetDeadline(dl)
+	}
+	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	r := bufio.NewReader(c)
+	var payload handshakePayload
+	bestRTT, offset := -1.0, 0.0
+	for range max(samples, 1) {
+		sent := clock()
+		if err := writeFrame(c, []any{[]byte(handshakeMagic), 0, 0}); err != nil {
+			return fail(err)
+		}
+		body, err := readFrame(r)
+		if err != nil {
+			return fail(err)
+		}
+		recv := clock()
+		var parts []msgpack.RawMessage
+		if err := msgpack.Unmarshal(body, &parts); err != nil || len(parts) < 2 {
+			return fail(fmt.Errorf("Failed to decode NixlHandshakePayload: %v", err))
+		}
+		if err := msgpack.Unmarshal(parts[0], &payload); err != nil {
+			return fail(fmt.Errorf("Failed to decode NixlHandshakePayload: %w", err))
+		}
+		if payload.Error != "" {
+			return fail(errors.New("peer refused: " + payload.Error))
+		}
+		var ts float64
+		if err := msgpack.Unmarshal(parts[1], &ts); err != nil {
+			return fail(fmt.Errorf("bad clock reading: %w", err))
+		}
+		if rtt := recv - sent; bestRTT < 0 || rtt < bestRTT {
+			bestRTT, offset = rtt, ts-(sent+recv)/2
+		}
+	}
+	if enforce && payload.CompatibilityHash != localHash {
+		return handshakeResult{}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
+			ErrIncompatible, localHash, payload.CompatibilityHash)
+	}
+	var meta AgentMetadata
+	if err := msgpack.Unmarshal(payload.AgentMetadataBytes, &meta); err != nil {
+		return fail(fmt.Errorf("Failed to decode NixlAgentMetadata: %w", err))
+	}
+	if meta.EngineID != wantEngine {
+		return handshakeResult{}, fmt.Errorf("%w: Remote NIXL agent engine ID mismatch. Expected %s, received %s", ErrIncompatible, wantEngine, meta.EngineID)
+	}
+	return handshakeResult{meta: meta, offset: offset}, nil
+}
