@@ -245,9 +245,24 @@ func (c *Connector) closeResources() error {
 		errs = append(errs, c.side.close())
 	}
 	if c.agent != nil {
+		c.mu.Lock()
+		for _, l := range c.localLists {
+			l.Release()
+		}
+		if c.scrList != nil {
+			c.scrList.Release()
+		}
+		c.localLists, c.scrList = nil, nil
+		for _, r := range c.remotes {
+			if r.kv != nil {
+				r.kv.Release()
+				r.gen.Release()
+			}
+		}
+		c.mu.Unlock()
 		for _, r := range []*transfer.Region{c.kvReg, c.genReg, c.scrReg} {
 			if r != nil {
-				_ = c.agent.Deregister(r)
+				errs = append(errs, c.agent.Deregister(r))
 			}
 		}
 		errs = append(errs, c.agent.Close())
@@ -259,4 +274,7 @@ func (c *Connector) closeResources() error {
 // seconds since the connector started (monotonic).
 func (c *Connector) clockSeconds() float64 { return c.now().Sub(c.epoch).Seconds() }
 
-var _ engine.Connector = (*Connector)(nil)
+var (
+	_ engine.Connector       = (*Connector)(nil)
+	_ engine.ArrivalObserver = (*Connector)(nil)
+)

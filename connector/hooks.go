@@ -44,6 +44,28 @@ func (c *Connector) consumer(p *Params) (pull bool, fromDecoder bool) {
 	return false, false
 }
 
+// Arrived implements engine.ArrivalObserver: a decode request that will pull from a producer
+// starts heartbeating the producer's lease now, while it may still wait in the queue, and the
+// handshake starts (vLLM's proactive handshake).
+func (c *Connector) Arrived(seq *engine.Sequence) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	st := c.state(seq)
+	if pull, fromD := c.consumer(st.params); pull && !fromD {
+		c.track(st)
+	}
+}
+
+// track starts heartbeats for a consumer request. c.mu must be held.
+func (c *Connector) track(st *reqState) {
+	if st.tracked || st.params.TPSize <= 0 {
+		return // vLLM tracks only requests whose params carry tp_size
+	}
+	c.heartbeats.Track(st.params.RemoteEngineID, st.params.RemoteRequestID)
+	st.tracked = true
+	_, _ = c.entry(st.params)
+}
+
 // MatchedExternal implements engine.Connector: the tokens after the local hit that a producer
 // holds, loaded asynchronously.
 func (c *Connector) MatchedExternal(seq *engine.Sequence, localHit int) (int, bool) {
@@ -59,11 +81,8 @@ func (c *Connector) MatchedExternal(seq *engine.Sequence, localHit int) (int, bo
 	if fromD {
 		st.pullFromD = true
 		avail = c.verifiedTokens(st.params, seq.Prompt())
-	} else if !st.tracked && st.params.TPSize > 0 {
-		// Heartbeats keep P's lease alive while this request waits (spec §4.4); never towards D.
-		c.heartbeats.Track(st.params.RemoteEngineID, st.params.RemoteRequestID)
-		st.tracked = true
-		_, _ = c.entry(st.params) // handshake now, while the request waits (vLLM's proactive handshake)
+	} else {
+		c.track(st) // normally done on arrival; heartbeats never go towards a decoder
 	}
 	count := avail - localHit
 	if count <= 0 {

@@ -341,6 +341,8 @@ func (c *Connector) dropRemote(r *remoteEngine) {
 	case <-r.ready:
 		if r.err == nil && r.peer != "" {
 			_ = c.agent.InvalidateRemote(r.peer)
+			r.kv.Release()
+			r.gen.Release()
 		}
 	default:
 	}

@@ -42,6 +42,14 @@ type Connector interface {
 	Finished(seq *Sequence, status Status, now time.Time) (delayFree bool, params map[string]any)
 }
 
+// ArrivalObserver is implemented by connectors that act on a request as soon as it arrives,
+// before it is considered for admission (vLLM's on_new_request): a decoder starts heartbeats
+// for the producer's lease from the moment a request is queued, however long the queue is.
+// Arrived runs under the same rules as the Connector hooks.
+type ArrivalObserver interface {
+	Arrived(seq *Sequence)
+}
+
 // NoConnector is the Connector of an engine without KV transfer: nothing external, nothing held.
 type NoConnector struct{}
 

@@ -202,6 +202,9 @@ func (s *Scheduler) Add(r *Request, now time.Time) (*Sequence, error) {
 	}
 	s.seqs[r.ID] = q
 	s.waiting = append(s.waiting, q)
+	if a, ok := s.conn.(ArrivalObserver); ok {
+		a.Arrived(q)
+	}
 	return q, nil
 }
 

@@ -1,0 +1,307 @@
+package connector_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/metrics"
+	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/openai"
+	"github.com/kvbridge/kvbridge/proxy"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// The tests in this package start real engines (kvbridge/tiny on a real KV pool in a shared
+// arena), real connectors with real transfer agents and side channels on 127.0.0.1, real
+// OpenAI HTTP servers and the real proxy.
+
+// models caches opened models per test binary: opening kvbridge/tiny is deterministic and the
+// model is read-only, so sharing it only saves time.
+var models sync.Map
+
+func openModel(t testing.TB, name string) *model.Model {
+	t.Helper()
+	if m, ok := models.Load(name); ok {
+		return m.(*model.Model)
+	}
+	m, err := model.Open(context.Background(), name, model.OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	actual, loaded := models.LoadOrStore(name, m)
+	if loaded {
+		m.Close()
+	}
+	return actual.(*model.Model)
+}
+
+// nodeOptions configure one engine.
+type nodeOptions struct {
+	model     string
+	kvConfig  string // --kv-transfer-config JSON; "" = no connector
+	blockSize int
+	numBlocks int
+	layout    kvcache.Layout
+	prefix    bool
+	now       func() time.Time
+	tick      chan time.Time
+	transfer  transfer.Config
+	compat    func(*connector.CompatFactors)
+	logw      io.Writer
+}
+
+// node is one running engine with its HTTP server.
+type node struct {
+	name  string
+	eng   *engine.Engine
+	conn  *connector.Connector
+	pool  *kvcache.Pool
+	arena *transfer.Arena
+	srv   *httptest.Server
+	reg   *metrics.Registry
+	em    *metrics.EngineMetrics
+	host  string
+	port  int
+}
+
+func startNode(t *testing.T, name string, o nodeOptions) *node {
+	t.Helper()
+	if o.model == "" {
+		o.model = model.Tiny
+	}
+	if o.blockSize == 0 {
+		o.blockSize = 16
+	}
+	if o.numBlocks == 0 {
+		o.numBlocks = 256
+	}
+	m := openModel(t, o.model)
+	geo := engine.KVGeometry(m, o.blockSize)
+	geo.Layout = o.layout
+	layout := connector.NewArenaLayout(geo.BlockBytes(), o.numBlocks)
+	arena, err := transfer.NewArena(name, layout.Size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: o.numBlocks, PrefixCaching: o.prefix, GenerationTable: layout.GenerationTable(arena.Bytes())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := &node{name: name, pool: pool, arena: arena, reg: metrics.NewRegistry()}
+	n.em = n.reg.Engine(m.Name(), "0")
+	logw := o.logw
+	if logw == nil {
+		logw = io.Discard
+	}
+	log := slog.New(slog.NewTextHandler(logw, nil)).With("node", name)
+	ecfg := engine.Config{BlockSize: o.blockSize, NumBlocks: o.numBlocks, MaxModelLen: 2048, MaxNumBatchedTokens: 256, PrefixCaching: o.prefix}
+	if o.kvConfig != "" {
+		cfg, err := connector.ParseConfig([]byte(o.kvConfig), log)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mc := m.Config()
+		compat := connector.CompatFactors{Model: m.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim, NumLayers: mc.NumLayers, CacheDType: "float32"}
+		if o.compat != nil {
+			o.compat(&compat)
+		}
+		var tick <-chan time.Time
+		if o.tick != nil {
+			tick = o.tick
+		}
+		n.conn, err = connector.New(connector.Options{
+			Config: cfg, Pool: pool, Arena: arena, Layout: layout, Compat: compat,
+			SideChannelAddr: "127.0.0.1:0", Logger: log, Metrics: n.em.Nixl(),
+			Now: o.now, Tick: tick, Transfer: o.transfer,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ecfg.Connector = n.conn
+		if cfg.LoadFailurePolicy == connector.PolicyRecompute {
+			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
+		}
+	}
+	n.eng, err = engine.New(m, pool, ecfg, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n.conn != nil {
+		n.conn.Start(n.eng)
+	}
+	n.srv = httptest.NewServer(openai.NewServer(openai.Config{ServedModelNames: []string{m.Name()}, MaxModelLen: 2048, Metrics: n.reg, Logger: log}, n.eng, m))
+	n.host, n.port = hostPort(t, n.srv.URL)
+	t.Cleanup(func() { n.close(t) })
+	return n
+}
+
+// close shuts the node down and checks that every block came back to the pool.
+func (n *node) close(t *testing.T) {
+	n.srv.Close()
+	if err := n.eng.Close(); err != nil {
+		t.Errorf("%s: engine close: %v", n.name, err)
+	}
+	if n.conn != nil {
+		if err := n.conn.Close(); err != nil {
+			t.Errorf("%s: connector close: %v", n.name, err)
+		}
+		if err := n.conn.Close(); err != nil {
+			t.Errorf("%s: second connector close: %v", n.name, err)
+		}
+	}
+	if free, all := n.pool.NumFree(), n.pool.NumBlocks(); free != all {
+		t.Errorf("%s: %d of %d blocks free after close", n.name, free, all)
+	}
+	if err := n.arena.Close(); err != nil {
+		t.Errorf("%s: arena close: %v", n.name, err)
+	}
+}
+
+// waitPoolFull waits (with a deadline) until every block of n's pool is free: the engine
+// applies frees on its own goroutine, after a notification or a lease expiry.
+func (n *node) waitPoolFull(t *testing.T) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for n.pool.NumFree() != n.pool.NumBlocks() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %d of %d blocks free after 10 s", n.name, n.pool.NumFree(), n.pool.NumBlocks())
+		}
+		n.eng.Stats() // cheap; keeps the loop honest without sleeping on a timer
+		select {
+		case <-t.Context().Done():
+			t.Fatal("test ended")
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+}
+
+func hostPort(t testing.TB, url string) (string, int) {
+	t.Helper()
+	var host string
+	var port int
+	if _, err := fmt.Sscanf(strings.TrimPrefix(url, "http://"), "127.0.0.1:%d", &port); err != nil {
+		t.Fatalf("parse %s: %v", url, err)
+	}
+	host = "127.0.0.1"
+	return host, port
+}
+
+// startProxy runs the one-way proxy in front of P and D.
+func startProxy(t *testing.T, p, d *node) *httptest.Server {
+	t.Helper()
+	pi, _ := proxy.NewInstance(p.host, p.port)
+	di, _ := proxy.NewInstance(d.host, d.port)
+	h, err := proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(h)
+	t.Cleanup(func() { srv.Close(); h.Close() })
+	return srv
+}
+
+// post sends a JSON body and returns the status and the decoded body (or, for SSE, the
+// assembled text and the final usage).
+func post(t testing.TB, url string, body map[string]any) (int, result) {
+	t.Helper()
+	data, _ := json.Marshal(body)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(data))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, parseResult(t, raw, strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream"))
+}
+
+// result is what a client saw.
+type result struct {
+	Text         string
+	FinishReason string
+	Usage        map[string]any
+	KVParams     map[string]any
+	Error        map[string]any
+	Raw          string
+}
+
+func parseResult(t testing.TB, raw []byte, sse bool) result {
+	t.Helper()
+	r := result{Raw: string(raw)}
+	apply := func(m map[string]any) {
+		if e, ok := m["error"].(map[string]any); ok {
+			r.Error = e
+		}
+		if u, ok := m["usage"].(map[string]any); ok {
+			r.Usage = u
+		}
+		if kv, ok := m["kv_transfer_params"].(map[string]any); ok {
+			r.KVParams = kv
+		}
+		choices, _ := m["choices"].([]any)
+		for _, c := range choices {
+			ch := c.(map[string]any)
+			if s, ok := ch["text"].(string); ok {
+				r.Text += s
+			}
+			for _, k := range []string{"message", "delta"} {
+				if msg, ok := ch[k].(map[string]any); ok {
+					if s, ok := msg["content"].(string); ok {
+						r.Text += s
+					}
+				}
+			}
+			if f, ok := ch["finish_reason"].(string); ok {
+				r.FinishReason = f
+			}
+		}
+	}
+	if !sse {
+		var m map[string]any
+		if err := json.Unmarshal(raw, &m); err != nil {
+			t.Fatalf("response is not JSON: %v: %s", err, raw)
+		}
+		apply(m)
+		return r
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if !ok || data == "[DONE]" {
+			continue
+		}
+		var m map[string]any
+		if err := json.Unmarshal([]byte(data), &m); err != nil {
+			t.Fatalf("SSE event is not JSON: %v: %s", err, data)
+		}
+		apply(m)
+	}
+	return r
+}
+
+func cachedTokens(r result) int {
+	d, _ := r.Usage["prompt_tokens_details"].(map[string]any)
+	f, _ := d["cached_tokens"].(float64)
+	return int(f)
+}
+
+var _ = os.Getenv
