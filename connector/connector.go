@@ -215,6 +215,17 @@ func (c *Connector) SideChannelAddr() string { return c.side.addr().String() }
 // EngineID returns this engine's id (engine_id).
 func (c *Connector) EngineID() string { return c.cfg.EngineID }
 
+// LeaseDeadline returns when the blocks held for request id will be released unless a reader
+// finishes first, and false when none are held.
+func (c *Connector) LeaseDeadline(id string) (time.Time, bool) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if l := c.leases.Get(id); l != nil {
+		return l.Deadline, true
+	}
+	return time.Time{}, false
+}
+
 // Agent returns the transfer agent (for diagnostics and tests).
 func (c *Connector) Agent() *transfer.Agent { return c.agent }
 

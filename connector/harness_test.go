@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
-	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -61,6 +60,7 @@ type nodeOptions struct {
 	tick      chan time.Time
 	transfer  transfer.Config
 	compat    func(*connector.CompatFactors)
+	maxSeqs   int
 	logw      io.Writer
 }
 
@@ -108,7 +108,8 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 		logw = io.Discard
 	}
 	log := slog.New(slog.NewTextHandler(logw, nil)).With("node", name)
-	ecfg := engine.Config{BlockSize: o.blockSize, NumBlocks: o.numBlocks, MaxModelLen: 2048, MaxNumBatchedTokens: 256, PrefixCaching: o.prefix}
+	maxLen := min(2048, o.numBlocks*o.blockSize)
+	ecfg := engine.Config{BlockSize: o.blockSize, NumBlocks: o.numBlocks, MaxModelLen: maxLen, MaxNumBatchedTokens: 256, PrefixCaching: o.prefix, MaxNumSeqs: o.maxSeqs}
 	if o.kvConfig != "" {
 		cfg, err := connector.ParseConfig([]byte(o.kvConfig), log)
 		if err != nil {
@@ -143,7 +144,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 	if n.conn != nil {
 		n.conn.Start(n.eng)
 	}
-	n.srv = httptest.NewServer(openai.NewServer(openai.Config{ServedModelNames: []string{m.Name()}, MaxModelLen: 2048, Metrics: n.reg, Logger: log}, n.eng, m))
+	n.srv = httptest.NewServer(openai.NewServer(openai.Config{ServedModelNames: []string{m.Name()}, MaxModelLen: maxLen, Metrics: n.reg, Logger: log}, n.eng, m))
 	n.host, n.port = hostPort(t, n.srv.URL)
 	t.Cleanup(func() { n.close(t) })
 	return n
@@ -175,29 +176,16 @@ func (n *node) close(t *testing.T) {
 // applies frees on its own goroutine, after a notification or a lease expiry.
 func (n *node) waitPoolFull(t *testing.T) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for n.pool.NumFree() != n.pool.NumBlocks() {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %d of %d blocks free after 10 s", n.name, n.pool.NumFree(), n.pool.NumBlocks())
-		}
-		n.eng.Stats() // cheap; keeps the loop honest without sleeping on a timer
-		select {
-		case <-t.Context().Done():
-			t.Fatal("test ended")
-		case <-time.After(5 * time.Millisecond):
-		}
-	}
+	eventually(t, n.name+"'s pool to be full", func() bool { return n.pool.NumFree() == n.pool.NumBlocks() })
 }
 
 func hostPort(t testing.TB, url string) (string, int) {
 	t.Helper()
-	var host string
 	var port int
 	if _, err := fmt.Sscanf(strings.TrimPrefix(url, "http://"), "127.0.0.1:%d", &port); err != nil {
 		t.Fatalf("parse %s: %v", url, err)
 	}
-	host = "127.0.0.1"
-	return host, port
+	return "127.0.0.1", port
 }
 
 // startProxy runs the one-way proxy in front of P and D.
@@ -304,4 +292,57 @@ func cachedTokens(r result) int {
 	return int(f)
 }
 
-var _ = os.Getenv
+// fakeClock is a settable clock for leases and heartbeats; the connector's sweeps run when the
+// test sends on tick.
+type fakeClock struct {
+	mu  sync.Mutex
+	now time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{now: time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.now
+}
+
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.now = c.now.Add(d)
+	c.mu.Unlock()
+}
+
+// eventually waits until cond holds, failing the test after 10 s.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		select {
+		case <-t.Context().Done():
+			t.Fatal("test ended")
+		case <-time.After(2 * time.Millisecond):
+		}
+	}
+}
+
+// syncLog is a log sink safe for concurrent writers.
+type syncLog struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *syncLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *syncLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
