@@ -101,8 +101,8 @@ func TestEngineConnectorAsyncLoad(t *testing.T) {
 		badBlock int // -1: the load succeeds
 		cached   int
 	}{
-		{"ok", FailurePolicyFail, -1, 40},
-		{"fail", FailurePolicyFail, 1, 40},
+		{"ok", FailurePolicyFail, -1, 39}, // the last prompt token is computed locally
+		{"fail", FailurePolicyFail, 1, 39},
 		{"recompute", FailurePolicyRecompute, 1, 16},
 		{"recompute from zero", FailurePolicyRecompute, 0, 0},
 	} {

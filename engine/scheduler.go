@@ -403,7 +403,8 @@ func (s *Scheduler) admitted(q *Sequence) {
 		return
 	}
 	q.admitted = true
-	q.cachedTokens = q.localHit + q.external
+	// The last prompt token is always computed here, even when a connector supplied its KV.
+	q.cachedTokens = min(q.localHit+q.external, q.NumTokens()-1)
 	if s.pool.PrefixCaching() {
 		s.stats.PrefixQueries += int64(q.NumTokens())
 		s.stats.PrefixHits += int64(q.localHit)

@@ -1,0 +1,175 @@
+// Package tokenizer implements byte-level BPE tokenization for kvbridge: Hugging Face
+// tokenizer.json files (Qwen2/Qwen3, Llama 3, GPT-2 style), the deterministic built-in tokenizer
+// of the kvbridge/tiny and kvbridge/small models, streaming-safe decoding, and chat templates
+// (ChatML built in, Jinja templates through github.com/ardanlabs/jinja).
+//
+// A Tokenizer is immutable once built and safe for concurrent use.
+package tokenizer
+
+import (
+	"errors"
+	"slices"
+)
+
+// Sentinel errors; the errors returned by this package wrap one of them.
+var (
+	// ErrMalformed means tokenizer.json or tokenizer_config.json could not be parsed or is
+	// inconsistent (a merge of unknown tokens, a duplicate id).
+	ErrMalformed = errors.New("tokenizer: malformed tokenizer file")
+	// ErrUnsupported means the file is well formed but uses a feature this package does not
+	// implement (a non-BPE model, an unknown pre-tokenizer, a regex regexp2 cannot compile).
+	ErrUnsupported = errors.New("tokenizer: unsupported tokenizer feature")
+	// ErrChatTemplate means a chat template failed to compile or render.
+	ErrChatTemplate = errors.New("tokenizer: chat template")
+)
+
+// Tokenizer converts text to token ids and back.
+type Tokenizer struct {
+	bpe    bpeModel
+	pre    preTokenizer  // nil: each plain stretch is one piece
+	added  *addedMatcher // added and special tokens, split out before BPE
+	tokens []tokenInfo   // by id; holes have ok == false
+
+	vocab          map[string]int32 // vocabulary spelling (byte-level alphabet) → id
+	addedByContent map[string]int32 // added token content → id
+
+	bosToken, eosToken string
+	bosID, eosID       int32 // -1 if none
+	addBOS             bool
+	chatTemplate       string // the Jinja source from tokenizer_config.json, "" if none
+}
+
+// tokenInfo is what decoding needs to know about one id.
+type tokenInfo struct {
+	bytes   []byte // decoded bytes (an added token's content verbatim)
+	ok      bool   // the id exists
+	added   bool   // an added token (matched verbatim in text)
+	special bool   // an added token marked special
+}
+
+// DecodeOptions adjusts decoding.
+type DecodeOptions struct {
+	// SkipSpecial drops special tokens instead of decoding them to their text.
+	SkipSpecial bool
+}
+
+// Encode returns the token ids of text. Added and special tokens written in text (such as
+// "<|im_start|>") are recognised and become their ids; nothing is prepended (see AddBOS).
+// Any byte sequence can be encoded; invalid UTF-8 is encoded byte by byte.
+func (t *Tokenizer) Encode(text string) []int32 {
+	ids := make([]int32, 0, len(text)/3+4)
+	var segBuf [16]segment
+	segs := t.added.split(text, segBuf[:0])
+	var one [1]string
+	pieces := make([]string, 0, 64)
+	for _, seg := range segs {
+		if seg.tok != nil {
+			ids = append(ids, seg.tok.id)
+			continue
+		}
+		if t.pre == nil {
+			ids = t.bpe.encodePiece(seg.text, ids)
+			continue
+		}
+		one[0] = seg.text
+		pieces = t.pre.split(one[:], pieces[:0])
+		for _, p := range pieces {
+			ids = t.bpe.encodePiece(p, ids)
+		}
+	}
+	return ids
+}
+
+// Decode returns the text of ids. Special tokens decode to their text; ids outside the
+// vocabulary are skipped; byte sequences that are not valid UTF-8 become U+FFFD (one per maximal
+// invalid subsequence, as Rust's String::from_utf8_lossy does).
+func (t *Tokenizer) Decode(ids []int32) string { return t.DecodeWith(ids, DecodeOptions{}) }
+
+// DecodeWith is Decode with options.
+func (t *Tokenizer) DecodeWith(ids []int32, opts DecodeOptions) string {
+	var b []byte
+	for _, id := range ids {
+		b = t.appendToken(b, id, opts)
+	}
+	return string(appendLossy(nil, b))
+}
+
+// appendToken appends the bytes of id to b, honouring opts.
+func (t *Tokenizer) appendToken(b []byte, id int32, opts DecodeOptions) []byte {
+	if id < 0 || int(id) >= len(t.tokens) {
+		return b
+	}
+	ti := &t.tokens[id]
+	if !ti.ok || (opts.SkipSpecial && ti.special) {
+		return b
+	}
+	return append(b, ti.bytes...)
+}
+
+// VocabSize returns one more than the largest token id (vocabulary and added tokens). A model's
+// embedding table may be larger (padded); ids past VocabSize decode to nothing.
+func (t *Tokenizer) VocabSize() int { return len(t.tokens) }
+
+// TokenID returns the id of an added or special token given its content ("<|im_end|>"), or of a
+// vocabulary token given its spelling in the vocabulary (byte-level alphabet: "Ġthe" for " the").
+func (t *Tokenizer) TokenID(s string) (int32, bool) {
+	if id, ok := t.addedByContent[s]; ok {
+		return id, true
+	}
+	id, ok := t.vocab[s]
+	return id, ok
+}
+
+// TokenBytes returns the bytes id decodes to (nil for an unknown id). The slice is a copy.
+func (t *Tokenizer) TokenBytes(id int32) []byte {
+	if id < 0 || int(id) >= len(t.tokens) || !t.tokens[id].ok {
+		return nil
+	}
+	return slices.Clone(t.tokens[id].bytes)
+}
+
+// IsSpecial reports whether id is a special token (an added token marked special).
+func (t *Tokenizer) IsSpecial(id int32) bool {
+	return id >= 0 && int(id) < len(t.tokens) && t.tokens[id].special
+}
+
+// SpecialIDs returns the ids of all special tokens, ascending.
+func (t *Tokenizer) SpecialIDs() []int32 {
+	var ids []int32
+	for id := range t.tokens {
+		if t.tokens[id].special {
+			ids = append(ids, int32(id))
+		}
+	}
+	return ids
+}
+
+// BOSToken returns the beginning-of-sequence token text ("" if none).
+func (t *Tokenizer) BOSToken() string { return t.bosToken }
+
+// EOSToken returns the end-of-sequence token text ("" if none).
+func (t *Tokenizer) EOSToken() string { return t.eosToken }
+
+// BOSTokenID returns the id of the BOS token, if the tokenizer has one.
+func (t *Tokenizer) BOSTokenID() (int32, bool) { return t.bosID, t.bosID >= 0 }
+
+// EOSTokenID returns the id of the EOS token, if the tokenizer has one.
+func (t *Tokenizer) EOSTokenID() (int32, bool) { return t.eosID, t.eosID >= 0 }
+
+// AddBOS reports whether the reference tokenizer prepends the BOS token when encoding a prompt
+// with special tokens (tokenizer_config.json add_bos_token, or a TemplateProcessing
+// post-processor that starts with it). Encode never prepends it; callers that tokenize raw
+// completion prompts do.
+func (t *Tokenizer) AddBOS() bool { return t.addBOS && t.bosID >= 0 }
+
+// ChatTemplateSource returns the Jinja chat template from tokenizer_config.json ("" if none).
+func (t *Tokenizer) ChatTemplateSource() string { return t.chatTemplate }
+
+// ChatTemplate returns the tokenizer's chat template: the parsed Jinja template from
+// tokenizer_config.json, or ChatML if there is none.
+func (t *Tokenizer) ChatTemplate() (ChatTemplate, error) {
+	if t.chatTemplate == "" {
+		return ChatML(), nil
+	}
+	return ParseChatTemplate(t.chatTemplate, t.bosToken, t.eosToken)
+}
