@@ -2,10 +2,9 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
-	"net"
-	"net/http"
 	"os"
 	"strconv"
 	"time"
@@ -13,12 +12,8 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/kvbridge/kvbridge/connector"
-	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/kvcache"
-	"github.com/kvbridge/kvbridge/metrics"
-	"github.com/kvbridge/kvbridge/model"
-	"github.com/kvbridge/kvbridge/openai"
-	"github.com/kvbridge/kvbridge/transfer"
 )
 
 // defaultModel is served when `kvbridge serve` gets no model argument.
@@ -128,106 +123,67 @@ func serve(ctx context.Context, f serveFlags) error {
 		}
 	}
 
-	var opts model.OpenOptions
+	port := 0
+	if v := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_PORT"); v != "" {
+		p, err := strconv.Atoi(v)
+		if err != nil || p < 0 || p > 65535 {
+			return usageError("VLLM_NIXL_SIDE_CHANNEL_PORT=%q is not a port number", v)
+		}
+		port = p
+		if p == 0 {
+			port = -1 // pick a free port
+		}
+	}
+	var chatTemplate string
 	if f.chatTemplate != "" {
 		src, err := os.ReadFile(f.chatTemplate)
 		if err != nil {
 			return usageError("--chat-template: %v", err)
 		}
-		opts.ChatTemplate = string(src)
+		chatTemplate = string(src)
 	}
-	m, err := model.Open(ctx, f.model, opts)
-	if err != nil {
-		return err
-	}
-	defer m.Close()
-	cfg := m.Config()
-	maxLen := f.maxModelLen
-	if maxLen == 0 {
-		maxLen = min(cfg.MaxPositionEmbeddings, 32768)
-	}
-	if maxLen > cfg.MaxPositionEmbeddings {
-		return usageError("--max-model-len %d exceeds the model's max_position_embeddings %d", maxLen, cfg.MaxPositionEmbeddings)
-	}
-	geo := engine.KVGeometry(m, f.blockSize)
-	geo.Layout = kvLayout
-	numBlocks := f.numBlocksOverride
-	if numBlocks == 0 {
-		numBlocks = int(kvMem / int64(geo.BlockBytes()))
-	}
-	if need := (maxLen + f.blockSize - 1) / f.blockSize; numBlocks < need {
-		return usageError("the KV cache holds %d blocks of %d tokens but one %d-token sequence needs %d: raise --kv-cache-memory-bytes or lower --max-model-len", numBlocks, f.blockSize, maxLen, need)
-	}
-	names := f.servedModelNames
-	if len(names) == 0 {
-		names = []string{f.model}
-	}
-	reg := metrics.NewRegistry()
-	em := reg.Engine(names[0], "0")
-
-	layout := connector.NewArenaLayout(geo.BlockBytes(), numBlocks)
-	arena, err := transfer.NewArena("kvcache", layout.Size)
-	if err != nil {
-		return fmt.Errorf("allocate the KV cache: %w", err)
-	}
-	defer arena.Close()
-	prefix := f.prefixCaching && !f.noPrefixCaching
-	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{
-		Geometry: geo, NumBlocks: numBlocks, PrefixCaching: prefix,
-		GenerationTable: layout.GenerationTable(arena.Bytes()),
-	})
-	if err != nil {
-		return err
-	}
-	ecfg := engine.Config{
+	cfg := instance.Config{
+		Model:               f.model,
+		ChatTemplate:        chatTemplate,
+		Host:                f.host,
+		Port:                f.port,
 		BlockSize:           f.blockSize,
-		NumBlocks:           numBlocks,
-		MaxModelLen:         maxLen,
+		Layout:              kvLayout,
+		NumBlocks:           f.numBlocksOverride,
+		KVBytes:             kvMem,
+		MaxModelLen:         f.maxModelLen,
 		MaxNumSeqs:          f.maxNumSeqs,
 		MaxNumBatchedTokens: f.maxNumBatchedTokens,
-		PrefixCaching:       prefix,
+		PrefixCaching:       f.prefixCaching && !f.noPrefixCaching,
 		Seed:                f.seed,
+		ServedModelNames:    f.servedModelNames,
+		APIKey:              f.apiKey,
+		KVTransfer:          kvCfg,
+		SideChannelHost:     os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST"),
+		SideChannelPort:     port,
+		StatsInterval:       statsInterval(),
+		Logger:              log,
 	}
-	var conn *connector.Connector
-	if kvCfg != nil {
-		conn, err = startConnector(kvCfg, m, pool, arena, layout, em, log)
-		if err != nil {
-			return err
-		}
-		defer conn.Close()
-		ecfg.Connector = conn
-		if kvCfg.LoadFailurePolicy == connector.PolicyRecompute {
-			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
-		}
-		logCtx, cancelLog := context.WithCancel(ctx)
-		defer cancelLog()
-		go em.Nixl().LogEvery(logCtx, log, statsInterval())
+	in, err := instance.Start(ctx, cfg)
+	if errors.Is(err, instance.ErrConfig) {
+		return usageError("%v", err)
 	}
-	eng, err := engine.New(m, pool, ecfg, log)
 	if err != nil {
 		return err
 	}
-	defer eng.Close() // runs before conn.Close: the engine releases every held block first
-	if conn != nil {
-		conn.Start(eng)
-		log.Info("NIXL connector ready", "engine_id", conn.EngineID(), "role", string(kvCfg.Role), "side_channel", conn.SideChannelAddr())
+	defer in.Close()
+	if err := in.Wait(ctx); err != nil {
+		return err
 	}
+	return in.Close()
+}
 
-	srv := openai.NewServer(openai.Config{
-		ServedModelNames: names,
-		MaxModelLen:      maxLen,
-		Logger:           log,
-		Metrics:          reg,
-		APIKey:           f.apiKey,
-	}, eng, m)
-
-	ln, err := net.Listen("tcp", net.JoinHostPort(f.host, strconv.Itoa(f.port)))
-	if err != nil {
-		return fmt.Errorf("listen on port %d: %w (is another server using it? pick another with --port)", f.port, err)
+// statsInterval is VLLM_LOG_STATS_INTERVAL (seconds, default 10).
+func statsInterval() time.Duration {
+	if v, err := strconv.ParseFloat(os.Getenv("VLLM_LOG_STATS_INTERVAL"), 64); err == nil && v > 0 {
+		return time.Duration(v * float64(time.Second))
 	}
-	hs := &http.Server{Handler: srv, ReadHeaderTimeout: 30 * time.Second}
-	log.Info("kvbridge serving", "model", f.model, "addr", "http://"+ln.Addr().String(), "blocks", numBlocks, "block_size", f.blockSize, "max_model_len", maxLen)
-	return serveUntilDone(ctx, hs, ln)
+	return 10 * time.Second
 }
 
 // parseBytes reads sizes such as 1G, 512M, 64k or a plain byte count.
@@ -244,47 +200,4 @@ func parseBytes(s string) (int64, error) {
 		}
 	}
 	return 0, fmt.Errorf("%q is not a positive size such as 1G, 512M or 1048576", s)
-}
-
-// startConnector starts the NixlConnector for an engine: side channel at
-// VLLM_NIXL_SIDE_CHANNEL_HOST:VLLM_NIXL_SIDE_CHANNEL_PORT (localhost:5600 by default), transfer
-// agent, registered KV arena.
-func startConnector(cfg *connector.Config, m *model.Model, pool *kvcache.Pool, arena *transfer.Arena, layout connector.ArenaLayout, em *metrics.EngineMetrics, log *slog.Logger) (*connector.Connector, error) {
-	host := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST")
-	if host == "" {
-		host = "localhost"
-	}
-	port := 5600
-	if v := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_PORT"); v != "" {
-		p, err := strconv.Atoi(v)
-		if err != nil || p < 0 || p > 65535 {
-			return nil, usageError("VLLM_NIXL_SIDE_CHANNEL_PORT=%q is not a port number", v)
-		}
-		port = p
-	}
-	mc := m.Config()
-	listenHost := host
-	if listenHost == "localhost" {
-		listenHost = "127.0.0.1"
-	}
-	return connector.New(connector.Options{
-		Config: cfg, Pool: pool, Arena: arena, Layout: layout,
-		Compat: connector.CompatFactors{
-			Model: m.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
-			NumLayers: mc.NumLayers, CacheDType: "float32",
-		},
-		SideChannelAddr: net.JoinHostPort(listenHost, strconv.Itoa(port)),
-		AdvertiseHost:   host,
-		Logger:          log,
-		Metrics:         em.Nixl(),
-		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listenHost, "0")},
-	})
-}
-
-// statsInterval is VLLM_LOG_STATS_INTERVAL (seconds, default 10).
-func statsInterval() time.Duration {
-	if v, err := strconv.ParseFloat(os.Getenv("VLLM_LOG_STATS_INTERVAL"), 64); err == nil && v > 0 {
-		return time.Duration(v * float64(time.Second))
-	}
-	return 10 * time.Second
 }

@@ -1,0 +1,287 @@
+// Package instance assembles one running kvbridge engine: the model, the KV pool in a shared
+// transfer arena, the engine, the NixlConnector when configured, and the OpenAI HTTP server on a
+// listener. `kvbridge serve`, the demo, the benchmarks and the tests start engines through it.
+package instance
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/metrics"
+	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/openai"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// ErrConfig reports an instance configuration that cannot work.
+var ErrConfig = errors.New("instance: invalid configuration")
+
+// Config describes one engine. Zero values take the documented defaults.
+type Config struct {
+	// Model is the model to open (a built-in name, a directory or a cached repo id), unless
+	// OpenedModel is set; OpenedModel is shared, not closed by the instance.
+	Model       string
+	OpenedModel *model.Model
+	// ChatTemplate, if set, is a Jinja template source replacing the model's.
+	ChatTemplate string
+	// Host and Port are where the HTTP server listens; Port 0 picks a free port.
+	Host string
+	Port int
+	// BlockSize is tokens per KV block (default 16); Layout the block layout (default HND).
+	BlockSize int
+	Layout    kvcache.Layout
+	// NumBlocks sizes the KV pool; when 0, KVBytes does (default 1 GiB).
+	NumBlocks int
+	KVBytes   int64
+	// MaxModelLen defaults to the model's context, at most 32768.
+	MaxModelLen         int
+	MaxNumSeqs          int
+	MaxNumBatchedTokens int
+	PrefixCaching       bool
+	Seed                int64
+	// ServedModelNames default to the model argument.
+	ServedModelNames []string
+	// APIKey, if set, is required as a Bearer token on /v1 routes.
+	APIKey string
+	// KVTransfer configures the NixlConnector; nil means none.
+	KVTransfer *connector.Config
+	// SideChannelHost and SideChannelPort place the connector's side channel
+	// (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); the defaults are localhost and 5600. Port -1 picks a
+	// free port.
+	SideChannelHost string
+	SideChannelPort int
+	// StatsInterval is the period of the "KV Transfer metrics" log line (default 10 s).
+	StatsInterval time.Duration
+	// Logger receives the instance's logs; nil discards.
+	Logger *slog.Logger
+	// Connector overrides test hooks of the connector (clock, tick, transfer settings).
+	ConnectorHooks func(*connector.Options)
+}
+
+// Instance is a running engine with its HTTP server.
+type Instance struct {
+	// URL is the HTTP base URL, e.g. http://127.0.0.1:8000.
+	URL string
+	// Addr is the HTTP listener's address.
+	Addr *net.TCPAddr
+
+	Model     *model.Model
+	Engine    *engine.Engine
+	Connector *connector.Connector // nil without KVTransfer
+	Pool      *kvcache.Pool
+	Metrics   *metrics.EngineMetrics
+	Registry  *metrics.Registry
+
+	arena     *transfer.Arena
+	ownModel  bool
+	srv       *http.Server
+	served    chan error
+	cancelLog context.CancelFunc
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// Start builds and starts an instance. On error everything it started is stopped.
+func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
+	log := cfg.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = 16
+	}
+	if cfg.BlockSize < 0 || cfg.BlockSize > 1024 {
+		return nil, fmt.Errorf("%w: block size %d must be between 1 and 1024", ErrConfig, cfg.BlockSize)
+	}
+	in := &Instance{served: make(chan error, 1)}
+	defer func() {
+		if err != nil {
+			in.Close()
+		}
+	}()
+	in.Model = cfg.OpenedModel
+	if in.Model == nil {
+		m, err := model.Open(ctx, cfg.Model, model.OpenOptions{ChatTemplate: cfg.ChatTemplate})
+		if err != nil {
+			return nil, err
+		}
+		in.Model, in.ownModel = m, true
+	}
+	mc := in.Model.Config()
+	maxLen := cfg.MaxModelLen
+	if maxLen == 0 {
+		maxLen = min(mc.MaxPositionEmbeddings, 32768)
+	}
+	if maxLen > mc.MaxPositionEmbeddings {
+		return nil, fmt.Errorf("%w: max model length %d exceeds the model's max_position_embeddings %d", ErrConfig, maxLen, mc.MaxPositionEmbeddings)
+	}
+	geo := engine.KVGeometry(in.Model, cfg.BlockSize)
+	geo.Layout = cfg.Layout
+	numBlocks := cfg.NumBlocks
+	if numBlocks == 0 {
+		kvBytes := cfg.KVBytes
+		if kvBytes == 0 {
+			kvBytes = 1 << 30
+		}
+		numBlocks = int(kvBytes / int64(geo.BlockBytes()))
+	}
+	if need := (maxLen + cfg.BlockSize - 1) / cfg.BlockSize; numBlocks < need {
+		return nil, fmt.Errorf("%w: the KV cache holds %d blocks of %d tokens but one %d-token sequence needs %d: give it more memory or lower the max model length",
+			ErrConfig, numBlocks, cfg.BlockSize, maxLen, need)
+	}
+	names := cfg.ServedModelNames
+	if len(names) == 0 {
+		names = []string{in.Model.Name()}
+		if cfg.Model != "" {
+			names = []string{cfg.Model}
+		}
+	}
+	in.Registry = metrics.NewRegistry()
+	in.Metrics = in.Registry.Engine(names[0], "0")
+
+	layout := connector.NewArenaLayout(geo.BlockBytes(), numBlocks)
+	if in.arena, err = transfer.NewArena("kvcache", layout.Size); err != nil {
+		return nil, fmt.Errorf("allocate the KV cache: %w", err)
+	}
+	in.Pool, err = kvcache.NewPool(in.arena.Bytes(), kvcache.PoolConfig{
+		Geometry: geo, NumBlocks: numBlocks, PrefixCaching: cfg.PrefixCaching,
+		GenerationTable: layout.GenerationTable(in.arena.Bytes()),
+	})
+	if err != nil {
+		return nil, err
+	}
+	ecfg := engine.Config{
+		BlockSize: cfg.BlockSize, NumBlocks: numBlocks, MaxModelLen: maxLen,
+		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed,
+	}
+	if kv := cfg.KVTransfer; kv != nil {
+		if in.Connector, err = startConnector(cfg, kv, in, layout, log); err != nil {
+			return nil, err
+		}
+		ecfg.Connector = in.Connector
+		if kv.LoadFailurePolicy == connector.PolicyRecompute {
+			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
+		}
+		logCtx, cancel := context.WithCancel(context.Background())
+		in.cancelLog = cancel
+		every := cfg.StatsInterval
+		if every <= 0 {
+			every = 10 * time.Second
+		}
+		go in.Metrics.Nixl().LogEvery(logCtx, log, every)
+	}
+	if in.Engine, err = engine.New(in.Model, in.Pool, ecfg, log); err != nil {
+		return nil, err
+	}
+	if in.Connector != nil {
+		in.Connector.Start(in.Engine)
+	}
+	handler := openai.NewServer(openai.Config{
+		ServedModelNames: names, MaxModelLen: maxLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
+	}, in.Engine, in.Model)
+	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
+	if err != nil {
+		return nil, fmt.Errorf("listen on port %d: %w (is another server using it? pick another port)", cfg.Port, err)
+	}
+	in.Addr = ln.Addr().(*net.TCPAddr)
+	host := cfg.Host
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		host = "127.0.0.1"
+	}
+	in.URL = "http://" + net.JoinHostPort(host, strconv.Itoa(in.Addr.Port))
+	in.srv = &http.Server{Handler: handler, ReadHeaderTimeout: 30 * time.Second}
+	go func() { in.served <- in.srv.Serve(ln) }()
+	attrs := []any{"model", names[0], "url", in.URL, "blocks", numBlocks, "block_size", cfg.BlockSize, "max_model_len", maxLen}
+	if in.Connector != nil {
+		attrs = append(attrs, "engine_id", in.Connector.EngineID(), "role", string(cfg.KVTransfer.Role), "side_channel", in.Connector.SideChannelAddr())
+	}
+	log.Info("kvbridge serving", attrs...)
+	return in, nil
+}
+
+// startConnector starts the NixlConnector of in.
+func startConnector(cfg Config, kv *connector.Config, in *Instance, layout connector.ArenaLayout, log *slog.Logger) (*connector.Connector, error) {
+	host := cfg.SideChannelHost
+	if host == "" {
+		host = "localhost"
+	}
+	port := cfg.SideChannelPort
+	switch {
+	case port == 0:
+		port = 5600
+	case port < 0:
+		port = 0
+	}
+	listen := host
+	if listen == "localhost" {
+		listen = "127.0.0.1"
+	}
+	mc := in.Model.Config()
+	opts := connector.Options{
+		Config: kv, Pool: in.Pool, Arena: in.arena, Layout: layout,
+		Compat: connector.CompatFactors{
+			Model: in.Model.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
+			NumLayers: mc.NumLayers, CacheDType: "float32",
+		},
+		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(port)),
+		AdvertiseHost:   host,
+		Logger:          log,
+		Metrics:         in.Metrics.Nixl(),
+		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, "0")},
+	}
+	if cfg.ConnectorHooks != nil {
+		cfg.ConnectorHooks(&opts)
+	}
+	return connector.New(opts)
+}
+
+// Wait blocks until the HTTP server stops on its own (an error) or ctx ends.
+func (in *Instance) Wait(ctx context.Context) error {
+	select {
+	case err := <-in.served:
+		return err
+	case <-ctx.Done():
+		return nil
+	}
+}
+
+// Close stops the HTTP server (waiting up to 10 s for requests), the engine (releasing every
+// block it holds), the connector and the arena. It is idempotent.
+func (in *Instance) Close() error {
+	in.closeOnce.Do(func() {
+		var errs []error
+		if in.srv != nil {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			errs = append(errs, in.srv.Shutdown(ctx))
+			cancel()
+		}
+		if in.Engine != nil {
+			errs = append(errs, in.Engine.Close())
+		}
+		if in.Connector != nil {
+			errs = append(errs, in.Connector.Close())
+		}
+		if in.cancelLog != nil {
+			in.cancelLog()
+		}
+		if in.arena != nil {
+			errs = append(errs, in.arena.Close())
+		}
+		if in.ownModel && in.Model != nil {
+			errs = append(errs, in.Model.Close())
+		}
+		in.closeErr = errors.Join(errs...)
+	})
+	return in.closeErr
+}
