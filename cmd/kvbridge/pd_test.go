@@ -11,7 +11,9 @@ import (
 
 var tinyServe = []string{"serve", "kvbridge/tiny", "--host", "127.0.0.1", "--port", "0", "--num-gpu-blocks-override", "512", "--max-model-len", "4096"}
 
-func serveArgs(extra ...string) []string { return append(append([]string(nil), tinyServe...), extra...) }
+func serveArgs(extra ...string) []string {
+	return append(append([]string(nil), tinyServe...), extra...)
+}
 
 // sideChannel picks a free side-channel port for each engine process.
 var sideChannel = []string{"VLLM_NIXL_SIDE_CHANNEL_PORT=0"}
