@@ -1,0 +1,8 @@
+// Package metrics owns kvbridge's Prometheus metrics and the periodic "KV Transfer metrics" log
+// line. Series names, label names and histogram buckets follow vLLM's v1 metrics so dashboards
+// and scrapers written for vLLM work unchanged.
+//
+// There is no package-level state: NewRegistry returns a Registry that holds its own
+// prometheus.Registry and collectors. Registry.Engine returns the per-engine view (labels
+// model_name and engine) that the HTTP layer, the engine and the connector record into.
+package metrics

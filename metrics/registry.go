@@ -1,0 +1,111 @@
+package metrics
+
+import (
+	"net/http"
+	"sync"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Label names shared by every vLLM series.
+const (
+	LabelModelName      = "model_name"
+	LabelEngine         = "engine"
+	LabelFinishedReason = "finished_reason"
+)
+
+// Registry owns a Prometheus registry and all of kvbridge's collectors. Create one per process
+// (or per test) with NewRegistry; it is safe for concurrent use.
+type Registry struct {
+	prom  *prometheus.Registry
+	sched *schedulerCollector
+
+	promptTokens     *prometheus.CounterVec
+	generationTokens *prometheus.CounterVec
+	requestSuccess   *prometheus.CounterVec
+	ttft             *prometheus.HistogramVec
+	e2e              *prometheus.HistogramVec
+	itl              *prometheus.HistogramVec
+
+	nixl nixlVecs
+
+	mu      sync.Mutex
+	engines map[engineKey]*EngineMetrics
+}
+
+type engineKey struct{ model, engine string }
+
+// NewRegistry creates a registry with vLLM's request, token, latency, scheduler and NIXL series
+// registered, plus the standard Go runtime and process collectors.
+func NewRegistry() *Registry {
+	labels := []string{LabelModelName, LabelEngine}
+	r := &Registry{
+		prom:    prometheus.NewRegistry(),
+		sched:   newSchedulerCollector(),
+		engines: make(map[engineKey]*EngineMetrics),
+		promptTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vllm:prompt_tokens_total",
+			Help: "Number of prefill tokens processed.",
+		}, labels),
+		generationTokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vllm:generation_tokens_total",
+			Help: "Number of generation tokens processed.",
+		}, labels),
+		requestSuccess: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "vllm:request_success_total",
+			Help: "Count of successfully processed requests.",
+		}, append(labels[:2:2], LabelFinishedReason)),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vllm:time_to_first_token_seconds",
+			Help:    "Histogram of time to first token in seconds.",
+			Buckets: TTFTBuckets(),
+		}, labels),
+		e2e: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vllm:e2e_request_latency_seconds",
+			Help:    "Histogram of e2e request latency in seconds.",
+			Buckets: RequestLatencyBuckets(),
+		}, labels),
+		itl: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "vllm:inter_token_latency_seconds",
+			Help:    "Histogram of inter-token latency in seconds.",
+			Buckets: InterTokenLatencyBuckets(),
+		}, labels),
+		nixl: newNixlVecs(labels),
+	}
+	r.prom.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		r.sched,
+		r.promptTokens, r.generationTokens, r.requestSuccess,
+		r.ttft, r.e2e, r.itl,
+	)
+	r.nixl.register(r.prom)
+	return r
+}
+
+// Prometheus returns the underlying registry, for registering further collectors or gathering.
+func (r *Registry) Prometheus() *prometheus.Registry { return r.prom }
+
+// Handler serves the registry in the Prometheus text exposition format (GET /metrics).
+func (r *Registry) Handler() http.Handler {
+	return promhttp.HandlerFor(r.prom, promhttp.HandlerOpts{Registry: r.prom})
+}
+
+// Engine returns the metrics of one engine, labelled model_name=modelName and engine=engine
+// (vLLM uses the engine index, "0" for a single engine). Calling it again with the same labels
+// returns the same *EngineMetrics. Every series of the engine is created at zero right away, so
+// a scrape shows them before the first request.
+func (r *Registry) Engine(modelName, engine string) *EngineMetrics {
+	key := engineKey{modelName, engine}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if m, ok := r.engines[key]; ok {
+		return m
+	}
+	m := newEngineMetrics(r, modelName, engine)
+	r.engines[key] = m
+	r.sched.add(m)
+	return m
+}

@@ -1,0 +1,93 @@
+package openai
+
+import (
+	"bytes"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/kvbridge/kvbridge/model/tokenizer"
+)
+
+// handleChat serves POST /v1/chat/completions.
+func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
+	body, apiErr := s.readBody(w, r)
+	if apiErr != nil {
+		writeError(w, apiErr)
+		return
+	}
+	var req chatRequest
+	if apiErr := decodeJSON(body, &req); apiErr != nil {
+		writeError(w, apiErr)
+		return
+	}
+	j, apiErr := s.chatJob(w, r, &req)
+	if apiErr != nil {
+		writeError(w, apiErr)
+		return
+	}
+	s.serve(w, r, j)
+}
+
+// chatJob validates a chat request, renders its messages with the chat template and builds
+// its job.
+func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, req *chatRequest) (*job, *APIError) {
+	if apiErr := s.checkModel(req.Model); apiErr != nil {
+		return nil, apiErr
+	}
+	if req.Logprobs != nil && *req.Logprobs {
+		return nil, unsupported("logprobs", "logprobs")
+	}
+	if req.TopLogprobs != nil && *req.TopLogprobs > 0 {
+		return nil, unsupported("top_logprobs", "top_logprobs")
+	}
+	if req.Echo != nil && *req.Echo {
+		return nil, unsupported("echo", "echo on chat completions")
+	}
+	if t := bytes.TrimSpace(req.Tools); len(t) > 0 && !bytes.Equal(t, []byte("null")) && !bytes.Equal(t, []byte("[]")) {
+		return nil, unsupported("tools", "tool calling")
+	}
+	tok := s.model.Tokenizer()
+	p, apiErr := s.params(&req.commonRequest, tok.VocabSize())
+	if apiErr != nil {
+		return nil, apiErr
+	}
+	if len(req.Messages) == 0 {
+		return nil, badRequest("messages", "The messages field must be a non-empty list.")
+	}
+	msgs := make([]tokenizer.Message, len(req.Messages))
+	for i, m := range req.Messages {
+		if m.Role == nil || *m.Role == "" {
+			return nil, badRequest("messages", "messages[%d] has no role.", i)
+		}
+		msgs[i] = tokenizer.Message{Role: *m.Role, Content: m.Content.text}
+	}
+	addGen := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
+	text, err := renderChat(s.model.ChatTemplate(), msgs, addGen)
+	if err != nil {
+		return nil, badRequest("messages", "The chat template could not render the messages: %v", err)
+	}
+	prompt := tok.Encode(text)
+	if apiErr := s.fitPrompt(&p, len(prompt), "messages"); apiErr != nil {
+		return nil, apiErr
+	}
+	base := baseRequestID(w, r, req.RequestID)
+	return &job{
+		chat:    true,
+		id:      "chatcmpl-" + base,
+		created: time.Now().Unix(),
+		model:   s.responseModel(),
+		p:       p,
+		req:     s.engineRequest(engineID("chatcmpl-"+base), prompt, p),
+	}, nil
+}
+
+// renderChat renders msgs, turning a panic inside the template engine into an error.
+func renderChat(t tokenizer.ChatTemplate, msgs []tokenizer.Message, addGen bool) (text string, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			err = fmt.Errorf("template panicked: %v", v)
+		}
+	}()
+	return t.Render(msgs, addGen)
+}

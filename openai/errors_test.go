@@ -1,0 +1,143 @@
+package openai
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+func TestErrors(t *testing.T) {
+	e := newEnv(t)
+	long := make([]int, testMaxModelLen+10)
+	for i := range long {
+		long[i] = 10 + i%50
+	}
+	chat := func(extra string) string {
+		return `{"model":"tiny","messages":[{"role":"user","content":"hi"}]` + extra + `}`
+	}
+	tests := []struct {
+		name, path, body string
+		status           int
+		typ, contains    string
+	}{
+		{"bad JSON", "/v1/completions", `{"prompt": "x",`, 400, "BadRequestError", "JSON"},
+		{"trailing garbage", "/v1/chat/completions", chat("") + "x", 400, "BadRequestError", ""},
+		{"not an object", "/v1/completions", `["prompt"]`, 400, "BadRequestError", "object"},
+		{"empty body", "/v1/completions", ``, 400, "BadRequestError", "empty"},
+		{"max_tokens string", "/v1/completions", `{"prompt":"x","max_tokens":"ten"}`, 400, "BadRequestError", ""},
+		{"max_tokens fraction", "/v1/completions", `{"prompt":"x","max_tokens":1.5}`, 400, "BadRequestError", "integer"},
+		{"temperature string", "/v1/chat/completions", chat(`,"temperature":"hot"`), 400, "BadRequestError", "temperature"},
+		{"messages string", "/v1/chat/completions", `{"messages":"hi"}`, 400, "BadRequestError", "messages"},
+		{"messages empty", "/v1/chat/completions", `{"messages":[]}`, 400, "BadRequestError", "messages"},
+		{"message without role", "/v1/chat/completions", `{"messages":[{"content":"hi"}]}`, 400, "BadRequestError", "role"},
+		{"image part", "/v1/chat/completions", `{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}`, 400, "BadRequestError", "image_url"},
+		{"prompt number", "/v1/completions", `{"prompt":5}`, 400, "BadRequestError", "prompt"},
+		{"prompt missing", "/v1/completions", `{"max_tokens":3}`, 400, "BadRequestError", "prompt"},
+		{"prompt empty", "/v1/completions", `{"prompt":""}`, 400, "BadRequestError", "empty"},
+		{"prompt batch", "/v1/completions", `{"prompt":["a","b"]}`, 400, "BadRequestError", "batch"},
+		{"token out of vocab", "/v1/completions", `{"prompt":[1,2,99999999]}`, 400, "BadRequestError", "vocabulary"},
+		{"stop wrong type", "/v1/completions", `{"prompt":"x","stop":5}`, 400, "BadRequestError", ""},
+		{"kv_transfer_params not object", "/v1/completions", `{"prompt":"x","kv_transfer_params":[1]}`, 400, "BadRequestError", "kv_transfer_params"},
+		{"unknown model", "/v1/chat/completions", `{"model":"nope","messages":[{"role":"user","content":"hi"}]}`, 404, "NotFoundError", "The model `nope` does not exist."},
+		{"negative max_tokens", "/v1/completions", `{"prompt":"x","max_tokens":-1}`, 400, "BadRequestError", "max_tokens"},
+		{"zero max_tokens", "/v1/chat/completions", chat(`,"max_tokens":0`), 400, "BadRequestError", "max_tokens"},
+		{"negative max_completion_tokens", "/v1/chat/completions", chat(`,"max_completion_tokens":-5`), 400, "BadRequestError", "max_completion_tokens"},
+		{"negative temperature", "/v1/completions", `{"prompt":"x","temperature":-0.5}`, 400, "BadRequestError", "temperature"},
+		{"top_p zero", "/v1/completions", `{"prompt":"x","top_p":0}`, 400, "BadRequestError", "top_p"},
+		{"min_tokens above max", "/v1/completions", `{"prompt":"x","max_tokens":2,"min_tokens":3}`, 400, "BadRequestError", "min_tokens"},
+		{"too-long prompt", "/v1/completions", fmt.Sprintf(`{"prompt":%s}`, intsJSON(long)), 400, "BadRequestError",
+			fmt.Sprintf("maximum context length is %d tokens. However, your request has %d input tokens", testMaxModelLen, len(long))},
+		{"prompt plus max_tokens too long", "/v1/completions", fmt.Sprintf(`{"prompt":%s,"max_tokens":%d}`, intsJSON(long[:100]), testMaxModelLen),
+			400, "BadRequestError", "too large"},
+		{"n=2", "/v1/chat/completions", chat(`,"n":2`), 400, "BadRequestError", "n > 1"},
+		{"n=0", "/v1/completions", `{"prompt":"x","n":0}`, 400, "BadRequestError", "n must be at least 1"},
+		{"logprobs completion", "/v1/completions", `{"prompt":"x","logprobs":1}`, 400, "BadRequestError", "logprobs"},
+		{"logprobs chat", "/v1/chat/completions", chat(`,"logprobs":true`), 400, "BadRequestError", "logprobs"},
+		{"echo chat", "/v1/chat/completions", chat(`,"echo":true`), 400, "BadRequestError", "echo"},
+		{"tools", "/v1/chat/completions", chat(`,"tools":[{"type":"function","function":{"name":"f"}}]`), 400, "BadRequestError", "tool"},
+		{"presence_penalty", "/v1/completions", `{"prompt":"x","presence_penalty":0.5}`, 400, "BadRequestError", "presence_penalty"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			resp, b := e.post(t, tt.path, tt.body, nil)
+			if resp.StatusCode != tt.status {
+				t.Fatalf("status %d, want %d: %s", resp.StatusCode, tt.status, b)
+			}
+			if ct := resp.Header.Get("Content-Type"); ct != "application/json" {
+				t.Errorf("Content-Type %q", ct)
+			}
+			eo := errorOf(t, b, tt.status)
+			if eo["type"] != tt.typ {
+				t.Errorf("type %v, want %s", eo["type"], tt.typ)
+			}
+			if msg := eo["message"].(string); !strings.Contains(msg, tt.contains) {
+				t.Errorf("message %q does not contain %q", msg, tt.contains)
+			}
+		})
+	}
+}
+
+func TestRoutingErrors(t *testing.T) {
+	e := newEnv(t)
+	resp, b := e.do(t, http.MethodGet, "/v1/completions", nil, nil)
+	if resp.StatusCode != http.StatusMethodNotAllowed || !strings.Contains(resp.Header.Get("Allow"), "POST") {
+		t.Errorf("GET /v1/completions: %d Allow=%q", resp.StatusCode, resp.Header.Get("Allow"))
+	}
+	errorOf(t, b, http.StatusMethodNotAllowed)
+	resp, b = e.do(t, http.MethodPost, "/v1/models", []byte(`{}`), nil)
+	if resp.StatusCode != http.StatusMethodNotAllowed {
+		t.Errorf("POST /v1/models: %d", resp.StatusCode)
+	}
+	errorOf(t, b, http.StatusMethodNotAllowed)
+	resp, b = e.do(t, http.MethodGet, "/v1/nothing", nil, nil)
+	if resp.StatusCode != http.StatusNotFound {
+		t.Errorf("GET /v1/nothing: %d", resp.StatusCode)
+	}
+	errorOf(t, b, http.StatusNotFound)
+}
+
+func TestBodyLimit(t *testing.T) {
+	e := newEnv(t, func(c *Config) { c.MaxBodyBytes = 1024 })
+	body := `{"prompt":"` + strings.Repeat("a", 2048) + `"}`
+	resp, b := e.post(t, "/v1/completions", body, nil)
+	if resp.StatusCode != http.StatusRequestEntityTooLarge {
+		t.Fatalf("status %d: %s", resp.StatusCode, b)
+	}
+	errorOf(t, b, http.StatusRequestEntityTooLarge)
+}
+
+func TestAPIKey(t *testing.T) {
+	e := newEnv(t, func(c *Config) { c.APIKey = "sekret" })
+	body := `{"prompt":"x","max_tokens":1}`
+	for _, hdr := range []map[string]string{nil, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}} {
+		resp, b := e.post(t, "/v1/completions", body, hdr)
+		if resp.StatusCode != http.StatusUnauthorized {
+			t.Errorf("auth %v: status %d", hdr, resp.StatusCode)
+			continue
+		}
+		errorOf(t, b, http.StatusUnauthorized)
+	}
+	if resp, b := e.post(t, "/v1/completions", body, map[string]string{"Authorization": "Bearer sekret"}); resp.StatusCode != http.StatusOK {
+		t.Errorf("with the key: %d %s", resp.StatusCode, b)
+	}
+	if resp, _ := e.do(t, http.MethodGet, "/health", nil, nil); resp.StatusCode != http.StatusOK {
+		t.Errorf("/health needs no key, got %d", resp.StatusCode)
+	}
+	if resp, _ := e.do(t, http.MethodGet, "/v1/models", nil, nil); resp.StatusCode != http.StatusUnauthorized {
+		t.Errorf("/v1/models without the key: %d", resp.StatusCode)
+	}
+}
+
+func intsJSON(a []int) string {
+	var b strings.Builder
+	b.WriteByte('[')
+	for i, v := range a {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		fmt.Fprint(&b, v)
+	}
+	b.WriteByte(']')
+	return b.String()
+}

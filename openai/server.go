@@ -1,0 +1,298 @@
+package openai
+
+import (
+	"context"
+	"crypto/subtle"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"runtime/debug"
+	"strings"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/metrics"
+	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/model/tokenizer"
+)
+
+// DefaultMaxBodyBytes is the request body limit when Config.MaxBodyBytes is zero.
+const DefaultMaxBodyBytes = 32 << 20
+
+// Engine is what the HTTP layer needs from the inference engine; *engine.Engine implements it.
+type Engine interface {
+	// Add queues a request; cancelling ctx aborts it and frees its blocks.
+	Add(ctx context.Context, r *engine.Request) (*engine.Stream, error)
+	// Stats returns a snapshot of the scheduler, for the /metrics gauges.
+	Stats() engine.Stats
+}
+
+// Model is what the HTTP layer needs from the model; *model.Model implements it.
+type Model interface {
+	// Name is the name the model was opened with (the "root" in /v1/models).
+	Name() string
+	// Tokenizer encodes prompts and decodes token-id prompts for echo.
+	Tokenizer() *tokenizer.Tokenizer
+	// ChatTemplate renders chat messages into the prompt text.
+	ChatTemplate() tokenizer.ChatTemplate
+	// Generation supplies the default temperature, top_p and top_k.
+	Generation() model.GenerationConfig
+}
+
+// Config configures a Server. Zero values get the defaults documented per field.
+type Config struct {
+	// ServedModelNames are the names accepted in the "model" field; the first is the one
+	// reported in responses and in the model_name metrics label. Default: the model's Name().
+	ServedModelNames []string
+	// MaxModelLen is the maximum prompt + generated length (--max-model-len); it should equal
+	// the engine's. Zero means the engine's (when it has a Config() engine.Config method, as
+	// *engine.Engine does), else 2048.
+	MaxModelLen int
+	// Logger receives request errors and panics. Default: discard.
+	Logger *slog.Logger
+	// Metrics is the registry served at /metrics and recorded into. Default: a new registry.
+	Metrics *metrics.Registry
+	// EngineLabel is the value of the "engine" metrics label. Default "0".
+	EngineLabel string
+	// APIKey, if set, is required as "Authorization: Bearer <key>" on every /v1 route.
+	APIKey string
+	// MaxBodyBytes limits request bodies (413 beyond it). Default DefaultMaxBodyBytes.
+	MaxBodyBytes int64
+	// Version is reported by GET /version. Default "dev".
+	Version string
+}
+
+// Server serves the OpenAI-compatible API. Create it with NewServer; it is an http.Handler.
+type Server struct {
+	cfg     Config
+	engine  Engine
+	model   Model
+	log     *slog.Logger
+	metrics *metrics.EngineMetrics
+	reg     *metrics.Registry
+	mux     *http.ServeMux
+	created int64
+	handler http.Handler
+}
+
+// NewServer returns a Server over eng and mdl. It installs eng.Stats as the source of the
+// scheduler gauges of cfg.Metrics.
+func NewServer(cfg Config, eng Engine, mdl Model) *Server {
+	if len(cfg.ServedModelNames) == 0 {
+		cfg.ServedModelNames = []string{mdl.Name()}
+	}
+	if cfg.MaxModelLen <= 0 {
+		if ec, ok := eng.(interface{ Config() engine.Config }); ok {
+			cfg.MaxModelLen = ec.Config().MaxModelLen
+		}
+		if cfg.MaxModelLen <= 0 {
+			cfg.MaxModelLen = 2048
+		}
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.Metrics == nil {
+		cfg.Metrics = metrics.NewRegistry()
+	}
+	if cfg.EngineLabel == "" {
+		cfg.EngineLabel = "0"
+	}
+	if cfg.MaxBodyBytes <= 0 {
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	if cfg.Version == "" {
+		cfg.Version = "dev"
+	}
+	s := &Server{
+		cfg:     cfg,
+		engine:  eng,
+		model:   mdl,
+		log:     cfg.Logger,
+		reg:     cfg.Metrics,
+		metrics: cfg.Metrics.Engine(cfg.ServedModelNames[0], cfg.EngineLabel),
+		mux:     http.NewServeMux(),
+		created: time.Now().Unix(),
+	}
+	s.metrics.SetStatsSource(func() metrics.SchedulerStats {
+		st := eng.Stats()
+		return metrics.SchedulerStats{
+			Running: st.Running, Waiting: st.Waiting, KVCacheUsage: st.KVUsage,
+			PrefixCacheQueries: st.PrefixQueries, PrefixCacheHits: st.PrefixHits,
+		}
+	})
+	s.route("POST /v1/completions", s.handleCompletions)
+	s.route("POST /v1/chat/completions", s.handleChat)
+	s.route("GET /v1/models", s.handleModels)
+	s.route("GET /health", s.handleHealth)
+	s.route("GET /version", s.handleVersion)
+	s.mux.Handle("GET /metrics", s.reg.Handler())
+	s.mux.Handle("/metrics", methodNotAllowed("GET, HEAD"))
+	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, &APIError{Status: http.StatusNotFound, Type: "NotFoundError",
+			Message: fmt.Sprintf("No route for %s %s.", r.Method, r.URL.Path)})
+	})
+	s.handler = s.recoverPanics(s.requestID(s.authorize(s.mux)))
+	return s
+}
+
+// route registers h for pattern ("METHOD /path") and a JSON 405 for the path's other methods.
+func (s *Server) route(pattern string, h http.HandlerFunc) {
+	s.mux.HandleFunc(pattern, h)
+	method, path, _ := strings.Cut(pattern, " ")
+	allow := method
+	if method == http.MethodGet {
+		allow = "GET, HEAD"
+	}
+	s.mux.Handle(path, methodNotAllowed(allow))
+}
+
+// methodNotAllowed answers 405 in OpenAI's error shape.
+func methodNotAllowed(allow string) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Allow", allow)
+		writeError(w, &APIError{Status: http.StatusMethodNotAllowed, Type: "MethodNotAllowedError",
+			Message: fmt.Sprintf("Method %s is not allowed on %s (allowed: %s).", r.Method, r.URL.Path, allow)})
+	})
+}
+
+// ServeHTTP implements http.Handler.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.handler.ServeHTTP(w, r) }
+
+// Metrics returns the registry the server records into and serves at /metrics.
+func (s *Server) Metrics() *metrics.Registry { return s.reg }
+
+// requestIDKey is the context key of the request's base id.
+type requestIDKey struct{}
+
+// requestID takes X-Request-Id (or generates a UUID), echoes it in the response and stores it
+// in the request context.
+func (s *Server) requestID(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		id := r.Header.Get("X-Request-Id")
+		if id == "" {
+			id = uuid.NewString()
+		}
+		w.Header().Set("X-Request-Id", id)
+		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), requestIDKey{}, id)))
+	})
+}
+
+// baseRequestID returns the request's id: the X-Request-Id header, else the body's request_id,
+// else the generated UUID; it sets the X-Request-Id response header to it.
+func baseRequestID(w http.ResponseWriter, r *http.Request, bodyID *string) string {
+	if r.Header.Get("X-Request-Id") == "" && bodyID != nil && *bodyID != "" {
+		w.Header().Set("X-Request-Id", *bodyID)
+		return *bodyID
+	}
+	id, _ := r.Context().Value(requestIDKey{}).(string)
+	if id == "" {
+		id = uuid.NewString()
+	}
+	return id
+}
+
+// authorize requires the API key on /v1 routes when one is configured.
+func (s *Server) authorize(next http.Handler) http.Handler {
+	if s.cfg.APIKey == "" {
+		return next
+	}
+	want := []byte("Bearer " + s.cfg.APIKey)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/v1" || strings.HasPrefix(r.URL.Path, "/v1/") {
+			got := []byte(r.Header.Get("Authorization"))
+			if subtle.ConstantTimeCompare(got, want) != 1 {
+				w.Header().Set("WWW-Authenticate", "Bearer")
+				writeError(w, &APIError{Status: http.StatusUnauthorized, Type: "AuthenticationError",
+					Message: "Unauthorized: a valid API key is required as 'Authorization: Bearer <key>'."})
+				return
+			}
+		}
+		next.ServeHTTP(w, r)
+	})
+}
+
+// recoverPanics turns a handler panic into a 500 JSON response (or, mid-stream, an SSE error
+// event and [DONE]) instead of a dropped connection.
+func (s *Server) recoverPanics(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tw := &trackingWriter{ResponseWriter: w}
+		defer func() {
+			v := recover()
+			if v == nil {
+				return
+			}
+			if v == http.ErrAbortHandler {
+				panic(v)
+			}
+			s.log.Error("panic serving request", "method", r.Method, "path", r.URL.Path, "panic", v,
+				"stack", string(debug.Stack()))
+			switch {
+			case !tw.wroteHeader:
+				writeError(tw, internalError())
+			case strings.HasPrefix(tw.Header().Get("Content-Type"), "text/event-stream"):
+				sse := newSSEWriter(tw)
+				sse.raw(internalError().JSON())
+				sse.done()
+			}
+		}()
+		next.ServeHTTP(tw, r)
+	})
+}
+
+// trackingWriter records whether the header was written; Unwrap lets http.ResponseController
+// reach the underlying writer's Flush.
+type trackingWriter struct {
+	http.ResponseWriter
+	wroteHeader bool
+}
+
+// WriteHeader implements http.ResponseWriter.
+func (t *trackingWriter) WriteHeader(code int) {
+	t.wroteHeader = true
+	t.ResponseWriter.WriteHeader(code)
+}
+
+// Write implements http.ResponseWriter.
+func (t *trackingWriter) Write(b []byte) (int, error) {
+	t.wroteHeader = true
+	return t.ResponseWriter.Write(b)
+}
+
+// Unwrap returns the wrapped writer (for http.ResponseController).
+func (t *trackingWriter) Unwrap() http.ResponseWriter { return t.ResponseWriter }
+
+// readBody reads the request body under the size limit.
+func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *APIError) {
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, &APIError{Status: http.StatusRequestEntityTooLarge, Type: "RequestEntityTooLargeError",
+				Message: fmt.Sprintf("The request body is larger than the limit of %d bytes.", mbe.Limit)}
+		}
+		return nil, badRequest("", "Could not read the request body: %v", err)
+	}
+	return body, nil
+}
+
+// checkModel resolves the request's model name: empty means the first served name; an unknown
+// name is a 404.
+func (s *Server) checkModel(name *string) *APIError {
+	if name == nil || *name == "" {
+		return nil
+	}
+	for _, n := range s.cfg.ServedModelNames {
+		if n == *name {
+			return nil
+		}
+	}
+	return modelNotFound(*name)
+}
+
+// responseModel is the model name reported in responses (vLLM reports the first served name).
+func (s *Server) responseModel() string { return s.cfg.ServedModelNames[0] }
