@@ -482,7 +482,8 @@ func (e *Engine) deliver(now time.Time, ev Event) {
 		return
 	}
 	l.stream.send(Output{Tokens: []int32{ev.Token}, Text: text,
-		PromptTokens: q.NumPromptTokens(), CachedTokens: q.CachedTokens(), CompletionTokens: q.NumOutputTokens()})
+		PromptTokens: q.NumPromptTokens(), CachedTokens: q.CachedTokens(), ExternalCachedTokens: q.ExternalCachedTokens(),
+		CompletionTokens: q.NumOutputTokens()})
 }
 
 // end delivers the final Output of a finished request and forgets it.
@@ -495,13 +496,14 @@ func (e *Engine) end(ev Event, text string, stoppedByString bool, err error) {
 	delete(e.live, q.ID())
 	l.stopCtx()
 	out := Output{
-		Text:             text + l.text.finish(stoppedByString),
-		FinishReason:     q.Status().FinishReason(),
-		PromptTokens:     q.NumPromptTokens(),
-		CachedTokens:     q.CachedTokens(),
-		CompletionTokens: q.NumOutputTokens(),
-		KVTransfer:       ev.KVTransfer,
-		Err:              err,
+		Text:                 text + l.text.finish(stoppedByString),
+		FinishReason:         q.Status().FinishReason(),
+		PromptTokens:         q.NumPromptTokens(),
+		CachedTokens:         q.CachedTokens(),
+		ExternalCachedTokens: q.ExternalCachedTokens(),
+		CompletionTokens:     q.NumOutputTokens(),
+		KVTransfer:           ev.KVTransfer,
+		Err:                  err,
 	}
 	if ev.HasToken {
 		out.Tokens = []int32{ev.Token}

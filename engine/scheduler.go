@@ -405,6 +405,7 @@ func (s *Scheduler) admitted(q *Sequence) {
 	q.admitted = true
 	// The last prompt token is always computed here, even when a connector supplied its KV.
 	q.cachedTokens = min(q.localHit+q.external, q.NumTokens()-1)
+	q.externalCached = max(0, q.cachedTokens-q.localHit)
 	if s.pool.PrefixCaching() {
 		s.stats.PrefixQueries += int64(q.NumTokens())
 		s.stats.PrefixHits += int64(q.localHit)

@@ -19,12 +19,13 @@ type Sequence struct {
 	numComputed int                 // leading tokens whose KV is in the blocks
 	table       *kvcache.BlockTable // blocks in position order, hash chain, committed count
 
-	localHit     int  // tokens from the local prefix cache at the latest admission
-	external     int  // tokens the connector supplies at the latest admission
-	cachedTokens int  // local hit + external at the first admission (reported to the client)
-	admitted     bool // the first admission happened (stats recorded)
-	preemptions  int
-	stopToken    bool // finished by EOS or a stop token id: the last token's text is not emitted
+	localHit       int  // tokens from the local prefix cache at the latest admission
+	external       int  // tokens the connector supplies at the latest admission
+	cachedTokens   int  // local hit + external at the first admission (reported to the client)
+	externalCached int  // the part of cachedTokens the connector supplied
+	admitted       bool // the first admission happened (stats recorded)
+	preemptions    int
+	stopToken      bool // finished by EOS or a stop token id: the last token's text is not emitted
 
 	arrival, firstToken, finishedAt time.Time
 }
@@ -80,6 +81,10 @@ func (q *Sequence) NumExternalTokens() int { return q.external }
 // prefix-cache hit plus the connector's tokens (usage.prompt_tokens_details.cached_tokens).
 // A recompute after a failed load lowers it to what was really kept.
 func (q *Sequence) CachedTokens() int { return q.cachedTokens }
+
+// ExternalCachedTokens returns the part of CachedTokens that the connector supplied (pulled
+// from a remote engine) rather than the local prefix cache.
+func (q *Sequence) ExternalCachedTokens() int { return min(q.externalCached, q.cachedTokens) }
 
 // NumPreemptions returns how many times the request was preempted.
 func (q *Sequence) NumPreemptions() int { return q.preemptions }

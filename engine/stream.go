@@ -18,6 +18,9 @@ type Output struct {
 	// is the prompt tokens not computed here (prefix-cache hit plus tokens loaded by the
 	// connector), CompletionTokens the tokens generated so far.
 	PromptTokens, CachedTokens, CompletionTokens int
+	// ExternalCachedTokens is the part of CachedTokens loaded by the connector from a remote
+	// engine; the rest came from the local prefix cache.
+	ExternalCachedTokens int
 	// KVTransfer is the connector's kv_transfer_params, on the last Output, when it returned some.
 	KVTransfer map[string]any
 	// Err is set on the last Output of a request that ended with "error" (wrapping ErrForward or

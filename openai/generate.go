@@ -123,6 +123,7 @@ func (s *Server) collect(ctx context.Context, j *job, st *engine.Stream, onDelta
 			}
 			if o.CachedTokens > 0 {
 				out.usage.PromptTokensDetails.CachedTokens = o.CachedTokens
+				out.usage.PromptTokensDetails.ExternalCachedTokens = o.ExternalCachedTokens
 			}
 			out.usage.CompletionTokens = max(o.CompletionTokens, completion)
 			out.usage.TotalTokens = out.usage.PromptTokens + out.usage.CompletionTokens

@@ -11,9 +11,13 @@ type usageInfo struct {
 	PromptTokensDetails promptTokensDetails `json:"prompt_tokens_details"`
 }
 
-// promptTokensDetails reports prefix-cache hits.
+// promptTokensDetails reports the prompt tokens not computed by this engine: cached_tokens
+// (OpenAI's field) counts them all; external_cached_tokens (a kvbridge extension) the part
+// pulled from a remote engine by the KV connector, so that transferred tokens can be told from
+// local prefix-cache hits.
 type promptTokensDetails struct {
-	CachedTokens int `json:"cached_tokens"`
+	CachedTokens         int `json:"cached_tokens"`
+	ExternalCachedTokens int `json:"external_cached_tokens"`
 }
 
 // completionResponse is a non-streaming /v1/completions response.
