@@ -1,0 +1,775 @@
+//go:build ignore
+
+// asmgen writes kernel_amd64.s, the amd64 assembly kernels. Run it with `go generate` (see
+// impl_amd64.go) after changing it; the generated file is checked in.
+package main
+
+import (
+	"bytes"
+	"fmt"
+	"log"
+	"os"
+	"strings"
+)
+
+var out bytes.Buffer
+
+func p(format string, args ...any) { fmt.Fprintf(&out, "\t"+format+"\n", args...) }
+func label(l string)               { fmt.Fprintf(&out, "%s:\n", l) }
+func text(sig, frame string) {
+	name, _, _ := strings.Cut(sig, "(")
+	fmt.Fprintf(&out, "\n// func %s\nTEXT ·%s(SB), NOSPLIT, %s\n", sig, name, frame)
+}
+
+const maxRows = 6 // rows per tile in both tile kernels
+
+// rowAddr returns the address of row m (m < 6) of a row-major matrix, given base registers
+// r0 (row 0) and r4 (row 4), the row stride s and 3·stride s3, all in bytes, plus a displacement.
+func rowAddr(m int, r0, r4, s, s3 string, disp int) string {
+	d := ""
+	if disp != 0 {
+		d = fmt.Sprint(disp)
+	}
+	switch m {
+	case 0:
+		return fmt.Sprintf("%s(%s)", d, r0)
+	case 1:
+		return fmt.Sprintf("%s(%s)(%s*1)", d, r0, s)
+	case 2:
+		return fmt.Sprintf("%s(%s)(%s*2)", d, r0, s)
+	case 3:
+		return fmt.Sprintf("%s(%s)(%s*1)", d, r0, s3)
+	case 4:
+		return fmt.Sprintf("%s(%s)", d, r4)
+	case 5:
+		return fmt.Sprintf("%s(%s)(%s*1)", d, r4, s)
+	}
+	panic("row")
+}
+
+// tile512 computes mr rows × 64 columns (one packed panel) with zmm registers:
+// accumulators Z0..Z23 (row m, vector v in Z(4m+v)), panel row in Z24..Z27, broadcasts in Z28/Z29.
+// Every accumulator lane is one output element: zero, then one VFMADD231PS per k, k ascending.
+func tile512(mr, unroll int) {
+	name := fmt.Sprintf("tile512x%d", mr)
+	text(name+"(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)", "$0-56")
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ lda+8(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	p("MOVQ w+16(FP), BX")
+	p("MOVQ k+24(FP), CX")
+	for i := 0; i < 4*mr; i++ {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	step := func(j int) {
+		for v := range 4 {
+			p("VMOVUPS %d(BX), Z%d", j*256+v*64, 24+v)
+		}
+		for m := range mr {
+			b := 28 + m%2
+			p("VBROADCASTSS %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
+			for v := range 4 {
+				p("VFMADD231PS Z%d, Z%d, Z%d", 24+v, b, 4*m+v)
+			}
+		}
+	}
+	p("CMPQ CX, $%d", unroll)
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range unroll {
+		step(j)
+	}
+	p("ADDQ $%d, BX", 256*unroll)
+	p("ADDQ $%d, DI", 4*unroll)
+	p("ADDQ $%d, SI", 4*unroll)
+	p("SUBQ $%d, CX", unroll)
+	p("CMPQ CX, $%d", unroll)
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0)
+	p("ADDQ $256, BX")
+	p("ADDQ $4, DI")
+	p("ADDQ $4, SI")
+	p("DECQ CX")
+	p("JMP %s_tail", name)
+	label(name + "_store")
+	p("MOVQ mask+48(FP), AX")
+	for v := range 4 {
+		p("KMOVW AX, K%d", v+1)
+		if v < 3 {
+			p("SHRQ $16, AX")
+		}
+	}
+	p("MOVQ c+32(FP), DI")
+	p("MOVQ ldc+40(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	for m := range mr {
+		for v := range 4 {
+			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+		}
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// tile256 computes mr rows × 16 columns of a packed panel (w points at the first of the 16
+// columns; panel rows are 256 bytes apart) with ymm registers: accumulators Y0..Y11, panel row
+// in Y12/Y13, broadcasts in Y14/Y15.
+func tile256(mr, unroll int) {
+	name := fmt.Sprintf("tile256x%d", mr)
+	text(name+"(a *float32, lda int, w *float32, k int, c *float32, ldc int)", "$0-48")
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ lda+8(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	p("MOVQ w+16(FP), BX")
+	p("MOVQ k+24(FP), CX")
+	for i := 0; i < 2*mr; i++ {
+		p("VXORPS Y%d, Y%d, Y%d", i, i, i)
+	}
+	step := func(j int) {
+		p("VMOVUPS %d(BX), Y12", j*256)
+		p("VMOVUPS %d(BX), Y13", j*256+32)
+		for m := range mr {
+			b := 14 + m%2
+			p("VBROADCASTSS %s, Y%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
+			p("VFMADD231PS Y12, Y%d, Y%d", b, 2*m)
+			p("VFMADD231PS Y13, Y%d, Y%d", b, 2*m+1)
+		}
+	}
+	p("CMPQ CX, $%d", unroll)
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range unroll {
+		step(j)
+	}
+	p("ADDQ $%d, BX", 256*unroll)
+	p("ADDQ $%d, DI", 4*unroll)
+	p("ADDQ $%d, SI", 4*unroll)
+	p("SUBQ $%d, CX", unroll)
+	p("CMPQ CX, $%d", unroll)
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0)
+	p("ADDQ $256, BX")
+	p("ADDQ $4, DI")
+	p("ADDQ $4, SI")
+	p("DECQ CX")
+	p("JMP %s_tail", name)
+	label(name + "_store")
+	p("MOVQ c+32(FP), DI")
+	p("MOVQ ldc+40(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	for m := range mr {
+		p("VMOVUPS Y%d, %s", 2*m, rowAddr(m, "DI", "SI", "R8", "R9", 0))
+		p("VMOVUPS Y%d, %s", 2*m+1, rowAddr(m, "DI", "SI", "R8", "R9", 32))
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// Vector kernels (zmm). Each processes n elements: whole 16-lane chunks, then one masked chunk
+// for the n%16 tail that runs the same instructions, so an element's result never depends on
+// where it sits. K1 holds the tail mask.
+func tailMask(nreg string) {
+	p("MOVQ %s, CX", nreg)
+	p("ANDQ $15, CX")
+	p("MOVQ $1, AX")
+	p("SHLQ CX, AX")
+	p("DECQ AX")
+	p("KMOVW AX, K1")
+}
+
+// hsum512 reduces Z0's 16 lanes in a fixed tree into X0's lane 0: halves, quarters, pairs.
+func hsum512() {
+	p("VEXTRACTF32X8 $1, Z0, Y1")
+	p("VADDPS Y1, Y0, Y0")
+	p("VEXTRACTF128 $1, Y0, X1")
+	p("VADDPS X1, X0, X0")
+	p("VPERMILPS $0x4e, X0, X1")
+	p("VADDPS X1, X0, X0")
+	p("VPERMILPS $0xb1, X0, X1")
+	p("VADDPS X1, X0, X0")
+}
+
+// hmax512 reduces Z0's 16 lanes to their maximum in X0's lane 0.
+func hmax512() {
+	p("VEXTRACTF32X8 $1, Z0, Y1")
+	p("VMAXPS Y1, Y0, Y0")
+	p("VEXTRACTF128 $1, Y0, X1")
+	p("VMAXPS X1, X0, X0")
+	p("VPERMILPS $0x4e, X0, X1")
+	p("VMAXPS X1, X0, X0")
+	p("VPERMILPS $0xb1, X0, X1")
+	p("VMAXPS X1, X0, X0")
+}
+
+func dot512() {
+	text("dot512(a, b *float32, n int) float32", "$0-28")
+	p("MOVQ a+0(FP), SI")
+	p("MOVQ b+8(FP), DI")
+	p("MOVQ n+16(FP), DX")
+	for i := range 4 {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("MOVQ DX, BX")
+	p("SHRQ $6, BX")
+	p("JZ dot512_16")
+	label("dot512_64")
+	for v := range 4 {
+		p("VMOVUPS %d(SI), Z%d", 64*v, 4+v)
+	}
+	for v := range 4 {
+		p("VFMADD231PS %d(DI), Z%d, Z%d", 64*v, 4+v, v)
+	}
+	p("ADDQ $256, SI")
+	p("ADDQ $256, DI")
+	p("DECQ BX")
+	p("JNZ dot512_64")
+	label("dot512_16")
+	p("MOVQ DX, BX")
+	p("ANDQ $63, BX")
+	p("SHRQ $4, BX")
+	p("JZ dot512_tail")
+	label("dot512_16loop")
+	p("VMOVUPS (SI), Z4")
+	p("VFMADD231PS (DI), Z4, Z0")
+	p("ADDQ $64, SI")
+	p("ADDQ $64, DI")
+	p("DECQ BX")
+	p("JNZ dot512_16loop")
+	label("dot512_tail")
+	tailMask("DX")
+	p("VMOVUPS.Z (SI), K1, Z4")
+	p("VMOVUPS.Z (DI), K1, Z5")
+	p("VFMADD231PS Z5, Z4, Z1")
+	p("VADDPS Z1, Z0, Z0")
+	p("VADDPS Z3, Z2, Z2")
+	p("VADDPS Z2, Z0, Z0")
+	hsum512()
+	p("MOVSS X0, ret+24(FP)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// elementwise emits a loop over 16-lane chunks plus a masked tail. load(mask) loads the chunk's
+// inputs (mask "" or ", K1" with zeroing), body computes, store(mask) writes.
+func elementwise(name string, n string, ptrs []string, load func(z string), body func(), store func(k string)) {
+	p("MOVQ %s, BX", n)
+	p("SHRQ $4, BX")
+	p("JZ %s_tail", name)
+	label(name + "_loop")
+	load("")
+	body()
+	store("")
+	for _, r := range ptrs {
+		p("ADDQ $64, %s", r)
+	}
+	p("DECQ BX")
+	p("JNZ %s_loop", name)
+	label(name + "_tail")
+	tailMask(n)
+	p("KORTESTW K1, K1")
+	p("JZ %s_done", name)
+	load(".Z")
+	body()
+	store(", K1")
+	label(name + "_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+func mask(z string) string {
+	if z == "" {
+		return ""
+	}
+	return ", K1"
+}
+
+func axpy512() {
+	text("axpy512(alpha float32, x, y *float32, n int)", "$0-32")
+	p("VBROADCASTSS alpha+0(FP), Z16")
+	p("MOVQ x+8(FP), SI")
+	p("MOVQ y+16(FP), DI")
+	p("MOVQ n+24(FP), DX")
+	elementwise("axpy512", "DX", []string{"SI", "DI"},
+		func(z string) {
+			p("VMOVUPS%s (SI)%s, Z0", z, mask(z))
+			p("VMOVUPS%s (DI)%s, Z1", z, mask(z))
+		},
+		func() { p("VFMADD231PS Z0, Z16, Z1") },
+		func(k string) { p("VMOVUPS Z1%s, (DI)", k) })
+}
+
+func scale512() {
+	text("scale512(alpha float32, x *float32, n int)", "$0-24")
+	p("VBROADCASTSS alpha+0(FP), Z16")
+	p("MOVQ x+8(FP), DI")
+	p("MOVQ n+16(FP), DX")
+	elementwise("scale512", "DX", []string{"DI"},
+		func(z string) { p("VMOVUPS%s (DI)%s, Z0", z, mask(z)) },
+		func() { p("VMULPS Z16, Z0, Z0") },
+		func(k string) { p("VMOVUPS Z0%s, (DI)", k) })
+}
+
+func add512() {
+	text("add512(dst, a, b *float32, n int)", "$0-32")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ a+8(FP), SI")
+	p("MOVQ b+16(FP), R8")
+	p("MOVQ n+24(FP), DX")
+	elementwise("add512", "DX", []string{"DI", "SI", "R8"},
+		func(z string) {
+			p("VMOVUPS%s (SI)%s, Z0", z, mask(z))
+			p("VMOVUPS%s (R8)%s, Z1", z, mask(z))
+		},
+		func() { p("VADDPS Z1, Z0, Z0") },
+		func(k string) { p("VMOVUPS Z0%s, (DI)", k) })
+}
+
+// expConsts loads the exp constants into Z16..Z27.
+func expConsts() {
+	for i := range 12 {
+		p("VBROADCASTSS expc<>+%d(SB), Z%d", 4*i, 16+i)
+	}
+}
+
+// exp512 replaces Z0 by e^Z0, using Z1, Z2 as temporaries and the constants in Z16..Z27:
+// clamp to [-104, 89] (so ±Inf give 0 and +Inf, not NaN), n = round(x·log2 e),
+// r = x - n·ln2 (two-step Cody–Waite), e^r by its degree-7 Taylor polynomial (Horner, FMA;
+// |r| ≤ ln2/2, truncation error < 1e-8 relative), then VSCALEFPS: p·2^n with correct overflow,
+// underflow and subnormal rounding.
+func exp512() {
+	p("VMAXPS Z26, Z0, Z0")
+	p("VMINPS Z27, Z0, Z0")
+	p("VMULPS Z16, Z0, Z1")
+	p("VRNDSCALEPS $8, Z1, Z1")
+	p("VFMADD231PS Z17, Z1, Z0")
+	p("VFMADD231PS Z18, Z1, Z0")
+	p("VMOVAPS Z19, Z2")
+	for c := 20; c <= 25; c++ {
+		p("VFMADD213PS Z%d, Z0, Z2", c)
+	}
+	p("VFMADD213PS Z25, Z0, Z2")
+	p("VSCALEFPS Z1, Z2, Z0")
+}
+
+func expData() {
+	consts := []struct {
+		bits uint32
+		what string
+	}{
+		{0x3fb8aa3b, "log2(e)"},
+		{0xbf318000, "-ln2 high part (0.693359375)"},
+		{0x395e8083, "-ln2 low part (-(-2.12194440e-4))"},
+		{0x39500d01, "1/5040"},
+		{0x3ab60b61, "1/720"},
+		{0x3c088889, "1/120"},
+		{0x3d2aaaab, "1/24"},
+		{0x3e2aaaab, "1/6"},
+		{0x3f000000, "1/2"},
+		{0x3f800000, "1"},
+		{0xc2d00000, "-104 (lower clamp)"},
+		{0x42b20000, "89 (upper clamp)"},
+	}
+	for i, c := range consts {
+		fmt.Fprintf(&out, "DATA expc<>+%d(SB)/4, $0x%08x // %s\n", 4*i, c.bits, c.what)
+	}
+	fmt.Fprintf(&out, "GLOBL expc<>(SB), RODATA|NOPTR, $%d\n", 4*len(consts))
+}
+
+func siluMul512() {
+	text("siluMul512(dst, gate, up *float32, n int)", "$0-32")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ gate+8(FP), SI")
+	p("MOVQ up+16(FP), R8")
+	p("MOVQ n+24(FP), DX")
+	expConsts()
+	p("VPXORD Z28, Z28, Z28")
+	elementwise("siluMul512", "DX", []string{"DI", "SI", "R8"},
+		func(z string) {
+			p("VMOVUPS%s (SI)%s, Z3", z, mask(z))
+			p("VMOVUPS%s (R8)%s, Z4", z, mask(z))
+		},
+		func() {
+			p("VSUBPS Z3, Z28, Z0") // -g
+			exp512()
+			p("VADDPS Z25, Z0, Z0") // 1 + e^-g
+			p("VDIVPS Z0, Z3, Z0")  // g / (1 + e^-g)
+			p("VMULPS Z4, Z0, Z0")
+		},
+		func(k string) { p("VMOVUPS Z0%s, (DI)", k) })
+}
+
+// expShift512: x[i] = e^(x[i]-shift); returns the sum, lane-wise (lane i%16) then hsum512.
+func expShift512() {
+	text("expShift512(x *float32, n int, shift float32) float32", "$0-28")
+	p("MOVQ x+0(FP), DI")
+	p("MOVQ n+8(FP), DX")
+	p("VBROADCASTSS shift+16(FP), Z29")
+	expConsts()
+	p("VPXORD Z30, Z30, Z30")
+	p("MOVQ DX, BX")
+	p("SHRQ $4, BX")
+	p("JZ expShift512_tail")
+	label("expShift512_loop")
+	p("VMOVUPS (DI), Z0")
+	p("VSUBPS Z29, Z0, Z0")
+	exp512()
+	p("VMOVUPS Z0, (DI)")
+	p("VADDPS Z0, Z30, Z30")
+	p("ADDQ $64, DI")
+	p("DECQ BX")
+	p("JNZ expShift512_loop")
+	label("expShift512_tail")
+	tailMask("DX")
+	p("KORTESTW K1, K1")
+	p("JZ expShift512_done")
+	p("VMOVUPS.Z (DI), K1, Z0")
+	p("VSUBPS Z29, Z0, Z0")
+	exp512()
+	p("VMOVUPS Z0, K1, (DI)")
+	p("VADDPS Z0, Z30, K1, Z30")
+	label("expShift512_done")
+	p("VMOVAPS Z30, Z0")
+	hsum512()
+	p("MOVSS X0, ret+24(FP)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+func max512() {
+	text("max512(x *float32, n int) float32", "$0-20")
+	p("MOVQ x+0(FP), DI")
+	p("MOVQ n+8(FP), DX")
+	p("MOVL $0xff800000, AX")
+	p("VPBROADCASTD AX, Z0")
+	p("VMOVAPS Z0, Z2")
+	p("MOVQ DX, BX")
+	p("SHRQ $4, BX")
+	p("JZ max512_tail")
+	label("max512_loop")
+	p("VMAXPS (DI), Z0, Z0")
+	p("ADDQ $64, DI")
+	p("DECQ BX")
+	p("JNZ max512_loop")
+	label("max512_tail")
+	tailMask("DX")
+	p("VMOVUPS (DI), K1, Z2")
+	p("VMAXPS Z2, Z0, Z0")
+	hmax512()
+	p("MOVSS X0, ret+16(FP)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// fmaLoop512 runs n iterations of 24 independent zmm FMAs (24 accumulators cover two FMA pipes
+// with latency up to 12 cycles). 24 × 16 lanes × 2 FLOPs = 768 FLOPs per iteration.
+func fmaLoop512() {
+	text("fmaLoop512(n int)", "$0-8")
+	p("MOVQ n+0(FP), CX")
+	for i := range 26 {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	label("fmaLoop512_loop")
+	for i := range 24 {
+		p("VFMADD231PS Z24, Z25, Z%d", i)
+	}
+	p("DECQ CX")
+	p("JNZ fmaLoop512_loop")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// fmaLoop256 is fmaLoop512 with ymm registers: 12 accumulators, 12 × 8 × 2 = 192 FLOPs per iteration.
+func fmaLoop256() {
+	text("fmaLoop256(n int)", "$0-8")
+	p("MOVQ n+0(FP), CX")
+	for i := range 14 {
+		p("VXORPS Y%d, Y%d, Y%d", i, i, i)
+	}
+	label("fmaLoop256_loop")
+	for i := range 12 {
+		p("VFMADD231PS Y12, Y13, Y%d", i)
+	}
+	p("DECQ CX")
+	p("JNZ fmaLoop256_loop")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// readSum256 adds up n floats (n a multiple of 32) with four ymm accumulators; it exists to
+// measure read bandwidth.
+func readSum256() {
+	text("readSum256(x *float32, n int) float32", "$0-20")
+	p("MOVQ x+0(FP), SI")
+	p("MOVQ n+8(FP), CX")
+	p("SHRQ $5, CX")
+	for i := range 4 {
+		p("VXORPS Y%d, Y%d, Y%d", i, i, i)
+	}
+	p("TESTQ CX, CX")
+	p("JZ readSum256_done")
+	label("readSum256_loop")
+	for v := range 4 {
+		p("VADDPS %d(SI), Y%d, Y%d", 32*v, v, v)
+	}
+	p("ADDQ $128, SI")
+	p("DECQ CX")
+	p("JNZ readSum256_loop")
+	label("readSum256_done")
+	p("VADDPS Y1, Y0, Y0")
+	p("VADDPS Y3, Y2, Y2")
+	p("VADDPS Y2, Y0, Y0")
+	p("VEXTRACTF128 $1, Y0, X1")
+	p("VADDPS X1, X0, X0")
+	p("MOVSS X0, ret+16(FP)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// readSum512 adds up n floats (n a multiple of 128) with eight zmm accumulators; it exists to
+// measure read bandwidth.
+func readSum512() {
+	text("readSum512(x *float32, n int) float32", "$0-20")
+	p("MOVQ x+0(FP), SI")
+	p("MOVQ n+8(FP), CX")
+	p("SHRQ $7, CX")
+	for i := range 8 {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("TESTQ CX, CX")
+	p("JZ readSum512_done")
+	label("readSum512_loop")
+	for v := range 8 {
+		p("VADDPS %d(SI), Z%d, Z%d", 64*v, v, v)
+	}
+	p("ADDQ $512, SI")
+	p("DECQ CX")
+	p("JNZ readSum512_loop")
+	label("readSum512_done")
+	for v := 1; v < 8; v++ {
+		p("VADDPS Z%d, Z0, Z0", v)
+	}
+	hsum512()
+	p("MOVSS X0, ret+16(FP)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// dot256 is the AVX2 dot product body: n a multiple of 8; four ymm accumulators over 32-element
+// chunks, then 8-element chunks into the first, combined as (a0+a1)+(a2+a3) and reduced in a
+// fixed tree. The Go wrapper adds the tail.
+func dot256() {
+	text("dot256(a, b *float32, n int) float32", "$0-28")
+	p("MOVQ a+0(FP), SI")
+	p("MOVQ b+8(FP), DI")
+	p("MOVQ n+16(FP), DX")
+	for i := range 4 {
+		p("VXORPS Y%d, Y%d, Y%d", i, i, i)
+	}
+	p("MOVQ DX, BX")
+	p("SHRQ $5, BX")
+	p("JZ dot256_8")
+	label("dot256_32")
+	for v := range 4 {
+		p("VMOVUPS %d(SI), Y%d", 32*v, 4+v)
+	}
+	for v := range 4 {
+		p("VFMADD231PS %d(DI), Y%d, Y%d", 32*v, 4+v, v)
+	}
+	p("ADDQ $128, SI")
+	p("ADDQ $128, DI")
+	p("DECQ BX")
+	p("JNZ dot256_32")
+	label("dot256_8")
+	p("MOVQ DX, BX")
+	p("ANDQ $31, BX")
+	p("SHRQ $3, BX")
+	p("JZ dot256_done")
+	label("dot256_8loop")
+	p("VMOVUPS (SI), Y4")
+	p("VFMADD231PS (DI), Y4, Y0")
+	p("ADDQ $32, SI")
+	p("ADDQ $32, DI")
+	p("DECQ BX")
+	p("JNZ dot256_8loop")
+	label("dot256_done")
+	p("VADDPS Y1, Y0, Y0")
+	p("VADDPS Y3, Y2, Y2")
+	p("VADDPS Y2, Y0, Y0")
+	p("VEXTRACTF128 $1, Y0, X1")
+	p("VADDPS X1, X0, X0")
+	p("VPERMILPS $0x4e, X0, X1")
+	p("VADDPS X1, X0, X0")
+	p("VPERMILPS $0xb1, X0, X1")
+	p("VADDPS X1, X0, X0")
+	p("MOVSS X0, ret+24(FP)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// axpy256: y += alpha·x (FMA) over n elements, n a multiple of 8.
+func axpy256() {
+	text("axpy256(alpha float32, x, y *float32, n int)", "$0-32")
+	p("VBROADCASTSS alpha+0(FP), Y8")
+	p("MOVQ x+8(FP), SI")
+	p("MOVQ y+16(FP), DI")
+	p("MOVQ n+24(FP), BX")
+	p("SHRQ $3, BX")
+	p("JZ axpy256_done")
+	label("axpy256_loop")
+	p("VMOVUPS (DI), Y0")
+	p("VFMADD231PS (SI), Y8, Y0")
+	p("VMOVUPS Y0, (DI)")
+	p("ADDQ $32, SI")
+	p("ADDQ $32, DI")
+	p("DECQ BX")
+	p("JNZ axpy256_loop")
+	label("axpy256_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// exp256 replaces Y0 by e^Y0 (AVX2), using Y1..Y3; constants are 32-byte rows of expc8<>:
+// clamp to [-87.33654, 88.02] (so 2^n stays a normal float), n = round(x·log2 e),
+// r = x - n·ln2 (two-step), the same degree-7 polynomial as exp512, then p·2^n with 2^n built
+// from n's bits; inputs below the lower clamp (including -Inf) give 0.
+func exp256() {
+	c := func(i int) string { return fmt.Sprintf("expc8<>+%d(SB)", 32*i) }
+	p("VCMPPS $1, %s, Y0, Y3", c(10)) // x < lo
+	p("VMAXPS %s, Y0, Y0", c(10))
+	p("VMINPS %s, Y0, Y0", c(11))
+	p("VMULPS %s, Y0, Y1", c(0))
+	p("VROUNDPS $0, Y1, Y1")
+	p("VFMADD231PS %s, Y1, Y0", c(1))
+	p("VFMADD231PS %s, Y1, Y0", c(2))
+	p("VMOVUPS %s, Y2", c(3))
+	for i := 4; i <= 9; i++ {
+		p("VFMADD213PS %s, Y0, Y2", c(i))
+	}
+	p("VFMADD213PS %s, Y0, Y2", c(9))
+	p("VCVTPS2DQ Y1, Y1")
+	p("VPADDD %s, Y1, Y1", c(12))
+	p("VPSLLD $23, Y1, Y1")
+	p("VMULPS Y1, Y2, Y0")
+	p("VANDNPS Y0, Y3, Y0")
+}
+
+func exp8Data() {
+	consts := []uint32{0x3fb8aa3b, 0xbf318000, 0x395e8083, 0x39500d01, 0x3ab60b61, 0x3c088889,
+		0x3d2aaaab, 0x3e2aaaab, 0x3f000000, 0x3f800000, 0xc2aeac50, 0x42b00a3d, 127}
+	names := []string{"log2(e)", "-ln2 high", "-ln2 low", "1/5040", "1/720", "1/120", "1/24", "1/6", "1/2", "1",
+		"-87.33654 (lower clamp)", "88.02 (upper clamp)", "127 (int32 exponent bias)"}
+	for i, v := range consts {
+		for l := range 8 {
+			fmt.Fprintf(&out, "DATA expc8<>+%d(SB)/4, $0x%08x", 32*i+4*l, v)
+			if l == 0 {
+				fmt.Fprintf(&out, " // %s", names[i])
+			}
+			out.WriteString("\n")
+		}
+	}
+	fmt.Fprintf(&out, "GLOBL expc8<>(SB), RODATA|NOPTR, $%d\n", 32*len(consts))
+}
+
+// siluMul256: dst = g/(1+e^-g)·u over n elements, n a multiple of 8.
+func siluMul256() {
+	text("siluMul256(dst, gate, up *float32, n int)", "$0-32")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ gate+8(FP), SI")
+	p("MOVQ up+16(FP), R8")
+	p("MOVQ n+24(FP), BX")
+	p("SHRQ $3, BX")
+	p("JZ siluMul256_done")
+	p("VXORPS Y7, Y7, Y7")
+	label("siluMul256_loop")
+	p("VMOVUPS (SI), Y4")
+	p("VSUBPS Y4, Y7, Y0")
+	exp256()
+	p("VADDPS expc8<>+288(SB), Y0, Y0")
+	p("VDIVPS Y0, Y4, Y0")
+	p("VMULPS (R8), Y0, Y0")
+	p("VMOVUPS Y0, (DI)")
+	p("ADDQ $32, SI")
+	p("ADDQ $32, R8")
+	p("ADDQ $32, DI")
+	p("DECQ BX")
+	p("JNZ siluMul256_loop")
+	label("siluMul256_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// expShift256: x[i] = e^(x[i]-shift) over n elements (n a multiple of 8); returns the sum,
+// lane-wise (lane i%8) then in a fixed tree.
+func expShift256() {
+	text("expShift256(x *float32, n int, shift float32) float32", "$0-28")
+	p("MOVQ x+0(FP), DI")
+	p("MOVQ n+8(FP), BX")
+	p("VBROADCASTSS shift+16(FP), Y6")
+	p("VXORPS Y7, Y7, Y7")
+	p("SHRQ $3, BX")
+	p("JZ expShift256_done")
+	label("expShift256_loop")
+	p("VMOVUPS (DI), Y0")
+	p("VSUBPS Y6, Y0, Y0")
+	exp256()
+	p("VMOVUPS Y0, (DI)")
+	p("VADDPS Y0, Y7, Y7")
+	p("ADDQ $32, DI")
+	p("DECQ BX")
+	p("JNZ expShift256_loop")
+	label("expShift256_done")
+	p("VEXTRACTF128 $1, Y7, X1")
+	p("VADDPS X1, X7, X0")
+	p("VPERMILPS $0x4e, X0, X1")
+	p("VADDPS X1, X0, X0")
+	p("VPERMILPS $0xb1, X0, X1")
+	p("VADDPS X1, X0, X0")
+	p("MOVSS X0, ret+24(FP)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+func main() {
+	out.WriteString("// Code generated by asmgen.go; DO NOT EDIT.\n\n//go:build amd64 && !purego\n\n#include \"textflag.h\"\n")
+	for mr := 1; mr <= maxRows; mr++ {
+		tile512(mr, 4)
+	}
+	for mr := 1; mr <= maxRows; mr++ {
+		tile256(mr, 4)
+	}
+	out.WriteString("\n")
+	expData()
+	dot512()
+	axpy512()
+	scale512()
+	add512()
+	siluMul512()
+	expShift512()
+	max512()
+	fmaLoop512()
+	fmaLoop256()
+	readSum256()
+	readSum512()
+	dot256()
+	axpy256()
+	exp8Data()
+	siluMul256()
+	expShift256()
+	if err := os.WriteFile("kernel_amd64.s", out.Bytes(), 0o644); err != nil {
+		log.Fatal(err)
+	}
+}

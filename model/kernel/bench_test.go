@@ -1,0 +1,119 @@
+package kernel
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+)
+
+// benchLinear reports achieved GFLOP/s and its ratio to the FMA peak measured just before.
+func benchLinear(b *testing.B, rows, out, in int) {
+	r := rand.New(rand.NewPCG(1, 1))
+	pool := NewPool(0)
+	defer pool.Close()
+	l := NewLinearOn(pool, randSlice(r, out*in), out, in)
+	x, dst := randSlice(r, rows*in), make([]float32, rows*out)
+	peak := PeakGFLOPS(100 * time.Millisecond)
+	l.Apply(dst, x, rows)
+	b.SetBytes(int64(out * in * 4))
+	b.ResetTimer()
+	for b.Loop() {
+		l.Apply(dst, x, rows)
+	}
+	gflops := 2 * float64(rows) * float64(out) * float64(in) * float64(b.N) / b.Elapsed().Seconds() / 1e9
+	b.ReportMetric(gflops, "GFLOP/s")
+	b.ReportMetric(peak, "peakGFLOP/s")
+	b.ReportMetric(gflops/peak, "ofPeak")
+}
+
+// BenchmarkGEMM is the prefill case: rows × out × in. The last three are kvbridge/small's fused
+// qkv, fused gate/up and down projections on a 512-token chunk.
+func BenchmarkGEMM(b *testing.B) {
+	for _, s := range [][3]int{{2048, 1024, 1024}, {512, 1024, 1024}, {512, 2048, 2048}, {2048, 3072, 1024},
+		{2048, 1024, 3072}, {64, 1024, 1024}, {512, 1024, 512}, {512, 3072, 512}, {512, 512, 1536}} {
+		b.Run(fmt.Sprintf("%dx%dx%d", s[0], s[1], s[2]), func(b *testing.B) { benchLinear(b, s[0], s[1], s[2]) })
+	}
+}
+
+// BenchmarkGEMV is the decode case (one row). Besides GFLOP/s it reports the weight bytes read
+// per second and their ratio to the all-core read bandwidth measured just before (for weights
+// larger than the last-level cache that is the memory-bound ceiling).
+func BenchmarkGEMV(b *testing.B) {
+	for _, s := range [][2]int{{3072, 512}, {1024, 1024}, {2048, 2048}, {4096, 4096}, {8192, 2048}} {
+		b.Run(fmt.Sprintf("%dx%d", s[0], s[1]), func(b *testing.B) {
+			out, in := s[0], s[1]
+			r := rand.New(rand.NewPCG(1, 1))
+			pool := NewPool(0)
+			defer pool.Close()
+			l := NewLinearOn(pool, randSlice(r, out*in), out, in)
+			x, dst := randSlice(r, in), make([]float32, out)
+			bw := ReadGBps(out * in * 4)
+			l.Apply(dst, x, 1)
+			b.SetBytes(int64(out * in * 4))
+			b.ResetTimer()
+			for b.Loop() {
+				l.Apply(dst, x, 1)
+			}
+			sec := b.Elapsed().Seconds() / float64(b.N)
+			gbps := float64(out*in*4) / sec / 1e9
+			b.ReportMetric(2*float64(out*in)/sec/1e9, "GFLOP/s")
+			b.ReportMetric(bw, "readGB/s")
+			b.ReportMetric(gbps/bw, "ofReadBW")
+		})
+	}
+}
+
+func BenchmarkDot(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 1))
+	x, y := randSlice(r, 128), randSlice(r, 128)
+	b.SetBytes(128 * 8)
+	for b.Loop() {
+		Dot(x, y)
+	}
+}
+
+func BenchmarkSiLUMul(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 1))
+	g, u, d := randSlice(r, 3072), randSlice(r, 3072), make([]float32, 3072)
+	b.SetBytes(3072 * 4)
+	for b.Loop() {
+		SiLUMul(d, g, u)
+	}
+}
+
+func BenchmarkSoftmax(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 1))
+	x := randSlice(r, 2048)
+	y := make([]float32, 2048)
+	b.SetBytes(2048 * 4)
+	for b.Loop() {
+		copy(y, x)
+		Softmax(y)
+	}
+}
+
+func BenchmarkCeilings(b *testing.B) {
+	for b.Loop() {
+		b.ReportMetric(PeakGFLOPS(200*time.Millisecond), "peakGFLOP/s")
+		b.ReportMetric(MemcpyGBps(64<<20), "memcpyGB/s")
+		b.ReportMetric(ReadGBps(256<<20), "readGB/s")
+	}
+}
+
+// BenchmarkParallel measures the cost of one Parallel call with trivial items (dispatch and
+// wait) on a pool and on the stateless package-level function.
+func BenchmarkParallel(b *testing.B) {
+	b.Run("pool", func(b *testing.B) {
+		p := NewPool(0)
+		defer p.Close()
+		for b.Loop() {
+			p.Parallel(8, func(int) {})
+		}
+	})
+	b.Run("func", func(b *testing.B) {
+		for b.Loop() {
+			Parallel(8, func(int) {})
+		}
+	})
+}

@@ -1,0 +1,31 @@
+package kernel
+
+// impl is one complete set of kernels. Exactly one (defaultImpl) is chosen at program start and
+// used for every shape, which is what makes results reproducible within a process.
+type impl struct {
+	name string
+	mr   int // rows per Linear tile
+
+	// tile computes rows [0,mr) × columns [0,ncols) of one panel: c[m*ldc+j] = Σ_k a[m*lda+k]·w[k*panelWidth+j],
+	// each element one fixed accumulation chain over k ascending.
+	tile func(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int)
+
+	dot      func(a, b []float32) float32
+	axpy     func(alpha float32, x, y []float32)
+	scale    func(alpha float32, x []float32)
+	add      func(dst, a, b []float32)
+	siluMul  func(dst, gate, up []float32)
+	expShift func(x []float32, shift float32) float32 // x[i] = exp(x[i]-shift); returns Σ x[i] in a fixed order
+	max      func(x []float32) float32
+
+	fmaLoop func(n int) float64       // n iterations of independent FMAs; returns FLOPs per iteration
+	readSum func(x []float32) float32 // reads all of x
+}
+
+// defaultImpl is the implementation chosen for this process (see selectImpl). It is set once
+// during package initialisation and never changed.
+var defaultImpl = selectImpl()
+
+// Implementation returns the name of the kernel implementation this process uses
+// ("avx512", "avx2" or "go").
+func Implementation() string { return defaultImpl.name }

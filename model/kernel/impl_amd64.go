@@ -1,0 +1,146 @@
+//go:build amd64 && !purego
+
+package kernel
+
+import "golang.org/x/sys/cpu"
+
+//go:generate go run asmgen.go
+
+// avx512Impl uses zmm registers: 6×64 Linear tiles (24 accumulators), masked vector tails.
+var avx512Impl = &impl{
+	name:     "avx512",
+	mr:       6,
+	tile:     tileAVX512,
+	dot:      dotAVX512,
+	axpy:     axpyAVX512,
+	scale:    scaleAVX512,
+	add:      addAVX512,
+	siluMul:  siluMulAVX512,
+	expShift: expShiftAVX512,
+	max:      maxAVX512,
+	fmaLoop:  fmaLoopAVX512,
+	readSum:  readSumAVX512,
+}
+
+// avx2Impl uses ymm registers: 6×16 Linear tiles (12 accumulators), four per panel. Scale, Add
+// and the maximum use the portable Go loops.
+var avx2Impl = &impl{
+	name:     "avx2",
+	mr:       6,
+	tile:     tileAVX2,
+	dot:      dotAVX2,
+	axpy:     axpyAVX2,
+	scale:    scaleGeneric,
+	add:      addGeneric,
+	siluMul:  siluMulAVX2,
+	expShift: expShiftAVX2,
+	max:      maxGeneric,
+	fmaLoop:  fmaLoopAVX2,
+	readSum:  readSumAVX,
+}
+
+func hasAVX512() bool { return cpu.X86.HasAVX512F && cpu.X86.HasAVX2 && cpu.X86.HasFMA }
+func hasAVX2() bool   { return cpu.X86.HasAVX2 && cpu.X86.HasFMA }
+
+func selectImpl() *impl {
+	switch {
+	case hasAVX512():
+		return avx512Impl
+	case hasAVX2():
+		return avx2Impl
+	}
+	return genericImpl
+}
+
+// candidateImpls lists every implementation usable on this machine (for tests).
+func candidateImpls() []*impl {
+	c := []*impl{genericImpl}
+	if hasAVX2() {
+		c = append(c, avx2Impl)
+	}
+	if hasAVX512() {
+		c = append(c, avx512Impl)
+	}
+	return c
+}
+
+func tile512x1(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+func tile512x2(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+func tile512x3(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+func tile512x4(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+func tile512x5(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+func tile512x6(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+
+func tile256x1(a *float32, lda int, w *float32, k int, c *float32, ldc int)
+func tile256x2(a *float32, lda int, w *float32, k int, c *float32, ldc int)
+func tile256x3(a *float32, lda int, w *float32, k int, c *float32, ldc int)
+func tile256x4(a *float32, lda int, w *float32, k int, c *float32, ldc int)
+func tile256x5(a *float32, lda int, w *float32, k int, c *float32, ldc int)
+func tile256x6(a *float32, lda int, w *float32, k int, c *float32, ldc int)
+
+// tileAVX512 checks bounds, then runs the zmm kernel for mr rows; columns ≥ ncols are masked off
+// at the store (they were computed from the zero padding of the panel).
+func tileAVX512(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int) {
+	_ = a[(mr-1)*lda+k-1]
+	_ = w[k*panelWidth-1]
+	_ = c[(mr-1)*ldc+ncols-1]
+	mask := ^uint64(0) >> (panelWidth - ncols)
+	switch mr {
+	case 1:
+		tile512x1(&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	case 2:
+		tile512x2(&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	case 3:
+		tile512x3(&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	case 4:
+		tile512x4(&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	case 5:
+		tile512x5(&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	case 6:
+		tile512x6(&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	default:
+		panic("kernel: bad tile height")
+	}
+}
+
+// tileAVX2 runs the ymm kernel on each 16-column slice of the panel; a partial last slice is
+// computed in full into a scratch tile (same arithmetic) and its valid columns copied out.
+func tileAVX2(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int) {
+	_ = a[(mr-1)*lda+k-1]
+	_ = w[k*panelWidth-1]
+	_ = c[(mr-1)*ldc+ncols-1]
+	const sw = 16
+	for s := 0; s*sw < ncols; s++ {
+		cols := min(sw, ncols-s*sw)
+		if cols == sw {
+			tile256(mr, &a[0], lda, &w[s*sw], k, &c[s*sw], ldc)
+			continue
+		}
+		var tmp [maxTileRows * sw]float32
+		tile256(mr, &a[0], lda, &w[s*sw], k, &tmp[0], sw)
+		for m := range mr {
+			copy(c[m*ldc+s*sw:m*ldc+s*sw+cols], tmp[m*sw:m*sw+cols])
+		}
+	}
+}
+
+const maxTileRows = 6
+
+func tile256(mr int, a *float32, lda int, w *float32, k int, c *float32, ldc int) {
+	switch mr {
+	case 1:
+		tile256x1(a, lda, w, k, c, ldc)
+	case 2:
+		tile256x2(a, lda, w, k, c, ldc)
+	case 3:
+		tile256x3(a, lda, w, k, c, ldc)
+	case 4:
+		tile256x4(a, lda, w, k, c, ldc)
+	case 5:
+		tile256x5(a, lda, w, k, c, ldc)
+	case 6:
+		tile256x6(a, lda, w, k, c, ldc)
+	default:
+		panic("kernel: bad tile height")
+	}
+}

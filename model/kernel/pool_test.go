@@ -1,0 +1,89 @@
+package kernel
+
+import (
+	"sync/atomic"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+func TestParallelRunsEachIndexOnce(t *testing.T) {
+	for _, p := range []*Pool{nil, NewPool(1), NewPool(2), NewPool(5)} {
+		for _, n := range []int{0, 1, 2, 3, 10, 1000} {
+			hits := make([]atomic.Int32, n)
+			p.Parallel(n, func(i int) { hits[i].Add(1) })
+			for i := range hits {
+				if hits[i].Load() != 1 {
+					t.Fatalf("workers %d n %d: index %d ran %d times", p.Workers(), n, i, hits[i].Load())
+				}
+			}
+		}
+		p.Close()
+	}
+	var c atomic.Int32
+	Parallel(17, func(int) { c.Add(1) })
+	if c.Load() != 17 {
+		t.Fatalf("Parallel ran %d", c.Load())
+	}
+}
+
+func TestParallelNestedAndAfterClose(t *testing.T) {
+	p := NewPool(2)
+	var c atomic.Int32
+	p.Parallel(4, func(int) { p.Parallel(4, func(int) { c.Add(1) }) })
+	if c.Load() != 16 {
+		t.Fatalf("nested: %d", c.Load())
+	}
+	p.Close()
+	p.Close()
+	p.Parallel(3, func(int) { c.Add(1) })
+	if c.Load() != 19 {
+		t.Fatalf("after Close: %d", c.Load())
+	}
+}
+
+func TestParallelPanicReachesCaller(t *testing.T) {
+	p := NewPool(2)
+	defer p.Close()
+	var done atomic.Int32
+	func() {
+		defer func() {
+			if r := recover(); r != "boom" {
+				t.Fatalf("recovered %v", r)
+			}
+			if done.Load() != 9 {
+				t.Fatalf("%d other items finished, want 9", done.Load())
+			}
+		}()
+		p.Parallel(10, func(i int) {
+			if i == 3 {
+				panic("boom")
+			}
+			done.Add(1)
+		})
+	}()
+}
+
+// TestPoolLeavesNoGoroutines runs a pool inside a synctest bubble: the bubble fails the test if
+// any goroutine it started is still blocked when the function returns.
+func TestPoolLeavesNoGoroutines(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		p := NewPool(4)
+		var c atomic.Int32
+		for range 10 {
+			p.Parallel(8, func(int) { c.Add(1) })
+		}
+		l := NewLinearOn(p, make([]float32, 300*20), 300, 20)
+		l.Apply(make([]float32, 9*300), make([]float32, 9*20), 9)
+		Parallel(5, func(int) { c.Add(1) })
+		// The workers must stop polling and park, or the bubble's clock could never advance.
+		time.Sleep(time.Second)
+		synctest.Wait()
+		if err := p.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if c.Load() != 85 {
+			t.Fatalf("ran %d", c.Load())
+		}
+	})
+}
