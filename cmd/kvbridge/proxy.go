@@ -16,8 +16,11 @@ import (
 	"github.com/kvbridge/kvbridge/proxy"
 )
 
-// proxyFlags are the toy proxy's flags (and, later, the multi-turn proxy's).
+// proxyFlags are the flags of vLLM's toy proxy and multi-turn proxy.
 type proxyFlags struct {
+	multiTurn, requireConversationID  bool
+	cacheTTL                          time.Duration
+	maxConversations                  int
 	host                              string
 	port                              int
 	prefillHosts, decodeHosts         []string
@@ -31,14 +34,14 @@ func newProxyCmd() *cobra.Command {
 	var f proxyFlags
 	cmd := &cobra.Command{
 		Use:   "proxy",
-		Short: "Route each request to a prefill instance, then to a decode instance (vLLM's toy proxy)",
+		Short: "Route each request to a prefill instance, then to a decode instance (vLLM's toy proxy; --multi-turn: the stateful multi-turn proxy)",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return runProxy(cmd.Context(), f)
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&f.host, "host", "127.0.0.1", "address to listen on")
+	fl.StringVar(&f.host, "host", "", "address to listen on (default 127.0.0.1; 0.0.0.0 with --multi-turn)")
 	fl.IntVar(&f.port, "port", 8000, "port to listen on (0 picks a free port)")
 	fl.StringSliceVar(&f.prefillHosts, "prefiller-hosts", nil, "prefill instance hosts (default localhost)")
 	fl.StringSliceVar(&f.prefillHostAlias, "prefiller-host", nil, "alias of --prefiller-hosts")
@@ -50,6 +53,10 @@ func newProxyCmd() *cobra.Command {
 	fl.IntSliceVar(&f.decodePortAlias, "decoder-port", nil, "alias of --decoder-ports")
 	fl.DurationVar(&f.headerTimeout, "header-timeout", 5*time.Minute, "longest wait for an engine's response headers (covers P's prefill)")
 	fl.DurationVar(&f.idleTimeout, "idle-timeout", 2*time.Minute, "longest silence of an engine's response stream")
+	fl.BoolVar(&f.multiTurn, "multi-turn", false, "cache D's kv_transfer_params per conversation_id so that P pulls earlier turns' KV from D (bidirectional transfer)")
+	fl.BoolVar(&f.requireConversationID, "require-conversation-id", false, "with --multi-turn: answer 400 to requests without a conversation_id")
+	fl.DurationVar(&f.cacheTTL, "conversation-ttl", 450*time.Second, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
+	fl.IntVar(&f.maxConversations, "max-conversations", 10000, "with --multi-turn: most conversations cached (least recently used dropped first)")
 	return cmd
 }
 
@@ -74,10 +81,28 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if f.port < 0 || f.port > 65535 {
 		return usageError("--port %d is not a port number", f.port)
 	}
-	h, err := proxy.NewOneWay(proxy.Config{
+	if f.host == "" {
+		f.host = "127.0.0.1"
+		if f.multiTurn {
+			f.host = "0.0.0.0"
+		}
+	}
+	if !f.multiTurn && f.requireConversationID {
+		return usageError("--require-conversation-id needs --multi-turn")
+	}
+	cfg := proxy.Config{
 		Prefill: pre, Decode: dec, APIKey: os.Getenv("OPENAI_API_KEY"), Logger: log,
 		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout,
-	})
+	}
+	var h interface {
+		http.Handler
+		Close() error
+	}
+	if f.multiTurn {
+		h, err = proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg, CacheTTL: f.cacheTTL, MaxConversations: f.maxConversations, RequireConversationID: f.requireConversationID})
+	} else {
+		h, err = proxy.NewOneWay(cfg)
+	}
 	if err != nil {
 		return usageError("%v", err)
 	}
@@ -86,7 +111,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if err != nil {
 		return fmt.Errorf("listen on port %d: %w (is another server using it? pick another with --port)", f.port, err)
 	}
-	log.Info("kvbridge proxy listening", "addr", "http://"+ln.Addr().String(), "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
+	log.Info("kvbridge proxy listening", "addr", "http://"+ln.Addr().String(), "multi_turn", f.multiTurn, "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
 	return serveUntilDone(ctx, &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second}, ln)
 }
 

@@ -1,0 +1,125 @@
+package connector_test
+
+import (
+	"fmt"
+	"maps"
+	"testing"
+	"time"
+
+	"github.com/kvbridge/kvbridge/connector"
+)
+
+func bidiCfg(role, extra string) string {
+	return fmt.Sprintf(`{"kv_connector":"NixlConnector","kv_role":%q,"kv_connector_extra_config":{"bidirectional_kv_xfer":true%s}}`, role, extra)
+}
+
+// turnOne runs a first turn P → D and returns D's params (what the multi-turn proxy caches)
+// and the token ids of the next prompt: the first prompt, the answer, then new tokens.
+func turnOne(t *testing.T, p, d *node, prompt []int) (map[string]any, []int) {
+	t.Helper()
+	status, r := decode(t, d, prompt, prefill(t, p, prompt), 20)
+	if status != 200 || r.KVParams == nil {
+		t.Fatalf("turn 1: %d %s", status, r.Raw)
+	}
+	dp, err := connector.ParseParams(r.KVParams)
+	if err != nil || !dp.DoRemoteDecode || dp.DoRemotePrefill || dp.RemoteBlocksExpiryTime == nil || dp.RemoteNumTokens <= 0 ||
+		dp.RemoteNumTokens > len(dp.Blocks())*16 || len(dp.BlockHashes) == 0 {
+		t.Fatalf("D's params after a turn (conformance item 31): %+v %v", dp, err)
+	}
+	answer := openModel(t, "kvbridge/tiny").Tokenizer().Encode(r.Text)
+	next := append(append(append([]int(nil), prompt...), toInts(answer)...), tokens(10, 99)...)
+	return r.KVParams, next
+}
+
+func toInts(ids []int32) []int {
+	out := make([]int, len(ids))
+	for i, id := range ids {
+		out[i] = int(id)
+	}
+	return out
+}
+
+// prefillFromD runs turn 2's prefill on P with D's params, as the multi-turn proxy does.
+func prefillFromD(t *testing.T, p *node, prompt []int, dparams map[string]any) (int, result) {
+	t.Helper()
+	kv := maps.Clone(dparams)
+	kv["do_remote_decode"], kv["do_remote_prefill"] = true, false
+	return post(t, p.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": kv})
+}
+
+func external(r result) int {
+	d, _ := r.Usage["prompt_tokens_details"].(map[string]any)
+	f, _ := d["external_cached_tokens"].(float64)
+	return int(f)
+}
+
+// TestBidirectionalPullIsVerified: on turn 2, P pulls from D only the blocks whose token hashes
+// match its own prompt (items 31, 33). An edited history pulls less — never wrong KV — and the
+// rejection is counted.
+func TestBidirectionalPullIsVerified(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{kvConfig: bidiCfg("kv_producer", `,"kv_recompute_threshold":0`)})
+	d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), prefix: true})
+	single := startNode(t, "single", nodeOptions{})
+	first := tokens(100, 20)
+	dparams, next := turnOne(t, p, d, first)
+
+	want := func(prompt []int) string {
+		_, r := post(t, single.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+		return r.Text
+	}
+	status, r := prefillFromD(t, p, next, dparams)
+	if status != 200 || r.Text != want(next) {
+		t.Fatalf("turn 2 prefill: %d %s", status, r.Raw)
+	}
+	if got := external(r); got < 96 {
+		t.Errorf("turn 2 pulled %d tokens from D; the first prompt alone holds 6 verified blocks (96)", got)
+	}
+
+	// A second conversation whose history was edited at token 40.
+	dparams2, next2 := turnOne(t, p, d, tokens(100, 21))
+	next2[40]++
+	before := p.conn.VerificationRejections()
+	status, r = prefillFromD(t, p, next2, dparams2)
+	if status != 200 || r.Text != want(next2) {
+		t.Fatalf("edited history: %d %s", status, r.Raw)
+	}
+	if got := external(r); got != 32 {
+		t.Errorf("edited history pulled %d tokens, want the 2 blocks before the edit (32)", got)
+	}
+	if p.conn.VerificationRejections() != before+1 {
+		t.Error("the rejection was not counted")
+	}
+	d.waitPoolFull(t) // D freed both turns' blocks on P's notifications
+}
+
+// TestBidirectionalDeclinesExpiredBlocks: P declines a read of D's blocks within 5 s of their
+// TTL, measured on D's clock through the handshake's offset (item 35): policy fail fails the
+// prefill, recompute answers correctly.
+func TestBidirectionalDeclinesExpiredBlocks(t *testing.T) {
+	for _, policy := range []string{"fail", "recompute"} {
+		t.Run(policy, func(t *testing.T) {
+			dclock := newFakeClock()
+			p := startNode(t, "P", nodeOptions{kvConfig: fmt.Sprintf(`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":%q,"kv_connector_extra_config":{"bidirectional_kv_xfer":true}}`, policy)})
+			d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), now: dclock.Now, tick: make(chan time.Time)})
+			single := startNode(t, "single", nodeOptions{})
+			dparams, next := turnOne(t, p, d, tokens(100, 22))
+			dclock.Advance(477 * time.Second) // D's 480 s TTL ends in 3 s on D's clock
+			status, r := prefillFromD(t, p, next, dparams)
+			switch policy {
+			case "fail":
+				if status != 500 {
+					t.Fatalf("expired D blocks under fail: %d %s", status, r.Raw)
+				}
+			case "recompute":
+				_, w := post(t, single.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": next, "max_tokens": 1, "temperature": 0})
+				if status != 200 || r.Text != w.Text || external(r) != 0 {
+					t.Fatalf("expired D blocks under recompute: %d %s", status, r.Raw)
+				}
+			}
+			iv := p.em.Nixl().TakeInterval()
+			if iv.ExpiredRequests != 1 {
+				t.Errorf("P counted %d expired requests, want 1", iv.ExpiredRequests)
+			}
+		})
+	}
+}
