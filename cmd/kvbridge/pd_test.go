@@ -52,7 +52,7 @@ func TestCrossProcessPD(t *testing.T) {
 					t.Errorf("prompt %d: P/D %q, single %q", i, got, want[i])
 				}
 			}
-			if !strings.Contains(d.log(), "backend="+backend) {
+			if !d.waitLog(t, "backend="+backend) {
 				t.Errorf("D did not report the %s backend:\n%s", backend, d.log())
 			}
 		})
@@ -115,7 +115,7 @@ func TestProducerKilledBeforeRead(t *testing.T) {
 					t.Fatalf("dead producer under recompute: %d %s, want %q", status, raw, want)
 				}
 			}
-			if !strings.Contains(d.log(), "NIXL transfer failure") {
+			if !d.waitLog(t, "NIXL transfer failure") {
 				t.Errorf("D did not log the failure:\n%s", d.log())
 			}
 		})

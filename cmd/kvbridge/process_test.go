@@ -87,6 +87,24 @@ func (p *process) log() string {
 	return p.logs.String()
 }
 
+// waitLog waits (at most 10 s) until the process has logged a line containing s; stderr is
+// read by another goroutine, so a line written before an HTTP answer may arrive after it.
+func (p *process) waitLog(t *testing.T, s string) bool {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !strings.Contains(p.log(), s) {
+		if time.Now().After(deadline) {
+			return false
+		}
+		select {
+		case <-p.done:
+			return strings.Contains(p.log(), s)
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return true
+}
+
 func (p *process) kill() { _ = p.cmd.Process.Signal(syscall.SIGKILL) }
 
 // postJSON sends body and returns the status and the raw response.
