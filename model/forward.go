@@ -1,0 +1,270 @@
+package model
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/kvbridge/kvbridge/model/kernel"
+)
+
+// KVBlocks is the paged KV storage the forward pass reads and writes (implemented by *kvcache.Pool).
+type KVBlocks interface {
+	// HeadView returns the keys and values of one KV head in one block of one layer. The key of
+	// slot s (0 ≤ s < block size) is k[s*stride : s*stride+headDim]; the same for v.
+	HeadView(layer, block, head int) (k, v []float32, stride int)
+}
+
+// Seq is one sequence's share of a forward step.
+type Seq struct {
+	// Tokens are the tokens computed this step (their KV is written into the blocks).
+	Tokens []int32
+	// Start is the position of Tokens[0]; positions [0,Start) already hold KV in Blocks.
+	Start int
+	// Blocks is the block table: position p lives in block Blocks[p/blockSize], slot p%blockSize.
+	Blocks []int32
+	// Logits, if non-nil (len = vocab size), receives the logits of the last token of Tokens.
+	Logits []float32
+}
+
+// workspace holds one Forward call's activations; reused across calls through Model.work.
+type workspace struct {
+	x, h, qkv, attn, proj, gu, act []float32
+	tokSeq                         []int32 // sequence index of each token
+	tokPos                         []int32 // position of each token
+	views                          []headView
+	viewBase                       []int // views index of (seq, head 0, block 0)
+	logitRows                      []int // token rows whose logits are wanted
+	seqAttn                        []seqAttn
+	items                          []attnItem
+	builds                         []buildItem
+	kv                             KVBlocks // the step's store
+	epoch                          uint64   // the step's packed-cache epoch
+	cacheOK                        bool     // the packed cache is used for this store
+}
+
+// release drops the workspace's references to the step's store and packed chunks, so the
+// pooled workspace keeps neither alive.
+func (w *workspace) release() {
+	w.kv = nil
+	for i := range w.seqAttn {
+		w.seqAttn[i].k, w.seqAttn[i].v, w.seqAttn[i].gens = nil, nil, nil
+	}
+	w.builds, w.items = w.builds[:0], w.items[:0]
+}
+
+// headView is one (layer, block, KV head) view of the KV store.
+type headView struct {
+	k, v   []float32
+	stride int
+}
+
+// grow returns s resized to n, reallocating only when its capacity is too small.
+func grow[T any](s []T, n int) []T {
+	if cap(s) < n {
+		return make([]T, n)
+	}
+	return s[:n]
+}
+
+// Forward runs one batched step over seqs. blockSize is the KV block size in tokens.
+//
+// For every sequence it writes the KV of Tokens (positions Start..Start+len-1) into the blocks
+// and, if Logits is non-nil, computes the logits of the last token. Attention of the token at
+// position p reads positions 0..p from the blocks, in order, so the result does not depend on
+// how the sequence was chunked or batched: a token's logits and KV are bit-identical whatever
+// batch, batch position or prefill chunking they are computed in.
+func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []Seq) (err error) {
+	defer func() {
+		// A store that panics (a block id out of range) fails the step, not the process.
+		if r := recover(); r != nil {
+			err = fmt.Errorf("%w: forward step failed: %v", ErrBadInput, r)
+		}
+	}()
+	if m.closed.Load() {
+		return ErrClosed
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	c := m.cfg
+	if blockSize <= 0 {
+		return fmt.Errorf("%w: block size %d", ErrBadInput, blockSize)
+	}
+	total := 0
+	for i, s := range seqs {
+		if s.Start < 0 {
+			return fmt.Errorf("%w: seq %d: start %d", ErrBadInput, i, s.Start)
+		}
+		end := s.Start + len(s.Tokens)
+		if end > len(s.Blocks)*blockSize {
+			return fmt.Errorf("%w: seq %d: %d positions but %d blocks of %d", ErrBadInput, i, end, len(s.Blocks), blockSize)
+		}
+		if s.Logits != nil && len(s.Logits) != c.VocabSize {
+			return fmt.Errorf("%w: seq %d: logits length %d, vocab %d", ErrBadInput, i, len(s.Logits), c.VocabSize)
+		}
+		if s.Logits != nil && len(s.Tokens) == 0 {
+			return fmt.Errorf("%w: seq %d: logits requested for no tokens", ErrBadInput, i)
+		}
+		for _, t := range s.Tokens {
+			if t < 0 || int(t) >= c.VocabSize {
+				return fmt.Errorf("%w: seq %d: token %d outside vocabulary of %d", ErrBadInput, i, t, c.VocabSize)
+			}
+		}
+		total += len(s.Tokens)
+	}
+	if total == 0 {
+		return nil
+	}
+
+	w, _ := m.work.Get().(*workspace)
+	if w == nil {
+		w = new(workspace)
+	}
+	defer m.work.Put(w)
+
+	h, hd := c.HiddenSize, c.HeadDim
+	qd, kd := c.NumHeads*hd, c.NumKVHeads*hd
+	w.x = grow(w.x, total*h)
+	w.h = grow(w.h, total*h)
+	w.qkv = grow(w.qkv, total*(qd+2*kd))
+	w.attn = grow(w.attn, total*qd)
+	w.proj = grow(w.proj, total*h)
+	w.gu = grow(w.gu, total*2*c.IntermediateSize)
+	w.act = grow(w.act, total*c.IntermediateSize)
+	w.tokSeq = grow(w.tokSeq, total)
+	w.tokPos = grow(w.tokPos, total)
+	w.viewBase = grow(w.viewBase, len(seqs))
+	w.logitRows = w.logitRows[:0]
+
+	// Embedding lookup, token → sequence/position maps, and the view table's shape.
+	row, nviews := 0, 0
+	for i, s := range seqs {
+		w.viewBase[i] = nviews
+		if len(s.Tokens) > 0 {
+			nviews += c.NumKVHeads * ((s.Start + len(s.Tokens) + blockSize - 1) / blockSize)
+		}
+		for j, t := range s.Tokens {
+			copy(w.x[row*h:(row+1)*h], m.embed[int(t)*h:(int(t)+1)*h])
+			w.tokSeq[row] = int32(i)
+			w.tokPos[row] = int32(s.Start + j)
+			row++
+		}
+		if s.Logits != nil {
+			w.logitRows = append(w.logitRows, row-1)
+		}
+	}
+	w.views = grow(w.views, nviews)
+
+	m.planAttention(w, kv, blockSize, seqs)
+	defer w.release()
+
+	eps := float32(c.RMSNormEps)
+	for l := range m.layer {
+		if err = ctx.Err(); err != nil {
+			return err
+		}
+		ly := &m.layer[l]
+		m.resolveViews(w, kv, l, blockSize, seqs)
+
+		// Attention block.
+		kernel.RMSNorm(w.h[:total*h], w.x[:total*h], ly.inNorm, eps)
+		ly.qkv.Apply(w.qkv, w.h, total)
+		m.pool.Parallel(total, func(r int) { m.prepareToken(w, ly, seqs, blockSize, r) })
+		m.attention(w, seqs, blockSize, l)
+		ly.o.Apply(w.proj, w.attn, total)
+		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
+
+		// MLP block.
+		kernel.RMSNorm(w.h[:total*h], w.x[:total*h], ly.postNorm, eps)
+		ly.gateUp.Apply(w.gu, w.h, total)
+		in := c.IntermediateSize
+		for r := range total {
+			g := w.gu[r*2*in : (r+1)*2*in]
+			kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
+		}
+		ly.down.Apply(w.proj, w.act, total)
+		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
+	}
+
+	// Final norm and lm_head for the requested rows only.
+	n := len(w.logitRows)
+	if n == 0 {
+		return nil
+	}
+	for i, r := range w.logitRows {
+		kernel.RMSNorm(w.h[i*h:(i+1)*h], w.x[r*h:(r+1)*h], m.norm, eps)
+	}
+	logits := make([]float32, n*c.VocabSize)
+	m.head.Apply(logits, w.h, n)
+	i := 0
+	for _, s := range seqs {
+		if s.Logits != nil {
+			copy(s.Logits, logits[i*c.VocabSize:(i+1)*c.VocabSize])
+			i++
+		}
+	}
+	return nil
+}
+
+// resolveViews fills the view table of layer l: for every sequence, KV head and block index.
+func (m *Model) resolveViews(w *workspace, kv KVBlocks, l, blockSize int, seqs []Seq) {
+	nkv := m.cfg.NumKVHeads
+	for i, s := range seqs {
+		if len(s.Tokens) == 0 {
+			continue
+		}
+		nb := (s.Start + len(s.Tokens) + blockSize - 1) / blockSize
+		base := w.viewBase[i]
+		for g := range nkv {
+			for b := range nb {
+				k, v, stride := kv.HeadView(l, int(s.Blocks[b]), g)
+				w.views[base+g*nb+b] = headView{k: k, v: v, stride: stride}
+			}
+		}
+	}
+}
+
+// view returns the view of (seq i, KV head g, block index b).
+func (w *workspace) view(seqs []Seq, blockSize, i, g, b int) headView {
+	s := seqs[i]
+	nb := (s.Start + len(s.Tokens) + blockSize - 1) / blockSize
+	return w.views[w.viewBase[i]+g*nb+b]
+}
+
+// prepareToken adds biases, applies the per-head q/k norms and RoPE to token row r, scales its
+// queries by 1/sqrt(HeadDim), and writes its K and V into the KV store.
+func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSize, r int) {
+	c := m.cfg
+	hd := c.HeadDim
+	qd, kd := c.NumHeads*hd, c.NumKVHeads*hd
+	row := w.qkv[r*(qd+2*kd) : (r+1)*(qd+2*kd)]
+	if ly.qkvBias != nil {
+		kernel.Add(row, row, ly.qkvBias)
+	}
+	if ly.qNorm != nil {
+		eps := float32(c.RMSNormEps)
+		kernel.RMSNorm(row[:qd], row[:qd], ly.qNorm, eps)
+		kernel.RMSNorm(row[qd:qd+kd], row[qd:qd+kd], ly.kNorm, eps)
+	}
+	var buf [512]float32
+	var cos, sin []float32
+	if hd <= len(buf) {
+		cos, sin = buf[:hd/2], buf[hd/2:hd]
+	} else {
+		cos, sin = make([]float32, hd/2), make([]float32, hd/2)
+	}
+	pos := int(w.tokPos[r])
+	m.rope.angles(pos, cos, sin)
+	for hh := range c.NumHeads + c.NumKVHeads {
+		applyRope(row[hh*hd:(hh+1)*hd], cos, sin)
+	}
+	kernel.Scale(m.qScale, row[:qd])
+	si := int(w.tokSeq[r])
+	b, slot := pos/blockSize, pos%blockSize
+	for g := range c.NumKVHeads {
+		v := w.view(seqs, blockSize, si, g, b)
+		o := slot * v.stride
+		copy(v.k[o:o+hd], row[qd+g*hd:qd+(g+1)*hd])
+		copy(v.v[o:o+hd], row[qd+kd+g*hd:qd+kd+(g+1)*hd])
+	}
+}

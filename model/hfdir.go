@@ -1,0 +1,227 @@
+package model
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+
+	"github.com/kvbridge/kvbridge/model/tokenizer"
+)
+
+// loadDir loads a Hugging Face model directory: config.json, model.safetensors or a sharded
+// model.safetensors.index.json, tokenizer.json, tokenizer_config.json (optional) and
+// generation_config.json (optional).
+func loadDir(ctx context.Context, name, dir string) (*Model, error) {
+	cfgData, err := os.ReadFile(filepath.Join(dir, "config.json"))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrModelNotFound, dir, err)
+	}
+	cfg, err := ParseConfig(cfgData)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", dir, err)
+	}
+	tok, err := loadTokenizer(dir)
+	if err != nil {
+		return nil, err
+	}
+	tmpl, err := chatTemplate(dir, tok)
+	if err != nil {
+		return nil, err
+	}
+	gen, err := loadGeneration(dir, cfg, tok)
+	if err != nil {
+		return nil, err
+	}
+	w, files, err := loadWeights(ctx, dir, cfg)
+	defer files.close() // the packed model holds its own copy
+	if err != nil {
+		return nil, err
+	}
+	return newModel(name, cfg, w, tok, tmpl, gen)
+}
+
+// loadTokenizer reads tokenizer.json and tokenizer_config.json (optional).
+func loadTokenizer(dir string) (*tokenizer.Tokenizer, error) {
+	tj, err := os.ReadFile(filepath.Join(dir, "tokenizer.json"))
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrModelNotFound, dir, err)
+	}
+	tcj, err := os.ReadFile(filepath.Join(dir, "tokenizer_config.json"))
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, fmt.Errorf("model: %s: %w", dir, err)
+	}
+	tok, err := tokenizer.Load(tj, tcj)
+	if err != nil {
+		return nil, fmt.Errorf("model: %s: %w", dir, err)
+	}
+	return tok, nil
+}
+
+// chatTemplate returns the model's chat template: tokenizer_config.json's chat_template, else
+// the directory's chat_template.jinja, else ChatML.
+func chatTemplate(dir string, tok *tokenizer.Tokenizer) (tokenizer.ChatTemplate, error) {
+	if tok.ChatTemplateSource() == "" {
+		if b, err := os.ReadFile(filepath.Join(dir, "chat_template.jinja")); err == nil && len(b) > 0 {
+			t, err := tokenizer.ParseChatTemplate(string(b), tok.BOSToken(), tok.EOSToken())
+			if err != nil {
+				return nil, fmt.Errorf("model: %s/chat_template.jinja: %w", dir, err)
+			}
+			return t, nil
+		}
+	}
+	t, err := tok.ChatTemplate()
+	if err != nil {
+		return nil, fmt.Errorf("model: %s: %w", dir, err)
+	}
+	return t, nil
+}
+
+// hfGeneration mirrors generation_config.json.
+type hfGeneration struct {
+	EOSTokenID  json.RawMessage `json:"eos_token_id"`
+	Temperature *float64        `json:"temperature"`
+	TopP        *float64        `json:"top_p"`
+	TopK        *int            `json:"top_k"`
+}
+
+// loadGeneration reads generation_config.json (optional). EOS ids come from it, else from
+// config.json, else from the tokenizer's eos_token. Embedding rows beyond the tokenizer's
+// vocabulary are suppressed.
+func loadGeneration(dir string, cfg Config, tok *tokenizer.Tokenizer) (GenerationConfig, error) {
+	gen := GenerationConfig{Temperature: 1, TopP: 1}
+	data, err := os.ReadFile(filepath.Join(dir, "generation_config.json"))
+	switch {
+	case err == nil:
+		var h hfGeneration
+		if err := json.Unmarshal(data, &h); err != nil {
+			return gen, fmt.Errorf("%w: %s/generation_config.json: %w", ErrBadConfig, dir, err)
+		}
+		ids, err := tokenIDs(h.EOSTokenID)
+		if err != nil {
+			return gen, fmt.Errorf("%w: %s/generation_config.json: eos_token_id: %w", ErrBadConfig, dir, err)
+		}
+		gen.EOSTokenIDs = ids
+		if h.Temperature != nil {
+			gen.Temperature = *h.Temperature
+		}
+		if h.TopP != nil {
+			gen.TopP = *h.TopP
+		}
+		if h.TopK != nil {
+			gen.TopK = *h.TopK
+		}
+	case !errors.Is(err, fs.ErrNotExist):
+		return gen, fmt.Errorf("model: %s: %w", dir, err)
+	}
+	if len(gen.EOSTokenIDs) == 0 {
+		gen.EOSTokenIDs = slices.Clone(cfg.EOSTokenIDs)
+	}
+	if len(gen.EOSTokenIDs) == 0 {
+		if id, ok := tok.EOSTokenID(); ok {
+			gen.EOSTokenIDs = []int32{id}
+		}
+	}
+	for id := tok.VocabSize(); id < cfg.VocabSize; id++ {
+		gen.SuppressTokens = append(gen.SuppressTokens, int32(id))
+	}
+	return gen, nil
+}
+
+// safetensorsIndex mirrors model.safetensors.index.json.
+type safetensorsIndex struct {
+	WeightMap map[string]string `json:"weight_map"`
+}
+
+// mappedFiles are the safetensors files a load has open.
+type mappedFiles map[string]*safetensors
+
+// close unmaps every file.
+func (fs mappedFiles) close() {
+	for _, f := range fs {
+		f.Close()
+	}
+}
+
+// loadWeights finds every tensor cfg needs in model.safetensors or the sharded index. Vectors
+// and the embedding are widened to float32 now; projection matrices are left as row readers over
+// the mapped files, widened while being packed. The caller closes the returned files after
+// packing (also on error).
+func loadWeights(ctx context.Context, dir string, cfg Config) (*weights, mappedFiles, error) {
+	files := mappedFiles{}
+	open := func(name string) (*safetensors, error) {
+		if f, ok := files[name]; ok {
+			return f, nil
+		}
+		if name != filepath.Base(name) {
+			return nil, fmt.Errorf("%w: %s: shard name %q is not a plain file name", ErrBadWeights, dir, name)
+		}
+		f, err := openSafetensors(filepath.Join(dir, name))
+		if err != nil {
+			return nil, err
+		}
+		files[name] = f
+		return f, nil
+	}
+
+	var lookup func(tensor string) (*safetensors, bool, error)
+	if idx, err := os.ReadFile(filepath.Join(dir, "model.safetensors.index.json")); err == nil {
+		var ix safetensorsIndex
+		if err := json.Unmarshal(idx, &ix); err != nil {
+			return nil, files, fmt.Errorf("%w: %s/model.safetensors.index.json: %w", ErrBadWeights, dir, err)
+		}
+		lookup = func(tensor string) (*safetensors, bool, error) {
+			shard, ok := ix.WeightMap[tensor]
+			if !ok {
+				return nil, false, nil
+			}
+			f, err := open(shard)
+			return f, err == nil, err
+		}
+	} else if errors.Is(err, fs.ErrNotExist) {
+		f, err := open("model.safetensors")
+		if err != nil {
+			return nil, files, err
+		}
+		lookup = func(tensor string) (*safetensors, bool, error) {
+			_, ok := f.tensors[tensor]
+			return f, ok, nil
+		}
+	} else {
+		return nil, files, fmt.Errorf("model: %s: %w", dir, err)
+	}
+
+	w := new(weights)
+	for _, s := range w.specs(cfg) {
+		if err := ctx.Err(); err != nil {
+			return nil, files, err
+		}
+		f, ok, err := lookup(s.name)
+		if err != nil {
+			return nil, files, err
+		}
+		if !ok {
+			if s.optional {
+				continue
+			}
+			return nil, files, fmt.Errorf("%w: %s in %s", ErrMissingTensor, s.name, dir)
+		}
+		var shape []int
+		if s.mat != nil {
+			s.mat.row, shape, err = f.rows(s.name)
+		} else {
+			*s.vec, shape, err = f.float32s(s.name)
+		}
+		if err != nil {
+			return nil, files, err
+		}
+		if !slices.Equal(shape, s.shape) {
+			return nil, files, fmt.Errorf("%w: %s: tensor %s has shape %v, config wants %v", ErrBadWeights, dir, s.name, shape, s.shape)
+		}
+	}
+	return w, files, nil
+}

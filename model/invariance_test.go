@@ -1,0 +1,242 @@
+package model
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"testing"
+)
+
+// openTiny opens kvbridge/tiny and closes it at the end of the test.
+func openTiny(t testing.TB) *Model {
+	t.Helper()
+	m, err := Open(t.Context(), Tiny, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
+}
+
+// bits returns the bit patterns of x, for exact comparisons that also treat NaNs as equal.
+func bits(x []float32) []uint32 {
+	b := make([]uint32, len(x))
+	for i, v := range x {
+		b[i] = math.Float32bits(v)
+	}
+	return b
+}
+
+// requireSameBits fails unless a and b are bit-identical.
+func requireSameBits(t *testing.T, what string, a, b []float32) {
+	t.Helper()
+	if !slices.Equal(bits(a), bits(b)) {
+		for i := range a {
+			if math.Float32bits(a[i]) != math.Float32bits(b[i]) {
+				t.Fatalf("%s: element %d differs: %g vs %g", what, i, a[i], b[i])
+			}
+		}
+		t.Fatalf("%s: lengths differ: %d vs %d", what, len(a), len(b))
+	}
+}
+
+// prefillChunked runs tokens through m in chunks of the given size on kv (blocks from the
+// table), asking for logits on the last chunk only, and returns them.
+func prefillChunked(t *testing.T, m *Model, kv KVBlocks, blockSize int, blocks []int32, tokens []int32, chunk int) []float32 {
+	t.Helper()
+	logits := make([]float32, m.cfg.VocabSize)
+	for start := 0; start < len(tokens); start += chunk {
+		end := min(len(tokens), start+chunk)
+		s := Seq{Tokens: tokens[start:end], Start: start, Blocks: blocks}
+		if end == len(tokens) {
+			s.Logits = logits
+		}
+		if err := m.Forward(t.Context(), kv, blockSize, []Seq{s}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return logits
+}
+
+// kvOf returns all K and V values of positions [0,n) of a sequence, layer by layer.
+func kvOf(kv *testKV, c Config, blocks []int32, n int) []float32 {
+	var out []float32
+	for l := range c.NumLayers {
+		for g := range c.NumKVHeads {
+			for p := range n {
+				k, v := kv.position(blocks, l, g, p)
+				out = append(out, k...)
+				out = append(out, v...)
+			}
+		}
+	}
+	return out
+}
+
+func TestForwardChunkingInvariance(t *testing.T) {
+	m := openTiny(t)
+	c := m.cfg
+	const blockSize = 16
+	tokens := randomTokens(50, c.VocabSize, 7)
+	nb := (len(tokens) + blockSize - 1) / blockSize
+	blocks := blockRange(0, nb)
+
+	oneKV := newTestKV(c, blockSize, nb, false)
+	want := prefillChunked(t, m, oneKV, blockSize, blocks, tokens, len(tokens))
+	wantKV := kvOf(oneKV, c, blocks, len(tokens))
+	for _, chunk := range []int{1, 3, 16, 17} {
+		t.Run(fmt.Sprintf("chunk%d", chunk), func(t *testing.T) {
+			kv := newTestKV(c, blockSize, nb, false)
+			got := prefillChunked(t, m, kv, blockSize, blocks, tokens, chunk)
+			requireSameBits(t, "logits", want, got)
+			requireSameBits(t, "kv", wantKV, kvOf(kv, c, blocks, len(tokens)))
+		})
+	}
+	t.Run("nhd-layout-scattered-blocks", func(t *testing.T) {
+		kv := newTestKV(c, blockSize, 3*nb, true)
+		scattered := []int32{7, 2, 11, 5}[:nb]
+		got := prefillChunked(t, m, kv, blockSize, scattered, tokens, 13)
+		requireSameBits(t, "logits", want, got)
+	})
+	t.Run("block-size-5", func(t *testing.T) {
+		kv := newTestKV(c, 5, 10, false)
+		got := prefillChunked(t, m, kv, 5, blockRange(0, 10), tokens, 9)
+		requireSameBits(t, "logits", want, got)
+	})
+}
+
+func TestForwardBatchInvariance(t *testing.T) {
+	m := openTiny(t)
+	c := m.cfg
+	const blockSize = 16
+	const perSeq = 4 // blocks per sequence
+	prompts := [][]int32{
+		randomTokens(41, c.VocabSize, 21),
+		randomTokens(30, c.VocabSize, 22),
+		randomTokens(55, c.VocabSize, 23),
+		randomTokens(9, c.VocabSize, 24),
+	}
+	// Reference: each prompt alone, in one step, on its own store.
+	want := make([][]float32, len(prompts))
+	for i, p := range prompts {
+		kv := newTestKV(c, blockSize, perSeq, false)
+		want[i] = prefillChunked(t, m, kv, blockSize, blockRange(0, perSeq), p, len(p))
+	}
+
+	// Batched: all sequences share one store and advance by different chunk sizes per step, so
+	// each step mixes sequences at different positions (prefill chunks and single tokens).
+	for _, order := range [][]int{{0, 1, 2, 3}, {3, 2, 1, 0}, {2, 0, 3, 1}} {
+		t.Run(fmt.Sprint(order), func(t *testing.T) {
+			kv := newTestKV(c, blockSize, perSeq*len(prompts), false)
+			chunks := []int{7, 1, 20, 3}
+			done := make([]int, len(prompts))
+			got := make([][]float32, len(prompts))
+			for step := 0; ; step++ {
+				var seqs []Seq
+				for _, i := range order {
+					p := prompts[i]
+					if done[i] == len(p) {
+						continue
+					}
+					n := min(len(p)-done[i], chunks[(i+step)%len(chunks)])
+					s := Seq{Tokens: p[done[i] : done[i]+n], Start: done[i], Blocks: blockRange(i*perSeq, perSeq)}
+					if done[i]+n == len(p) {
+						got[i] = make([]float32, c.VocabSize)
+						s.Logits = got[i]
+					} else if step%2 == 0 {
+						s.Logits = make([]float32, c.VocabSize) // intermediate logits must not disturb anything
+					}
+					seqs = append(seqs, s)
+					done[i] += n
+				}
+				if len(seqs) == 0 {
+					break
+				}
+				if err := m.Forward(t.Context(), kv, blockSize, seqs); err != nil {
+					t.Fatal(err)
+				}
+			}
+			for i := range prompts {
+				requireSameBits(t, fmt.Sprintf("seq %d logits", i), want[i], got[i])
+			}
+		})
+	}
+}
+
+func TestForwardDecodeMatchesPrefill(t *testing.T) {
+	// Logits of position p computed while decoding (one token, KV of 0..p-1 from earlier steps)
+	// equal those of a prefill that ends at p.
+	m := openTiny(t)
+	c := m.cfg
+	tokens := randomTokens(20, c.VocabSize, 3)
+	all := forwardAll(t, m, tokens, 8)
+	for _, n := range []int{1, 8, 9, 20} {
+		kv := newTestKV(c, 8, 3, false)
+		got := prefillChunked(t, m, kv, 8, blockRange(0, 3), tokens[:n], n)
+		requireSameBits(t, fmt.Sprintf("prefix %d", n), all[n-1], got)
+	}
+}
+
+func TestForwardFarPositionsFinite(t *testing.T) {
+	// Positions near max_position_embeddings: RoPE and a softmax over ~32k keys stay finite.
+	// The earlier positions' KV is left zero; only finiteness is checked.
+	m := openTiny(t)
+	c := m.cfg
+	const blockSize = 256
+	start := c.MaxPositionEmbeddings - 4
+	nb := c.MaxPositionEmbeddings / blockSize
+	kv := newTestKV(c, blockSize, nb, false)
+	logits := make([]float32, c.VocabSize)
+	err := m.Forward(t.Context(), kv, blockSize, []Seq{{Tokens: randomTokens(4, c.VocabSize, 5), Start: start, Blocks: blockRange(0, nb), Logits: logits}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, v := range logits {
+		if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+			t.Fatalf("logit %d = %g", i, v)
+		}
+	}
+}
+
+func TestForwardRejectsBadInput(t *testing.T) {
+	m := openTiny(t)
+	c := m.cfg
+	kv := newTestKV(c, 4, 2, false)
+	cases := map[string]Seq{
+		"token out of range": {Tokens: []int32{int32(c.VocabSize)}, Blocks: blockRange(0, 1)},
+		"negative token":     {Tokens: []int32{-1}, Blocks: blockRange(0, 1)},
+		"too few blocks":     {Tokens: make([]int32, 5), Blocks: blockRange(0, 1)},
+		"short logits":       {Tokens: []int32{1}, Blocks: blockRange(0, 1), Logits: make([]float32, 3)},
+		"logits no tokens":   {Blocks: blockRange(0, 1), Logits: make([]float32, c.VocabSize)},
+		"negative start":     {Tokens: []int32{1}, Start: -1, Blocks: blockRange(0, 1)},
+	}
+	for name, s := range cases {
+		if err := m.Forward(t.Context(), kv, 4, []Seq{s}); !errors.Is(err, ErrBadInput) {
+			t.Errorf("%s: err = %v, want ErrBadInput", name, err)
+		}
+	}
+	if err := m.Forward(t.Context(), kv, 0, nil); !errors.Is(err, ErrBadInput) {
+		t.Errorf("block size 0: err = %v", err)
+	}
+	m.Close()
+	if err := m.Forward(t.Context(), kv, 4, []Seq{{Tokens: []int32{1}, Blocks: blockRange(0, 1)}}); !errors.Is(err, ErrClosed) {
+		t.Errorf("after Close: err = %v", err)
+	}
+	if err := m.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
+
+func TestForwardBadBlockIsAnError(t *testing.T) {
+	m := openTiny(t)
+	kv := newTestKV(m.cfg, 4, 2, false)
+	err := m.Forward(t.Context(), kv, 4, []Seq{{Tokens: []int32{1, 2}, Blocks: []int32{99}, Logits: make([]float32, m.cfg.VocabSize)}})
+	if !errors.Is(err, ErrBadInput) {
+		t.Fatalf("err = %v", err)
+	}
+	// The model still works.
+	if err := m.Forward(t.Context(), kv, 4, []Seq{{Tokens: []int32{1, 2}, Blocks: []int32{1}}}); err != nil {
+		t.Fatal(err)
+	}
+}

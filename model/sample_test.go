@@ -1,0 +1,136 @@
+package model
+
+import (
+	"math"
+	"slices"
+	"testing"
+)
+
+func TestSampleGreedy(t *testing.T) {
+	s := NewSampler(SamplingParams{})
+	cases := []struct {
+		logits []float32
+		want   int32
+	}{
+		{[]float32{0, 3, 1}, 1},
+		{[]float32{2, 5, 5, 1}, 1}, // tie: lowest id
+		{[]float32{float32(math.NaN()), -1, -2}, 1},
+		{[]float32{float32(math.Inf(-1)), float32(math.Inf(-1)), -7}, 2},
+		{[]float32{4}, 0},
+	}
+	for _, c := range cases {
+		if got := s.Sample(slices.Clone(c.logits)); got != c.want {
+			t.Errorf("greedy %v = %d, want %d", c.logits, got, c.want)
+		}
+	}
+	// Temperatures below 1e-5 are greedy too.
+	if got := NewSampler(SamplingParams{Temperature: 1e-6, Seed: 3}).Sample([]float32{1, 2, 0}); got != 1 {
+		t.Errorf("temperature 1e-6 = %d", got)
+	}
+}
+
+// draws samples n tokens with p from fixed logits.
+func draws(p SamplingParams, logits []float32, n int) []int32 {
+	s := NewSampler(p)
+	out := make([]int32, n)
+	for i := range out {
+		out[i] = s.Sample(slices.Clone(logits))
+	}
+	return out
+}
+
+func TestSampleDeterministicPerSeed(t *testing.T) {
+	logits := []float32{0.1, 0.5, -0.3, 0.2, 0, 0.4, -1, 0.3}
+	p := SamplingParams{Temperature: 1, Seed: 42}
+	a, b := draws(p, logits, 200), draws(p, logits, 200)
+	if !slices.Equal(a, b) {
+		t.Fatal("same seed gave different draws")
+	}
+	p.Seed = 43
+	if slices.Equal(a, draws(p, logits, 200)) {
+		t.Fatal("different seeds gave identical 200 draws")
+	}
+	for _, p := range []SamplingParams{{Temperature: 0.7, TopK: 3, Seed: 9}, {Temperature: 1.3, TopP: 0.8, Seed: 9}} {
+		if !slices.Equal(draws(p, logits, 100), draws(p, logits, 100)) {
+			t.Fatalf("%+v: not deterministic", p)
+		}
+	}
+}
+
+func TestSampleDistribution(t *testing.T) {
+	// With temperature 1 the frequencies follow softmax(logits). The seed is fixed, so this is
+	// deterministic; the tolerance is ~5 standard deviations.
+	logits := []float32{0, float32(math.Log(2)), float32(math.Log(4)), float32(math.Inf(-1))}
+	const n = 20000
+	count := make([]int, len(logits))
+	for _, id := range draws(SamplingParams{Temperature: 1, Seed: 1}, logits, n) {
+		count[id]++
+	}
+	want := []float64{1.0 / 7, 2.0 / 7, 4.0 / 7, 0}
+	for i, c := range count {
+		got := float64(c) / n
+		if math.Abs(got-want[i]) > 0.02 {
+			t.Errorf("token %d: frequency %.3f, want %.3f", i, got, want[i])
+		}
+	}
+	// A high temperature flattens, a low one sharpens.
+	hot, cold := make([]int, 4), make([]int, 4)
+	for _, id := range draws(SamplingParams{Temperature: 100, Seed: 2}, logits, n) {
+		hot[id]++
+	}
+	for _, id := range draws(SamplingParams{Temperature: 0.1, Seed: 2}, logits, n) {
+		cold[id]++
+	}
+	if hot[0] < n/4 || cold[2] < n*99/100 || hot[3]+cold[3] != 0 {
+		t.Errorf("hot %v cold %v", hot, cold)
+	}
+}
+
+func TestSampleTopKTopP(t *testing.T) {
+	logits := []float32{1, 5, 3, 4, 2, 0}
+	// Top-k 2 only ever draws the two best tokens (ids 1 and 3), and both.
+	seen := map[int32]int{}
+	for _, id := range draws(SamplingParams{Temperature: 5, TopK: 2, Seed: 7}, logits, 500) {
+		seen[id]++
+	}
+	if len(seen) != 2 || seen[1] == 0 || seen[3] == 0 {
+		t.Errorf("top-k 2 drew %v", seen)
+	}
+	// Top-k 1 is greedy.
+	for _, id := range draws(SamplingParams{Temperature: 5, TopK: 1, Seed: 7}, logits, 50) {
+		if id != 1 {
+			t.Fatalf("top-k 1 drew %d", id)
+		}
+	}
+	// Top-p: probabilities 0.5, 0.3, 0.2 — p=0.75 keeps the first two, p=0.5 only the first.
+	pl := []float32{float32(math.Log(0.2)), float32(math.Log(0.5)), float32(math.Log(0.3))}
+	seen = map[int32]int{}
+	for _, id := range draws(SamplingParams{Temperature: 1, TopP: 0.75, Seed: 8}, pl, 500) {
+		seen[id]++
+	}
+	if len(seen) != 2 || seen[1] == 0 || seen[2] == 0 {
+		t.Errorf("top-p 0.75 drew %v", seen)
+	}
+	for _, id := range draws(SamplingParams{Temperature: 1, TopP: 0.5, Seed: 8}, pl, 100) {
+		if id != 1 {
+			t.Fatalf("top-p 0.5 drew %d", id)
+		}
+	}
+	// TopP 1 and 0 are off: every token can appear.
+	for _, p := range []float64{0, 1} {
+		seen = map[int32]int{}
+		for _, id := range draws(SamplingParams{Temperature: 1, TopP: p, Seed: 8}, pl, 500) {
+			seen[id]++
+		}
+		if len(seen) != 3 {
+			t.Errorf("top-p %g drew %v", p, seen)
+		}
+	}
+	// Masked tokens are never drawn, even at a high temperature.
+	masked := []float32{float32(math.Inf(-1)), 0, float32(math.Inf(-1)), 0}
+	for _, id := range draws(SamplingParams{Temperature: 50, Seed: 1}, masked, 200) {
+		if id != 1 && id != 3 {
+			t.Fatalf("drew masked token %d", id)
+		}
+	}
+}
