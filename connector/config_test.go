@@ -81,3 +81,23 @@ func TestParseConfigKVBothWarns(t *testing.T) {
 		t.Errorf("log = %q, want the kv_both deprecation and the unknown key", log.String())
 	}
 }
+
+// FuzzParseConfig: any document is either a valid config or an ErrConfig naming what is wrong;
+// never a panic.
+func FuzzParseConfig(f *testing.F) {
+	f.Add(`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"fail"}`)
+	f.Add(`{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"backends":["TCP","SHM"],"kv_lease_duration":60,"bidirectional_kv_xfer":"True"}}`)
+	f.Add(`{"kv_connector":"NixlConnector","kv_role":"kv_both","enable_permute_local_kv":"True","kv_connector_extra_config":{"decoder_kv_blocks_ttl":1e400}}`)
+	f.Fuzz(func(t *testing.T, doc string) {
+		c, err := ParseConfig([]byte(doc), nil)
+		if err != nil {
+			if !errors.Is(err, ErrConfig) {
+				t.Fatalf("error %v is not ErrConfig", err)
+			}
+			return
+		}
+		if c.EngineID == "" || c.LeaseDuration < time.Second {
+			t.Fatalf("accepted config has no engine id or a lease under a second: %+v", c)
+		}
+	})
+}

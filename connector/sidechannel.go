@@ -243,6 +243,26 @@ func (s *sideChannelServer) close() error {
 	return err
 }
 
+// decodeResponse parses a handshake response frame: [payload map, ts float].
+func decodeResponse(body []byte) (handshakePayload, float64, error) {
+	var payload handshakePayload
+	var parts []msgpack.RawMessage
+	if err := msgpack.Unmarshal(body, &parts); err != nil || len(parts) < 2 {
+		return payload, 0, fmt.Errorf("Failed to decode NixlHandshakePayload: %v", err)
+	}
+	if err := msgpack.Unmarshal(parts[0], &payload); err != nil {
+		return payload, 0, fmt.Errorf("Failed to decode NixlHandshakePayload: %w", err)
+	}
+	if payload.Error != "" {
+		return payload, 0, errors.New("peer refused: " + payload.Error)
+	}
+	var ts float64
+	if err := msgpack.Unmarshal(parts[1], &ts); err != nil {
+		return payload, 0, fmt.Errorf("bad clock reading: %w", err)
+	}
+	return payload, ts, nil
+}
+
 // handshakeResult is what a consumer learns from a producer's side channel.
 type handshakeResult struct {
 	meta AgentMetadata
@@ -286,19 +306,9 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 			return fail(err)
 		}
 		recv := clock()
-		var parts []msgpack.RawMessage
-		if err := msgpack.Unmarshal(body, &parts); err != nil || len(parts) < 2 {
-			return fail(fmt.Errorf("Failed to decode NixlHandshakePayload: %v", err))
-		}
-		if err := msgpack.Unmarshal(parts[0], &payload); err != nil {
-			return fail(fmt.Errorf("Failed to decode NixlHandshakePayload: %w", err))
-		}
-		if payload.Error != "" {
-			return fail(errors.New("peer refused: " + payload.Error))
-		}
 		var ts float64
-		if err := msgpack.Unmarshal(parts[1], &ts); err != nil {
-			return fail(fmt.Errorf("bad clock reading: %w", err))
+		if payload, ts, err = decodeResponse(body); err != nil {
+			return fail(err)
 		}
 		if rtt := recv - sent; bestRTT < 0 || rtt < bestRTT {
 			bestRTT, offset = rtt, ts-(sent+recv)/2

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"reflect"
+	"strings"
 	"testing"
 )
 
@@ -99,4 +100,29 @@ func TestNormalizeArgsMultiValue(t *testing.T) {
 	if _, err := normalizeArgs([]string{"--decoder-ports", "--port", "1"}); !errors.Is(err, errUsage) {
 		t.Errorf("--decoder-ports without a value: error = %v, want a usage error", err)
 	}
+}
+
+// FuzzNormalizeArgs: arbitrary argument lists are rewritten or refused with a usage error;
+// a JSON flag always comes out as one valid JSON object.
+func FuzzNormalizeArgs(f *testing.F) {
+	f.Add("serve\x00M\x00--kv-transfer-config.kv_role\x00kv_producer\x00--kv-transfer-config.kv_connector_extra_config.backends+\x00TCP")
+	f.Add("--kv-transfer-config\x00{\"a\":1}\x00--kv-transfer-config.a+=x,y\x00--decoder-hosts\x00a\x00b")
+	f.Add("--kv_transfer_config.\x00x")
+	f.Fuzz(func(t *testing.T, joined string) {
+		out, err := normalizeArgs(strings.Split(joined, "\x00"))
+		if err != nil {
+			if !errors.Is(err, errUsage) {
+				t.Fatalf("error %v is not a usage error", err)
+			}
+			return
+		}
+		for i, a := range out {
+			if a == "--kv-transfer-config" && i+1 < len(out) {
+				var m map[string]any
+				if json.Unmarshal([]byte(out[i+1]), &m) != nil {
+					t.Fatalf("--kv-transfer-config value %q is not a JSON object", out[i+1])
+				}
+			}
+		}
+	})
 }

@@ -18,10 +18,11 @@ import (
 // nixlbench-like matrix between this process and a re-executed peer process.
 func newBenchTransferCmd() *cobra.Command {
 	var (
-		backends, ops, blocks, batches  string
-		iters, warmup, workers, streams int
-		maxBytes, jsonPath              string
-		notify, quiet, peer             bool
+		backends, ops, blocks, batches string
+		iters, warmup, rounds, workers int
+		streams                        int
+		maxBytes, jsonPath             string
+		notify, quiet, peer            bool
 	)
 	cmd := &cobra.Command{
 		Use:   "transfer",
@@ -39,7 +40,7 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 			if peer {
 				return xferbench.RunPeer(ctx, os.Stdin, os.Stdout)
 			}
-			opts := xferbench.Options{Iters: iters, Warmup: warmup, Workers: workers, Streams: streams, Notify: notify}
+			opts := xferbench.Options{Iters: iters, Warmup: warmup, Rounds: rounds, Workers: workers, Streams: streams, Notify: notify}
 			var err error
 			if opts.Backends, err = splitList(backends); err != nil {
 				return err
@@ -112,7 +113,8 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 	f.StringVar(&ops, "ops", "READ,WRITE", "operations to measure")
 	f.StringVar(&blocks, "blocks", "4K,16K,64K,256K,1M,4M", "block sizes (K, M suffixes = KiB, MiB)")
 	f.StringVar(&batches, "batches", "1,4,16,64,256,1024", "descriptors per request")
-	f.IntVar(&iters, "iters", 0, "timed posts per row (0 = automatic, by bytes moved)")
+	f.IntVar(&iters, "iters", 0, "timed posts per round (0 = automatic, by bytes moved)")
+	f.IntVar(&rounds, "rounds", 3, "rounds per row, each after a ceiling run; the best of each is reported")
 	f.IntVar(&warmup, "warmup", 3, "untimed posts per row")
 	f.StringVar(&maxBytes, "max-bytes", "256M", "skip rows whose request (block × batch) is larger")
 	f.IntVar(&workers, "workers", 0, "SHM copy workers (0 = GOMAXPROCS)")
