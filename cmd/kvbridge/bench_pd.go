@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -33,6 +34,9 @@ breakdown of where the P/D time goes.`,
 			var err error
 			if opts.PromptLens, err = parseInts("--prompt-lens", promptLens); err != nil {
 				return err
+			}
+			if b := strings.ToUpper(opts.Backend); b != "SHM" && b != "TCP" {
+				return usageError("--backend %q: SHM or TCP", opts.Backend)
 			}
 			opts.Progress = cmd.ErrOrStderr()
 			rows, err := pdbench.RunPD(cmd.Context(), opts)
@@ -111,6 +115,7 @@ p50 and p99.`,
 	f.DurationVar(&opts.Duration, "duration", 3*time.Second, "measured time of each way of each row")
 	f.StringVar(&maxTokens, "max-tokens", "1,16", "max_tokens of the requests, one row each")
 	f.IntVar(&opts.PromptLen, "prompt-len", 32, "prompt length in tokens")
+	f.IntVar(&opts.Rounds, "rounds", 3, "alternating windows per way and row (the duration is split among them)")
 	f.StringVar(&jsnP, "json", "", "also write the rows as JSON to this file")
 	return cmd
 }

@@ -1,0 +1,421 @@
+package pdbench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/model/kernel"
+)
+
+// PDOptions configure RunPD. Zero values take the defaults noted on each field.
+type PDOptions struct {
+	// Model is the model every engine serves (default kvbridge/small).
+	Model string
+	// PromptLens are the prompt lengths in tokens, one row each (default 512, 1024, 2048, 4096).
+	PromptLens []int
+	// Iters is the number of measured requests per prompt length and path, after one warm-up
+	// (default 3); the rows hold medians.
+	Iters int
+	// Backend is the transfer backend P and D are restricted to: "SHM" (default) or "TCP".
+	Backend string
+	// BlockSize is the KV block size in tokens (default 16).
+	BlockSize int
+	// Seed chooses the prompts (default 1).
+	Seed uint64
+	// Progress, if non-nil, receives one line per phase.
+	Progress io.Writer
+	// Logger receives the engines' and the proxy's logs; nil discards.
+	Logger *slog.Logger
+}
+
+func (o *PDOptions) defaults() error {
+	if o.Model == "" {
+		o.Model = model.Small
+	}
+	if len(o.PromptLens) == 0 {
+		o.PromptLens = []int{512, 1024, 2048, 4096}
+	}
+	for _, l := range o.PromptLens {
+		if l < 2 {
+			return fmt.Errorf("pdbench: prompt length %d: at least 2 tokens are needed", l)
+		}
+	}
+	if o.Iters <= 0 {
+		o.Iters = 3
+	}
+	if o.Backend == "" {
+		o.Backend = "SHM"
+	}
+	switch o.Backend = strings.ToUpper(o.Backend); o.Backend {
+	case "SHM", "TCP":
+	default:
+		return fmt.Errorf("pdbench: backend %q: SHM or TCP", o.Backend)
+	}
+	if o.BlockSize <= 0 {
+		o.BlockSize = 16
+	}
+	if o.Seed == 0 {
+		o.Seed = 1
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	return nil
+}
+
+// PDRow is one prompt length's figures: medians over the measured iterations. The first nine
+// JSON fields are the table's columns; the rest break the P/D TTFT down.
+type PDRow struct {
+	PromptLen    int     `json:"prompt_len"`
+	TTFTSingleMs float64 `json:"ttft_single_ms"` // non-stream max_tokens=1 answer of the single engine
+	TTFTPDMs     float64 `json:"ttft_pd_ms"`     // the same request through the proxy (P then D)
+	// Overhead is ttft_pd ÷ ttft_single − 1, a fraction (0.05 = 5%).
+	Overhead float64 `json:"overhead"`
+	// TransferMs is D's KV read of the request (NIXL xferDuration); TransferShare that ÷ ttft_pd
+	// of the same request, a fraction.
+	TransferMs    float64 `json:"transfer_ms"`
+	TransferShare float64 `json:"transfer_share"`
+	// TransferGBps is bytes ÷ transfer duration; CeilingGBps a single-goroutine memcpy of as many
+	// bytes measured in the same run (kernel.MemcpyGBps); Ratio their quotient.
+	TransferGBps float64 `json:"transfer_gbps"`
+	CeilingGBps  float64 `json:"ceiling_gbps"`
+	Ratio        float64 `json:"ratio"`
+
+	Backend       string `json:"backend"`
+	Iters         int    `json:"iters"`
+	TransferBytes int64  `json:"transfer_bytes"`
+	// Where the P/D TTFT goes, as the proxy's own transport saw the legs:
+	// ProxyInMs: client send → P leg sent (client hop, body read and decode);
+	// PLegMs: P leg sent → P's answer read (P's prefill with max_tokens=1);
+	// ProxyMidMs: P's answer read → D leg sent (params decoded, D's body encoded);
+	// DLegMs: D leg sent → D's answer read (admission, handshake if any, the read, the
+	// recompute of the last prompt token, sampling); ProxyOutMs: D's answer read → client has it.
+	ProxyInMs  float64 `json:"proxy_in_ms"`
+	PLegMs     float64 `json:"p_leg_ms"`
+	ProxyMidMs float64 `json:"proxy_mid_ms"`
+	DLegMs     float64 `json:"d_leg_ms"`
+	ProxyOutMs float64 `json:"proxy_out_ms"`
+	// DOtherMs is d_leg − transfer: D's time outside the read.
+	DOtherMs float64 `json:"d_other_ms"`
+	// RecomputeMs is one forward step of the last prompt token over the prompt's context on
+	// freshly allocated blocks, timed on its own in this process: what D's recompute of that
+	// token costs, including packing the whole context's KV for attention (nothing is packed for
+	// blocks a transfer just filled). RecomputeWarmMs is the same step with the context already
+	// packed (a steady decode step); the difference is the packing.
+	RecomputeMs     float64 `json:"recompute_ms"`
+	RecomputeWarmMs float64 `json:"recompute_warm_ms"`
+	// PLegOverSingleMs is p_leg − ttft_single: what P costs beyond a single engine's prefill
+	// (two separate requests, so it carries the machine's noise).
+	PLegOverSingleMs float64 `json:"p_leg_over_single_ms"`
+	// AddedMs is ttft_pd − p_leg within one request: everything P/D adds to P's prefill (proxy
+	// hops and D's leg); AddedShare is that ÷ p_leg, the overhead measured inside one request,
+	// free of the noise between two requests.
+	AddedMs    float64 `json:"added_ms"`
+	AddedShare float64 `json:"added_share"`
+	// Engine-side TTFTs (vllm:time_to_first_token_seconds of one request: engine accepted →
+	// first output): single engine, P, D. DHTTPMs = d_leg − d_engine (HTTP, JSON, validation);
+	// DSchedMs = d_engine − transfer − recompute (admission, connector load set-up, the
+	// generation check, hand-offs between goroutines, sampling).
+	SingleEngineMs float64 `json:"single_engine_ms"`
+	PEngineMs      float64 `json:"p_engine_ms"`
+	DEngineMs      float64 `json:"d_engine_ms"`
+	DHTTPMs        float64 `json:"d_http_ms"`
+	DSchedMs       float64 `json:"d_sched_ms"`
+}
+
+// pdSample is one measured iteration.
+type pdSample struct {
+	single, pd, transfer  time.Duration
+	singleEng, pEng, dEng time.Duration // engine-side TTFTs
+	bytes                 int64
+	legs                  legTimes
+	t0, t1                time.Time
+}
+
+// RunPD starts a single engine, a prefiller, a decoder and the one-way proxy in this process on
+// one opened model and measures, per prompt length, the time to the first token through the
+// proxy and on the single engine, and D's KV read against a memcpy ceiling.
+func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
+	if err := opts.defaults(); err != nil {
+		return nil, err
+	}
+	progress := func(format string, args ...any) {
+		if opts.Progress != nil {
+			fmt.Fprintf(opts.Progress, format+"\n", args...)
+		}
+	}
+	progress("loading %s", opts.Model)
+	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	if err != nil {
+		return nil, fmt.Errorf("pdbench: %w", err)
+	}
+	defer m.Close()
+	bs := opts.BlockSize
+	longest := slices.Max(opts.PromptLens)
+	maxLen := (longest+1+bs-1)/bs*bs + bs
+	if mp := m.Config().MaxPositionEmbeddings; maxLen > mp {
+		return nil, fmt.Errorf("pdbench: a %d-token prompt exceeds the model's %d positions", longest, mp)
+	}
+	blocksPerSeq := maxLen / bs
+	progress("starting a single engine, P and D (%s) and the proxy", opts.Backend)
+	c, err := startCluster(ctx, clusterConfig{
+		model: m, backend: opts.Backend, single: true, blockSize: bs, numBlocks: 2*blocksPerSeq + 8,
+		maxModelLen: maxLen, proxyTransport: newTransport(4), trace: true, log: opts.Logger,
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	tr := newTransport(4)
+	defer tr.CloseIdleConnections()
+	b := &pdBench{opts: opts, m: m, c: c, hc: &http.Client{Transport: tr}}
+	if b.rc, err = newRecomputer(m, bs, longest); err != nil {
+		return nil, err
+	}
+
+	rows := make([]PDRow, 0, len(opts.PromptLens))
+	for _, l := range opts.PromptLens {
+		progress("prompt %d tokens: 1 warm-up + %d measured requests each way", l, opts.Iters)
+		row, err := b.row(ctx, l)
+		if err != nil {
+			return rows, err
+		}
+		rows = append(rows, row)
+	}
+	return rows, nil
+}
+
+// pdBench is one RunPD's state.
+type pdBench struct {
+	opts PDOptions
+	m    *model.Model
+	c    *cluster
+	hc   *http.Client
+	rc   *recomputer
+	seq  uint64 // requests sent, for distinct prompts and ids
+}
+
+// prompt returns a new random token-id prompt: every request's prompt differs, so no cache
+// could help (prefix caching is off on every engine anyway).
+func (b *pdBench) prompt(n int) []int32 {
+	b.seq++
+	rng := rand.New(rand.NewPCG(b.opts.Seed, b.seq))
+	vocab := min(b.m.Tokenizer().VocabSize(), b.m.Config().VocabSize)
+	p := make([]int32, n)
+	for i := range p {
+		p[i] = int32(rng.IntN(vocab))
+	}
+	return p
+}
+
+func (b *pdBench) body(prompt []int32) ([]byte, error) {
+	return json.Marshal(map[string]any{"model": b.m.Name(), "prompt": prompt, "max_tokens": 1, "temperature": 0})
+}
+
+// single times one request on the single engine: client-side and engine-side TTFT.
+func (b *pdBench) single(ctx context.Context, l int) (client, eng time.Duration, err error) {
+	body, err := b.body(b.prompt(l))
+	if err != nil {
+		return 0, 0, err
+	}
+	e0, err := engineTTFT(b.c.single.Registry)
+	if err != nil {
+		return 0, 0, err
+	}
+	t0 := time.Now()
+	if _, err := postJSON(ctx, b.hc, b.c.single.URL+"/v1/completions", "", body); err != nil {
+		return 0, 0, err
+	}
+	client = time.Since(t0)
+	e1, err := engineTTFT(b.c.single.Registry)
+	return client, e1 - e0, err
+}
+
+// pd times one request through the proxy and collects its legs and D's transfer.
+func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
+	body, err := b.body(b.prompt(l))
+	if err != nil {
+		return pdSample{}, err
+	}
+	id := fmt.Sprintf("pdbench-%d-%d", l, b.seq)
+	nixl := b.c.d.Metrics.Nixl()
+	nixl.TakeInterval() // drop anything not of this request
+	p0, err := engineTTFT(b.c.p.Registry)
+	if err != nil {
+		return pdSample{}, err
+	}
+	d0, err := engineTTFT(b.c.d.Registry)
+	if err != nil {
+		return pdSample{}, err
+	}
+	s := pdSample{t0: time.Now()}
+	if _, err := postJSON(ctx, b.hc, b.c.proxyURL+"/v1/completions", id, body); err != nil {
+		return pdSample{}, err
+	}
+	s.t1 = time.Now()
+	s.pd = s.t1.Sub(s.t0)
+	p1, err := engineTTFT(b.c.p.Registry)
+	if err != nil {
+		return pdSample{}, err
+	}
+	d1, err := engineTTFT(b.c.d.Registry)
+	if err != nil {
+		return pdSample{}, err
+	}
+	s.pEng, s.dEng = p1-p0, d1-d0
+	iv := nixl.TakeInterval()
+	if len(iv.Transfers) == 0 {
+		return pdSample{}, fmt.Errorf("pdbench: D recorded no KV transfer for a %d-token prompt (failed transfers %d)", l, iv.FailedTransfers)
+	}
+	for _, t := range iv.Transfers {
+		s.transfer += t.Duration
+		s.bytes += t.Bytes
+	}
+	var ok bool
+	if s.legs, ok = b.c.tracer.take(id); !ok || s.legs.pEnd.IsZero() || s.legs.dEnd.IsZero() {
+		return pdSample{}, fmt.Errorf("pdbench: the proxy's legs of request %s were not traced", id)
+	}
+	return s, nil
+}
+
+// row measures one prompt length.
+func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
+	if _, _, err := b.single(ctx, l); err != nil { // warm-up (and, the first time, the handshake)
+		return PDRow{}, err
+	}
+	if _, err := b.pd(ctx, l); err != nil {
+		return PDRow{}, err
+	}
+	var single, pd, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
+		singleEng, pEng, dEng, dHTTP, dSched []float64
+	var bytes int64
+	var recompute, recomputeWarm []float64
+	for i := range b.opts.Iters {
+		var (
+			s      pdSample
+			err    error
+			sc, se time.Duration
+		)
+		// Alternate the order so that drift on a shared machine favours neither path.
+		if i%2 == 0 {
+			if sc, se, err = b.single(ctx, l); err == nil {
+				s, err = b.pd(ctx, l)
+			}
+		} else {
+			if s, err = b.pd(ctx, l); err == nil {
+				sc, se, err = b.single(ctx, l)
+			}
+		}
+		if err != nil {
+			return PDRow{}, err
+		}
+		s.single, s.singleEng = sc, se
+		// D's recompute, timed alone right after the request so that both see the same load.
+		cold, warm, err := b.rc.time(ctx, l, 1)
+		if err != nil {
+			return PDRow{}, err
+		}
+		recompute = append(recompute, ms(cold))
+		recomputeWarm = append(recomputeWarm, ms(warm))
+		pLeg := s.legs.pEnd.Sub(s.legs.pStart)
+		dLeg := s.legs.dEnd.Sub(s.legs.dStart)
+		added = append(added, ms(s.pd-pLeg))
+		addedShare = append(addedShare, float64(s.pd-pLeg)/float64(pLeg))
+		singleEng = append(singleEng, ms(s.singleEng))
+		pEng = append(pEng, ms(s.pEng))
+		dEng = append(dEng, ms(s.dEng))
+		dHTTP = append(dHTTP, ms(dLeg-s.dEng))
+		dSched = append(dSched, ms(s.dEng-s.transfer-cold))
+		single = append(single, ms(s.single))
+		pd = append(pd, ms(s.pd))
+		xfer = append(xfer, ms(s.transfer))
+		share = append(share, float64(s.transfer)/float64(s.pd))
+		gbps = append(gbps, float64(s.bytes)/s.transfer.Seconds()/1e9)
+		in = append(in, ms(s.legs.pStart.Sub(s.t0)))
+		pleg = append(pleg, ms(s.legs.pEnd.Sub(s.legs.pStart)))
+		mid = append(mid, ms(s.legs.dStart.Sub(s.legs.pEnd)))
+		dleg = append(dleg, ms(s.legs.dEnd.Sub(s.legs.dStart)))
+		out = append(out, ms(s.t1.Sub(s.legs.dEnd)))
+		dother = append(dother, ms(s.legs.dEnd.Sub(s.legs.dStart)-s.transfer))
+		pover = append(pover, ms(s.legs.pEnd.Sub(s.legs.pStart)-s.single))
+		bytes = max(bytes, s.bytes)
+	}
+	r := PDRow{
+		PromptLen: l, TTFTSingleMs: median(single), TTFTPDMs: median(pd),
+		TransferMs: median(xfer), TransferShare: median(share), TransferGBps: median(gbps),
+		CeilingGBps: kernel.MemcpyGBps(int(bytes)),
+		Backend:     b.opts.Backend, Iters: b.opts.Iters, TransferBytes: bytes,
+		ProxyInMs: median(in), PLegMs: median(pleg), ProxyMidMs: median(mid), DLegMs: median(dleg),
+		ProxyOutMs: median(out), DOtherMs: median(dother), RecomputeMs: median(recompute), RecomputeWarmMs: median(recomputeWarm), PLegOverSingleMs: median(pover),
+		AddedMs: median(added), AddedShare: median(addedShare),
+		SingleEngineMs: median(singleEng), PEngineMs: median(pEng), DEngineMs: median(dEng),
+		DHTTPMs: median(dHTTP), DSchedMs: median(dSched),
+	}
+	r.Overhead = r.TTFTPDMs/r.TTFTSingleMs - 1
+	r.Ratio = r.TransferGBps / r.CeilingGBps
+	return r, nil
+}
+
+// recomputer times D's recompute of a prompt's last token: one forward step of one token at
+// position len−1 over a KV pool of its own (whatever the KV holds, the work is the same). The
+// model keeps packed copies of fully computed KV chunks across steps, keyed by block generation;
+// D's first step after a transfer finds none (its blocks are freshly allocated) and packs the
+// whole context, so the cold step — blocks re-allocated before it — is what D pays, and the
+// warm step (the same step again) what a decode step costs once packed.
+type recomputer struct {
+	m      *model.Model
+	bs     int
+	pool   *kvcache.Pool
+	blocks []int32
+	logits []float32
+}
+
+func newRecomputer(m *model.Model, blockSize, longest int) (*recomputer, error) {
+	geo := engine.KVGeometry(m, blockSize)
+	n := (longest + blockSize - 1) / blockSize
+	pool, err := kvcache.NewPool(kvcache.AlignedMemory(n*geo.BlockBytes()), kvcache.PoolConfig{Geometry: geo, NumBlocks: n})
+	if err != nil {
+		return nil, fmt.Errorf("pdbench: %w", err)
+	}
+	blocks, err := pool.Allocate(n)
+	if err != nil {
+		return nil, fmt.Errorf("pdbench: %w", err)
+	}
+	return &recomputer{m: m, bs: blockSize, pool: pool, blocks: blocks, logits: make([]float32, m.Config().VocabSize)}, nil
+}
+
+// time returns the medians of reps cold and reps warm one-token steps at position l−1.
+func (r *recomputer) time(ctx context.Context, l, reps int) (cold, warm time.Duration, err error) {
+	var cs, ws []float64
+	for range reps {
+		// New generations: nothing packed for these blocks, as on D after a transfer.
+		r.pool.Free(r.blocks...)
+		if r.blocks, err = r.pool.Allocate(len(r.blocks)); err != nil {
+			return 0, 0, fmt.Errorf("pdbench: %w", err)
+		}
+		seq := []model.Seq{{Tokens: []int32{1}, Start: l - 1, Blocks: r.blocks[:(l+r.bs-1)/r.bs], Logits: r.logits}}
+		for i := range 2 {
+			t0 := time.Now()
+			if err := r.m.Forward(ctx, r.pool, r.bs, seq); err != nil {
+				return 0, 0, fmt.Errorf("pdbench: %w", err)
+			}
+			if i == 0 {
+				cs = append(cs, float64(time.Since(t0)))
+			} else {
+				ws = append(ws, float64(time.Since(t0)))
+			}
+		}
+	}
+	return time.Duration(median(cs)), time.Duration(median(ws)), nil
+}

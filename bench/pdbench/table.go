@@ -1,0 +1,76 @@
+package pdbench
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"text/tabwriter"
+)
+
+// WritePDTable prints the rows of RunPD: the figures, then where the P/D time goes.
+func WritePDTable(w io.Writer, rows []PDRow) error {
+	if len(rows) > 0 {
+		fmt.Fprintf(w, "kvbridge bench pd: backend %s, medians of %d requests per path after one warm-up; TTFT = non-stream max_tokens=1 answer\n",
+			rows[0].Backend, rows[0].Iters)
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "prompt_len\tttft_single_ms\tttft_pd_ms\toverhead\ttransfer_ms\ttransfer_share\ttransfer_gbps\tceiling_gbps\tratio\t")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%+.1f%%\t%.2f\t%.2f%%\t%.2f\t%.2f\t%.2f\t\n",
+			r.PromptLen, r.TTFTSingleMs, r.TTFTPDMs, 100*r.Overhead, r.TransferMs, 100*r.TransferShare,
+			r.TransferGBps, r.CeilingGBps, r.Ratio)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(w, "\nwhere the P/D TTFT goes (ms, medians; legs as the proxy's transport saw them, engine times from each engine's TTFT histogram):")
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "prompt_len\tadded\tadded_share\tproxy_in\tp_leg\tproxy_mid\td_leg\td_http\td_engine\td_transfer\trecompute_1tok\t(packing)\td_sched\tproxy_out\tsingle_engine\tp_engine\t")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%d\t%.1f\t%.1f%%\t%.2f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t\n",
+			r.PromptLen, r.AddedMs, 100*r.AddedShare, r.ProxyInMs, r.PLegMs, r.ProxyMidMs, r.DLegMs, r.DHTTPMs, r.DEngineMs,
+			r.TransferMs, r.RecomputeMs, r.RecomputeMs-r.RecomputeWarmMs, r.DSchedMs, r.ProxyOutMs, r.SingleEngineMs, r.PEngineMs)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintln(w, "transfer = D's KV read (NIXL xferDuration); ceiling = one goroutine's memcpy of as many bytes, this run; ratio = transfer_gbps ÷ ceiling_gbps\n"+
+		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
+		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone,\n"+
+		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")
+	return err
+}
+
+// WriteProxyTable prints the rows of RunProxy.
+func WriteProxyTable(w io.Writer, rows []ProxyRow) error {
+	if len(rows) > 0 {
+		fmt.Fprintf(w, "kvbridge bench proxy: %s, %d-token prompts, non-stream, closed loop for %s per way in %d alternating rounds; direct = the benchmark makes the P and D legs itself\n",
+			rows[0].Model, rows[0].PromptLen, rows[0].Duration, rows[0].Rounds)
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, "clients\tmax_tokens\tdirect_rps\tproxy_rps\tratio\tdirect_p50_ms\tproxy_p50_ms\tadded_p50_ms\tdirect_p99_ms\tproxy_p99_ms\tadded_p99_ms\tdirect_cpu_µs/req\tproxy_cpu_µs/req\tadded_cpu_µs\t")
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%d\t%d\t%.0f\t%.0f\t%.2f\t%.2f\t%.2f\t%+.2f\t%.2f\t%.2f\t%+.2f\t%.0f\t%.0f\t%+.0f\t\n",
+			r.Clients, r.MaxTokens, r.DirectRPS, r.ProxyRPS, r.RPSRatio, r.DirectP50Ms, r.ProxyP50Ms, r.AddedP50Ms,
+			r.DirectP99Ms, r.ProxyP99Ms, r.AddedP99Ms, r.DirectCPUUs, r.ProxyCPUUs, r.AddedCPUUs)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintln(w, "ratio = proxy_rps ÷ direct_rps (the direct legs are the ceiling); added = proxy latency − direct latency at that percentile\n"+
+		"cpu = this process's CPU time per request (clients, proxy and both engines share it); added_cpu = what the proxy hop costs per request")
+	return err
+}
+
+// WriteJSON writes rows to path as an indented JSON array.
+func WriteJSON[R PDRow | ProxyRow](path string, rows []R) error {
+	b, err := json.MarshalIndent(rows, "", "  ")
+	if err != nil {
+		return fmt.Errorf("pdbench: %w", err)
+	}
+	if err := os.WriteFile(path, append(b, '\n'), 0o644); err != nil {
+		return fmt.Errorf("pdbench: %w", err)
+	}
+	return nil
+}
