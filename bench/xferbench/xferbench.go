@@ -1,0 +1,523 @@
+// Package xferbench is the `kvbridge bench transfer` benchmark: a nixlbench-like matrix of
+// READ and WRITE transfers between this process and a peer process on the same machine
+// (block sizes × batch sizes, descriptors in scattered order, SHM and TCP backends), with the
+// ceilings measured in the same run — a single-thread memcpy of the same bytes for SHM and a
+// raw Go loopback TCP stream for TCP — so that results read as a ratio of the ceiling.
+package xferbench
+
+import (
+	"bufio"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os/exec"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// Options selects the matrix and how it runs.
+type Options struct {
+	Backends []string      // "SHM", "TCP" (default both)
+	Ops      []transfer.Op // default READ and WRITE
+	Blocks   []int64       // block sizes in bytes (default 4 KiB … 4 MiB in powers of 4)
+	Batches  []int         // descriptors per request (default 1, 4, 16, 64, 256, 1024)
+	Iters    int           // timed posts per round; 0 = automatic (by bytes moved)
+	Rounds   int           // rounds per row, each preceded by a ceiling run; the best is kept (default 3)
+	Warmup   int           // untimed posts per row (default 3)
+	MaxBytes int64         // largest request (block × batch); bigger rows are skipped (default 256 MiB)
+	Workers  int           // SHM copy workers (0 = GOMAXPROCS)
+	Streams  int           // TCP connections per peer (0 = default)
+	Seed     uint64        // shuffling seed
+	Notify   bool          // attach a notification to every post (as nixlbench does)
+	Log      io.Writer     // progress lines (nil = none)
+	// PeerCommand returns the command that runs the peer side (RunPeer) in another process,
+	// with its stdin and stdout left for the benchmark to connect.
+	PeerCommand func(ctx context.Context) *exec.Cmd
+}
+
+// DefaultBlocks returns the default block sizes.
+func DefaultBlocks() []int64 {
+	return []int64{4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20}
+}
+
+// DefaultBatches returns the default batch sizes.
+func DefaultBatches() []int { return []int{1, 4, 16, 64, 256, 1024} }
+
+// Row is one measured cell of the matrix.
+type Row struct {
+	Backend     string  `json:"backend"`
+	Op          string  `json:"op"`
+	BlockBytes  int64   `json:"block_bytes"`
+	Batch       int     `json:"batch"`
+	Iters       int     `json:"iters"`
+	GBps        float64 `json:"gbps"`
+	CeilingGBps float64 `json:"ceiling_gbps"`
+	Ceiling     string  `json:"ceiling"`                // "memcpy" or "tcp_stream" (both over the row's own bytes)
+	TCPHotGBps  float64 `json:"tcp_hot_gbps,omitempty"` // TCP rows: raw stream re-sending one hot block-sized buffer
+	Ratio       float64 `json:"ratio"`
+	PostAvgUs   float64 `json:"post_avg_us"`
+	PostP99Us   float64 `json:"post_p99_us"`
+	XferAvgUs   float64 `json:"xfer_avg_us"`
+	XferP50Us   float64 `json:"xfer_p50_us"`
+	XferP99Us   float64 `json:"xfer_p99_us"`
+	Descs       int     `json:"descs"`
+	MergedDescs int     `json:"merged_descs"`
+	Fallback    string  `json:"fallback,omitempty"`
+}
+
+// peerHello is the first line the benchmark writes to the peer's stdin.
+type peerHello struct {
+	ArenaBytes int64  `json:"arena_bytes"`
+	Seed       uint64 `json:"seed"`
+}
+
+// peerReady is the peer's answer on stdout.
+type peerReady struct {
+	Metadata string `json:"metadata"` // base64
+	Error    string `json:"error,omitempty"`
+}
+
+// withDefaults fills the zero fields.
+func (o Options) withDefaults() (Options, error) {
+	if len(o.Backends) == 0 {
+		o.Backends = []string{"SHM", "TCP"}
+	}
+	for i, b := range o.Backends {
+		o.Backends[i] = strings.ToUpper(b)
+	}
+	if _, err := transfer.ParseBackends(o.Backends); err != nil {
+		return o, err
+	}
+	if len(o.Ops) == 0 {
+		o.Ops = []transfer.Op{transfer.Read, transfer.Write}
+	}
+	if len(o.Blocks) == 0 {
+		o.Blocks = DefaultBlocks()
+	}
+	if len(o.Batches) == 0 {
+		o.Batches = DefaultBatches()
+	}
+	if o.Warmup <= 0 {
+		o.Warmup = 3
+	}
+	if o.Rounds <= 0 {
+		o.Rounds = 3
+	}
+	if o.MaxBytes <= 0 {
+		o.MaxBytes = 256 << 20
+	}
+	if o.Seed == 0 {
+		o.Seed = 1
+	}
+	if o.PeerCommand == nil {
+		return o, errors.New("xferbench: PeerCommand is required")
+	}
+	for _, b := range o.Blocks {
+		if b <= 0 || b%8 != 0 {
+			return o, fmt.Errorf("xferbench: block size %d must be a positive multiple of 8", b)
+		}
+	}
+	for _, n := range o.Batches {
+		if n <= 0 {
+			return o, fmt.Errorf("xferbench: batch %d must be positive", n)
+		}
+	}
+	return o, nil
+}
+
+// logf writes a progress line.
+func (o *Options) logf(format string, args ...any) {
+	if o.Log != nil {
+		fmt.Fprintf(o.Log, format+"\n", args...)
+	}
+}
+
+// arenaBytes is the arena size both sides need: the largest request that is not skipped.
+func (o *Options) arenaBytes() int64 {
+	var m int64
+	for _, b := range o.Blocks {
+		for _, n := range o.Batches {
+			if s := b * int64(n); s <= o.MaxBytes && s > m {
+				m = s
+			}
+		}
+	}
+	return m
+}
+
+// Run measures the matrix and returns its rows (in backend, op, block, batch order).
+func Run(ctx context.Context, opts Options) ([]Row, error) {
+	o, err := opts.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	size := o.arenaBytes()
+	if size == 0 {
+		return nil, fmt.Errorf("xferbench: every row exceeds --max-bytes %d", o.MaxBytes)
+	}
+	peer, err := startPeer(ctx, &o, size)
+	if err != nil {
+		return nil, err
+	}
+	defer peer.stop()
+
+	agent, err := transfer.NewAgent("xferbench-initiator", transfer.Config{Workers: o.Workers, TCPStreams: o.Streams})
+	if err != nil {
+		return nil, err
+	}
+	defer agent.Close()
+	local, err := transfer.NewArena("xferbench-local", size)
+	if err != nil {
+		return nil, err
+	}
+	defer local.Close()
+	// mirror holds the peer's pattern locally: the memcpy ceiling copies from it, and READ
+	// results are checked against it.
+	mirror, err := transfer.NewArena("xferbench-mirror", size)
+	if err != nil {
+		return nil, err
+	}
+	defer mirror.Close()
+	fillPattern(mirror.Bytes(), o.Seed)
+	lreg, err := agent.Register(local, 0, size, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer agent.Deregister(lreg)
+	peerName, err := agent.LoadRemote(peer.meta)
+	if err != nil {
+		return nil, err
+	}
+	remoteRegion, err := firstRegion(agent, peerName)
+	if err != nil {
+		return nil, err
+	}
+
+	tcpCeil := map[int64]float64{}
+	var rows []Row
+	rng := rand.New(rand.NewPCG(o.Seed, 7))
+	for _, be := range o.Backends {
+		for _, block := range o.Blocks {
+			slots := int(size / block)
+			ldescs := transfer.BlockDescs(lreg.ID(), 0, block, slots)
+			rdescs := transfer.BlockDescs(remoteRegion, 0, block, slots)
+			ll, err := agent.PrepareLocal(ldescs)
+			if err != nil {
+				return rows, err
+			}
+			rl, err := agent.PrepareRemote(ctx, peerName, rdescs, &transfer.PrepareOptions{Backends: []string{be}})
+			if err != nil {
+				ll.Release()
+				return rows, fmt.Errorf("xferbench: backend %s: %w", be, err)
+			}
+			if be == "TCP" {
+				if _, ok := tcpCeil[block]; !ok {
+					g, err := tcpStreamGBps(ctx, block)
+					if err != nil {
+						return rows, err
+					}
+					tcpCeil[block] = g
+					o.logf("raw loopback TCP stream of one hot %s buffer: %.2f GB/s", sizeName(block), g)
+				}
+			}
+			for _, op := range o.Ops {
+				for _, batch := range o.Batches {
+					if block*int64(batch) > o.MaxBytes {
+						continue
+					}
+					lidx := rng.Perm(slots)[:batch]
+					ridx := rng.Perm(slots)[:batch]
+					var ceil func() float64
+					if be == "SHM" {
+						ceil = func() float64 {
+							return memcpyGBps(local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.iters(block*int64(batch), true))
+						}
+					} else {
+						ceil = func() float64 {
+							g, err := tcpSameBytesGBps(ctx, local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.tcpIters(block*int64(batch)))
+							if err != nil {
+								o.logf("tcp ceiling: %v", err)
+							}
+							return g
+						}
+					}
+					row, err := measure(ctx, &o, agent, op, ll, lidx, rl, ridx, block, local.Bytes(), mirror.Bytes(), ceil)
+					if err != nil {
+						ll.Release()
+						rl.Release()
+						return rows, err
+					}
+					row.Backend, row.Fallback = rl.Backend().String(), rl.FallbackReason()
+					if be == "SHM" {
+						row.Ceiling = "memcpy"
+					} else {
+						row.Ceiling, row.TCPHotGBps = "tcp_stream", tcpCeil[block]
+					}
+					if row.CeilingGBps > 0 {
+						row.Ratio = row.GBps / row.CeilingGBps
+					}
+					o.logf("%-3s %-5s %7s x %-4d %7.2f GB/s  ceiling %6.2f  ratio %.2f", row.Backend, row.Op, sizeName(block), batch, row.GBps, row.CeilingGBps, row.Ratio)
+					rows = append(rows, row)
+				}
+			}
+			ll.Release()
+			rl.Release()
+		}
+	}
+	return rows, nil
+}
+
+// firstRegion returns the id of the peer's (only) region: the benchmark target registers
+// its whole arena as region 1.
+func firstRegion(a *transfer.Agent, peer string) (uint32, error) {
+	info, ok := a.Peer(peer)
+	if !ok || info.Regions == 0 {
+		return 0, fmt.Errorf("xferbench: peer %q published no region", peer)
+	}
+	return 1, nil
+}
+
+// iters returns the timed iterations for a request of n bytes.
+func (o *Options) iters(n int64, memcpy bool) int {
+	if o.Iters > 0 && !memcpy {
+		return o.Iters
+	}
+	target := int64(128 << 20)
+	if !memcpy {
+		target = 64 << 20
+	}
+	it := target / n
+	return int(min(max(it, 10), 1000))
+}
+
+// tcpIters returns the repetitions of the TCP ceiling for a request of n bytes (~32 MiB).
+func (o *Options) tcpIters(n int64) int { return int(min(max((32<<20)/n, 2), 500)) }
+
+// measure runs one row: warmup and a data check, then o.Rounds rounds of timed posts one
+// after another, each preceded by a run of the ceiling (if ceil is not nil). The best round
+// of each is reported, which keeps the ratio meaningful on a shared, noisy machine.
+func measure(ctx context.Context, o *Options, a *transfer.Agent, op transfer.Op, ll *transfer.PreparedList, lidx []int,
+	rl *transfer.PreparedList, ridx []int, block int64, local, mirror []byte, ceil func() float64) (Row, error) {
+	req, err := a.MakeRequest(op, ll, lidx, rl, ridx, &transfer.RequestOptions{Timeout: time.Minute})
+	if err != nil {
+		return Row{}, err
+	}
+	defer req.Release()
+	var notif []byte
+	if o.Notify {
+		notif = []byte("0xBEEF")
+	}
+	if op == transfer.Write {
+		// Write the peer's own pattern back, so its arena keeps matching mirror.
+		for k, li := range lidx {
+			copy(local[int64(li)*block:int64(li+1)*block], mirror[int64(ridx[k])*block:int64(ridx[k]+1)*block])
+		}
+	}
+	bytes := req.Bytes()
+	post := func() (time.Duration, error) {
+		t0 := time.Now()
+		if err := req.Post(ctx, notif); err != nil {
+			return 0, err
+		}
+		d := time.Since(t0)
+		return d, req.Wait(ctx)
+	}
+	for i := 0; i < o.Warmup; i++ {
+		if _, err := post(); err != nil {
+			return Row{}, err
+		}
+	}
+	if op == transfer.Read {
+		for k, li := range lidx {
+			l := local[int64(li)*block : int64(li+1)*block]
+			m := mirror[int64(ridx[k])*block : int64(ridx[k]+1)*block]
+			if string(l) != string(m) {
+				return Row{}, fmt.Errorf("xferbench: READ %s x %d: block %d differs from the peer's pattern", sizeName(block), len(lidx), k)
+			}
+		}
+	}
+	n := o.iters(bytes, false)
+	var posts, xfers []float64
+	best, bestCeil := 0.0, 0.0
+	for range o.Rounds {
+		if ceil != nil {
+			bestCeil = max(bestCeil, ceil())
+		}
+		start := time.Now()
+		for range n {
+			pd, err := post()
+			if err != nil {
+				return Row{}, err
+			}
+			posts = append(posts, us(pd))
+			xfers = append(xfers, us(req.Telemetry().TransferDuration))
+		}
+		best = max(best, float64(bytes)*float64(n)/time.Since(start).Seconds()/1e9)
+	}
+	before, after := req.Descs()
+	return Row{
+		Op: op.String(), BlockBytes: block, Batch: len(lidx), Iters: n * o.Rounds,
+		GBps: best, CeilingGBps: bestCeil,
+		PostAvgUs: mean(posts), PostP99Us: pct(posts, 0.99),
+		XferAvgUs: mean(xfers), XferP50Us: pct(xfers, 0.50), XferP99Us: pct(xfers, 0.99),
+		Descs: before, MergedDescs: after,
+	}, nil
+}
+
+// us converts a duration to microseconds.
+func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+
+// mean returns the average.
+func mean(v []float64) float64 {
+	s := 0.0
+	for _, x := range v {
+		s += x
+	}
+	return s / float64(len(v))
+}
+
+// pct returns the q-quantile (nearest rank).
+func pct(v []float64, q float64) float64 {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	i := int(q*float64(len(s))+0.5) - 1
+	return s[min(max(i, 0), len(s)-1)]
+}
+
+// sizeName formats a byte count as 4K, 64K, 1M.
+func sizeName(n int64) string {
+	switch {
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%dM", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%dK", n>>10)
+	}
+	return fmt.Sprintf("%d", n)
+}
+
+// peerProc is the running peer process.
+type peerProc struct {
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	meta  []byte
+}
+
+// startPeer starts the peer, sends it the arena size and reads its metadata.
+func startPeer(ctx context.Context, o *Options, size int64) (*peerProc, error) {
+	cmd := o.PeerCommand(ctx)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("xferbench: starting the peer: %w", err)
+	}
+	p := &peerProc{cmd: cmd, stdin: stdin}
+	hello, _ := json.Marshal(peerHello{ArenaBytes: size, Seed: o.Seed})
+	if _, err := fmt.Fprintf(stdin, "%s\n", hello); err != nil {
+		p.stop()
+		return nil, fmt.Errorf("xferbench: peer: %w", err)
+	}
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		p.stop()
+		return nil, fmt.Errorf("xferbench: peer did not answer: %w", err)
+	}
+	var ready peerReady
+	if err := json.Unmarshal([]byte(line), &ready); err != nil {
+		p.stop()
+		return nil, fmt.Errorf("xferbench: peer answer %q: %w", line, err)
+	}
+	if ready.Error != "" {
+		p.stop()
+		return nil, fmt.Errorf("xferbench: peer: %s", ready.Error)
+	}
+	p.meta, err = base64.StdEncoding.DecodeString(ready.Metadata)
+	if err != nil {
+		p.stop()
+		return nil, err
+	}
+	return p, nil
+}
+
+// stop closes the peer's stdin (it exits) and waits for it.
+func (p *peerProc) stop() {
+	p.stdin.Close()
+	done := make(chan struct{})
+	go func() {
+		_ = p.cmd.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-done
+	}
+}
+
+// RunPeer is the peer side: it reads the hello line from in, creates the target agent and
+// arena (filled with the benchmark pattern, registered read-write), writes its metadata to
+// out and serves until in reaches EOF.
+func RunPeer(ctx context.Context, in io.Reader, out io.Writer) error {
+	br := bufio.NewReader(in)
+	line, err := br.ReadString('\n')
+	if err != nil {
+		return fmt.Errorf("xferbench peer: reading hello: %w", err)
+	}
+	var h peerHello
+	if err := json.Unmarshal([]byte(line), &h); err != nil {
+		return fmt.Errorf("xferbench peer: hello: %w", err)
+	}
+	fail := func(err error) error {
+		b, _ := json.Marshal(peerReady{Error: err.Error()})
+		fmt.Fprintf(out, "%s\n", b)
+		return err
+	}
+	a, err := transfer.NewAgent("xferbench-target", transfer.Config{})
+	if err != nil {
+		return fail(err)
+	}
+	defer a.Close()
+	ar, err := transfer.NewArena("xferbench-target", h.ArenaBytes)
+	if err != nil {
+		return fail(err)
+	}
+	defer ar.Close()
+	fillPattern(ar.Bytes(), h.Seed)
+	r, err := a.Register(ar, 0, h.ArenaBytes, transfer.PermReadWrite)
+	if err != nil {
+		return fail(err)
+	}
+	defer a.Deregister(r)
+	b, _ := json.Marshal(peerReady{Metadata: base64.StdEncoding.EncodeToString(a.LocalMetadata())})
+	if _, err := fmt.Fprintf(out, "%s\n", b); err != nil {
+		return err
+	}
+	// Serve until the benchmark closes stdin (or ctx ends); drain notifications meanwhile.
+	eof := make(chan struct{})
+	go func() {
+		_, _ = io.Copy(io.Discard, br)
+		close(eof)
+	}()
+	for {
+		select {
+		case <-eof:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-a.Notifications():
+		}
+	}
+}

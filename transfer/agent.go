@@ -1,0 +1,437 @@
+package transfer
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"runtime"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Config configures an Agent. The zero value is usable: every field has a default applied by
+// NewAgent.
+type Config struct {
+	// ListenTCP is the TCP listen address for peers (data, control and metadata connections).
+	// Default "127.0.0.1:0". "none" disables the TCP listener (peers cannot use TCP to reach
+	// this agent).
+	ListenTCP string
+	// AdvertiseTCP overrides the address published in the metadata (e.g. a routable IP when
+	// listening on 0.0.0.0).
+	AdvertiseTCP string
+	// UnixSocket is the address of the same-host control socket over which arena fds are
+	// passed. Default: an abstract socket "@kvbridge-<name>-<incarnation>". A path creates a
+	// socket file (removed by Close). "none" disables SHM towards this agent.
+	UnixSocket string
+	// Backends is the default ordered backend preference for PrepareRemote, by NIXL name
+	// ("SHM", "TCP"). Default: SHM when usable, else TCP. An explicit list is honoured
+	// strictly: a backend not listed is never used.
+	Backends []string
+	// Workers is the number of SHM copy goroutines. Default GOMAXPROCS.
+	Workers int
+	// TCPStreams is the number of TCP data connections per peer. Default 4.
+	TCPStreams int
+	// StripeBytes is the largest piece of a request sent as one TCP frame; larger ranges are
+	// split and the pieces spread over the connections. Default 1 MiB, at most 64 MiB.
+	StripeBytes int
+	// MaxInflightBytes bounds the bytes requested but not yet received (READ) or sent but not
+	// yet acknowledged (WRITE) per peer over TCP. Default 64 MiB.
+	MaxInflightBytes int64
+	// RequestTimeout is the deadline of a request that sets none (and whose Post context has
+	// none). Default 30 s.
+	RequestTimeout time.Duration
+	// DialTimeout bounds connection establishment and handshakes. Default 5 s.
+	DialTimeout time.Duration
+	// NotifQueue is the capacity of the notification queue; when full the oldest message is
+	// dropped and counted. Default 65536.
+	NotifQueue int
+	// MaxNotifBytes is the largest notification accepted. Default 1 MiB.
+	MaxNotifBytes int
+	// Auth authenticates connections in both directions. Nil accepts any connection (same-host
+	// Unix connections are still restricted to the same user id).
+	Auth Authenticator
+	// OnComplete, if set, is called with the telemetry of every request when it completes or
+	// fails. It runs on the engine's goroutines and must not block.
+	OnComplete func(RequestTelemetry)
+	// Logger receives connection-level events. Default: discard.
+	Logger *slog.Logger
+	// BootID overrides the host boot id used for same-host detection (tests simulate another
+	// host with it). Default: /proc/sys/kernel/random/boot_id.
+	BootID string
+}
+
+// Default configuration values.
+const (
+	defaultTCPStreams  = 4
+	defaultStripeBytes = 1 << 20
+	maxStripeBytes     = 64 << 20
+	defaultInflight    = 64 << 20
+	defaultTimeout     = 30 * time.Second
+	defaultDialTimeout = 5 * time.Second
+	defaultNotifQueue  = 1 << 16
+	defaultMaxNotif    = 1 << 20
+	maxRangesPerFrame  = 1024
+)
+
+// withDefaults returns c with defaults applied, or an error for invalid values.
+func (c Config) withDefaults() (Config, error) {
+	if c.ListenTCP == "" {
+		c.ListenTCP = "127.0.0.1:0"
+	}
+	if c.Workers <= 0 {
+		c.Workers = runtime.GOMAXPROCS(0)
+	}
+	if c.TCPStreams <= 0 {
+		c.TCPStreams = defaultTCPStreams
+	}
+	if c.TCPStreams > 64 {
+		return c, newErr("config", "", ErrInvalidParam, fmt.Sprintf("TCPStreams %d > 64", c.TCPStreams), nil)
+	}
+	if c.StripeBytes <= 0 {
+		c.StripeBytes = defaultStripeBytes
+	}
+	if c.StripeBytes > maxStripeBytes {
+		return c, newErr("config", "", ErrInvalidParam, fmt.Sprintf("StripeBytes %d > %d", c.StripeBytes, maxStripeBytes), nil)
+	}
+	if c.MaxInflightBytes <= 0 {
+		c.MaxInflightBytes = defaultInflight
+	}
+	if c.MaxInflightBytes < int64(c.StripeBytes) {
+		c.StripeBytes = int(c.MaxInflightBytes)
+	}
+	if c.RequestTimeout <= 0 {
+		c.RequestTimeout = defaultTimeout
+	}
+	if c.DialTimeout <= 0 {
+		c.DialTimeout = defaultDialTimeout
+	}
+	if c.NotifQueue <= 0 {
+		c.NotifQueue = defaultNotifQueue
+	}
+	if c.MaxNotifBytes <= 0 {
+		c.MaxNotifBytes = defaultMaxNotif
+	}
+	if c.Logger == nil {
+		c.Logger = slog.New(slog.DiscardHandler)
+	}
+	if c.BootID == "" {
+		c.BootID = readBootID()
+	}
+	return c, nil
+}
+
+// readBootID returns the kernel boot id, or "" if unavailable (then no peer is same-host).
+func readBootID() string {
+	b, err := os.ReadFile("/proc/sys/kernel/random/boot_id")
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// Agent is one process's transfer endpoint: it owns registered regions, loaded peer metadata,
+// connections, the SHM copy workers and the notification queue. All methods are safe for
+// concurrent use.
+type Agent struct {
+	name     string
+	inc      uint64
+	bootID   string
+	cfg      Config
+	backends []Backend // default preference order
+	explicit bool      // cfg.Backends was set
+	log      *slog.Logger
+
+	tcpLn    net.Listener
+	tcpAddr  string
+	unixLn   *net.UnixListener
+	unixAddr string
+	unixPath string // socket file to remove on Close ("" for abstract)
+
+	regMu      sync.Mutex
+	regions    atomic.Pointer[regionTable]
+	nextRegion uint32
+	arenas     map[*Arena]*arenaExport
+	arenaByID  map[uint32]*arenaExport
+	nextArena  uint32
+
+	peersMu sync.Mutex
+	peers   map[string]*peer
+
+	connMu sync.Mutex
+	conns  map[net.Conn]struct{} // live connections (accepted and dialed), closed by Close
+	inCtrl map[string]*ctrlConn  // latest inbound control connection per peer name
+
+	postMu sync.RWMutex // Post dispatches under R; Close closes work under W
+	closed atomic.Bool
+	work   chan shmWork
+
+	notifMu sync.Mutex
+	notifs  chan Notif
+
+	reqSeq atomic.Uint64
+	stats  agentStats
+
+	ctx       context.Context
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+	closeOnce sync.Once
+}
+
+// NewAgent starts an agent named name (unique among the agents that talk to each other). It
+// draws a random 64-bit incarnation, opens the listeners and starts the copy workers.
+func NewAgent(name string, cfg Config) (*Agent, error) {
+	if name == "" || len(name) > maxNameLen || strings.ContainsAny(name, "\x00\n") {
+		return nil, newErr("agent", "", ErrInvalidParam, fmt.Sprintf("invalid agent name %q", name), nil)
+	}
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	a := &Agent{
+		name:      name,
+		inc:       newIncarnation(),
+		bootID:    cfg.BootID,
+		cfg:       cfg,
+		log:       cfg.Logger.With("agent", name),
+		arenas:    make(map[*Arena]*arenaExport),
+		arenaByID: make(map[uint32]*arenaExport),
+		peers:     make(map[string]*peer),
+		conns:     make(map[net.Conn]struct{}),
+		inCtrl:    make(map[string]*ctrlConn),
+		work:      make(chan shmWork, 1<<14),
+		notifs:    make(chan Notif, cfg.NotifQueue),
+	}
+	a.regions.Store(&regionTable{})
+	a.backends = []Backend{BackendSHM, BackendTCP}
+	if cfg.Backends != nil {
+		bs, err := ParseBackends(cfg.Backends)
+		if err != nil {
+			return nil, err
+		}
+		if len(bs) == 0 {
+			return nil, newErr("agent", "", ErrInvalidParam, "empty backend list", nil)
+		}
+		a.backends, a.explicit = bs, true
+	}
+	a.ctx, a.cancel = context.WithCancel(context.Background())
+	if err := a.listen(); err != nil {
+		a.cancel()
+		a.closeListeners()
+		return nil, err
+	}
+	for range cfg.Workers {
+		a.wg.Add(1)
+		go a.worker()
+	}
+	return a, nil
+}
+
+// newIncarnation returns a random non-zero 64-bit id.
+func newIncarnation() uint64 {
+	var b [8]byte
+	for {
+		_, _ = rand.Read(b[:])
+		if v := binary.LittleEndian.Uint64(b[:]); v != 0 {
+			return v
+		}
+	}
+}
+
+// enabled reports whether b is in the agent's backend list.
+func (a *Agent) enabled(b Backend) bool {
+	for _, x := range a.backends {
+		if x == b {
+			return true
+		}
+	}
+	return false
+}
+
+// listen opens the TCP and Unix listeners and starts their accept loops.
+func (a *Agent) listen() error {
+	if a.cfg.ListenTCP != "none" && a.enabled(BackendTCP) {
+		ln, err := net.Listen("tcp", a.cfg.ListenTCP)
+		if err != nil {
+			return newErr("listen", "", ErrBackend, "tcp "+a.cfg.ListenTCP, err)
+		}
+		a.tcpLn = ln
+		a.tcpAddr = ln.Addr().String()
+		if a.cfg.AdvertiseTCP != "" {
+			a.tcpAddr = a.cfg.AdvertiseTCP
+		}
+	}
+	if a.cfg.UnixSocket != "none" && a.enabled(BackendSHM) {
+		addr := a.cfg.UnixSocket
+		if addr == "" {
+			n := a.name
+			if len(n) > 64 {
+				n = n[:64]
+			}
+			addr = fmt.Sprintf("@kvbridge-%s-%016x", n, a.inc)
+		} else if !strings.HasPrefix(addr, "@") {
+			a.unixPath = addr
+		}
+		ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: addr, Net: "unix"})
+		if err != nil {
+			return newErr("listen", "", ErrBackend, "unix "+addr, err)
+		}
+		ln.SetUnlinkOnClose(a.unixPath != "")
+		a.unixLn = ln
+		a.unixAddr = addr
+	}
+	if a.tcpLn != nil {
+		a.wg.Add(1)
+		go a.acceptLoop(a.tcpLn, false)
+	}
+	if a.unixLn != nil {
+		a.wg.Add(1)
+		go a.acceptLoop(a.unixLn, true)
+	}
+	return nil
+}
+
+// Name returns the agent name.
+func (a *Agent) Name() string { return a.name }
+
+// Incarnation returns the random id drawn when the agent started.
+func (a *Agent) Incarnation() uint64 { return a.inc }
+
+// BootID returns the host boot id used for same-host detection.
+func (a *Agent) BootID() string { return a.bootID }
+
+// Addrs returns the listen addresses: the TCP address ("" if disabled) and the Unix socket
+// address ("" if SHM is disabled; "@…" is an abstract socket).
+func (a *Agent) Addrs() (tcp, unix string) { return a.tcpAddr, a.unixAddr }
+
+// Close cancels every request in flight (ErrClosed), closes all connections and listeners,
+// stops the workers, unmaps peers' arenas and waits until every goroutine the agent started
+// has exited. The notification channel is closed last. Local arenas are not unmapped (the
+// caller owns them). Close is idempotent and always returns nil.
+func (a *Agent) Close() error {
+	a.closeOnce.Do(func() {
+		a.postMu.Lock()
+		a.closed.Store(true)
+		a.postMu.Unlock()
+		a.cancel()
+		a.closeListeners()
+
+		a.peersMu.Lock()
+		peers := make([]*peer, 0, len(a.peers))
+		for _, p := range a.peers {
+			peers = append(peers, p)
+		}
+		a.peers = map[string]*peer{}
+		a.peersMu.Unlock()
+		var failed []*Request
+		for _, p := range peers {
+			failed = append(failed, p.retire(ErrClosed, "agent closed")...)
+		}
+
+		a.connMu.Lock()
+		for c := range a.conns {
+			c.Close()
+		}
+		a.connMu.Unlock()
+
+		a.postMu.Lock()
+		close(a.work)
+		a.postMu.Unlock()
+		a.wg.Wait()
+		// A goroutine in Request.Wait may still be copying a chunk from a peer's mapping;
+		// the failed requests complete as soon as their chunks in progress are done.
+		for _, r := range failed {
+			<-r.Done()
+		}
+		for _, p := range peers {
+			p.unmapAll()
+		}
+		close(a.notifs)
+	})
+	return nil
+}
+
+// closeListeners closes the listeners (idempotent).
+func (a *Agent) closeListeners() {
+	if a.tcpLn != nil {
+		a.tcpLn.Close()
+	}
+	if a.unixLn != nil {
+		a.unixLn.Close()
+	}
+}
+
+// acceptLoop accepts connections until the listener closes.
+func (a *Agent) acceptLoop(ln net.Listener, isUnix bool) {
+	defer a.wg.Done()
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if a.closed.Load() {
+				return
+			}
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				continue
+			}
+			a.log.Warn("accept failed", "err", err)
+			return
+		}
+		a.connMu.Lock()
+		if a.closed.Load() {
+			a.connMu.Unlock()
+			c.Close()
+			return
+		}
+		a.conns[c] = struct{}{}
+		a.wg.Add(1)
+		a.connMu.Unlock()
+		go func() {
+			defer a.wg.Done()
+			a.serveConn(c, isUnix)
+			c.Close()
+			a.connMu.Lock()
+			delete(a.conns, c)
+			a.connMu.Unlock()
+		}()
+	}
+}
+
+// trackOutbound registers a dialed connection so Close can reach it; it returns false (and
+// closes c) if the agent is closing.
+func (a *Agent) trackOutbound(c net.Conn) bool {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	if a.closed.Load() {
+		c.Close()
+		return false
+	}
+	a.conns[c] = struct{}{}
+	return true
+}
+
+// untrack removes a connection registered with trackOutbound or acceptLoop.
+func (a *Agent) untrack(c net.Conn) {
+	a.connMu.Lock()
+	delete(a.conns, c)
+	a.connMu.Unlock()
+}
+
+// goTracked starts fn on a goroutine owned by the agent, unless the agent is closing.
+func (a *Agent) goTracked(fn func()) bool {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	if a.closed.Load() {
+		return false
+	}
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		fn()
+	}()
+	return true
+}

@@ -1,0 +1,176 @@
+package transfer
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestWriteNotifAfterData: when the target sees a WRITE's notification, the data is there.
+func TestWriteNotifAfterData(t *testing.T) {
+	for _, be := range []string{"SHM", "TCP"} {
+		t.Run(be, func(t *testing.T) {
+			p := newPair(t, Config{}, Config{}, 4<<20, PermReadWrite)
+			ll, rl := p.lists(t, 64<<10, &PrepareOptions{Backends: []string{be}})
+			req, err := p.ini.MakeRequest(Write, ll, seq(64), rl, seq(64), nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer req.Release()
+			for i := range 5 {
+				fillPattern(p.arI.Bytes(), uint64(i+10))
+				if err := req.Post(testCtx(t), []byte("w")); err != nil {
+					t.Fatal(err)
+				}
+				recvNotif(t, p.tgt) // no Wait: the notification alone must imply the data
+				if !bytes.Equal(p.arT.Bytes(), p.arI.Bytes()) {
+					t.Fatalf("post %d: notification before the data", i)
+				}
+				if err := req.Wait(testCtx(t)); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// TestCancelAndRelease: a canceled context or Release ends an active post with ErrCanceled.
+func TestCancelAndRelease(t *testing.T) {
+	p := newPair(t, Config{}, Config{}, 4<<20, PermReadWrite)
+	tcpAddr, _ := p.tgt.Addrs()
+	px := newFaultProxy(t, tcpAddr)
+	blob := rewriteMeta(t, p.tgt.LocalMetadata(), func(m *metaWire) { m.TCPAddrs = []string{px.addr()} })
+	if _, err := p.ini.LoadRemote(blob); err != nil {
+		t.Fatal(err)
+	}
+	ll, rl := p.lists(t, 1<<20, &PrepareOptions{Backends: []string{"TCP"}})
+	req, err := p.ini.MakeRequest(Read, ll, seq(4), rl, seq(4), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	px.stall()
+	ctx, cancel := context.WithCancel(testCtx(t))
+	if err := req.Post(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	wantKind(t, req.Wait(testCtx(t)), ErrCanceled)
+	dctx, dcancel := context.WithTimeout(testCtx(t), 50*time.Millisecond)
+	defer dcancel()
+	if err := req.Post(dctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	wantKind(t, req.Wait(testCtx(t)), ErrTimeout)
+	if err := req.Post(testCtx(t), nil); err != nil {
+		t.Fatal(err)
+	}
+	req.Release()
+	wantKind(t, req.Wait(testCtx(t)), ErrCanceled)
+	wantKind(t, req.Post(testCtx(t), nil), ErrInvalidParam)
+	req.Release() // idempotent
+	if f := p.ini.Stats().Failures; f.Canceled != 2 || f.Timeout != 1 {
+		t.Fatalf("failures %+v", f)
+	}
+	px.unstall()
+}
+
+// rejectAll is an Authenticator that proves with a token and accepts only that token.
+type tokenAuth struct {
+	token  string
+	checks atomic.Int64
+}
+
+func (a *tokenAuth) Prove(h HelloInfo) ([]byte, error) { return []byte(a.token + "/" + h.From), nil }
+
+func (a *tokenAuth) Verify(h HelloInfo, proof []byte) error {
+	a.checks.Add(1)
+	if string(proof) != a.token+"/"+h.From {
+		return errors.New("bad token")
+	}
+	return nil
+}
+
+// TestAuthHook: connections are authenticated through Config.Auth in both roles.
+func TestAuthHook(t *testing.T) {
+	good := &tokenAuth{token: "s3cret"}
+	p := newPair(t, Config{Auth: good}, Config{Auth: &tokenAuth{token: "wrong"}}, 1<<16, PermRead)
+	for _, be := range []string{"SHM", "TCP"} {
+		_, err := p.ini.PrepareRemote(testCtx(t), p.peer, []Desc{p.rT.Desc(0, 4096)}, &PrepareOptions{Backends: []string{be}})
+		wantKind(t, err, ErrPermission)
+	}
+	if p.tgt.Stats().Refused.Permission < 2 {
+		t.Fatalf("refusals %+v", p.tgt.Stats().Refused)
+	}
+	ok := newTestAgent(t, "friend", Config{Auth: &tokenAuth{token: "s3cret"}})
+	if _, err := ok.LoadRemote(p.tgt.LocalMetadata()); err != nil {
+		t.Fatal(err)
+	}
+	l, err := ok.PrepareRemote(testCtx(t), p.peer, []Desc{p.rT.Desc(0, 4096)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
+	if good.checks.Load() < 3 {
+		t.Fatalf("verify called %d times", good.checks.Load())
+	}
+}
+
+// TestHeapRegionAndFetch: memory outside arenas is reachable over TCP only (the fallback is
+// reported), metadata can be fetched by address, and the completion hook sees every post.
+func TestHeapRegionAndFetch(t *testing.T) {
+	var hooked atomic.Int64
+	tgt := newTestAgent(t, "heap-target", Config{})
+	ini := newTestAgent(t, "heap-initiator", Config{OnComplete: func(tel RequestTelemetry) {
+		if tel.Bytes == 8192 && tel.Backend == BackendTCP {
+			hooked.Add(1)
+		}
+	}})
+	src := make([]byte, 8192)
+	fillPattern(src, 5)
+	rt, err := tgt.RegisterBytes(src, PermRead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tgt.Deregister(rt)
+	dst := make([]byte, 8192)
+	ri, err := ini.RegisterBytes(dst, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ini.Deregister(ri)
+	tcpAddr, _ := tgt.Addrs()
+	name, err := ini.FetchRemote(testCtx(t), tcpAddr)
+	if err != nil || name != "heap-target" {
+		t.Fatalf("FetchRemote: %q %v", name, err)
+	}
+	info, ok := ini.Peer(name)
+	if !ok || !info.SameHost || info.Incarnation != tgt.Incarnation() || info.Regions != 1 {
+		t.Fatalf("peer info %+v", info)
+	}
+	req, err := ini.CreateRequest(testCtx(t), Read, []Desc{ri.Desc(0, 8192)}, name, []Desc{rt.Desc(0, 8192)}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer req.Release()
+	if req.Backend() != BackendTCP || !strings.Contains(req.remote.FallbackReason(), "not in a shared arena") {
+		t.Fatalf("backend %v (%q)", req.Backend(), req.remote.FallbackReason())
+	}
+	if err := postWait(t, req, nil); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(src, dst) {
+		t.Fatal("data differs")
+	}
+	if tel := req.Telemetry(); tel.PostDuration <= 0 || tel.TransferDuration < tel.PostDuration {
+		t.Fatalf("telemetry %+v", tel)
+	}
+	if hooked.Load() != 1 {
+		t.Fatalf("hook saw %d posts", hooked.Load())
+	}
+	_, err = ini.PrepareRemote(testCtx(t), name, []Desc{rt.Desc(0, 8192)}, &PrepareOptions{Backends: []string{"SHM"}})
+	wantKind(t, err, ErrNotSupported)
+}

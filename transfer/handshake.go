@@ -1,0 +1,360 @@
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"time"
+
+	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvbridge/kvbridge/transfer/internal/wire"
+)
+
+// Connection roles announced in the hello.
+const (
+	roleControl uint8 = 1 // notifications (both directions) and liveness
+	roleData    uint8 = 2 // TCP READ/WRITE frames
+	roleMeta    uint8 = 3 // answer with the metadata blob, then close
+	roleArenas  uint8 = 4 // Unix only: answer with arena fds, then close
+)
+
+// roleName returns the HelloInfo role string.
+func roleName(r uint8) string {
+	switch r {
+	case roleControl:
+		return "control"
+	case roleData:
+		return "data"
+	case roleMeta:
+		return "metadata"
+	case roleArenas:
+		return "arenas"
+	}
+	return fmt.Sprintf("role(%d)", r)
+}
+
+// hello is the first frame's payload on every connection (dialer → listener).
+type hello struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	Version  uint8
+	Role     uint8
+	From     string
+	FromInc  uint64
+	To       string
+	ToInc    uint64
+	Arenas   []uint32 // arena ids whose fds the dialer wants (control/arenas roles on Unix)
+	Auth     []byte
+}
+
+// helloAck answers a hello.
+type helloAck struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	Name     string
+	Inc      uint64
+	Grants   []arenaGrant // one per passed fd, in order
+	Meta     []byte       // metadata blob (roleMeta)
+}
+
+// arenaGrant describes one passed arena fd.
+type arenaGrant struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	ID       uint32
+	Size     uint64
+	Writable bool
+}
+
+// info returns the HelloInfo view of h.
+func (h *hello) info() HelloInfo {
+	return HelloInfo{Role: roleName(h.Role), From: h.From, FromIncarnation: h.FromInc, To: h.To, ToIncarnation: h.ToInc}
+}
+
+// Frame limits for what a listener accepts from a peer before and after the hello.
+const (
+	maxHelloBytes = 64 << 10
+	maxAckBytes   = maxMetadataBytes + 4096
+	maxFDsPerAck  = 250 // SCM_MAX_FD is 253
+	maxErrorBytes = 4096
+)
+
+// dataLimits returns the limits a receiver applies to data/control frames.
+func (a *Agent) dataLimits() wire.Limits {
+	return wire.Limits{MaxRanges: maxRangesPerFrame, MaxPayload: maxStripeBytes, MaxControl: uint64(a.cfg.MaxNotifBytes)}
+}
+
+// encodeFrame returns header+payload as one buffer.
+func encodeFrame(h wire.Header, payload []byte) []byte {
+	h.Length = uint64(len(payload))
+	b := make([]byte, wire.HeaderSize+len(payload))
+	h.Encode(b)
+	copy(b[wire.HeaderSize:], payload)
+	return b
+}
+
+// errorFrame encodes an OpError frame answering (req, seq) with kind and a message.
+func errorFrame(req uint64, seq uint32, kind error, msg string) []byte {
+	if len(msg) > maxErrorBytes {
+		msg = msg[:maxErrorBytes]
+	}
+	return encodeFrame(wire.Header{Op: wire.OpError, Req: req, Seq: seq, Count: codeFor(kind)}, []byte(msg))
+}
+
+// readHeader reads and validates one frame header.
+func readHeader(r io.Reader, buf []byte, lim wire.Limits) (wire.Header, error) {
+	if _, err := io.ReadFull(r, buf[:wire.HeaderSize]); err != nil {
+		return wire.Header{}, err
+	}
+	h, err := wire.DecodeHeader(buf[:wire.HeaderSize])
+	if err == nil {
+		err = lim.Check(h)
+	}
+	if err != nil {
+		return h, fmt.Errorf("%w: %v", ErrProtocol, err)
+	}
+	return h, nil
+}
+
+// readPayload reads exactly n bytes into a new buffer.
+func readPayload(r io.Reader, n uint64) ([]byte, error) {
+	b := make([]byte, n)
+	_, err := io.ReadFull(r, b)
+	return b, err
+}
+
+// dialResult is an established, handshaken connection.
+type dialResult struct {
+	conn net.Conn
+	ack  helloAck
+	fds  []int // received arena fds (Unix), owned by the caller
+}
+
+// dial connects to addr ("unix" or "tcp"), sends a hello and waits for the ack. Errors are
+// ErrRemoteDisconnect for connection failures, ErrProtocol for malformed answers and the
+// listener's refusal kind (ErrStaleIncarnation, ErrPermission, …) otherwise.
+func (a *Agent) dial(ctx context.Context, network, addr string, h hello) (*dialResult, error) {
+	deadline := time.Now().Add(a.cfg.DialTimeout)
+	if d, ok := ctx.Deadline(); ok && d.Before(deadline) {
+		deadline = d
+	}
+	h.Version = 1
+	h.From, h.FromInc = a.name, a.inc
+	if a.cfg.Auth != nil {
+		proof, err := a.cfg.Auth.Prove(h.info())
+		if err != nil {
+			return nil, newErr("connect", h.To, ErrPermission, "authenticator", err)
+		}
+		h.Auth = proof
+	}
+	payload, err := msgpack.Marshal(&h)
+	if err != nil {
+		return nil, newErr("connect", h.To, ErrInvalidParam, "encoding hello", err)
+	}
+	d := net.Dialer{Deadline: deadline}
+	c, err := d.DialContext(ctx, network, addr)
+	if err != nil {
+		return nil, newErr("connect", h.To, ErrRemoteDisconnect, fmt.Sprintf("dial %s %s", network, addr), err)
+	}
+	if tc, ok := c.(*net.TCPConn); ok {
+		tuneTCP(tc)
+	}
+	_ = c.SetDeadline(deadline)
+	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })
+	defer stop()
+	res, err := a.handshake(c, h, payload)
+	if err != nil {
+		c.Close()
+		if ctx.Err() != nil {
+			return nil, newErr("connect", h.To, ErrCanceled, fmt.Sprintf("%s %s", network, addr), ctx.Err())
+		}
+		var e *Error
+		if errors.As(err, &e) {
+			return nil, err
+		}
+		if errors.Is(err, ErrProtocol) {
+			return nil, newErr("connect", h.To, ErrProtocol, fmt.Sprintf("%s %s", network, addr), err)
+		}
+		return nil, newErr("connect", h.To, ErrRemoteDisconnect, fmt.Sprintf("handshake %s %s", network, addr), err)
+	}
+	_ = c.SetDeadline(time.Time{})
+	return res, nil
+}
+
+// handshake sends the hello and reads the ack (and fds on a Unix socket).
+func (a *Agent) handshake(c net.Conn, h hello, payload []byte) (*dialResult, error) {
+	if _, err := c.Write(encodeFrame(wire.Header{Op: wire.OpHello}, payload)); err != nil {
+		return nil, err
+	}
+	var hb [wire.HeaderSize]byte
+	var fds []int
+	var err error
+	if uc, ok := c.(*net.UnixConn); ok {
+		fds, err = readWithFDs(uc, hb[:])
+	} else {
+		_, err = io.ReadFull(c, hb[:])
+	}
+	closeFDs := func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}
+	if err != nil {
+		closeFDs()
+		return nil, err
+	}
+	hdr, err := wire.DecodeHeader(hb[:])
+	if err == nil {
+		err = wire.Limits{MaxControl: maxAckBytes}.Check(hdr)
+	}
+	if err != nil {
+		closeFDs()
+		return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+	}
+	body, err := readPayload(c, hdr.Length)
+	if err != nil {
+		closeFDs()
+		return nil, err
+	}
+	switch hdr.Op {
+	case wire.OpError:
+		closeFDs()
+		return nil, newErr("connect", h.To, kindForCode(hdr.Count), "refused by peer: "+string(body), nil)
+	case wire.OpHelloAck:
+	default:
+		closeFDs()
+		return nil, fmt.Errorf("%w: unexpected %v during handshake", ErrProtocol, hdr.Op)
+	}
+	res := &dialResult{conn: c, fds: fds}
+	if _, err := checkMsgpack(body, 4); err != nil {
+		closeFDs()
+		return nil, err
+	}
+	if err := msgpack.Unmarshal(body, &res.ack); err != nil {
+		closeFDs()
+		return nil, fmt.Errorf("%w: hello ack: %v", ErrProtocol, err)
+	}
+	if len(res.ack.Grants) != len(fds) {
+		closeFDs()
+		return nil, fmt.Errorf("%w: %d arena grants for %d fds", ErrProtocol, len(res.ack.Grants), len(fds))
+	}
+	if h.To != "" && (res.ack.Name != h.To || (h.ToInc != 0 && res.ack.Inc != h.ToInc)) {
+		closeFDs()
+		return nil, newErr("connect", h.To, ErrStaleIncarnation,
+			fmt.Sprintf("answered by %s/%016x, expected %s/%016x", res.ack.Name, res.ack.Inc, h.To, h.ToInc), nil)
+	}
+	return res, nil
+}
+
+// readWithFDs fills buf from a Unix socket, collecting any fds passed alongside.
+func readWithFDs(uc *net.UnixConn, buf []byte) ([]int, error) {
+	oob := make([]byte, unix.CmsgSpace(maxFDsPerAck*4))
+	var fds []int
+	for got := 0; got < len(buf); {
+		n, oobn, flags, _, err := uc.ReadMsgUnix(buf[got:], oob)
+		if oobn > 0 {
+			msgs, perr := unix.ParseSocketControlMessage(oob[:oobn])
+			if perr == nil {
+				for i := range msgs {
+					if more, err := unix.ParseUnixRights(&msgs[i]); err == nil {
+						fds = append(fds, more...)
+					}
+				}
+			}
+		}
+		if flags&unix.MSG_CTRUNC != 0 && err == nil {
+			err = fmt.Errorf("%w: control message truncated", ErrProtocol)
+		}
+		if err == nil && n == 0 {
+			err = io.ErrUnexpectedEOF
+		}
+		if err != nil {
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			return nil, err
+		}
+		got += n
+	}
+	return fds, nil
+}
+
+// tuneTCP applies the socket options used on every transfer TCP connection.
+func tuneTCP(c *net.TCPConn) {
+	_ = c.SetNoDelay(true)
+	_ = c.SetKeepAlive(true)
+	_ = c.SetKeepAlivePeriod(15 * time.Second)
+}
+
+// FetchRemote fetches the metadata of the agent listening on the TCP address addr and loads
+// it (see LoadRemote). It returns the peer name.
+func (a *Agent) FetchRemote(ctx context.Context, addr string) (string, error) {
+	blob, err := a.FetchMetadata(ctx, addr)
+	if err != nil {
+		return "", err
+	}
+	return a.LoadRemote(blob)
+}
+
+// FetchMetadata returns the metadata blob of the agent listening on the TCP address addr,
+// without loading it.
+func (a *Agent) FetchMetadata(ctx context.Context, addr string) ([]byte, error) {
+	if a.closed.Load() {
+		return nil, newErr("fetch", "", ErrClosed, "agent closed", nil)
+	}
+	res, err := a.dial(ctx, "tcp", addr, hello{Role: roleMeta})
+	if err != nil {
+		return nil, err
+	}
+	res.conn.Close()
+	return res.ack.Meta, nil
+}
+
+// sendAck answers a hello, passing fds on a Unix socket.
+func sendAck(c net.Conn, ack *helloAck, fds []int) error {
+	payload, err := msgpack.Marshal(ack)
+	if err != nil {
+		return err
+	}
+	frame := encodeFrame(wire.Header{Op: wire.OpHelloAck}, payload)
+	if len(fds) == 0 {
+		_, err = c.Write(frame)
+		return err
+	}
+	uc, ok := c.(*net.UnixConn)
+	if !ok {
+		return fmt.Errorf("%w: fds over a non-Unix connection", ErrNotSupported)
+	}
+	n, _, err := uc.WriteMsgUnix(frame, unix.UnixRights(fds...), nil)
+	if err != nil {
+		return err
+	}
+	if n < len(frame) {
+		_, err = c.Write(frame[n:])
+	}
+	return err
+}
+
+// peerUID returns the uid of the process at the other end of a Unix socket.
+func peerUID(uc *net.UnixConn) (uint32, error) {
+	rc, err := uc.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var cerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, cerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if cerr != nil {
+		return 0, cerr
+	}
+	return cred.Uid, nil
+}
+
+// ownUID is the uid peers on the Unix socket must have.
+func ownUID() uint32 { return uint32(os.Getuid()) }

@@ -1,0 +1,658 @@
+package transfer
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sync/semaphore"
+	"golang.org/x/sys/unix"
+)
+
+// PeerInfo describes a loaded remote agent.
+type PeerInfo struct {
+	Name        string
+	Incarnation uint64
+	SameHost    bool   // same boot id as this agent
+	UnixAddr    string // "" if the peer offers no SHM
+	TCPAddrs    []string
+	Regions     int
+	Backends    []Backend // backends currently connected
+}
+
+// peer is the state for one incarnation of a remote agent. A new incarnation gets a new peer;
+// the old one is retired (its requests fail with ErrStaleIncarnation).
+type peer struct {
+	a    *Agent
+	name string
+	inc  uint64
+	meta atomic.Pointer[remoteMeta]
+
+	dialMu   sync.Mutex // serialises connection attempts (held while dialing, p.mu is not)
+	mu       sync.Mutex
+	gone     error  // sentinel once retired (stale, invalidated, closed)
+	goneWhy  string // detail for gone
+	uconn    *ctrlConn
+	tconn    *ctrlConn
+	data     []*dataConn
+	budget   *semaphore.Weighted
+	maps     map[uint32]*mapping // arena id → mapping of the peer's arena
+	inflight map[*Request]uint64 // active requests and their post generation
+	lists    int                 // live prepared lists bound to this peer
+	unmapped bool
+	rr       int // round-robin start for stripes
+}
+
+// mapping is a peer arena mapped into this process.
+type mapping struct {
+	mem      []byte
+	writable bool
+}
+
+// LoadRemote loads (or replaces) a peer's metadata blob and returns the peer's name. It does
+// not connect. Loading the same incarnation again replaces the region table in place.
+// Loading a new incarnation retires the old one atomically: its requests in flight fail with
+// ErrStaleIncarnation, as do later posts of requests made from lists prepared against it.
+func (a *Agent) LoadRemote(blob []byte) (string, error) {
+	m, err := decodeMetadata(blob)
+	if err != nil {
+		return "", err
+	}
+	if a.closed.Load() {
+		return "", newErr("load", m.Name, ErrClosed, "agent closed", nil)
+	}
+	a.peersMu.Lock()
+	old := a.peers[m.Name]
+	if old != nil && old.inc == m.Incarnation {
+		old.meta.Store(m)
+		a.peersMu.Unlock()
+		return m.Name, nil
+	}
+	p := &peer{a: a, name: m.Name, inc: m.Incarnation, maps: map[uint32]*mapping{}, inflight: map[*Request]uint64{}}
+	p.meta.Store(m)
+	a.peers[m.Name] = p
+	a.peersMu.Unlock()
+	if old != nil {
+		old.retire(ErrStaleIncarnation, fmt.Sprintf("incarnation %016x replaced by %016x", old.inc, m.Incarnation))
+	}
+	return m.Name, nil
+}
+
+// InvalidateRemote forgets a peer: its connections close, its requests in flight fail with
+// ErrNotFound, and lists prepared against it can no longer be posted.
+func (a *Agent) InvalidateRemote(name string) error {
+	a.peersMu.Lock()
+	p := a.peers[name]
+	delete(a.peers, name)
+	a.peersMu.Unlock()
+	if p == nil {
+		return newErr("invalidate", name, ErrNotFound, "no metadata loaded", nil)
+	}
+	p.retire(ErrNotFound, "peer metadata invalidated")
+	return nil
+}
+
+// Peer returns what is known about a loaded peer.
+func (a *Agent) Peer(name string) (PeerInfo, bool) {
+	p := a.lookupPeer(name)
+	if p == nil {
+		return PeerInfo{}, false
+	}
+	m := p.meta.Load()
+	info := PeerInfo{Name: p.name, Incarnation: p.inc, SameHost: a.bootID != "" && m.BootID == a.bootID,
+		UnixAddr: m.UnixAddr, TCPAddrs: append([]string(nil), m.TCPAddrs...), Regions: len(m.Regions)}
+	p.mu.Lock()
+	if p.uconn != nil {
+		info.Backends = append(info.Backends, BackendSHM)
+	}
+	if p.data != nil {
+		info.Backends = append(info.Backends, BackendTCP)
+	}
+	p.mu.Unlock()
+	return info, true
+}
+
+// Connect pre-establishes the connections to a loaded peer for the given backends (default:
+// the agent's preference, first usable one), so the first transfer does not pay for them.
+func (a *Agent) Connect(ctx context.Context, name string, backends ...string) (Backend, error) {
+	p := a.lookupPeer(name)
+	if p == nil {
+		return 0, newErr("connect", name, ErrNotFound, "no metadata loaded", nil)
+	}
+	prefs, explicit := a.backends, a.explicit
+	if len(backends) > 0 {
+		bs, err := ParseBackends(backends)
+		if err != nil {
+			return 0, err
+		}
+		prefs, explicit = bs, true
+	}
+	b, _, err := p.choose(ctx, prefs, explicit, nil)
+	return b, err
+}
+
+// lookupPeer returns the current peer named name, or nil.
+func (a *Agent) lookupPeer(name string) *peer {
+	a.peersMu.Lock()
+	defer a.peersMu.Unlock()
+	return a.peers[name]
+}
+
+// goneErr returns the error for using a retired peer (callers hold p.mu).
+func (p *peer) goneErrLocked(op string) error {
+	return newErr(op, p.name, p.gone, p.goneWhy, nil)
+}
+
+// sameHost reports whether the peer runs on this host.
+func (p *peer) sameHost() bool {
+	return p.a.bootID != "" && p.meta.Load().BootID == p.a.bootID
+}
+
+// shmUsable explains why SHM cannot serve descs ("" if it can).
+func (p *peer) shmUsable(descs []Desc) string {
+	m := p.meta.Load()
+	switch {
+	case m.UnixAddr == "":
+		return "peer offers no SHM socket"
+	case !p.sameHost():
+		return fmt.Sprintf("peer is on another host (boot id %q, ours %q)", m.BootID, p.a.bootID)
+	}
+	for i, d := range descs {
+		if r := m.region(d.Region); r != nil && r.Arena == 0 {
+			return fmt.Sprintf("descriptor %d: region %d is not in a shared arena", i, d.Region)
+		}
+	}
+	return ""
+}
+
+// tcpUsable explains why TCP cannot be used ("" if it can).
+func (p *peer) tcpUsable() string {
+	if len(p.meta.Load().TCPAddrs) == 0 {
+		return "peer offers no TCP address"
+	}
+	return ""
+}
+
+// choose picks the first usable backend in prefs for descs and connects it. With an
+// explicit list, backends not in it are never used. A fallback past the first preference
+// is returned as a reason string and counted, never silent.
+func (p *peer) choose(ctx context.Context, prefs []Backend, explicit bool, descs []Desc) (Backend, string, error) {
+	var reasons []string
+	kind := ErrNotSupported
+	for _, b := range prefs {
+		var why string
+		switch b {
+		case BackendSHM:
+			why = p.shmUsable(descs)
+		case BackendTCP:
+			why = p.tcpUsable()
+		}
+		if why == "" {
+			err := p.ensure(ctx, b)
+			if err == nil {
+				fallback := ""
+				if len(reasons) > 0 {
+					fallback = joinReasons(reasons)
+					p.a.stats.fallbacks.Add(1)
+					p.a.log.Info("transfer backend fallback", "peer", p.name, "backend", b.String(), "why", fallback)
+				}
+				return b, fallback, nil
+			}
+			k := kindOf(err)
+			if k == ErrStaleIncarnation || k == ErrNotFound || k == ErrClosed || k == ErrCanceled {
+				return 0, "", err
+			}
+			kind = k // a real connection failure says more than "not supported"
+			why = err.Error()
+		}
+		reasons = append(reasons, b.String()+": "+why)
+	}
+	detail := joinReasons(reasons)
+	if explicit {
+		detail = "none of the requested backends can be used: " + detail
+	}
+	return 0, "", newErr("select backend", p.name, kind, detail, nil)
+}
+
+// joinReasons joins fallback reasons.
+func joinReasons(r []string) string {
+	s := ""
+	for i, x := range r {
+		if i > 0 {
+			s += "; "
+		}
+		s += x
+	}
+	return s
+}
+
+// ensure makes sure the connections backend b needs are up. Dialing happens under dialMu
+// only, so requests in flight (which take p.mu) never wait for a connection attempt.
+func (p *peer) ensure(ctx context.Context, b Backend) error {
+	p.dialMu.Lock()
+	defer p.dialMu.Unlock()
+	p.mu.Lock()
+	if p.gone != nil {
+		err := p.goneErrLocked("connect")
+		p.mu.Unlock()
+		return err
+	}
+	up := (b == BackendSHM && p.uconn != nil) || (b == BackendTCP && p.data != nil)
+	p.mu.Unlock()
+	if up {
+		return nil
+	}
+	switch b {
+	case BackendSHM:
+		return p.connectSHM(ctx)
+	case BackendTCP:
+		return p.connectTCP(ctx)
+	}
+	return newErr("connect", p.name, ErrInvalidParam, "unknown backend", nil)
+}
+
+// ctrl returns the connection notifications to this peer travel on, connecting one if
+// needed: the Unix socket when SHM is up, else a TCP control connection. With no connection
+// yet, prefer decides which one is dialed (SHM only if usable; 0 = the agent's preference).
+func (p *peer) ctrl(ctx context.Context, prefer Backend) (*ctrlConn, error) {
+	get := func() (*ctrlConn, error) {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if p.gone != nil {
+			return nil, p.goneErrLocked("notify")
+		}
+		return p.ctrlLocked(), nil
+	}
+	if cc, err := get(); cc != nil || err != nil {
+		return cc, err
+	}
+	p.dialMu.Lock()
+	defer p.dialMu.Unlock()
+	if cc, err := get(); cc != nil || err != nil {
+		return cc, err
+	}
+	if prefer == 0 {
+		prefer = p.a.backends[0]
+	}
+	var firstErr error
+	if prefer == BackendSHM && p.a.enabled(BackendSHM) && p.shmUsable(nil) == "" {
+		if firstErr = p.connectSHM(ctx); firstErr == nil {
+			return get()
+		}
+	}
+	if p.tcpUsable() == "" {
+		if err := p.connectTCPCtrl(ctx); err != nil {
+			return nil, err
+		}
+		return get()
+	}
+	if firstErr != nil {
+		return nil, firstErr
+	}
+	return nil, newErr("notify", p.name, ErrNotSupported, "peer offers no usable control connection", nil)
+}
+
+// ctrlLocked returns the current notification route, or nil (callers hold p.mu).
+func (p *peer) ctrlLocked() *ctrlConn {
+	if p.uconn != nil {
+		return p.uconn
+	}
+	return p.tconn
+}
+
+// connectSHM dials the peer's Unix socket, receives the fds of the shared arenas not mapped
+// yet and maps them, then starts watching the socket for the peer's exit. Callers hold
+// dialMu.
+func (p *peer) connectSHM(ctx context.Context) error {
+	m := p.meta.Load()
+	p.mu.Lock()
+	var want []uint32
+	for _, ar := range m.Arenas {
+		if p.maps[ar.ID] == nil {
+			want = append(want, ar.ID)
+		}
+	}
+	p.mu.Unlock()
+	res, err := p.a.dial(ctx, "unix", m.UnixAddr, hello{Role: roleControl, To: p.name, ToInc: p.inc, Arenas: want})
+	if err != nil {
+		return err
+	}
+	cc := newCtrlConn(p.a, res.conn, p.name, p.inc, true)
+	p.mu.Lock()
+	if p.gone != nil {
+		err = p.goneErrLocked("connect")
+	} else {
+		err = p.mapGrantsLocked(res.ack.Grants, res.fds)
+	}
+	res.fds = nil
+	if err == nil {
+		p.uconn = cc
+	}
+	p.mu.Unlock()
+	if err != nil {
+		res.conn.Close()
+		return err
+	}
+	return p.startWatch(cc)
+}
+
+// startWatch tracks an installed control connection and starts its reader.
+func (p *peer) startWatch(cc *ctrlConn) error {
+	if !p.a.trackOutbound(cc.c) || !p.a.goTracked(func() { p.watch(cc) }) {
+		p.teardownConn(cc, nil, "agent closed")
+		return newErr("connect", p.name, ErrClosed, "agent closed", nil)
+	}
+	p.a.stats.connects.Add(1)
+	return nil
+}
+
+// mapGrantsLocked maps received arena fds (closing them) after checking them against the
+// metadata.
+func (p *peer) mapGrantsLocked(grants []arenaGrant, fds []int) error {
+	defer func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}()
+	m := p.meta.Load()
+	for i, g := range grants {
+		size, ok := m.arenaSize[g.ID]
+		if !ok || size != g.Size {
+			continue // not in the metadata we hold (or resized): ignore
+		}
+		if p.maps[g.ID] != nil {
+			continue
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fds[i], &st); err != nil || uint64(st.Size) < g.Size {
+			return newErr("connect", p.name, ErrProtocol, fmt.Sprintf("arena %d fd does not match its size", g.ID), err)
+		}
+		prot := unix.PROT_READ
+		if g.Writable {
+			prot |= unix.PROT_WRITE
+		}
+		mem, err := unix.Mmap(fds[i], 0, int(g.Size), prot, unix.MAP_SHARED|unix.MAP_POPULATE)
+		if err != nil {
+			return newErr("connect", p.name, ErrBackend, fmt.Sprintf("mapping arena %d", g.ID), err)
+		}
+		p.maps[g.ID] = &mapping{mem: mem, writable: g.Writable}
+	}
+	return nil
+}
+
+// fetchArenas maps arenas that appeared in reloaded metadata after the SHM connection was
+// made, over a short-lived Unix connection.
+func (p *peer) fetchArenas(ctx context.Context, ids []uint32) error {
+	p.dialMu.Lock()
+	defer p.dialMu.Unlock()
+	p.mu.Lock()
+	var want []uint32
+	for _, id := range ids {
+		if p.maps[id] == nil {
+			want = append(want, id)
+		}
+	}
+	p.mu.Unlock()
+	if len(want) == 0 {
+		return nil
+	}
+	res, err := p.a.dial(ctx, "unix", p.meta.Load().UnixAddr, hello{Role: roleArenas, To: p.name, ToInc: p.inc, Arenas: want})
+	if err != nil {
+		return err
+	}
+	defer res.conn.Close()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.gone != nil {
+		for _, fd := range res.fds {
+			unix.Close(fd)
+		}
+		return p.goneErrLocked("connect")
+	}
+	return p.mapGrantsLocked(res.ack.Grants, res.fds)
+}
+
+// connectTCP dials the TCP data connections. Callers hold dialMu.
+func (p *peer) connectTCP(ctx context.Context) error {
+	m := p.meta.Load()
+	addr := m.TCPAddrs[0]
+	k := p.a.cfg.TCPStreams
+	budget := semaphore.NewWeighted(p.a.cfg.MaxInflightBytes)
+	conns := make([]*dataConn, 0, k)
+	abort := func() {
+		for _, c := range conns {
+			c.abort()
+		}
+	}
+	for range k {
+		res, err := p.a.dial(ctx, "tcp", addr, hello{Role: roleData, To: p.name, ToInc: p.inc})
+		if err != nil {
+			abort()
+			return err
+		}
+		if !p.a.trackOutbound(res.conn) {
+			abort()
+			return newErr("connect", p.name, ErrClosed, "agent closed", nil)
+		}
+		conns = append(conns, newDataConn(p, res.conn, budget))
+	}
+	p.mu.Lock()
+	if p.gone != nil {
+		err := p.goneErrLocked("connect")
+		p.mu.Unlock()
+		abort()
+		return err
+	}
+	p.data, p.budget = conns, budget
+	p.mu.Unlock()
+	for _, c := range conns {
+		if !c.start() {
+			p.teardownConn(nil, c, "agent closed")
+			return newErr("connect", p.name, ErrClosed, "agent closed", nil)
+		}
+	}
+	p.a.stats.connects.Add(1)
+	return nil
+}
+
+// connectTCPCtrl dials a TCP control connection (notifications without SHM). Callers hold
+// dialMu.
+func (p *peer) connectTCPCtrl(ctx context.Context) error {
+	res, err := p.a.dial(ctx, "tcp", p.meta.Load().TCPAddrs[0], hello{Role: roleControl, To: p.name, ToInc: p.inc})
+	if err != nil {
+		return err
+	}
+	cc := newCtrlConn(p.a, res.conn, p.name, p.inc, false)
+	p.mu.Lock()
+	if p.gone != nil {
+		err = p.goneErrLocked("connect")
+	} else {
+		p.tconn = cc
+	}
+	p.mu.Unlock()
+	if err != nil {
+		res.conn.Close()
+		return err
+	}
+	return p.startWatch(cc)
+}
+
+// watch reads a control connection we dialed: notifications from the peer are delivered,
+// and its end (EOF when the peer process exits) tears the link down at once.
+func (p *peer) watch(cc *ctrlConn) {
+	err := cc.readLoop()
+	p.a.untrack(cc.c)
+	if p.a.closed.Load() {
+		return
+	}
+	p.teardownConn(cc, nil, fmt.Sprintf("control connection lost: %v", err))
+}
+
+// teardownConn tears the link down if cc (or dc) is still part of it.
+func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) {
+	p.mu.Lock()
+	current := false
+	if cc != nil && (p.uconn == cc || p.tconn == cc) {
+		current = true
+	}
+	if dc != nil {
+		for _, c := range p.data {
+			if c == dc {
+				current = true
+			}
+		}
+	}
+	p.mu.Unlock()
+	switch {
+	case current && dc != nil:
+		p.teardownData(why)
+	case current:
+		p.teardown(ErrRemoteDisconnect, why)
+	case cc != nil:
+		cc.close()
+	}
+}
+
+// teardownData closes the TCP data connections and fails the TCP requests in flight; SHM
+// requests and the control connection are not affected. The next TCP post reconnects.
+func (p *peer) teardownData(why string) {
+	p.mu.Lock()
+	data := p.data
+	p.data, p.budget = nil, nil
+	reqs := map[*Request]uint64{}
+	for r, gen := range p.inflight {
+		if r.backend == BackendTCP {
+			reqs[r] = gen
+			delete(p.inflight, r)
+		}
+	}
+	p.mu.Unlock()
+	if len(data) > 0 {
+		p.a.stats.disconnects.Add(1)
+		p.a.log.Info("transfer data connections lost", "peer", p.name, "why", why)
+	}
+	for _, c := range data {
+		c.abort()
+	}
+	for r, gen := range reqs {
+		r.fail(gen, ErrRemoteDisconnect, why, nil)
+	}
+}
+
+// teardown closes every connection to the peer and fails its requests in flight with kind.
+// The peer stays loaded: the next request reconnects.
+func (p *peer) teardown(kind error, why string) {
+	p.mu.Lock()
+	conns := p.takeConnsLocked()
+	reqs := p.takeInflightLocked()
+	p.mu.Unlock()
+	if len(conns.data) > 0 || conns.u != nil || conns.t != nil {
+		p.a.stats.disconnects.Add(1)
+		p.a.log.Info("transfer peer disconnected", "peer", p.name, "why", why)
+	}
+	conns.close()
+	for r, gen := range reqs {
+		r.fail(gen, kind, why, nil)
+	}
+}
+
+// retire marks the peer gone (stale incarnation, invalidated, agent closed), closes its
+// connections and fails its requests with kind. It returns the requests it failed.
+func (p *peer) retire(kind error, why string) []*Request {
+	p.mu.Lock()
+	if p.gone != nil {
+		p.mu.Unlock()
+		return nil
+	}
+	p.gone, p.goneWhy = kind, why
+	conns := p.takeConnsLocked()
+	reqs := p.takeInflightLocked()
+	unmap := p.lists == 0
+	p.mu.Unlock()
+	conns.close()
+	failed := make([]*Request, 0, len(reqs))
+	for r, gen := range reqs {
+		r.fail(gen, kind, why, nil)
+		failed = append(failed, r)
+	}
+	if unmap && kind != ErrClosed {
+		// With no prepared list left nothing can copy from the mappings any more.
+		p.unmapAll()
+	}
+	return failed
+}
+
+// linkConns is a snapshot of a peer's connections.
+type linkConns struct {
+	u, t *ctrlConn
+	data []*dataConn
+}
+
+// close closes all of them.
+func (l linkConns) close() {
+	if l.u != nil {
+		l.u.close()
+	}
+	if l.t != nil {
+		l.t.close()
+	}
+	for _, c := range l.data {
+		c.abort()
+	}
+}
+
+// takeConnsLocked detaches the connections from the peer.
+func (p *peer) takeConnsLocked() linkConns {
+	l := linkConns{u: p.uconn, t: p.tconn, data: p.data}
+	p.uconn, p.tconn, p.data, p.budget = nil, nil, nil, nil
+	return l
+}
+
+// takeInflightLocked detaches the active requests.
+func (p *peer) takeInflightLocked() map[*Request]uint64 {
+	reqs := p.inflight
+	p.inflight = map[*Request]uint64{}
+	return reqs
+}
+
+// addList records a prepared list bound to the peer.
+func (p *peer) addList() {
+	p.mu.Lock()
+	p.lists++
+	p.mu.Unlock()
+}
+
+// dropList forgets a prepared list; the last one of a retired peer unmaps its arenas.
+func (p *peer) dropList() {
+	p.mu.Lock()
+	p.lists--
+	unmap := p.lists == 0 && p.gone != nil && p.gone != ErrClosed
+	p.mu.Unlock()
+	if unmap {
+		p.unmapAll()
+	}
+}
+
+// unmapAll unmaps the peer's arenas (once). Callers guarantee nothing copies any more.
+func (p *peer) unmapAll() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.unmapped {
+		return
+	}
+	p.unmapped = true
+	for id, m := range p.maps {
+		_ = unix.Munmap(m.mem)
+		delete(p.maps, id)
+	}
+}
+
+// notifDeadline bounds a completion notification.
+func notifDeadline(dl time.Time) time.Time {
+	if dl.IsZero() {
+		return time.Now().Add(defaultTimeout)
+	}
+	return dl
+}

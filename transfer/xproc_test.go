@@ -1,0 +1,522 @@
+package transfer
+
+import (
+	"bufio"
+	"context"
+	"encoding/base64"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// The test binary re-executes itself as the peer process of the cross-process tests.
+const (
+	envPeer     = "KVBRIDGE_TRANSFER_TEST_PEER" // agent name; set = run as the peer
+	envPeerSize = "KVBRIDGE_TRANSFER_TEST_SIZE"
+	envPeerSeed = "KVBRIDGE_TRANSFER_TEST_SEED"
+)
+
+func TestMain(m *testing.M) {
+	if name := os.Getenv(envPeer); name != "" {
+		if err := runTestPeer(name); err != nil {
+			fmt.Fprintln(os.Stderr, "test peer:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// runTestPeer is the peer process: an agent with one arena filled with the seed's pattern,
+// registered read-write. It prints "META <base64>", echoes every notification back to its
+// sender as "ECHO:<msg>", and answers commands on stdin:
+//
+//	sums <block>  → "SUMS <crc>,<crc>,…" (CRC32 of every block of the arena)
+//	fill <seed>   → refills the arena, "OK"
+//	quit          → exits
+func runTestPeer(name string) error {
+	size, err := strconv.ParseInt(os.Getenv(envPeerSize), 10, 64)
+	if err != nil {
+		return err
+	}
+	seed, err := strconv.ParseUint(os.Getenv(envPeerSeed), 10, 64)
+	if err != nil {
+		return err
+	}
+	a, err := NewAgent(name, Config{})
+	if err != nil {
+		return err
+	}
+	defer a.Close()
+	ar, err := NewArena(name, size)
+	if err != nil {
+		return err
+	}
+	fillPattern(ar.Bytes(), seed)
+	if _, err := a.Register(ar, 0, size, PermReadWrite); err != nil {
+		return err
+	}
+	go func() {
+		for n := range a.Notifications() {
+			_ = a.SendNotif(context.Background(), n.Peer, append([]byte("ECHO:"), n.Msg...))
+		}
+	}()
+	out := bufio.NewWriter(os.Stdout)
+	fmt.Fprintf(out, "META %s\n", base64.StdEncoding.EncodeToString(a.LocalMetadata()))
+	out.Flush()
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		f := strings.Fields(in.Text())
+		if len(f) == 0 {
+			continue
+		}
+		switch f[0] {
+		case "sums":
+			bs, _ := strconv.Atoi(f[1])
+			sums := blockSums(ar.Bytes(), bs)
+			parts := make([]string, len(sums))
+			for i, s := range sums {
+				parts[i] = strconv.FormatUint(uint64(s), 16)
+			}
+			fmt.Fprintf(out, "SUMS %s\n", strings.Join(parts, ","))
+		case "fill":
+			s, _ := strconv.ParseUint(f[1], 10, 64)
+			fillPattern(ar.Bytes(), s)
+			fmt.Fprintln(out, "OK")
+		case "quit":
+			return nil
+		}
+		out.Flush()
+	}
+	return nil
+}
+
+// testPeer is a running peer process.
+type testPeer struct {
+	t    *testing.T
+	cmd  *exec.Cmd
+	in   io.WriteCloser
+	out  *bufio.Reader
+	meta []byte
+	done chan struct{}
+}
+
+// startTestPeer runs the peer named name with an arena of size bytes and pattern seed.
+func startTestPeer(t *testing.T, name string, seed uint64, size int64) *testPeer {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), envPeer+"="+name, fmt.Sprintf("%s=%d", envPeerSize, size), fmt.Sprintf("%s=%d", envPeerSeed, seed))
+	cmd.Stderr = os.Stderr
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &testPeer{t: t, cmd: cmd, in: in, out: bufio.NewReader(stdout), done: make(chan struct{})}
+	go func() {
+		_ = cmd.Wait()
+		close(p.done)
+	}()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGCONT)
+		_ = cmd.Process.Kill()
+		<-p.done
+	})
+	line := p.line()
+	meta, ok := strings.CutPrefix(line, "META ")
+	if !ok {
+		t.Fatalf("peer said %q", line)
+	}
+	if p.meta, err = base64.StdEncoding.DecodeString(meta); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// line reads one line from the peer, bounded by the test context.
+func (p *testPeer) line() string {
+	p.t.Helper()
+	type res struct {
+		s   string
+		err error
+	}
+	ch := make(chan res, 1)
+	go func() {
+		s, err := p.out.ReadString('\n')
+		ch <- res{strings.TrimSpace(s), err}
+	}()
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			p.t.Fatalf("peer: %v", r.err)
+		}
+		return r.s
+	case <-testCtx(p.t).Done():
+		p.t.Fatal("peer did not answer")
+	}
+	return ""
+}
+
+// call sends a command and returns the answer line.
+func (p *testPeer) call(cmd string) string {
+	p.t.Helper()
+	if _, err := fmt.Fprintln(p.in, cmd); err != nil {
+		p.t.Fatal(err)
+	}
+	return p.line()
+}
+
+// sums returns the peer's per-block checksums.
+func (p *testPeer) sums(block int) []uint32 {
+	p.t.Helper()
+	s, ok := strings.CutPrefix(p.call(fmt.Sprintf("sums %d", block)), "SUMS ")
+	if !ok {
+		p.t.Fatal("bad sums answer")
+	}
+	var out []uint32
+	for _, h := range strings.Split(s, ",") {
+		v, err := strconv.ParseUint(h, 16, 32)
+		if err != nil {
+			p.t.Fatal(err)
+		}
+		out = append(out, uint32(v))
+	}
+	return out
+}
+
+// signal sends sig to the peer.
+func (p *testPeer) signal(sig syscall.Signal) {
+	p.t.Helper()
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		p.t.Fatal(err)
+	}
+}
+
+// stop SIGSTOPs the peer and waits until the kernel reports it stopped (signals are
+// delivered asynchronously).
+func (p *testPeer) stop() {
+	p.t.Helper()
+	p.signal(syscall.SIGSTOP)
+	ctx := testCtx(p.t)
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", p.cmd.Process.Pid))
+		if err != nil {
+			p.t.Fatal(err)
+		}
+		// The state follows the parenthesised command name.
+		if i := strings.LastIndexByte(string(b), ')'); i > 0 && i+2 < len(b) && (b[i+2] == 'T' || b[i+2] == 't') {
+			return
+		}
+		select {
+		case <-tick.C:
+		case <-ctx.Done():
+			p.t.Fatal("peer did not stop")
+		}
+	}
+}
+
+// kill SIGKILLs the peer and waits until it is reaped.
+func (p *testPeer) kill() {
+	p.t.Helper()
+	p.signal(syscall.SIGKILL)
+	select {
+	case <-p.done:
+	case <-testCtx(p.t).Done():
+		p.t.Fatal("peer did not die")
+	}
+}
+
+// expectedSums returns the checksums of an arena filled with seed's pattern.
+func expectedSums(size int64, seed uint64, block int) []uint32 {
+	b := make([]byte, size)
+	fillPattern(b, seed)
+	return blockSums(b, block)
+}
+
+// TestCrossProcess: READ and WRITE against a peer process on both backends, checksum of
+// every block, notifications in both directions.
+func TestCrossProcess(t *testing.T) {
+	const size, block = 8 << 20, 64 << 10
+	peer := startTestPeer(t, "xpeer", 0x33, size)
+	ini := newTestAgent(t, "xinit", Config{})
+	ar := newTestArena(t, size)
+	reg := mustRegister(t, ini, ar, 0)
+	name, err := ini.LoadRemote(peer.meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := size / block
+	ll, err := ini.PrepareLocal(BlockDescs(reg.ID(), 0, block, n))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ll.Release()
+	rng := rand.New(rand.NewPCG(3, 4))
+	for bi, be := range []string{"SHM", "TCP"} {
+		rl, err := ini.PrepareRemote(testCtx(t), name, BlockDescs(1, 0, block, n), &PrepareOptions{Backends: []string{be}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if rl.Backend().String() != be {
+			t.Fatalf("backend %v", rl.Backend())
+		}
+		seed := uint64(100 + bi)
+		if peer.call(fmt.Sprintf("fill %d", seed)) != "OK" {
+			t.Fatal("fill")
+		}
+		want := expectedSums(size, seed, block)
+
+		// READ scattered blocks, with a notification the peer echoes back.
+		lidx, ridx := rng.Perm(n)[:n/2], rng.Perm(n)[:n/2]
+		rd, err := ini.MakeRequest(Read, ll, lidx, rl, ridx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tag := fmt.Sprintf("req-%s:1", be)
+		if err := postWait(t, rd, []byte(tag)); err != nil {
+			t.Fatal(err)
+		}
+		got := blockSums(ar.Bytes(), block)
+		for k := range lidx {
+			if got[lidx[k]] != want[ridx[k]] {
+				t.Fatalf("%s READ: block %d (local %d, remote %d) checksum mismatch", be, k, lidx[k], ridx[k])
+			}
+		}
+		if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:"+tag || nt.Peer != name {
+			t.Fatalf("echo %+v", nt)
+		}
+		rd.Release()
+
+		// WRITE other scattered blocks and compare with the peer's own checksums.
+		fillPattern(ar.Bytes(), seed+50)
+		local := blockSums(ar.Bytes(), block)
+		lidx, ridx = rng.Perm(n)[:n/2], rng.Perm(n)[:n/2]
+		wr, err := ini.MakeRequest(Write, ll, lidx, rl, ridx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := postWait(t, wr, []byte("w")); err != nil {
+			t.Fatal(err)
+		}
+		remote := peer.sums(block)
+		written := map[int]bool{}
+		for k := range lidx {
+			written[ridx[k]] = true
+			if remote[ridx[k]] != local[lidx[k]] {
+				t.Fatalf("%s WRITE: block %d (local %d, remote %d) checksum mismatch", be, k, lidx[k], ridx[k])
+			}
+		}
+		for i := range n {
+			if !written[i] && remote[i] != want[i] {
+				t.Fatalf("%s WRITE: untouched block %d changed", be, i)
+			}
+		}
+		if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:w" {
+			t.Fatalf("echo %+v", nt)
+		}
+		wr.Release()
+		rl.Release()
+	}
+}
+
+// TestPeerKilledAfterLoad: the peer dies after its metadata was loaded; preparing (which
+// connects) fails with ErrRemoteDisconnect on either backend.
+func TestPeerKilledAfterLoad(t *testing.T) {
+	peer := startTestPeer(t, "xdead", 1, 1<<20)
+	ini := newTestAgent(t, "xinit", Config{})
+	name, err := ini.LoadRemote(peer.meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer.kill()
+	for _, be := range [][]string{{"SHM"}, {"TCP"}, nil} {
+		_, err := ini.PrepareRemote(testCtx(t), name, BlockDescs(1, 0, 4096, 4), &PrepareOptions{Backends: be})
+		wantKind(t, err, ErrRemoteDisconnect)
+	}
+}
+
+// TestPeerKilledMidTransfer: a TCP READ is in flight to a stopped peer that is then killed
+// (ErrRemoteDisconnect, not a timeout); an SHM READ racing the kill either completes or fails
+// with ErrRemoteDisconnect, and later posts fail promptly.
+func TestPeerKilledMidTransfer(t *testing.T) {
+	const size = 8 << 20
+	peer := startTestPeer(t, "xmid", 7, size)
+	ini := newTestAgent(t, "xinit", Config{})
+	ar := newTestArena(t, size)
+	reg := mustRegister(t, ini, ar, 0)
+	name, err := ini.LoadRemote(peer.meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ll, err := ini.PrepareLocal(BlockDescs(reg.ID(), 0, 1<<20, 8))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ll.Release()
+	lists := map[string]*PreparedList{}
+	for _, be := range []string{"SHM", "TCP"} {
+		rl, err := ini.PrepareRemote(testCtx(t), name, BlockDescs(1, 0, 1<<20, 8), &PrepareOptions{Backends: []string{be}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rl.Release()
+		lists[be] = rl
+	}
+	tcpReq, err := ini.MakeRequest(Read, ll, seq(8), lists["TCP"], seq(8), &RequestOptions{Timeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tcpReq.Release()
+	shmReq, err := ini.MakeRequest(Read, ll, seq(8), lists["SHM"], seq(8), &RequestOptions{Timeout: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer shmReq.Release()
+	ctx := testCtx(t)
+	peer.stop()
+	if err := tcpReq.Post(ctx, nil); err != nil {
+		t.Fatal(err)
+	}
+	if st, _ := tcpReq.Status(); st != StatusInProgress {
+		t.Fatalf("status %v while the peer is stopped", st)
+	}
+	if err := shmReq.Post(ctx, []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	peer.kill()
+	wantKind(t, tcpReq.Wait(ctx), ErrRemoteDisconnect)
+	if err := shmReq.Wait(ctx); err != nil {
+		wantKind(t, err, ErrRemoteDisconnect)
+	}
+	// The peer is gone: a post that needs it (the notification) fails at once.
+	if err := postWait(t, shmReq, []byte("y")); err == nil {
+		t.Fatal("post to a dead peer succeeded")
+	} else {
+		wantKind(t, err, ErrRemoteDisconnect)
+	}
+	wantKind(t, postWait(t, tcpReq, nil), ErrRemoteDisconnect)
+}
+
+// TestPeerRestart: the peer restarts with a new incarnation. Old requests fail (first as
+// disconnected, then, once the new metadata is loaded, as stale); new ones succeed.
+func TestPeerRestart(t *testing.T) {
+	const size, block = 4 << 20, 1 << 20
+	p1 := startTestPeer(t, "xrestart", 11, size)
+	ini := newTestAgent(t, "xinit", Config{})
+	ar := newTestArena(t, size)
+	reg := mustRegister(t, ini, ar, 0)
+	if _, err := ini.LoadRemote(p1.meta); err != nil {
+		t.Fatal(err)
+	}
+	ll, err := ini.PrepareLocal(BlockDescs(reg.ID(), 0, block, 4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ll.Release()
+	old := map[string]*Request{}
+	for _, be := range []string{"SHM", "TCP"} {
+		rl, err := ini.PrepareRemote(testCtx(t), "xrestart", BlockDescs(1, 0, block, 4), &PrepareOptions{Backends: []string{be}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rl.Release()
+		r, err := ini.MakeRequest(Read, ll, seq(4), rl, seq(4), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Release()
+		if err := postWait(t, r, nil); err != nil {
+			t.Fatal(err)
+		}
+		old[be] = r
+	}
+	p1.kill()
+	for be, r := range old {
+		err := postWait(t, r, []byte("n"))
+		if err == nil {
+			t.Fatalf("%s: post to the dead incarnation succeeded", be)
+		}
+		wantKind(t, err, ErrRemoteDisconnect)
+	}
+	p2 := startTestPeer(t, "xrestart", 22, size)
+	if _, err := ini.LoadRemote(p2.meta); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range old {
+		wantKind(t, postWait(t, r, nil), ErrStaleIncarnation)
+	}
+	want := expectedSums(size, 22, block)
+	for _, be := range []string{"SHM", "TCP"} {
+		clear(ar.Bytes())
+		rl, err := ini.PrepareRemote(testCtx(t), "xrestart", BlockDescs(1, 0, block, 4), &PrepareOptions{Backends: []string{be}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer rl.Release()
+		r, err := ini.MakeRequest(Read, ll, seq(4), rl, seq(4), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer r.Release()
+		if err := postWait(t, r, nil); err != nil {
+			t.Fatal(err)
+		}
+		got := blockSums(ar.Bytes(), block)
+		for i := range got {
+			if got[i] != want[i] {
+				t.Fatalf("%s: block %d is not the new incarnation's", be, i)
+			}
+		}
+	}
+	if f := ini.Stats().Failures; f.StaleIncarnation != 2 || f.RemoteDisconnect != 2 {
+		t.Fatalf("failures %+v", f)
+	}
+}
+
+// TestStalledPeerTimeout: a stopped peer makes a TCP READ end in ErrTimeout; once it runs
+// again the same request succeeds (late answers to the timed-out post are discarded).
+func TestStalledPeerTimeout(t *testing.T) {
+	const size = 4 << 20
+	peer := startTestPeer(t, "xstall", 5, size)
+	ini := newTestAgent(t, "xinit", Config{})
+	ar := newTestArena(t, size)
+	reg := mustRegister(t, ini, ar, 0)
+	name, err := ini.LoadRemote(peer.meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req, err := ini.CreateRequest(testCtx(t), Read, BlockDescs(reg.ID(), 0, 1<<20, 4), name, BlockDescs(1, 0, 1<<20, 4),
+		&RequestOptions{Timeout: 300 * time.Millisecond, Backends: []string{"TCP"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer req.Release()
+	peer.stop()
+	wantKind(t, postWait(t, req, nil), ErrTimeout)
+	peer.signal(syscall.SIGCONT)
+	if err := postWait(t, req, nil); err != nil {
+		t.Fatal(err)
+	}
+	want := expectedSums(size, 5, 1<<20)
+	got := blockSums(ar.Bytes(), 1<<20)
+	for i := range want {
+		if got[i] != want[i] {
+			t.Fatalf("block %d", i)
+		}
+	}
+}
