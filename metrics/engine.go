@@ -25,6 +25,7 @@ type EngineMetrics struct {
 	generationTokens prometheus.Counter
 	success          map[string]prometheus.Counter
 	successVec       *prometheus.CounterVec
+	rejected         *prometheus.CounterVec
 	ttft, e2e, itl   prometheus.Observer
 	nixl             *NixlMetrics
 
@@ -40,6 +41,7 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 		generationTokens: r.generationTokens.WithLabelValues(modelName, engine),
 		success:          make(map[string]prometheus.Counter, 4),
 		successVec:       r.requestSuccess,
+		rejected:         r.rejected,
 		ttft:             r.ttft.WithLabelValues(modelName, engine),
 		e2e:              r.e2e.WithLabelValues(modelName, engine),
 		itl:              r.itl.WithLabelValues(modelName, engine),
@@ -50,6 +52,12 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 		m.success[reason] = r.requestSuccess.WithLabelValues(modelName, engine, reason)
 	}
 	return m
+}
+
+// CountRejected counts a request refused before it reached the engine
+// (kvbridge:requests_rejected_total{reason}).
+func (m *EngineMetrics) CountRejected(reason string) {
+	m.rejected.WithLabelValues(m.modelName, m.engine, reason).Inc()
 }
 
 // ModelName returns the model_name label value.

@@ -25,6 +25,7 @@ type Registry struct {
 	promptTokens     *prometheus.CounterVec
 	generationTokens *prometheus.CounterVec
 	requestSuccess   *prometheus.CounterVec
+	rejected         *prometheus.CounterVec
 	ttft             *prometheus.HistogramVec
 	e2e              *prometheus.HistogramVec
 	itl              *prometheus.HistogramVec
@@ -57,6 +58,10 @@ func NewRegistry() *Registry {
 			Name: "vllm:request_success_total",
 			Help: "Count of successfully processed requests.",
 		}, append(labels[:2:2], LabelFinishedReason)),
+		rejected: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbridge:requests_rejected_total",
+			Help: "Requests refused before reaching the engine, by reason (body_too_large, too_many_requests, prompt_too_long, invalid, unauthorized).",
+		}, append(labels[:2:2], "reason")),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "vllm:time_to_first_token_seconds",
 			Help:    "Histogram of time to first token in seconds.",
@@ -78,7 +83,7 @@ func NewRegistry() *Registry {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		r.sched,
-		r.promptTokens, r.generationTokens, r.requestSuccess,
+		r.promptTokens, r.generationTokens, r.requestSuccess, r.rejected,
 		r.ttft, r.e2e, r.itl,
 	)
 	r.nixl.register(r.prom)

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"runtime/debug"
+	"strconv"
 	"strings"
 	"time"
 
@@ -64,6 +65,9 @@ type Config struct {
 	MaxBodyBytes int64
 	// Version is reported by GET /version. Default "dev".
 	Version string
+	// MaxConcurrentRequests bounds the completions being served at once; one more is answered
+	// at once with 429 (RateLimitError) instead of queueing without bound. Zero means no limit.
+	MaxConcurrentRequests int
 }
 
 // Server serves the OpenAI-compatible API. Create it with NewServer; it is an http.Handler.
@@ -77,6 +81,7 @@ type Server struct {
 	mux     *http.ServeMux
 	created int64
 	handler http.Handler
+	slots   chan struct{} // MaxConcurrentRequests tokens, nil without a limit
 }
 
 // NewServer returns a Server over eng and mdl. It installs eng.Stats as the source of the
@@ -125,8 +130,11 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 			PrefixCacheQueries: st.PrefixQueries, PrefixCacheHits: st.PrefixHits,
 		}
 	})
-	s.route("POST /v1/completions", s.handleCompletions)
-	s.route("POST /v1/chat/completions", s.handleChat)
+	if cfg.MaxConcurrentRequests > 0 {
+		s.slots = make(chan struct{}, cfg.MaxConcurrentRequests)
+	}
+	s.route("POST /v1/completions", s.limit(s.handleCompletions))
+	s.route("POST /v1/chat/completions", s.limit(s.handleChat))
 	s.route("GET /v1/models", s.handleModels)
 	s.route("GET /health", s.handleHealth)
 	s.route("GET /version", s.handleVersion)
@@ -136,7 +144,7 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		writeError(w, &APIError{Status: http.StatusNotFound, Type: "NotFoundError",
 			Message: fmt.Sprintf("No route for %s %s.", r.Method, r.URL.Path)})
 	})
-	s.handler = s.recoverPanics(s.requestID(s.authorize(s.mux)))
+	s.handler = s.countRejections(s.recoverPanics(s.requestID(s.authorize(s.mux))))
 	return s
 }
 
@@ -195,6 +203,62 @@ func baseRequestID(w http.ResponseWriter, r *http.Request, bodyID *string) strin
 	}
 	return id
 }
+
+// limit answers 429 when MaxConcurrentRequests completions are already being served.
+func (s *Server) limit(h http.HandlerFunc) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		if s.slots == nil {
+			h(w, r)
+			return
+		}
+		select {
+		case s.slots <- struct{}{}:
+			defer func() { <-s.slots }()
+			h(w, r)
+		default:
+			w.Header().Set("Retry-After", "1")
+			writeError(w, &APIError{Status: http.StatusTooManyRequests, Type: "RateLimitError",
+				Message: fmt.Sprintf("The server is already serving %d requests (its limit); retry later.", cap(s.slots))})
+		}
+	}
+}
+
+// countRejections counts every request answered with a 4xx status before or instead of
+// generation (kvbridge:requests_rejected_total{reason="<status>"}).
+func (s *Server) countRejections(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		sw := &statusWriter{ResponseWriter: w}
+		next.ServeHTTP(sw, r)
+		if sw.status >= 400 && sw.status < 500 {
+			s.metrics.CountRejected(strconv.Itoa(sw.status))
+		}
+	})
+}
+
+// statusWriter records the response status.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+// WriteHeader implements http.ResponseWriter.
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+// Write implements http.ResponseWriter.
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+// Unwrap returns the wrapped writer (for http.ResponseController).
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
 // authorize requires the API key on /v1 routes when one is configured.
 func (s *Server) authorize(next http.Handler) http.Handler {

@@ -1,0 +1,59 @@
+package openai
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+)
+
+// TestConcurrencyLimit: with MaxConcurrentRequests busy, one more request gets 429 in OpenAI's
+// error shape at once, and rejections are counted in /metrics.
+func TestConcurrencyLimit(t *testing.T) {
+	h := newEnv(t, func(c *Config) { c.MaxConcurrentRequests = 1 })
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, h.http.URL+"/v1/completions",
+		strings.NewReader(`{"prompt":"x","max_tokens":200,"ignore_eos":true,"stream":true}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
+		t.Fatal(err)
+	}
+	resp2, err := http.Post(h.http.URL+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"y","max_tokens":2}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var e struct {
+		Error struct {
+			Type string
+			Code int
+		}
+	}
+	_ = json.NewDecoder(resp2.Body).Decode(&e)
+	resp2.Body.Close()
+	if resp2.StatusCode != 429 || e.Error.Type != "RateLimitError" || e.Error.Code != 429 || resp2.Header.Get("Retry-After") == "" {
+		t.Fatalf("second request: %d %+v", resp2.StatusCode, e)
+	}
+	m, err := http.Get(h.http.URL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Body.Close()
+	var found bool
+	sc := bufio.NewScanner(m.Body)
+	for sc.Scan() {
+		if strings.HasPrefix(sc.Text(), "kvbridge:requests_rejected_total{") && strings.Contains(sc.Text(), `reason="429"`) && strings.HasSuffix(sc.Text(), " 1") {
+			found = true
+		}
+	}
+	if !found {
+		t.Error("the 429 was not counted in kvbridge:requests_rejected_total")
+	}
+	cancel()
+}
