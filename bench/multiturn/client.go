@@ -1,0 +1,300 @@
+package multiturn
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+)
+
+// clientConfig is what one client needs to know; a phase gives every client the same one.
+type clientConfig struct {
+	maxRequests   int // per client; 0 = unlimited
+	skipFirstTurn bool
+	maxTurns      int // 0 = no limit
+	activeQuota   int
+	random        bool
+	requestRate   float64
+	maxRetries    int
+	verify        bool
+	limitMin      int
+	limitMax      int
+	origin        time.Time
+}
+
+// clientEvent is what a client reports to the phase's collector.
+type clientEvent struct {
+	sample   *RequestStats
+	finished *Conversation
+	failed   bool
+	exited   bool
+	client   int
+	log      string
+}
+
+// errMismatch marks a --verify-output mismatch; it ends the client without retries.
+var errMismatch = errors.New("LLM/dataset answers do not match")
+
+// client is one simulated user population: a goroutine holding up to activeQuota conversations.
+type client struct {
+	id    int
+	cfg   clientConfig
+	q     *requester
+	tc    *TokenCounter
+	rng   *rand.Rand
+	tasks <-chan *Conversation
+	out   chan<- clientEvent
+	stop  <-chan struct{}
+}
+
+// run is the client's loop (vLLM's client_main): fill the active set from the shared queue,
+// pick a conversation (round robin or random), send its next user turn with retries, and pace
+// with exponential think times when a request rate is set. It exits when the queue runs dry at a
+// refill, the request cap is reached, the benchmark stops, or a request fails with an error.
+func (c *client) run(ctx context.Context) {
+	defer func() { c.emit(ctx, clientEvent{exited: true}) }()
+	active := map[string]*Conversation{}
+	var order []string // active ids in insertion order (random sampling)
+	var ring []string  // round-robin deque: take from the back, requeue at the front
+	turns := map[string]int{}
+	successes, failures := 0, 0
+	queueEmpty := false
+	remove := func(id string) {
+		delete(active, id)
+		for i, x := range order {
+			if x == id {
+				order = append(order[:i], order[i+1:]...)
+				break
+			}
+		}
+	}
+	for !queueEmpty {
+		if c.cfg.maxRequests > 0 && successes+failures >= c.cfg.maxRequests {
+			c.logf(ctx, "client %d reached its request limit (%d)", c.id, c.cfg.maxRequests)
+			return
+		}
+		if c.stopped(ctx) {
+			return
+		}
+		for len(active) < c.cfg.activeQuota && !queueEmpty {
+			conv, ok := <-c.tasks
+			if !ok {
+				queueEmpty = true
+				break
+			}
+			if c.cfg.skipFirstTurn {
+				turns[conv.ID] += 2
+			}
+			if turns[conv.ID] < len(conv.Messages) {
+				active[conv.ID] = conv
+				order = append(order, conv.ID)
+				ring = append(ring, conv.ID)
+			}
+		}
+		if len(active) == 0 || queueEmpty {
+			return
+		}
+		var id string
+		if c.cfg.random {
+			id = order[c.rng.IntN(len(order))]
+		} else {
+			id = ring[len(ring)-1]
+			ring = ring[:len(ring)-1]
+		}
+		conv := active[id]
+		turns[id]++
+		cur := turns[id]
+
+		began := time.Now()
+		var (
+			st      *RequestStats
+			lastErr error
+		)
+		for attempt := 0; attempt <= c.cfg.maxRetries; attempt++ {
+			st, lastErr = c.sendTurn(ctx, conv, cur)
+			if lastErr == nil {
+				break
+			}
+			if ctx.Err() != nil || errors.Is(lastErr, errMismatch) {
+				break
+			}
+			c.logf(ctx, "client %d: conversation %s, turn %d (attempt %d of %d): %v", c.id, id, (cur+1)/2, attempt+1, c.cfg.maxRetries+1, lastErr)
+			if attempt < c.cfg.maxRetries && !c.sleep(ctx, backoff(c.rng, attempt)) {
+				break
+			}
+		}
+		if lastErr != nil {
+			failures++
+			remove(id)
+			c.emit(ctx, clientEvent{failed: true})
+			if errors.Is(lastErr, errMismatch) {
+				c.logf(ctx, "client %d: %v", c.id, lastErr)
+			}
+			if !errors.Is(lastErr, errRejected) {
+				return // an error (not a rejection) ends the client, as in the original
+			}
+		} else {
+			successes++
+			c.emit(ctx, clientEvent{sample: st})
+			turns[id]++
+			limit := len(conv.Messages)
+			if c.cfg.maxTurns > 0 {
+				limit = min(limit, c.cfg.maxTurns)
+			}
+			if turns[id] >= limit {
+				remove(id)
+				c.emit(ctx, clientEvent{finished: conv})
+			} else if !c.cfg.random {
+				ring = append([]string{id}, ring...)
+			}
+		}
+		if c.cfg.requestRate > 0 {
+			mean := time.Duration(float64(time.Second)/c.cfg.requestRate) - time.Since(began)
+			if mean > 0 && !c.sleep(ctx, time.Duration(c.rng.ExpFloat64()*float64(mean))) {
+				return
+			}
+		}
+	}
+}
+
+// sendTurn sends messages[:cur] of conv (ending with user turn cur) and, on success, stores the
+// answer in conv as message cur.
+func (c *client) sendTurn(ctx context.Context, conv *Conversation, cur int) (*RequestStats, error) {
+	msgs := conv.Messages[:cur]
+	last := msgs[cur-1]
+	if last.Role != "user" {
+		return nil, fmt.Errorf("conversation %s: message %d has role %q, want user", conv.ID, cur-1, last.Role)
+	}
+	var minTok, maxTok *int
+	if c.cfg.limitMin >= 0 {
+		v := c.cfg.limitMin
+		minTok = &v
+	}
+	if c.cfg.limitMax >= 0 {
+		v := c.cfg.limitMax
+		maxTok = &v
+	}
+	if len(conv.Messages) > cur && (c.cfg.limitMin == 0 || c.cfg.limitMax == 0) {
+		answer := max(1, c.tc.Count(conv.Messages[cur].Content))
+		if c.cfg.limitMin == 0 {
+			*minTok = answer
+		}
+		if c.cfg.limitMax == 0 {
+			*maxTok = answer
+		}
+	}
+	// "From the dataset" without a dataset answer means no limit.
+	if minTok != nil && *minTok == 0 {
+		minTok = nil
+	}
+	if maxTok != nil && *maxTok == 0 {
+		maxTok = nil
+	}
+
+	r, err := c.q.send(ctx, conv.ID, msgs, minTok, maxTok)
+	if err != nil {
+		return nil, err
+	}
+	st := &RequestStats{
+		LatencyMs:      ms(r.latency),
+		StartTimeMs:    ms(r.start.Sub(c.cfg.origin)),
+		InputNumTurns:  len(msgs),
+		ConversationID: conv.ID,
+		ClientID:       c.id,
+	}
+	question := 0
+	for i, m := range msgs {
+		n := c.tc.Count(m.Content)
+		st.InputNumTokens += n
+		if i == len(msgs)-1 {
+			question = n
+		}
+	}
+	if st.InputNumTokens > 0 {
+		st.ApproxCachedPercent = 100 * float64(st.InputNumTokens-question) / float64(st.InputNumTokens)
+	}
+	st.OutputNumFirstChunkTokens = c.tc.Count(r.firstChunk)
+	st.OutputNumTokens = c.tc.Count(r.content)
+	st.OutputNumChunks = r.chunks
+	st.TTFTMs, st.TPOTMs = tokenTimings(ms(r.ttft), st.LatencyMs, st.OutputNumTokens, st.OutputNumFirstChunkTokens)
+
+	if len(conv.Messages) > cur {
+		orig := conv.Messages[cur].Content
+		if c.cfg.verify && orig != r.content {
+			return nil, fmt.Errorf("%w (%s, turn %d):\n%q (len: %d),\n%q (len: %d)", errMismatch, conv.ID, (cur+1)/2,
+				shorten(r.content), len(r.content), shorten(orig), len(orig))
+		}
+		conv.Messages[cur].Content = r.content
+	} else {
+		conv.Messages = append(conv.Messages, Message{Role: "assistant", Content: r.content})
+	}
+	return st, nil
+}
+
+// tokenTimings turns chunk timings into token timings: TPOT is the time after the first chunk
+// divided by the tokens after it (0 when the first chunk held all output), and a first chunk of
+// k > 1 tokens has its TTFT reduced by (k−1)·TPOT, to at least 0.1 ms. A non-positive chunk TTFT
+// is reported as −1.
+func tokenTimings(chunkTTFTMs, latencyMs float64, outTokens, firstTokens int) (ttftMs, tpotMs float64) {
+	if chunkTTFTMs <= 0 {
+		chunkTTFTMs = -1
+	}
+	if outTokens > 1 && outTokens > firstTokens {
+		tpotMs = (latencyMs - chunkTTFTMs) / float64(outTokens-firstTokens)
+	}
+	ttftMs = chunkTTFTMs
+	if firstTokens > 1 {
+		ttftMs = max(0.1, chunkTTFTMs-float64(firstTokens-1)*tpotMs)
+	}
+	return ttftMs, tpotMs
+}
+
+// emit sends ev to the collector unless the run is being torn down.
+func (c *client) emit(ctx context.Context, ev clientEvent) {
+	ev.client = c.id
+	select {
+	case c.out <- ev:
+	case <-ctx.Done():
+	}
+}
+
+// logf reports a message through the collector (so it does not garble the progress bar).
+func (c *client) logf(ctx context.Context, format string, args ...any) {
+	c.emit(ctx, clientEvent{log: fmt.Sprintf(format, args...)})
+}
+
+// stopped reports whether the benchmark asked clients to stop or was cancelled.
+func (c *client) stopped(ctx context.Context) bool {
+	select {
+	case <-c.stop:
+		return true
+	case <-ctx.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// sleep waits d; it returns false when the benchmark stopped or was cancelled meanwhile.
+func (c *client) sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-c.stop:
+		return false
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// backoff is the delay before retry attempt+1: 1 s × 2^attempt, ±10 % jitter.
+func backoff(r *rand.Rand, attempt int) time.Duration {
+	d := float64(time.Second) * float64(int64(1)<<min(attempt, 20))
+	return time.Duration(d * (1 + (r.Float64()*2-1)*0.1))
+}
+
+// ms converts a duration to float milliseconds.
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
