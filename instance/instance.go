@@ -53,6 +53,8 @@ type Config struct {
 	ServedModelNames []string
 	// APIKey, if set, is required as a Bearer token on /v1 routes.
 	APIKey string
+	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit.
+	MaxConcurrentRequests int
 	// KVTransfer configures the NixlConnector; nil means none.
 	KVTransfer *connector.Config
 	// SideChannelHost and SideChannelPort place the connector's side channel
@@ -189,6 +191,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}
 	handler := openai.NewServer(openai.Config{
 		ServedModelNames: names, MaxModelLen: maxLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
+		MaxConcurrentRequests: cfg.MaxConcurrentRequests,
 	}, in.Engine, in.Model)
 	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
 	if err != nil {

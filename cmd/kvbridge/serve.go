@@ -40,6 +40,7 @@ type serveFlags struct {
 	kvCacheMemory       string
 	numBlocksOverride   int
 	kvCacheLayout       string
+	maxConcurrent       int
 }
 
 func newServeCmd() *cobra.Command {
@@ -84,6 +85,7 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 	fl.StringVar(&f.apiKey, "api-key", "", "require this Bearer token on the /v1 routes")
 	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", "1G", "memory for the KV cache pool (suffixes k, M, G)")
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
+	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", 4096, "completions served at once; one more is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
 	return cmd
 }
@@ -143,26 +145,27 @@ func serve(ctx context.Context, f serveFlags) error {
 		chatTemplate = string(src)
 	}
 	cfg := instance.Config{
-		Model:               f.model,
-		ChatTemplate:        chatTemplate,
-		Host:                f.host,
-		Port:                f.port,
-		BlockSize:           f.blockSize,
-		Layout:              kvLayout,
-		NumBlocks:           f.numBlocksOverride,
-		KVBytes:             kvMem,
-		MaxModelLen:         f.maxModelLen,
-		MaxNumSeqs:          f.maxNumSeqs,
-		MaxNumBatchedTokens: f.maxNumBatchedTokens,
-		PrefixCaching:       f.prefixCaching && !f.noPrefixCaching,
-		Seed:                f.seed,
-		ServedModelNames:    f.servedModelNames,
-		APIKey:              f.apiKey,
-		KVTransfer:          kvCfg,
-		SideChannelHost:     os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST"),
-		SideChannelPort:     port,
-		StatsInterval:       statsInterval(),
-		Logger:              log,
+		Model:                 f.model,
+		ChatTemplate:          chatTemplate,
+		Host:                  f.host,
+		Port:                  f.port,
+		BlockSize:             f.blockSize,
+		Layout:                kvLayout,
+		NumBlocks:             f.numBlocksOverride,
+		KVBytes:               kvMem,
+		MaxModelLen:           f.maxModelLen,
+		MaxNumSeqs:            f.maxNumSeqs,
+		MaxNumBatchedTokens:   f.maxNumBatchedTokens,
+		PrefixCaching:         f.prefixCaching && !f.noPrefixCaching,
+		Seed:                  f.seed,
+		ServedModelNames:      f.servedModelNames,
+		APIKey:                f.apiKey,
+		MaxConcurrentRequests: f.maxConcurrent,
+		KVTransfer:            kvCfg,
+		SideChannelHost:       os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST"),
+		SideChannelPort:       port,
+		StatsInterval:         statsInterval(),
+		Logger:                log,
 	}
 	in, err := instance.Start(ctx, cfg)
 	if errors.Is(err, instance.ErrConfig) {
