@@ -191,7 +191,11 @@ func (p *fieldParser) extra(c *Config, extra map[string]any) {
 
 func (c *Config) validate(log *slog.Logger) error {
 	if c.Connector == "" {
-		return fmt.Errorf("%w: kv_connector is required (use \"NixlConnector\")", ErrConfig)
+		// As in vLLM, a config without kv_connector configures no connector.
+		if log != nil {
+			log.Warn("--kv-transfer-config has no kv_connector: KV transfer is off (add \"kv_connector\":\"NixlConnector\" and a kv_role)")
+		}
+		return nil
 	}
 	if c.Connector != "NixlConnector" {
 		return fmt.Errorf("%w: kv_connector %q is not supported; kvbridge implements \"NixlConnector\"", ErrConfig, c.Connector)

@@ -42,17 +42,15 @@ func TestParseConfigDefaults(t *testing.T) {
 // TestParseConfigErrors checks that each bad value is refused with a message naming its key.
 func TestParseConfigErrors(t *testing.T) {
 	for doc, key := range map[string]string{
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":"soon"}}`: "kv_lease_duration",
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["LIBFABRIC"]}}`:   "not available in this build",
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["RDMA"]}}`:        "unknown backend",
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":"x y"}}`:           "",
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"bidirectional_kv_xfer":3}}`:  "bidirectional_kv_xfer",
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":[]}`:                           "kv_connector_extra_config",
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"retry"}`:                         "kv_load_failure_policy",
-		`{"kv_connector":"NixlConnector","kv_role":"decoder"}`:                                                              "kv_role",
-		`{"kv_connector":"LMCacheConnector","kv_role":"kv_producer"}`:                                                       "kv_connector",
-		`{"kv_role":"kv_producer"}`: "kv_connector",
-		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","engine_id":7}`:                                              "engine_id",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":"soon"}}`:   "kv_lease_duration",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["LIBFABRIC"]}}`:     "not available in this build",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["RDMA"]}}`:          "unknown backend",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":"x y"}}`:             "",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"bidirectional_kv_xfer":3}}`:    "bidirectional_kv_xfer",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":[]}`:                             "kv_connector_extra_config",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"retry"}`:                           "kv_load_failure_policy",
+		`{"kv_connector":"NixlConnector","kv_role":"decoder"}`:                                                                "kv_role",
+		`{"kv_connector":"LMCacheConnector","kv_role":"kv_producer"}`:                                                         "kv_connector",
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_recompute_threshold":1.5}}`: "kv_recompute_threshold",
 		`null`: "JSON object",
 		`[`:    "JSON object",
@@ -68,6 +66,16 @@ func TestParseConfigErrors(t *testing.T) {
 		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), key) {
 			t.Errorf("ParseConfig(%s) error = %v, want ErrConfig naming %q", doc, err, key)
 		}
+	}
+}
+
+// TestParseConfigWithoutConnector: as in vLLM, a config that names no connector (the seed
+// guide's partial examples) configures none.
+func TestParseConfigWithoutConnector(t *testing.T) {
+	var log strings.Builder
+	c, err := ParseConfig([]byte(`{"kv_connector_extra_config": {"kv_lease_duration": 60}}`), testLogger(&log))
+	if err != nil || c.Enabled() || !strings.Contains(log.String(), "KV transfer is off") {
+		t.Fatalf("config without kv_connector: %+v, %v, log %q", c, err, log.String())
 	}
 }
 

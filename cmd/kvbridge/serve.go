@@ -123,6 +123,9 @@ func serve(ctx context.Context, f serveFlags) error {
 		if err != nil {
 			return usageError("%v", err)
 		}
+		if !kvCfg.Enabled() {
+			kvCfg = nil
+		}
 	}
 
 	port := 0
