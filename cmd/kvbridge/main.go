@@ -47,7 +47,7 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError("%v", err) })
-	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd())
+	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd(), newDemoCmd())
 	return root
 }
 
@@ -60,6 +60,6 @@ func newBenchCmd() *cobra.Command {
 			return usageError("bench needs a subcommand; see kvbridge bench --help")
 		},
 	}
-	bench.AddCommand(newBenchTransferCmd(), newBenchEngineCmd(), newBenchPDCmd(), newBenchProxyCmd())
+	bench.AddCommand(newBenchTransferCmd(), newBenchEngineCmd(), newBenchPDCmd(), newBenchProxyCmd(), newBenchBidirectionalCmd(), newBenchMultiTurnCmd(), newBenchCompareCmd())
 	return bench
 }
