@@ -1,0 +1,217 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// readmeBlock is one ```sh block of README.md with its <!-- readme-test: … --> annotation.
+type readmeBlock struct {
+	line     int
+	scenario string // a scenario name, "skip" or "fails"
+	expect   string // for "fails": a substring of the output
+	text     string
+}
+
+var annotation = regexp.MustCompile(`^<!-- readme-test: (\S+)(?: "([^"]*)")?.*-->$`)
+
+// readmeBlocks parses README.md. Every sh block must be annotated, so none goes untested by
+// accident.
+func readmeBlocks(t *testing.T, path string) []readmeBlock {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var blocks []readmeBlock
+	var pending *readmeBlock
+	var cur *readmeBlock
+	sc := bufio.NewScanner(bytes.NewReader(data))
+	for n := 1; sc.Scan(); n++ {
+		line := sc.Text()
+		switch {
+		case cur != nil && strings.HasPrefix(line, "```"):
+			blocks = append(blocks, *cur)
+			cur = nil
+		case cur != nil:
+			cur.text += line + "\n"
+		case annotation.MatchString(line):
+			m := annotation.FindStringSubmatch(line)
+			pending = &readmeBlock{scenario: m[1], expect: m[2]}
+		case line == "```sh" || line == "```bash":
+			if pending == nil {
+				t.Fatalf("README.md:%d: a shell block without a <!-- readme-test: … --> annotation", n)
+			}
+			cur, pending = pending, nil
+			cur.line = n
+		}
+	}
+	return blocks
+}
+
+// TestREADME runs the README's command blocks against real processes on loopback: each
+// scenario's servers start in the background (the test waits for their ports), the other blocks
+// run in the foreground and must succeed without an error body; blocks marked "fails" must exit
+// non-zero with the stated message. `kvbridge` is this test binary re-executed as the CLI.
+func TestREADME(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts many engines")
+	}
+	root, err := filepath.Abs("../..")
+	if err != nil {
+		t.Fatal(err)
+	}
+	bin := t.TempDir()
+	shim := fmt.Sprintf("#!/bin/sh\nKVBRIDGE_TEST_MAIN=1 exec %q \"$@\"\n", os.Args[0])
+	if err := os.WriteFile(filepath.Join(bin, "kvbridge"), []byte(shim), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	env := append(os.Environ(), "PATH="+bin+":"+os.Getenv("PATH"), "HOME="+t.TempDir())
+	var order []string
+	byScenario := map[string][]readmeBlock{}
+	for _, b := range readmeBlocks(t, filepath.Join(root, "README.md")) {
+		switch b.scenario {
+		case "skip":
+			continue
+		case "fails":
+			b.scenario = fmt.Sprintf("fails-line-%d", b.line)
+		}
+		if _, ok := byScenario[b.scenario]; !ok {
+			order = append(order, b.scenario)
+		}
+		byScenario[b.scenario] = append(byScenario[b.scenario], b)
+	}
+	if len(order) == 0 {
+		t.Fatal("no README blocks to run")
+	}
+	for _, name := range order {
+		t.Run(name, func(t *testing.T) { runScenario(t, root, env, byScenario[name]) })
+	}
+}
+
+// server is a README command running in the background.
+type server struct {
+	cmd   *exec.Cmd
+	done  chan struct{} // closed when the process has exited
+	ready chan struct{} // closed when it logged that it serves
+	mu    sync.Mutex
+	out   bytes.Buffer
+}
+
+func (s *server) log() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.out.String()
+}
+
+func runScenario(t *testing.T, dir string, env []string, blocks []readmeBlock) {
+	var servers []*server
+	defer func() {
+		for _, s := range servers {
+			_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
+			<-s.done
+			if t.Failed() {
+				t.Logf("server output:\n%s", s.log())
+			}
+		}
+	}()
+	for _, b := range blocks {
+		first := firstCommand(b.text)
+		isServer := strings.HasPrefix(first, "kvbridge serve") || strings.HasPrefix(first, "kvbridge proxy")
+		if !isServer || strings.HasPrefix(b.scenario, "fails-") {
+			runForeground(t, dir, env, b)
+			continue
+		}
+		s := startServer(t, dir, env, b)
+		servers = append(servers, s)
+		select {
+		case <-s.ready:
+		case <-s.done:
+			t.Fatalf("README.md:%d: the server exited:\n%s", b.line, s.log())
+		case <-time.After(60 * time.Second):
+			t.Fatalf("README.md:%d: the server did not start in 60 s:\n%s", b.line, s.log())
+		}
+	}
+}
+
+// startServer runs a block in the background, in its own process group, and watches its log
+// for the line that says it serves.
+func startServer(t *testing.T, dir string, env []string, b readmeBlock) *server {
+	t.Helper()
+	s := &server{done: make(chan struct{}), ready: make(chan struct{})}
+	s.cmd = exec.Command("bash", "-c", b.text)
+	s.cmd.Dir, s.cmd.Env = dir, env
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	s.cmd.Stdout, s.cmd.Stderr = pw, pw
+	if err := s.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	pw.Close()
+	go func() {
+		defer close(s.done)
+		sc := bufio.NewScanner(pr)
+		ready := false
+		for sc.Scan() {
+			s.mu.Lock()
+			s.out.WriteString(sc.Text() + "\n")
+			s.mu.Unlock()
+			if !ready && (strings.Contains(sc.Text(), "kvbridge serving") || strings.Contains(sc.Text(), "kvbridge proxy listening")) {
+				ready = true
+				close(s.ready)
+			}
+		}
+		_ = s.cmd.Wait()
+	}()
+	return s
+}
+
+// firstCommand returns the block's first command, without comments and VAR=value prefixes.
+func firstCommand(text string) string {
+	for _, line := range strings.Split(text, "\n") {
+		line = strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(line), "\\"))
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		for _, f := range strings.Fields(line) {
+			if !envAssign.MatchString(f) {
+				return line[strings.Index(line, f):]
+			}
+		}
+	}
+	return ""
+}
+
+var envAssign = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*=`)
+
+func runForeground(t *testing.T, dir string, env []string, b readmeBlock) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	c := exec.CommandContext(ctx, "bash", "-c", "set -e\n"+b.text)
+	c.Dir, c.Env = dir, env
+	out, err := c.CombinedOutput()
+	if strings.HasPrefix(b.scenario, "fails-") {
+		if err == nil || !strings.Contains(string(out), b.expect) {
+			t.Errorf("README.md:%d: want a failure mentioning %q, got %v:\n%s", b.line, b.expect, err, out)
+		}
+		return
+	}
+	if err != nil || bytes.Contains(out, []byte(`{"error":`)) {
+		t.Errorf("README.md:%d: %v:\n%s", b.line, err, out)
+	}
+}
