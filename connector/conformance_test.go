@@ -69,6 +69,10 @@ func TestProducerHoldsBlocksUntilRead(t *testing.T) {
 	if status != 200 || cachedTokens(r) == 0 {
 		t.Fatalf("decode: %d %s", status, r.Raw)
 	}
+	if r.KVParams != nil {
+		t.Errorf("D without bidirectional transfer returned params (item 32): %v", r.KVParams)
+	}
+	d.waitPoolFull(t) // and freed its blocks at once
 	p.waitPoolFull(t) // freed by the notification: the fake clock never moved
 }
 
@@ -125,6 +129,10 @@ func TestLeaseExpiryAndReuseDetected(t *testing.T) {
 					t.Fatalf("stale read under recompute: %d %q, want 200 %q", status, r.Text, want.Text)
 				}
 			}
+			// D's late notification is for a lease P no longer holds (item 22).
+			eventually(t, "P to log the late notification", func() bool {
+				return strings.Contains(plog.String(), "Potentially invalid KV blocks for unrecognized request")
+			})
 			clock.Advance(31 * time.Second)
 			tick <- clock.Now()
 			p.waitPoolFull(t)
