@@ -86,15 +86,21 @@ func runAll(t *testing.T, base string, cases []accuracyCase) []result {
 
 // TestAccuracy is the accuracy test of disaggregation: through the proxy, P prefills, D pulls
 // the KV and decodes, and the greedy output is token for token that of a single engine — over
-// both transfer backends, for completions and chat, streaming or not.
+// both transfer backends, with and without an auth token (every TCP read then names its
+// lease), for completions and chat, streaming or not.
 func TestAccuracy(t *testing.T) {
 	cases := accuracyCases()
 	single := startNode(t, "single", nodeOptions{prefix: true})
 	want := runAll(t, single.srv.URL, cases)
-	for _, backend := range []string{"SHM", "TCP"} {
-		t.Run(backend, func(t *testing.T) {
+	for _, run := range []struct{ backend, token string }{{"SHM", ""}, {"TCP", ""}, {"SHM", "tok-0123456789abcdef"}, {"TCP", "tok-0123456789abcdef"}} {
+		name := run.backend
+		if run.token != "" {
+			name += "/auth_token"
+		}
+		t.Run(name, func(t *testing.T) {
+			backend := run.backend
 			cfg := func(role string) string {
-				return fmt.Sprintf(`{"kv_connector":"NixlConnector","kv_role":%q,"kv_connector_extra_config":{"backends":[%q]}}`, role, backend)
+				return fmt.Sprintf(`{"kv_connector":"NixlConnector","kv_role":%q,"kv_connector_extra_config":{"backends":[%q],"auth_token":%q}}`, role, backend, run.token)
 			}
 			p := startNode(t, "P", nodeOptions{kvConfig: cfg("kv_producer"), prefix: true})
 			d := startNode(t, "D", nodeOptions{kvConfig: cfg("kv_consumer"), prefix: true})
@@ -117,6 +123,9 @@ func TestAccuracy(t *testing.T) {
 			d.waitPoolFull(t)
 			if iv := d.em.Nixl().TakeInterval(); iv.Empty() {
 				t.Error("D recorded no transfer statistics")
+			}
+			if rp, rd := p.conn.AuthRefusals(), d.conn.AuthRefusals(); rp.Total() != 0 || rd.Total() != 0 {
+				t.Errorf("refusals in a normal P/D flow: P %+v, D %+v", rp, rd)
 			}
 		})
 	}

@@ -1,6 +1,12 @@
 // Package connector implements the NixlConnector semantics of kvbridge: the kv_transfer_params
 // contract, the side-channel handshake, leases and heartbeats, the load-failure policy and the
 // transfer statistics (see ../shared/spec/vllm-nixl-protocol.md).
+//
+// Security: with kv_connector_extra_config.auth_token (or KVBRIDGE_KV_AUTH_TOKEN) every
+// side-channel and transfer connection is mutually authenticated; with or without it, a peer
+// reads over TCP only the blocks leased to the request id it names. SHM is offered only to
+// same-host processes of the same user id, which map the KV arena and so are not checked per
+// read; restrict backends to ["TCP"] where that matters. Details in auth.go.
 package connector
 
 import (
@@ -75,7 +81,10 @@ type Config struct {
 	EngineTTL time.Duration
 	// NumThreads is num_threads; accepted for compatibility (transfer workers size themselves).
 	NumThreads int
-	// AuthToken is auth_token: a shared secret required on side-channel and transfer connections.
+	// AuthToken is auth_token: a shared secret every side-channel and transfer connection must
+	// prove (HMAC-SHA256 challenge-response, both ways). When empty, the environment variable
+	// KVBRIDGE_KV_AUTH_TOKEN (EnvAuthToken) is used instead; the config key wins. Every engine
+	// of a deployment needs the same token, or none (see auth.go). Never logged.
 	AuthToken string
 }
 

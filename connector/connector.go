@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
+	"os"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -48,8 +49,12 @@ type Options struct {
 	// ticker every 250 ms). Tests substitute both.
 	Now  func() time.Time
 	Tick <-chan time.Time
-	// Transfer overrides transfer agent settings (Backends comes from Config).
+	// Transfer overrides transfer agent settings (Backends comes from Config; Auth and
+	// AuthorizeRead are the connector's, see auth.go).
 	Transfer transfer.Config
+	// Getenv reads the environment (default os.Getenv); the auth token falls back to
+	// KVBRIDGE_KV_AUTH_TOKEN when kv_connector_extra_config.auth_token is absent.
+	Getenv func(string) string
 }
 
 // Connector is kvbridge's NixlConnector: it implements engine.Connector (the scheduler side),
@@ -74,9 +79,11 @@ type Connector struct {
 	genReg  *transfer.Region
 	scrReg  *transfer.Region
 	side    *sideChannelServer
-	scratch []uint64 // generations read from producers, maxRatio slots per local block
+	auth    *sideAuth // side-channel proofs; nil without an auth token
+	scratch []uint64  // generations read from producers, maxRatio slots per local block
 
-	rejections atomic.Int64
+	rejections   atomic.Int64
+	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -93,6 +100,9 @@ type Connector struct {
 	localLists map[int]*transfer.PreparedList
 	scrList    *transfer.PreparedList
 	closed     bool
+	// kvRegionID and genRegionID are the regions peers may read (set once registered; 0
+	// before, which matches no region).
+	kvRegionID, genRegionID uint32
 }
 
 // reqState is the connector's bookkeeping of one live request.
@@ -142,6 +152,23 @@ func New(opts Options) (*Connector, error) {
 	if tc.Logger == nil {
 		tc.Logger = c.log
 	}
+	getenv := opts.Getenv
+	if getenv == nil {
+		getenv = os.Getenv
+	}
+	if token, source := resolveAuthToken(cfg, getenv); token != "" {
+		ta, err := transfer.NewHMACAuth([]byte(token))
+		if err != nil {
+			return nil, fmt.Errorf("connector: auth token: %w", err)
+		}
+		tc.Auth = ta
+		c.auth = newSideAuth(token)
+		c.log.Info("KV transfer authentication enabled: side channel and transfer connections require the shared auth token", "source", source)
+		if len(token) < 16 {
+			c.log.Warn("the KV auth token is shorter than 16 characters; use a long random value", "source", source)
+		}
+	}
+	tc.AuthorizeRead = c.authorizeRead
 	agent, err := transfer.NewAgent("kvbridge-"+cfg.EngineID, tc)
 	if err != nil {
 		return nil, fmt.Errorf("connector: start the transfer agent: %w", err)
@@ -161,6 +188,9 @@ func New(opts Options) (*Connector, error) {
 		return fail(fmt.Errorf("connector: register the scratch area: %w", err))
 	}
 	c.scratch = u64s(c.scrReg.Bytes())
+	c.mu.Lock()
+	c.kvRegionID, c.genRegionID = c.kvReg.ID(), c.genReg.ID()
+	c.mu.Unlock()
 	meta := AgentMetadata{
 		EngineID:      cfg.EngineID,
 		AgentMetadata: agent.LocalMetadata(),
@@ -179,7 +209,7 @@ func New(opts Options) (*Connector, error) {
 	if err != nil {
 		return fail(err)
 	}
-	if c.side, err = listenSideChannel(opts.SideChannelAddr, payload, c.clockSeconds, c.log); err != nil {
+	if c.side, err = listenSideChannel(opts.SideChannelAddr, payload, c.clockSeconds, c.log, c.auth); err != nil {
 		return fail(err)
 	}
 	c.host = opts.AdvertiseHost

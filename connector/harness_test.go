@@ -132,6 +132,8 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 		if err != nil {
 			t.Fatal(err)
 		}
+		// As instance.Start does.
+		n.reg.Prometheus().MustRegister(n.conn.AuthRefusalsCollector(map[string]string{metrics.LabelModelName: m.Name(), metrics.LabelEngine: "0"}))
 		ecfg.Connector = n.conn
 		if cfg.LoadFailurePolicy == connector.PolicyRecompute {
 			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute

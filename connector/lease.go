@@ -18,6 +18,22 @@ type Lease struct {
 	Renewable bool
 	// notified counts read notifications received so far.
 	notified int
+	// held indexes Blocks (built by LeaseTable.Add).
+	held map[int32]struct{}
+}
+
+// Holds reports whether block is one of the lease's blocks.
+func (l *Lease) Holds(block int32) bool {
+	if l.held != nil {
+		_, ok := l.held[block]
+		return ok
+	}
+	for _, b := range l.Blocks {
+		if b == block {
+			return true
+		}
+	}
+	return false
 }
 
 // LeaseTable holds leases and decides when they end. It is a pure state machine: the caller
@@ -33,7 +49,11 @@ func (t *LeaseTable) Add(id string, blocks []int32, deadline time.Time, renewabl
 		t.leases = make(map[string]*Lease)
 	}
 	old := t.leases[id]
-	t.leases[id] = &Lease{RequestID: id, Blocks: blocks, Deadline: deadline, Renewable: renewable}
+	held := make(map[int32]struct{}, len(blocks))
+	for _, b := range blocks {
+		held[b] = struct{}{}
+	}
+	t.leases[id] = &Lease{RequestID: id, Blocks: blocks, Deadline: deadline, Renewable: renewable, held: held}
 	return old
 }
 

@@ -128,7 +128,9 @@ func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 	}
 	notif := []byte(j.params.RemoteRequestID + ":1")
 	checkGens := j.params.BlockGenerations != nil
-	data, err := c.agent.MakeRequest(transfer.Read, r.local, plan.local, r.kv, plan.remote, &transfer.RequestOptions{Timeout: loadTimeout})
+	// Every READ names the producer request whose lease covers the blocks (see auth.go).
+	ropts := &transfer.RequestOptions{Timeout: loadTimeout, Tag: []byte(j.params.RemoteRequestID)}
+	data, err := c.agent.MakeRequest(transfer.Read, r.local, plan.local, r.kv, plan.remote, ropts)
 	if err != nil {
 		return first, c.forgetOn(r, err)
 	}
@@ -148,7 +150,7 @@ func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 		c.metrics.ObserveTransfer(metricsSample(t))
 	}
 	if checkGens {
-		gens, err := c.agent.MakeRequest(transfer.Read, c.scrList, plan.scratch, r.gen, plan.remote, &transfer.RequestOptions{Timeout: loadTimeout})
+		gens, err := c.agent.MakeRequest(transfer.Read, c.scrList, plan.scratch, r.gen, plan.remote, ropts)
 		if err != nil {
 			return first, c.forgetOn(r, err)
 		}
@@ -361,8 +363,11 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 			c.metrics.CountFailedTransfer()
 		}
 	}
-	res, err := handshake(ctx, r.addr, r.id, c.hash, c.cfg.EnforceHandshakeCompat, 3, c.clockSeconds)
+	res, err := handshake(ctx, r.addr, r.id, c.hash, c.cfg.EnforceHandshakeCompat, 3, c.clockSeconds, c.auth)
 	if err != nil {
+		if errors.Is(err, errServerProof) {
+			c.sideRefusals.Add(1)
+		}
 		fail(err)
 		return
 	}
@@ -390,7 +395,7 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 	}
 	kv, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.KVRegion, 0, int64(m.BlockLen), m.NumBlocks), nil)
 	if err != nil {
-		fail(err)
+		fail(c.transferAuthHint(r, err))
 		return
 	}
 	gen, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.GenRegion, 0, 8, m.NumBlocks), nil)

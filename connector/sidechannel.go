@@ -3,6 +3,7 @@ package connector
 import (
 	"bufio"
 	"context"
+	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -13,6 +14,7 @@ import (
 	"log/slog"
 	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
@@ -25,7 +27,8 @@ import (
 //	frame    = length (uint32, big-endian, at most 16 MiB) ‖ msgpack body
 //	request  = msgpack array [bin "get_meta_msg", pp_rank int, tp_rank int]
 //	response = msgpack array [payload map, ts float64]
-//	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin, "error": str}
+//	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin,
+//	            "error": str, "error_code": str}
 //
 // agent_metadata_bytes is the msgpack map AgentMetadata, decoded only after the hash matched, so
 // a schema change fails with a clear error. ts is the responder's clock in seconds (its own
@@ -33,6 +36,29 @@ import (
 // sample with the smallest round trip. A connection may carry several requests; the server
 // closes it after an idle period. A request that is not get_meta_msg gets a payload with only
 // "error" set.
+//
+// Authentication. With an auth token (kv_connector_extra_config.auth_token, or the environment
+// variable KVBRIDGE_KV_AUTH_TOKEN when the key is absent) the client authenticates first, and
+// both sides prove that they know the token, on every connection, before any metadata flows:
+//
+//	client → server  [bin "kvbridge_auth_hello", client_nonce bin(32)]
+//	server → client  [bin "kvbridge_auth_challenge", server_nonce bin(32), server_proof bin(32)]
+//	client → server  [bin "kvbridge_auth_proof", client_proof bin(32)]
+//	then get_meta_msg requests and responses as above
+//
+// with proof(side) = HMAC-SHA256(token, "kvbridge side channel auth v1" ‖ side ‖ client_nonce ‖
+// server_nonce), side "client" or "server", each nonce drawn from crypto/rand per connection
+// and each proof checked with hmac.Equal, so a proof captured on one connection is worthless
+// on the next. The client sends its first get_meta_msg right after its proof.
+//
+// A server refuses with a response whose payload carries only "error" and "error_code", then
+// closes: "auth_required" when it has a token and the client sent a plain get_meta_msg,
+// "auth_unexpected" when it has none and the client sent kvbridge_auth_hello, "auth_failed"
+// when the client's proof does not match. A client with a token refuses a server whose proof
+// does not match. Every refusal is logged and counted by the refusing side (Connector.
+// AuthRefusals, Prometheus kvbridge:kv_auth_refusals_total), and the refused side fails at
+// once with an error naming the setting to fix (ErrAuth) — a mismatch never waits for a
+// timeout.
 
 // handshakeMagic is the request tag, as in vLLM.
 const handshakeMagic = "get_meta_msg"
@@ -72,6 +98,7 @@ type handshakePayload struct {
 	CompatibilityHash  string `msgpack:"compatibility_hash"`
 	AgentMetadataBytes []byte `msgpack:"agent_metadata_bytes"`
 	Error              string `msgpack:"error,omitempty"`
+	ErrorCode          string `msgpack:"error_code,omitempty"`
 }
 
 // CompatFactors are what two engines must agree on to exchange KV.
@@ -138,18 +165,30 @@ func readFrame(r io.Reader) ([]byte, error) {
 
 // decodeRequest checks a request frame: a msgpack array whose first element is the magic.
 func decodeRequest(body []byte) error {
-	var parts []msgpack.RawMessage
-	if err := msgpack.Unmarshal(body, &parts); err != nil {
-		return fmt.Errorf("request is not a msgpack array: %w", err)
+	tag, _, err := decodeTagged(body)
+	if err != nil {
+		return err
 	}
-	if len(parts) == 0 {
-		return errors.New("empty request")
-	}
-	var magic []byte
-	if err := msgpack.Unmarshal(parts[0], &magic); err != nil || string(magic) != handshakeMagic {
-		return fmt.Errorf("unexpected request tag %q", magic)
+	if tag != handshakeMagic {
+		return fmt.Errorf("unexpected request tag %q", clip(tag))
 	}
 	return nil
+}
+
+// decodeTagged splits a msgpack array whose first element is a bin or str tag.
+func decodeTagged(body []byte) (string, []msgpack.RawMessage, error) {
+	var parts []msgpack.RawMessage
+	if err := msgpack.Unmarshal(body, &parts); err != nil {
+		return "", nil, fmt.Errorf("request is not a msgpack array: %w", err)
+	}
+	if len(parts) == 0 {
+		return "", nil, errors.New("empty request")
+	}
+	var tag []byte
+	if err := msgpack.Unmarshal(parts[0], &tag); err != nil {
+		return "", nil, errors.New("request tag is not bytes")
+	}
+	return string(tag), parts[1:], nil
 }
 
 // sideChannelServer answers handshakes with a fixed payload.
@@ -159,6 +198,9 @@ type sideChannelServer struct {
 	clock   func() float64
 	log     *slog.Logger
 	idle    time.Duration
+	auth    *sideAuth // nil: no auth token
+
+	refusals atomic.Int64 // connections refused for authentication
 
 	wg     sync.WaitGroup
 	mu     sync.Mutex
@@ -166,13 +208,14 @@ type sideChannelServer struct {
 	closed bool
 }
 
-// listenSideChannel starts serving handshakes on addr.
-func listenSideChannel(addr string, payload handshakePayload, clock func() float64, log *slog.Logger) (*sideChannelServer, error) {
+// listenSideChannel starts serving handshakes on addr; with auth, every connection must
+// authenticate first.
+func listenSideChannel(addr string, payload handshakePayload, clock func() float64, log *slog.Logger, auth *sideAuth) (*sideChannelServer, error) {
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("NIXL side channel: listen on %s: %w (set VLLM_NIXL_SIDE_CHANNEL_PORT to a free port; each engine on a host needs its own)", addr, err)
 	}
-	s := &sideChannelServer{ln: ln, payload: payload, clock: clock, log: log, idle: 30 * time.Second, conns: map[net.Conn]struct{}{}}
+	s := &sideChannelServer{ln: ln, payload: payload, clock: clock, log: log, idle: 30 * time.Second, auth: auth, conns: map[net.Conn]struct{}{}}
 	s.wg.Add(1)
 	go s.accept()
 	return s, nil
@@ -209,11 +252,19 @@ func (s *sideChannelServer) serve(c net.Conn) {
 		c.Close()
 	}()
 	r := bufio.NewReader(c)
+	first := true
 	for {
 		_ = c.SetDeadline(time.Now().Add(s.idle))
 		body, err := readFrame(r)
 		if err != nil {
 			return
+		}
+		if first {
+			first = false
+			var ok bool
+			if body, ok = s.authenticate(c, r, body); !ok {
+				return
+			}
 		}
 		resp := s.payload
 		if err := decodeRequest(body); err != nil {
@@ -224,6 +275,56 @@ func (s *sideChannelServer) serve(c net.Conn) {
 			return
 		}
 	}
+}
+
+// authenticate runs the server's part of the authentication on a new connection whose first
+// frame is body. It returns the first frame that follows (a get_meta_msg request), and false
+// when the connection was refused (answered, logged and counted) or broke.
+func (s *sideChannelServer) authenticate(c net.Conn, r io.Reader, body []byte) ([]byte, bool) {
+	tag, parts, err := decodeTagged(body)
+	hello := err == nil && tag == authHelloTag
+	refuse := func(code, msg string) ([]byte, bool) {
+		s.refusals.Add(1)
+		s.log.Warn("NIXL side channel: connection refused", "peer", c.RemoteAddr().String(), "error_code", code, "error", msg)
+		_ = writeFrame(c, []any{handshakePayload{Error: msg, ErrorCode: code}, s.clock()})
+		return nil, false
+	}
+	switch {
+	case s.auth == nil && !hello:
+		return body, true
+	case s.auth == nil:
+		return refuse(codeAuthUnexpected, "this side channel has no auth_token configured but the client authenticates: configure the same kv_connector_extra_config.auth_token (or KVBRIDGE_KV_AUTH_TOKEN) on every engine")
+	case !hello:
+		return refuse(codeAuthRequired, "authentication required: this side channel requires kv_connector_extra_config.auth_token (or KVBRIDGE_KV_AUTH_TOKEN)")
+	}
+	var clientNonce []byte
+	if len(parts) != 1 || msgpack.Unmarshal(parts[0], &clientNonce) != nil || len(clientNonce) != sideNonceBytes {
+		return refuse(codeAuthFailed, "malformed kvbridge_auth_hello")
+	}
+	serverNonce, err := newNonce()
+	if err != nil {
+		return refuse(codeAuthFailed, "drawing a nonce failed")
+	}
+	if err := writeFrame(c, []any{[]byte(authChallengeTag), serverNonce, s.auth.proof(sideServer, clientNonce, serverNonce)}); err != nil {
+		return nil, false
+	}
+	body, err = readFrame(r)
+	if err != nil {
+		return refuse(codeAuthFailed, fmt.Sprintf("the client did not answer the authentication challenge: %v", err))
+	}
+	tag, parts, err = decodeTagged(body)
+	var proof []byte
+	if err != nil || tag != authProofTag || len(parts) != 1 || msgpack.Unmarshal(parts[0], &proof) != nil {
+		return refuse(codeAuthFailed, "expected kvbridge_auth_proof")
+	}
+	if !hmac.Equal(proof, s.auth.proof(sideClient, clientNonce, serverNonce)) {
+		return refuse(codeAuthFailed, "authentication failed: the client's proof does not match this engine's auth_token (the tokens differ)")
+	}
+	body, err = readFrame(r)
+	if err != nil {
+		return nil, false
+	}
+	return body, true
 }
 
 // close stops the listener and every connection, and waits for their goroutines. Idempotent.
@@ -254,6 +355,9 @@ func decodeResponse(body []byte) (handshakePayload, float64, error) {
 		return payload, 0, fmt.Errorf("Failed to decode NixlHandshakePayload: %w", err)
 	}
 	if payload.Error != "" {
+		if isAuthCode(payload.ErrorCode) {
+			return payload, 0, &authError{code: payload.ErrorCode, detail: clip(payload.Error)}
+		}
 		return payload, 0, errors.New("peer refused: " + payload.Error)
 	}
 	var ts float64
@@ -272,9 +376,16 @@ type handshakeResult struct {
 
 // handshake fetches a producer's metadata from addr, checks the compatibility hash (unless
 // enforce is false) and the engine id, and estimates the clock offset from the best of samples
-// round trips. clock reads this engine's clock in seconds.
-func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce bool, samples int, clock func() float64) (handshakeResult, error) {
+// round trips. clock reads this engine's clock in seconds. With auth, the connection is
+// authenticated first; an error that this side refused the server's proof wraps
+// errServerProof.
+func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce bool, samples int, clock func() float64, auth *sideAuth) (handshakeResult, error) {
 	fail := func(err error) (handshakeResult, error) {
+		var ae *authError
+		if errors.As(err, &ae) {
+			ae.addr = addr
+			return handshakeResult{}, fmt.Errorf("%w: %w", ErrHandshake, ae)
+		}
 		return handshakeResult{}, fmt.Errorf("%w with %s: %w", ErrHandshake, addr, err)
 	}
 	if _, ok := ctx.Deadline(); !ok {
@@ -296,12 +407,24 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 	r := bufio.NewReader(c)
 	var payload handshakePayload
 	bestRTT, offset := -1.0, 0.0
-	for range max(samples, 1) {
+	for i := range max(samples, 1) {
 		sent := clock()
+		var proofErr error
+		if i == 0 && auth != nil {
+			if proofErr = authenticateClient(c, r, auth); proofErr != nil && !errors.Is(proofErr, errServerProof) {
+				return fail(proofErr)
+			}
+			sent = clock()
+		}
 		if err := writeFrame(c, []any{[]byte(handshakeMagic), 0, 0}); err != nil {
-			return fail(err)
+			return fail(errors.Join(proofErr, err))
 		}
 		body, err := readFrame(r)
+		if proofErr != nil {
+			// The server's verdict on our proof was read (or the connection ended) only so
+			// that both sides have decided before this one reports.
+			return fail(proofErr)
+		}
 		if err != nil {
 			return fail(err)
 		}

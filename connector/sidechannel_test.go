@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -24,7 +26,7 @@ func testPayload(t testing.TB, engine string) handshakePayload {
 // engine id and garbage are checked.
 func TestSideChannelHandshake(t *testing.T) {
 	clock := func() float64 { return 100 }
-	srv, err := listenSideChannel("127.0.0.1:0", testPayload(t, "E"), clock, testLogger(&bytes.Buffer{}))
+	srv, err := listenSideChannel("127.0.0.1:0", testPayload(t, "E"), clock, testLogger(&bytes.Buffer{}), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -33,17 +35,17 @@ func TestSideChannelHandshake(t *testing.T) {
 	local := func() float64 { return 40 }
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 	defer cancel()
-	res, err := handshake(ctx, addr, "E", "hash-1", true, 3, local)
+	res, err := handshake(ctx, addr, "E", "hash-1", true, 3, local, nil)
 	if err != nil || res.meta.EngineID != "E" || res.offset != 60 {
 		t.Fatalf("handshake: %+v %v", res, err)
 	}
-	if _, err := handshake(ctx, addr, "E", "hash-2", true, 1, local); !errors.Is(err, ErrIncompatible) {
+	if _, err := handshake(ctx, addr, "E", "hash-2", true, 1, local, nil); !errors.Is(err, ErrIncompatible) {
 		t.Errorf("hash mismatch: %v", err)
 	}
-	if _, err := handshake(ctx, addr, "E", "hash-2", false, 1, local); err != nil {
+	if _, err := handshake(ctx, addr, "E", "hash-2", false, 1, local, nil); err != nil {
 		t.Errorf("hash mismatch with the check off: %v", err)
 	}
-	if _, err := handshake(ctx, addr, "F", "hash-1", true, 1, local); !errors.Is(err, ErrIncompatible) {
+	if _, err := handshake(ctx, addr, "F", "hash-1", true, 1, local, nil); !errors.Is(err, ErrIncompatible) {
 		t.Errorf("engine id mismatch: %v", err)
 	}
 	// A client that sends garbage gets an error payload, and the server keeps serving.
@@ -60,7 +62,7 @@ func TestSideChannelHandshake(t *testing.T) {
 	if _, _, derr := decodeResponse(body); err != nil || derr == nil {
 		t.Errorf("garbage request: %v %v", err, derr)
 	}
-	if _, err := handshake(ctx, addr, "E", "hash-1", true, 1, local); err != nil {
+	if _, err := handshake(ctx, addr, "E", "hash-1", true, 1, local, nil); err != nil {
 		t.Errorf("after garbage: %v", err)
 	}
 	if err := srv.close(); err != nil {
@@ -69,7 +71,7 @@ func TestSideChannelHandshake(t *testing.T) {
 	if err := srv.close(); err != nil {
 		t.Errorf("second close: %v", err)
 	}
-	if _, err := handshake(ctx, addr, "E", "hash-1", true, 1, local); !errors.Is(err, ErrHandshake) {
+	if _, err := handshake(ctx, addr, "E", "hash-1", true, 1, local, nil); !errors.Is(err, ErrHandshake) {
 		t.Errorf("closed side channel: %v", err)
 	}
 }
@@ -81,12 +83,158 @@ func FuzzSideChannelFrames(f *testing.F) {
 	resp, _ := msgpack.Marshal([]any{handshakePayload{CompatibilityHash: "h", AgentMetadataBytes: []byte{0x80}}, 1.5})
 	f.Add(resp)
 	f.Add([]byte{0x92, 0xc0, 0xc0})
+	hello, _ := msgpack.Marshal([]any{[]byte(authHelloTag), bytes.Repeat([]byte{1}, sideNonceBytes)})
+	f.Add(hello)
+	ch, _ := msgpack.Marshal([]any{[]byte(authChallengeTag), bytes.Repeat([]byte{2}, sideNonceBytes), bytes.Repeat([]byte{3}, 32)})
+	f.Add(ch)
+	refusal, _ := msgpack.Marshal([]any{handshakePayload{Error: "authentication required", ErrorCode: codeAuthRequired}, 1.0})
+	f.Add(refusal)
 	f.Fuzz(func(t *testing.T, body []byte) {
 		_ = decodeRequest(body)
+		_, _, _ = decodeTagged(body)
 		if p, _, err := decodeResponse(body); err == nil {
 			var m AgentMetadata
 			_ = msgpack.Unmarshal(p.AgentMetadataBytes, &m)
 		}
 		_, _ = readFrame(bytes.NewReader(body))
 	})
+}
+
+// TestSideChannelAuth: with an auth token both sides prove it; a missing, unexpected or
+// wrong token is refused at once with an error naming the setting, and counted by the side
+// that refused.
+func TestSideChannelAuth(t *testing.T) {
+	clock := func() float64 { return 1 }
+	var log lockedBuffer
+	srv, err := listenSideChannel("127.0.0.1:0", testPayload(t, "E"), clock, testLogger(&log), newSideAuth("tok"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.close()
+	open, err := listenSideChannel("127.0.0.1:0", testPayload(t, "E"), clock, testLogger(&bytes.Buffer{}), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer open.close()
+	addr := srv.addr().String()
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	if res, err := handshake(ctx, addr, "E", "hash-1", true, 3, clock, newSideAuth("tok")); err != nil || res.meta.EngineID != "E" {
+		t.Fatalf("matching token: %+v %v", res, err)
+	}
+	if n := srv.refusals.Load(); n != 0 {
+		t.Fatalf("%d refusals with the right token", n)
+	}
+	cases := []struct {
+		name     string
+		srv      *sideChannelServer
+		auth     *sideAuth
+		msg      string
+		refusals int64
+		ours     bool // this side refused the server's proof
+	}{
+		{"missing", srv, nil, "requires authentication: set kv_connector_extra_config.auth_token", 1, false},
+		{"wrong", srv, newSideAuth("other"), "failed to prove this engine's kv_connector_extra_config.auth_token", 2, true},
+		{"unexpected", open, newSideAuth("tok"), "has no auth_token configured but this engine has one", 1, false},
+	}
+	for _, tc := range cases {
+		_, err := handshake(ctx, tc.srv.addr().String(), "E", "hash-1", true, 3, clock, tc.auth)
+		if !errors.Is(err, ErrHandshake) || !errors.Is(err, ErrAuth) || errors.Is(err, errServerProof) != tc.ours || !strings.Contains(err.Error(), tc.msg) {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		t.Logf("%s: %v", tc.name, err)
+		if n := tc.srv.refusals.Load(); n != tc.refusals {
+			t.Fatalf("%s: the server counted %d refusals, want %d", tc.name, n, tc.refusals)
+		}
+	}
+	if !strings.Contains(log.String(), "error_code=auth_required") || !strings.Contains(log.String(), "error_code=auth_failed") {
+		t.Errorf("refusals not logged: %s", log.String())
+	}
+}
+
+// TestSideChannelAuthReplay: a client proof captured on one connection does not authenticate
+// another, because the server's nonce changes.
+func TestSideChannelAuthReplay(t *testing.T) {
+	auth := newSideAuth("tok")
+	srv, err := listenSideChannel("127.0.0.1:0", testPayload(t, "E"), func() float64 { return 1 }, testLogger(&bytes.Buffer{}), auth)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.close()
+	clientNonce := bytes.Repeat([]byte{7}, sideNonceBytes)
+	// challenge sends the hello and returns the connection and the server's nonce.
+	challenge := func() (net.Conn, []byte) {
+		c, err := net.Dial("tcp", srv.addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+		if err := writeFrame(c, []any{[]byte(authHelloTag), clientNonce}); err != nil {
+			t.Fatal(err)
+		}
+		body, err := readFrame(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tag, parts, err := decodeTagged(body)
+		var nonce []byte
+		if err != nil || tag != authChallengeTag || len(parts) != 2 || msgpack.Unmarshal(parts[0], &nonce) != nil {
+			t.Fatalf("challenge %q %v", tag, err)
+		}
+		return c, nonce
+	}
+	// answer sends proof and a get_meta_msg and returns the decoded answer.
+	answer := func(c net.Conn, proof []byte) (handshakePayload, error) {
+		// One write: a refusing server closes after the proof.
+		var out bytes.Buffer
+		if err := writeFrame(&out, []any{[]byte(authProofTag), proof}); err != nil {
+			t.Fatal(err)
+		}
+		if err := writeFrame(&out, []any{[]byte(handshakeMagic), 0, 0}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Write(out.Bytes()); err != nil {
+			t.Fatal(err)
+		}
+		body, err := readFrame(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, _, err := decodeResponse(body)
+		return p, err
+	}
+	c1, n1 := challenge()
+	proof := auth.proof(sideClient, clientNonce, n1)
+	if p, err := answer(c1, proof); err != nil || p.CompatibilityHash != "hash-1" {
+		t.Fatalf("legitimate exchange: %+v %v", p, err)
+	}
+	c2, n2 := challenge()
+	if bytes.Equal(n1, n2) {
+		t.Fatal("the server reused its nonce")
+	}
+	if _, err := answer(c2, proof); !errors.Is(err, ErrAuth) {
+		t.Fatalf("replayed proof: %v", err)
+	}
+	if n := srv.refusals.Load(); n != 1 {
+		t.Fatalf("the server counted %d refusals, want 1", n)
+	}
+}
+
+// lockedBuffer is a log sink safe for concurrent writers.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }

@@ -14,6 +14,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/kvcache"
@@ -170,6 +172,10 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	if kv := cfg.KVTransfer; kv != nil {
 		if in.Connector, err = startConnector(cfg, kv, in, layout, log); err != nil {
 			return nil, err
+		}
+		labels := prometheus.Labels{metrics.LabelModelName: names[0], metrics.LabelEngine: "0"}
+		if err := in.Registry.Prometheus().Register(in.Connector.AuthRefusalsCollector(labels)); err != nil {
+			return nil, fmt.Errorf("register the KV auth refusal counter: %w", err)
 		}
 		ecfg.Connector = in.Connector
 		if kv.LoadFailurePolicy == connector.PolicyRecompute {

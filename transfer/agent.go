@@ -53,9 +53,22 @@ type Config struct {
 	NotifQueue int
 	// MaxNotifBytes is the largest notification accepted. Default 1 MiB.
 	MaxNotifBytes int
-	// Auth authenticates connections in both directions. Nil accepts any connection (same-host
-	// Unix connections are still restricted to the same user id).
+	// Auth authenticates every connection this agent dials or accepts (TCP and Unix, every
+	// role) with a mutual challenge-response; NewHMACAuth makes the shared-secret one. Nil: no
+	// authentication (same-host Unix connections are still restricted to the same user id).
+	// Both sides must agree: an agent with Auth refuses peers without it, and one without
+	// Auth refuses peers that authenticate, at once and with a message saying so.
 	Auth Authenticator
+	// AuthorizeRead, if set, decides which bytes a peer may read over TCP. The target calls
+	// it for every READ frame, after the ranges were checked against the registered regions,
+	// with the peer's agent name, the tag the initiator attached to its request
+	// (RequestOptions.Tag; only valid during the call) and the frame's ranges (a request's
+	// ranges may arrive split over several frames). A non-nil error refuses the frame: the
+	// initiator's request fails with ErrPermission and the error's text, and the target logs
+	// and counts it (Stats.ReadsDenied, Stats.Refused.Permission). It runs on connection
+	// goroutines and must be quick and safe for concurrent use; a panic in it refuses the
+	// frame. SHM reads never reach it: the peer maps the arena (see the package doc, Trust).
+	AuthorizeRead func(peer string, tag []byte, descs []Desc) error
 	// OnComplete, if set, is called with the telemetry of every request when it completes or
 	// fails. It runs on the engine's goroutines and must not block.
 	OnComplete func(RequestTelemetry)
@@ -77,6 +90,7 @@ const (
 	defaultNotifQueue  = 1 << 16
 	defaultMaxNotif    = 1 << 20
 	maxRangesPerFrame  = 1024
+	maxTagBytes        = 1024 // RequestOptions.Tag
 )
 
 // withDefaults returns c with defaults applied, or an error for invalid values.

@@ -3,7 +3,6 @@ package transfer
 import (
 	"bytes"
 	"context"
-	"errors"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -76,47 +75,6 @@ func TestCancelAndRelease(t *testing.T) {
 		t.Fatalf("failures %+v", f)
 	}
 	px.unstall()
-}
-
-// rejectAll is an Authenticator that proves with a token and accepts only that token.
-type tokenAuth struct {
-	token  string
-	checks atomic.Int64
-}
-
-func (a *tokenAuth) Prove(h HelloInfo) ([]byte, error) { return []byte(a.token + "/" + h.From), nil }
-
-func (a *tokenAuth) Verify(h HelloInfo, proof []byte) error {
-	a.checks.Add(1)
-	if string(proof) != a.token+"/"+h.From {
-		return errors.New("bad token")
-	}
-	return nil
-}
-
-// TestAuthHook: connections are authenticated through Config.Auth in both roles.
-func TestAuthHook(t *testing.T) {
-	good := &tokenAuth{token: "s3cret"}
-	p := newPair(t, Config{Auth: good}, Config{Auth: &tokenAuth{token: "wrong"}}, 1<<16, PermRead)
-	for _, be := range []string{"SHM", "TCP"} {
-		_, err := p.ini.PrepareRemote(testCtx(t), p.peer, []Desc{p.rT.Desc(0, 4096)}, &PrepareOptions{Backends: []string{be}})
-		wantKind(t, err, ErrPermission)
-	}
-	if p.tgt.Stats().Refused.Permission < 2 {
-		t.Fatalf("refusals %+v", p.tgt.Stats().Refused)
-	}
-	ok := newTestAgent(t, "friend", Config{Auth: &tokenAuth{token: "s3cret"}})
-	if _, err := ok.LoadRemote(p.tgt.LocalMetadata()); err != nil {
-		t.Fatal(err)
-	}
-	l, err := ok.PrepareRemote(testCtx(t), p.peer, []Desc{p.rT.Desc(0, 4096)}, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	l.Release()
-	if good.checks.Load() < 3 {
-		t.Fatalf("verify called %d times", good.checks.Load())
-	}
 }
 
 // TestHeapRegionAndFetch: memory outside arenas is reachable over TCP only (the fallback is

@@ -1,6 +1,51 @@
 package transfer
 
-// HelloInfo is what both sides of a new connection know about it when the authenticator runs.
+import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"errors"
+	"hash"
+)
+
+// Connection authentication is a challenge-response over a shared secret, run on every new
+// connection (control, data, metadata and arena fds; TCP and Unix) before the listener
+// answers anything else, when Config.Auth is set:
+//
+//	dialer   → listener  HELLO     {…, Nonce: 32 fresh random bytes}
+//	listener → dialer    CHALLENGE {Name, Inc, Nonce: 32 fresh random bytes, Proof: P(listener)}
+//	dialer   → listener  AUTH      {Proof: P(dialer)}
+//	listener → dialer    HELLO_ACK | ERROR
+//
+// P(side) = Auth.Proof(side, transcript), where the transcript holds the hello fields, the
+// arenas asked for, the listener's name and incarnation and both nonces. Each side checks
+// the other's proof with hmac.Equal against the one it computes itself; a proof is bound to
+// both nonces, so one captured on a connection is worthless on any other. Both sides draw
+// their nonce from crypto/rand, so neither depends on the other's randomness.
+//
+// A configuration mismatch fails at once on both sides, never waiting for a timeout: a
+// listener with a secret answers a hello without a nonce with ERROR ("authentication
+// required"), and a listener without one answers a hello with a nonce with ERROR ("no
+// shared secret configured"). Every refusal is logged and counted on the refusing side
+// (Stats.AuthRefused and Stats.Refused.Permission); the other side gets ErrPermission.
+
+// authNonceBytes is the size of each side's nonce.
+const authNonceBytes = 32
+
+// maxAuthBytes bounds a CHALLENGE or AUTH payload.
+const maxAuthBytes = 1024
+
+// AuthSide names the side of a connection a proof is for.
+type AuthSide uint8
+
+const (
+	// AuthDialer is the side that opened the connection.
+	AuthDialer AuthSide = 1
+	// AuthListener is the side that accepted it.
+	AuthListener AuthSide = 2
+)
+
+// HelloInfo is what the dialer announced in its hello.
 type HelloInfo struct {
 	Role            string // "control", "data", "metadata" or "arenas"
 	From            string // dialing agent
@@ -9,12 +54,110 @@ type HelloInfo struct {
 	ToIncarnation   uint64 // 0 when fetching metadata by address
 }
 
-// Authenticator is the hook point for authenticating transfer connections (for example an
-// HMAC over a shared secret, keyed on the hello fields). The dialing agent calls Prove and
-// sends the proof in its hello; the listening agent calls Verify before it answers anything,
-// and a non-nil error refuses the connection (ErrPermission at the dialer, counted as a
-// refusal at the listener). Implementations must be safe for concurrent use.
+// AuthTranscript is everything a proof covers: what the dialer announced, the listener's
+// identity, and the nonces both sides drew for this connection.
+type AuthTranscript struct {
+	Hello               HelloInfo
+	Arenas              []uint32 // arena ids whose fds the dialer asked for (Unix)
+	Listener            string   // the listening agent's name
+	ListenerIncarnation uint64   // the listening agent's incarnation
+	DialerNonce         []byte
+	ListenerNonce       []byte
+}
+
+// Authenticator computes the proofs of the connection handshake. The agent draws the nonces
+// and compares proofs itself (with hmac.Equal), so an implementation only computes: it must
+// return the same proof for the same side and transcript, bind every field of the transcript
+// and the side, and be safe for concurrent use. NewHMACAuth returns the shared-secret one.
 type Authenticator interface {
-	Prove(h HelloInfo) ([]byte, error)
-	Verify(h HelloInfo, proof []byte) error
+	Proof(side AuthSide, t *AuthTranscript) ([]byte, error)
+}
+
+// HMACAuth authenticates with a shared secret: a proof is HMAC-SHA256(secret, context ‖ side ‖
+// transcript), every field length-prefixed or fixed-size so that no two transcripts encode
+// alike.
+type HMACAuth struct {
+	key []byte
+}
+
+// ErrEmptySecret is returned by NewHMACAuth for an empty secret.
+var ErrEmptySecret = errors.New("transfer: empty shared secret")
+
+// NewHMACAuth returns an Authenticator keyed with secret (copied).
+func NewHMACAuth(secret []byte) (*HMACAuth, error) {
+	if len(secret) == 0 {
+		return nil, ErrEmptySecret
+	}
+	return &HMACAuth{key: append([]byte(nil), secret...)}, nil
+}
+
+// authContext separates these proofs from any other use of the secret.
+const authContext = "kvbridge transfer connection auth v1"
+
+// Proof returns HMAC-SHA256 over the side and the transcript.
+func (a *HMACAuth) Proof(side AuthSide, t *AuthTranscript) ([]byte, error) {
+	m := hmac.New(sha256.New, a.key)
+	writeField(m, []byte(authContext))
+	m.Write([]byte{byte(side)})
+	writeField(m, t.DialerNonce)
+	writeField(m, t.ListenerNonce)
+	writeField(m, []byte(t.Hello.Role))
+	writeField(m, []byte(t.Hello.From))
+	writeUint(m, t.Hello.FromIncarnation)
+	writeField(m, []byte(t.Hello.To))
+	writeUint(m, t.Hello.ToIncarnation)
+	writeField(m, []byte(t.Listener))
+	writeUint(m, t.ListenerIncarnation)
+	writeUint(m, uint64(len(t.Arenas)))
+	for _, id := range t.Arenas {
+		writeUint(m, uint64(id))
+	}
+	return m.Sum(nil), nil
+}
+
+// writeField writes len(b) (8 bytes) then b.
+func writeField(h hash.Hash, b []byte) {
+	writeUint(h, uint64(len(b)))
+	h.Write(b)
+}
+
+// writeUint writes v as 8 little-endian bytes.
+func writeUint(h hash.Hash, v uint64) {
+	var b [8]byte
+	binary.LittleEndian.PutUint64(b[:], v)
+	h.Write(b[:])
+}
+
+// challenge is the listener's answer to an authenticating hello.
+type challenge struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	Name     string
+	Inc      uint64
+	Nonce    []byte
+	Proof    []byte
+}
+
+// authProof is the dialer's answer to a challenge.
+type authProof struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	Proof    []byte
+}
+
+// transcript builds the transcript of a connection.
+func transcript(h *hello, listener string, listenerInc uint64, listenerNonce []byte) *AuthTranscript {
+	return &AuthTranscript{Hello: h.info(), Arenas: h.Arenas, Listener: listener, ListenerIncarnation: listenerInc,
+		DialerNonce: h.Nonce, ListenerNonce: listenerNonce}
+}
+
+// checkProof computes side's proof over t and compares it with got in constant time.
+func checkProof(auth Authenticator, side AuthSide, t *AuthTranscript, got []byte) bool {
+	want, err := auth.Proof(side, t)
+	return err == nil && len(want) > 0 && hmac.Equal(want, got)
+}
+
+// countAuthRefusal counts and logs a connection this agent refused for authentication.
+func (a *Agent) countAuthRefusal(side string, peer, remote, role, why string) {
+	a.refuse(ErrPermission)
+	a.stats.authRefused.Add(1)
+	a.log.Warn("transfer connection refused: authentication", "side", side, "peer", peer, "remote_addr", remote, "role", role, "why", why)
 }

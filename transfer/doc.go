@@ -33,7 +33,8 @@
 // fixed little-endian frame header (package internal/wire), vectored writes from registered
 // memory and vectored reads into it, large ranges striped over the connections, in-flight
 // bytes bounded per peer; the target validates every range against its regions and
-// permissions and refuses anything else (counted in Stats.Refused).
+// permissions (and READs against Config.AuthorizeRead) and refuses anything else (counted in
+// Stats.Refused).
 //
 // Selection is automatic (SHM when usable, else TCP) or restricted by an ordered backend list
 // as in NIXL ("SHM", "TCP"; NIXL plugin names such as "UCX" are reported as not available in
@@ -43,11 +44,32 @@
 //
 // # Trust
 //
-// Over TCP the target checks every range. Over SHM the peer holds a mapping of the whole
-// arena: the target limits it to same-user processes (SO_PEERCRED) and to read-only access
-// unless some region of the arena is writable; per-region bounds and permissions are then
-// enforced by the initiator. Deregistering a region does not revoke an existing SHM mapping.
-// Config.Auth is the hook for authenticating connections (a shared-secret HMAC, for example).
+// Authentication (Config.Auth, NewHMACAuth): with a shared secret every connection — TCP and
+// Unix, control, data, metadata and arena fds — starts with a mutual challenge-response before
+// the listener answers anything else: HELLO carries the dialer's fresh random nonce, the
+// listener answers CHALLENGE (its own fresh nonce and its proof), the dialer answers AUTH (its
+// proof), then HELLO_ACK or ERROR. A proof is HMAC-SHA256(secret, context ‖ side ‖ both nonces
+// ‖ hello fields ‖ listener identity), compared with hmac.Equal; it is bound to both nonces, so
+// a captured proof opens no other connection. A secret on one side only, or different
+// secrets, are refused at once with a message saying so, and counted by the refusing side
+// (Stats.AuthRefused). Authentication does not encrypt: the bytes of a transfer cross the
+// network in the clear, and an attacker who can rewrite traffic can take over an
+// authenticated TCP connection.
+//
+// Authorization. Over TCP the target checks every range against its regions and their
+// permissions, then asks Config.AuthorizeRead, with the tag the reader attached to its request
+// (RequestOptions.Tag), whether this peer may read these ranges now; kvbridge's connector
+// answers from its lease table (a reader names the request whose blocks it reads). Refusals are
+// answered with ErrPermission and counted (Stats.Refused, Stats.ReadsDenied).
+//
+// SHM is the exception, by construction: the peer holds a mapping of the whole arena, so no
+// per-read check is possible (and AuthorizeRead is never called). The target offers SHM only
+// to processes on the same host running as the same user id (SO_PEERCRED on the Unix socket,
+// checked after authentication) — processes that can read each other's memory anyway
+// (ptrace, /proc/PID/mem) — and maps it read-only unless some region of the arena is
+// writable; per-region bounds and permissions are then enforced by the initiator.
+// Deregistering a region does not revoke an existing SHM mapping. Where per-read enforcement
+// matters between same-user processes, restrict the backends to TCP.
 //
 // # Errors and telemetry
 //

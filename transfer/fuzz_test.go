@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"bytes"
+	"errors"
 	"io"
 	"net"
 	"os"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
 
 	"github.com/kvbridge/kvbridge/transfer/internal/wire"
 )
@@ -50,7 +52,13 @@ func FuzzServeConn(f *testing.F) {
 	for _, s := range serveSeeds() {
 		f.Add(s)
 	}
-	a, err := NewAgent("fuzz-target", Config{ListenTCP: "none", UnixSocket: "none", NotifQueue: 16})
+	a, err := NewAgent("fuzz-target", Config{ListenTCP: "none", UnixSocket: "none", NotifQueue: 16,
+		AuthorizeRead: func(_ string, tag []byte, _ []Desc) error {
+			if string(tag) == "deny" {
+				return errors.New("denied")
+			}
+			return nil
+		}})
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -106,6 +114,104 @@ func FuzzServeConn(f *testing.F) {
 	})
 }
 
+// FuzzServeConnAuth feeds arbitrary bytes to the listening side of an agent that requires
+// authentication: nothing makes it panic, and nothing gets past the challenge without the
+// secret (no HELLO_ACK is ever sent, so no metadata, arena fd or data connection).
+func FuzzServeConnAuth(f *testing.F) {
+	for _, s := range authSeeds() {
+		f.Add(s)
+	}
+	auth, err := NewHMACAuth([]byte("fuzz secret"))
+	if err != nil {
+		f.Fatal(err)
+	}
+	a, err := NewAgent("fuzz-target", Config{ListenTCP: "none", UnixSocket: "none", NotifQueue: 16, Auth: auth})
+	if err != nil {
+		f.Fatal(err)
+	}
+	a.inc = fuzzInc
+	f.Cleanup(func() { a.Close() })
+	f.Fuzz(func(t *testing.T, in []byte) {
+		srv, cli := socketPair(t)
+		done := make(chan struct{})
+		go func() {
+			a.serveConn(srv, false)
+			srv.Close()
+			close(done)
+		}()
+		out := make(chan []byte, 1)
+		go func() {
+			b, _ := io.ReadAll(cli)
+			out <- b
+		}()
+		go func() {
+			_, _ = cli.Write(in)
+			_ = cli.CloseWrite()
+		}()
+		select {
+		case <-done:
+		case <-time.After(20 * time.Second):
+			t.Fatal("serveConn did not return")
+		}
+		cli.Close()
+		b := <-out
+		for len(b) >= wire.HeaderSize {
+			h, err := wire.DecodeHeader(b)
+			if err != nil {
+				t.Fatalf("the target sent a malformed frame: %v", err)
+			}
+			if h.Op == wire.OpHelloAck {
+				t.Fatal("the target acknowledged an unauthenticated hello")
+			}
+			b = b[min(uint64(len(b)), wire.HeaderSize+h.Length):]
+		}
+	})
+}
+
+// socketPair returns the two ends of a connected Unix stream socket pair (unlike net.Pipe,
+// an end can close its writing half).
+func socketPair(t *testing.T) (*net.UnixConn, *net.UnixConn) {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := func(fd int) *net.UnixConn {
+		f := os.NewFile(uintptr(fd), "socketpair")
+		defer f.Close()
+		c, err := net.FileConn(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.(*net.UnixConn)
+	}
+	return conn(fds[0]), conn(fds[1])
+}
+
+// authSeeds returns transcripts against an authenticating listener.
+func authSeeds() [][]byte {
+	h := hello{Version: 1, Role: roleData, From: "fuzzer", FromInc: 9, To: "fuzz-target", ToInc: fuzzInc, Nonce: bytes.Repeat([]byte{5}, authNonceBytes)}
+	withNonce, _ := msgpackHello(h)
+	h.Nonce = nil
+	without, _ := msgpackHello(h)
+	h.Nonce = []byte{1, 2, 3}
+	short, _ := msgpackHello(h)
+	proof, _ := msgpack.Marshal(&authProof{Proof: bytes.Repeat([]byte{9}, 32)})
+	auth := encodeFrame(wire.Header{Op: wire.OpAuth}, proof)
+	var rr [wire.HeaderSize + wire.RangeSize]byte
+	(&wire.Header{Op: wire.OpReadReq, Req: 1, Count: 1}).Encode(rr[:])
+	wire.PutRange(rr[wire.HeaderSize:], wire.Range{Region: 1, Length: 16})
+	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
+	return [][]byte{
+		cat(withNonce, auth, rr[:]),
+		cat(withNonce, rr[:]),
+		cat(withNonce, encodeFrame(wire.Header{Op: wire.OpAuth}, []byte{0x91, 0xc0})),
+		cat(withNonce, auth[:len(auth)-4]),
+		cat(without, rr[:]),
+		short,
+	}
+}
+
 // metadataSeeds returns valid and damaged metadata blobs.
 func metadataSeeds(tb testing.TB) [][]byte {
 	a, err := NewAgent("seed-agent", Config{})
@@ -145,9 +251,16 @@ func serveSeeds() [][]byte {
 		}
 		return append(b, payload...)
 	}
+	nonceHello, _ := msgpackHello(hello{Version: 1, Role: roleData, From: "fuzzer", FromInc: 9, To: "fuzz-target", ToInc: fuzzInc, Nonce: make([]byte, authNonceBytes)})
 	hello := func(role uint8) []byte {
 		b, _ := msgpackHello(hello{Version: 1, Role: role, From: "fuzzer", FromInc: 9, To: "fuzz-target", ToInc: fuzzInc})
 		return b
+	}
+	// tagged encodes a READ_REQ of one range carrying tag.
+	tagged := func(h wire.Header, r wire.Range, tag string) []byte {
+		b := frame(h, []wire.Range{r}, nil)
+		(&wire.Header{Op: h.Op, Req: h.Req, Count: 1, Length: uint64(len(tag))}).Encode(b)
+		return append(b, tag...)
 	}
 	cat := func(parts ...[]byte) []byte { return bytes.Join(parts, nil) }
 	data := hello(roleData)
@@ -158,6 +271,10 @@ func serveSeeds() [][]byte {
 		cat(data, frame(wire.Header{Op: wire.OpReadReq, Req: 4}, []wire.Range{{Region: 9, Offset: 0, Length: 1}}, nil)),
 		cat(data, frame(wire.Header{Op: wire.OpReadReq, Req: 5}, []wire.Range{{Region: 1, Offset: 1 << 16, Length: 1}}, nil)),
 		cat(data, frame(wire.Header{Op: wire.OpNotif}, nil, []byte("x"))),
+		cat(data, tagged(wire.Header{Op: wire.OpReadReq, Req: 6}, wire.Range{Region: 1, Offset: 64, Length: 64}, "ok"),
+			tagged(wire.Header{Op: wire.OpReadReq, Req: 7}, wire.Range{Region: 1, Offset: 0, Length: 64}, "deny")),
+		cat(data, frame(wire.Header{Op: wire.OpAuth}, nil, []byte{0x91, 0xc0})),
+		nonceHello,
 		cat(hello(roleControl), frame(wire.Header{Op: wire.OpNotif, Req: 1}, nil, []byte("HB:1,2"))),
 		hello(roleMeta),
 		data[:len(data)-1],
@@ -184,6 +301,7 @@ func TestWriteFuzzSeeds(t *testing.T) {
 	}
 	write("testdata/fuzz/FuzzDecodeMetadata", metadataSeeds(t))
 	write("testdata/fuzz/FuzzServeConn", serveSeeds())
+	write("testdata/fuzz/FuzzServeConnAuth", authSeeds())
 	var hb [wire.HeaderSize]byte
 	var hdrs [][]byte
 	for _, h := range []wire.Header{
@@ -191,6 +309,9 @@ func TestWriteFuzzSeeds(t *testing.T) {
 		{Op: wire.OpWriteData, Req: 2, Count: 1, Length: 4096},
 		{Op: wire.OpNotif, Req: 3, Length: 5},
 		{Op: wire.OpError, Req: 4, Count: 2, Length: 10},
+		{Op: wire.OpReadReq, Req: 5, Count: 1, Length: 12},
+		{Op: wire.OpChallenge, Length: 80},
+		{Op: wire.OpAuth, Length: 35},
 	} {
 		h.Encode(hb[:])
 		hdrs = append(hdrs, bytes.Clone(hb[:]))

@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
 	"io"
@@ -48,7 +49,7 @@ type hello struct {
 	To       string
 	ToInc    uint64
 	Arenas   []uint32 // arena ids whose fds the dialer wants (control/arenas roles on Unix)
-	Auth     []byte
+	Nonce    []byte   // the dialer's authentication nonce; empty when it has no Config.Auth
 }
 
 // helloAck answers a hello.
@@ -83,7 +84,7 @@ const (
 
 // dataLimits returns the limits a receiver applies to data/control frames.
 func (a *Agent) dataLimits() wire.Limits {
-	return wire.Limits{MaxRanges: maxRangesPerFrame, MaxPayload: maxStripeBytes, MaxControl: uint64(a.cfg.MaxNotifBytes)}
+	return wire.Limits{MaxRanges: maxRangesPerFrame, MaxPayload: maxStripeBytes, MaxControl: uint64(a.cfg.MaxNotifBytes), MaxTag: maxTagBytes}
 }
 
 // encodeFrame returns header+payload as one buffer.
@@ -143,11 +144,10 @@ func (a *Agent) dial(ctx context.Context, network, addr string, h hello) (*dialR
 	h.Version = 1
 	h.From, h.FromInc = a.name, a.inc
 	if a.cfg.Auth != nil {
-		proof, err := a.cfg.Auth.Prove(h.info())
-		if err != nil {
-			return nil, newErr("connect", h.To, ErrPermission, "authenticator", err)
+		h.Nonce = make([]byte, authNonceBytes)
+		if _, err := rand.Read(h.Nonce); err != nil {
+			return nil, newErr("connect", h.To, ErrBackend, "drawing a nonce", err)
 		}
-		h.Auth = proof
 	}
 	payload, err := msgpack.Marshal(&h)
 	if err != nil {
@@ -164,7 +164,7 @@ func (a *Agent) dial(ctx context.Context, network, addr string, h hello) (*dialR
 	_ = c.SetDeadline(deadline)
 	stop := context.AfterFunc(ctx, func() { _ = c.SetDeadline(time.Unix(1, 0)) })
 	defer stop()
-	res, err := a.handshake(c, h, payload)
+	res, err := a.handshake(c, addr, h, payload)
 	if err != nil {
 		c.Close()
 		if ctx.Err() != nil {
@@ -183,11 +183,122 @@ func (a *Agent) dial(ctx context.Context, network, addr string, h hello) (*dialR
 	return res, nil
 }
 
-// handshake sends the hello and reads the ack (and fds on a Unix socket).
-func (a *Agent) handshake(c net.Conn, h hello, payload []byte) (*dialResult, error) {
+// handshake sends the hello, answers the listener's challenge when authenticating, and reads
+// the ack (and fds on a Unix socket).
+func (a *Agent) handshake(c net.Conn, addr string, h hello, payload []byte) (*dialResult, error) {
 	if _, err := c.Write(encodeFrame(wire.Header{Op: wire.OpHello}, payload)); err != nil {
 		return nil, err
 	}
+	hdr, body, fds, err := readAnswer(c)
+	if err != nil {
+		return nil, err
+	}
+	closeFDs := func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}
+	var ch *challenge
+	if hdr.Op == wire.OpChallenge {
+		closeFDs() // none are passed with a challenge
+		if ch, err = a.answerChallenge(c, addr, &h, body); err != nil {
+			return nil, err
+		}
+		if hdr, body, fds, err = readAnswer(c); err != nil {
+			return nil, err
+		}
+	}
+	switch hdr.Op {
+	case wire.OpError:
+		closeFDs()
+		return nil, newErr("connect", h.To, kindForCode(hdr.Count), fmt.Sprintf("refused by peer at %s: %s", addr, body), nil)
+	case wire.OpHelloAck:
+	default:
+		closeFDs()
+		return nil, fmt.Errorf("%w: unexpected %v during handshake", ErrProtocol, hdr.Op)
+	}
+	if a.cfg.Auth != nil && ch == nil {
+		closeFDs()
+		why := fmt.Sprintf("peer at %s accepted the connection without authenticating: it has no shared secret configured, this agent has one", addr)
+		a.countAuthRefusal("dialer", h.To, addr, roleName(h.Role), why)
+		return nil, newErr("connect", h.To, ErrPermission, why, nil)
+	}
+	res := &dialResult{conn: c, fds: fds}
+	if _, err := checkMsgpack(body, 4); err != nil {
+		closeFDs()
+		return nil, err
+	}
+	if err := msgpack.Unmarshal(body, &res.ack); err != nil {
+		closeFDs()
+		return nil, fmt.Errorf("%w: hello ack: %v", ErrProtocol, err)
+	}
+	if len(res.ack.Grants) != len(fds) {
+		closeFDs()
+		return nil, fmt.Errorf("%w: %d arena grants for %d fds", ErrProtocol, len(res.ack.Grants), len(fds))
+	}
+	if ch != nil && (res.ack.Name != ch.Name || res.ack.Inc != ch.Inc) {
+		closeFDs()
+		return nil, fmt.Errorf("%w: acknowledged as %s/%016x after a challenge from %s/%016x", ErrProtocol, res.ack.Name, res.ack.Inc, ch.Name, ch.Inc)
+	}
+	if h.To != "" && (res.ack.Name != h.To || (h.ToInc != 0 && res.ack.Inc != h.ToInc)) {
+		closeFDs()
+		return nil, newErr("connect", h.To, ErrStaleIncarnation,
+			fmt.Sprintf("answered by %s/%016x, expected %s/%016x", res.ack.Name, res.ack.Inc, h.To, h.ToInc), nil)
+	}
+	return res, nil
+}
+
+// answerChallenge is the dialer's part of authentication: it sends its proof over the
+// challenge, then checks the listener's proof (the listener checks the dialer's on its own,
+// so with differing secrets both sides refuse and count).
+func (a *Agent) answerChallenge(c net.Conn, addr string, h *hello, body []byte) (*challenge, error) {
+	if a.cfg.Auth == nil {
+		why := fmt.Sprintf("peer at %s requires authentication: this agent has no shared secret configured", addr)
+		a.countAuthRefusal("dialer", h.To, addr, roleName(h.Role), why)
+		return nil, newErr("connect", h.To, ErrPermission, why, nil)
+	}
+	var ch challenge
+	if _, err := checkMsgpack(body, 2); err != nil {
+		return nil, err
+	}
+	if err := msgpack.Unmarshal(body, &ch); err != nil || len(ch.Nonce) != authNonceBytes || ch.Name == "" || len(ch.Name) > maxNameLen {
+		return nil, fmt.Errorf("%w: malformed challenge", ErrProtocol)
+	}
+	if h.To != "" && ch.Name != h.To {
+		return nil, newErr("connect", h.To, ErrStaleIncarnation, fmt.Sprintf("challenged by %s/%016x, expected %s", ch.Name, ch.Inc, h.To), nil)
+	}
+	t := transcript(h, ch.Name, ch.Inc, ch.Nonce)
+	proof, err := a.cfg.Auth.Proof(AuthDialer, t)
+	if err != nil {
+		return nil, newErr("connect", h.To, ErrPermission, "computing the authentication proof", err)
+	}
+	payload, err := msgpack.Marshal(&authProof{Proof: proof})
+	if err != nil {
+		return nil, newErr("connect", h.To, ErrInvalidParam, "encoding the proof", err)
+	}
+	if _, err := c.Write(encodeFrame(wire.Header{Op: wire.OpAuth}, payload)); err != nil {
+		return nil, err
+	}
+	if !checkProof(a.cfg.Auth, AuthListener, t, ch.Proof) {
+		why := fmt.Sprintf("peer %s at %s failed to prove the shared secret: the secrets differ (or it is not the agent it claims)", ch.Name, addr)
+		a.countAuthRefusal("dialer", ch.Name, addr, roleName(h.Role), why)
+		// Read the listener's verdict on our proof (bounded by the handshake deadline) so
+		// that both sides have decided, and counted, when this one reports.
+		if hdr, body, fds, err := readAnswer(c); err == nil {
+			for _, fd := range fds {
+				unix.Close(fd)
+			}
+			if hdr.Op == wire.OpError {
+				why += "; the peer answered: " + string(body)
+			}
+		}
+		return nil, newErr("connect", h.To, ErrPermission, why, nil)
+	}
+	return &ch, nil
+}
+
+// readAnswer reads one handshake frame from the listener (collecting fds on a Unix socket).
+func readAnswer(c net.Conn) (wire.Header, []byte, []int, error) {
 	var hb [wire.HeaderSize]byte
 	var fds []int
 	var err error
@@ -203,49 +314,25 @@ func (a *Agent) handshake(c net.Conn, h hello, payload []byte) (*dialResult, err
 	}
 	if err != nil {
 		closeFDs()
-		return nil, err
+		return wire.Header{}, nil, nil, err
 	}
 	hdr, err := wire.DecodeHeader(hb[:])
 	if err == nil {
 		err = wire.Limits{MaxControl: maxAckBytes}.Check(hdr)
 	}
+	if err == nil && (hdr.Op == wire.OpChallenge || hdr.Op == wire.OpError) && hdr.Length > maxAuthBytes+maxErrorBytes {
+		err = fmt.Errorf("%v of %d bytes", hdr.Op, hdr.Length)
+	}
 	if err != nil {
 		closeFDs()
-		return nil, fmt.Errorf("%w: %v", ErrProtocol, err)
+		return hdr, nil, nil, fmt.Errorf("%w: %v", ErrProtocol, err)
 	}
 	body, err := readPayload(c, hdr.Length)
 	if err != nil {
 		closeFDs()
-		return nil, err
+		return hdr, nil, nil, err
 	}
-	switch hdr.Op {
-	case wire.OpError:
-		closeFDs()
-		return nil, newErr("connect", h.To, kindForCode(hdr.Count), "refused by peer: "+string(body), nil)
-	case wire.OpHelloAck:
-	default:
-		closeFDs()
-		return nil, fmt.Errorf("%w: unexpected %v during handshake", ErrProtocol, hdr.Op)
-	}
-	res := &dialResult{conn: c, fds: fds}
-	if _, err := checkMsgpack(body, 4); err != nil {
-		closeFDs()
-		return nil, err
-	}
-	if err := msgpack.Unmarshal(body, &res.ack); err != nil {
-		closeFDs()
-		return nil, fmt.Errorf("%w: hello ack: %v", ErrProtocol, err)
-	}
-	if len(res.ack.Grants) != len(fds) {
-		closeFDs()
-		return nil, fmt.Errorf("%w: %d arena grants for %d fds", ErrProtocol, len(res.ack.Grants), len(fds))
-	}
-	if h.To != "" && (res.ack.Name != h.To || (h.ToInc != 0 && res.ack.Inc != h.ToInc)) {
-		closeFDs()
-		return nil, newErr("connect", h.To, ErrStaleIncarnation,
-			fmt.Sprintf("answered by %s/%016x, expected %s/%016x", res.ack.Name, res.ack.Inc, h.To, h.ToInc), nil)
-	}
-	return res, nil
+	return hdr, body, fds, nil
 }
 
 // readWithFDs fills buf from a Unix socket, collecting any fds passed alongside.

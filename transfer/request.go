@@ -44,6 +44,11 @@ type RequestOptions struct {
 	Timeout time.Duration
 	// Backends restricts the backend of CreateRequest's remote list (see PrepareOptions).
 	Backends []string
+	// Tag is sent with every TCP READ frame of the request (at most 1024 bytes) for the
+	// target's Config.AuthorizeRead to decide on; kvbridge's connector puts the id of the
+	// producer's request whose blocks it reads there. It is not sent over SHM (the peer's
+	// arena is mapped; see the package doc, Trust) and is not allowed on WRITE.
+	Tag []byte
 }
 
 // run is one merged descriptor pair: len(local) bytes.
@@ -66,6 +71,7 @@ type Request struct {
 	owned   bool // the lists were created by CreateRequest and are released with the request
 	backend Backend
 	timeout time.Duration
+	tag     []byte // sent with every TCP READ frame
 	bytes   int64
 	descs   int
 	runs    []run
@@ -124,6 +130,15 @@ func (a *Agent) MakeRequest(op Op, local *PreparedList, localIdx []int, remote *
 	close(r.done) // never posted: Done is already closed
 	if opts != nil && opts.Timeout > 0 {
 		r.timeout = opts.Timeout
+	}
+	if opts != nil && len(opts.Tag) > 0 {
+		if op != Read {
+			return nil, newErr("make", peerName, ErrInvalidParam, "a tag is carried by READ requests only", nil)
+		}
+		if len(opts.Tag) > maxTagBytes {
+			return nil, newErr("make", peerName, ErrInvalidParam, fmt.Sprintf("tag of %d bytes exceeds %d", len(opts.Tag), maxTagBytes), nil)
+		}
+		r.tag = append([]byte(nil), opts.Tag...)
 	}
 	runs := make([]run, 0, len(localIdx))
 	var lReg, rReg uint32

@@ -1,6 +1,7 @@
 package transfer
 
 import (
+	"crypto/rand"
 	"fmt"
 	"io"
 	"net"
@@ -47,6 +48,9 @@ func (a *Agent) serveConn(c net.Conn, isUnix bool) {
 		_, _ = c.Write(errorFrame(0, 0, ErrProtocol, "malformed hello"))
 		return
 	}
+	if !a.authenticate(c, &h) {
+		return
+	}
 	if msg, kind := a.checkHello(c, &h, isUnix); kind != nil {
 		a.refuse(kind)
 		_, _ = c.Write(errorFrame(0, 0, kind, msg))
@@ -89,7 +93,7 @@ func (a *Agent) serveConn(c net.Conn, isUnix bool) {
 		}
 		a.connMu.Unlock()
 	case roleData:
-		_ = a.serveData(c)
+		_ = a.serveData(c, h.From)
 	}
 }
 
@@ -122,12 +126,74 @@ func (a *Agent) checkHello(c net.Conn, h *hello, isUnix bool) (string, error) {
 			return "Unix peer runs as another user", ErrPermission
 		}
 	}
-	if a.cfg.Auth != nil {
-		if err := a.cfg.Auth.Verify(h.info(), h.Auth); err != nil {
-			return "authentication failed", ErrPermission
-		}
-	}
 	return "", nil
+}
+
+// authenticate runs the listener's part of the connection authentication (see auth.go) and
+// reports whether the connection may proceed; a refusal has been answered, counted and logged.
+func (a *Agent) authenticate(c net.Conn, h *hello) bool {
+	auth := a.cfg.Auth
+	remote := c.RemoteAddr().String()
+	refuse := func(kind error, why string) bool {
+		if kind == ErrPermission {
+			a.countAuthRefusal("listener", h.From, remote, roleName(h.Role), why)
+		} else {
+			a.refuse(kind)
+		}
+		_, _ = c.Write(errorFrame(0, 0, kind, why))
+		return false
+	}
+	switch {
+	case auth == nil && len(h.Nonce) == 0:
+		return true
+	case auth == nil:
+		return refuse(ErrPermission, fmt.Sprintf("agent %q has no shared secret configured but the dialer %q authenticates: configure the same secret on both sides", a.name, h.From))
+	case len(h.Nonce) == 0:
+		return refuse(ErrPermission, fmt.Sprintf("authentication required: agent %q requires a shared secret and the dialer %q presented none", a.name, h.From))
+	case len(h.Nonce) != authNonceBytes:
+		return refuse(ErrProtocol, fmt.Sprintf("authentication nonce of %d bytes, want %d", len(h.Nonce), authNonceBytes))
+	}
+	nonce := make([]byte, authNonceBytes)
+	if _, err := rand.Read(nonce); err != nil {
+		return refuse(ErrBackend, "drawing a nonce failed")
+	}
+	t := transcript(h, a.name, a.inc, nonce)
+	proof, err := auth.Proof(AuthListener, t)
+	if err != nil {
+		return refuse(ErrBackend, "computing the authentication proof failed")
+	}
+	payload, err := msgpack.Marshal(&challenge{Name: a.name, Inc: a.inc, Nonce: nonce, Proof: proof})
+	if err != nil {
+		return refuse(ErrBackend, "encoding the challenge failed")
+	}
+	if _, err := c.Write(encodeFrame(wire.Header{Op: wire.OpChallenge}, payload)); err != nil {
+		return false
+	}
+	var hb [wire.HeaderSize]byte
+	hdr, err := readHeader(c, hb[:], wire.Limits{MaxControl: maxAuthBytes})
+	if err != nil {
+		// The dialer hung up or stalled instead of answering (canceled, or not a kvbridge
+		// agent): it did not authenticate.
+		return refuse(ErrPermission, fmt.Sprintf("the dialer %q did not answer the authentication challenge: %v", h.From, err))
+	}
+	if hdr.Op != wire.OpAuth {
+		return refuse(ErrProtocol, "expected AUTH, got "+hdr.Op.String())
+	}
+	body, err := readPayload(c, hdr.Length)
+	if err != nil {
+		return refuse(ErrPermission, fmt.Sprintf("the dialer %q did not answer the authentication challenge: %v", h.From, err))
+	}
+	var ans authProof
+	if _, err := checkMsgpack(body, 2); err != nil {
+		return refuse(ErrProtocol, "malformed AUTH")
+	}
+	if err := msgpack.Unmarshal(body, &ans); err != nil {
+		return refuse(ErrProtocol, "malformed AUTH")
+	}
+	if !checkProof(auth, AuthDialer, t, ans.Proof) {
+		return refuse(ErrPermission, fmt.Sprintf("authentication failed: the proof of dialer %q does not match (the shared secrets differ)", h.From))
+	}
+	return true
 }
 
 // exportArenas returns grants and fresh fds for the wanted arena ids. Arenas without any peer-visible region are never exported; an arena is
@@ -170,12 +236,13 @@ func (a *Agent) exportArenas(want []uint32) ([]arenaGrant, []int, error) {
 // refuse counts a refused peer request or connection by kind.
 func (a *Agent) refuse(kind error) { a.stats.refused.add(kind) }
 
-// serveData is the target side of a TCP data connection: it validates every range a peer
-// asks for against the registered regions and their permissions, streams READ ranges
-// straight from registered memory with vectored writes, and places WRITE payloads directly
-// into registered memory with vectored reads. Refused requests are answered with an ERROR
-// frame (the stream stays in sync); malformed frames end the connection.
-func (a *Agent) serveData(c net.Conn) error {
+// serveData is the target side of a TCP data connection from agent peer: it validates every
+// range a peer asks for against the registered regions and their permissions (and READs
+// against Config.AuthorizeRead), streams READ ranges straight from registered memory with
+// vectored writes, and places WRITE payloads directly into registered memory with vectored
+// reads. Refused requests are answered with an ERROR frame (the stream stays in sync);
+// malformed frames end the connection.
+func (a *Agent) serveData(c net.Conn, peer string) error {
 	lim := a.dataLimits()
 	var hb, ob [wire.HeaderSize]byte
 	var rc syscall.RawConn
@@ -188,6 +255,7 @@ func (a *Agent) serveData(c net.Conn) error {
 		iov    [][]byte
 		out    net.Buffers
 		scr    [][]byte
+		descs  []Desc
 	)
 	for {
 		h, err := readHeader(c, hb[:], lim)
@@ -209,14 +277,19 @@ func (a *Agent) serveData(c net.Conn) error {
 			return ErrProtocol
 		}
 		n := int(h.Count) * wire.RangeSize
-		if cap(rbuf) < n {
-			rbuf = make([]byte, n)
+		m := n
+		if op == Read {
+			m += int(h.Length) // the tag (bounded by lim.MaxTag)
 		}
-		rbuf = rbuf[:n]
+		if cap(rbuf) < m {
+			rbuf = make([]byte, m)
+		}
+		rbuf = rbuf[:m]
 		if _, err := io.ReadFull(c, rbuf); err != nil {
 			return err
 		}
-		ranges, err = wire.AppendRanges(ranges[:0], rbuf)
+		tag := rbuf[n:]
+		ranges, err = wire.AppendRanges(ranges[:0], rbuf[:n])
 		if err != nil {
 			a.refuse(ErrProtocol)
 			return err
@@ -241,6 +314,17 @@ func (a *Agent) serveData(c net.Conn) error {
 		}
 		if kind == nil && op == Write && total != h.Length {
 			kind, detail = ErrInvalidDescriptor, fmt.Sprintf("payload of %d bytes for ranges of %d bytes", h.Length, total)
+		}
+		if kind == nil && op == Read && a.cfg.AuthorizeRead != nil {
+			descs = descs[:0]
+			for _, r := range ranges {
+				descs = append(descs, Desc{Region: r.Region, Offset: int64(r.Offset), Length: int64(r.Length)})
+			}
+			if err := a.authorizeRead(peer, tag, descs); err != nil {
+				kind, detail = ErrPermission, "read not authorized: "+err.Error()
+				a.stats.readsDenied.Add(1)
+				a.log.Warn("transfer READ refused", "peer", peer, "request", h.Req, "stripe", h.Seq, "why", err.Error())
+			}
 		}
 		if op == Write {
 			if kind != nil {
@@ -278,6 +362,17 @@ func (a *Agent) serveData(c net.Conn) error {
 		}
 		a.stats.servedRead.Add(int64(total))
 	}
+}
+
+// authorizeRead calls Config.AuthorizeRead; a panic in it refuses the read.
+func (a *Agent) authorizeRead(peer string, tag []byte, descs []Desc) (err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			a.log.Error("transfer AuthorizeRead panicked", "peer", peer, "panic", fmt.Sprint(p))
+			err = fmt.Errorf("authorization failed")
+		}
+	}()
+	return a.cfg.AuthorizeRead(peer, tag, descs)
 }
 
 // isProtocol reports whether err is a protocol violation.

@@ -16,9 +16,9 @@ import (
 // TCP backend: per peer, TCPStreams data connections, each with a writer and a reader
 // goroutine. A request's runs are cut into stripes (at most StripeBytes and 1024 ranges
 // each) that are spread round-robin over the connections. For READ the writer sends one
-// READ_REQ frame per stripe listing its remote ranges; the target streams the bytes from
-// registered memory with writev and the reader places them straight into the destination
-// slices with readv. For WRITE the writer sends WRITE_DATA (ranges + payload gathered with
+// READ_REQ frame per stripe listing its remote ranges (and the request's tag, for the
+// target's AuthorizeRead); the target streams the bytes from registered memory with writev
+// and the reader places them straight into the destination slices with readv. For WRITE the writer sends WRITE_DATA (ranges + payload gathered with
 // writev) and the reader waits for WRITE_ACK. The target answers the frames of one
 // connection in order, so the reader matches responses to a FIFO of sent stripes. A
 // per-peer semaphore bounds the bytes in flight. The plan (frames, iovecs) is computed once
@@ -82,9 +82,13 @@ func (r *Request) planStripes() {
 	if cur.n > 0 {
 		spans = append(spans, cur)
 	}
+	tag := 0
+	if r.op == Read {
+		tag = len(r.tag)
+	}
 	size := 0
 	for _, sp := range spans {
-		size += wire.HeaderSize + sp.n*wire.RangeSize
+		size += wire.HeaderSize + sp.n*wire.RangeSize + tag
 	}
 	frames := make([]byte, size)
 	r.stripes = make([]stripe, len(spans))
@@ -96,10 +100,10 @@ func (r *Request) planStripes() {
 		for _, b := range s.iov {
 			s.bytes += int64(len(b))
 		}
-		n := wire.HeaderSize + sp.n*wire.RangeSize
+		n := wire.HeaderSize + sp.n*wire.RangeSize + tag
 		s.frame = frames[pos : pos+n : pos+n]
 		pos += n
-		h := wire.Header{Op: wire.OpReadReq, Req: r.id, Seq: uint32(i), Count: uint32(sp.n)}
+		h := wire.Header{Op: wire.OpReadReq, Req: r.id, Seq: uint32(i), Count: uint32(sp.n), Length: uint64(tag)}
 		if r.op == Write {
 			h.Op, h.Length = wire.OpWriteData, uint64(s.bytes)
 		}
@@ -107,6 +111,7 @@ func (r *Request) planStripes() {
 		for j := range sp.n {
 			wire.PutRange(s.frame[wire.HeaderSize+j*wire.RangeSize:], pieces[sp.first+j])
 		}
+		copy(s.frame[wire.HeaderSize+sp.n*wire.RangeSize:], r.tag[:tag])
 	}
 }
 

@@ -52,6 +52,8 @@ type Stats struct {
 	ServedWriteBytes  int64         // bytes peers WROTE into this agent over TCP (target)
 	Failures          FailureCounts // failed requests by kind (initiator)
 	Refused           FailureCounts // peer requests and connections refused by kind (target)
+	AuthRefused       int64         // connections refused by authentication, either side (also in Refused.Permission)
+	ReadsDenied       int64         // TCP READ frames refused by Config.AuthorizeRead (also in Refused.Permission)
 	NotifsSent        int64
 	NotifsReceived    int64
 	NotifsDropped     int64 // dropped because the notification queue was full
@@ -111,6 +113,7 @@ type agentStats struct {
 	failures, refused                         failureCounters
 	notifsSent, notifsReceived, notifsDropped atomic.Int64
 	fallbacks, connects, disconnects          atomic.Int64
+	authRefused, readsDenied                  atomic.Int64
 	registeredBytes                           atomic.Int64
 }
 
@@ -137,6 +140,7 @@ func (a *Agent) Stats() Stats {
 		BytesRead: s.bytesRead.Load(), BytesWritten: s.bytesWritten.Load(),
 		ServedReadBytes: s.servedRead.Load(), ServedWriteBytes: s.servedWrite.Load(),
 		Failures: s.failures.snapshot(), Refused: s.refused.snapshot(),
+		AuthRefused: s.authRefused.Load(), ReadsDenied: s.readsDenied.Load(),
 		NotifsSent: s.notifsSent.Load(), NotifsReceived: s.notifsReceived.Load(), NotifsDropped: s.notifsDropped.Load(),
 		Fallbacks: s.fallbacks.Load(), Connects: s.connects.Load(), Disconnects: s.disconnects.Load(),
 		RegisteredBytes: s.registeredBytes.Load(),

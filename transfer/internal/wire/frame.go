@@ -4,7 +4,11 @@
 // Every frame starts with a HeaderSize-byte header. Depending on the opcode it is followed by a
 // range list (Count entries of RangeSize bytes) and/or Length payload bytes. No msgpack or other
 // self-describing encoding is used on the data path; the control-plane payloads (hello,
-// metadata) are opaque bytes to this package.
+// challenge, proof, metadata) are opaque bytes to this package.
+//
+// A connection starts with HELLO (dialer → listener). Without authentication the listener
+// answers HELLO_ACK or ERROR. With authentication it answers CHALLENGE (its nonce and its own
+// proof), the dialer sends AUTH (its proof), and the listener answers HELLO_ACK or ERROR.
 package wire
 
 import (
@@ -30,15 +34,17 @@ type Op uint8
 
 // Frame opcodes.
 const (
-	OpHello     Op = 1 // dialer → listener: msgpack hello payload (Length bytes)
-	OpHelloAck  Op = 2 // listener → dialer: msgpack ack payload (Length bytes), fds attached on Unix sockets
-	OpError     Op = 3 // response carrying an error code (Count) and a UTF-8 message (Length bytes)
-	OpReadReq   Op = 4 // initiator → target: Count ranges to read; Length must be 0
-	OpReadData  Op = 5 // target → initiator: Length payload bytes, the ranges' bytes in order
-	OpWriteData Op = 6 // initiator → target: Count ranges followed by Length payload bytes
-	OpWriteAck  Op = 7 // target → initiator: the ranges of a WriteData frame are placed
-	OpNotif     Op = 8 // either direction on a control connection: Length message bytes
-	opMax       Op = 8 // highest valid opcode; 0 is never valid
+	OpHello     Op = 1  // dialer → listener: msgpack hello payload (Length bytes)
+	OpHelloAck  Op = 2  // listener → dialer: msgpack ack payload (Length bytes), fds attached on Unix sockets
+	OpError     Op = 3  // response carrying an error code (Count) and a UTF-8 message (Length bytes)
+	OpReadReq   Op = 4  // initiator → target: Count ranges to read, then Length tag bytes (the request's authorization tag, may be 0)
+	OpReadData  Op = 5  // target → initiator: Length payload bytes, the ranges' bytes in order
+	OpWriteData Op = 6  // initiator → target: Count ranges followed by Length payload bytes
+	OpWriteAck  Op = 7  // target → initiator: the ranges of a WriteData frame are placed
+	OpNotif     Op = 8  // either direction on a control connection: Length message bytes
+	OpChallenge Op = 9  // listener → dialer: msgpack challenge payload (nonce, listener proof)
+	OpAuth      Op = 10 // dialer → listener: msgpack proof payload answering a challenge
+	opMax       Op = 10 // highest valid opcode; 0 is never valid
 )
 
 // String returns the opcode name.
@@ -60,6 +66,10 @@ func (o Op) String() string {
 		return "WRITE_ACK"
 	case OpNotif:
 		return "NOTIF"
+	case OpChallenge:
+		return "CHALLENGE"
+	case OpAuth:
+		return "AUTH"
 	}
 	return fmt.Sprintf("OP(%d)", uint8(o))
 }
@@ -125,14 +135,14 @@ func DecodeHeader(b []byte) (Header, error) {
 	}
 	switch h.Op {
 	case OpReadReq:
-		if h.Count == 0 || h.Length != 0 {
-			return h, fmt.Errorf("%w: %v with %d ranges and %d payload bytes", ErrMalformed, h.Op, h.Count, h.Length)
+		if h.Count == 0 {
+			return h, fmt.Errorf("%w: %v without ranges", ErrMalformed, h.Op)
 		}
 	case OpWriteData:
 		if h.Count == 0 || h.Length == 0 {
 			return h, fmt.Errorf("%w: %v with %d ranges and %d payload bytes", ErrMalformed, h.Op, h.Count, h.Length)
 		}
-	case OpReadData, OpWriteAck, OpNotif, OpHello, OpHelloAck:
+	case OpReadData, OpWriteAck, OpNotif, OpHello, OpHelloAck, OpChallenge, OpAuth:
 		if h.Count != 0 {
 			return h, fmt.Errorf("%w: %v with %d ranges", ErrMalformed, h.Op, h.Count)
 		}
@@ -148,7 +158,8 @@ func DecodeHeader(b []byte) (Header, error) {
 type Limits struct {
 	MaxRanges  uint32 // ranges per frame
 	MaxPayload uint64 // payload bytes per data frame (READ_DATA, WRITE_DATA, and a READ_REQ's total)
-	MaxControl uint64 // payload bytes per control frame (HELLO, HELLO_ACK, NOTIF, ERROR)
+	MaxControl uint64 // payload bytes per control frame (HELLO, HELLO_ACK, CHALLENGE, AUTH, NOTIF, ERROR)
+	MaxTag     uint64 // tag bytes per READ_REQ (0: READ_REQ frames carry no tag)
 }
 
 // Check applies the limits to a decoded header.
@@ -160,6 +171,10 @@ func (l Limits) Check(h Header) error {
 	case OpReadData, OpWriteData:
 		if h.Length > l.MaxPayload {
 			return fmt.Errorf("%w: %d payload bytes exceed the limit of %d", ErrMalformed, h.Length, l.MaxPayload)
+		}
+	case OpReadReq:
+		if h.Length > l.MaxTag {
+			return fmt.Errorf("%w: READ_REQ tag of %d bytes exceeds the limit of %d", ErrMalformed, h.Length, l.MaxTag)
 		}
 	default:
 		if h.Length > l.MaxControl {

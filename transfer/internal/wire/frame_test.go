@@ -25,11 +25,11 @@ func TestHeaderRoundTrip(t *testing.T) {
 		t.Fatal("bad magic accepted")
 	}
 	for _, h := range []Header{
-		{Op: OpReadReq},                      // no ranges
-		{Op: OpReadReq, Count: 1, Length: 1}, // payload on a request
-		{Op: OpWriteData, Count: 1},          // no payload
-		{Op: OpNotif, Count: 1},              // ranges on a notification
-		{Op: OpError},                        // no code
+		{Op: OpReadReq},             // no ranges
+		{Op: OpChallenge, Count: 1}, // ranges on a challenge
+		{Op: OpWriteData, Count: 1}, // no payload
+		{Op: OpNotif, Count: 1},     // ranges on a notification
+		{Op: OpError},               // no code
 		{Op: 0},
 		{Op: 200},
 		{Op: OpNotif, Flags: 1},
@@ -48,6 +48,16 @@ func TestHeaderRoundTrip(t *testing.T) {
 	}
 	if err := lim.Check(Header{Op: OpNotif, Length: 101}); err == nil {
 		t.Fatal("oversized notification accepted")
+	}
+	if err := lim.Check(Header{Op: OpReadReq, Count: 1, Length: 1}); err == nil {
+		t.Fatal("a READ_REQ tag accepted by a receiver that takes none")
+	}
+	lim.MaxTag = 16
+	if err := lim.Check(Header{Op: OpReadReq, Count: 1, Length: 16}); err != nil {
+		t.Fatalf("READ_REQ tag within the limit: %v", err)
+	}
+	if err := lim.Check(Header{Op: OpReadReq, Count: 1, Length: 17}); err == nil {
+		t.Fatal("oversized READ_REQ tag accepted")
 	}
 }
 

@@ -1,0 +1,296 @@
+package connector
+
+import (
+	"bufio"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"net"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// Authentication and read authorization of the KV paths (issue 7, scope item 3).
+//
+// With an auth token every side-channel connection (see sidechannel.go) and every transfer
+// connection (transfer.Config.Auth, an HMAC-SHA256 challenge-response run by the transfer
+// agent on TCP and Unix connections alike) must prove knowledge of the token, mutually, on
+// fresh nonces. The token comes from kv_connector_extra_config.auth_token or, when that key is
+// absent or empty, from the environment variable KVBRIDGE_KV_AUTH_TOKEN. Every engine of a
+// deployment must use the same token, or none: a mismatch is refused at once on both sides,
+// with an error naming the setting.
+//
+// With or without a token, a peer reads only what is leased: every TCP READ carries the id of
+// the producer request whose blocks it reads (transfer.RequestOptions.Tag, the same id the
+// reader names in its "<id>:1" notification), and the transfer agent asks the connector
+// (transfer.Config.AuthorizeRead) whether every requested range lies inside the blocks — and
+// their generation-table entries — currently leased to that id. Anything else is refused
+// (transfer.ErrPermission at the reader) and counted here.
+//
+// SHM is the exception, by construction: a same-host peer maps the KV arena read-only, so no
+// per-read check is possible. The transfer agent offers SHM only to processes of the same
+// user id on the same host (SO_PEERCRED on its Unix socket, after authentication), which could
+// read each other's memory anyway (ptrace, /proc/PID/mem). Per-lease enforcement therefore
+// applies to TCP; deployments that need it between same-user processes on one host restrict
+// kv_connector_extra_config.backends to ["TCP"].
+
+// EnvAuthToken is the environment variable read for the auth token when
+// kv_connector_extra_config.auth_token is absent or empty.
+const EnvAuthToken = "KVBRIDGE_KV_AUTH_TOKEN"
+
+// ErrAuth reports a side-channel connection refused for authentication, by either side.
+var ErrAuth = errors.New("KV peer authentication failed")
+
+// errServerProof marks a refusal by this side of a side-channel server's proof.
+var errServerProof = errors.New("side channel server proof rejected")
+
+// Side-channel authentication message tags and refusal codes.
+const (
+	authHelloTag     = "kvbridge_auth_hello"
+	authChallengeTag = "kvbridge_auth_challenge"
+	authProofTag     = "kvbridge_auth_proof"
+
+	codeAuthRequired   = "auth_required"
+	codeAuthUnexpected = "auth_unexpected"
+	codeAuthFailed     = "auth_failed"
+	codeServerProof    = "server_proof" // local only: never on the wire
+
+	sideNonceBytes = 32
+	sideAuthCtx    = "kvbridge side channel auth v1"
+	sideClient     = "client"
+	sideServer     = "server"
+)
+
+// resolveAuthToken returns the auth token and where it came from ("" when none): the config
+// key wins over the environment.
+func resolveAuthToken(cfg *Config, getenv func(string) string) (token, source string) {
+	if cfg.AuthToken != "" {
+		return cfg.AuthToken, "kv_connector_extra_config.auth_token"
+	}
+	if getenv != nil {
+		if v := getenv(EnvAuthToken); v != "" {
+			return v, EnvAuthToken
+		}
+	}
+	return "", ""
+}
+
+// sideAuth computes side-channel proofs from the auth token.
+type sideAuth struct {
+	key []byte
+}
+
+// newSideAuth returns the proofs of token, or nil for no token.
+func newSideAuth(token string) *sideAuth {
+	if token == "" {
+		return nil
+	}
+	return &sideAuth{key: []byte(token)}
+}
+
+// proof is HMAC-SHA256(token, context ‖ side ‖ client nonce ‖ server nonce); every part but
+// the last is length-prefixed.
+func (a *sideAuth) proof(side string, clientNonce, serverNonce []byte) []byte {
+	m := hmac.New(sha256.New, a.key)
+	for _, part := range [][]byte{[]byte(sideAuthCtx), []byte(side), clientNonce, serverNonce} {
+		m.Write([]byte{byte(len(part))})
+		m.Write(part)
+	}
+	return m.Sum(nil)
+}
+
+// newNonce draws a fresh nonce.
+func newNonce() ([]byte, error) {
+	b := make([]byte, sideNonceBytes)
+	_, err := rand.Read(b)
+	return b, err
+}
+
+// isAuthCode reports whether a refusal code is about authentication.
+func isAuthCode(code string) bool {
+	switch code {
+	case codeAuthRequired, codeAuthUnexpected, codeAuthFailed:
+		return true
+	}
+	return false
+}
+
+// authError is a side-channel authentication failure seen by the client; its message names
+// the setting to fix. It matches ErrAuth (and errServerProof when this side refused).
+type authError struct {
+	addr   string
+	code   string
+	detail string
+}
+
+// Error names the side channel and the setting to fix.
+func (e *authError) Error() string {
+	switch e.code {
+	case codeAuthRequired:
+		return fmt.Sprintf("side channel at %s requires authentication: set kv_connector_extra_config.auth_token (or %s) to the token of the engines there", e.addr, EnvAuthToken)
+	case codeAuthUnexpected:
+		return fmt.Sprintf("side channel at %s has no auth_token configured but this engine has one: configure the same kv_connector_extra_config.auth_token (or %s) on every engine, or on none", e.addr, EnvAuthToken)
+	case codeAuthFailed:
+		return fmt.Sprintf("side channel at %s refused this engine's kv_connector_extra_config.auth_token: the tokens differ (%s)", e.addr, e.detail)
+	case codeServerProof:
+		return fmt.Sprintf("side channel at %s failed to prove this engine's kv_connector_extra_config.auth_token: the tokens differ (or it is not the engine it claims)", e.addr)
+	}
+	return fmt.Sprintf("side channel at %s refused authentication: %s", e.addr, e.detail)
+}
+
+// Is matches ErrAuth, and errServerProof for a refusal by this side.
+func (e *authError) Is(target error) bool {
+	return target == ErrAuth || (target == errServerProof && e.code == codeServerProof)
+}
+
+// authenticateClient runs the client's part of the side-channel authentication on c (reading
+// through r). It returns an error matching errServerProof, after sending its own proof, when
+// the server's proof does not match: the caller then reads the server's verdict before
+// reporting, so that both sides have decided.
+func authenticateClient(c net.Conn, r *bufio.Reader, auth *sideAuth) error {
+	clientNonce, err := newNonce()
+	if err != nil {
+		return err
+	}
+	if err := writeFrame(c, []any{[]byte(authHelloTag), clientNonce}); err != nil {
+		return err
+	}
+	body, err := readFrame(r)
+	if err != nil {
+		return err
+	}
+	tag, parts, err := decodeTagged(body)
+	if err != nil || tag != authChallengeTag {
+		if _, _, rerr := decodeResponse(body); rerr != nil {
+			return rerr // a refusal (auth_unexpected) or garbage
+		}
+		return &authError{code: codeAuthUnexpected, detail: "the server answered without authenticating"}
+	}
+	var serverNonce, serverProof []byte
+	if len(parts) != 2 || msgpack.Unmarshal(parts[0], &serverNonce) != nil || msgpack.Unmarshal(parts[1], &serverProof) != nil || len(serverNonce) != sideNonceBytes {
+		return errors.New("malformed authentication challenge")
+	}
+	if err := writeFrame(c, []any{[]byte(authProofTag), auth.proof(sideClient, clientNonce, serverNonce)}); err != nil {
+		return err
+	}
+	if !hmac.Equal(serverProof, auth.proof(sideServer, clientNonce, serverNonce)) {
+		return &authError{code: codeServerProof}
+	}
+	return nil
+}
+
+// clip shortens an untrusted string for messages.
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
+}
+
+// AuthRefusals counts what an engine refused for authentication or authorization.
+type AuthRefusals struct {
+	// SideChannel counts side-channel connections refused: a missing, unexpected or wrong
+	// auth token from a client, or (as a client) a server whose proof did not match.
+	SideChannel int64
+	// Transfer counts transfer connections refused by the challenge-response, either side.
+	Transfer int64
+	// Reads counts TCP READs refused because the blocks were not leased to the request id
+	// the reader named.
+	Reads int64
+}
+
+// Total returns the sum of the counts.
+func (a AuthRefusals) Total() int64 { return a.SideChannel + a.Transfer + a.Reads }
+
+// AuthRefusals returns the engine's authentication and authorization refusals so far.
+func (c *Connector) AuthRefusals() AuthRefusals {
+	st := c.agent.Stats()
+	return AuthRefusals{
+		SideChannel: c.side.refusals.Load() + c.sideRefusals.Load(),
+		Transfer:    st.AuthRefused,
+		Reads:       st.ReadsDenied,
+	}
+}
+
+// authorizeRead is the transfer agent's AuthorizeRead hook: a READ names a request id (the
+// tag), and every range must lie inside the blocks, or the generation-table entries of the
+// blocks, leased to that request now.
+func (c *Connector) authorizeRead(peer string, tag []byte, descs []transfer.Desc) error {
+	if len(tag) == 0 {
+		return errors.New("the READ names no request id (a reader must name the producer request whose blocks it reads)")
+	}
+	id := string(tag)
+	blockLen := int64(c.pool.BlockBytes())
+	numBlocks := int64(c.pool.NumBlocks())
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	l := c.leases.Get(id)
+	if l == nil {
+		return fmt.Errorf("no KV blocks are leased to request %q (it was read already, expired, was aborted, or never existed)", clip(id))
+	}
+	for i, d := range descs {
+		var unit int64
+		switch d.Region {
+		case c.kvRegionID:
+			unit = blockLen
+		case c.genRegionID:
+			unit = 8
+		default:
+			return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
+		}
+		if d.Offset < 0 || d.Length <= 0 {
+			return fmt.Errorf("range %d: invalid range [%d,+%d)", i, d.Offset, d.Length)
+		}
+		first, last := d.Offset/unit, (d.Offset+d.Length-1)/unit
+		if last >= numBlocks {
+			return fmt.Errorf("range %d: block %d out of range", i, last)
+		}
+		for b := first; b <= last; b++ {
+			if !l.Holds(int32(b)) {
+				return fmt.Errorf("range %d: block %d is not leased to request %q", i, b, clip(id))
+			}
+		}
+	}
+	return nil
+}
+
+// transferAuthHint adds the setting to fix to a transfer connection refused for
+// authentication.
+func (c *Connector) transferAuthHint(r *remoteEngine, err error) error {
+	var te *transfer.Error
+	if errors.As(err, &te) && errors.Is(err, transfer.ErrPermission) && (te.Op == "connect" || te.Op == "select backend") {
+		return fmt.Errorf("the transfer connection to engine %s was refused: every engine needs the same kv_connector_extra_config.auth_token (or %s), or none: %w", r.id, EnvAuthToken, err)
+	}
+	return err
+}
+
+// AuthRefusalsCollector returns a Prometheus collector exposing AuthRefusals as the counter
+// kvbridge:kv_auth_refusals_total{kind="side_channel"|"transfer"|"read"}, with constLabels
+// (model_name and engine, as the engine's other series) added.
+func (c *Connector) AuthRefusalsCollector(constLabels prometheus.Labels) prometheus.Collector {
+	return &authRefusalsCollector{c: c, desc: prometheus.NewDesc("kvbridge:kv_auth_refusals_total",
+		"KV side-channel and transfer connections refused for authentication, and TCP reads refused because the blocks were not leased to the request named.",
+		[]string{"kind"}, constLabels)}
+}
+
+// authRefusalsCollector reads a connector's AuthRefusals at scrape time.
+type authRefusalsCollector struct {
+	c    *Connector
+	desc *prometheus.Desc
+}
+
+// Describe implements prometheus.Collector.
+func (x *authRefusalsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- x.desc }
+
+// Collect implements prometheus.Collector.
+func (x *authRefusalsCollector) Collect(ch chan<- prometheus.Metric) {
+	r := x.c.AuthRefusals()
+	ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(r.SideChannel), "side_channel")
+	ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(r.Transfer), "transfer")
+	ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(r.Reads), "read")
+}
