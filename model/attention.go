@@ -19,38 +19,49 @@ import (
 // quantity depends only on p and the stored KV, so the result is the same whatever the batch,
 // the chunking or the block size.
 //
-// The keys of each chunk are packed into a kernel.Linear (outputs = keys) applied to the query
-// rows — the kernel's GEMM. The values go through a Linear of the chunk's transposed values
-// (inputs = keys) applied to the probability rows where one exists (sequences with many tokens
-// in the step, i.e. prefill, and complete chunks held in the packed cache), and are otherwise
-// accumulated with kernel.Axpy straight from the store (the last, partial chunk while
-// decoding). Both give the same bits because the kernel documents a Linear output element as
-// one FMA chain over the input index ascending, and Axpy's step y = fma(x, α, y) is that chain
-// (a zero probability adds an exact zero); TestAttentionPathsAgree checks it.
+// Both products are the kernel's GEMM. The keys of a chunk packed into a kernel.Linear
+// (outputs = keys) applied to the query rows give the scores; the chunk's values packed
+// transposed (inputs = keys) applied to the probability rows give part_c. The kernel documents
+// a Linear output element as one FMA chain over the input index ascending — exactly s_j and
+// part_c[d] — and a zero probability adds an exact zero, so a chunk packed with more keys
+// than a row reaches (up to the last position of the step or of the work item) gives the same
+// bits.
 //
-// Packing a chunk costs about as much as reading it, so complete chunks are kept across steps
-// (packedcache.go) when the store exposes block generations; decoding then packs at most the
-// last chunk per (layer, KV head).
+// Attention reads the KV store afresh in every step, whoever filled it (the model itself or a KV
+// transfer): each step packs every chunk it needs straight from the store's blocks, once per layer.
+// A sequence with several work items per KV head (prefill) has its chunks packed into the step's
+// Linears before the work starts, shared by its items; a sequence with one item per KV head
+// (decode) has each chunk packed into the item's scratch Linears just before use, while it stays in
+// L1. Packing only moves data — kernel.Linear.SetRows transposes the keys with SIMD shuffles,
+// SetColumns copies the values — into reused memory, so it costs about what reading the chunk
+// costs, which the products do anyway: a context that arrived by transfer costs what one the model
+// computed costs, and no packed copy outlives the step to go stale (a cache of packed chunks across
+// steps, which this replaced, no longer saved anything measurable in decode and cost a full re-pack
+// after every transfer). However a chunk is packed, the Linear holds the same numbers;
+// TestAttentionPathsAgree, the transfer tests and TestAttentionMixedBatch force each way and
+// compare bits.
 const (
 	attnChunk = 64
-	// packedMinTokens is the number of a sequence's tokens in a step from which its values
-	// are always packed (the prefill path).
-	packedMinTokens = 16
 	// tileRows is the number of query rows (tokens × heads of a KV group) per work item.
 	tileRows = 64
 )
 
 // seqAttn is one sequence's attention state for one step.
 type seqAttn struct {
-	seq    int      // index in seqs
-	row0   int      // first token row in the workspace
-	n      int      // tokens this step
-	start  int      // position of the first token
-	packed bool     // packed-values path (prefill)
-	gens   []uint64 // generations of the blocks in use, nil if the packed cache is off
-	// k and v are the current layer's packed chunks, [KV head][chunk]; v[g][ch] is nil where
-	// the values are accumulated with Axpy.
-	k, v [][]*kernel.Linear
+	seq   int // index in seqs
+	row0  int // first token row in the workspace
+	n     int // tokens this step
+	start int // position of the first token
+	nch   int // chunks attended over: positions [0, start+n)
+	// packs is the index in workspace.packs of the sequence's first chunk packed for the whole
+	// step (keys and values, KV head-major), or -1 when its work items pack their own.
+	packs int
+}
+
+// chunk returns the step's packed keys and values of chunk ch, KV head g (packs ≥ 0).
+func (sa *seqAttn) chunk(w *workspace, g, ch int) (k, v *kernel.Linear) {
+	i := 2 * (sa.packs + g*sa.nch + ch)
+	return w.packs[i], w.packs[i+1]
 }
 
 // attnItem is one unit of attention work: a tile [t0,t1) of the tokens of a (sequence, KV head).
@@ -61,64 +72,80 @@ type attnItem struct {
 	cost   int
 }
 
-// buildItem is one packing job: (sequence, KV head, key chunk).
-type buildItem struct {
+// packItem is one packing job of a step: chunk ch of KV head g of a sequence.
+type packItem struct {
 	sa    *seqAttn
 	g, ch int
 }
 
 // attnScratch holds one work item's temporary buffers.
 type attnScratch struct {
-	xq, scores, tmp, xp, part, kx []float32
+	xq, scores, acc, part []float32
+	kl, vl                kernel.Linear // chunks packed for this item only
 }
 
-// planAttention prepares the step's per-sequence attention state (once per Forward call).
-func (m *Model) planAttention(w *workspace, kv KVBlocks, blockSize int, seqs []Seq) {
-	w.kv = kv
-	w.epoch, w.cacheOK = m.packed.begin(kv)
+// tileTokens returns the number of a sequence's tokens in one attention work item.
+func (c Config) tileTokens() int {
+	return max(1, tileRows/(c.NumHeads/c.NumKVHeads))
+}
+
+// planAttention prepares the step's per-sequence attention state and packing jobs (once per
+// Forward call).
+func (m *Model) planAttention(w *workspace, seqs []Seq) {
+	nkv := m.cfg.NumKVHeads
 	w.seqAttn = grow(w.seqAttn, 0)
-	row := 0
+	row, packs := 0, 0
 	for i, s := range seqs {
 		n := len(s.Tokens)
 		if n > 0 {
-			sa := seqAttn{seq: i, row0: row, n: n, start: s.Start, packed: n >= m.packedMin}
-			if w.cacheOK {
-				nb := (s.Start + n + blockSize - 1) / blockSize
-				sa.gens = kv.(BlockGenerations).Generations(s.Blocks[:nb])
+			sa := seqAttn{seq: i, row0: row, n: n, start: s.Start, nch: (s.Start+n-1)/attnChunk + 1, packs: -1}
+			if n >= m.prefillMin {
+				sa.packs = packs
+				packs += nkv * sa.nch
 			}
 			w.seqAttn = append(w.seqAttn, sa)
 		}
 		row += n
 	}
-}
-
-// attention computes the attention output of layer l for every token row into w.attn. The KV
-// of the step's tokens must already be in the store.
-func (m *Model) attention(w *workspace, seqs []Seq, blockSize, layer int) {
-	c := m.cfg
-	group := c.NumHeads / c.NumKVHeads
-
-	// Pack (or find in the cache) K and Vᵀ per chunk.
-	w.builds = w.builds[:0]
+	for len(w.packs) < 2*packs {
+		w.packs = append(w.packs, new(kernel.Linear))
+	}
+	w.packItems = w.packItems[:0]
 	for i := range w.seqAttn {
 		sa := &w.seqAttn[i]
-		nch := (sa.start+sa.n-1)/attnChunk + 1
-		sa.k = resizeLinears(sa.k, c.NumKVHeads, nch)
-		sa.v = resizeLinears(sa.v, c.NumKVHeads, nch)
-		for g := range c.NumKVHeads {
-			for ch := range nch {
-				w.builds = append(w.builds, buildItem{sa: sa, g: g, ch: ch})
+		if sa.packs < 0 {
+			continue
+		}
+		for g := range nkv {
+			for ch := range sa.nch {
+				w.packItems = append(w.packItems, packItem{sa: sa, g: g, ch: ch})
 			}
 		}
 	}
-	m.pool.Parallel(len(w.builds), func(i int) { m.packChunk(w, seqs, blockSize, layer, w.builds[i]) })
+}
+
+// attention computes the attention output of the current layer (the one w.views shows) for
+// every token row into w.attn. The KV of the step's tokens must already be in the store.
+func (m *Model) attention(w *workspace, seqs []Seq, blockSize int) {
+	c := m.cfg
+	group := c.NumHeads / c.NumKVHeads
+
+	// The chunks of the sequences whose work items share them, packed once.
+	m.pool.Parallel(len(w.packItems), func(i int) {
+		b := w.packItems[i]
+		k, v := b.sa.chunk(w, b.g, b.ch)
+		lo := b.ch * attnChunk
+		n := min(attnChunk, b.sa.start+b.sa.n-lo)
+		m.packKeys(k, w, seqs, blockSize, b.sa, b.g, lo, n)
+		m.packValues(v, w, seqs, blockSize, b.sa, b.g, lo, n)
+	})
 
 	// Attention work items, the most expensive first.
 	w.items = w.items[:0]
+	tile := c.tileTokens()
 	for i := range w.seqAttn {
 		sa := &w.seqAttn[i]
 		for g := range c.NumKVHeads {
-			tile := max(1, tileRows/group)
 			for t0 := 0; t0 < sa.n; t0 += tile {
 				t1 := min(sa.n, t0+tile)
 				w.items = append(w.items, attnItem{sa: sa, g: g, t0: t0, t1: t1, cost: (t1 - t0) * group * (sa.start + t1)})
@@ -127,15 +154,6 @@ func (m *Model) attention(w *workspace, seqs []Seq, blockSize, layer int) {
 	}
 	slices.SortStableFunc(w.items, func(a, b attnItem) int { return cmp.Compare(b.cost, a.cost) })
 	m.pool.Parallel(len(w.items), func(i int) { m.attend(w, seqs, blockSize, w.items[i]) })
-}
-
-// resizeLinears returns a [heads][chunks] table, reusing s's storage.
-func resizeLinears(s [][]*kernel.Linear, heads, chunks int) [][]*kernel.Linear {
-	s = grow(s, heads)
-	for g := range s {
-		s[g] = grow(s[g], chunks)
-	}
-	return s
 }
 
 // getScratch returns a scratch set from the model's pool.
@@ -147,74 +165,46 @@ func (m *Model) getScratch() *attnScratch {
 	return sc
 }
 
-// keyRow returns the key and value of position j of sequence sa for KV head g.
-func (w *workspace) keyRow(seqs []Seq, blockSize int, sa *seqAttn, g, j, hd int) (k, v []float32) {
-	hv := w.view(seqs, blockSize, sa.seq, g, j/blockSize)
-	o := (j % blockSize) * hv.stride
-	return hv.k[o : o+hd], hv.v[o : o+hd]
+// packKeys packs the keys of positions [lo, lo+n) of sa, KV head g, into l (outputs = keys),
+// straight from the store.
+func (m *Model) packKeys(l *kernel.Linear, w *workspace, seqs []Seq, blockSize int, sa *seqAttn, g, lo, n int) {
+	rows := w.positions(seqs, blockSize, sa, g, lo, m.cfg.HeadDim)
+	l.SetRows(m.serial, n, m.cfg.HeadDim, func(int) []float32 { k, _ := rows.next(); return k })
 }
 
-// packChunk provides the packed keys of one chunk (outputs = keys) and, where they will be used
-// through a Linear, its transposed values (inputs = keys): from the packed cache if the chunk was
-// complete before this step, else packed from the store (and cached if the chunk is complete).
-func (m *Model) packChunk(w *workspace, seqs []Seq, blockSize, layer int, b buildItem) {
-	hd := m.cfg.HeadDim
-	sa := b.sa
-	lo := b.ch * attnChunk
-	ck := min(attnChunk, sa.start+sa.n-lo)
-	key, cacheable := m.chunkKey(w, seqs, blockSize, layer, b, ck)
-	if cacheable && lo+attnChunk <= sa.start {
-		if e, ok := m.packed.get(key, w.epoch); ok {
-			sa.k[b.g][b.ch], sa.v[b.g][b.ch] = e.k, e.v
-			return
-		}
-	}
-	sc := m.getScratch()
-	defer m.scratch.Put(sc)
-	kbuf := grow(sc.xq, ck*hd)
-	sc.xq = kbuf
-	for j := range ck {
-		k, _ := w.keyRow(seqs, blockSize, sa, b.g, lo+j, hd)
-		copy(kbuf[j*hd:(j+1)*hd], k)
-	}
-	kl := kernel.NewLinearOn(m.serial, kbuf, ck, hd)
-	var vl *kernel.Linear
-	if sa.packed || cacheable {
-		vt := grow(sc.tmp, hd*ck)
-		sc.tmp = vt
-		for j := range ck {
-			_, v := w.keyRow(seqs, blockSize, sa, b.g, lo+j, hd)
-			for d, x := range v {
-				vt[d*ck+j] = x
-			}
-		}
-		vl = kernel.NewLinearOn(m.serial, vt, hd, ck)
-	}
-	sa.k[b.g][b.ch], sa.v[b.g][b.ch] = kl, vl
-	if cacheable {
-		m.packed.put(key, &packedEntry{k: kl, v: vl, bytes: linearBytes(ck, hd) + linearBytes(hd, ck)}, w.epoch)
-	}
+// packValues packs the values of positions [lo, lo+n) of sa, KV head g, into l transposed
+// (inputs = keys), straight from the store.
+func (m *Model) packValues(l *kernel.Linear, w *workspace, seqs []Seq, blockSize int, sa *seqAttn, g, lo, n int) {
+	rows := w.positions(seqs, blockSize, sa, g, lo, m.cfg.HeadDim)
+	l.SetColumns(m.serial, m.cfg.HeadDim, n, func(int) []float32 { _, v := rows.next(); return v })
 }
 
-// chunkKey returns the cache key of a complete chunk (all attnChunk positions computed by the
-// end of this step), or false if the chunk cannot be cached.
-func (m *Model) chunkKey(w *workspace, seqs []Seq, blockSize, layer int, b buildItem, ck int) (packedKey, bool) {
-	sa := b.sa
-	if !w.cacheOK || ck != attnChunk {
-		return packedKey{}, false
+// positionIter walks the stored keys and values of consecutive positions of one sequence and
+// KV head, resolving each block's view once.
+type positionIter struct {
+	w               *workspace
+	seqs            []Seq
+	sa              *seqAttn
+	g, hd           int
+	block, slot, bs int
+	view            headView
+}
+
+// positions returns an iterator over the KV of sa, KV head g, from position lo.
+func (w *workspace) positions(seqs []Seq, blockSize int, sa *seqAttn, g, lo, hd int) *positionIter {
+	return &positionIter{w: w, seqs: seqs, sa: sa, g: g, hd: hd, block: lo / blockSize, slot: lo % blockSize, bs: blockSize,
+		view: w.view(seqs, blockSize, sa.seq, g, lo/blockSize)}
+}
+
+// next returns the key and value of the current position and advances to the next one.
+func (it *positionIter) next() (k, v []float32) {
+	if it.slot == it.bs {
+		it.block, it.slot = it.block+1, 0
+		it.view = it.w.view(it.seqs, it.bs, it.sa.seq, it.g, it.block)
 	}
-	lo := b.ch * attnChunk
-	first, last := lo/blockSize, (lo+attnChunk-1)/blockSize
-	if last-first+1 > maxChunkBlocks {
-		return packedKey{}, false
-	}
-	key := packedKey{store: w.kv, layer: int32(layer), head: int32(b.g), off: int32(lo % blockSize), n: int32(last - first + 1)}
-	blocks := seqs[sa.seq].Blocks
-	for i := range last - first + 1 {
-		key.ids[i] = blocks[first+i]
-		key.gens[i] = sa.gens[first+i]
-	}
-	return key, true
+	o := it.slot * it.view.stride
+	it.slot++
+	return it.view.k[o : o+it.hd], it.view.v[o : o+it.hd]
 }
 
 // gatherQueries copies the query vectors of tokens [t0,t1) of sa, heads of KV group g, into
@@ -229,15 +219,6 @@ func (m *Model) gatherQueries(dst []float32, w *workspace, sa *seqAttn, g, t0, t
 		copy(dst[(t-t0)*group*hd:], src)
 	}
 	return dst
-}
-
-// output returns the attention output slot of row r (token t0 + r/group, head g·group + r%group).
-func (m *Model) output(w *workspace, sa *seqAttn, g, t0, r int) []float32 {
-	c := m.cfg
-	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
-	t, head := t0+r/group, g*group+r%group
-	o := (sa.row0+t)*c.NumHeads*hd + head*hd
-	return w.attn[o : o+hd]
 }
 
 // attend computes attention for one tile of query tokens of a (sequence, KV head).
@@ -262,18 +243,30 @@ func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 		return (t - it.t0) * group
 	}
 
-	// Scores, chunk by chunk, for the rows that reach the chunk.
-	for ch := range nch {
-		lin := sa.k[it.g][ch]
-		ck := lin.Out()
-		r0 := firstRow(ch)
-		nr := rows - r0
-		tmp := grow(sc.tmp, nr*ck)
-		sc.tmp = tmp
-		lin.Apply(tmp, xq[r0*hd:], nr)
-		for r := range nr {
-			copy(scores[(r0+r)*stride+ch*attnChunk:], tmp[r*ck:(r+1)*ck])
+	// packed returns the keys (or values) of chunk ch: packed for the step, or packed now into
+	// the scratch Linears up to the tile's last position.
+	packed := func(ch int, values bool) *kernel.Linear {
+		if sa.packs >= 0 {
+			k, v := sa.chunk(w, it.g, ch)
+			if values {
+				return v
+			}
+			return k
 		}
+		lo, n := ch*attnChunk, min(attnChunk, maxPos+1-ch*attnChunk)
+		if values {
+			m.packValues(&sc.vl, w, seqs, blockSize, sa, it.g, lo, n)
+			return &sc.vl
+		}
+		m.packKeys(&sc.kl, w, seqs, blockSize, sa, it.g, lo, n)
+		return &sc.kl
+	}
+
+	// Scores, chunk by chunk, for the rows that reach the chunk, straight into the score rows.
+	for ch := range nch {
+		lin := packed(ch, false)
+		r0 := firstRow(ch)
+		lin.ApplyStrided(scores[r0*stride+ch*attnChunk:], stride, xq[r0*hd:], hd, rows-r0)
 	}
 	// Softmax over 0..p; zero the rest of p's chunk so the value chain adds exact zeros there.
 	for r := range rows {
@@ -282,56 +275,26 @@ func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 		kernel.Softmax(s[:p+1])
 		clear(s[p+1 : min(stride, (p/attnChunk+1)*attnChunk)])
 	}
-	// Values, chunk by chunk: through the packed Vᵀ where there is one, else with Axpy.
+	// Values, chunk by chunk: each chunk's partial sums (one FMA chain over its keys) from the
+	// probability rows, added to the rows' accumulators in chunk order.
+	acc := grow(sc.acc, rows*hd)
+	sc.acc = acc
+	part := grow(sc.part, rows*hd)
+	sc.part = part
 	for ch := range nch {
+		lin := packed(ch, true)
 		r0 := firstRow(ch)
-		nr := rows - r0
-		lin := sa.v[it.g][ch]
-		if lin == nil {
-			m.valuesStreaming(w, seqs, blockSize, it, scores, stride, ch, r0, sc)
+		if ch == 0 { // every row reaches chunk 0
+			lin.ApplyStrided(acc, hd, scores, stride, rows)
 			continue
 		}
-		ck := lin.In()
-		xp := grow(sc.xp, nr*ck)
-		sc.xp = xp
-		for r := range nr {
-			copy(xp[r*ck:(r+1)*ck], scores[(r0+r)*stride+ch*attnChunk:])
-		}
-		part := grow(sc.part, nr*hd)
-		sc.part = part
-		lin.Apply(part, xp, nr)
-		for r := range nr {
-			accumulate(m.output(w, sa, it.g, it.t0, r0+r), part[r*hd:(r+1)*hd], ch)
-		}
+		nr := rows - r0
+		lin.ApplyStrided(part, hd, scores[r0*stride+ch*attnChunk:], stride, nr)
+		kernel.Add(acc[r0*hd:rows*hd], acc[r0*hd:rows*hd], part[:nr*hd])
 	}
-}
-
-// accumulate adds chunk ch's partial value sum into out (chunk 0 initialises it).
-func accumulate(out, part []float32, ch int) {
-	if ch == 0 {
-		copy(out, part)
-	} else {
-		kernel.Add(out, out, part)
-	}
-}
-
-// valuesStreaming accumulates chunk ch's values for rows r0.. with kernel.Axpy straight from the
-// stored rows: the same FMA chain as the packed values Linear.
-func (m *Model) valuesStreaming(w *workspace, seqs []Seq, blockSize int, it attnItem, scores []float32, stride, ch, r0 int, sc *attnScratch) {
-	c := m.cfg
-	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
-	sa := it.sa
-	rows := (it.t1 - it.t0) * group
-	part := grow(sc.kx, hd)
-	sc.kx = part
-	for r := r0; r < rows; r++ {
-		p := sa.start + it.t0 + r/group
-		s := scores[r*stride:]
-		clear(part)
-		for j := ch * attnChunk; j < min((ch+1)*attnChunk, p+1); j++ {
-			_, v := w.keyRow(seqs, blockSize, sa, it.g, j, hd)
-			kernel.Axpy(s[j], v, part)
-		}
-		accumulate(m.output(w, sa, it.g, it.t0, r), part, ch)
+	for r := range rows {
+		t, head := it.t0+r/group, it.g*group+r%group
+		o := (sa.row0+t)*c.NumHeads*hd + head*hd
+		copy(w.attn[o:o+hd], acc[r*hd:(r+1)*hd])
 	}
 }

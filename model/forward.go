@@ -36,20 +36,18 @@ type workspace struct {
 	logitRows                      []int // token rows whose logits are wanted
 	seqAttn                        []seqAttn
 	items                          []attnItem
-	builds                         []buildItem
-	kv                             KVBlocks // the step's store
-	epoch                          uint64   // the step's packed-cache epoch
-	cacheOK                        bool     // the packed cache is used for this store
+	packItems                      []packItem
+	// packs holds the chunks packed once per step (keys, values) of the sequences whose
+	// attention work items share them; the Linears and their memory are reused across layers
+	// and steps.
+	packs []*kernel.Linear
 }
 
-// release drops the workspace's references to the step's store and packed chunks, so the
-// pooled workspace keeps neither alive.
+// release drops the workspace's references to the step's sequences, so the pooled workspace
+// does not keep them alive.
 func (w *workspace) release() {
-	w.kv = nil
-	for i := range w.seqAttn {
-		w.seqAttn[i].k, w.seqAttn[i].v, w.seqAttn[i].gens = nil, nil, nil
-	}
-	w.builds, w.items = w.builds[:0], w.items[:0]
+	clear(w.views)
+	w.items, w.packItems = w.items[:0], w.packItems[:0]
 }
 
 // headView is one (layer, block, KV head) view of the KV store.
@@ -155,7 +153,7 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	}
 	w.views = grow(w.views, nviews)
 
-	m.planAttention(w, kv, blockSize, seqs)
+	m.planAttention(w, seqs)
 	defer w.release()
 
 	eps := float32(c.RMSNormEps)
@@ -170,7 +168,7 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		kernel.RMSNorm(w.h[:total*h], w.x[:total*h], ly.inNorm, eps)
 		ly.qkv.Apply(w.qkv, w.h, total)
 		m.pool.Parallel(total, func(r int) { m.prepareToken(w, ly, seqs, blockSize, r) })
-		m.attention(w, seqs, blockSize, l)
+		m.attention(w, seqs, blockSize)
 		ly.o.Apply(w.proj, w.attn, total)
 		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
 

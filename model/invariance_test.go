@@ -1,10 +1,12 @@
 package model
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"math"
 	"slices"
+	"sync"
 	"testing"
 )
 
@@ -57,6 +59,46 @@ func prefillChunked(t *testing.T, m *Model, kv KVBlocks, blockSize int, blocks [
 		}
 	}
 	return logits
+}
+
+// decodeRun prefills prompt in chunks of chunk tokens, then decodes n tokens greedily, one per
+// step, and returns the logits of every decode step.
+func decodeRun(t *testing.T, m *Model, kv KVBlocks, blockSize int, blocks []int32, prompt []int32, chunk, n int) [][]float32 {
+	t.Helper()
+	out, err := decode(t.Context(), m, kv, blockSize, blocks, prompt, chunk, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// decode is decodeRun returning its error (for goroutines other than the test's).
+func decode(ctx context.Context, m *Model, kv KVBlocks, blockSize int, blocks []int32, prompt []int32, chunk, n int) ([][]float32, error) {
+	var out [][]float32
+	var logits []float32
+	for start := 0; start < len(prompt); start += chunk {
+		end := min(len(prompt), start+chunk)
+		s := Seq{Tokens: prompt[start:end], Start: start, Blocks: blocks}
+		if end == len(prompt) {
+			logits = make([]float32, m.cfg.VocabSize)
+			s.Logits = logits
+		}
+		if err := m.Forward(ctx, kv, blockSize, []Seq{s}); err != nil {
+			return nil, err
+		}
+	}
+	out = append(out, logits)
+	pos := len(prompt)
+	for range n {
+		next := Argmax(logits)
+		logits = make([]float32, m.cfg.VocabSize)
+		if err := m.Forward(ctx, kv, blockSize, []Seq{{Tokens: []int32{next}, Start: pos, Blocks: blocks, Logits: logits}}); err != nil {
+			return nil, err
+		}
+		out = append(out, logits)
+		pos++
+	}
+	return out, nil
 }
 
 // kvOf returns all K and V values of positions [0,n) of a sequence, layer by layer.
@@ -175,6 +217,35 @@ func TestForwardDecodeMatchesPrefill(t *testing.T) {
 		kv := newTestKV(c, 8, 3, false)
 		got := prefillChunked(t, m, kv, 8, blockRange(0, 3), tokens[:n], n)
 		requireSameBits(t, fmt.Sprintf("prefix %d", n), all[n-1], got)
+	}
+}
+
+func TestForwardConcurrent(t *testing.T) {
+	// Concurrent steps on one model (shared workers and scratch) give the results of
+	// sequential ones.
+	m := openTiny(t)
+	c := m.cfg
+	const streams = 4
+	want := make([][][]float32, streams)
+	for i := range streams {
+		want[i] = decodeRun(t, m, newTestKV(c, 16, 8, false), 16, blockRange(0, 8), randomTokens(90+i, c.VocabSize, uint64(70+i)), 30, 10)
+	}
+	got := make([][][]float32, streams)
+	errs := make([]error, streams)
+	var wg sync.WaitGroup
+	for i := range streams {
+		wg.Go(func() {
+			got[i], errs[i] = decode(t.Context(), m, newTestKV(c, 16, 8, false), 16, blockRange(0, 8), randomTokens(90+i, c.VocabSize, uint64(70+i)), 30, 10)
+		})
+	}
+	wg.Wait()
+	for i := range streams {
+		if errs[i] != nil {
+			t.Fatal(errs[i])
+		}
+		for j := range want[i] {
+			requireSameBits(t, fmt.Sprintf("stream %d step %d", i, j), want[i][j], got[i][j])
+		}
 	}
 }
 

@@ -43,23 +43,3 @@ func blockRange(first, n int) []int32 {
 	}
 	return b
 }
-
-// genKV is a testKV whose blocks carry generations (BlockGenerations), like kvcache.Pool; it
-// enables the packed-chunk cache.
-type genKV struct {
-	*testKV
-	gens []uint64
-}
-
-func newGenKV(c Config, blockSize, numBlocks int) *genKV {
-	return &genKV{testKV: newTestKV(c, blockSize, numBlocks, false), gens: make([]uint64, numBlocks)}
-}
-
-// Generations implements BlockGenerations.
-func (s *genKV) Generations(ids []int32) []uint64 {
-	out := make([]uint64, len(ids))
-	for i, id := range ids {
-		out[i] = s.gens[id]
-	}
-	return out
-}

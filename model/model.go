@@ -38,10 +38,6 @@ type GenerationConfig struct {
 type OpenOptions struct {
 	// ChatTemplate, if non-empty, is a Jinja chat template source that replaces the model's own.
 	ChatTemplate string
-	// PackedKVCacheBytes bounds the memory of packed attention keys and values kept across steps
-	// for KV stores that implement BlockGenerations (0: DefaultPackedKVCacheBytes; negative:
-	// off). It roughly equals the KV bytes of the cached context.
-	PackedKVCacheBytes int64
 	// HubCache, if non-empty, is the only Hugging Face hub cache directory searched for repo ids
 	// (instead of $HF_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub and
 	// ~/.cache/huggingface/hub).
@@ -64,11 +60,10 @@ type Model struct {
 	// serial is a one-worker pool: attention's per-step Linears run inline on the calling worker.
 	serial *kernel.Pool
 	qScale float32 // 1/sqrt(HeadDim)
-	// packed caches packed attention chunks across steps (nil when disabled).
-	packed *packedCache
-	// packedMin is the number of a sequence's tokens in a step from which attention uses the
-	// packed-values path (packedMinTokens; tests change it).
-	packedMin int
+	// prefillMin is the number of a sequence's tokens in a step from which attention packs each
+	// of its chunks once for the step, shared by its work items (from the second item per KV
+	// head on: tileTokens+1; tests change it).
+	prefillMin int
 	// weightBytes is the float32 bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
 
@@ -118,9 +113,6 @@ func Open(ctx context.Context, nameOrPath string, opts OpenOptions) (*Model, err
 	}
 	if err != nil {
 		return nil, err
-	}
-	if b := opts.PackedKVCacheBytes; b != 0 {
-		m.packed = newPackedCache(b)
 	}
 	if opts.ChatTemplate != "" {
 		t, err := tokenizer.ParseChatTemplate(opts.ChatTemplate, m.tok.BOSToken(), m.tok.EOSToken())
@@ -203,7 +195,6 @@ func (m *Model) Close() error {
 	if m.closed.Swap(true) {
 		return nil
 	}
-	m.packed.clear()
 	return errors.Join(m.pool.Close(), m.serial.Close())
 }
 

@@ -110,19 +110,18 @@ func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmp
 	h, hd := cfg.HiddenSize, cfg.HeadDim
 	qd, kd := cfg.NumHeads*hd, cfg.NumKVHeads*hd
 	m := &Model{
-		name:      name,
-		cfg:       cfg,
-		tok:       tok,
-		tmpl:      tmpl,
-		gen:       gen,
-		embed:     w.embed,
-		norm:      w.norm,
-		rope:      newRope(cfg),
-		pool:      kernel.NewPool(0),
-		serial:    kernel.NewPool(1),
-		qScale:    float32(1 / math.Sqrt(float64(hd))),
-		packedMin: packedMinTokens,
-		packed:    newPackedCache(DefaultPackedKVCacheBytes),
+		name:       name,
+		cfg:        cfg,
+		tok:        tok,
+		tmpl:       tmpl,
+		gen:        gen,
+		embed:      w.embed,
+		norm:       w.norm,
+		rope:       newRope(cfg),
+		pool:       kernel.NewPool(0),
+		serial:     kernel.NewPool(1),
+		qScale:     float32(1 / math.Sqrt(float64(hd))),
+		prefillMin: cfg.tileTokens() + 1,
 	}
 	var floats int64
 	for i := range w.layers {

@@ -117,3 +117,29 @@ func BenchmarkParallel(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkRepack is packing one attention chunk (64 keys × 64 dims) from rows held in a paged
+// store: the keys transposed (SetRows) and the values copied (SetColumns).
+func BenchmarkRepack(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 1))
+	store := randSlice(r, 64*64)
+	row := func(n int) []float32 { return store[n*64 : (n+1)*64] }
+	var l Linear
+	b.Run("rows", func(b *testing.B) {
+		for b.Loop() {
+			l.SetRows(nil, 64, 64, row)
+		}
+	})
+	b.Run("columns", func(b *testing.B) {
+		for b.Loop() {
+			l.SetColumns(nil, 64, 64, row)
+		}
+	})
+	b.Run("NewLinear", func(b *testing.B) {
+		pool := NewPool(1)
+		defer pool.Close()
+		for b.Loop() {
+			NewLinearOn(pool, store, 64, 64)
+		}
+	})
+}

@@ -1,8 +1,10 @@
 // Package kernel holds kvbridge's float32 compute kernels: the batch-invariant matrix product
-// behind every linear layer ([Linear]), the vector helpers attention and the MLP need ([Dot],
-// [Axpy], [Scale], [Add], [Softmax], [RMSNorm], [SiLUMul]), a small worker pool ([Pool],
-// [Parallel]) and the machine ceilings the benchmarks quote ([PeakGFLOPS], [MemcpyGBps],
-// [ReadGBps]).
+// behind every linear layer and attention's two products ([Linear]; [Linear.ApplyStrided] for
+// rows at a stride, [Linear.SetRows] and [Linear.SetColumns] to re-pack a scratch Linear in place
+// from rows or columns held elsewhere, such as the keys and values of a paged KV store), the
+// vector helpers attention and the MLP need ([Dot], [Axpy], [Scale], [Add], [Softmax],
+// [RMSNorm], [SiLUMul]), a small worker pool ([Pool], [Parallel]) and the machine ceilings the
+// benchmarks quote ([PeakGFLOPS], [MemcpyGBps], [ReadGBps]).
 //
 // # Batch invariance
 //
@@ -18,7 +20,10 @@
 // tiles (fewer rows than the tile height, fewer columns than the panel width) run the same
 // per-element chain as full ones. So a row's outputs are bit-identical whatever the number of
 // rows, the other rows' contents, the row's position, or the goroutine partitioning; the
-// single-row (decode) path is the same kernel with one row.
+// single-row (decode) path is the same kernel with one row. [Linear.ApplyStrided] runs the same
+// chains on rows read and written at a stride, and a Linear re-packed by [Linear.SetRows] or
+// [Linear.SetColumns] holds exactly the panels [NewLinear] builds (packing only moves data), so
+// neither changes a bit.
 //
 // Vector helpers follow the same rule: element-wise functions compute each element the same
 // way wherever it sits in the slice (vector tails use the same instructions through masks or a

@@ -18,6 +18,13 @@ type impl struct {
 	expShift func(x []float32, shift float32) float32 // x[i] = exp(x[i]-shift); returns Σ x[i] in a fixed order
 	max      func(x []float32) float32
 
+	// transpose copies square blocks of tgroup rows × tgroup columns transposed: for each of
+	// blocks column blocks b, columns [b·tgroup, (b+1)·tgroup) of source rows rows[0..tgroup)
+	// become rows [b·tgroup, (b+1)·tgroup) of dst, ldd floats apart. nil (tgroup 0): the
+	// packing functions move elements one by one.
+	transpose func(dst *float32, ldd int, rows *[16]*float32, blocks int)
+	tgroup    int
+
 	fmaLoop func(n int) float64       // n iterations of independent FMAs; returns FLOPs per iteration
 	readSum func(x []float32) float32 // reads all of x
 }

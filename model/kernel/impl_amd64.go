@@ -8,35 +8,39 @@ import "golang.org/x/sys/cpu"
 
 // avx512Impl uses zmm registers: 6×64 Linear tiles (24 accumulators), masked vector tails.
 var avx512Impl = &impl{
-	name:     "avx512",
-	mr:       6,
-	tile:     tileAVX512,
-	dot:      dotAVX512,
-	axpy:     axpyAVX512,
-	scale:    scaleAVX512,
-	add:      addAVX512,
-	siluMul:  siluMulAVX512,
-	expShift: expShiftAVX512,
-	max:      maxAVX512,
-	fmaLoop:  fmaLoopAVX512,
-	readSum:  readSumAVX512,
+	name:      "avx512",
+	mr:        6,
+	tile:      tileAVX512,
+	dot:       dotAVX512,
+	axpy:      axpyAVX512,
+	scale:     scaleAVX512,
+	add:       addAVX512,
+	siluMul:   siluMulAVX512,
+	expShift:  expShiftAVX512,
+	max:       maxAVX512,
+	fmaLoop:   fmaLoopAVX512,
+	transpose: transpose512,
+	tgroup:    16,
+	readSum:   readSumAVX512,
 }
 
 // avx2Impl uses ymm registers: 6×16 Linear tiles (12 accumulators), four per panel. Scale, Add
 // and the maximum use the portable Go loops.
 var avx2Impl = &impl{
-	name:     "avx2",
-	mr:       6,
-	tile:     tileAVX2,
-	dot:      dotAVX2,
-	axpy:     axpyAVX2,
-	scale:    scaleGeneric,
-	add:      addGeneric,
-	siluMul:  siluMulAVX2,
-	expShift: expShiftAVX2,
-	max:      maxGeneric,
-	fmaLoop:  fmaLoopAVX2,
-	readSum:  readSumAVX,
+	name:      "avx2",
+	mr:        6,
+	tile:      tileAVX2,
+	dot:       dotAVX2,
+	axpy:      axpyAVX2,
+	scale:     scaleGeneric,
+	add:       addGeneric,
+	siluMul:   siluMulAVX2,
+	expShift:  expShiftAVX2,
+	max:       maxGeneric,
+	fmaLoop:   fmaLoopAVX2,
+	transpose: transpose256,
+	tgroup:    8,
+	readSum:   readSumAVX,
 }
 
 func hasAVX512() bool { return cpu.X86.HasAVX512F && cpu.X86.HasAVX2 && cpu.X86.HasFMA }

@@ -7,7 +7,9 @@ import "fmt"
 const panelWidth = 64
 
 // Linear holds a weight matrix W (out × in, row-major as in Hugging Face checkpoints), packed
-// once for the kernels. It is immutable after construction and safe for concurrent Apply calls.
+// once for the kernels. It is safe for concurrent Apply calls; it only changes when re-packed
+// in place by [Linear.SetRows] or [Linear.SetColumns] (scratch matrices), which must not
+// overlap any other use.
 type Linear struct {
 	out, in int
 	panels  int       // ceil(out / panelWidth)
@@ -83,23 +85,34 @@ func (l *Linear) In() int { return l.in }
 // the package documentation). The work is spread over goroutines. dst must not overlap x. It
 // panics if dst or x is too short.
 func (l *Linear) Apply(dst, x []float32, rows int) {
+	l.ApplyStrided(dst, l.out, x, l.in, rows)
+}
+
+// ApplyStrided is [Linear.Apply] for rows that are not packed back to back: input row m is
+// x[m*lda : m*lda+in] and output row m is dst[m*ldc : m*ldc+out] (lda ≥ in, ldc ≥ out); the
+// elements between rows are neither read nor written. Every output element is computed exactly
+// as by Apply, so the results are bit-identical to Apply on the same rows packed densely. It
+// panics if a stride is too small or dst or x too short.
+func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows int) {
 	if rows <= 0 {
 		return
 	}
-	if len(x) < rows*l.in || len(dst) < rows*l.out {
-		panic(fmt.Sprintf("kernel.Linear.Apply: rows=%d needs len(x) ≥ %d (have %d), len(dst) ≥ %d (have %d)",
-			rows, rows*l.in, len(x), rows*l.out, len(dst)))
+	if lda < l.in || ldc < l.out || len(x) < (rows-1)*lda+l.in || len(dst) < (rows-1)*ldc+l.out {
+		panic(fmt.Sprintf("kernel.Linear.Apply: rows=%d, out=%d, in=%d needs lda ≥ in, ldc ≥ out, len(x) ≥ %d (have lda %d, %d), len(dst) ≥ %d (have ldc %d, %d)",
+			rows, l.out, l.in, (rows-1)*lda+l.in, lda, len(x), (rows-1)*ldc+l.out, ldc, len(dst)))
 	}
 	if l.in == 0 {
-		clear(dst[:rows*l.out])
+		for m := range rows {
+			clear(dst[m*ldc : m*ldc+l.out])
+		}
 		return
 	}
 	s := l.schedule(rows)
 	if s.tasks() == 1 {
-		l.task(dst, x, rows, s, 0)
+		l.task(dst, ldc, x, lda, rows, s, 0)
 		return
 	}
-	l.pool.Parallel(s.tasks(), func(t int) { l.task(dst, x, rows, s, t) })
+	l.pool.Parallel(s.tasks(), func(t int) { l.task(dst, ldc, x, lda, rows, s, t) })
 }
 
 // schedule splits the rows × panels product into tasks of tileGroup row tiles × panelGroup
@@ -149,7 +162,7 @@ func (s schedule) count() int {
 
 // task computes one block of tiles × panels: panel-major, so a panel stays in cache while the
 // block's row tiles stream past it.
-func (l *Linear) task(dst, x []float32, rows int, s schedule, t int) {
+func (l *Linear) task(dst []float32, ldc int, x []float32, lda int, rows int, s schedule, t int) {
 	tg, pg := t/s.panelGroups, t%s.panelGroups
 	t0, t1 := tg*s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup)
 	p0, p1 := pg*s.panelGroup, min(s.panels, (pg+1)*s.panelGroup)
@@ -161,7 +174,7 @@ func (l *Linear) task(dst, x []float32, rows int, s schedule, t int) {
 		for tile := t0; tile < t1; tile++ {
 			m0 := tile * s.mr
 			mr := min(s.mr, rows-m0)
-			l.impl.tile(dst[m0*out+col:], out, x[m0*in:], in, w, in, mr, ncols)
+			l.impl.tile(dst[m0*ldc+col:], ldc, x[m0*lda:], lda, w, in, mr, ncols)
 		}
 	}
 }

@@ -242,3 +242,41 @@ func TestNewLinearFromMatchesNewLinear(t *testing.T) {
 		}
 	}
 }
+
+// TestApplyStridedMatchesApply: rows read and written at strides give the bits of Apply on the
+// same rows packed densely, and the gaps between rows are left alone.
+func TestApplyStridedMatchesApply(t *testing.T) {
+	r := rand.New(rand.NewPCG(25, 26))
+	pool := NewPool(2)
+	defer pool.Close()
+	for _, im := range candidateImpls() {
+		for _, sh := range testShapes {
+			out, in := sh[0], sh[1]
+			for _, rows := range []int{1, 6, 13} {
+				l := newLinear(im, pool, out, in, randSlice(r, out*in), nil)
+				lda, ldc := in+3, out+5
+				x := randSlice(r, (rows-1)*lda+in)
+				dense := make([]float32, rows*in)
+				for m := range rows {
+					copy(dense[m*in:], x[m*lda:m*lda+in])
+				}
+				want := make([]float32, rows*out)
+				l.Apply(want, dense, rows)
+				dst := randSlice(r, (rows-1)*ldc+out)
+				orig := append([]float32(nil), dst...)
+				l.ApplyStrided(dst, ldc, x, lda, rows)
+				for m := range rows {
+					for n := range ldc {
+						i := m*ldc + n
+						switch {
+						case n < out && math.Float32bits(dst[i]) != math.Float32bits(want[m*out+n]):
+							t.Fatalf("%s %dx%dx%d: row %d col %d: %v, Apply %v", im.name, rows, out, in, m, n, dst[i], want[m*out+n])
+						case n >= out && i < len(dst) && math.Float32bits(dst[i]) != math.Float32bits(orig[i]):
+							t.Fatalf("%s %dx%dx%d: gap element %d written", im.name, rows, out, in, i)
+						}
+					}
+				}
+			}
+		}
+	}
+}

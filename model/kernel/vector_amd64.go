@@ -22,6 +22,8 @@ func dot256(a, b *float32, n int) float32
 func axpy256(alpha float32, x, y *float32, n int)
 func siluMul256(dst, gate, up *float32, n int)
 func expShift256(x *float32, n int, shift float32) float32
+func transpose512(dst *float32, ldd int, rows *[16]*float32, blocks int)
+func transpose256(dst *float32, ldd int, rows *[16]*float32, blocks int)
 
 func dotAVX512(a, b []float32) float32 {
 	if len(a) == 0 {
