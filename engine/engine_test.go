@@ -525,13 +525,15 @@ func TestEngineClientCancelFreesBlocks(t *testing.T) {
 	e, pool := newTestEngine(t, m, 32, Config{BlockSize: 4, PrefixCaching: true, Observer: pause})
 	p := testPrompts(m, 30, 11)
 	// One client reads its first output then goes away; another never reads and goes away.
-	ctx2, cancel2 := context.WithCancel(t.Context())
-	s2, err := e.Add(ctx2, &Request{ID: "b", Prompt: p[1], MaxTokens: 90, IgnoreEOS: true})
+	// "a" is added first: the loop pauses at its first token, before "b" (added after it) can
+	// have finished, however the goroutines are scheduled.
+	ctx, cancel := context.WithCancel(t.Context())
+	s, err := e.Add(ctx, &Request{ID: "a", Prompt: p[0], MaxTokens: 90, IgnoreEOS: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
-	s, err := e.Add(ctx, &Request{ID: "a", Prompt: p[0], MaxTokens: 90, IgnoreEOS: true})
+	ctx2, cancel2 := context.WithCancel(t.Context())
+	s2, err := e.Add(ctx2, &Request{ID: "b", Prompt: p[1], MaxTokens: 90, IgnoreEOS: true})
 	if err != nil {
 		t.Fatal(err)
 	}
