@@ -368,11 +368,10 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 }
 
 // recomputer times D's recompute of a prompt's last token: one forward step of one token at
-// position len−1 over a KV pool of its own (whatever the KV holds, the work is the same). The
-// model keeps packed copies of fully computed KV chunks across steps, keyed by block generation;
-// D's first step after a transfer finds none (its blocks are freshly allocated) and packs the
-// whole context, so the cold step — blocks re-allocated before it — is what D pays, and the
-// warm step (the same step again) what a decode step costs once packed.
+// position len−1 over a KV pool of its own (whatever the KV holds, the work is the same). It
+// times a cold step (blocks freshly allocated, as after a transfer) and a warm one (the same step
+// again); the model packs the context's KV for attention on every step, so the two should match
+// and their difference, reported as "(packing)", should be noise.
 type recomputer struct {
 	m      *model.Model
 	bs     int
