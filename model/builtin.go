@@ -108,9 +108,10 @@ func newBuiltin(name string, s builtinSpec) (*Model, error) {
 // builtinGeneration returns the built-in models' generation config: EOS <|im_end|> and
 // <|endoftext|>; every other token whose text is not printable UTF-8 (the tokenizer's
 // UnprintableIDs, which include the special tokens) and <|im_start|> suppressed, so generated
-// text is always valid, printable UTF-8.
+// text is always valid, printable UTF-8. Their weights are random, so EOS is rare: max_new_tokens
+// 256 keeps a request without max_tokens from running to the context length.
 func builtinGeneration(tok *tokenizer.Tokenizer) (GenerationConfig, error) {
-	gen := GenerationConfig{Temperature: 1, TopP: 1}
+	gen := GenerationConfig{Temperature: 1, TopP: 1, MaxNewTokens: 256}
 	for _, s := range []string{"<|im_end|>", "<|endoftext|>"} {
 		id, ok := tok.TokenID(s)
 		if !ok {

@@ -87,6 +87,7 @@ type hfGeneration struct {
 	Temperature *float64        `json:"temperature"`
 	TopP        *float64        `json:"top_p"`
 	TopK        *int            `json:"top_k"`
+	MaxNew      *int            `json:"max_new_tokens"`
 }
 
 // loadGeneration reads generation_config.json (optional). EOS ids come from it, else from
@@ -114,6 +115,9 @@ func loadGeneration(dir string, cfg Config, tok *tokenizer.Tokenizer) (Generatio
 		}
 		if h.TopK != nil {
 			gen.TopK = *h.TopK
+		}
+		if h.MaxNew != nil && *h.MaxNew > 0 {
+			gen.MaxNewTokens = *h.MaxNew
 		}
 	case !errors.Is(err, fs.ErrNotExist):
 		return gen, fmt.Errorf("model: %s: %w", dir, err)

@@ -28,6 +28,9 @@ type GenerationConfig struct {
 	SuppressTokens []int32
 	// Temperature is the default sampling temperature (1 when the model does not say).
 	Temperature float64
+	// MaxNewTokens is the default max_tokens of a request that sets none (generation_config's
+	// max_new_tokens, which vLLM applies the same way); 0 means up to the context length.
+	MaxNewTokens int
 	// TopP is the default nucleus mass (1 = off when the model does not say).
 	TopP float64
 	// TopK is the default top-k (0 = off when the model does not say).

@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+
+	"github.com/kvbridge/kvbridge/engine"
 )
 
 // TestConcurrencyLimit: with MaxConcurrentRequests busy, one more request gets 429 in OpenAI's
@@ -56,4 +58,16 @@ func TestConcurrencyLimit(t *testing.T) {
 		t.Error("the 429 was not counted in kvbridge:requests_rejected_total")
 	}
 	cancel()
+}
+
+// TestDefaultMaxTokensFromGenerationConfig: without max_tokens, a request generates at most the
+// model's max_new_tokens (256 for the built-in models), not up to the context length.
+func TestDefaultMaxTokensFromGenerationConfig(t *testing.T) {
+	const maxLen = 1000 // within the test pool, above the built-in max_new_tokens
+	e := newEnv(t, func(c *Config) { c.MaxModelLen = maxLen }, envEngineOption(func(c *engine.Config) { c.MaxModelLen = maxLen }))
+	_, body := e.post(t, "/v1/completions", map[string]any{"prompt": "hi", "ignore_eos": true}, nil)
+	u := decode(t, body)["usage"].(map[string]any)
+	if got, want := int(u["completion_tokens"].(float64)), e.model.Generation().MaxNewTokens; got != want {
+		t.Errorf("completion_tokens = %d, want the model's max_new_tokens %d", got, want)
+	}
 }

@@ -144,7 +144,8 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 }
 
 // fitPrompt checks the prompt length against max_model_len and settles max_tokens (default:
-// max_model_len − prompt length), as vLLM's _validate_input does. promptParam names the field
+// max_model_len − prompt length, capped by the model's max_new_tokens), as vLLM's
+// _validate_input and generation-config defaults do. promptParam names the field
 // holding the prompt ("prompt" or "messages").
 func (s *Server) fitPrompt(p *genParams, promptLen int, promptParam string) *APIError {
 	maxLen := s.cfg.MaxModelLen
@@ -156,6 +157,9 @@ func (s *Server) fitPrompt(p *genParams, promptLen int, promptParam string) *API
 	}
 	if p.maxTokens == 0 {
 		p.maxTokens = maxLen - promptLen
+		if n := s.model.Generation().MaxNewTokens; n > 0 {
+			p.maxTokens = min(p.maxTokens, n)
+		}
 	} else if promptLen+p.maxTokens > maxLen {
 		return badRequest("max_tokens", "'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum context length is %d tokens and your request has %d input tokens (%d > %d - %d).",
 			p.maxTokens, maxLen, promptLen, p.maxTokens, maxLen, promptLen)
