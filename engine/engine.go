@@ -346,6 +346,13 @@ func (e *Engine) loop() {
 		for _, c := range cmds {
 			e.apply(now, c)
 		}
+		// A cancelled request stops before the next step even if its context watcher has not
+		// posted the abort yet: once the client's cancel returns, no further token is computed.
+		for id, l := range e.live {
+			if l.ctx.Err() != nil {
+				e.apply(now, command{kind: cmdAbort, id: id})
+			}
+		}
 		if closed {
 			e.shutdown(now)
 			return
