@@ -28,22 +28,29 @@ import (
 // bits.
 //
 // Attention reads the KV store afresh in every step, whoever filled it (the model itself or a KV
-// transfer): each step packs every chunk it needs straight from the store's blocks, once per layer.
-// A sequence with several work items per KV head (prefill) has its chunks packed into the step's
-// Linears before the work starts, shared by its items; a sequence with one item per KV head
-// (decode) has each chunk packed into the item's scratch Linears just before use, while it stays in
-// L1. Packing only moves data — kernel.Linear.SetRows transposes the keys with SIMD shuffles,
-// SetColumns copies the values — into reused memory, so it costs about what reading the chunk
-// costs, which the products do anyway: a context that arrived by transfer costs what one the model
-// computed costs, and no packed copy outlives the step to go stale (a cache of packed chunks across
-// steps, which this replaced, no longer saved anything measurable in decode and cost a full re-pack
-// after every transfer). However a chunk is packed, the Linear holds the same numbers;
-// TestAttentionPathsAgree, the transfer tests and TestAttentionMixedBatch force each way and
-// compare bits.
+// transfer), and keeps nothing of it across steps. A sequence with several work items per KV head
+// (prefill) has its chunks packed into the step's Linears before the work starts, shared by its
+// items. A sequence with one item per KV head (decode) has each chunk packed into the item's
+// scratch Linears just before use, while it stays in L1 — or, where the kernel has
+// kernel.RowDots and kernel.AccumulateRows for HeadDim (AVX-512, portable Go; Model.inPlace), not
+// packed at all: the item computes its scores and value sums straight from the blocks' key and
+// value rows with the packed Linears' chains (one FMA chain over d per score; per value element
+// one chain over the chunk's keys, carried from block to block), prefetching the blocks ahead of
+// use. Packing only moves data — kernel.Linear.SetRows transposes the keys with SIMD shuffles,
+// SetColumns copies the values — into reused memory, so a context that arrived by transfer costs
+// what one the model computed costs, and no packed copy outlives the step to go stale (a cache of
+// packed chunks across steps, removed earlier, cost a full re-pack after every transfer; reading
+// in place replaced decode's per-step re-packing, which had cost about as much again as the
+// products). However a chunk is packed, the Linear holds the same numbers, and the in-place
+// kernels compute what it computes; TestAttentionPathsAgree, the transfer tests and
+// TestAttentionMixedBatch force each way and compare bits.
 const (
 	attnChunk = 64
 	// tileRows is the number of query rows (tokens × heads of a KV group) per work item.
 	tileRows = 64
+	// prefetchAhead is how many positions ahead of the ones being read attention prefetches
+	// keys and values when it reads them in place.
+	prefetchAhead = 32
 )
 
 // seqAttn is one sequence's attention state for one step.
@@ -207,6 +214,40 @@ func (it *positionIter) next() (k, v []float32) {
 	return it.view.k[o : o+it.hd], it.view.v[o : o+it.hd]
 }
 
+// stretches calls fn for each stretch of the positions [lo, lo+n) of sa, KV head g, that lies
+// in one block, in position order: j0 is the stretch's offset from lo, cnt its length, and k, v
+// start at the key and value of its first position, the positions' rows ld floats apart. Before
+// each stretch it prefetches the keys (values) prefetchAhead positions further on; past position
+// end (exclusive), the keys' prefetches run on into the first values, which are read next.
+func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g, lo, n, end int, values bool, fn func(j0, cnt int, k, v []float32, ld int)) {
+	s := seqs[sa.seq]
+	nb := (s.Start + len(s.Tokens) + blockSize - 1) / blockSize
+	views := w.views[w.viewBase[sa.seq]+g*nb : w.viewBase[sa.seq]+(g+1)*nb]
+	for j0 := 0; j0 < n; {
+		p := lo + j0
+		b, slot := p/blockSize, p%blockSize
+		cnt := min(n-j0, blockSize-slot)
+		if q, vq := p+prefetchAhead, values; q < end || !vq {
+			if q >= end {
+				q, vq = q-end, true
+			}
+			if q < end {
+				pv := views[q/blockSize]
+				o := q % blockSize * pv.stride
+				rows := pv.k
+				if vq {
+					rows = pv.v
+				}
+				kernel.Prefetch(rows[o:min(len(rows), o+min(cnt, end-q)*pv.stride)])
+			}
+		}
+		view := views[b]
+		o := slot * view.stride
+		fn(j0, cnt, view.k[o:], view.v[o:], view.stride)
+		j0 += cnt
+	}
+}
+
 // gatherQueries copies the query vectors of tokens [t0,t1) of sa, heads of KV group g, into
 // rows (token-major, then head) of hd floats.
 func (m *Model) gatherQueries(dst []float32, w *workspace, sa *seqAttn, g, t0, t1 int) []float32 {
@@ -262,10 +303,22 @@ func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 		return &sc.kl
 	}
 
+	// inPlace: the work item reads its chunks' keys and values where they are stored instead of
+	// packing them (see Model.inPlace), up to the tile's last position as a packed chunk holds.
+	inPlace := sa.packs < 0 && m.inPlace
+	chunkLen := func(ch int) int { return min(attnChunk, maxPos+1-ch*attnChunk) }
+
 	// Scores, chunk by chunk, for the rows that reach the chunk, straight into the score rows.
 	for ch := range nch {
-		lin := packed(ch, false)
 		r0 := firstRow(ch)
+		if inPlace {
+			lo := ch * attnChunk
+			w.stretches(seqs, blockSize, sa, it.g, lo, chunkLen(ch), maxPos+1, false, func(j0, n int, k, _ []float32, ldk int) {
+				kernel.RowDots(scores[r0*stride+lo+j0:], stride, xq[r0*hd:], hd, rows-r0, k, ldk, n, hd)
+			})
+			continue
+		}
+		lin := packed(ch, false)
 		lin.ApplyStrided(scores[r0*stride+ch*attnChunk:], stride, xq[r0*hd:], hd, rows-r0)
 	}
 	// Softmax over 0..p; zero the rest of p's chunk so the value chain adds exact zeros there.
@@ -282,15 +335,24 @@ func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 	part := grow(sc.part, rows*hd)
 	sc.part = part
 	for ch := range nch {
-		lin := packed(ch, true)
 		r0 := firstRow(ch)
-		if ch == 0 { // every row reaches chunk 0
-			lin.ApplyStrided(acc, hd, scores, stride, rows)
-			continue
-		}
 		nr := rows - r0
-		lin.ApplyStrided(part, hd, scores[r0*stride+ch*attnChunk:], stride, nr)
-		kernel.Add(acc[r0*hd:rows*hd], acc[r0*hd:rows*hd], part[:nr*hd])
+		dst := part // every row reaches chunk 0: its sums go straight to acc
+		if ch == 0 {
+			dst = acc
+		}
+		if inPlace {
+			lo := ch * attnChunk
+			clear(dst[:nr*hd]) // the chains start from zero, as in a packed Linear
+			w.stretches(seqs, blockSize, sa, it.g, lo, chunkLen(ch), maxPos+1, true, func(j0, n int, _, v []float32, ldv int) {
+				kernel.AccumulateRows(dst, hd, scores[r0*stride+lo+j0:], stride, nr, v, ldv, n, hd)
+			})
+		} else {
+			packed(ch, true).ApplyStrided(dst, hd, scores[r0*stride+ch*attnChunk:], stride, nr)
+		}
+		if ch > 0 {
+			kernel.Add(acc[r0*hd:rows*hd], acc[r0*hd:rows*hd], part[:nr*hd])
+		}
 	}
 	for r := range rows {
 		t, head := it.t0+r/group, it.g*group+r%group

@@ -3,39 +3,49 @@ package model
 import (
 	"fmt"
 	"testing"
+
+	"github.com/kvbridge/kvbridge/model/kernel"
 )
 
 // A chunk's keys and values reach attention packed into the step's Linears (a sequence whose
-// work items share its chunks: prefill) or into a work item's scratch Linears (decode). Both
-// hold the same numbers and run the same kernel chains, so a token's result must not depend on
+// work items share its chunks: prefill), into a work item's scratch Linears, or read in place
+// from the blocks by the row kernels (decode). All run the same kernel chains, so a token's result must not depend on
 // which one a step used, nor on who wrote the KV (the model or a transfer); these tests force
 // each way and compare bits.
 
 func TestAttentionPathsAgree(t *testing.T) {
 	m := openTiny(t)
 	c := m.cfg
-	const blockSize = 16
 	prompt := randomTokens(150, c.VocabSize, 61)
-	blocks := blockRange(0, 12)
 	var want [][]float32
 	var wantKV []float32
 	// prefillMin 1: every sequence's chunks packed once per step; 1<<30: every work item packs
-	// its own (several items per KV head in the multi-token steps); the default.
-	for _, prefillMin := range []int{c.tileTokens() + 1, 1, 1 << 30} {
-		for _, chunk := range []int{150, 45, 1} {
-			name := fmt.Sprintf("prefillMin%d/chunk%d", prefillMin, chunk)
-			m.prefillMin = prefillMin
-			kv := newTestKV(c, blockSize, 12, false)
-			got := decodeRun(t, m, kv, blockSize, blocks, prompt, chunk, 9)
-			gotKV := kvOf(kv, c, blocks, len(prompt)+9)
-			if want == nil {
-				want, wantKV = got, gotKV
-				continue
+	// its own (several items per KV head in the multi-token steps); the default. inPlace false:
+	// items that pack their own chunks pack them (Linears); true: they read the keys and values
+	// in place (kernel.RowDots, kernel.AccumulateRows), where the kernel can. Block size 7 splits
+	// the kernels' 16-key groups and the 64-key chunks across blocks.
+	defer func(p int, in bool) { m.prefillMin, m.inPlace = p, in }(m.prefillMin, m.inPlace)
+	for _, blockSize := range []int{16, 7} {
+		nb := (len(prompt) + 9 + blockSize - 1) / blockSize
+		blocks := blockRange(0, nb)
+		for _, prefillMin := range []int{c.tileTokens() + 1, 1, 1 << 30} {
+			for _, inPlace := range []bool{false, kernel.RowKernels(c.HeadDim)} {
+				for _, chunk := range []int{150, 45, 1} {
+					name := fmt.Sprintf("block%d/prefillMin%d/inPlace%v/chunk%d", blockSize, prefillMin, inPlace, chunk)
+					m.prefillMin, m.inPlace = prefillMin, inPlace
+					kv := newTestKV(c, blockSize, nb, false)
+					got := decodeRun(t, m, kv, blockSize, blocks, prompt, chunk, 9)
+					gotKV := kvOf(kv, c, blocks, len(prompt)+9)
+					if want == nil {
+						want, wantKV = got, gotKV
+						continue
+					}
+					for i := range want {
+						requireSameBits(t, fmt.Sprintf("%s: step %d", name, i), want[i], got[i])
+					}
+					requireSameBits(t, name+": kv", wantKV, gotKV)
+				}
 			}
-			for i := range want {
-				requireSameBits(t, fmt.Sprintf("%s: step %d", name, i), want[i], got[i])
-			}
-			requireSameBits(t, name+": kv", wantKV, gotKV)
 		}
 	}
 }

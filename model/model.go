@@ -67,6 +67,10 @@ type Model struct {
 	// of its chunks once for the step, shared by its work items (from the second item per KV
 	// head on: tileTokens+1; tests change it).
 	prefillMin int
+	// inPlace: work items that pack their own chunks (decode) instead compute scores and value
+	// sums straight from the KV store's rows with kernel.RowDots and kernel.AccumulateRows, when
+	// the kernel has them for HeadDim (tests change it).
+	inPlace bool
 	// weightBytes is the float32 bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
 

@@ -122,6 +122,7 @@ func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmp
 		serial:     kernel.NewPool(1),
 		qScale:     float32(1 / math.Sqrt(float64(hd))),
 		prefillMin: cfg.tileTokens() + 1,
+		inPlace:    kernel.RowKernels(cfg.HeadDim),
 	}
 	var floats int64
 	for i := range w.layers {

@@ -843,6 +843,218 @@ func transpose256() {
 	p("RET")
 }
 
+// tileAcc512 is tile512 for a matrix w whose rows are ldw floats apart (not a packed panel),
+// continuing from the accumulators in c instead of zero: c[m][j] = c[m][j] + Σ_k a[m][k]·w[k][j]
+// as one VFMADD231PS chain per element, k ascending, after loading c[m][j]. Columns ≥ 64 − the
+// zero bits of mask are neither read (w, c) nor written.
+func tileAcc512(mr, unroll int) {
+	name := fmt.Sprintf("tileAcc512x%d", mr)
+	text(name+"(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)", "$0-64")
+	p("MOVQ mask+56(FP), AX")
+	for v := range 4 {
+		p("KMOVW AX, K%d", v+1)
+		if v < 3 {
+			p("SHRQ $16, AX")
+		}
+	}
+	p("MOVQ c+40(FP), DI")
+	p("MOVQ ldc+48(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	for m := range mr {
+		for v := range 4 {
+			p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
+		}
+	}
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ lda+8(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	p("MOVQ w+16(FP), BX")
+	p("MOVQ ldw+24(FP), R10")
+	p("SHLQ $2, R10")
+	p("MOVQ k+32(FP), CX")
+	step := func(j int) {
+		for v := range 4 {
+			p("VMOVUPS.Z %d(BX), K%d, Z%d", v*64, v+1, 24+v)
+		}
+		for m := range mr {
+			b := 28 + m%2
+			p("VBROADCASTSS %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
+			for v := range 4 {
+				p("VFMADD231PS Z%d, Z%d, Z%d", 24+v, b, 4*m+v)
+			}
+		}
+		p("ADDQ R10, BX")
+	}
+	p("CMPQ CX, $%d", unroll)
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range unroll {
+		step(j)
+	}
+	p("ADDQ $%d, DI", 4*unroll)
+	p("ADDQ $%d, SI", 4*unroll)
+	p("SUBQ $%d, CX", unroll)
+	p("CMPQ CX, $%d", unroll)
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0)
+	p("ADDQ $4, DI")
+	p("ADDQ $4, SI")
+	p("DECQ CX")
+	p("JMP %s_tail", name)
+	label(name + "_store")
+	p("MOVQ c+40(FP), DI")
+	p("MOVQ ldc+48(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	for m := range mr {
+		for v := range 4 {
+			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+		}
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// rowDots512 computes the dot products of rows query rows with one group of nk ≤ 16 keys:
+// dst[r*ldd+j] (j < nk) = one VFMADD231PS chain over d ascending of q[r][d]·key_j[d], from zero,
+// where key j starts at k + min(j, nk−1)·ldk floats (the missing keys of a partial group repeat
+// the last one; their lanes are never stored). dim is a multiple of 16. For every 16 dimensions
+// the 16 keys are loaded and transposed in registers (as in transpose512), so lane j of Z(d)
+// holds key_j[d]; each row's 16 lanes then take one FMA per d, the query element broadcast from
+// memory. The rows' running sums live in tmp (rows·16 floats) between dimension blocks.
+func rowDots512() {
+	text("rowDots512(dst *float32, ldd int, q *float32, ldq int, rows int, k *float32, ldk int, nk int, dim int, tmp *float32)", "$0-80")
+	p("MOVQ q+16(FP), BX")
+	p("MOVQ ldq+24(FP), R11")
+	p("SHLQ $2, R11")
+	p("MOVQ k+40(FP), SI")
+	p("MOVQ ldk+48(FP), R9")
+	p("SHLQ $2, R9")
+	p("MOVQ nk+56(FP), R12")
+	p("MOVQ dim+64(FP), DX")
+	p("SHLQ $2, DX")
+	p("MOVQ tmp+72(FP), R13")
+	// Zero the running sums.
+	p("VPXORD Z16, Z16, Z16")
+	p("MOVQ R13, R14")
+	p("MOVQ rows+32(FP), CX")
+	label("rowDots512_zero")
+	p("VMOVUPS Z16, (R14)")
+	p("ADDQ $64, R14")
+	p("DECQ CX")
+	p("JNZ rowDots512_zero")
+	p("XORQ AX, AX")
+	label("rowDots512_block")
+	p("MOVQ SI, R10")
+	for i := range 16 {
+		p("VMOVUPS (R10)(AX*1), Z%d", i)
+		if i < 15 {
+			p("LEAQ (R10)(R9*1), R14")
+			p("CMPQ R12, $%d", i+1)
+			p("CMOVQGT R14, R10")
+		}
+	}
+	for i := range 8 {
+		p("VUNPCKLPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 16+2*i)
+		p("VUNPCKHPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 17+2*i)
+	}
+	for g := range 4 {
+		t := 16 + 4*g
+		p("VUNPCKLPD Z%d, Z%d, Z%d", t+2, t, 4*g)
+		p("VUNPCKHPD Z%d, Z%d, Z%d", t+2, t, 4*g+1)
+		p("VUNPCKLPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+2)
+		p("VUNPCKHPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+3)
+	}
+	for c := range 4 {
+		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 4+c, c, 16+c)
+		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 4+c, c, 20+c)
+		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 12+c, 8+c, 24+c)
+		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 12+c, 8+c, 28+c)
+	}
+	for c := range 4 {
+		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 24+c, 16+c, c)
+		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 24+c, 16+c, 4+c)
+		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 28+c, 20+c, 8+c)
+		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 28+c, 20+c, 12+c)
+	}
+	// Z(d) lane j = key_j[16b+d]. One FMA per d for every row, two rows at a time.
+	p("LEAQ (BX)(AX*1), R15")
+	p("MOVQ R13, R14")
+	p("MOVQ rows+32(FP), CX")
+	p("CMPQ CX, $2")
+	p("JLT rowDots512_row1")
+	label("rowDots512_row2")
+	p("VMOVUPS (R14), Z16")
+	p("VMOVUPS 64(R14), Z17")
+	for d := range 16 {
+		p("VFMADD231PS.BCST %d(R15), Z%d, Z16", 4*d, d)
+		p("VFMADD231PS.BCST %d(R15)(R11*1), Z%d, Z17", 4*d, d)
+	}
+	p("VMOVUPS Z16, (R14)")
+	p("VMOVUPS Z17, 64(R14)")
+	p("ADDQ $128, R14")
+	p("LEAQ (R15)(R11*2), R15")
+	p("SUBQ $2, CX")
+	p("CMPQ CX, $2")
+	p("JGE rowDots512_row2")
+	label("rowDots512_row1")
+	p("TESTQ CX, CX")
+	p("JEQ rowDots512_next")
+	p("VMOVUPS (R14), Z16")
+	for d := range 16 {
+		p("VFMADD231PS.BCST %d(R15), Z%d, Z16", 4*d, d)
+	}
+	p("VMOVUPS Z16, (R14)")
+	label("rowDots512_next")
+	p("ADDQ $64, AX")
+	p("CMPQ AX, DX")
+	p("JLT rowDots512_block")
+	// Store the nk valid lanes of every row.
+	p("MOVQ $1, AX")
+	p("MOVQ R12, CX")
+	p("SHLQ CX, AX")
+	p("DECQ AX")
+	p("KMOVW AX, K1")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ ldd+8(FP), R8")
+	p("SHLQ $2, R8")
+	p("MOVQ rows+32(FP), CX")
+	label("rowDots512_store")
+	p("VMOVUPS (R13), Z16")
+	p("VMOVUPS Z16, K1, (DI)")
+	p("ADDQ $64, R13")
+	p("ADDQ R8, DI")
+	p("DECQ CX")
+	p("JNZ rowDots512_store")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// prefetchLines asks for the cache lines of n floats from x (PREFETCHT0, one per 64 bytes).
+func prefetchLines() {
+	text("prefetchLines(x *float32, n int)", "$0-16")
+	p("MOVQ x+0(FP), SI")
+	p("MOVQ n+8(FP), CX")
+	p("LEAQ (SI)(CX*4), DX")
+	p("CMPQ SI, DX")
+	p("JGE prefetchLines_done")
+	label("prefetchLines_loop")
+	p("PREFETCHT0 (SI)")
+	p("ADDQ $64, SI")
+	p("CMPQ SI, DX")
+	p("JLT prefetchLines_loop")
+	label("prefetchLines_done")
+	p("RET")
+}
+
 func main() {
 	out.WriteString("// Code generated by asmgen.go; DO NOT EDIT.\n\n//go:build amd64 && !purego\n\n#include \"textflag.h\"\n")
 	for mr := 1; mr <= maxRows; mr++ {
@@ -850,6 +1062,9 @@ func main() {
 	}
 	for mr := 1; mr <= maxRows; mr++ {
 		tile256(mr, 4)
+	}
+	for mr := 1; mr <= maxRows; mr++ {
+		tileAcc512(mr, 4)
 	}
 	out.WriteString("\n")
 	expData()
@@ -871,6 +1086,8 @@ func main() {
 	expShift256()
 	transpose512()
 	transpose256()
+	rowDots512()
+	prefetchLines()
 	if err := os.WriteFile("kernel_amd64.s", out.Bytes(), 0o644); err != nil {
 		log.Fatal(err)
 	}

@@ -1,7 +1,8 @@
 // Package kernel holds kvbridge's float32 compute kernels: the batch-invariant matrix product
 // behind every linear layer and attention's two products ([Linear]; [Linear.ApplyStrided] for
 // rows at a stride, [Linear.SetRows] and [Linear.SetColumns] to re-pack a scratch Linear in place
-// from rows or columns held elsewhere, such as the keys and values of a paged KV store), the
+// from rows or columns held elsewhere, such as the keys and values of a paged KV store; or,
+// without packing, [RowDots] and [AccumulateRows] on rows read in place, with [Prefetch]), the
 // vector helpers attention and the MLP need ([Dot], [Axpy], [Scale], [Add], [Softmax],
 // [RMSNorm], [SiLUMul]), a small worker pool ([Pool], [Parallel]) and the machine ceilings the
 // benchmarks quote ([PeakGFLOPS], [MemcpyGBps], [ReadGBps]).
@@ -23,7 +24,9 @@
 // single-row (decode) path is the same kernel with one row. [Linear.ApplyStrided] runs the same
 // chains on rows read and written at a stride, and a Linear re-packed by [Linear.SetRows] or
 // [Linear.SetColumns] holds exactly the panels [NewLinear] builds (packing only moves data), so
-// neither changes a bit.
+// neither changes a bit. [RowDots] and [AccumulateRows] run the same per-element chains on the
+// unpacked rows (AccumulateRows continuing a chain across calls), so they give the bits of a
+// Linear packed from those rows.
 //
 // Vector helpers follow the same rule: element-wise functions compute each element the same
 // way wherever it sits in the slice (vector tails use the same instructions through masks or a

@@ -18,6 +18,9 @@ var genericImpl = &impl{
 	max:      maxGeneric,
 	fmaLoop:  fmaLoopGeneric,
 	readSum:  readSumGeneric,
+	rowDots:  rowDotsGeneric,
+	accRows:  accRowsGeneric,
+	rowDim:   1,
 }
 
 func tileGeneric(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int) {
@@ -97,4 +100,32 @@ func maxGeneric(x []float32) float32 {
 		}
 	}
 	return m
+}
+
+// rowDotsGeneric is tileGeneric's chain for each (query row, key) pair.
+func rowDotsGeneric(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
+	for r := range rows {
+		qr := q[r*ldq : r*ldq+dim]
+		for j := range n {
+			kj := k[j*ldk : j*ldk+dim]
+			var acc float32
+			for d, x := range qr {
+				acc = acc + float32(x*kj[d])
+			}
+			dst[r*ldd+j] = acc
+		}
+	}
+}
+
+// accRowsGeneric continues tileGeneric's chains from the values in acc.
+func accRowsGeneric(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int) {
+	for r := range rows {
+		ar := acc[r*ldacc : r*ldacc+dim]
+		for j, pj := range p[r*ldp : r*ldp+n] {
+			vj := v[j*ldv : j*ldv+dim]
+			for d := range ar {
+				ar[d] = ar[d] + float32(pj*vj[d])
+			}
+		}
+	}
 }

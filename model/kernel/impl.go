@@ -25,6 +25,14 @@ type impl struct {
 	transpose func(dst *float32, ldd int, rows *[16]*float32, blocks int)
 	tgroup    int
 
+	// rowDots and accRows are the strided-row products ([RowDots], [AccumulateRows]); rowDim
+	// is the multiple of the vector length they need (0: not provided).
+	rowDots func(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int)
+	accRows func(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int)
+	rowDim  int
+	// prefetch asks for x's cache lines ahead of use (nil: no-op).
+	prefetch func(x []float32)
+
 	fmaLoop func(n int) float64       // n iterations of independent FMAs; returns FLOPs per iteration
 	readSum func(x []float32) float32 // reads all of x
 }

@@ -22,6 +22,10 @@ var avx512Impl = &impl{
 	transpose: transpose512,
 	tgroup:    16,
 	readSum:   readSumAVX512,
+	rowDots:   rowDotsAVX512,
+	accRows:   accRowsAVX512,
+	rowDim:    16,
+	prefetch:  prefetchAMD64,
 }
 
 // avx2Impl uses ymm registers: 6×16 Linear tiles (12 accumulators), four per panel. Scale, Add
@@ -41,6 +45,7 @@ var avx2Impl = &impl{
 	transpose: transpose256,
 	tgroup:    8,
 	readSum:   readSumAVX,
+	prefetch:  prefetchAMD64,
 }
 
 func hasAVX512() bool { return cpu.X86.HasAVX512F && cpu.X86.HasAVX2 && cpu.X86.HasFMA }
@@ -74,6 +79,26 @@ func tile512x3(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask
 func tile512x4(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x5(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x6(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+
+func tileAcc512x1(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAcc512x2(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAcc512x3(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAcc512x4(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAcc512x5(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAcc512x6(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
+
+//go:noescape
+func prefetchLines(x *float32, n int)
+
+// prefetchAMD64 prefetches x's cache lines into all cache levels.
+func prefetchAMD64(x []float32) {
+	if len(x) > 0 {
+		prefetchLines(&x[0], len(x))
+	}
+}
+
+//go:noescape
+func rowDots512(dst *float32, ldd int, q *float32, ldq int, rows int, k *float32, ldk int, nk int, dim int, tmp *float32)
 
 func tile256x1(a *float32, lda int, w *float32, k int, c *float32, ldc int)
 func tile256x2(a *float32, lda int, w *float32, k int, c *float32, ldc int)
@@ -146,5 +171,44 @@ func tile256(mr int, a *float32, lda int, w *float32, k int, c *float32, ldc int
 		tile256x6(a, lda, w, k, c, ldc)
 	default:
 		panic("kernel: bad tile height")
+	}
+}
+
+// rowDotsAVX512 runs rowDots512 on groups of 16 keys, at most rowDotsRows query rows at a time
+// (the size of its stack buffer of running sums). Arguments are checked by RowDots.
+func rowDotsAVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
+	const rowDotsRows = 32
+	var tmp [rowDotsRows * 16]float32
+	for r0 := 0; r0 < rows; r0 += rowDotsRows {
+		nr := min(rowDotsRows, rows-r0)
+		for j := 0; j < n; j += 16 {
+			rowDots512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
+		}
+	}
+}
+
+// accRowsAVX512 runs the tileAcc512 kernels on tiles of up to 6 rows × 64 columns, each over
+// all n rows of v. Arguments are checked by AccumulateRows.
+func accRowsAVX512(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int) {
+	for m0 := 0; m0 < rows; m0 += maxTileRows {
+		mr := min(maxTileRows, rows-m0)
+		for c0 := 0; c0 < dim; c0 += panelWidth {
+			mask := ^uint64(0) >> (panelWidth - min(panelWidth, dim-c0))
+			a, w, c := &p[m0*ldp], &v[c0], &acc[m0*ldacc+c0]
+			switch mr {
+			case 1:
+				tileAcc512x1(a, ldp, w, ldv, n, c, ldacc, mask)
+			case 2:
+				tileAcc512x2(a, ldp, w, ldv, n, c, ldacc, mask)
+			case 3:
+				tileAcc512x3(a, ldp, w, ldv, n, c, ldacc, mask)
+			case 4:
+				tileAcc512x4(a, ldp, w, ldv, n, c, ldacc, mask)
+			case 5:
+				tileAcc512x5(a, ldp, w, ldv, n, c, ldacc, mask)
+			case 6:
+				tileAcc512x6(a, ldp, w, ldv, n, c, ldacc, mask)
+			}
+		}
 	}
 }
