@@ -1,8 +1,10 @@
 package metrics
 
 import (
+	"fmt"
 	"net/http"
 	"sync"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -113,4 +115,25 @@ func (r *Registry) Engine(modelName, engine string) *EngineMetrics {
 	r.engines[key] = m
 	r.sched.add(m)
 	return m
+}
+
+// TimeToFirstTokenTotal returns the sum of every observation of vllm:time_to_first_token_seconds
+// (all engines of the registry): benchmarks that send one request at a time read it before and
+// after a request to get that request's engine-side TTFT. It is zero before the first token.
+func (r *Registry) TimeToFirstTokenTotal() (time.Duration, error) {
+	mfs, err := r.prom.Gather()
+	if err != nil {
+		return 0, fmt.Errorf("metrics: gather: %w", err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "vllm:time_to_first_token_seconds" {
+			continue
+		}
+		var sum float64
+		for _, m := range mf.GetMetric() {
+			sum += m.GetHistogram().GetSampleSum()
+		}
+		return time.Duration(sum * float64(time.Second)), nil
+	}
+	return 0, nil
 }

@@ -373,11 +373,11 @@ func measureTurn(ctx context.Context, s *Stack, hc *http.Client, body map[string
 	pn.TakeInterval()
 	dn.TakeInterval()
 	p0, d0 := s.P.Engine.Stats(), s.D.Engine.Stats()
-	pt0, err := engineTTFT(s.P.Registry)
+	pt0, err := s.P.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return Turn{}, err
 	}
-	dt0, err := engineTTFT(s.D.Registry)
+	dt0, err := s.D.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return Turn{}, err
 	}
@@ -386,11 +386,11 @@ func measureTurn(ctx context.Context, s *Stack, hc *http.Client, body map[string
 		return Turn{}, err
 	}
 	p1, d1 := s.P.Engine.Stats(), s.D.Engine.Stats()
-	pt1, err := engineTTFT(s.P.Registry)
+	pt1, err := s.P.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return Turn{}, err
 	}
-	dt1, err := engineTTFT(s.D.Registry)
+	dt1, err := s.D.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return Turn{}, err
 	}

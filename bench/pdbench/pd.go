@@ -229,7 +229,7 @@ func (b *pdBench) single(ctx context.Context, l int) (client, eng time.Duration,
 	if err != nil {
 		return 0, 0, err
 	}
-	e0, err := engineTTFT(b.c.single.Registry)
+	e0, err := b.c.single.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return 0, 0, err
 	}
@@ -238,7 +238,7 @@ func (b *pdBench) single(ctx context.Context, l int) (client, eng time.Duration,
 		return 0, 0, err
 	}
 	client = time.Since(t0)
-	e1, err := engineTTFT(b.c.single.Registry)
+	e1, err := b.c.single.Registry.TimeToFirstTokenTotal()
 	return client, e1 - e0, err
 }
 
@@ -251,11 +251,11 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 	id := fmt.Sprintf("pdbench-%d-%d", l, b.seq)
 	nixl := b.c.d.Metrics.Nixl()
 	nixl.TakeInterval() // drop anything not of this request
-	p0, err := engineTTFT(b.c.p.Registry)
+	p0, err := b.c.p.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return pdSample{}, err
 	}
-	d0, err := engineTTFT(b.c.d.Registry)
+	d0, err := b.c.d.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return pdSample{}, err
 	}
@@ -265,11 +265,11 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 	}
 	s.t1 = time.Now()
 	s.pd = s.t1.Sub(s.t0)
-	p1, err := engineTTFT(b.c.p.Registry)
+	p1, err := b.c.p.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return pdSample{}, err
 	}
-	d1, err := engineTTFT(b.c.d.Registry)
+	d1, err := b.c.d.Registry.TimeToFirstTokenTotal()
 	if err != nil {
 		return pdSample{}, err
 	}
