@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvbridge/kvbridge/internal/msgpackcheck"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -156,11 +157,31 @@ func readFrame(r io.Reader) ([]byte, error) {
 	if n > maxFrame {
 		return nil, fmt.Errorf("frame of %d bytes exceeds %d", n, maxFrame)
 	}
-	body := make([]byte, n)
-	if _, err := io.ReadFull(r, body); err != nil {
+	// Grow with the bytes that arrive rather than trusting the header with an allocation.
+	body, err := io.ReadAll(io.LimitReader(r, int64(n)))
+	if err != nil {
+		return nil, err
+	}
+	if len(body) < int(n) {
+		return nil, io.ErrUnexpectedEOF
+	}
+	if err := checkBody(body); err != nil {
 		return nil, err
 	}
 	return body, nil
+}
+
+// checkBody verifies that an untrusted frame body is one msgpack value whose declared lengths
+// fit in it, before any decoding can allocate for them.
+func checkBody(body []byte) error {
+	n, err := msgpackcheck.Check(body, 4)
+	if err != nil {
+		return fmt.Errorf("malformed msgpack: %w", err)
+	}
+	if n != len(body) {
+		return fmt.Errorf("malformed msgpack: %d trailing bytes", len(body)-n)
+	}
+	return nil
 }
 
 // decodeRequest checks a request frame: a msgpack array whose first element is the magic.
@@ -177,6 +198,9 @@ func decodeRequest(body []byte) error {
 
 // decodeTagged splits a msgpack array whose first element is a bin or str tag.
 func decodeTagged(body []byte) (string, []msgpack.RawMessage, error) {
+	if err := checkBody(body); err != nil {
+		return "", nil, err
+	}
 	var parts []msgpack.RawMessage
 	if err := msgpack.Unmarshal(body, &parts); err != nil {
 		return "", nil, fmt.Errorf("request is not a msgpack array: %w", err)
@@ -347,6 +371,9 @@ func (s *sideChannelServer) close() error {
 // decodeResponse parses a handshake response frame: [payload map, ts float].
 func decodeResponse(body []byte) (handshakePayload, float64, error) {
 	var payload handshakePayload
+	if err := checkBody(body); err != nil {
+		return payload, 0, fmt.Errorf("Failed to decode NixlHandshakePayload: %w", err)
+	}
 	var parts []msgpack.RawMessage
 	if err := msgpack.Unmarshal(body, &parts); err != nil || len(parts) < 2 {
 		return payload, 0, fmt.Errorf("Failed to decode NixlHandshakePayload: %v", err)
@@ -442,6 +469,9 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 			ErrIncompatible, localHash, payload.CompatibilityHash)
 	}
 	var meta AgentMetadata
+	if err := checkBody(payload.AgentMetadataBytes); err != nil {
+		return fail(fmt.Errorf("Failed to decode NixlAgentMetadata: %w", err))
+	}
 	if err := msgpack.Unmarshal(payload.AgentMetadataBytes, &meta); err != nil {
 		return fail(fmt.Errorf("Failed to decode NixlAgentMetadata: %w", err))
 	}
