@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
 	"slices"
 	"testing"
 	"time"
@@ -175,6 +176,11 @@ func TestEngineAbortWhileWaitingForRemoteKV(t *testing.T) {
 		t.Fatal(err)
 	}
 	recv(t, dc.allocs)
+	// The hook ran inside Schedule; the loop publishes its stats right after.
+	deadline := time.Now().Add(waitTimeout)
+	for de.Stats().WaitingForRemote != 1 && time.Now().Before(deadline) {
+		runtime.Gosched()
+	}
 	if st := de.Stats(); st.WaitingForRemote != 1 || dpool.NumFree() != dpool.NumBlocks()-2 {
 		t.Fatalf("stats %+v", st)
 	}

@@ -515,6 +515,7 @@ func (e *Engine) end(ev Event, text string, stoppedByString bool, err error) {
 	if ev.HasToken {
 		out.Tokens = []int32{ev.Token}
 	}
+	e.publish() // a client that has its final output sees stats that include its request
 	l.stream.finish(out)
 	if e.sched.Get(q.ID()) == nil {
 		e.unreserve(q.ID())
