@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 
 	"github.com/google/uuid"
 )
@@ -143,6 +144,12 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 	if _, err := relay(w, resp, reqID, l.cfg.IdleTimeout, cancel, onLine); err != nil {
 		err = legCause(ctx, err)
 		l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
+		if r.Context().Err() == nil && strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
+			// The 200 is gone: end the stream the way an engine does, so the client sees an
+			// error rather than a truncated success.
+			writeSSEError(w, "decode stream ended early: "+err.Error())
+			_ = http.NewResponseController(w).Flush()
+		}
 		return err
 	}
 	return nil

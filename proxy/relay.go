@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 	"time"
 )
 
@@ -68,27 +69,53 @@ func relay(w http.ResponseWriter, resp *http.Response, reqID string, idle time.D
 	ir := newIdleReader(resp.Body, idle, cancel)
 	defer ir.close()
 	var lines lineSplitter
+	// SSE is relayed whole events at a time, so that a stream cut in the middle of an event
+	// never hands the client half an event (and an error event can follow cleanly).
+	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
+	var pending []byte
 	buf := make([]byte, 32<<10)
 	var total int64
+	write := func(p []byte) error {
+		if len(p) == 0 {
+			return nil
+		}
+		if _, werr := w.Write(p); werr != nil {
+			return fmt.Errorf("writing to the client: %w", werr)
+		}
+		total += int64(len(p))
+		if ferr := rc.Flush(); ferr != nil {
+			return fmt.Errorf("flushing to the client: %w", ferr)
+		}
+		return nil
+	}
 	for {
 		n, err := ir.Read(buf)
 		if n > 0 {
 			if onLine != nil {
 				lines.feed(buf[:n], onLine)
 			}
-			if _, werr := w.Write(buf[:n]); werr != nil {
-				return total, fmt.Errorf("writing to the client: %w", werr)
+			out := buf[:n]
+			if sse {
+				pending = append(pending, out...)
+				i := bytes.LastIndex(pending, []byte("\n\n"))
+				if i < 0 {
+					out = nil
+				} else {
+					out = pending[:i+2]
+				}
 			}
-			total += int64(n)
-			if ferr := rc.Flush(); ferr != nil {
-				return total, fmt.Errorf("flushing to the client: %w", ferr)
+			if werr := write(out); werr != nil {
+				return total, werr
+			}
+			if sse && out != nil {
+				pending = append(pending[:0], pending[len(out):]...)
 			}
 		}
 		if errors.Is(err, io.EOF) {
 			if onLine != nil {
 				lines.flush(onLine)
 			}
-			return total, nil
+			return total, write(pending)
 		}
 		if err != nil {
 			return total, err
