@@ -2,6 +2,8 @@ package connector
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -83,6 +85,7 @@ type Connector struct {
 	scratch []uint64  // generations read from producers, maxRatio slots per local block
 
 	rejections   atomic.Int64
+	instance     string       // random per start; named in the params this engine issues
 	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
 
 	ctx    context.Context
@@ -191,7 +194,13 @@ func New(opts Options) (*Connector, error) {
 	c.mu.Lock()
 	c.kvRegionID, c.genRegionID = c.kvReg.ID(), c.genReg.ID()
 	c.mu.Unlock()
+	var inst [8]byte
+	if _, err := rand.Read(inst[:]); err != nil {
+		return fail(fmt.Errorf("connector: draw an instance id: %w", err))
+	}
+	c.instance = hex.EncodeToString(inst[:])
 	meta := AgentMetadata{
+		Instance:      c.instance,
 		EngineID:      cfg.EngineID,
 		AgentMetadata: agent.LocalMetadata(),
 		KVRegion:      c.kvReg.ID(),

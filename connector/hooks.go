@@ -201,6 +201,7 @@ func (c *Connector) holdForReader(seq *engine.Sequence, ttl time.Duration, renew
 		RemoteNumTokens:  computed,
 		TransferMode:     "pull",
 		BlockGenerations: c.pool.Generations(blocks),
+		Instance:         c.instance,
 	}
 	if !renewable {
 		exp := deadline.Sub(c.epoch).Seconds()

@@ -17,6 +17,10 @@ import (
 // finished (its lease expired): the KV read is not the prompt's and must not be used.
 var ErrStaleBlocks = errors.New("KV blocks were reused by the producer before they were read")
 
+// ErrStaleProducer reports params that name a producer instance which has since restarted: the
+// blocks they name belong to someone else now.
+var ErrStaleProducer = errors.New("the producer restarted since these kv_transfer_params were issued")
+
 // ErrExpired reports a bidirectional read declined because the decoder's blocks expire too soon.
 var ErrExpired = errors.New("remote KV blocks expire too soon to be read")
 
@@ -106,12 +110,40 @@ func (c *Connector) finishLoad(j loadJob, firstBad int, err error, quiet bool) {
 // checks that the producer did not reuse them meanwhile. It returns the index (in j.blocks) of
 // the first block that could not be loaded.
 func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
-	bs := c.geo.BlockSize
-	first := j.localHit / bs
-	r, err := c.remote(ctx, j.params)
-	if err != nil {
-		return first, err
+	first := j.localHit / c.geo.BlockSize
+	for attempt := 0; ; attempt++ {
+		r, err := c.remote(ctx, j.params)
+		if err != nil {
+			return first, err
+		}
+		if want := j.params.Instance; want != "" && r.meta.Instance != want {
+			// Our record of the producer is older than the params (it restarted: handshake
+			// again), or the params come from an instance that is gone, and so is its KV.
+			if attempt == 0 {
+				c.forget(r)
+				continue
+			}
+			return first, fmt.Errorf("%w: request %s names instance %s of engine %s, which now runs instance %s: its KV is gone",
+				ErrStaleProducer, j.id, want, r.id, r.meta.Instance)
+		}
+		bad, err := c.read(ctx, j, r)
+		if err != nil && attempt == 0 && peerGone(err) {
+			// The producer restarted or the connection died since our handshake: count the
+			// failed attempt and try once more over a new handshake.
+			c.log.Warn("NIXL transfer failure: transfer_failed; retrying after a new handshake", "request_id", j.id, "remote_engine_id", r.id, "error", err)
+			if c.metrics != nil {
+				c.metrics.CountFailedTransfer()
+			}
+			c.forget(r)
+			continue
+		}
+		return bad, err
 	}
+}
+
+// read pulls j's KV from the handshaken producer r.
+func (c *Connector) read(ctx context.Context, j loadJob, r *remoteEngine) (int, error) {
+	first := j.localHit / c.geo.BlockSize
 	if j.fromD && j.params.RemoteBlocksExpiryTime != nil {
 		deadline := *j.params.RemoteBlocksExpiryTime - r.offset // on our clock
 		if c.clockSeconds()+expiryMargin.Seconds() >= deadline {
@@ -250,14 +282,25 @@ func (c *Connector) postprocess(j loadJob, r *remoteEngine, p readPlan) error {
 // forgetOn drops a remote engine whose agent restarted or disconnected, so that the next
 // request handshakes again; it returns err.
 func (c *Connector) forgetOn(r *remoteEngine, err error) error {
-	if errors.Is(err, transfer.ErrStaleIncarnation) || errors.Is(err, transfer.ErrRemoteDisconnect) || errors.Is(err, transfer.ErrNotFound) {
-		c.mu.Lock()
-		if c.remotes[r.id] == r {
-			delete(c.remotes, r.id)
-		}
-		c.mu.Unlock()
+	if peerGone(err) {
+		c.forget(r)
 	}
 	return err
+}
+
+// peerGone reports a transfer error that means the producer's agent restarted or went away.
+func peerGone(err error) bool {
+	return errors.Is(err, transfer.ErrStaleIncarnation) || errors.Is(err, transfer.ErrRemoteDisconnect) || errors.Is(err, transfer.ErrNotFound)
+}
+
+// forget drops r (invalidating its transfer peer and releasing its descriptor lists, so a dead
+// incarnation's arena is unmapped) if it is still the current record of its engine.
+func (c *Connector) forget(r *remoteEngine) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.remotes[r.id] == r {
+		c.dropRemote(r)
+	}
 }
 
 // startNotify tells a producer that this engine will not read its blocks (a full local hit, or
@@ -271,9 +314,20 @@ func (c *Connector) startNotify(p *Params) {
 		defer c.wg.Done()
 		ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
 		defer cancel()
-		r, err := c.remote(ctx, p)
-		if err == nil {
-			err = c.agent.SendNotif(ctx, r.peer, []byte(p.RemoteRequestID+":1"))
+		var err error
+		for attempt := 0; attempt < 2; attempt++ {
+			var r *remoteEngine
+			if r, err = c.remote(ctx, p); err != nil {
+				break
+			}
+			if p.Instance != "" && r.meta.Instance != p.Instance && attempt == 0 {
+				c.forget(r) // a restarted producer: reach its current instance
+				continue
+			}
+			if err = c.agent.SendNotif(ctx, r.peer, []byte(p.RemoteRequestID+":1")); err == nil || !peerGone(err) {
+				break
+			}
+			c.forget(r)
 		}
 		if err != nil {
 			c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "error", err)

@@ -19,6 +19,9 @@ const (
 	// KeyBlockHashes carries the hash chain of the producer's full blocks, so a consumer pulls
 	// only the prefix whose tokens match its own prompt.
 	KeyBlockHashes = "kvbridge_block_hashes"
+	// KeyInstance names the producer's instance (random per start), so that params issued
+	// before a restart are recognised as stale even when block ids and generations repeat.
+	KeyInstance = "kvbridge_instance"
 )
 
 // Params is kv_transfer_params (spec §2.1): what one engine tells the next about KV it holds.
@@ -41,6 +44,7 @@ type Params struct {
 	TransferMode           string
 	BlockGenerations       []uint64
 	BlockHashes            []string
+	Instance               string
 }
 
 // Blocks returns the first group's block ids.
@@ -90,6 +94,7 @@ func ParseParams(m map[string]any) (*Params, error) {
 		return e
 	})
 	field("transfer_mode", func(v any) error { return asString(v, &p.TransferMode) })
+	field(KeyInstance, func(v any) error { return asString(v, &p.Instance) })
 	field(KeyBlockGenerations, func(v any) error {
 		list, ok := v.([]any)
 		if !ok {
@@ -156,6 +161,9 @@ func (p *Params) Map() map[string]any {
 	}
 	if p.BlockHashes != nil {
 		m[KeyBlockHashes] = p.BlockHashes
+	}
+	if p.Instance != "" {
+		m[KeyInstance] = p.Instance
 	}
 	return m
 }

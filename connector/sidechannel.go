@@ -93,6 +93,8 @@ type AgentMetadata struct {
 	NumKVHeads    int    `msgpack:"num_kv_heads"`
 	HeadDim       int    `msgpack:"head_dim"`
 	Version       int    `msgpack:"connector_version"`
+	// Instance is random per connector start: params that name another instance are stale.
+	Instance string `msgpack:"instance"`
 }
 
 type handshakePayload struct {
