@@ -60,6 +60,6 @@ func newBenchCmd() *cobra.Command {
 			return usageError("bench needs a subcommand; see kvbridge bench --help")
 		},
 	}
-	bench.AddCommand(newBenchTransferCmd(), newBenchEngineCmd(), newBenchPDCmd(), newBenchProxyCmd(), newBenchBidirectionalCmd(), newBenchMultiTurnCmd(), newBenchCompareCmd())
+	bench.AddCommand(newBenchTransferCmd(), newBenchEngineCmd(), newBenchPDCmd(), newBenchProxyCmd(), newBenchBidirectionalCmd(), newBenchMultiTurnCmd(), newBenchCompareCmd(), newBenchSoakCmd())
 	return bench
 }
