@@ -58,6 +58,13 @@ func (c *ConversationCache) put(conv string, t turn) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	t.at = c.now()
+	// Entries are ordered by when they were stored and share one TTL, so the stale ones are at
+	// the back: drop them here, so that memory stays bounded without anyone calling Sweep.
+	for last := c.order.Back(); last != nil && t.at.Sub(last.Value.(*cacheEntry).t.at) >= c.ttl; last = c.order.Back() {
+		c.order.Remove(last)
+		delete(c.entries, last.Value.(*cacheEntry).id)
+		c.stale++
+	}
 	if e := c.entries[conv]; e != nil {
 		e.Value.(*cacheEntry).t = t
 		c.order.MoveToFront(e)
