@@ -9,7 +9,6 @@ import (
 	"log/slog"
 	"net"
 	"os"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -222,14 +221,12 @@ func New(opts Options) (*Connector, error) {
 		return fail(err)
 	}
 	c.host = opts.AdvertiseHost
-	h, p, _ := net.SplitHostPort(c.side.addr().String())
-	c.port, _ = strconv.Atoi(p)
+	c.port = c.side.addr().(*net.TCPAddr).Port
 	if c.host == "" {
 		c.host, _, _ = net.SplitHostPort(opts.SideChannelAddr)
 		if ip := net.ParseIP(c.host); c.host == "" || (ip != nil && ip.IsUnspecified()) {
 			c.host = "localhost"
 		}
-		_ = h
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	return c, nil
