@@ -530,7 +530,7 @@ type runningProxy struct {
 		http.Handler
 		Close() error
 	}
-	legs      *legHook
+	legs      *faultproxy.PortRewriter
 	closeOnce sync.Once
 }
 
@@ -555,7 +555,7 @@ func startProxy(t *testing.T, pURL, dURL string, o proxyOptions) *runningProxy {
 		header = time.Minute
 	}
 	tr := &http.Transport{MaxIdleConnsPerHost: 16, ResponseHeaderTimeout: header}
-	hook := &legHook{next: tr, ports: maps.Clone(o.rewrite)}
+	hook := faultproxy.NewPortRewriter(tr, o.rewrite)
 	cfg := proxy.Config{Prefill: []proxy.Instance{inst(pURL)}, Decode: []proxy.Instance{inst(dURL)}, Transport: hook, IdleTimeout: o.idle, HeaderTimeout: header}
 	rp := &runningProxy{legs: hook}
 	if o.multiTurn {
@@ -586,60 +586,13 @@ func (rp *runningProxy) close() {
 
 // setRewrite replaces the side-channel port map.
 func (rp *runningProxy) setRewrite(ports map[int]int) {
-	rp.legs.mu.Lock()
-	rp.legs.ports = maps.Clone(ports)
-	rp.legs.mu.Unlock()
+	rp.legs.SetPorts(ports)
 }
 
 // beforeLeg sets a function called before each engine leg leaves the proxy, with the leg's
 // host:port; nil removes it.
 func (rp *runningProxy) beforeLeg(f func(hostPort string)) {
-	rp.legs.mu.Lock()
-	rp.legs.before = f
-	rp.legs.mu.Unlock()
-}
-
-// legHook is the proxy's transport to the engines: it rewrites kv_transfer_params.remote_port
-// in request bodies, so that a consumer dials a fault proxy in front of the producer's side
-// channel, and lets a test act just before a leg leaves (kill the engine it goes to).
-type legHook struct {
-	next   http.RoundTripper
-	mu     sync.Mutex
-	ports  map[int]int
-	before func(hostPort string)
-}
-
-func (p *legHook) RoundTrip(req *http.Request) (*http.Response, error) {
-	p.mu.Lock()
-	ports, before := p.ports, p.before
-	p.mu.Unlock()
-	if before != nil {
-		before(req.URL.Host)
-	}
-	if req.Body == nil || req.Method != http.MethodPost || len(ports) == 0 {
-		return p.next.RoundTrip(req)
-	}
-	data, err := io.ReadAll(req.Body)
-	req.Body.Close()
-	if err != nil {
-		return nil, err
-	}
-	var m map[string]any
-	if json.Unmarshal(data, &m) == nil {
-		if kv, ok := m["kv_transfer_params"].(map[string]any); ok {
-			if port, ok := kv["remote_port"].(float64); ok {
-				if to, ok := ports[int(port)]; ok {
-					kv["remote_port"] = to
-					data, _ = json.Marshal(m)
-				}
-			}
-		}
-	}
-	r2 := req.Clone(req.Context())
-	r2.Body = io.NopCloser(bytes.NewReader(data))
-	r2.ContentLength = int64(len(data))
-	r2.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
-	return p.next.RoundTrip(r2)
+	rp.legs.SetBefore(f)
 }
 
 // newFaultProxy starts a fault proxy to target (may be ""), closed at cleanup.

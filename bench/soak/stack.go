@@ -1,11 +1,9 @@
 package soak
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
-	"io"
 	"log/slog"
 	"maps"
 	"net"
@@ -188,7 +186,7 @@ type stack struct {
 	served    chan error
 	URL       string
 	transport *http.Transport
-	hook      *legHook
+	hook      *faultproxy.PortRewriter
 	client    *http.Client // the workload's client to the proxy
 	refClient *http.Client // to the reference engine
 	backend   string
@@ -244,7 +242,7 @@ func startStack(ctx context.Context, m *model.Model, policy connector.FailurePol
 	}
 	s.transport = &http.Transport{MaxIdleConnsPerHost: 64, ResponseHeaderTimeout: headerTimeout,
 		DialContext: (&net.Dialer{Timeout: 5 * time.Second}).DialContext}
-	s.hook = &legHook{next: s.transport, ports: map[int]int{s.p.sidePort: s.p.side.Port(), s.d.sidePort: s.d.side.Port()}}
+	s.hook = faultproxy.NewPortRewriter(s.transport, map[int]int{s.p.sidePort: s.p.side.Port(), s.d.sidePort: s.d.side.Port()})
 	inst := func(fp *faultproxy.Proxy) proxy.Instance {
 		in, _ := proxy.NewInstance("127.0.0.1", fp.Port())
 		return in
@@ -412,43 +410,4 @@ func freeAddr() (string, error) {
 	}
 	defer ln.Close()
 	return ln.Addr().String(), nil
-}
-
-// legHook is the proxy's transport to the engines: it rewrites kv_transfer_params.remote_port
-// from an engine's side-channel port to the fault proxy in front of it, so that the consumer's
-// handshake goes through the fault proxy.
-type legHook struct {
-	next  http.RoundTripper
-	mu    sync.Mutex
-	ports map[int]int
-}
-
-func (h *legHook) RoundTrip(req *http.Request) (*http.Response, error) {
-	h.mu.Lock()
-	ports := maps.Clone(h.ports)
-	h.mu.Unlock()
-	if req.Body == nil || req.Method != http.MethodPost {
-		return h.next.RoundTrip(req)
-	}
-	data, err := io.ReadAll(req.Body)
-	req.Body.Close()
-	if err != nil {
-		return nil, err
-	}
-	var m map[string]any
-	if json.Unmarshal(data, &m) == nil {
-		if kv, ok := m["kv_transfer_params"].(map[string]any); ok {
-			if port, ok := kv["remote_port"].(float64); ok {
-				if to, ok := ports[int(port)]; ok {
-					kv["remote_port"] = to
-					data, _ = json.Marshal(m)
-				}
-			}
-		}
-	}
-	r2 := req.Clone(req.Context())
-	r2.Body = io.NopCloser(bytes.NewReader(data))
-	r2.ContentLength = int64(len(data))
-	r2.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
-	return h.next.RoundTrip(r2)
 }
