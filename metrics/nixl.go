@@ -100,9 +100,12 @@ func (n *NixlMetrics) CountFailedTransfer() {
 	n.mu.Unlock()
 }
 
-// CountFailedNotification counts a notification that could not be sent.
+// CountFailedNotification counts a notification that could not be sent. It counts in both
+// vllm:nixl_num_failed_notifications_total and vllm:nixl_num_failed_transfers_total, which the
+// seed guide defines as "failed NIXL transfers or notifications".
 func (n *NixlMetrics) CountFailedNotification() {
 	n.failedNotifications.Inc()
+	n.failedTransfers.Inc()
 	n.mu.Lock()
 	n.interval.FailedNotifications++
 	n.mu.Unlock()

@@ -52,7 +52,8 @@ func TestRegistryExposesVLLMNames(t *testing.T) {
 		`vllm:nixl_post_time_seconds_count{engine="0",model_name="tiny"} 1`,
 		`vllm:nixl_bytes_transferred_bucket{engine="0",model_name="tiny",le="8192"} 1`,
 		`vllm:nixl_num_descriptors_bucket{engine="0",model_name="tiny",le="10"} 1`,
-		`vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny"} 1`,
+		// One failed transfer and one failed notification: the guide's counter holds both.
+		`vllm:nixl_num_failed_transfers_total{engine="0",model_name="tiny"} 2`,
 		`vllm:nixl_num_failed_notifications_total{engine="0",model_name="tiny"} 1`,
 		`vllm:nixl_num_kv_expired_reqs_total{engine="0",model_name="tiny"} 1`,
 		`vllm:nixl_num_notifications_after_expiry_total{engine="0",model_name="tiny"} 1`,
