@@ -2,6 +2,7 @@ package openai
 
 import (
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -109,8 +110,9 @@ func TestKVTransferParamsReturned(t *testing.T) {
 	}
 
 	for _, route := range []string{"/v1/chat/completions", "/v1/completions"} {
+		// stream_options {} means include_usage, as in vLLM.
 		body := map[string]any{"max_tokens": 3, "ignore_eos": true, "stream": true,
-			"stream_options": map[string]any{"include_usage": true}, "kv_transfer_params": kv}
+			"stream_options": map[string]any{}, "kv_transfer_params": kv}
 		object := "text_completion"
 		if route == "/v1/chat/completions" {
 			body["messages"] = []any{map[string]any{"role": "user", "content": "hi"}}
@@ -123,18 +125,35 @@ func TestKVTransferParamsReturned(t *testing.T) {
 			t.Fatalf("%s: status %d", route, resp.StatusCode)
 		}
 		events := sseEvents(t, sb)
-		if len(events) < 4 {
+		if len(events) < 3 || events[len(events)-1] != "[DONE]" {
 			t.Fatalf("%s: events %q", route, events)
 		}
-		// … final text chunk, kv_transfer_params chunk, usage chunk, [DONE].
-		kvChunk := decode(t, []byte(events[len(events)-3]))
-		if kvChunk["object"] != object || len(kvChunk["choices"].([]any)) != 0 {
-			t.Errorf("%s: kv chunk = %s", route, events[len(events)-3])
+		// vLLM's benchmark reads choices[0] of every event but the usage one: every other
+		// event must have a choice.
+		for i, ev := range events[:len(events)-2] {
+			if c, _ := decode(t, []byte(ev))["choices"].([]any); len(c) == 0 {
+				t.Errorf("%s: event %d has no choice: %s", route, i, ev)
+			}
 		}
-		if p, ok := kvChunk["kv_transfer_params"].(map[string]any); !ok || p["remote_engine_id"] != "engine-x" {
-			t.Errorf("%s: kv chunk params = %v", route, kvChunk["kv_transfer_params"])
+		// … the chunk with finish_reason carries the params, then the usage chunk, [DONE].
+		final := decode(t, []byte(events[len(events)-3]))
+		choice, _ := final["choices"].([]any)[0].(map[string]any)
+		if final["object"] != object || choice["finish_reason"] != "length" {
+			t.Errorf("%s: final chunk = %s", route, events[len(events)-3])
 		}
-		usageOf(t, decode(t, []byte(events[len(events)-2])))
+		if p, ok := final["kv_transfer_params"].(map[string]any); !ok || p["remote_engine_id"] != "engine-x" {
+			t.Errorf("%s: final chunk params = %v", route, final["kv_transfer_params"])
+		}
+		usage := decode(t, []byte(events[len(events)-2]))
+		if c, _ := usage["choices"].([]any); len(c) != 0 || usage["kv_transfer_params"] != nil {
+			t.Errorf("%s: usage chunk = %s", route, events[len(events)-2])
+		}
+		usageOf(t, usage)
+		for _, ev := range events[:len(events)-3] {
+			if strings.Contains(ev, "kv_transfer_params") {
+				t.Errorf("%s: params on a chunk before the final one: %s", route, ev)
+			}
+		}
 	}
 }
 

@@ -37,8 +37,8 @@ type outcome struct {
 }
 
 // deltaFunc receives the text of each output as it arrives (streaming); final is set on the
-// last call, with the finish reason.
-type deltaFunc func(text string, final bool, finish string, u usageInfo)
+// last call, with the finish reason and the connector's kv_transfer_params (nil when none).
+type deltaFunc func(text string, final bool, finish string, u usageInfo, kv map[string]any)
 
 // engineID returns a unique engine request id for a response id: vLLM appends a random suffix
 // to external ids so that a reused X-Request-Id never collides inside the engine.
@@ -131,7 +131,7 @@ func (s *Server) collect(ctx context.Context, j *job, st *engine.Stream, onDelta
 
 			if !o.Finished {
 				if onDelta != nil && o.Text != "" {
-					onDelta(o.Text, false, "", out.usage)
+					onDelta(o.Text, false, "", out.usage, nil)
 				}
 				continue
 			}
@@ -155,7 +155,7 @@ func (s *Server) collect(ctx context.Context, j *job, st *engine.Stream, onDelta
 			out.finish = o.FinishReason
 			out.kvTransfer = o.KVTransfer
 			if onDelta != nil {
-				onDelta(o.Text, true, o.FinishReason, out.usage)
+				onDelta(o.Text, true, o.FinishReason, out.usage, out.kvTransfer)
 			}
 			return out, nil, nil
 		}
@@ -206,9 +206,11 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) {
 }
 
 // stream writes the job's outputs as SSE chunks: (chat) a first chunk with the assistant role,
-// text deltas, the chunk with finish_reason, a kv_transfer_params chunk when the engine returned
-// params, a usage chunk with stream_options.include_usage, then [DONE]. A failure after the
-// headers went out is one error event then [DONE].
+// text deltas, the chunk with finish_reason — which also carries the engine's
+// kv_transfer_params, when there are some, as a top-level field beside choices — a usage chunk
+// (choices: []) with stream_options.include_usage, then [DONE]. Every chunk but the usage one
+// has a choice, so clients that read choices[0] of every event (vLLM's multi-turn benchmark)
+// can parse the stream. A failure after the headers went out is one error event then [DONE].
 func (s *Server) stream(ctx context.Context, w http.ResponseWriter, j *job, st *engine.Stream) {
 	sse := newSSEWriter(w)
 	sse.start()
@@ -226,17 +228,18 @@ func (s *Server) stream(ctx context.Context, w http.ResponseWriter, j *job, st *
 		sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
 			Choices: []completionChoice{{Text: j.echo}}})
 	}
-	onDelta := func(text string, final bool, finish string, u usageInfo) {
+	onDelta := func(text string, final bool, finish string, u usageInfo, kv map[string]any) {
 		var fin *string
 		if final {
 			fin = &finish
 		}
 		if j.chat {
 			sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
-				Choices: []chatChunkChoice{{Delta: chatDelta{Content: &text}, FinishReason: fin}}, Usage: usageFor(u)})
+				Choices: []chatChunkChoice{{Delta: chatDelta{Content: &text}, FinishReason: fin}}, Usage: usageFor(u),
+				KVTransferParams: kv})
 		} else {
 			sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
-				Choices: []completionChoice{{Text: text, FinishReason: fin}}, Usage: usageFor(u)})
+				Choices: []completionChoice{{Text: text, FinishReason: fin}}, Usage: usageFor(u), KVTransferParams: kv})
 		}
 	}
 	out, apiErr, err := s.collect(ctx, j, st, onDelta)
@@ -248,28 +251,23 @@ func (s *Server) stream(ctx context.Context, w http.ResponseWriter, j *job, st *
 		sse.done()
 		return
 	}
-	object := "text_completion"
-	if j.chat {
-		object = "chat.completion.chunk"
-	}
-	if out.kvTransfer != nil {
-		sse.event(finalChunk{ID: j.id, Object: object, Created: j.created, Model: j.model,
-			Choices: []struct{}{}, KVTransferParams: out.kvTransfer})
-	}
 	if j.p.includeUsage {
-		sse.event(finalChunk{ID: j.id, Object: object, Created: j.created, Model: j.model,
+		object := "text_completion"
+		if j.chat {
+			object = "chat.completion.chunk"
+		}
+		sse.event(usageChunk{ID: j.id, Object: object, Created: j.created, Model: j.model,
 			Choices: []struct{}{}, Usage: &out.usage})
 	}
 	sse.done()
 }
 
-// finalChunk is a chunk with empty choices that carries kv_transfer_params or usage.
-type finalChunk struct {
-	ID               string         `json:"id"`
-	Object           string         `json:"object"`
-	Created          int64          `json:"created"`
-	Model            string         `json:"model"`
-	Choices          []struct{}     `json:"choices"`
-	Usage            *usageInfo     `json:"usage,omitempty"`
-	KVTransferParams map[string]any `json:"kv_transfer_params,omitempty"`
+// usageChunk is the chunk with empty choices that carries the usage.
+type usageChunk struct {
+	ID      string     `json:"id"`
+	Object  string     `json:"object"`
+	Created int64      `json:"created"`
+	Model   string     `json:"model"`
+	Choices []struct{} `json:"choices"`
+	Usage   *usageInfo `json:"usage"`
 }

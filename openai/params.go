@@ -136,7 +136,8 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 
 	p.stream = c.Stream != nil && *c.Stream
 	if p.stream && c.StreamOptions != nil {
-		p.includeUsage = c.StreamOptions.IncludeUsage != nil && *c.StreamOptions.IncludeUsage
+		// As in vLLM, include_usage defaults to true once stream_options is given: {} asks for usage.
+		p.includeUsage = c.StreamOptions.IncludeUsage == nil || *c.StreamOptions.IncludeUsage
 		p.continuousUsage = p.includeUsage && c.StreamOptions.ContinuousUsageStats != nil && *c.StreamOptions.ContinuousUsageStats
 	}
 	p.kvTransfer = c.KVTransferParams
