@@ -11,9 +11,9 @@ import (
 // polled).
 func TestConversationCacheDropsStaleOnPut(t *testing.T) {
 	now := time.Unix(1000, 0)
-	c := NewConversationCache(time.Minute, 0, func() time.Time { return now })
+	c := NewConversationCache(time.Minute, 0, 0, func() time.Time { return now })
 	for i := range 100 {
-		c.put(strconv.Itoa(i), turn{text: "x"})
+		c.put(strconv.Itoa(i), turn{prefixLen: 1})
 	}
 	now = now.Add(2 * time.Minute)
 	c.put("fresh", turn{})

@@ -1,9 +1,7 @@
 package proxy
 
 import (
-	"bufio"
 	"bytes"
-	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -24,8 +22,11 @@ type MultiTurnConfig struct {
 	// CacheTTL is how long a conversation's D params stay usable (default 450 s, below the
 	// decoder's 480 s decoder_kv_blocks_ttl).
 	CacheTTL time.Duration
-	// MaxConversations bounds the cache (default 10,000); the least recently stored go first.
-	MaxConversations int
+	// MaxConversations and MaxConversationBytes bound the cache (defaults
+	// DefaultMaxConversations and DefaultMaxConversationBytes); the least recently stored go
+	// first.
+	MaxConversations     int
+	MaxConversationBytes int64
 	// RequireConversationID answers 400 to requests without a conversation id instead of
 	// routing them one-way.
 	RequireConversationID bool
@@ -58,12 +59,13 @@ type MultiTurn struct {
 
 	mu        sync.Mutex
 	unhealthy map[Instance]time.Time
+	noParams  map[Instance]bool // decoders already warned about for returning no params
 }
 
 type proxyMetrics struct {
-	hits, misses, rejections, uncachable prometheus.Counter
-	leg                                  *prometheus.HistogramVec
-	ttft                                 prometheus.Histogram
+	hits, misses, rejections, uncachable, noParams prometheus.Counter
+	leg                                            *prometheus.HistogramVec
+	ttft                                           prometheus.Histogram
 }
 
 // NewMultiTurn returns the multi-turn proxy for cfg.
@@ -78,11 +80,12 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		legs:      legs{cfg: cfg.Config, client: &http.Client{Transport: cfg.Transport}},
 		p:         roundRobin{list: cfg.Prefill},
 		d:         roundRobin{list: cfg.Decode},
-		cache:     NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.Now),
+		cache:     NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.MaxConversationBytes, cfg.Now),
 		require:   cfg.RequireConversationID,
 		mux:       http.NewServeMux(),
 		reg:       prometheus.NewRegistry(),
 		unhealthy: map[Instance]time.Time{},
+		noParams:  map[Instance]bool{},
 	}
 	counter := func(name, help string) prometheus.Counter {
 		c := prometheus.NewCounter(prometheus.CounterOpts{Name: "kvbridge:proxy_" + name, Help: help})
@@ -93,6 +96,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	mt.m.misses = counter("conversation_cache_misses_total", "Turns with a conversation id but no usable cached params (first turn, expired, or edited history).")
 	mt.m.rejections = counter("conversation_cache_rejections_total", "Cached turns refused because the new request does not continue the previous one exactly.")
 	mt.m.uncachable = counter("conversation_cache_uncachable_total", "Turns not cached because the answer had reasoning or tool-call deltas or include_reasoning was false.")
+	mt.m.noParams = counter("decode_without_params_total", "Turns with a conversation id whose decoder returned no kv_transfer_params, so nothing could be cached (a decoder without bidirectional_kv_xfer, or another engine).")
 	mt.m.leg = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvbridge:proxy_leg_seconds", Help: "Duration of each leg: prefill until P's answer, decode until the end of D's stream.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, []string{"leg"})
 	mt.m.ttft = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvbridge:proxy_time_to_first_token_seconds", Help: "Time from the client's request to the first content the proxy relays.",
@@ -100,7 +104,9 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	mt.reg.MustRegister(mt.m.leg, mt.m.ttft, prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_cached_conversations", Help: "Conversations in the cache."},
 		func() float64 { n, _ := mt.cache.Sweep(); return float64(n) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_conversation_cache_evictions_total", Help: "Conversations dropped because the cache was full."},
-			func() float64 { return float64(mt.cache.Evicted()) }))
+			func() float64 { return float64(mt.cache.Evicted()) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_cached_conversation_bytes", Help: "Bytes the cached conversations take, as the cache's byte bound counts them."},
+			func() float64 { return float64(mt.cache.Bytes()) }))
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
 	mt.mux.HandleFunc("GET /health", mt.health)
@@ -149,26 +155,44 @@ func (mt *MultiTurn) markUnhealthy(inst Instance) {
 	mt.mu.Unlock()
 }
 
+// MaxConversationIDBytes is the longest conversation id the multi-turn proxy accepts.
+const MaxConversationIDBytes = 256
+
 // conversationID takes the id out of the body (it is never forwarded) or the X-Session-ID header.
 func conversationID(b body, r *http.Request) (string, error) {
 	v, ok := b["conversation_id"]
 	delete(b, "conversation_id")
+	id := r.Header.Get("X-Session-ID")
 	if ok && v != nil {
 		s, isStr := v.(string)
 		if !isStr {
 			return "", errors.New("conversation_id must be a string")
 		}
 		if s != "" {
-			return s, nil
+			id = s
 		}
 	}
-	return r.Header.Get("X-Session-ID"), nil
+	if len(id) > MaxConversationIDBytes {
+		return "", fmt.Errorf("conversation_id is %d bytes long; at most %d are accepted", len(id), MaxConversationIDBytes)
+	}
+	return id, nil
+}
+
+// refuseClientParams answers 400 when a client sends kv_transfer_params: they name engines'
+// blocks, and only the proxy, which talks to the engines, may fill them in.
+func refuseClientParams(w http.ResponseWriter, b body) bool {
+	if _, ok := b["kv_transfer_params"]; !ok {
+		return false
+	}
+	writeError(w, http.StatusBadRequest, "BadRequestError", codeBadRequest,
+		"kv_transfer_params are set by this proxy for its engines; a client may not send them")
+	return true
 }
 
 func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string, chat bool) {
 	start := time.Now()
 	b, ok := mt.readBody(w, r)
-	if !ok {
+	if !ok || refuseClientParams(w, b) {
 		return
 	}
 	conv, err := conversationID(b, r)
@@ -227,28 +251,56 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	dbody["stream"] = true
 	dbody["stream_options"] = map[string]any{"include_usage": true}
 	dstart := time.Now()
-	ans, err := mt.decodeStream(w, r, dInst, path, reqID, dbody, b, start)
+	// The turn is stored when D's stream ends, before the client sees [DONE].
+	store := func(ans answer) {
+		if conv != "" {
+			mt.remember(conv, chat, b, dInst, ans)
+		}
+	}
+	_ = mt.decodeStream(w, r, dInst, path, reqID, dbody, b, start, store)
 	mt.m.leg.WithLabelValues("decode").Observe(time.Since(dstart).Seconds())
-	if err != nil {
+}
+
+// remember stores the turn a finished answer completes, when it can be reused.
+func (mt *MultiTurn) remember(conv string, chat bool, b body, dInst Instance, ans answer) {
+	switch {
+	case ans.err != nil:
 		return
-	}
-	if conv == "" || ans.params == nil || ans.err != nil {
+	case ans.params == nil:
+		mt.warnNoParams(dInst)
 		return
-	}
-	if ans.uncachable || b["include_reasoning"] == false {
+	case ans.uncachable || b["include_reasoning"] == false:
 		mt.m.uncachable.Inc()
 		return
 	}
-	t := turn{params: ans.params, decoder: dInst, chat: chat, text: ans.text}
-	t.params["remote_host"] = dInst.Host
+	ans.params["remote_host"] = dInst.Host
+	var t turn
 	if chat {
-		t.messages, _ = canonicalMessages(b)
+		msgs, ok := canonicalMessages(b)
+		if !ok {
+			return
+		}
+		t = newChatTurn(ans.params, dInst, msgs, ans.text)
 	} else if p, ok := b["prompt"].(string); ok {
-		t.prompt = p
+		t = newCompletionTurn(ans.params, dInst, p, ans.text)
 	} else {
 		return // token-id prompts cannot be checked for continuation
 	}
 	mt.cache.put(conv, t)
+}
+
+// warnNoParams counts a turn whose decoder returned no kv_transfer_params, and says why once
+// per decoder: nothing of its conversations can be cached.
+func (mt *MultiTurn) warnNoParams(d Instance) {
+	mt.m.noParams.Inc()
+	mt.mu.Lock()
+	warned := mt.noParams[d]
+	mt.noParams[d] = true
+	mt.mu.Unlock()
+	if !warned {
+		mt.cfg.Logger.Warn("decode instance returned no kv_transfer_params, so its conversations are never cached and every turn is a miss: start it with kv_connector_extra_config.bidirectional_kv_xfer=true (a kvbridge or vLLM engine with the NixlConnector)",
+			"instance", d.String())
+	}
 }
 
 // setUsageHeaders reports P's prefill accounting.
@@ -287,11 +339,13 @@ type answer struct {
 }
 
 // decodeStream calls D with stream=true and either relays the events to a streaming client
-// (leaving out the chunk that only carries D's kv_transfer_params, and the usage chunk unless
-// the client asked for it) or assembles one response for a non-streaming client.
-func (mt *MultiTurn) decodeStream(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, dbody, client body, start time.Time) (answer, error) {
+// (without D's kv_transfer_params, and without the usage chunk unless the client asked for it)
+// or assembles one response for a non-streaming client. done sees the answer when D's stream
+// has ended, before the client sees [DONE] or the assembled response; from then on the client's
+// departure no longer touches the leg. It returns the first error.
+func (mt *MultiTurn) decodeStream(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, dbody, client body, start time.Time, done func(answer)) error {
 	var ans answer
-	ctx, cancel := context.WithCancelCause(r.Context())
+	ctx, cancel, detach := legContext(r.Context())
 	defer cancel(nil)
 	resp, err := mt.post(ctx, inst, path, reqID, r.Header, dbody)
 	if err != nil {
@@ -299,69 +353,74 @@ func (mt *MultiTurn) decodeStream(w http.ResponseWriter, r *http.Request, inst I
 			mt.markUnhealthy(inst)
 			mt.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
 		}
-		return ans, err
+		return err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode/100 != 2 {
 		data, _ := readAllIdle(resp.Body, mt.cfg.IdleTimeout, cancel)
 		(&legError{status: resp.StatusCode, body: data}).write(w)
-		return ans, fmt.Errorf("decode answered %d", resp.StatusCode)
+		return fmt.Errorf("decode answered %d", resp.StatusCode)
 	}
 	streaming := client.streaming()
 	wantUsage := false
 	if so, ok := client["stream_options"].(map[string]any); ok {
-		wantUsage, _ = so["include_usage"].(bool)
+		// As in vLLM, stream_options {} asks for usage.
+		v, set := so["include_usage"]
+		wantUsage = !set || v == true
 	}
-	rc := http.NewResponseController(w)
+	out := newSSEWriter(w)
 	if streaming {
 		w.Header().Set("Content-Type", "text/event-stream")
 		w.Header().Set("Cache-Control", "no-cache")
 		w.Header().Set("X-Request-Id", reqID)
 		w.WriteHeader(http.StatusOK)
-		_ = rc.Flush()
+		_ = out.rc.Flush()
 	}
 	ir := newIdleReader(resp.Body, mt.cfg.IdleTimeout, cancel)
 	defer ir.close()
-	br := bufio.NewReaderSize(ir, 64<<10)
+	events := newEventReader(ir)
 	first := true
 	for {
-		line, err := br.ReadBytes('\n')
-		data, isData := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data: "))
-		if isData {
-			forward := ans.event(data)
-			if streaming && (forward || (wantUsage && isUsageChunk(data))) {
-				if first && !bytes.Equal(data, []byte("[DONE]")) {
-					mt.m.ttft.Observe(time.Since(start).Seconds())
-					first = false
-				}
-				if _, werr := fmt.Fprintf(w, "data: %s\n\n", data); werr != nil {
-					return ans, werr
-				}
-				if ferr := rc.Flush(); ferr != nil {
-					return ans, ferr
-				}
-			}
-		}
-		if err == io.EOF {
+		data, err := events.next()
+		if errors.Is(err, io.EOF) || bytes.Equal(data, doneData) {
 			break
 		}
 		if err != nil {
 			err = legCause(ctx, err)
+			if r.Context().Err() != nil {
+				return err // the client left before the end
+			}
 			mt.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
 			if streaming {
 				writeSSEError(w, "decode stream ended early: "+err.Error())
-				_ = rc.Flush()
+				_ = out.rc.Flush()
 			} else {
 				mt.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
 			}
-			return ans, err
+			return err
+		}
+		data, forward := ans.event(data)
+		if streaming && (forward || (wantUsage && isUsageChunk(data))) {
+			if first {
+				mt.m.ttft.Observe(time.Since(start).Seconds())
+				first = false
+			}
+			if err := out.event(data); err != nil {
+				return err
+			}
 		}
 	}
+	// D's stream is over: finish the bookkeeping, then let the client have the end of it.
+	detach()
+	done(ans)
 	if !streaming {
 		mt.m.ttft.Observe(time.Since(start).Seconds())
 		writeAssembled(w, reqID, client, ans)
+	} else if err := out.event(doneData); err != nil {
+		return nil // the client left at [DONE], as most clients do
 	}
-	return ans, nil
+	drain(ir)
+	return nil
 }
 
 // isUsageChunk reports whether an SSE payload is the usage-only chunk.
@@ -373,21 +432,24 @@ func isUsageChunk(data []byte) bool {
 	return json.Unmarshal(data, &m) == nil && len(m.Choices) == 0 && m.Usage != nil
 }
 
-// event records one SSE payload of D's stream and reports whether a streaming client should
-// see it.
-func (a *answer) event(data []byte) bool {
-	if bytes.Equal(data, []byte("[DONE]")) {
-		return true
+// event records one SSE payload of D's stream. It returns the payload without D's
+// kv_transfer_params and whether a streaming client should see it: every event with a choice
+// (D puts its params on the one with finish_reason), errors and what the proxy cannot parse;
+// not the usage chunk (the caller decides) nor an older engine's chunk that only carried params.
+func (a *answer) event(data []byte) ([]byte, bool) {
+	data, params := withoutParams(data)
+	if params != nil {
+		a.params = params
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	var m map[string]any
 	if dec.Decode(&m) != nil {
-		return true // not ours to judge
+		return data, true // not ours to judge
 	}
 	if e, ok := m["error"].(map[string]any); ok {
 		a.err = e
-		return true
+		return data, true
 	}
 	if id, ok := m["id"].(string); ok {
 		a.id = id
@@ -421,11 +483,7 @@ func (a *answer) event(data []byte) bool {
 	if u, ok := m["usage"].(map[string]any); ok {
 		a.usage = u
 	}
-	if kv, ok := m["kv_transfer_params"].(map[string]any); ok {
-		a.params = kv
-		return len(choices) > 0 // a chunk that only carries D's params stays with the proxy
-	}
-	return !(len(choices) == 0 && a.usage != nil && m["usage"] != nil)
+	return data, len(choices) > 0
 }
 
 func isEmptyList(v any) bool {

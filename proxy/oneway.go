@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
 
 	"github.com/google/uuid"
 )
@@ -83,7 +82,7 @@ func relayGet(w http.ResponseWriter, r *http.Request, l *legs, inst Instance, pa
 		return
 	}
 	defer resp.Body.Close()
-	_, _ = relay(w, resp, r.Header.Get("X-Request-Id"), l.cfg.IdleTimeout, cancel, nil)
+	_ = relay(w, resp, r.Header.Get("X-Request-Id"), l.cfg.IdleTimeout, cancel)
 }
 
 // readBody reads and decodes the client's JSON body, answering the client itself on failure.
@@ -116,7 +115,7 @@ func requestID(r *http.Request) string {
 
 func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 	b, ok := o.readBody(w, r)
-	if !ok {
+	if !ok || refuseClientParams(w, b) {
 		return
 	}
 	reqID := requestID(r)
@@ -125,12 +124,13 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 		lerr.write(w)
 		return
 	}
-	o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params), nil)
+	o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params))
 }
 
-// decode runs the D leg and relays its answer, whatever its status (vllm#23981).
-func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, b body, onLine func([]byte)) error {
-	ctx, cancel := context.WithCancelCause(r.Context())
+// decode runs the D leg and relays its answer, whatever its status (vllm#23981), without D's
+// kv_transfer_params.
+func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, b body) error {
+	ctx, cancel, detach := legContext(r.Context())
 	defer cancel(nil)
 	resp, err := l.post(ctx, inst, path, reqID, r.Header, b)
 	if err != nil {
@@ -141,15 +141,26 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 		return err
 	}
 	defer resp.Body.Close()
-	if _, err := relay(w, resp, reqID, l.cfg.IdleTimeout, cancel, onLine); err != nil {
-		err = legCause(ctx, err)
-		l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
-		if r.Context().Err() == nil && strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
-			// The 200 is gone: end the stream the way an engine does, so the client sees an
-			// error rather than a truncated success.
-			writeSSEError(w, "decode stream ended early: "+err.Error())
-			_ = http.NewResponseController(w).Flush()
+	if !isSSE(resp) {
+		if err := relayJSON(w, resp, reqID, l.cfg.IdleTimeout, cancel); err != nil {
+			err = legCause(ctx, err)
+			if r.Context().Err() == nil {
+				l.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
+			}
+			return err
 		}
+		return nil
+	}
+	if _, err := relaySSE(w, resp, reqID, l.cfg.IdleTimeout, cancel, detach); err != nil {
+		err = legCause(ctx, err)
+		if r.Context().Err() != nil {
+			return err // the client left before the end of the stream
+		}
+		l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
+		// The 200 is gone: end the stream the way an engine does, so the client sees an
+		// error rather than a truncated success.
+		writeSSEError(w, "decode stream ended early: "+err.Error())
+		_ = http.NewResponseController(w).Flush()
 		return err
 	}
 	return nil

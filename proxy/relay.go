@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strings"
 	"time"
 )
 
@@ -52,101 +51,92 @@ func legCause(ctx context.Context, err error) error {
 	return err
 }
 
-// relay copies an engine's response to the client: status and content headers first, then the
-// body, flushed after every read so SSE events reach the client as they are produced. onLine, when
-// non-nil, sees every complete line of the body (the multi-turn proxy reads D's params from them).
-// It returns how many bytes reached the client and the first error.
-func relay(w http.ResponseWriter, resp *http.Response, reqID string, idle time.Duration, cancel context.CancelCauseFunc, onLine func([]byte)) (int64, error) {
+// relay copies an engine's response to the client verbatim: status and content headers first,
+// then the body, flushed after every read. It serves the routes the proxies pass through
+// (/v1/models). It returns the first error.
+func relay(w http.ResponseWriter, resp *http.Response, reqID string, idle time.Duration, cancel context.CancelCauseFunc) error {
+	copyHeaders(w, resp, reqID)
+	w.WriteHeader(resp.StatusCode)
+	rc := http.NewResponseController(w)
+	ir := newIdleReader(resp.Body, idle, cancel)
+	defer ir.close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := ir.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return fmt.Errorf("writing to the client: %w", werr)
+			}
+			if ferr := rc.Flush(); ferr != nil {
+				return fmt.Errorf("flushing to the client: %w", ferr)
+			}
+		}
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// copyHeaders copies an engine's content headers and sets the request id.
+func copyHeaders(w http.ResponseWriter, resp *http.Response, reqID string) {
 	for _, h := range []string{"Content-Type", "Cache-Control"} {
 		if v := resp.Header.Get(h); v != "" {
 			w.Header().Set(h, v)
 		}
 	}
 	w.Header().Set("X-Request-Id", reqID)
+}
+
+// relayJSON answers the client with an engine's whole (non-streaming) response, less the
+// engine's kv_transfer_params: they name blocks a client has no use for.
+func relayJSON(w http.ResponseWriter, resp *http.Response, reqID string, idle time.Duration, cancel context.CancelCauseFunc) error {
+	data, err := readAllIdle(resp.Body, idle, cancel)
+	if err != nil {
+		return err
+	}
+	data, _ = withoutParams(data)
+	copyHeaders(w, resp, reqID)
+	w.Header().Del("Content-Length")
 	w.WriteHeader(resp.StatusCode)
-	rc := http.NewResponseController(w)
-	_ = rc.Flush()
+	_, err = w.Write(data)
+	return err
+}
+
+// relaySSE relays an engine's event stream to the client an event at a time, so that a stream
+// cut in the middle of an event never hands the client half an event (an error event can follow
+// cleanly). Each event's kv_transfer_params are taken out; detach is called before [DONE] is
+// written (from then on the client may leave without touching the leg), and what follows [DONE]
+// is drained.
+func relaySSE(w http.ResponseWriter, resp *http.Response, reqID string, idle time.Duration, cancel context.CancelCauseFunc, detach func()) (sawDone bool, err error) {
+	copyHeaders(w, resp, reqID)
+	w.WriteHeader(resp.StatusCode)
+	out := newSSEWriter(w)
+	_ = out.rc.Flush()
 	ir := newIdleReader(resp.Body, idle, cancel)
 	defer ir.close()
-	var lines lineSplitter
-	// SSE is relayed whole events at a time, so that a stream cut in the middle of an event
-	// never hands the client half an event (and an error event can follow cleanly).
-	sse := strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream")
-	var pending []byte
-	buf := make([]byte, 32<<10)
-	var total int64
-	write := func(p []byte) error {
-		if len(p) == 0 {
-			return nil
-		}
-		if _, werr := w.Write(p); werr != nil {
-			return fmt.Errorf("writing to the client: %w", werr)
-		}
-		total += int64(len(p))
-		if ferr := rc.Flush(); ferr != nil {
-			return fmt.Errorf("flushing to the client: %w", ferr)
-		}
-		return nil
-	}
+	events := newEventReader(ir)
 	for {
-		n, err := ir.Read(buf)
-		if n > 0 {
-			if onLine != nil {
-				lines.feed(buf[:n], onLine)
-			}
-			out := buf[:n]
-			if sse {
-				pending = append(pending, out...)
-				i := bytes.LastIndex(pending, []byte("\n\n"))
-				if i < 0 {
-					out = nil
-				} else {
-					out = pending[:i+2]
-				}
-			}
-			if werr := write(out); werr != nil {
-				return total, werr
-			}
-			if sse && out != nil {
-				pending = append(pending[:0], pending[len(out):]...)
-			}
-		}
-		if errors.Is(err, io.EOF) {
-			if onLine != nil {
-				lines.flush(onLine)
-			}
-			return total, write(pending)
-		}
+		data, err := events.next()
 		if err != nil {
-			return total, err
+			if errors.Is(err, io.EOF) {
+				return false, nil // an engine that sends no [DONE]: its stream ended cleanly
+			}
+			return false, err
 		}
-	}
-}
-
-// lineSplitter cuts a byte stream into lines.
-type lineSplitter struct{ partial []byte }
-
-func (s *lineSplitter) feed(p []byte, fn func([]byte)) {
-	for {
-		i := bytes.IndexByte(p, '\n')
-		if i < 0 {
-			s.partial = append(s.partial, p...)
-			return
+		if bytes.Equal(data, doneData) {
+			detach()
+			if err := out.event(data); err != nil {
+				return true, nil // the client left at [DONE], as most clients do
+			}
+			drain(ir)
+			return true, nil
 		}
-		if len(s.partial) > 0 {
-			s.partial = append(s.partial, p[:i]...)
-			fn(bytes.TrimRight(s.partial, "\r"))
-			s.partial = s.partial[:0]
-		} else {
-			fn(bytes.TrimRight(p[:i], "\r"))
+		data, _ = withoutParams(data)
+		if err := out.event(data); err != nil {
+			return false, fmt.Errorf("writing to the client: %w", err)
 		}
-		p = p[i+1:]
-	}
-}
-
-func (s *lineSplitter) flush(fn func([]byte)) {
-	if len(s.partial) > 0 {
-		fn(s.partial)
-		s.partial = nil
 	}
 }
