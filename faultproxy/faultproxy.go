@@ -75,6 +75,40 @@ type dirFaults struct {
 	stallAfter int64          // bytes left before the direction stalls; < 0 = off
 	corrupt    int64          // flip every corrupt-th byte forwarded (per link); 0 = off
 	skip       int64          // corrupt only after this many bytes of each link
+	// stallFired and cutFired tell the test that armed a stall or a cut when it has acted.
+	stallFired, cutFired *Signal
+}
+
+// Signal is closed once, when the fault that returned it has acted: a stall holds bytes, a
+// cut closed a link. Tests wait on it instead of guessing from counters that also move for
+// bytes merely passing through.
+type Signal struct {
+	once sync.Once
+	ch   chan struct{}
+}
+
+func newSignal() *Signal { return &Signal{ch: make(chan struct{})} }
+
+// fire closes the signal (once); a nil signal does nothing.
+func (s *Signal) fire() {
+	if s != nil {
+		s.once.Do(func() { close(s.ch) })
+	}
+}
+
+// Done returns a channel closed when the fault has acted.
+func (s *Signal) Done() <-chan struct{} { return s.ch }
+
+// Wait blocks until the fault has acted, or for at most d; it reports whether it acted.
+func (s *Signal) Wait(d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-s.ch:
+		return true
+	case <-t.C:
+		return false
+	}
 }
 
 // Stats are a Proxy's counters.
@@ -172,20 +206,26 @@ func (p *Proxy) SetLatency(dir Direction, d time.Duration) {
 }
 
 // Stall stops forwarding in dir without closing anything: bytes (and ends of stream) are held,
-// the senders fill the socket buffers and block.
-func (p *Proxy) Stall(dir Direction) { p.update(dir, func(f *dirFaults) { f.stalled = true }) }
+// the senders fill the socket buffers and block. The signal fires when a chunk is first held.
+func (p *Proxy) Stall(dir Direction) *Signal {
+	sig := newSignal()
+	p.update(dir, func(f *dirFaults) { f.stalled, f.stallFired = true, sig })
+	return sig
+}
 
 // StallOn stalls, in dir, the first link that is about to forward a chunk containing pattern
 // (that chunk included); other links keep flowing. The pattern (at most 256 bytes) is matched
-// across the chunk boundaries of a link. It fires once.
-func (p *Proxy) StallOn(dir Direction, pattern []byte) {
-	p.StallOnMatch(dir, regexp.MustCompile(regexp.QuoteMeta(string(pattern))))
+// across the chunk boundaries of a link. It fires once; the signal fires with it.
+func (p *Proxy) StallOn(dir Direction, pattern []byte) *Signal {
+	return p.StallOnMatch(dir, regexp.MustCompile(regexp.QuoteMeta(string(pattern))))
 }
 
 // StallOnMatch is StallOn with a regular expression. A match counts when it ends in the chunk
 // about to be forwarded; it may start in the link's last 256 forwarded bytes.
-func (p *Proxy) StallOnMatch(dir Direction, re *regexp.Regexp) {
-	p.update(dir, func(f *dirFaults) { f.stallOn = re })
+func (p *Proxy) StallOnMatch(dir Direction, re *regexp.Regexp) *Signal {
+	sig := newSignal()
+	p.update(dir, func(f *dirFaults) { f.stallOn, f.stallFired = re, sig })
+	return sig
 }
 
 // Resume ends the stalls in dir (Stall, and the link stalled by StallOn, which is disarmed):
@@ -205,15 +245,20 @@ func (p *Proxy) Resume(dir Direction) {
 
 // CloseAfter cuts, once, the link that forwards the n-th byte in dir from now (counting every
 // link): exactly n more bytes are forwarded, then that link is closed on both sides. n ≤ 0
-// cuts the next link that has anything to forward in dir.
-func (p *Proxy) CloseAfter(dir Direction, n int64) {
-	p.update(dir, func(f *dirFaults) { f.closeAfter = max(n, 0) })
+// cuts the next link that has anything to forward in dir. The signal fires when the link is cut.
+func (p *Proxy) CloseAfter(dir Direction, n int64) *Signal {
+	sig := newSignal()
+	p.update(dir, func(f *dirFaults) { f.closeAfter, f.cutFired = max(n, 0), sig })
+	return sig
 }
 
 // StallAfter forwards n more bytes in dir (counting every link) and then stalls dir, as Stall
-// does: a stall in the middle of a stream, whose first part was delivered.
-func (p *Proxy) StallAfter(dir Direction, n int64) {
-	p.update(dir, func(f *dirFaults) { f.stallAfter = max(n, 0) })
+// does: a stall in the middle of a stream, whose first part was delivered. The signal fires
+// when the n-th byte has been forwarded and the stall begins.
+func (p *Proxy) StallAfter(dir Direction, n int64) *Signal {
+	sig := newSignal()
+	p.update(dir, func(f *dirFaults) { f.stallAfter, f.stallFired = max(n, 0), sig })
+	return sig
 }
 
 // Corrupt flips all bits of every every-th byte forwarded in dir on each link, after the
@@ -451,7 +496,7 @@ func (l *link) writer(dir Direction, q <-chan chunk) {
 		if !l.waitTurn(dir, c, tail) {
 			return
 		}
-		b, rest, cut := l.p.take(dir, c.b, sent)
+		b, rest, cut, cutSig := l.p.take(dir, c.b, sent)
 		l.read[dir.index()].Add(int64(len(b) + len(rest) - len(c.b))) // a cut drops the rest of the chunk
 		tail = keepTail(tail, b)
 		if len(b) > 0 {
@@ -460,6 +505,7 @@ func (l *link) writer(dir Direction, q <-chan chunk) {
 			l.p.forwarded[dir.index()].Add(int64(len(b)))
 			if err != nil {
 				l.close()
+				cutSig.fire() // the link is gone either way
 				return
 			}
 			sent += int64(len(b))
@@ -468,6 +514,7 @@ func (l *link) writer(dir Direction, q <-chan chunk) {
 			if l.close() {
 				l.p.cut.Add(1)
 			}
+			cutSig.fire()
 			return
 		}
 		if len(rest) > 0 { // StallAfter split the chunk: the rest waits for the stall to end
@@ -508,6 +555,9 @@ func (l *link) waitTurn(dir Direction, c chunk, tail []byte) bool {
 			f.stallOn, l.held[dir.index()] = nil, true
 		}
 		stalled, latency, changed := f.stalled || l.held[dir.index()], f.latency, l.p.changed
+		if stalled {
+			f.stallFired.fire() // this chunk is held now
+		}
 		l.p.mu.Unlock()
 		var tm *time.Timer
 		var wait <-chan time.Time
@@ -547,14 +597,16 @@ func matchAcross(tail, b []byte, re *regexp.Regexp) bool {
 
 // take applies CloseAfter, StallAfter and Corrupt to chunk b, of which sent bytes of the link
 // precede it in dir. It returns the bytes to forward now, the bytes to forward once a stall set
-// by StallAfter ends, and whether the link is cut after the first ones.
-func (p *Proxy) take(dir Direction, b []byte, sent int64) (now, rest []byte, cut bool) {
+// by StallAfter ends, and whether the link is cut after the first ones (then the CloseAfter
+// signal to fire once it is).
+func (p *Proxy) take(dir Direction, b []byte, sent int64) (now, rest []byte, cut bool, cutSig *Signal) {
 	p.mu.Lock()
 	f := &p.faults[dir.index()]
 	if f.closeAfter >= 0 {
 		if int64(len(b)) >= f.closeAfter {
 			b, cut = b[:f.closeAfter], true
 			f.closeAfter = -1
+			cutSig = f.cutFired
 		} else {
 			f.closeAfter -= int64(len(b))
 		}
@@ -563,6 +615,7 @@ func (p *Proxy) take(dir Direction, b []byte, sent int64) (now, rest []byte, cut
 		if int64(len(b)) >= f.stallAfter {
 			b, rest = b[:f.stallAfter], b[f.stallAfter:]
 			f.stallAfter, f.stalled = -1, true
+			f.stallFired.fire()
 			close(p.changed)
 			p.changed = make(chan struct{})
 		} else {
@@ -587,7 +640,7 @@ func (p *Proxy) take(dir Direction, b []byte, sent int64) (now, rest []byte, cut
 			}
 		}
 	}
-	return b, rest, cut
+	return b, rest, cut, cutSig
 }
 
 // endStream passes the end of dir's stream on (a half close); when both directions have

@@ -394,3 +394,82 @@ func TestCloseIsIdempotentAndEndsEveryGoroutine(t *testing.T) {
 	// The server side ends once the proxy's target connections closed.
 	eventually(t, "goroutines to return to their count before the proxy", func() bool { return runtime.NumGoroutine() <= before })
 }
+
+// TestSignalsFireWhenFaultsAct: the signal a stall or a cut returns fires when the fault acts —
+// not while bytes merely pass through — so tests know the link is stalled or cut now.
+func TestSignalsFireWhenFaultsAct(t *testing.T) {
+	open := func(sig *faultproxy.Signal) bool {
+		select {
+		case <-sig.Done():
+			return false
+		default:
+			return true
+		}
+	}
+	t.Run("StallOn", func(t *testing.T) {
+		s := startServer(t, nil)
+		p := newProxy(t, s.addr())
+		sig := p.StallOn(faultproxy.Up, []byte("NOTIF"))
+		c := dial(t, p)
+		for range 20 { // bytes flowing through (and held in flight for a moment) do not fire it
+			if _, err := c.Write([]byte("data")); err != nil {
+				t.Fatal(err)
+			}
+			readN(t, c, 4)
+		}
+		if !open(sig) {
+			t.Fatal("the signal fired before the pattern passed")
+		}
+		if _, err := c.Write([]byte("NOTIF")); err != nil {
+			t.Fatal(err)
+		}
+		if !sig.Wait(10 * time.Second) {
+			t.Fatal("the signal did not fire when the pattern was held")
+		}
+		if got := p.Stats().Held[0]; got != 5 {
+			t.Errorf("%d bytes held when the signal fired, want 5", got)
+		}
+	})
+	t.Run("Stall", func(t *testing.T) {
+		s := startServer(t, nil)
+		p := newProxy(t, s.addr())
+		c := dial(t, p)
+		sig := p.Stall(faultproxy.Up)
+		if !open(sig) {
+			t.Fatal("the signal fired with nothing held")
+		}
+		if _, err := c.Write([]byte("held")); err != nil {
+			t.Fatal(err)
+		}
+		if !sig.Wait(10 * time.Second) {
+			t.Fatal("the signal did not fire when bytes were held")
+		}
+	})
+	t.Run("StallAfter", func(t *testing.T) {
+		s := startServer(t, []byte("0123456789"))
+		p := newProxy(t, s.addr())
+		sig := p.StallAfter(faultproxy.Down, 4)
+		c := dial(t, p)
+		if !sig.Wait(10 * time.Second) {
+			t.Fatal("the signal did not fire at the stall point")
+		}
+		if got := readN(t, c, 4); string(got) != "0123" {
+			t.Fatalf("before the stall: %q", got)
+		}
+	})
+	t.Run("CloseAfter", func(t *testing.T) {
+		s := startServer(t, bytes.Repeat([]byte{7}, 100))
+		p := newProxy(t, s.addr())
+		sig := p.CloseAfter(faultproxy.Down, 10)
+		c := dial(t, p)
+		if !sig.Wait(10 * time.Second) {
+			t.Fatal("the signal did not fire at the cut")
+		}
+		if got, _ := io.ReadAll(c); len(got) != 10 {
+			t.Fatalf("read %d bytes, want 10", len(got))
+		}
+		if p.Stats().Cut != 1 {
+			t.Errorf("cut %d, want 1", p.Stats().Cut)
+		}
+	})
+}

@@ -259,6 +259,21 @@ func (e *engine) waitPoolFull(t *testing.T) {
 	})
 }
 
+// fired waits (at most waitFor) until a fault proxy's stall or cut has acted: its signal, not a
+// byte counter, which also moves for bytes merely passing through.
+func fired(t *testing.T, what string, sig *faultproxy.Signal) {
+	t.Helper()
+	tm := time.NewTimer(waitFor)
+	defer tm.Stop()
+	select {
+	case <-sig.Done():
+	case <-tm.C:
+		t.Fatalf("timed out after %v waiting for %s", waitFor, what)
+	case <-t.Context().Done():
+		t.Fatalf("test ended while waiting for %s", what)
+	}
+}
+
 // eventually polls cond (every millisecond) until it holds, failing after waitFor.
 func eventually(t *testing.T, what string, cond func() bool, detail ...func() string) {
 	t.Helper()

@@ -175,12 +175,13 @@ func TestProducerKilledDuringRead(t *testing.T) {
 		k := startKillStack(t, killOptions{childP: true, policy: policy, transferProxy: true})
 		k.askOK(t, longPrompt(41), 41) // handshake and transfer connections
 		before := k.d.Connector.Agent().Stats()
-		k.xfer.Stall(faultproxy.Up)
+		held := k.xfer.Stall(faultproxy.Up)
 		body := completion(longPrompt(42), 12, sampled(42)...)
 		wait := async(t, k.hc, k.px.URL+"/v1/completions", "", body)
-		eventually(t, "D's READ to be in flight", func() bool {
-			return k.d.Connector.Agent().Stats().InflightRequests > 0 && k.xfer.Stats().Held[0] > 0
-		})
+		// D's READ is posted (its agent counts it in flight) and cannot reach P: the stall holds
+		// what D sends.
+		fired(t, "the transfer path towards P to hold D's bytes", held)
+		eventually(t, "D's READ to be in flight", func() bool { return k.d.Connector.Agent().Stats().InflightRequests > 0 })
 		k.pc.mustKill(t)
 		r := wait()
 		k.wantPolicyOutcome(t, r, body)
@@ -207,10 +208,10 @@ func TestProducerKilledAfterReadBeforeNotification(t *testing.T) {
 	k := startKillStack(t, killOptions{childP: true, policy: connector.PolicyFail, transferProxy: true})
 	k.askOK(t, longPrompt(43), 43)
 	const id = "rel-p-after-read"
-	k.xfer.StallOnMatch(faultproxy.Up, notification(id))
+	held := k.xfer.StallOnMatch(faultproxy.Up, notification(id))
 	body := completion(longPrompt(44), 12, sampled(44)...)
 	wait := async(t, k.hc, k.px.URL+"/v1/completions", id, body)
-	eventually(t, "D's notification to be held", func() bool { return k.xfer.Stats().Held[0] > 0 })
+	fired(t, "D's notification to be held", held)
 	k.pc.mustKill(t)
 	r := wait()
 	if want := k.ref.answer(t, "/v1/completions", body); r.status != 200 || r.text != want {
@@ -286,9 +287,9 @@ func TestDecoderKilledBeforeHandshake(t *testing.T) {
 	t.Parallel()
 	leakCheck(t)
 	k := startKillStack(t, killOptions{sideProxy: true})
-	k.side.Stall(faultproxy.Up)
+	held := k.side.Stall(faultproxy.Up)
 	wait := async(t, k.hc, k.px.URL+"/v1/completions", "", completion(longPrompt(46), 12, sampled(46)...))
-	eventually(t, "D's handshake request to be held", func() bool { return k.side.Stats().Held[0] > 0 })
+	fired(t, "D's handshake request to be held", held)
 	k.dc.mustKill(t)
 	wantError(t, wait(), 502, "decode_request_failed")
 	k.expireP(t)
@@ -311,9 +312,9 @@ func TestDecoderKilledDuringRead(t *testing.T) {
 	leakCheck(t)
 	k := startKillStack(t, killOptions{transferProxy: true})
 	k.askOK(t, longPrompt(47), 47)
-	k.xfer.Stall(faultproxy.Down)
+	held := k.xfer.Stall(faultproxy.Down)
 	wait := async(t, k.hc, k.px.URL+"/v1/completions", "", completion(longPrompt(48), 12, sampled(48)...))
-	eventually(t, "P's READ data to be held", func() bool { return k.xfer.Stats().Held[1] > 0 })
+	fired(t, "P's READ data to be held", held)
 	k.dc.mustKill(t)
 	wantError(t, wait(), 502, "decode_request_failed")
 	k.expireP(t)
@@ -328,9 +329,9 @@ func TestDecoderKilledAfterReadBeforeNotification(t *testing.T) {
 	k := startKillStack(t, killOptions{transferProxy: true})
 	k.askOK(t, longPrompt(49), 49)
 	const id = "rel-d-after-read"
-	k.xfer.StallOnMatch(faultproxy.Up, notification(id))
+	held := k.xfer.StallOnMatch(faultproxy.Up, notification(id))
 	wait := async(t, k.hc, k.px.URL+"/v1/completions", id, completion(longPrompt(50), 1500, "ignore_eos", true))
-	eventually(t, "D's notification to be held", func() bool { return k.xfer.Stats().Held[0] > 0 })
+	fired(t, "D's notification to be held", held)
 	k.dc.mustKill(t)
 	wantError(t, wait(), 502, "decode_request_failed")
 	k.expireP(t)

@@ -38,14 +38,14 @@ func TestTransferStallTransient(t *testing.T) {
 	leakCheck(t)
 	s := startStack(t, stackOptions{transferProxy: true})
 	s.askOK(t, longPrompt(32), 32)
-	s.xfer.Stall(faultproxy.Down)
+	held := s.xfer.Stall(faultproxy.Down)
 	done := make(chan reply, 1)
 	body := completion(longPrompt(33), 12, sampled(33)...)
 	go func() {
 		r, _ := tryPost(t.Context(), s.hc, s.px.URL+"/v1/completions", "", body)
 		done <- r
 	}()
-	eventually(t, "P's READ data to be held", func() bool { return s.xfer.Stats().Held[1] > 0 })
+	fired(t, "P's READ data to be held", held)
 	s.xfer.Resume(faultproxy.Down)
 	var r reply
 	select {
