@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"unsafe"
 )
 
@@ -17,11 +16,12 @@ type PoolConfig struct {
 	// PrefixCaching enables block-level prefix caching. When false, Match finds nothing and
 	// Cache does nothing.
 	PrefixCaching bool
-	// GenerationTable, if non-nil, is memory (8 bytes per block, 8-byte aligned, usually in the
-	// same shared arena as the blocks) where the pool publishes each block's generation as a
-	// little-endian uint64 whenever it changes, before the block is handed out. A remote reader
-	// that reads a block and then its table entry knows whether the block was reused meanwhile.
-	GenerationTable []byte
+	// RecordTable, if non-nil, is memory (RecordBytes per block, 8-byte aligned, usually in the
+	// same shared arena as the blocks) where the pool publishes each block's record (see
+	// record.go): its generation whenever it changes, before the block is handed out, and its
+	// content hash once Publish is called. A remote reader that reads a block and then its
+	// record knows whether the block holds what it expects.
+	RecordTable []byte
 }
 
 // Pool is a paged KV block pool over caller-owned memory. All methods are safe for concurrent
@@ -40,7 +40,7 @@ type Pool struct {
 	free   idHeap // uncached free blocks
 	lru    lruList
 	byHash map[BlockHash]int32 // prefix cache: hash → block
-	gens   []uint64            // published generations (PoolConfig.GenerationTable), or nil
+	recs   *recordTable        // published records (PoolConfig.RecordTable), or nil
 }
 
 // NewPool makes a pool over mem, which must be 64-byte aligned and hold at least
@@ -74,18 +74,15 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 		return nil, fmt.Errorf("kvcache: memory at %#x is not 64-byte aligned: %w", p, ErrMemory)
 	}
 	mem = mem[: n*bb : n*bb]
-	var gens []uint64
-	if t := cfg.GenerationTable; t != nil {
-		if len(t) < 8*n || uintptr(unsafe.Pointer(unsafe.SliceData(t)))%8 != 0 {
-			return nil, fmt.Errorf("kvcache: generation table of %d bytes for %d blocks (need %d, 8-byte aligned): %w", len(t), n, 8*n, ErrMemory)
-		}
-		gens = unsafe.Slice((*uint64)(unsafe.Pointer(unsafe.SliceData(t))), n)
-		for i := range gens {
-			atomic.StoreUint64(&gens[i], 0)
+	var recs *recordTable
+	if t := cfg.RecordTable; t != nil {
+		var err error
+		if recs, err = newRecordTable(t, n); err != nil {
+			return nil, err
 		}
 	}
 	p := &Pool{
-		gens:   gens,
+		recs:   recs,
 		geo:    g,
 		bb:     bb,
 		n:      n,
@@ -179,8 +176,8 @@ func (p *Pool) Allocate(n int) ([]int32, error) {
 		m.ref = 1
 		m.state = stateUsed
 		m.gen++
-		if p.gens != nil {
-			atomic.StoreUint64(&p.gens[id], m.gen)
+		if p.recs != nil {
+			p.recs.allocated(id, m.gen)
 		}
 		ids[i] = id
 	}

@@ -1,6 +1,7 @@
 package kvcache
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"slices"
@@ -338,29 +339,56 @@ func TestConcurrentUse(t *testing.T) {
 	checkAllFree(t, p)
 }
 
-// TestGenerationTablePublishesGenerations checks the table a remote reader consults.
-func TestGenerationTablePublishesGenerations(t *testing.T) {
+// TestRecordTablePublishesRecords checks the records a remote reader consults: the generation
+// of every allocation, the content hash once published, both cleared when the block is reused.
+func TestRecordTablePublishesRecords(t *testing.T) {
 	g := Geometry{NumLayers: 1, NumKVHeads: 1, HeadDim: 4, BlockSize: 2}
-	table := AlignedMemory(8 * 4)
-	p, err := NewPool(AlignedMemory(4*g.BlockBytes()), PoolConfig{Geometry: g, NumBlocks: 4, GenerationTable: table})
+	table := AlignedMemory(RecordBytes * 4)
+	p, err := NewPool(AlignedMemory(4*g.BlockBytes()), PoolConfig{Geometry: g, NumBlocks: 4, RecordTable: table})
 	if err != nil {
 		t.Fatal(err)
 	}
-	read := func(id int32) uint64 { return binary.LittleEndian.Uint64(table[8*id:]) }
+	read := func(id int32) Record { return DecodeRecord(table[RecordBytes*id:]) }
 	ids, _ := p.Allocate(2)
 	for _, id := range ids {
-		if read(id) != p.Generation(id) || read(id) == 0 {
-			t.Fatalf("table[%d] = %d, pool generation %d", id, read(id), p.Generation(id))
+		if r := read(id); r.Gen != p.Generation(id) || r.Gen == 0 || r.Count != 0 || r.Hash != (BlockHash{}) {
+			t.Fatalf("record %d = %+v, pool generation %d", id, r, p.Generation(id))
 		}
+	}
+	// Three tokens in blocks of two: one full block, one partial block of one token.
+	toks := []int32{5, 6, 7}
+	if err := p.PublishChain(ids, toks); err != nil {
+		t.Fatal(err)
+	}
+	// Independent derivation: SHA-256(parent ‖ tokens as uint32 LE), first 16 bytes.
+	h := func(parent BlockHash, tokens ...int32) BlockHash {
+		buf := append([]byte(nil), parent[:]...)
+		for _, tk := range tokens {
+			buf = binary.LittleEndian.AppendUint32(buf, uint32(tk))
+		}
+		sum := sha256.Sum256(buf)
+		var out BlockHash
+		copy(out[:], sum[:16])
+		return out
+	}
+	full := h(BlockHash{}, 5, 6)
+	if r := read(ids[0]); r.Count != 2 || r.Hash != full {
+		t.Errorf("full block record %+v, want count 2 hash %v", r, full)
+	}
+	if r := read(ids[1]); r.Count != 1 || r.Hash != h(full, 7) {
+		t.Errorf("partial block record %+v, want count 1 hash %v", r, h(full, 7))
 	}
 	before := read(ids[0])
 	p.Free(ids...)
 	again, _ := p.Allocate(4)
-	if read(ids[0]) == before {
-		t.Errorf("reusing block %d did not change its published generation", ids[0])
+	if r := read(ids[0]); r.Gen == before.Gen || r.Count != 0 || r.Hash != (BlockHash{}) {
+		t.Errorf("reusing block %d left record %+v (was %+v)", ids[0], r, before)
 	}
 	p.Free(again...)
-	if _, err := NewPool(AlignedMemory(4*g.BlockBytes()), PoolConfig{Geometry: g, NumBlocks: 4, GenerationTable: table[:8]}); !errors.Is(err, ErrMemory) {
-		t.Errorf("short generation table: %v, want ErrMemory", err)
+	if err := p.Publish(again[0], 1, full); !errors.Is(err, ErrNotAllocated) {
+		t.Errorf("publishing a free block: %v, want ErrNotAllocated", err)
+	}
+	if _, err := NewPool(AlignedMemory(4*g.BlockBytes()), PoolConfig{Geometry: g, NumBlocks: 4, RecordTable: table[:RecordBytes]}); !errors.Is(err, ErrMemory) {
+		t.Errorf("short record table: %v, want ErrMemory", err)
 	}
 }

@@ -72,6 +72,12 @@ type Config struct {
 	// OnComplete, if set, is called with the telemetry of every request when it completes or
 	// fails. It runs on the engine's goroutines and must not block.
 	OnComplete func(RequestTelemetry)
+	// OnPeerLost, if set, is called when the control connection this agent dialed to a peer
+	// ends (the peer's process exited, closed its agent, or the link broke), with the peer's
+	// name and incarnation. The peer stays loaded; its owner decides whether to forget it
+	// (InvalidateRemote and releasing its lists unmaps its arenas). It runs on the connection's
+	// goroutine and must not block.
+	OnPeerLost func(name string, incarnation uint64)
 	// Logger receives connection-level events. Default: discard.
 	Logger *slog.Logger
 	// BootID overrides the host boot id used for same-host detection (tests simulate another

@@ -94,6 +94,22 @@ func (a *Agent) InvalidateRemote(name string) error {
 	return nil
 }
 
+// InvalidateIncarnation is InvalidateRemote for one incarnation of a peer: it does nothing (and
+// returns an ErrNotFound error) when the peer now loaded under name is another incarnation, so
+// that forgetting a dead incarnation never drops the one that replaced it.
+func (a *Agent) InvalidateIncarnation(name string, inc uint64) error {
+	a.peersMu.Lock()
+	p := a.peers[name]
+	if p == nil || p.inc != inc {
+		a.peersMu.Unlock()
+		return newErr("invalidate", name, ErrNotFound, fmt.Sprintf("incarnation %016x is not loaded", inc), nil)
+	}
+	delete(a.peers, name)
+	a.peersMu.Unlock()
+	p.retire(ErrNotFound, "peer metadata invalidated")
+	return nil
+}
+
 // Peer returns what is known about a loaded peer.
 func (a *Agent) Peer(name string) (PeerInfo, bool) {
 	p := a.lookupPeer(name)
@@ -378,6 +394,7 @@ func (p *peer) mapGrantsLocked(grants []arenaGrant, fds []int) error {
 			return newErr("connect", p.name, ErrBackend, fmt.Sprintf("mapping arena %d", g.ID), err)
 		}
 		p.maps[g.ID] = &mapping{mem: mem, writable: g.Writable}
+		p.a.stats.mappedBytes.Add(int64(len(mem)))
 	}
 	return nil
 }
@@ -488,6 +505,9 @@ func (p *peer) watch(cc *ctrlConn) {
 		return
 	}
 	p.teardownConn(cc, nil, fmt.Sprintf("control connection lost: %v", err))
+	if f := p.a.cfg.OnPeerLost; f != nil {
+		f(p.name, p.inc)
+	}
 }
 
 // teardownConn tears the link down if cc (or dc) is still part of it.
@@ -645,6 +665,7 @@ func (p *peer) unmapAll() {
 	p.unmapped = true
 	for id, m := range p.maps {
 		_ = unix.Munmap(m.mem)
+		p.a.stats.mappedBytes.Add(-int64(len(m.mem)))
 		delete(p.maps, id)
 	}
 }

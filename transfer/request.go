@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -426,8 +427,11 @@ func (r *Request) fail(gen uint64, kind error, detail string, cause error) {
 			r.chunks[i].abandon(gen)
 		}
 	} else {
+		// A peer's refusal of one stripe says nothing against the connections carrying the
+		// others: their payloads are read to the end rather than cut.
+		abort := !errors.Is(kind, ErrPermission) && !errors.Is(kind, ErrInvalidDescriptor)
 		for i := range r.stripes {
-			r.stripes[i].abandon(gen)
+			r.stripes[i].abandon(gen, abort)
 		}
 	}
 }

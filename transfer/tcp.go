@@ -217,8 +217,11 @@ func (s *stripe) finishRead(gen uint64, err error) {
 }
 
 // abandon resolves the stripe of a failed post gen: at once if it is not touching local
-// memory, otherwise by closing its connection so the I/O in progress ends promptly.
-func (s *stripe) abandon(gen uint64) {
+// memory; otherwise, when abort is set, by closing its connection so the I/O in progress ends
+// promptly, and when it is not (the peer refused another stripe: this connection is healthy
+// and the payload is flowing) when the payload has been read. Closing a healthy connection
+// would fail every other request in flight on the link.
+func (s *stripe) abandon(gen uint64, abort bool) {
 	s.mu.Lock()
 	if s.gen != gen || s.st == stDone {
 		s.mu.Unlock()
@@ -229,7 +232,7 @@ func (s *stripe) abandon(gen uint64) {
 		first := !s.abandoned
 		s.abandoned = true
 		s.mu.Unlock()
-		if first && c != nil {
+		if abort && first && c != nil {
 			c.abort()
 		}
 		return

@@ -61,6 +61,7 @@ type Stats struct {
 	Connects          int64
 	Disconnects       int64
 	RegisteredBytes   int64
+	MappedBytes       int64 // bytes of peers' arenas mapped into this process (SHM)
 	InflightRequests  int64
 }
 
@@ -114,7 +115,7 @@ type agentStats struct {
 	notifsSent, notifsReceived, notifsDropped atomic.Int64
 	fallbacks, connects, disconnects          atomic.Int64
 	authRefused, readsDenied                  atomic.Int64
-	registeredBytes                           atomic.Int64
+	registeredBytes, mappedBytes              atomic.Int64
 }
 
 // record counts a finished post.
@@ -143,7 +144,7 @@ func (a *Agent) Stats() Stats {
 		AuthRefused: s.authRefused.Load(), ReadsDenied: s.readsDenied.Load(),
 		NotifsSent: s.notifsSent.Load(), NotifsReceived: s.notifsReceived.Load(), NotifsDropped: s.notifsDropped.Load(),
 		Fallbacks: s.fallbacks.Load(), Connects: s.connects.Load(), Disconnects: s.disconnects.Load(),
-		RegisteredBytes: s.registeredBytes.Load(),
+		RegisteredBytes: s.registeredBytes.Load(), MappedBytes: s.mappedBytes.Load(),
 	}
 	a.peersMu.Lock()
 	for _, p := range a.peers {
