@@ -2,7 +2,6 @@ package connector
 
 import (
 	"fmt"
-	"unsafe"
 
 	"github.com/vmihailenco/msgpack/v5"
 
@@ -11,36 +10,56 @@ import (
 )
 
 // maxBlockRatio bounds how many smaller remote blocks make one local block (heterogeneous
-// block sizes, spec §8.2); it sizes the scratch area that receives remote generations.
+// block sizes, spec §8.2); it sizes the scratch area that receives remote records.
 const maxBlockRatio = 16
 
+// slotBytes is the size of one lease slot: the lease's 16-byte tag (LeaseTag), then zeros.
+const slotBytes = kvcache.RecordBytes
+
 // ArenaLayout places a connector's memory in one shared arena: the KV blocks at offset 0, then
-// the table where the pool publishes each block's generation (peers read it after the blocks to
-// detect reuse), then a private scratch area that receives the generations read from peers.
+// the metadata peers read after the blocks — the pool's block records (kvcache.RecordBytes per
+// block: generation, token count and content hash) followed by the lease slots (one per block:
+// the tag of the lease using the slot, zero when free) — then a private scratch area that
+// receives the records and slots read from peers.
 type ArenaLayout struct {
 	BlocksBytes   int64
-	GenOffset     int64
-	GenBytes      int64
+	MetaOffset    int64 // block records, then lease slots
+	RecordsBytes  int64
+	SlotsBytes    int64
 	ScratchOffset int64
 	ScratchBytes  int64
 	Size          int64
+	NumBlocks     int
 }
 
 // NewArenaLayout returns the layout for numBlocks blocks of blockBytes bytes.
 func NewArenaLayout(blockBytes, numBlocks int) ArenaLayout {
 	align := func(n int64) int64 { return (n + 4095) &^ 4095 }
-	l := ArenaLayout{BlocksBytes: int64(blockBytes) * int64(numBlocks)}
-	l.GenOffset = align(l.BlocksBytes)
-	l.GenBytes = 8 * int64(numBlocks)
-	l.ScratchOffset = align(l.GenOffset + l.GenBytes)
-	l.ScratchBytes = 8 * int64(numBlocks) * maxBlockRatio
+	l := ArenaLayout{BlocksBytes: int64(blockBytes) * int64(numBlocks), NumBlocks: numBlocks}
+	l.MetaOffset = align(l.BlocksBytes)
+	l.RecordsBytes = kvcache.RecordBytes * int64(numBlocks)
+	l.SlotsBytes = slotBytes * int64(numBlocks)
+	l.ScratchOffset = align(l.MetaOffset + l.RecordsBytes + l.SlotsBytes)
+	l.ScratchBytes = kvcache.RecordBytes * int64(l.scratchEntries())
 	l.Size = align(l.ScratchOffset + l.ScratchBytes)
 	return l
 }
 
-// GenerationTable returns the slice of arena memory the pool publishes generations into.
-func (l ArenaLayout) GenerationTable(arena []byte) []byte {
-	return arena[l.GenOffset : l.GenOffset+l.GenBytes]
+// scratchEntries is the number of record-sized scratch entries: maxBlockRatio per local block
+// (the records of the remote blocks read into it), then one per local block (the slot read by
+// the load whose first local block it is).
+func (l ArenaLayout) scratchEntries() int { return l.NumBlocks*maxBlockRatio + l.NumBlocks }
+
+// RecordTable returns the slice of arena memory the pool publishes its block records into
+// (kvcache.PoolConfig.RecordTable).
+func (l ArenaLayout) RecordTable(arena []byte) []byte {
+	return arena[l.MetaOffset : l.MetaOffset+l.RecordsBytes]
+}
+
+// slots returns the lease slots in arena.
+func (l ArenaLayout) slots(arena []byte) []byte {
+	off := l.MetaOffset + l.RecordsBytes
+	return arena[off : off+l.SlotsBytes]
 }
 
 func (l ArenaLayout) check(p *kvcache.Pool, a *transfer.Arena) error {
@@ -55,11 +74,6 @@ func (l ArenaLayout) check(p *kvcache.Pool, a *transfer.Arena) error {
 		return fmt.Errorf("connector: the pool's blocks are not at the start of the arena")
 	}
 	return nil
-}
-
-// u64s views 8-byte-aligned memory as uint64s.
-func u64s(b []byte) []uint64 {
-	return unsafe.Slice((*uint64)(unsafe.Pointer(unsafe.SliceData(b))), len(b)/8)
 }
 
 func encodeMetadata(hash string, meta AgentMetadata) (handshakePayload, error) {

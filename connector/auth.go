@@ -8,10 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vmihailenco/msgpack/v5"
 
+	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
@@ -25,18 +27,23 @@ import (
 // deployment must use the same token, or none: a mismatch is refused at once on both sides,
 // with an error naming the setting.
 //
-// With or without a token, a peer reads only what is leased: every TCP READ carries the id of
-// the producer request whose blocks it reads (transfer.RequestOptions.Tag, the same id the
-// reader names in its "<id>:1" notification), and the transfer agent asks the connector
-// (transfer.Config.AuthorizeRead) whether every requested range lies inside the blocks — and
-// their generation-table entries — currently leased to that id. Anything else is refused
-// (transfer.ErrPermission at the reader) and counted here.
+// With or without a token, a peer reads only what is leased: every finished request whose
+// blocks are held for a reader gets a fresh 128-bit lease token (lease.go), carried in the
+// kv_transfer_params. Every TCP READ presents it (transfer.RequestOptions.Tag), and the transfer
+// agent asks the connector (transfer.Config.AuthorizeRead) whether every requested range lies
+// inside the blocks leased under that token, their records or the lease's slot; anything else
+// is refused (transfer.ErrPermission at the reader) and counted here. Completion notifications
+// and heartbeats present the token too (notification.go).
 //
-// SHM is the exception, by construction: a same-host peer maps the KV arena read-only, so no
-// per-read check is possible. The transfer agent offers SHM only to processes of the same
-// user id on the same host (SO_PEERCRED on its Unix socket, after authentication), which could
-// read each other's memory anyway (ptrace, /proc/PID/mem). Per-lease enforcement therefore
-// applies to TCP; deployments that need it between same-user processes on one host restrict
+// SHM readers map the KV arena, so the owner cannot check each read. Instead the owner
+// publishes, beside the blocks, what a reader needs to check for itself: each block's record
+// (generation, token count and content hash, kvcache.Record) and, in the lease's slot, a tag
+// derived from the token and the lease's blocks (LeaseTag). A reader accepts the blocks it read
+// only if the slot, read after them, holds the tag of the params it was given and every block's
+// record matches its own prompt's hash chain (verify.go) — on every backend. The transfer
+// agent offers SHM only to processes of the same user id on the same host (SO_PEERCRED on its
+// Unix socket, after authentication), which could read each other's memory anyway (ptrace,
+// /proc/PID/mem); deployments that need confidentiality between such processes restrict
 // kv_connector_extra_config.backends to ["TCP"].
 
 // EnvAuthToken is the environment variable read for the auth token when
@@ -199,60 +206,81 @@ type AuthRefusals struct {
 	SideChannel int64
 	// Transfer counts transfer connections refused by the challenge-response, either side.
 	Transfer int64
-	// Reads counts TCP READs refused because the blocks were not leased to the request id
-	// the reader named.
+	// Reads counts TCP READs refused because the blocks were not leased under the token the
+	// reader presented.
 	Reads int64
+	// Params counts kv_transfer_params refused before any connection: malformed, without a
+	// valid MAC (with an auth token), or naming a host outside allowed_peers.
+	Params int64
+	// Notifications counts completion notifications refused because they presented another
+	// lease's token.
+	Notifications int64
+	// Verification counts loads whose blocks did not match what their owner published (its
+	// lease slot or block records): the KV was not used.
+	Verification int64
 }
 
 // Total returns the sum of the counts.
-func (a AuthRefusals) Total() int64 { return a.SideChannel + a.Transfer + a.Reads }
+func (a AuthRefusals) Total() int64 {
+	return a.SideChannel + a.Transfer + a.Reads + a.Params + a.Notifications + a.Verification
+}
 
 // AuthRefusals returns the engine's authentication and authorization refusals so far.
 func (c *Connector) AuthRefusals() AuthRefusals {
 	st := c.agent.Stats()
 	return AuthRefusals{
-		SideChannel: c.side.refusals.Load() + c.sideRefusals.Load(),
-		Transfer:    st.AuthRefused,
-		Reads:       st.ReadsDenied,
+		SideChannel:   c.side.refusals.Load() + c.sideRefusals.Load(),
+		Transfer:      st.AuthRefused,
+		Reads:         st.ReadsDenied,
+		Params:        c.refusals.params.Load(),
+		Notifications: c.refusals.notifications.Load(),
+		Verification:  c.refusals.verification.Load(),
 	}
 }
 
-// authorizeRead is the transfer agent's AuthorizeRead hook: a READ names a request id (the
-// tag), and every range must lie inside the blocks, or the generation-table entries of the
-// blocks, leased to that request now.
+// refusalCounts are the connector's own refusal counters (see AuthRefusals) and the decoder
+// holds it evicted.
+type refusalCounts struct {
+	params, notifications, verification, evictedHolds atomic.Int64
+}
+
+// authorizeRead is the transfer agent's AuthorizeRead hook: a READ presents a lease token (the
+// tag), and every range must lie inside the blocks leased under it, their records, or the
+// lease's own slot.
 func (c *Connector) authorizeRead(peer string, tag []byte, descs []transfer.Desc) error {
-	if len(tag) == 0 {
-		return errors.New("the READ names no request id (a reader must name the producer request whose blocks it reads)")
+	var token LeaseToken
+	if len(tag) != len(token) {
+		return errors.New("the READ presents no lease token (a reader must present the token of the lease whose blocks it reads)")
 	}
-	id := string(tag)
+	copy(token[:], tag)
 	blockLen := int64(c.pool.BlockBytes())
 	numBlocks := int64(c.pool.NumBlocks())
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	l := c.leases.Get(id)
+	l := c.leases.ByToken(token)
 	if l == nil {
-		return fmt.Errorf("no KV blocks are leased to request %q (it was read already, expired, was aborted, or never existed)", clip(id))
+		return errors.New("no KV blocks are leased under the presented token (read already, expired, evicted, aborted, or never issued)")
 	}
 	for i, d := range descs {
+		if d.Offset < 0 || d.Length <= 0 {
+			return fmt.Errorf("range %d: invalid range [%d,+%d)", i, d.Offset, d.Length)
+		}
 		var unit int64
 		switch d.Region {
 		case c.kvRegionID:
 			unit = blockLen
-		case c.genRegionID:
-			unit = 8
+		case c.metaRegionID:
+			unit = kvcache.RecordBytes
 		default:
 			return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
 		}
-		if d.Offset < 0 || d.Length <= 0 {
-			return fmt.Errorf("range %d: invalid range [%d,+%d)", i, d.Offset, d.Length)
-		}
 		first, last := d.Offset/unit, (d.Offset+d.Length-1)/unit
-		if last >= numBlocks {
-			return fmt.Errorf("range %d: block %d out of range", i, last)
-		}
 		for b := first; b <= last; b++ {
-			if !l.Holds(int32(b)) {
-				return fmt.Errorf("range %d: block %d is not leased to request %q", i, b, clip(id))
+			switch {
+			case b < numBlocks && l.Holds(int32(b)):
+			case d.Region == c.metaRegionID && b == numBlocks+int64(l.Slot):
+			default:
+				return fmt.Errorf("range %d: entry %d is not part of the lease of request %q", i, b, clip(l.RequestID))
 			}
 		}
 	}
@@ -273,24 +301,33 @@ func (c *Connector) transferAuthHint(r *remoteEngine, err error) error {
 // kvbridge:kv_auth_refusals_total{kind="side_channel"|"transfer"|"read"}, with constLabels
 // (model_name and engine, as the engine's other series) added.
 func (c *Connector) AuthRefusalsCollector(constLabels prometheus.Labels) prometheus.Collector {
-	return &authRefusalsCollector{c: c, desc: prometheus.NewDesc("kvbridge:kv_auth_refusals_total",
-		"KV side-channel and transfer connections refused for authentication, and TCP reads refused because the blocks were not leased to the request named.",
-		[]string{"kind"}, constLabels)}
+	return &authRefusalsCollector{c: c,
+		desc: prometheus.NewDesc("kvbridge:kv_auth_refusals_total",
+			"KV side-channel and transfer connections refused for authentication, TCP reads and notifications refused for a lease token that does not match, kv_transfer_params refused before any connection, and loads whose blocks did not match what their owner published.",
+			[]string{"kind"}, constLabels),
+		evicted: prometheus.NewDesc("kvbridge:kv_decoder_holds_evicted_total",
+			"Decoder holds (blocks kept for a conversation's next turn, decoder_kv_blocks_ttl) evicted before their TTL because the KV pool was needed by new requests.",
+			nil, constLabels)}
 }
 
 // authRefusalsCollector reads a connector's AuthRefusals at scrape time.
 type authRefusalsCollector struct {
-	c    *Connector
-	desc *prometheus.Desc
+	c             *Connector
+	desc, evicted *prometheus.Desc
 }
 
 // Describe implements prometheus.Collector.
-func (x *authRefusalsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- x.desc }
+func (x *authRefusalsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- x.desc; ch <- x.evicted }
 
 // Collect implements prometheus.Collector.
 func (x *authRefusalsCollector) Collect(ch chan<- prometheus.Metric) {
 	r := x.c.AuthRefusals()
-	ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(r.SideChannel), "side_channel")
-	ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(r.Transfer), "transfer")
-	ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(r.Reads), "read")
+	for _, k := range []struct {
+		kind string
+		n    int64
+	}{{"side_channel", r.SideChannel}, {"transfer", r.Transfer}, {"read", r.Reads}, {"params", r.Params},
+		{"notification", r.Notifications}, {"verification", r.Verification}} {
+		ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(k.n), k.kind)
+	}
+	ch <- prometheus.MustNewConstMetric(x.evicted, prometheus.CounterValue, float64(x.c.refusals.evictedHolds.Load()))
 }

@@ -31,22 +31,24 @@ func metricsText(t *testing.T, n *node) string {
 	return b.String()
 }
 
-// TestAuthTokenMismatch: engines whose auth tokens disagree never exchange KV: D's read
-// fails at once (500 under policy fail) with an error naming the setting, and the refusing
-// side logs and counts it (kvbridge:kv_auth_refusals_total).
+// TestAuthTokenMismatch: engines whose auth tokens disagree never exchange KV, and say why. A D
+// without a token dials P, whose side channel refuses it: D's read fails at once (500 under
+// policy fail) with an error naming the setting, and P logs and counts it. A D with a token
+// refuses P's params before any connection — they carry no MAC it can verify — computes the
+// prompt itself (200) and logs and counts the refusal (kvbridge:kv_auth_refusals_total).
 func TestAuthTokenMismatch(t *testing.T) {
 	cases := []struct {
 		name           string
 		pExtra, dExtra string
 		dMsg           string
-		dRefuses       bool // D refuses P's proof too
+		dStatus        int
 	}{
 		{"P has a token, D none", `"auth_token":"tok-0123456789abcdef"`, ``,
-			"requires authentication: set kv_connector_extra_config.auth_token", false},
+			"requires authentication: set kv_connector_extra_config.auth_token", 500},
 		{"D has a token, P none", ``, `"auth_token":"tok-0123456789abcdef"`,
-			"has no auth_token configured but this engine has one", false},
+			"no valid kvbridge_params_mac", 200},
 		{"different tokens", `"auth_token":"tok-0123456789abcdef"`, `"auth_token":"tok-fedcba9876543210"`,
-			"failed to prove this engine's kv_connector_extra_config.auth_token", true},
+			"no valid kvbridge_params_mac", 200},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -55,27 +57,32 @@ func TestAuthTokenMismatch(t *testing.T) {
 			d := startNode(t, "D", nodeOptions{kvConfig: kvConfig("kv_consumer", tc.dExtra), logw: &dlog})
 			prompt := tokens(40, 21)
 			status, r := decode(t, d, prompt, prefill(t, p, prompt), 4)
-			if status != 500 {
-				t.Fatalf("decode with mismatched tokens: %d %s", status, r.Raw)
+			if status != tc.dStatus || (status == 200 && cachedTokens(r) != 0) {
+				t.Fatalf("decode with mismatched tokens: %d %s, want %d and nothing pulled", status, r.Raw, tc.dStatus)
 			}
 			if !strings.Contains(dlog.String(), tc.dMsg) {
 				t.Errorf("D's log does not say %q:\n%s", tc.dMsg, dlog.String())
 			}
-			if !strings.Contains(plog.String(), "NIXL side channel: connection refused") {
-				t.Errorf("P did not log the refusal:\n%s", plog.String())
+			if tc.dStatus == 500 {
+				if !strings.Contains(plog.String(), "NIXL side channel: connection refused") {
+					t.Errorf("P did not log the refusal:\n%s", plog.String())
+				}
+				if got := p.conn.AuthRefusals(); got.SideChannel != 1 || got.Total() != 1 {
+					t.Errorf("P counted %+v, want one side-channel refusal", got)
+				}
+				if m := metricsText(t, p); !strings.Contains(m, `kvbridge:kv_auth_refusals_total{engine="0",kind="side_channel",model_name="kvbridge/tiny"} 1`) {
+					t.Errorf("P's /metrics:\n%s", grep(m, "kv_auth_refusals"))
+				}
+				return
 			}
-			if got := p.conn.AuthRefusals(); got.SideChannel != 1 || got.Total() != 1 {
-				t.Errorf("P counted %+v, want one side-channel refusal", got)
+			if got := d.conn.AuthRefusals(); got.Params != 1 || got.Total() != 1 {
+				t.Errorf("D counted %+v, want one refused params", got)
 			}
-			want := int64(0)
-			if tc.dRefuses {
-				want = 1
+			if got := p.conn.AuthRefusals(); got.Total() != 0 {
+				t.Errorf("P counted %+v: D should not have connected", got)
 			}
-			if got := d.conn.AuthRefusals(); got.SideChannel != want || got.Total() != want {
-				t.Errorf("D counted %+v, want %d side-channel refusals", got, want)
-			}
-			if m := metricsText(t, p); !strings.Contains(m, `kvbridge:kv_auth_refusals_total{engine="0",kind="side_channel",model_name="kvbridge/tiny"} 1`) {
-				t.Errorf("P's /metrics:\n%s", grep(m, "kv_auth_refusals"))
+			if m := metricsText(t, d); !strings.Contains(m, `kvbridge:kv_auth_refusals_total{engine="0",kind="params",model_name="kvbridge/tiny"} 1`) {
+				t.Errorf("D's /metrics:\n%s", grep(m, "kv_auth_refusals"))
 			}
 		})
 	}
@@ -117,7 +124,7 @@ func TestReadAfterTheLeaseIsRefused(t *testing.T) {
 			if status, r := decode(t, d2, prompt, kv, 4); status != 500 {
 				t.Fatalf("read after the lease ended: %d %s", status, r.Raw)
 			}
-			if !strings.Contains(dlog.String(), "read not authorized") || !strings.Contains(dlog.String(), "no KV blocks are leased to request") {
+			if !strings.Contains(dlog.String(), "read not authorized") || !strings.Contains(dlog.String(), "no KV blocks are leased under the presented token") {
 				t.Errorf("D2's log:\n%s", dlog.String())
 			}
 			if got := p.conn.AuthRefusals(); got.Reads < 1 || got.SideChannel != 0 || got.Transfer != 0 {

@@ -22,7 +22,7 @@ func startProducer(t *testing.T, kvConfig string, getenv func(string) string) *C
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: numBlocks, GenerationTable: layout.GenerationTable(arena.Bytes())})
+	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: numBlocks, RecordTable: layout.RecordTable(arena.Bytes())})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -53,11 +53,11 @@ func startProducer(t *testing.T, kvConfig string, getenv func(string) string) *C
 // reader is a bare transfer agent that reads a producer's blocks over TCP, as a consumer's
 // connector would (or as anyone who reaches the port could).
 type reader struct {
-	agent   *transfer.Agent
-	local   *transfer.PreparedList // the producer's block count of blocks, then as many generations
-	kv, gen *transfer.PreparedList
-	n       int
-	mem     []byte // the reader's arena
+	agent    *transfer.Agent
+	local    *transfer.PreparedList // the producer's block count of blocks, then records, then slots
+	kv, meta *transfer.PreparedList
+	n        int
+	mem      []byte // the reader's arena
 }
 
 // newReader connects to c's agent with auth (nil: none).
@@ -84,7 +84,7 @@ func newReader(t *testing.T, c *Connector, auth transfer.Authenticator) (*reader
 	}
 	bb, n := int64(c.pool.BlockBytes()), c.pool.NumBlocks()
 	r := &reader{agent: a, n: n, mem: ar.Bytes()}
-	if r.local, err = a.PrepareLocal(append(transfer.BlockDescs(reg.ID(), 0, bb, n), transfer.BlockDescs(reg.ID(), bb*int64(n), 8, n)...)); err != nil {
+	if r.local, err = a.PrepareLocal(append(transfer.BlockDescs(reg.ID(), 0, bb, n), transfer.BlockDescs(reg.ID(), bb*int64(n), kvcache.RecordBytes, 2*n)...)); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(r.local.Release)
@@ -93,32 +93,33 @@ func newReader(t *testing.T, c *Connector, auth transfer.Authenticator) (*reader
 		return nil, err
 	}
 	t.Cleanup(r.kv.Release)
-	if r.gen, err = a.PrepareRemote(t.Context(), peer, transfer.BlockDescs(c.genRegionID, 0, 8, n), tcp); err != nil {
+	if r.meta, err = a.PrepareRemote(t.Context(), peer, transfer.BlockDescs(c.metaRegionID, 0, kvcache.RecordBytes, 2*n), tcp); err != nil {
 		return nil, err
 	}
-	t.Cleanup(r.gen.Release)
+	t.Cleanup(r.meta.Release)
 	return r, nil
 }
 
-// read reads blocks (or, with gens, their generation entries) naming request id.
-func (r *reader) read(t *testing.T, id string, gens bool, blocks ...int) error {
+// read reads entries presenting tag: blocks, or with meta, entries of the producer's metadata
+// (block records 0…n−1, then lease slots n…2n−1).
+func (r *reader) read(t *testing.T, tag []byte, meta bool, entries ...int) error {
 	t.Helper()
-	local := make([]int, len(blocks))
+	local := make([]int, len(entries))
 	remote := r.kv
-	for i, b := range blocks {
+	for i, b := range entries {
 		local[i] = b
-		if gens {
+		if meta {
 			local[i] += r.n
 		}
 	}
-	if gens {
-		remote = r.gen
+	if meta {
+		remote = r.meta
 	}
 	var opts *transfer.RequestOptions
-	if id != "" {
-		opts = &transfer.RequestOptions{Tag: []byte(id), Timeout: 30 * time.Second}
+	if tag != nil {
+		opts = &transfer.RequestOptions{Tag: tag, Timeout: 30 * time.Second}
 	}
-	req, err := r.agent.MakeRequest(transfer.Read, r.local, local, remote, blocks, opts)
+	req, err := r.agent.MakeRequest(transfer.Read, r.local, local, remote, entries, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -129,9 +130,9 @@ func (r *reader) read(t *testing.T, id string, gens bool, blocks ...int) error {
 	return req.Wait(t.Context())
 }
 
-// TestReadsNeedALease: over TCP a reader gets exactly the blocks (and generation entries)
-// leased to the request id it names, with or without an auth token; anything else is refused
-// with ErrPermission, counted, and leaves the producer serving.
+// TestReadsNeedALease: over TCP a reader gets exactly the blocks (and their records, and the
+// lease's slot) leased under the token it presents, with or without an auth token; anything
+// else is refused with ErrPermission, counted, and leaves the producer serving.
 func TestReadsNeedALease(t *testing.T) {
 	for _, token := range []string{"", "tok-0123456789abcdef"} {
 		name := "no token"
@@ -153,31 +154,35 @@ func TestReadsNeedALease(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			tokA, tokB := LeaseToken{1}, LeaseToken{2}
+			now := time.Now()
 			c.mu.Lock()
-			c.leases.Add("req-A", []int32{2, 3, 6}, time.Now().Add(time.Hour), true)
+			a, _ := c.leases.Add("req-A", tokA, []int32{2, 3, 6}, now, now.Add(time.Hour), true)
 			c.mu.Unlock()
-			if err := r.read(t, "req-A", false, 2, 3); err != nil {
+			if err := r.read(t, tokA[:], false, 2, 3); err != nil {
 				t.Fatalf("leased blocks: %v", err)
 			}
 			if bb := c.pool.BlockBytes(); r.mem[2*bb] != 2 || r.mem[4*bb-1] != 3 {
 				t.Fatal("the leased blocks read wrong bytes")
 			}
-			if err := r.read(t, "req-A", true, 2, 3, 6); err != nil {
-				t.Fatalf("leased generation entries: %v", err)
+			if err := r.read(t, tokA[:], true, 2, 3, 6, r.n+a.Slot); err != nil {
+				t.Fatalf("leased records and the lease's slot: %v", err)
 			}
 			refused := []struct {
-				id     string
-				gens   bool
-				blocks []int
-				msg    string
+				tag     []byte
+				meta    bool
+				entries []int
+				msg     string
 			}{
-				{"req-A", false, []int{3, 4}, "block 4 is not leased"},
-				{"req-A", true, []int{5}, "block 5 is not leased"},
-				{"req-B", false, []int{2}, `no KV blocks are leased to request "req-B"`},
-				{"", false, []int{2}, "names no request id"},
+				{tokA[:], false, []int{3, 4}, "entry 4 is not part of the lease"},
+				{tokA[:], true, []int{5}, "entry 5 is not part of the lease"},
+				{tokA[:], true, []int{r.n + a.Slot + 1}, "is not part of the lease"},
+				{tokB[:], false, []int{2}, "no KV blocks are leased under the presented token"},
+				{[]byte("req-A"), false, []int{2}, "presents no lease token"},
+				{nil, false, []int{2}, "presents no lease token"},
 			}
 			for i, tc := range refused {
-				err := r.read(t, tc.id, tc.gens, tc.blocks...)
+				err := r.read(t, tc.tag, tc.meta, tc.entries...)
 				if !errors.Is(err, transfer.ErrPermission) || !strings.Contains(err.Error(), tc.msg) {
 					t.Fatalf("read %+v: %v", tc, err)
 				}
@@ -189,17 +194,17 @@ func TestReadsNeedALease(t *testing.T) {
 			c.mu.Lock()
 			c.leases.Release("req-A")
 			c.mu.Unlock()
-			if err := r.read(t, "req-A", false, 2); !errors.Is(err, transfer.ErrPermission) {
+			if err := r.read(t, tokA[:], false, 2); !errors.Is(err, transfer.ErrPermission) {
 				t.Fatalf("read after the lease ended: %v", err)
 			}
 			c.mu.Lock()
-			c.leases.Add("req-C", []int32{6}, time.Now().Add(time.Hour), true)
+			c.leases.Add("req-C", tokB, []int32{6}, now, now.Add(time.Hour), true)
 			c.mu.Unlock()
-			if err := r.read(t, "req-C", false, 6); err != nil {
+			if err := r.read(t, tokB[:], false, 6); err != nil {
 				t.Fatalf("the producer stopped serving after refusals: %v", err)
 			}
-			if got := r.agent.Stats().Failures.Permission; got != 5 {
-				t.Fatalf("reader saw %d permission failures, want 5", got)
+			if got := r.agent.Stats().Failures.Permission; got != 7 {
+				t.Fatalf("reader saw %d permission failures, want 7", got)
 			}
 		})
 	}

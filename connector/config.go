@@ -86,6 +86,10 @@ type Config struct {
 	// KVBRIDGE_KV_AUTH_TOKEN (EnvAuthToken) is used instead; the config key wins. Every engine
 	// of a deployment needs the same token, or none (see auth.go). Never logged.
 	AuthToken string
+	// AllowedPeers is allowed_peers: the hosts (names, IPs or CIDR prefixes) that
+	// kv_transfer_params may name; params naming any other host are refused before any
+	// connection. Nil allows every host (see peers.go).
+	AllowedPeers []string
 }
 
 // Threshold returns the effective kv_recompute_threshold.
@@ -190,6 +194,8 @@ func (p *fieldParser) extra(c *Config, extra map[string]any) {
 			c.NumThreads = p.integer(name, v)
 		case "auth_token":
 			c.AuthToken = p.str(name, v)
+		case "allowed_peers":
+			c.AllowedPeers = p.strings(name, v) // an empty list allows no host
 		case "enable_cross_layers_blocks":
 			// Accepted: kvbridge blocks are always contiguous across layers.
 		default:
@@ -233,6 +239,9 @@ func (c *Config) validate(log *slog.Logger) error {
 		default:
 			return fmt.Errorf("%w: kv_connector_extra_config.backends: unknown backend %q (available: SHM, TCP)", ErrConfig, b)
 		}
+	}
+	if _, err := newPeerFilter(c.AllowedPeers); err != nil {
+		return fmt.Errorf("%w: kv_connector_extra_config.allowed_peers: %v", ErrConfig, err)
 	}
 	if c.LeaseDuration < time.Second {
 		return fmt.Errorf("%w: kv_connector_extra_config.kv_lease_duration must be at least 1 second", ErrConfig)

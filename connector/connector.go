@@ -63,29 +63,34 @@ type Options struct {
 // engine's step loop and never block; one worker goroutine handles notifications, lease expiry
 // and heartbeats, and each load runs on a goroutine the connector owns until it reports.
 type Connector struct {
-	cfg     *Config
-	pool    *kvcache.Pool
-	geo     kvcache.Geometry
-	layout  ArenaLayout
-	log     *slog.Logger
-	metrics *metrics.NixlMetrics
-	now     func() time.Time
-	epoch   time.Time
-	hash    string
-	host    string
-	port    int
+	cfg       *Config
+	pool      *kvcache.Pool
+	geo       kvcache.Geometry
+	layout    ArenaLayout
+	log       *slog.Logger
+	metrics   *metrics.NixlMetrics
+	now       func() time.Time
+	epoch     time.Time
+	hash      string
+	host      string
+	port      int
+	peers     *peerFilter // allowed_peers; nil allows all
+	paramsKey []byte      // MAC key of issued and accepted params; nil without an auth token
 
 	agent   *transfer.Agent
 	kvReg   *transfer.Region
-	genReg  *transfer.Region
+	metaReg *transfer.Region
 	scrReg  *transfer.Region
 	side    *sideChannelServer
 	auth    *sideAuth // side-channel proofs; nil without an auth token
-	scratch []uint64  // generations read from producers, maxRatio slots per local block
+	scratch []byte    // records and slots read from producers (see ArenaLayout.scratchEntries)
+	slots   []byte    // this engine's lease slots, published to readers
 
-	rejections   atomic.Int64
+	rejections   atomic.Int64 // pulls cut short by the decoder's hash hints (edited histories)
 	instance     string       // random per start; named in the params this engine issues
 	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
+	refusals     refusalCounts
+	quiet        logLimiter // rate-limits log lines that a remote client can trigger at will
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -93,18 +98,19 @@ type Connector struct {
 	tick   <-chan time.Time
 	ticker *time.Ticker
 
-	mu         sync.Mutex
-	sched      Scheduler
-	reqs       map[string]*reqState
-	leases     LeaseTable
-	heartbeats HeartbeatTracker
-	remotes    map[string]*remoteEngine
-	localLists map[int]*transfer.PreparedList
-	scrList    *transfer.PreparedList
-	closed     bool
-	// kvRegionID and genRegionID are the regions peers may read (set once registered; 0
+	mu          sync.Mutex
+	sched       Scheduler
+	reqs        map[string]*reqState
+	leases      LeaseTable
+	heartbeats  HeartbeatTracker
+	remotes     map[remoteKey]*remoteEngine
+	handshaking int // handshakes in progress (bounded: params can name any engine)
+	localLists  map[int]*transfer.PreparedList
+	scrList     *transfer.PreparedList
+	closed      bool
+	// kvRegionID and metaRegionID are the regions peers may read (set once registered; 0
 	// before, which matches no region).
-	kvRegionID, genRegionID uint32
+	kvRegionID, metaRegionID uint32
 }
 
 // reqState is the connector's bookkeeping of one live request.
@@ -134,10 +140,15 @@ func New(opts Options) (*Connector, error) {
 		now:        opts.Now,
 		hash:       CompatibilityHash(opts.Compat),
 		reqs:       map[string]*reqState{},
-		remotes:    map[string]*remoteEngine{},
+		remotes:    map[remoteKey]*remoteEngine{},
 		localLists: map[int]*transfer.PreparedList{},
 		tick:       opts.Tick,
 	}
+	peers, err := newPeerFilter(cfg.AllowedPeers)
+	if err != nil {
+		return nil, fmt.Errorf("%w: kv_connector_extra_config.allowed_peers: %v", ErrConfig, err)
+	}
+	c.peers = peers
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
@@ -165,12 +176,14 @@ func New(opts Options) (*Connector, error) {
 		}
 		tc.Auth = ta
 		c.auth = newSideAuth(token)
+		c.paramsKey = paramsMACKey(token)
 		c.log.Info("KV transfer authentication enabled: side channel and transfer connections require the shared auth token", "source", source)
 		if len(token) < 16 {
 			c.log.Warn("the KV auth token is shorter than 16 characters; use a long random value", "source", source)
 		}
 	}
 	tc.AuthorizeRead = c.authorizeRead
+	tc.OnPeerLost = c.peerLost
 	agent, err := transfer.NewAgent("kvbridge-"+cfg.EngineID, tc)
 	if err != nil {
 		return nil, fmt.Errorf("connector: start the transfer agent: %w", err)
@@ -183,15 +196,17 @@ func New(opts Options) (*Connector, error) {
 	if c.kvReg, err = agent.Register(opts.Arena, 0, c.layout.BlocksBytes, transfer.PermRead); err != nil {
 		return fail(fmt.Errorf("connector: register the KV blocks: %w", err))
 	}
-	if c.genReg, err = agent.Register(opts.Arena, c.layout.GenOffset, c.layout.GenBytes, transfer.PermRead); err != nil {
-		return fail(fmt.Errorf("connector: register the generation table: %w", err))
+	if c.metaReg, err = agent.Register(opts.Arena, c.layout.MetaOffset, c.layout.RecordsBytes+c.layout.SlotsBytes, transfer.PermRead); err != nil {
+		return fail(fmt.Errorf("connector: register the block records and lease slots: %w", err))
 	}
 	if c.scrReg, err = agent.Register(opts.Arena, c.layout.ScratchOffset, c.layout.ScratchBytes, 0); err != nil {
 		return fail(fmt.Errorf("connector: register the scratch area: %w", err))
 	}
-	c.scratch = u64s(c.scrReg.Bytes())
+	c.scratch = c.scrReg.Bytes()
+	c.slots = c.layout.slots(opts.Arena.Bytes())
+	clear(c.slots)
 	c.mu.Lock()
-	c.kvRegionID, c.genRegionID = c.kvReg.ID(), c.genReg.ID()
+	c.kvRegionID, c.metaRegionID = c.kvReg.ID(), c.metaReg.ID()
 	c.mu.Unlock()
 	var inst [8]byte
 	if _, err := rand.Read(inst[:]); err != nil {
@@ -203,7 +218,7 @@ func New(opts Options) (*Connector, error) {
 		EngineID:      cfg.EngineID,
 		AgentMetadata: agent.LocalMetadata(),
 		KVRegion:      c.kvReg.ID(),
-		GenRegion:     c.genReg.ID(),
+		MetaRegion:    c.metaReg.ID(),
 		NumBlocks:     opts.Pool.NumBlocks(),
 		BlockLen:      opts.Pool.BlockBytes(),
 		BlockSize:     c.geo.BlockSize,
@@ -301,13 +316,10 @@ func (c *Connector) closeResources() error {
 		}
 		c.localLists, c.scrList = nil, nil
 		for _, r := range c.remotes {
-			if r.kv != nil {
-				r.kv.Release()
-				r.gen.Release()
-			}
+			r.releaseLists()
 		}
 		c.mu.Unlock()
-		for _, r := range []*transfer.Region{c.kvReg, c.genReg, c.scrReg} {
+		for _, r := range []*transfer.Region{c.kvReg, c.metaReg, c.scrReg} {
 			if r != nil {
 				errs = append(errs, c.agent.Deregister(r))
 			}
@@ -324,4 +336,5 @@ func (c *Connector) clockSeconds() float64 { return c.now().Sub(c.epoch).Seconds
 var (
 	_ engine.Connector       = (*Connector)(nil)
 	_ engine.ArrivalObserver = (*Connector)(nil)
+	_ engine.HoldEvicter     = (*Connector)(nil)
 )

@@ -97,7 +97,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: o.numBlocks, PrefixCaching: o.prefix, GenerationTable: layout.GenerationTable(arena.Bytes())})
+	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: o.numBlocks, PrefixCaching: o.prefix, RecordTable: layout.RecordTable(arena.Bytes())})
 	if err != nil {
 		t.Fatal(err)
 	}

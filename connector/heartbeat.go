@@ -2,30 +2,12 @@ package connector
 
 import (
 	"sort"
-	"strings"
 	"time"
 )
 
-// HeartbeatPrefix starts a heartbeat notification: "HB:" followed by comma-joined request ids.
-const HeartbeatPrefix = "HB:"
-
-// FormatHeartbeat renders the heartbeat message for remote request ids.
-func FormatHeartbeat(ids []string) string { return HeartbeatPrefix + strings.Join(ids, ",") }
-
-// ParseHeartbeat returns the ids of a heartbeat message, and false if msg is not a heartbeat.
-func ParseHeartbeat(msg string) ([]string, bool) {
-	rest, ok := strings.CutPrefix(msg, HeartbeatPrefix)
-	if !ok {
-		return nil, false
-	}
-	if rest == "" {
-		return nil, true
-	}
-	return strings.Split(rest, ","), true
-}
-
-// HeartbeatTracker is the decoder's list of remote requests whose blocks it has yet to read,
-// grouped by remote engine; it says when a heartbeat batch is due (every lease/6, spec §4.4).
+// HeartbeatTracker is the decoder's list of remote leases whose blocks it has yet to read (by
+// their tokens, in hex), grouped by remote engine; it says when a heartbeat batch is due (every
+// lease/6, spec §4.4).
 // A pure state machine: the caller passes the time and sends the batches. Not safe for
 // concurrent use.
 type HeartbeatTracker struct {

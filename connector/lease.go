@@ -1,21 +1,78 @@
 package connector
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"fmt"
 	"sort"
 	"time"
 )
 
+// LeaseToken is a lease's capability: 128 random bits the owner of the blocks issues with the
+// kv_transfer_params that name them. Every READ of the blocks (as the transfer request's tag),
+// every completion notification and every heartbeat must present it; the owner checks it, and
+// publishes a tag derived from it (LeaseTag) for readers that map its memory.
+type LeaseToken [16]byte
+
+// String returns the token in hex, as kv_transfer_params carry it.
+func (t LeaseToken) String() string { return hex.EncodeToString(t[:]) }
+
+// ParseLeaseToken parses the 32 hex digits of a token.
+func ParseLeaseToken(s string) (LeaseToken, error) {
+	var t LeaseToken
+	if len(s) != 2*len(t) {
+		return t, fmt.Errorf("a lease token has %d hex digits, got %d characters", 2*len(t), len(s))
+	}
+	if _, err := hex.Decode(t[:], []byte(s)); err != nil {
+		return t, fmt.Errorf("a lease token is hex: %v", err)
+	}
+	return t, nil
+}
+
+// LeaseTag is what the owner of a lease publishes in the lease's slot while it lasts: the first
+// 16 bytes of SHA-256 over the token, the number of tokens the blocks hold, and the block ids and
+// generations. A reader that holds the params computes the same tag: a match proves that the
+// params are exactly those of a lease alive when the slot was read — which holds its blocks
+// unchanged since before the reader read them.
+func LeaseTag(token LeaseToken, numTokens int, blocks []int32, gens []uint64) [16]byte {
+	h := sha256.New()
+	h.Write([]byte("kvbridge lease v1"))
+	h.Write(token[:])
+	var b [8]byte
+	binary.LittleEndian.PutUint32(b[:4], uint32(numTokens))
+	binary.LittleEndian.PutUint32(b[4:], uint32(len(blocks)))
+	h.Write(b[:])
+	for _, id := range blocks {
+		binary.LittleEndian.PutUint32(b[:4], uint32(id))
+		h.Write(b[:4])
+	}
+	for _, g := range gens {
+		binary.LittleEndian.PutUint64(b[:], g)
+		h.Write(b[:])
+	}
+	var tag [16]byte
+	copy(tag[:], h.Sum(nil))
+	return tag
+}
+
 // Lease is a finished request whose blocks are held for a remote reader: a prefill waiting for
 // its decoder, or (bidirectional) a decode turn waiting for the next turn's prefill.
 type Lease struct {
-	// RequestID is the local request id the remote names in notifications and heartbeats.
+	// RequestID is the local request id the remote names in notifications.
 	RequestID string
+	// Token is the lease's capability; Slot the index of the slot its tag is published in.
+	Token LeaseToken
+	Slot  int
 	// Blocks are the held block ids.
 	Blocks []int32
 	// Deadline is when the blocks are released if no reader has finished.
 	Deadline time.Time
-	// Renewable leases are extended by heartbeats (P's leases); decoder TTLs are not.
+	// Renewable leases are extended by heartbeats (P's leases); decoder TTLs are not, and they
+	// are a cache: under pool pressure the oldest are evicted first (EvictOldestHold).
 	Renewable bool
+	// Created is when the lease began.
+	Created time.Time
 	// notified counts read notifications received so far.
 	notified int
 	// held indexes Blocks (built by LeaseTable.Add).
@@ -36,25 +93,62 @@ func (l *Lease) Holds(block int32) bool {
 	return false
 }
 
+// NotifyResult says what a read notification did.
+type NotifyResult uint8
+
+const (
+	// NotifyCounted: the notification was one of the lease's expected readers.
+	NotifyCounted NotifyResult = iota
+	// NotifyUnknown: no lease has that request id (expired, aborted, or never issued).
+	NotifyUnknown
+	// NotifyRefused: a lease has that id but the notification presented another token.
+	NotifyRefused
+)
+
 // LeaseTable holds leases and decides when they end. It is a pure state machine: the caller
-// passes the time and frees the blocks of every lease it returns. Not safe for concurrent use.
+// passes the time, publishes and clears the slots, and frees the blocks of every lease it
+// returns. Slots are handed out lowest first and reused once their lease has left the table.
+// Not safe for concurrent use.
 type LeaseTable struct {
-	leases map[string]*Lease
+	leases  map[string]*Lease
+	byToken map[LeaseToken]*Lease
+	free    []int // released slots
+	next    int   // slots below next have been handed out
 }
 
-// Add starts holding blocks for id until deadline. A second Add for the same id replaces the first
-// and returns the replaced lease so its blocks can be freed.
-func (t *LeaseTable) Add(id string, blocks []int32, deadline time.Time, renewable bool) (replaced *Lease) {
+// Add starts holding blocks for id until deadline under token, and returns the new lease with
+// its slot. A second Add for the same id replaces the first and returns the replaced lease so
+// its blocks can be freed (its slot is reused).
+func (t *LeaseTable) Add(id string, token LeaseToken, blocks []int32, now, deadline time.Time, renewable bool) (l, replaced *Lease) {
 	if t.leases == nil {
 		t.leases = make(map[string]*Lease)
+		t.byToken = make(map[LeaseToken]*Lease)
 	}
-	old := t.leases[id]
+	if old := t.leases[id]; old != nil {
+		t.remove(old)
+		replaced = old
+	}
 	held := make(map[int32]struct{}, len(blocks))
 	for _, b := range blocks {
 		held[b] = struct{}{}
 	}
-	t.leases[id] = &Lease{RequestID: id, Blocks: blocks, Deadline: deadline, Renewable: renewable, held: held}
-	return old
+	slot := t.next
+	if n := len(t.free); n > 0 {
+		slot, t.free = t.free[n-1], t.free[:n-1]
+	} else {
+		t.next++
+	}
+	l = &Lease{RequestID: id, Token: token, Slot: slot, Blocks: blocks, Deadline: deadline, Renewable: renewable, Created: now, held: held}
+	t.leases[id] = l
+	t.byToken[token] = l
+	return l, replaced
+}
+
+// remove takes l out of the table and frees its slot.
+func (t *LeaseTable) remove(l *Lease) {
+	delete(t.leases, l.RequestID)
+	delete(t.byToken, l.Token)
+	t.free = append(t.free, l.Slot)
 }
 
 // Len returns the number of held leases.
@@ -63,28 +157,34 @@ func (t *LeaseTable) Len() int { return len(t.leases) }
 // Get returns the lease of id, or nil.
 func (t *LeaseTable) Get(id string) *Lease { return t.leases[id] }
 
-// Notify records one read notification "<id>:<expected>" and returns the lease once all expected
-// readers have reported; the lease then leaves the table. known is false for an id the table does
-// not hold (expired, aborted, or never issued): vLLM logs "Potentially invalid KV blocks" for it.
-func (t *LeaseTable) Notify(id string, expected int) (done *Lease, known bool) {
+// ByToken returns the lease whose token is token, or nil.
+func (t *LeaseTable) ByToken(token LeaseToken) *Lease { return t.byToken[token] }
+
+// Notify records one read notification "<id>:<expected>" presenting token, and returns the lease
+// once all expected readers have reported; the lease then leaves the table. A notification
+// whose token is not the lease's is refused and changes nothing.
+func (t *LeaseTable) Notify(id string, token LeaseToken, expected int) (*Lease, NotifyResult) {
 	l := t.leases[id]
-	if l == nil {
-		return nil, false
+	switch {
+	case l == nil:
+		return nil, NotifyUnknown
+	case l.Token != token:
+		return nil, NotifyRefused
 	}
 	l.notified++
 	if l.notified < max(expected, 1) {
-		return nil, true
+		return nil, NotifyCounted
 	}
-	delete(t.leases, id)
-	return l, true
+	t.remove(l)
+	return l, NotifyCounted
 }
 
-// Heartbeat extends the renewable leases of ids to at least now+extension; it never shortens one
-// and ignores unknown ids (spec §4.4). It returns how many leases it extended.
-func (t *LeaseTable) Heartbeat(ids []string, now time.Time, extension time.Duration) int {
+// Heartbeat extends the renewable leases of tokens to at least now+extension; it never shortens
+// one and ignores unknown tokens (spec §4.4). It returns how many leases it extended.
+func (t *LeaseTable) Heartbeat(tokens []LeaseToken, now time.Time, extension time.Duration) int {
 	n := 0
-	for _, id := range ids {
-		l := t.leases[id]
+	for _, tok := range tokens {
+		l := t.byToken[tok]
 		if l == nil || !l.Renewable {
 			continue
 		}
@@ -99,7 +199,9 @@ func (t *LeaseTable) Heartbeat(ids []string, now time.Time, extension time.Durat
 // Release removes the lease of id (its request was aborted or its reader gave up) and returns it.
 func (t *LeaseTable) Release(id string) *Lease {
 	l := t.leases[id]
-	delete(t.leases, id)
+	if l != nil {
+		t.remove(l)
+	}
 	return l
 }
 
@@ -108,11 +210,13 @@ func (t *LeaseTable) Release(id string) *Lease {
 // The result is ordered by deadline, then id.
 func (t *LeaseTable) Expire(now time.Time) []*Lease {
 	var out []*Lease
-	for id, l := range t.leases {
+	for _, l := range t.leases {
 		if !l.Deadline.After(now) {
 			out = append(out, l)
-			delete(t.leases, id)
 		}
+	}
+	for _, l := range out {
+		t.remove(l)
 	}
 	sort.Slice(out, func(i, j int) bool {
 		if !out[i].Deadline.Equal(out[j].Deadline) {
@@ -121,6 +225,24 @@ func (t *LeaseTable) Expire(now time.Time) []*Lease {
 		return out[i].RequestID < out[j].RequestID
 	})
 	return out
+}
+
+// EvictOldestHold removes and returns the oldest non-renewable lease (a decoder's hold for a
+// next turn, which is a cache), or nil when there is none. Ties go to the smaller id.
+func (t *LeaseTable) EvictOldestHold() *Lease {
+	var oldest *Lease
+	for _, l := range t.leases {
+		if l.Renewable {
+			continue
+		}
+		if oldest == nil || l.Created.Before(oldest.Created) || (l.Created.Equal(oldest.Created) && l.RequestID < oldest.RequestID) {
+			oldest = l
+		}
+	}
+	if oldest != nil {
+		t.remove(oldest)
+	}
+	return oldest
 }
 
 // NextDeadline returns the earliest deadline, and false when the table is empty.

@@ -10,30 +10,47 @@ var t0 = time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
 
 func TestLeaseNotifyFreesAfterAllReaders(t *testing.T) {
 	var tab LeaseTable
-	tab.Add("p1", []int32{1, 2}, t0.Add(30*time.Second), true)
-	if l, known := tab.Notify("p1", 2); l != nil || !known {
-		t.Fatalf("first of two notifications released the lease: %v %v", l, known)
+	tok := LeaseToken{7}
+	tab.Add("p1", tok, []int32{1, 2}, t0, t0.Add(30*time.Second), true)
+	if l, res := tab.Notify("p1", tok, 2); l != nil || res != NotifyCounted {
+		t.Fatalf("first of two notifications released the lease: %v %v", l, res)
 	}
-	l, known := tab.Notify("p1", 2)
-	if !known || l == nil || !reflect.DeepEqual(l.Blocks, []int32{1, 2}) {
-		t.Fatalf("second notification: %v %v", l, known)
+	l, res := tab.Notify("p1", tok, 2)
+	if res != NotifyCounted || l == nil || !reflect.DeepEqual(l.Blocks, []int32{1, 2}) {
+		t.Fatalf("second notification: %v %v", l, res)
 	}
-	if _, known := tab.Notify("p1", 2); known {
-		t.Error("a late notification for a released lease is reported as known")
+	if _, res := tab.Notify("p1", tok, 2); res != NotifyUnknown {
+		t.Error("a late notification for a released lease is not reported as unknown")
+	}
+}
+
+// TestLeaseNotifyNeedsTheToken: a notification that names a lease's request id but presents
+// another token neither counts as a reader nor ends the lease.
+func TestLeaseNotifyNeedsTheToken(t *testing.T) {
+	var tab LeaseTable
+	tab.Add("victim", LeaseToken{1}, []int32{4}, t0, t0.Add(30*time.Second), true)
+	for range 3 {
+		if l, res := tab.Notify("victim", LeaseToken{2}, 1); l != nil || res != NotifyRefused {
+			t.Fatalf("a notification with another token: %v %v", l, res)
+		}
+	}
+	if l, res := tab.Notify("victim", LeaseToken{1}, 1); l == nil || res != NotifyCounted {
+		t.Fatalf("the owner's notification: %v %v", l, res)
 	}
 }
 
 func TestLeaseHeartbeatExtendsNeverShortens(t *testing.T) {
 	var tab LeaseTable
-	tab.Add("a", nil, t0.Add(30*time.Second), true)
-	tab.Add("ttl", nil, t0.Add(30*time.Second), false)
-	if n := tab.Heartbeat([]string{"a", "ttl", "unknown"}, t0.Add(25*time.Second), 20*time.Second); n != 1 {
-		t.Errorf("extended %d leases, want 1 (decoder TTLs are not renewed, unknown ids ignored)", n)
+	a, ttl := LeaseToken{1}, LeaseToken{2}
+	tab.Add("a", a, nil, t0, t0.Add(30*time.Second), true)
+	tab.Add("ttl", ttl, nil, t0, t0.Add(30*time.Second), false)
+	if n := tab.Heartbeat([]LeaseToken{a, ttl, {9}}, t0.Add(25*time.Second), 20*time.Second); n != 1 {
+		t.Errorf("extended %d leases, want 1 (decoder TTLs are not renewed, unknown tokens ignored)", n)
 	}
 	if got := tab.Get("a").Deadline; !got.Equal(t0.Add(45 * time.Second)) {
 		t.Errorf("deadline = %v, want now+20s", got)
 	}
-	tab.Heartbeat([]string{"a"}, t0, 20*time.Second) // would shorten: ignored
+	tab.Heartbeat([]LeaseToken{a}, t0, 20*time.Second) // would shorten: ignored
 	if got := tab.Get("a").Deadline; !got.Equal(t0.Add(45 * time.Second)) {
 		t.Errorf("a heartbeat shortened the lease to %v", got)
 	}
@@ -42,11 +59,12 @@ func TestLeaseHeartbeatExtendsNeverShortens(t *testing.T) {
 // TestLeaseExpireSweepsEveryEntry is vllm#58222: an unexpired entry must not hide expired ones.
 func TestLeaseExpireSweepsEveryEntry(t *testing.T) {
 	var tab LeaseTable
-	tab.Add("long", nil, t0.Add(480*time.Second), false)
-	tab.Add("b", nil, t0.Add(30*time.Second), true)
-	tab.Add("a", nil, t0.Add(30*time.Second), true)
-	tab.Add("renewed", nil, t0.Add(10*time.Second), true)
-	tab.Heartbeat([]string{"renewed"}, t0.Add(5*time.Second), 100*time.Second)
+	renewed := LeaseToken{4}
+	tab.Add("long", LeaseToken{1}, nil, t0, t0.Add(480*time.Second), false)
+	tab.Add("b", LeaseToken{2}, nil, t0, t0.Add(30*time.Second), true)
+	tab.Add("a", LeaseToken{3}, nil, t0, t0.Add(30*time.Second), true)
+	tab.Add("renewed", renewed, nil, t0, t0.Add(10*time.Second), true)
+	tab.Heartbeat([]LeaseToken{renewed}, t0.Add(5*time.Second), 100*time.Second)
 	got := tab.Expire(t0.Add(31 * time.Second))
 	var ids []string
 	for _, l := range got {
@@ -57,6 +75,65 @@ func TestLeaseExpireSweepsEveryEntry(t *testing.T) {
 	}
 	if next, ok := tab.NextDeadline(); !ok || !next.Equal(t0.Add(105*time.Second)) {
 		t.Errorf("next deadline = %v %v", next, ok)
+	}
+}
+
+// TestLeaseSlotsAreReused: every live lease has its own slot; a slot is handed out again only
+// after its lease left the table.
+func TestLeaseSlotsAreReused(t *testing.T) {
+	var tab LeaseTable
+	slots := map[int]string{}
+	for i, id := range []string{"a", "b", "c"} {
+		l, _ := tab.Add(id, LeaseToken{byte(i + 1)}, nil, t0, t0.Add(time.Minute), true)
+		if other, dup := slots[l.Slot]; dup {
+			t.Fatalf("%s got slot %d, held by %s", id, l.Slot, other)
+		}
+		slots[l.Slot] = id
+	}
+	freed := tab.Get("b").Slot
+	tab.Release("b")
+	if l, _ := tab.Add("d", LeaseToken{9}, nil, t0, t0.Add(time.Minute), true); l.Slot != freed {
+		t.Errorf("d got slot %d, want b's freed slot %d", l.Slot, freed)
+	}
+	if l, _ := tab.Add("e", LeaseToken{10}, nil, t0, t0.Add(time.Minute), true); l.Slot != 3 {
+		t.Errorf("e got slot %d, want 3", l.Slot)
+	}
+}
+
+// TestEvictOldestHold: decoder holds (non-renewable) are evicted oldest first; a producer's
+// leases never are.
+func TestEvictOldestHold(t *testing.T) {
+	var tab LeaseTable
+	tab.Add("lease", LeaseToken{1}, []int32{1}, t0, t0.Add(time.Minute), true)
+	tab.Add("new", LeaseToken{2}, []int32{2}, t0.Add(2*time.Second), t0.Add(time.Hour), false)
+	tab.Add("old", LeaseToken{3}, []int32{3}, t0.Add(time.Second), t0.Add(time.Hour), false)
+	var got []string
+	for l := tab.EvictOldestHold(); l != nil; l = tab.EvictOldestHold() {
+		got = append(got, l.RequestID)
+	}
+	if !reflect.DeepEqual(got, []string{"old", "new"}) || tab.Len() != 1 || tab.Get("lease") == nil {
+		t.Errorf("evicted %v, left %d; want [old new] and the producer's lease kept", got, tab.Len())
+	}
+	if tab.ByToken(LeaseToken{3}) != nil {
+		t.Error("an evicted hold is still found by its token")
+	}
+}
+
+func TestLeaseTagBindsTheParams(t *testing.T) {
+	tok := LeaseToken{1, 2, 3}
+	base := LeaseTag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 2})
+	for name, tag := range map[string][16]byte{
+		"token":       LeaseTag(LeaseToken{1, 2, 4}, 37, []int32{4, 5, 6}, []uint64{1, 1, 2}),
+		"tokens":      LeaseTag(tok, 36, []int32{4, 5, 6}, []uint64{1, 1, 2}),
+		"blocks":      LeaseTag(tok, 37, []int32{4, 5, 7}, []uint64{1, 1, 2}),
+		"generations": LeaseTag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 3}),
+	} {
+		if tag == base {
+			t.Errorf("changing the %s leaves the tag unchanged", name)
+		}
+	}
+	if LeaseTag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 2}) != base {
+		t.Error("the tag is not deterministic")
 	}
 }
 
@@ -80,10 +157,27 @@ func TestHeartbeatTrackerBatches(t *testing.T) {
 	if h.Len() != 1 {
 		t.Errorf("Len = %d", h.Len())
 	}
+}
+
+func TestNotificationFormats(t *testing.T) {
 	if ids, ok := ParseHeartbeat(FormatHeartbeat([]string{"a", "b"})); !ok || !reflect.DeepEqual(ids, []string{"a", "b"}) {
 		t.Errorf("heartbeat round trip = %v %v", ids, ok)
 	}
-	if _, ok := ParseHeartbeat("req:1"); ok {
+	tok := LeaseToken{0xab, 1}
+	msg := FormatRelease("cmpl-x:y:z-0", 1, tok)
+	if msg != "cmpl-x:y:z-0:1:ab010000000000000000000000000000" {
+		t.Errorf("release message %q", msg)
+	}
+	if _, ok := ParseHeartbeat(msg); ok {
 		t.Error("a read notification parsed as a heartbeat")
+	}
+	id, n, got, err := ParseRelease(msg)
+	if err != nil || id != "cmpl-x:y:z-0" || n != 1 || got != tok {
+		t.Errorf("ParseRelease = %q %d %v %v", id, n, got, err)
+	}
+	for _, bad := range []string{"req:1", "req:0:" + tok.String(), ":1:" + tok.String(), "req:1:xyz", "req:x:" + tok.String()} {
+		if _, _, _, err := ParseRelease(bad); err == nil {
+			t.Errorf("ParseRelease(%q) accepted it", bad)
+		}
 	}
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net"
 	"strconv"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvbridge/kvbridge/kvcache"
@@ -24,36 +23,63 @@ var ErrStaleProducer = errors.New("the producer restarted since these kv_transfe
 // ErrExpired reports a bidirectional read declined because the decoder's blocks expire too soon.
 var ErrExpired = errors.New("remote KV blocks expire too soon to be read")
 
-// loadTimeout bounds one load: handshake, READ and generation check.
+// loadTimeout bounds one load: handshake, READ and verification.
 const loadTimeout = 60 * time.Second
 
 // expiryMargin is how close to a decoder's TTL a bidirectional read is still attempted.
 const expiryMargin = 5 * time.Second
+
+// maxHandshakes bounds the handshakes in progress: params may name any engine at any address,
+// and each new one costs a connection attempt.
+const maxHandshakes = 64
 
 // loadJob is one request's pull of remote KV into its own blocks.
 type loadJob struct {
 	id       string
 	params   *Params
 	blocks   []int32 // the request's whole block table
+	prompt   []int32 // the request's prompt: what the remote blocks must hold
 	localHit int     // tokens already in the leading blocks (a multiple of the block size)
 	count    int     // tokens to load after them
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
 }
 
-// remoteEngine is a producer this engine has handshaken with.
+// remoteKey names one incarnation of a remote engine: its engine id and its instance (random per
+// start). Records are keyed by both, so params naming a new address or a new instance of a
+// known engine never replace a healthy record by themselves.
+type remoteKey struct{ engine, instance string }
+
+// remoteEngine is a producer this engine has handshaken with (or is handshaking with).
 type remoteEngine struct {
-	id, addr string
-	ready    chan struct{} // closed when the handshake ended; then err or the rest is set
-	err      error
+	key   remoteKey
+	id    string        // engine id, for messages
+	addr  string        // where the handshake went
+	ready chan struct{} // closed when the handshake ended; then err or the rest is set
+	err   error
 
 	meta     AgentMetadata
 	offset   float64 // producer clock − our clock, seconds
 	peer     string  // transfer agent name
+	peerInc  uint64  // transfer agent incarnation
 	ratio    int     // local block size ÷ remote block size
 	layout   kvcache.Layout
-	kv, gen  *transfer.PreparedList
+	kv, recs *transfer.PreparedList // the producer's blocks; its records then slots
 	local    *transfer.PreparedList
 	lastUsed time.Time
+}
+
+// releaseLists releases r's descriptor lists (idempotent), once its handshake has succeeded.
+// Loads still using them fail, as they would against a dead peer.
+func (r *remoteEngine) releaseLists() {
+	select {
+	case <-r.ready:
+	default:
+		return
+	}
+	if r.err == nil && r.kv != nil {
+		r.kv.Release()
+		r.recs.Release()
+	}
 }
 
 // startLoad runs j on a goroutine the connector owns. c.mu must be held.
@@ -89,6 +115,9 @@ func (c *Connector) finishLoad(j loadJob, firstBad int, err error, quiet bool) {
 		c.log.Error("NIXL transfer failure: transfer_failed", "request_id", j.id, "remote_engine_id", j.params.RemoteEngineID,
 			"remote_request_id", j.params.RemoteRequestID, "remote_host", j.params.RemoteHost, "remote_port", j.params.RemotePort,
 			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "error", err)
+		if errors.Is(err, ErrVerification) {
+			c.refusals.verification.Add(1)
+		}
 		if c.metrics != nil && !errors.Is(err, ErrExpired) {
 			c.metrics.CountFailedTransfer()
 		}
@@ -107,8 +136,8 @@ func (c *Connector) finishLoad(j loadJob, firstBad int, err error, quiet bool) {
 }
 
 // load reads the producer's KV for positions [localHit, localHit+count) into j's blocks and
-// checks that the producer did not reuse them meanwhile. It returns the index (in j.blocks) of
-// the first block that could not be loaded.
+// verifies it against what the producer published. It returns the index (in j.blocks) of the
+// first block that could not be loaded.
 func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 	first := j.localHit / c.geo.BlockSize
 	for attempt := 0; ; attempt++ {
@@ -116,20 +145,10 @@ func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 		if err != nil {
 			return first, err
 		}
-		if want := j.params.Instance; want != "" && r.meta.Instance != want {
-			// Our record of the producer is older than the params (it restarted: handshake
-			// again), or the params come from an instance that is gone, and so is its KV.
-			if attempt == 0 {
-				c.forget(r)
-				continue
-			}
-			return first, fmt.Errorf("%w: request %s names instance %s of engine %s, which now runs instance %s: its KV is gone",
-				ErrStaleProducer, j.id, want, r.id, r.meta.Instance)
-		}
 		bad, err := c.read(ctx, j, r)
 		if err != nil && attempt == 0 && peerGone(err) {
-			// The producer restarted or the connection died since our handshake: count the
-			// failed attempt and try once more over a new handshake.
+			// The connection died since our handshake (or the producer's agent restarted):
+			// count the failed attempt and try once more over a new handshake.
 			c.log.Warn("NIXL transfer failure: transfer_failed; retrying after a new handshake", "request_id", j.id, "remote_engine_id", r.id, "error", err)
 			if c.metrics != nil {
 				c.metrics.CountFailedTransfer()
@@ -141,7 +160,9 @@ func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 	}
 }
 
-// read pulls j's KV from the handshaken producer r.
+// read pulls j's KV from the handshaken producer r, then the producer's records of those blocks
+// and the lease's slot (the notification rides on that second read, which comes last), and
+// verifies them.
 func (c *Connector) read(ctx context.Context, j loadJob, r *remoteEngine) (int, error) {
 	first := j.localHit / c.geo.BlockSize
 	if j.fromD && j.params.RemoteBlocksExpiryTime != nil {
@@ -158,51 +179,43 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteEngine) (int, 
 	if err != nil {
 		return first, err
 	}
-	notif := []byte(j.params.RemoteRequestID + ":1")
-	checkGens := j.params.BlockGenerations != nil
-	// Every READ names the producer request whose lease covers the blocks (see auth.go).
-	ropts := &transfer.RequestOptions{Timeout: loadTimeout, Tag: []byte(j.params.RemoteRequestID)}
+	// Every READ presents the lease token (see auth.go).
+	ropts := &transfer.RequestOptions{Timeout: loadTimeout, Tag: j.params.Lease[:]}
 	data, err := c.agent.MakeRequest(transfer.Read, r.local, plan.local, r.kv, plan.remote, ropts)
 	if err != nil {
 		return first, c.forgetOn(r, err)
 	}
 	defer data.Release()
-	dataNotif := notif
-	if checkGens {
-		dataNotif = nil // the notification rides on the generation read, which comes last
-	}
-	if err := data.Post(ctx, dataNotif); err != nil {
+	if err := data.Post(ctx, nil); err != nil {
 		return first, c.forgetOn(r, err)
 	}
 	if err := data.Wait(ctx); err != nil {
 		return first, c.forgetOn(r, err)
 	}
 	if c.metrics != nil {
-		t := data.Telemetry()
-		c.metrics.ObserveTransfer(metricsSample(t))
+		c.metrics.ObserveTransfer(metricsSample(data.Telemetry()))
 	}
-	if checkGens {
-		gens, err := c.agent.MakeRequest(transfer.Read, c.scrList, plan.scratch, r.gen, plan.remote, ropts)
-		if err != nil {
-			return first, c.forgetOn(r, err)
-		}
-		defer gens.Release()
-		if err := gens.Post(ctx, notif); err != nil {
-			return first, c.forgetOn(r, err)
-		}
-		if err := gens.Wait(ctx); err != nil {
-			return first, c.forgetOn(r, err)
-		}
-		for k, slot := range plan.scratch {
-			rj := plan.remoteIndex[k]
-			if rj >= len(j.params.BlockGenerations) {
-				break
-			}
-			if got, want := atomic.LoadUint64(&c.scratch[slot]), j.params.BlockGenerations[rj]; got != want {
-				return plan.localIndex[k], fmt.Errorf("%w: request %s, remote block %d had generation %d, now %d",
-					ErrStaleBlocks, j.id, j.params.Blocks()[rj], want, got)
-			}
-		}
+	slotEntry := c.layout.NumBlocks*maxBlockRatio + int(j.blocks[plan.firstLocal])
+	local := append(append([]int(nil), plan.scratch...), slotEntry)
+	remote := make([]int, 0, len(plan.remote)+1)
+	for _, rj := range plan.remoteIndex {
+		remote = append(remote, int(j.params.Blocks()[rj])) // record i describes block i
+	}
+	remote = append(remote, r.meta.NumBlocks+j.params.LeaseSlot)
+	meta, err := c.agent.MakeRequest(transfer.Read, c.scrList, local, r.recs, remote, ropts)
+	if err != nil {
+		return first, c.forgetOn(r, err)
+	}
+	defer meta.Release()
+	notif := []byte(FormatRelease(j.params.RemoteRequestID, 1, j.params.Lease))
+	if err := meta.Post(ctx, notif); err != nil {
+		return first, c.forgetOn(r, err)
+	}
+	if err := meta.Wait(ctx); err != nil {
+		return first, c.forgetOn(r, err)
+	}
+	if bad, err := c.verifyRead(j, r, plan, slotEntry); err != nil {
+		return bad, err
 	}
 	if err := c.postprocess(j, r, plan); err != nil {
 		return first, err
@@ -212,7 +225,7 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteEngine) (int, 
 
 // readPlan pairs local sub-blocks with remote blocks, by token position.
 type readPlan struct {
-	local, remote, scratch []int // descriptor indices in r.local, r.kv/r.gen, c.scrList
+	local, remote, scratch []int // descriptor indices in r.local, r.kv, c.scrList
 	localIndex             []int // index in j.blocks of each pair's local block
 	remoteIndex            []int // index in the producer's block list of each pair
 	firstLocal, lastLocal  int   // range of j.blocks indices filled
@@ -230,6 +243,9 @@ func (c *Connector) plan(j loadJob, r *remoteEngine) (readPlan, error) {
 	p := readPlan{firstLocal: j.localHit / bs, lastLocal: (end+bs-1)/bs - 1}
 	if p.lastLocal >= len(j.blocks) {
 		return p, fmt.Errorf("request %s: %d tokens need %d blocks, it holds %d", j.id, end, p.lastLocal+1, len(j.blocks))
+	}
+	if len(j.params.BlockGenerations) != len(remote) || j.params.LeaseSlot < 0 || j.params.LeaseSlot >= r.meta.NumBlocks {
+		return p, fmt.Errorf("%w: request %s: the params name no lease of engine %s", ErrVerification, j.id, r.id)
 	}
 	for i := p.firstLocal; i <= p.lastLocal; i++ {
 		for k := range r.ratio {
@@ -298,13 +314,32 @@ func peerGone(err error) bool {
 func (c *Connector) forget(r *remoteEngine) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.remotes[r.id] == r {
+	if c.remotes[r.key] == r {
 		c.dropRemote(r)
 	}
 }
 
-// startNotify tells a producer that this engine will not read its blocks (a full local hit, or
-// a request that ended before its read) so that it frees them now. c.mu must be held.
+// peerLost is the transfer agent's OnPeerLost hook: the control connection to a producer's
+// agent ended. Its death is observed: its records are dropped now, which unmaps its arena,
+// instead of when engine_ttl passes. The next request for it handshakes again.
+func (c *Connector) peerLost(name string, inc uint64) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, r := range c.remotes {
+		select {
+		case <-r.ready:
+			if r.err == nil && r.peer == name && r.peerInc == inc {
+				c.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "addr", r.addr)
+				c.dropRemote(r)
+			}
+		default:
+		}
+	}
+}
+
+// startNotify tells a producer that this engine will not read its blocks (a full local hit, a
+// request that ended before its read, or one refused before it reached the scheduler) so that
+// it frees them now. c.mu must be held.
 func (c *Connector) startNotify(p *Params) {
 	if c.closed {
 		return
@@ -320,11 +355,7 @@ func (c *Connector) startNotify(p *Params) {
 			if r, err = c.remote(ctx, p); err != nil {
 				break
 			}
-			if p.Instance != "" && r.meta.Instance != p.Instance && attempt == 0 {
-				c.forget(r) // a restarted producer: reach its current instance
-				continue
-			}
-			if err = c.agent.SendNotif(ctx, r.peer, []byte(p.RemoteRequestID+":1")); err == nil || !peerGone(err) {
+			if err = c.agent.SendNotif(ctx, r.peer, []byte(FormatRelease(p.RemoteRequestID, 1, p.Lease))); err == nil || !peerGone(err) {
 				break
 			}
 			c.forget(r)
@@ -338,8 +369,8 @@ func (c *Connector) startNotify(p *Params) {
 	}()
 }
 
-// remote returns the handshaken producer named by p, starting one handshake per engine (later
-// callers wait for the same one).
+// remote returns the handshaken producer named by p, starting one handshake per engine
+// incarnation (later callers wait for the same one).
 func (c *Connector) remote(ctx context.Context, p *Params) (*remoteEngine, error) {
 	c.mu.Lock()
 	r, err := c.entry(p)
@@ -354,8 +385,8 @@ func (c *Connector) remote(ctx context.Context, p *Params) (*remoteEngine, error
 	}
 	if r.err != nil {
 		c.mu.Lock()
-		if c.remotes[r.id] == r {
-			delete(c.remotes, r.id) // the next request tries again
+		if c.remotes[r.key] == r {
+			delete(c.remotes, r.key) // the next request tries again
 		}
 		c.mu.Unlock()
 		return nil, r.err
@@ -363,42 +394,47 @@ func (c *Connector) remote(ctx context.Context, p *Params) (*remoteEngine, error
 	return r, nil
 }
 
-// entry returns the record of the producer named by p, starting its handshake if there is none.
-// c.mu must be held.
+// entry returns the record of the producer incarnation named by p, starting its handshake if
+// there is none. A known incarnation is used whatever address the params give (proxies rewrite
+// remote_host); a new one is handshaken at the address given. c.mu must be held.
 func (c *Connector) entry(p *Params) (*remoteEngine, error) {
-	addr := net.JoinHostPort(p.RemoteHost, strconv.Itoa(p.RemotePort))
-	r := c.remotes[p.RemoteEngineID]
-	if r != nil && r.addr != addr {
-		c.dropRemote(r) // the engine moved (restarted elsewhere): handshake again
-		r = nil
-	}
+	key := remoteKey{p.RemoteEngineID, p.Instance}
+	r := c.remotes[key]
 	if r == nil {
 		if c.closed {
 			return nil, transfer.ErrClosed
 		}
-		r = &remoteEngine{id: p.RemoteEngineID, addr: addr, ready: make(chan struct{})}
-		c.remotes[r.id] = r
+		if c.handshaking >= maxHandshakes {
+			return nil, fmt.Errorf("%w: %d handshakes already in progress", ErrHandshake, c.handshaking)
+		}
+		addr := net.JoinHostPort(p.RemoteHost, strconv.Itoa(p.RemotePort))
+		r = &remoteEngine{key: key, id: p.RemoteEngineID, addr: addr, ready: make(chan struct{})}
+		c.remotes[key] = r
+		c.handshaking++
 		c.wg.Add(1)
 		go func() {
 			defer c.wg.Done()
 			c.handshakeWith(r)
+			c.mu.Lock()
+			c.handshaking--
+			c.mu.Unlock()
 		}()
 	}
 	r.lastUsed = c.now()
 	return r, nil
 }
 
-// dropRemote forgets r and its transfer peer. c.mu must be held.
+// dropRemote forgets r and, if it is still the loaded incarnation, its transfer peer. c.mu must
+// be held.
 func (c *Connector) dropRemote(r *remoteEngine) {
-	if c.remotes[r.id] == r {
-		delete(c.remotes, r.id)
+	if c.remotes[r.key] == r {
+		delete(c.remotes, r.key)
 	}
 	select {
 	case <-r.ready:
 		if r.err == nil && r.peer != "" {
-			_ = c.agent.InvalidateRemote(r.peer)
-			r.kv.Release()
-			r.gen.Release()
+			_ = c.agent.InvalidateIncarnation(r.peer, r.peerInc)
+			r.releaseLists()
 		}
 	default:
 	}
@@ -426,6 +462,11 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 		return
 	}
 	m := res.meta
+	if r.key.instance != "" && m.Instance != r.key.instance {
+		fail(fmt.Errorf("%w: the params name instance %s of engine %s, which now runs instance %s at %s: its KV is gone",
+			ErrStaleProducer, r.key.instance, r.id, m.Instance, r.addr))
+		return
+	}
 	layout, err := kvcache.ParseLayout(m.KVCacheLayout)
 	if err != nil {
 		fail(fmt.Errorf("%w: %w", ErrIncompatible, err))
@@ -442,38 +483,77 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 			ErrIncompatible, r.id, m.NumBlocks, m.BlockLen, m.BlockSize, ratio, maxBlockRatio))
 		return
 	}
+	if err := c.replaceOlder(ctx, r); err != nil {
+		fail(err)
+		return
+	}
 	peer, err := c.agent.LoadRemote(m.AgentMetadata)
 	if err != nil {
 		fail(err)
 		return
 	}
+	info, _ := c.agent.Peer(peer)
 	kv, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.KVRegion, 0, int64(m.BlockLen), m.NumBlocks), nil)
 	if err != nil {
 		fail(c.transferAuthHint(r, err))
 		return
 	}
-	gen, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.GenRegion, 0, 8, m.NumBlocks), nil)
+	recs, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.MetaRegion, 0, kvcache.RecordBytes, 2*m.NumBlocks), nil)
 	if err != nil {
+		kv.Release()
 		fail(err)
 		return
 	}
 	local, err := c.localList(ratio)
 	if err != nil {
+		kv.Release()
+		recs.Release()
 		fail(err)
 		return
 	}
-	r.meta, r.offset, r.peer, r.ratio, r.layout, r.kv, r.gen, r.local = m, res.offset, peer, ratio, layout, kv, gen, local
+	r.meta, r.offset, r.peer, r.peerInc, r.ratio, r.layout, r.kv, r.recs, r.local = m, res.offset, peer, info.Incarnation, ratio, layout, kv, recs, local
 	c.log.Info("NIXL handshake done", "remote_engine_id", r.id, "addr", r.addr, "backend", kv.Backend().String(),
 		"remote_block_size", m.BlockSize, "layout", m.KVCacheLayout, "clock_offset_s", res.offset)
 }
 
+// replaceOlder makes way for r, a new incarnation of an engine: a record of another incarnation
+// of the same engine is dropped only once it is shown dead — its side channel no longer
+// answers as that incarnation. While it does, r is refused: params cannot make this engine drop
+// a healthy producer by naming its engine id with another instance or address.
+func (c *Connector) replaceOlder(ctx context.Context, r *remoteEngine) error {
+	c.mu.Lock()
+	var older []*remoteEngine
+	for k, o := range c.remotes {
+		if o != r && k.engine == r.key.engine {
+			select {
+			case <-o.ready:
+				if o.err == nil {
+					older = append(older, o)
+				}
+			default:
+			}
+		}
+	}
+	c.mu.Unlock()
+	for _, o := range older {
+		res, err := handshake(ctx, o.addr, o.id, c.hash, c.cfg.EnforceHandshakeCompat, 1, c.clockSeconds, c.auth)
+		if err == nil && res.meta.Instance == o.key.instance {
+			return fmt.Errorf("%w: engine %s still runs instance %s at %s; refusing another instance claiming its id at %s",
+				ErrIncompatible, o.id, o.key.instance, o.addr, r.addr)
+		}
+		c.log.Info("a remote engine restarted; forgetting its previous instance", "remote_engine_id", o.id, "instance", o.key.instance, "addr", o.addr)
+		c.forget(o)
+	}
+	return nil
+}
+
 // localList returns the local descriptor list that splits each block into ratio sub-blocks,
-// and (once) the scratch list for generations.
+// and (once) the scratch list for records and slots.
 func (c *Connector) localList(ratio int) (*transfer.PreparedList, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.scrList == nil {
-		l, err := c.agent.PrepareLocal(transfer.BlockDescs(c.scrReg.ID(), 0, 8, c.pool.NumBlocks()*maxBlockRatio))
+		l, err := c.agent.PrepareLocal(transfer.BlockDescs(c.scrReg.ID(), 0, kvcache.RecordBytes, c.layout.scratchEntries()))
 		if err != nil {
 			return nil, err
 		}

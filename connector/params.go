@@ -22,7 +22,17 @@ const (
 	// KeyInstance names the producer's instance (random per start), so that params issued
 	// before a restart are recognised as stale even when block ids and generations repeat.
 	KeyInstance = "kvbridge_instance"
+	// KeyLease carries the lease token (32 hex digits): the capability every read,
+	// notification and heartbeat about these blocks must present (see LeaseToken).
+	KeyLease = "kvbridge_lease"
+	// KeyLeaseSlot is the index of the slot where the producer publishes the lease's tag.
+	KeyLeaseSlot = "kvbridge_lease_slot"
+	// KeyMAC is the issuer's HMAC of the params when engines share an auth token (see mac.go).
+	KeyMAC = "kvbridge_params_mac"
 )
+
+// maxRemoteBlocks bounds remote_block_ids (2^20 blocks of 16 tokens: 16M tokens).
+const maxRemoteBlocks = 1 << 20
 
 // Params is kv_transfer_params (spec §2.1): what one engine tells the next about KV it holds.
 type Params struct {
@@ -45,6 +55,13 @@ type Params struct {
 	BlockGenerations       []uint64
 	BlockHashes            []string
 	Instance               string
+	// Lease is the lease token; HasLease says whether the params carried one.
+	Lease    LeaseToken
+	HasLease bool
+	// LeaseSlot is the producer's slot of the lease's tag; -1 when absent.
+	LeaseSlot int
+	// MAC is the issuer's HMAC (hex), "" when absent.
+	MAC string
 }
 
 // Blocks returns the first group's block ids.
@@ -68,7 +85,7 @@ func ParseParams(m map[string]any) (*Params, error) {
 	if m == nil {
 		return nil, nil
 	}
-	var p Params
+	p := Params{LeaseSlot: -1}
 	var err error
 	field := func(key string, f func(v any) error) {
 		if v, ok := m[key]; ok && v != nil && err == nil {
@@ -95,6 +112,17 @@ func ParseParams(m map[string]any) (*Params, error) {
 	})
 	field("transfer_mode", func(v any) error { return asString(v, &p.TransferMode) })
 	field(KeyInstance, func(v any) error { return asString(v, &p.Instance) })
+	field(KeyLease, func(v any) error {
+		var hexTok string
+		if err := asString(v, &hexTok); err != nil {
+			return err
+		}
+		tok, err := ParseLeaseToken(hexTok)
+		p.Lease, p.HasLease = tok, err == nil
+		return err
+	})
+	field(KeyLeaseSlot, func(v any) error { return asInt(v, &p.LeaseSlot, 0, math.MaxInt32) })
+	field(KeyMAC, func(v any) error { return asString(v, &p.MAC) })
 	field(KeyBlockGenerations, func(v any) error {
 		list, ok := v.([]any)
 		if !ok {
@@ -126,7 +154,31 @@ func ParseParams(m map[string]any) (*Params, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := p.checkBlocks(); err != nil {
+		return nil, err
+	}
 	return &p, nil
+}
+
+// checkBlocks refuses block lists no producer issues: too long, an id twice in a group (one
+// block read into several positions), or generations that do not pair with the first group.
+func (p *Params) checkBlocks() error {
+	for g, ids := range p.RemoteBlockIDs {
+		if len(ids) > maxRemoteBlocks {
+			return fmt.Errorf("%w: remote_block_ids: group %d names %d blocks, at most %d", ErrParams, g, len(ids), maxRemoteBlocks)
+		}
+		seen := make(map[int32]struct{}, len(ids))
+		for _, id := range ids {
+			if _, dup := seen[id]; dup {
+				return fmt.Errorf("%w: remote_block_ids: group %d names block %d twice", ErrParams, g, id)
+			}
+			seen[id] = struct{}{}
+		}
+	}
+	if p.BlockGenerations != nil && len(p.BlockGenerations) != len(p.Blocks()) {
+		return fmt.Errorf("%w: %s: %d generations for %d blocks", ErrParams, KeyBlockGenerations, len(p.BlockGenerations), len(p.Blocks()))
+	}
+	return nil
 }
 
 // Map encodes p as a JSON-ready object with vLLM's field names.
@@ -164,6 +216,13 @@ func (p *Params) Map() map[string]any {
 	}
 	if p.Instance != "" {
 		m[KeyInstance] = p.Instance
+	}
+	if p.HasLease {
+		m[KeyLease] = p.Lease.String()
+		m[KeyLeaseSlot] = p.LeaseSlot
+	}
+	if p.MAC != "" {
+		m[KeyMAC] = p.MAC
 	}
 	return m
 }

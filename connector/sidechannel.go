@@ -69,7 +69,7 @@ const maxFrame = 16 << 20
 
 // ConnectorVersion is folded into the compatibility hash; bump it when P/D interoperability
 // changes.
-const ConnectorVersion = 1
+const ConnectorVersion = 2
 
 // Errors of the handshake, checkable with errors.Is.
 var (
@@ -84,7 +84,7 @@ type AgentMetadata struct {
 	EngineID      string `msgpack:"engine_id"`
 	AgentMetadata []byte `msgpack:"agent_metadata"` // the transfer agent's metadata blob
 	KVRegion      uint32 `msgpack:"kv_region"`      // region id of the blocks
-	GenRegion     uint32 `msgpack:"gen_region"`     // region id of the block generation table
+	MetaRegion    uint32 `msgpack:"meta_region"`    // region id of the block records, then the lease slots
 	NumBlocks     int    `msgpack:"num_blocks"`
 	BlockLen      int    `msgpack:"block_len"`  // bytes per block
 	BlockSize     int    `msgpack:"block_size"` // tokens per block

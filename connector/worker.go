@@ -3,7 +3,6 @@ package connector
 import (
 	"context"
 	"fmt"
-	"strconv"
 	"strings"
 	"time"
 
@@ -30,33 +29,49 @@ func (c *Connector) worker() {
 	}
 }
 
-// handleNotif applies one notification: "HB:id,…" extends leases; "<id>:<n>" is one of n reads
-// of a lease done.
+// handleNotif applies one notification: "HB:token,…" extends leases; "<id>:<n>:<token>" is one
+// of n reads of a lease done. A notification that presents no valid token changes nothing; it
+// is counted, and logged at most once per interval.
 func (c *Connector) handleNotif(n transfer.Notif) {
 	msg := string(n.Msg)
-	if ids, ok := ParseHeartbeat(msg); ok {
+	if hexTokens, ok := ParseHeartbeat(msg); ok {
+		tokens := make([]LeaseToken, 0, len(hexTokens))
+		for _, h := range hexTokens {
+			if t, err := ParseLeaseToken(h); err == nil {
+				tokens = append(tokens, t)
+			}
+		}
 		c.mu.Lock()
-		c.leases.Heartbeat(ids, c.now(), c.cfg.LeaseDuration*2/3)
+		c.leases.Heartbeat(tokens, c.now(), c.cfg.LeaseDuration*2/3)
 		c.mu.Unlock()
 		return
 	}
-	i := strings.LastIndexByte(msg, ':')
-	expected, err := strconv.Atoi(msg[i+1:])
-	if i <= 0 || err != nil || expected < 1 {
-		c.log.Warn("ignoring a malformed KV notification", "peer", n.Peer, "message", truncateMsg(msg))
+	id, readers, token, err := ParseRelease(msg)
+	if err != nil {
+		if ok, suppressed := c.quiet.allow("malformed", c.now()); ok {
+			c.log.Warn("ignoring a malformed KV notification", "peer", n.Peer, "message", truncateMsg(msg), "error", err, "similar_suppressed", suppressed)
+		}
 		return
 	}
-	id := msg[:i]
 	c.mu.Lock()
-	l, known := c.leases.Notify(id, expected)
+	l, res := c.leases.Notify(id, token, readers)
 	if l != nil {
-		c.release(id)
+		c.endLease(l)
 	}
 	c.mu.Unlock()
-	if !known {
-		c.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", id), "peer", n.Peer)
+	switch res {
+	case NotifyUnknown:
 		if c.metrics != nil {
 			c.metrics.CountNotificationAfterExpiry()
+		}
+		if ok, suppressed := c.quiet.allow("unknown", c.now()); ok {
+			c.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", truncateMsg(id)),
+				"peer", n.Peer, "similar_suppressed", suppressed)
+		}
+	case NotifyRefused:
+		c.refusals.notifications.Add(1)
+		if ok, suppressed := c.quiet.allow("refused", c.now()); ok {
+			c.log.Warn("refusing a KV notification that presents another lease's token", "request_id", truncateMsg(id), "peer", n.Peer, "similar_suppressed", suppressed)
 		}
 	}
 }
@@ -75,7 +90,7 @@ func (c *Connector) sweep() {
 	c.mu.Lock()
 	expired := c.leases.Expire(now)
 	for _, l := range expired {
-		c.release(l.RequestID)
+		c.endLease(l)
 	}
 	type beat struct {
 		peer string
@@ -83,7 +98,8 @@ func (c *Connector) sweep() {
 	}
 	var beats []beat
 	for _, b := range c.heartbeats.Due(now) {
-		r := c.remotes[b.Engine]
+		engineID, instance, _ := strings.Cut(b.Engine, "\x00")
+		r := c.remotes[remoteKey{engineID, instance}]
 		if r == nil {
 			continue
 		}

@@ -50,6 +50,19 @@ type ArrivalObserver interface {
 	Arrived(seq *Sequence)
 }
 
+// HoldEvicter is implemented by connectors whose delayed frees include holds that are only a
+// cache — a decoder's blocks kept for a conversation's next turn (decoder_kv_blocks_ttl) —
+// rather than a reservation a reader is counting on. Before a request waits for blocks or a
+// running one is preempted, the scheduler asks it to end some; their blocks are freed at once
+// (their ids appear in Plan.Released). EvictHolds runs under the same rules as the Connector
+// hooks.
+type HoldEvicter interface {
+	// EvictHolds ends holds that together hold at least blocks blocks, if it has that many,
+	// least recently made first, and returns the ids of their finished requests. It returns
+	// nothing when it holds no evictable hold.
+	EvictHolds(blocks int) []string
+}
+
 // NoConnector is the Connector of an engine without KV transfer: nothing external, nothing held.
 type NoConnector struct{}
 

@@ -358,6 +358,9 @@ func (e *Engine) loop() {
 			return
 		}
 		plan := e.sched.Schedule(now)
+		for _, id := range plan.Released {
+			e.unreserve(id) // an evicted hold: its id is free again
+		}
 		if plan.Empty() {
 			e.publish()
 			if len(plan.Preempted) > 0 {

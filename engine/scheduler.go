@@ -63,6 +63,9 @@ type Plan struct {
 	// Preempted lists the requests preempted while building the plan (for the caller's logs
 	// and metrics; they are WAITING again).
 	Preempted []*Sequence
+	// Released lists finished requests whose held blocks were freed while building the plan
+	// because the connector evicted its hold (HoldEvicter); they hold nothing any more.
+	Released []string
 }
 
 // Empty reports whether the plan schedules nothing.
@@ -318,6 +321,9 @@ func (s *Scheduler) allocateOrPreempt(q *Sequence, numTokens int) bool {
 			q.table.Append(ids...)
 			return true
 		}
+		if s.evictHolds(need) {
+			continue
+		}
 		victim := s.running[len(s.running)-1]
 		s.preempt(victim)
 		if victim == q {
@@ -346,6 +352,33 @@ const (
 	admitRunning                    // running, work added to the plan
 )
 
+// evictHolds asks the connector to end holds worth need blocks (beyond the free ones) and frees
+// them; it reports whether any was freed.
+func (s *Scheduler) evictHolds(need int) bool {
+	ev, ok := s.conn.(HoldEvicter)
+	if !ok {
+		return false
+	}
+	freed := false
+	for _, id := range ev.EvictHolds(max(need-s.pool.NumFree(), 1)) {
+		if s.ReleaseDelayed(id) {
+			s.plan.Released = append(s.plan.Released, id)
+			freed = true
+		}
+	}
+	return freed
+}
+
+// allocate takes n blocks, evicting connector holds when the pool is short.
+func (s *Scheduler) allocate(n int) ([]int32, error) {
+	for {
+		ids, err := s.pool.Allocate(n)
+		if err == nil || !s.evictHolds(n) {
+			return ids, err
+		}
+	}
+}
+
 // admit tries to admit waiting request q within budget tokens.
 func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
 	fresh := q.table.Len() == 0
@@ -361,7 +394,7 @@ func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
 		}
 	}
 	if async {
-		if ids, err := s.pool.Allocate(q.table.BlocksFor(q.numComputed)); err == nil {
+		if ids, err := s.allocate(q.table.BlocksFor(q.numComputed)); err == nil {
 			q.table.Append(ids...)
 		} else {
 			s.unadmit(q)
@@ -373,7 +406,7 @@ func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
 		return admitParked
 	}
 	n := min(q.NumTokens()-q.numComputed, budget)
-	if ids, err := s.pool.Allocate(q.table.BlocksFor(q.numComputed + n)); err == nil {
+	if ids, err := s.allocate(q.table.BlocksFor(q.numComputed + n)); err == nil {
 		q.table.Append(ids...)
 	} else {
 		if fresh {

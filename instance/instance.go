@@ -159,7 +159,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}
 	in.Pool, err = kvcache.NewPool(in.arena.Bytes(), kvcache.PoolConfig{
 		Geometry: geo, NumBlocks: numBlocks, PrefixCaching: cfg.PrefixCaching,
-		GenerationTable: layout.GenerationTable(in.arena.Bytes()),
+		RecordTable: layout.RecordTable(in.arena.Bytes()),
 	})
 	if err != nil {
 		return nil, err

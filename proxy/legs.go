@@ -87,8 +87,9 @@ func (e *legError) write(w http.ResponseWriter) {
 	writeError(w, e.status, "BadGatewayError", e.code, e.msg)
 }
 
-// post sends b to inst's path with the request id and credentials.
-func (l *legs) post(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body) (*http.Response, error) {
+// post sends b to inst's path with the request id and credentials. A replayable leg (P's: a
+// prefill sent twice costs a lease that expires) is marked so with X-Idempotency-Key.
+func (l *legs) post(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body, replayable bool) (*http.Response, error) {
 	data, err := json.Marshal(b)
 	if err != nil {
 		return nil, err
@@ -105,6 +106,11 @@ func (l *legs) post(ctx context.Context, inst Instance, path, reqID string, hdr 
 	case l.cfg.APIKey != "":
 		req.Header.Set("Authorization", "Bearer "+l.cfg.APIKey)
 	}
+	if replayable {
+		// The transport may then send the request again on a new connection when a pooled one
+		// turns out to have been closed by the engine (it restarted), instead of failing it.
+		req.Header.Set("X-Idempotency-Key", reqID+"-"+inst.String())
+	}
 	return l.client.Do(req)
 }
 
@@ -119,7 +125,7 @@ type prefillResult struct {
 func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body) (prefillResult, *legError) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	resp, err := l.post(ctx, inst, path, reqID, hdr, b)
+	resp, err := l.post(ctx, inst, path, reqID, hdr, b, true)
 	if err != nil {
 		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: %v", inst, err)})
 	}

@@ -347,7 +347,7 @@ func (mt *MultiTurn) decodeStream(w http.ResponseWriter, r *http.Request, inst I
 	var ans answer
 	ctx, cancel, detach := legContext(r.Context())
 	defer cancel(nil)
-	resp, err := mt.post(ctx, inst, path, reqID, r.Header, dbody)
+	resp, err := mt.post(ctx, inst, path, reqID, r.Header, dbody, false)
 	if err != nil {
 		if r.Context().Err() == nil {
 			mt.markUnhealthy(inst)

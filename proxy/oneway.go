@@ -132,7 +132,7 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, b body) error {
 	ctx, cancel, detach := legContext(r.Context())
 	defer cancel(nil)
-	resp, err := l.post(ctx, inst, path, reqID, r.Header, b)
+	resp, err := l.post(ctx, inst, path, reqID, r.Header, b, false)
 	if err != nil {
 		if r.Context().Err() != nil {
 			return err // the client left; nobody to answer

@@ -1,0 +1,71 @@
+package connector
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+
+	"github.com/kvbridge/kvbridge/kvcache"
+)
+
+// ErrVerification reports remote blocks that do not hold what their owner published for the
+// reader's prompt: the owner's lease slot does not hold the tag of the params the reader was
+// given, or a block's record (generation, token count, content hash) does not match the
+// reader's own prompt at that position. The KV read is not used.
+var ErrVerification = errors.New("remote KV blocks do not match what their owner published for this prompt")
+
+// verifyRead checks what a read brought against what the producer published, read after the
+// data (one-sided, on every backend): the lease slot must hold the tag of j's params — the lease
+// was alive when the slot was read, so it held the blocks unchanged since before the data was
+// read — and every block's record must carry the generation the params name, the number of
+// tokens the params say it holds, and the chain hash of the reader's own prompt at that
+// position. It returns the index in j.blocks of the first block that cannot be used.
+func (c *Connector) verifyRead(j loadJob, r *remoteEngine, plan readPlan, slotEntry int) (int, error) {
+	p := j.params
+	want := LeaseTag(p.Lease, p.RemoteNumTokens, p.Blocks(), p.BlockGenerations)
+	if got := c.scratchEntry(slotEntry)[:len(want)]; !bytes.Equal(got, want[:]) {
+		return plan.firstLocal, fmt.Errorf("%w: %w: request %s: engine %s holds no lease matching these kv_transfer_params (it expired, was released or evicted, or the params are not its own)",
+			ErrStaleBlocks, ErrVerification, j.id, r.id)
+	}
+	rbs := r.meta.BlockSize
+	own := j.prompt
+	chain := kvcache.ChainHashes(own, rbs)
+	for k, entry := range plan.scratch {
+		rec := kvcache.DecodeRecord(c.scratchEntry(entry))
+		rj := plan.remoteIndex[k]
+		bad := func(format string, args ...any) (int, error) {
+			return plan.localIndex[k], fmt.Errorf("%w: request %s, remote block %d (#%d): %s", ErrVerification, j.id, p.Blocks()[rj], rj, fmt.Sprintf(format, args...))
+		}
+		if rec.Gen != p.BlockGenerations[rj] {
+			return bad("generation %d, the params name %d: %v", rec.Gen, p.BlockGenerations[rj], ErrStaleBlocks)
+		}
+		n := min(rbs, p.RemoteNumTokens-rj*rbs)
+		switch {
+		case n <= 0:
+			return bad("the params say it holds no token")
+		case rec.Count != n:
+			return bad("it holds %d tokens, the params say %d", rec.Count, n)
+		case rj*rbs+n > len(own):
+			return bad("it holds tokens %d to %d, beyond this prompt's %d", rj*rbs, rj*rbs+n, len(own))
+		}
+		var hash kvcache.BlockHash
+		if n == rbs {
+			hash = chain[rj]
+		} else {
+			var parent kvcache.BlockHash
+			if rj > 0 {
+				parent = chain[rj-1]
+			}
+			hash = kvcache.NextHash(parent, own[rj*rbs:rj*rbs+n])
+		}
+		if rec.Hash != hash {
+			return bad("its tokens are not this prompt's")
+		}
+	}
+	return 0, nil
+}
+
+// scratchEntry returns scratch entry i (a record or a slot read from a producer).
+func (c *Connector) scratchEntry(i int) []byte {
+	return c.scratch[i*kvcache.RecordBytes : (i+1)*kvcache.RecordBytes]
+}
