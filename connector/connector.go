@@ -23,6 +23,7 @@ import (
 // delayed frees may happen. *engine.Engine implements it.
 type Scheduler interface {
 	LoadsDone(ok []string, failed map[string]int)
+	LoadsMissed(ids []string)
 	ReleaseDelayed(id string)
 }
 

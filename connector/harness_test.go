@@ -62,6 +62,8 @@ type nodeOptions struct {
 	compat    func(*connector.CompatFactors)
 	maxSeqs   int
 	logw      io.Writer
+	// maxRequests is the HTTP server's MaxConcurrentRequests (0: no limit).
+	maxRequests int
 }
 
 // node is one running engine with its HTTP server.
@@ -146,7 +148,11 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 	if n.conn != nil {
 		n.conn.Start(n.eng)
 	}
-	n.srv = httptest.NewServer(openai.NewServer(openai.Config{ServedModelNames: []string{m.Name()}, MaxModelLen: maxLen, Metrics: n.reg, Logger: log}, n.eng, m))
+	ocfg := openai.Config{ServedModelNames: []string{m.Name()}, MaxModelLen: maxLen, Metrics: n.reg, Logger: log, MaxConcurrentRequests: o.maxRequests}
+	if n.conn != nil {
+		ocfg.DeclineKV = n.conn.Decline // as instance.Start does
+	}
+	n.srv = httptest.NewServer(openai.NewServer(ocfg, n.eng, m))
 	n.host, n.port = hostPort(t, n.srv.URL)
 	t.Cleanup(func() { n.close(t) })
 	return n

@@ -128,6 +128,10 @@ func (c *Connector) finishLoad(j loadJob, firstBad int, err error, quiet bool) {
 	switch {
 	case finished:
 		c.sched.ReleaseDelayed(j.id)
+	case err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission)):
+		// A decoder's hold is a cache: one that expired or was evicted was not there to pull.
+		// Nothing was used; the prompt is computed here, whatever the failure policy.
+		c.sched.LoadsMissed([]string{j.id})
 	case err != nil:
 		c.sched.LoadsDone(nil, map[string]int{j.id: firstBad})
 	default:

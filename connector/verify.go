@@ -14,6 +14,9 @@ import (
 // reader's own prompt at that position. The KV read is not used.
 var ErrVerification = errors.New("remote KV blocks do not match what their owner published for this prompt")
 
+// errLeaseGone marks a read whose lease the producer no longer holds (or never held).
+var errLeaseGone = errors.New("no such lease")
+
 // verifyRead checks what a read brought against what the producer published, read after the
 // data (one-sided, on every backend): the lease slot must hold the tag of j's params — the lease
 // was alive when the slot was read, so it held the blocks unchanged since before the data was
@@ -24,8 +27,8 @@ func (c *Connector) verifyRead(j loadJob, r *remoteEngine, plan readPlan, slotEn
 	p := j.params
 	want := LeaseTag(p.Lease, p.RemoteNumTokens, p.Blocks(), p.BlockGenerations)
 	if got := c.scratchEntry(slotEntry)[:len(want)]; !bytes.Equal(got, want[:]) {
-		return plan.firstLocal, fmt.Errorf("%w: %w: request %s: engine %s holds no lease matching these kv_transfer_params (it expired, was released or evicted, or the params are not its own)",
-			ErrStaleBlocks, ErrVerification, j.id, r.id)
+		return plan.firstLocal, fmt.Errorf("%w: %w: %w: request %s: engine %s holds no lease matching these kv_transfer_params (it expired, was released or evicted, or the params are not its own)",
+			errLeaseGone, ErrStaleBlocks, ErrVerification, j.id, r.id)
 	}
 	rbs := r.meta.BlockSize
 	own := j.prompt

@@ -10,7 +10,8 @@ import (
 // it on its owner's goroutine (the engine's step loop): methods must not block or do I/O, and
 // must not call Scheduler methods; they record what to do and let the connector's own workers
 // act. Results of asynchronous loads come back through Engine.LoadsDone (Scheduler.LoadsDone),
-// and delayed frees end with Engine.ReleaseDelayed (Scheduler.ReleaseDelayed); those Engine
+// (or Engine.LoadsMissed when a load found nothing to load), and delayed frees end with
+// Engine.ReleaseDelayed (Scheduler.ReleaseDelayed); those Engine
 // methods only queue, so they may be called from anywhere, hooks included. A connector is
 // responsible for eventually reporting every load it accepted (a dead peer is a failed load)
 // and releasing every free it delayed (a lease expiry is a release).

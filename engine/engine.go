@@ -101,6 +101,7 @@ const (
 	cmdAdd commandKind = iota
 	cmdAbort
 	cmdLoadsDone
+	cmdLoadsMissed
 	cmdRelease
 )
 
@@ -279,6 +280,12 @@ func (e *Engine) LoadsDone(ok []string, failed map[string]int) {
 	e.post(command{kind: cmdLoadsDone, ok: ok, failed: failed})
 }
 
+// LoadsMissed reports the connector's asynchronous loads that found nothing to load (see
+// Scheduler.LoadsMissed). It returns at once; the step loop applies it.
+func (e *Engine) LoadsMissed(ids []string) {
+	e.post(command{kind: cmdLoadsMissed, ok: ids})
+}
+
 // ReleaseDelayed frees the blocks the connector held for finished request id (Connector.Finished
 // returned delayFree). It returns at once; the step loop applies it.
 func (e *Engine) ReleaseDelayed(id string) {
@@ -403,6 +410,8 @@ func (e *Engine) apply(now time.Time, c command) {
 		for _, ev := range e.sched.LoadsDone(now, c.ok, c.failed) {
 			e.end(ev, "", false, ev.Err)
 		}
+	case cmdLoadsMissed:
+		e.sched.LoadsMissed(c.ok)
 	case cmdRelease:
 		if e.sched.ReleaseDelayed(c.id) {
 			e.unreserve(c.id)

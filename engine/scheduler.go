@@ -621,17 +621,7 @@ func (s *Scheduler) LoadsDone(now time.Time, ok []string, failed map[string]int)
 		s.stats.LoadFailures++
 		switch s.cfg.LoadFailurePolicy {
 		case FailurePolicyRecompute:
-			q.numComputed = min(q.numComputed, first*s.blockSize)
-			q.cachedTokens = min(q.cachedTokens, q.numComputed)
-			q.external = max(0, q.numComputed-q.localHit)
-			s.stats.RecomputedTokens += int64(affected)
-			q.status = StatusWaiting
-			if q.numComputed == 0 {
-				s.releaseBlocks(q)
-				q.localHit = 0
-			} else {
-				s.commit(q)
-			}
+			s.recompute(q, first)
 			s.log.Warn("Recovered from KV load failure: 1 request(s) rescheduled",
 				"request", id, "tokens_affected", affected, "first_bad_block", first)
 		default:
@@ -647,6 +637,37 @@ func (s *Scheduler) LoadsDone(now time.Time, ok []string, failed map[string]int)
 		}
 	}
 	return events
+}
+
+// LoadsMissed reports asynchronous loads that found nothing to load — the remote blocks were a
+// cache (a decoder's hold for a next turn) that is gone — and loaded nothing: each request goes
+// back to WAITING with only its local prefix-cache hit, to compute the rest itself, whatever the
+// failure policy. Ids that are not WAITING_FOR_REMOTE_KVS are ignored.
+func (s *Scheduler) LoadsMissed(ids []string) {
+	for _, id := range ids {
+		q := s.seqs[id]
+		if q == nil || q.status != StatusWaitingForRemoteKVs {
+			continue
+		}
+		s.recompute(q, q.localHit/s.blockSize)
+	}
+}
+
+// recompute truncates q's computed tokens at block index first (nothing from there on is to be
+// used) and sends it back to WAITING to compute the rest (policy recompute).
+func (s *Scheduler) recompute(q *Sequence, first int) {
+	affected := max(0, q.numComputed-first*s.blockSize)
+	q.numComputed = min(q.numComputed, first*s.blockSize)
+	q.cachedTokens = min(q.cachedTokens, q.numComputed)
+	q.external = max(0, q.numComputed-q.localHit)
+	s.stats.RecomputedTokens += int64(affected)
+	q.status = StatusWaiting
+	if q.numComputed == 0 {
+		s.releaseBlocks(q)
+		q.localHit = 0
+	} else {
+		s.commit(q)
+	}
 }
 
 // AbortAll finishes every live request with FINISHED_ABORTED (engine shutdown) and returns their

@@ -195,10 +195,14 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	if in.Connector != nil {
 		in.Connector.Start(in.Engine)
 	}
-	handler := openai.NewServer(openai.Config{
+	ocfg := openai.Config{
 		ServedModelNames: names, MaxModelLen: maxLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
 		MaxConcurrentRequests: cfg.MaxConcurrentRequests,
-	}, in.Engine, in.Model)
+	}
+	if in.Connector != nil {
+		ocfg.DeclineKV = in.Connector.Decline
+	}
+	handler := openai.NewServer(ocfg, in.Engine, in.Model)
 	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
 	if err != nil {
 		return nil, fmt.Errorf("listen on port %d: %w (is another server using it? pick another port)", cfg.Port, err)

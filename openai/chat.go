@@ -9,29 +9,13 @@ import (
 	"github.com/kvbridge/kvbridge/model/tokenizer"
 )
 
-// handleChat serves POST /v1/chat/completions.
-func (s *Server) handleChat(w http.ResponseWriter, r *http.Request) {
-	body, apiErr := s.readBody(w, r)
-	if apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
+// chatJob decodes and validates a chat request, renders its messages with the chat template
+// and builds its job.
+func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*job, *APIError) {
 	var req chatRequest
 	if apiErr := decodeJSON(body, &req); apiErr != nil {
-		writeError(w, apiErr)
-		return
+		return nil, apiErr
 	}
-	j, apiErr := s.chatJob(w, r, &req)
-	if apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
-	s.serve(w, r, j)
-}
-
-// chatJob validates a chat request, renders its messages with the chat template and builds
-// its job.
-func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, req *chatRequest) (*job, *APIError) {
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
 		return nil, apiErr
 	}

@@ -8,28 +8,12 @@ import (
 	"github.com/kvbridge/kvbridge/engine"
 )
 
-// handleCompletions serves POST /v1/completions.
-func (s *Server) handleCompletions(w http.ResponseWriter, r *http.Request) {
-	body, apiErr := s.readBody(w, r)
-	if apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
+// completionJob decodes and validates a completion request and builds its job.
+func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []byte) (*job, *APIError) {
 	var req completionRequest
 	if apiErr := decodeJSON(body, &req); apiErr != nil {
-		writeError(w, apiErr)
-		return
+		return nil, apiErr
 	}
-	j, apiErr := s.completionJob(w, r, &req)
-	if apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
-	s.serve(w, r, j)
-}
-
-// completionJob validates a completion request and builds its job.
-func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, req *completionRequest) (*job, *APIError) {
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
 		return nil, apiErr
 	}

@@ -4,14 +4,16 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 )
 
 // APIError is an error in OpenAI's JSON shape, with the HTTP status it is served with.
 type APIError struct {
-	Status  int    // HTTP status
-	Message string // human-readable message
-	Type    string // vLLM's error type, e.g. "BadRequestError"
-	Param   string // offending request field, "" when none
+	Status     int    // HTTP status
+	Message    string // human-readable message
+	Type       string // vLLM's error type, e.g. "BadRequestError"
+	Param      string // offending request field, "" when none
+	RetryAfter int    // seconds for a Retry-After header; 0 for none
 }
 
 // Error implements error.
@@ -79,6 +81,9 @@ func unavailable() *APIError {
 func writeError(w http.ResponseWriter, e *APIError) {
 	w.Header().Set("Content-Type", "application/json")
 	w.Header().Del("Content-Length")
+	if e.RetryAfter > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(e.RetryAfter))
+	}
 	w.WriteHeader(e.Status)
 	w.Write(e.JSON())
 }

@@ -28,15 +28,9 @@ func FuzzDecodeRequest(f *testing.F) {
 			apiErr *APIError
 		)
 		if chat {
-			var req chatRequest
-			if apiErr = decodeJSON(body, &req); apiErr == nil {
-				j, apiErr = s.chatJob(w, r, &req)
-			}
+			j, apiErr = s.chatJob(w, r, body)
 		} else {
-			var req completionRequest
-			if apiErr = decodeJSON(body, &req); apiErr == nil {
-				j, apiErr = s.completionJob(w, r, &req)
-			}
+			j, apiErr = s.completionJob(w, r, body)
 		}
 		if apiErr != nil {
 			if apiErr.Status < 400 || apiErr.Status > 499 {

@@ -162,25 +162,26 @@ func (s *Server) collect(ctx context.Context, j *job, st *engine.Stream, onDelta
 	}
 }
 
-// serve runs the job and writes the JSON or SSE response.
-func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) {
+// serve runs the job and writes the JSON or SSE response. It reports whether the engine took
+// the request (from then on the engine and its connector own its kv_transfer_params).
+func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) bool {
 	ctx := r.Context()
 	st, apiErr := s.add(ctx, j)
 	if apiErr != nil {
 		writeError(w, apiErr)
-		return
+		return false
 	}
 	if j.p.stream {
 		s.stream(ctx, w, j, st)
-		return
+		return true
 	}
 	out, apiErr, err := s.collect(ctx, j, st, nil)
 	switch {
 	case err != nil:
-		return // the client is gone
+		return true // the client is gone
 	case apiErr != nil:
 		writeError(w, apiErr)
-		return
+		return true
 	}
 	fin := out.finish
 	var body any
@@ -203,6 +204,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) {
 		}
 	}
 	writeJSON(w, http.StatusOK, body)
+	return true
 }
 
 // stream writes the job's outputs as SSE chunks: (chat) a first chunk with the assistant role,

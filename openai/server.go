@@ -1,13 +1,16 @@
 package openai
 
 import (
+	"bytes"
 	"context"
 	"crypto/subtle"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
+	"os"
 	"runtime/debug"
 	"strconv"
 	"strings"
@@ -67,8 +70,19 @@ type Config struct {
 	Version string
 	// MaxConcurrentRequests bounds the completions being served at once; one more is answered
 	// at once with 429 (RateLimitError) instead of queueing without bound. Zero means no limit.
+	// A request takes its slot only once its body has been read.
 	MaxConcurrentRequests int
+	// BodyReadTimeout bounds the reading of a request body (408 beyond it), so that a client
+	// trickling its body holds nothing for long. Default DefaultBodyReadTimeout.
+	BodyReadTimeout time.Duration
+	// DeclineKV, if set, is called with the kv_transfer_params of a request refused before the
+	// engine took it (invalid, too long, over capacity), so that the connector tells the
+	// producer that holds their blocks to free them now rather than when its lease expires.
+	DeclineKV func(params map[string]any)
 }
+
+// DefaultBodyReadTimeout is Config.BodyReadTimeout's default.
+const DefaultBodyReadTimeout = 30 * time.Second
 
 // Server serves the OpenAI-compatible API. Create it with NewServer; it is an http.Handler.
 type Server struct {
@@ -113,6 +127,9 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	if cfg.Version == "" {
 		cfg.Version = "dev"
 	}
+	if cfg.BodyReadTimeout <= 0 {
+		cfg.BodyReadTimeout = DefaultBodyReadTimeout
+	}
 	s := &Server{
 		cfg:     cfg,
 		engine:  eng,
@@ -133,8 +150,8 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	if cfg.MaxConcurrentRequests > 0 {
 		s.slots = make(chan struct{}, cfg.MaxConcurrentRequests)
 	}
-	s.route("POST /v1/completions", s.limit(s.handleCompletions))
-	s.route("POST /v1/chat/completions", s.limit(s.handleChat))
+	s.route("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, s.completionJob) })
+	s.route("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, s.chatJob) })
 	s.route("GET /v1/models", s.handleModels)
 	s.route("GET /health", s.handleHealth)
 	s.route("GET /version", s.handleVersion)
@@ -204,22 +221,60 @@ func baseRequestID(w http.ResponseWriter, r *http.Request, bodyID *string) strin
 	return id
 }
 
-// limit answers 429 when MaxConcurrentRequests completions are already being served.
-func (s *Server) limit(h http.HandlerFunc) http.HandlerFunc {
-	return func(w http.ResponseWriter, r *http.Request) {
-		if s.slots == nil {
-			h(w, r)
-			return
+// generate serves a completions route: it reads the body (bounded in size and time), takes a
+// concurrency slot (429 when none is free), builds the job and serves it. A request refused on
+// the way has its producer told at once (Config.DeclineKV).
+func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(http.ResponseWriter, *http.Request, []byte) (*job, *APIError)) {
+	body, apiErr := s.readBody(w, r)
+	if apiErr != nil {
+		writeError(w, apiErr)
+		return
+	}
+	taken := false
+	defer func() {
+		if !taken {
+			s.decline(body)
 		}
-		select {
-		case s.slots <- struct{}{}:
-			defer func() { <-s.slots }()
-			h(w, r)
-		default:
-			w.Header().Set("Retry-After", "1")
-			writeError(w, &APIError{Status: http.StatusTooManyRequests, Type: "RateLimitError",
-				Message: fmt.Sprintf("The server is already serving %d requests (its limit); retry later.", cap(s.slots))})
-		}
+	}()
+	release, apiErr := s.acquire()
+	if apiErr != nil {
+		writeError(w, apiErr)
+		return
+	}
+	defer release()
+	j, apiErr := build(w, r, body)
+	if apiErr != nil {
+		writeError(w, apiErr)
+		return
+	}
+	taken = s.serve(w, r, j)
+}
+
+// acquire takes a concurrency slot; it answers 429 when MaxConcurrentRequests completions are
+// already being served. release gives the slot back.
+func (s *Server) acquire() (release func(), apiErr *APIError) {
+	if s.slots == nil {
+		return func() {}, nil
+	}
+	select {
+	case s.slots <- struct{}{}:
+		return func() { <-s.slots }, nil
+	default:
+		return nil, &APIError{Status: http.StatusTooManyRequests, Type: "RateLimitError", RetryAfter: 1,
+			Message: fmt.Sprintf("The server is already serving %d requests (its limit); retry later.", cap(s.slots))}
+	}
+}
+
+// decline hands the kv_transfer_params of a refused request body, if it has any, to DeclineKV.
+func (s *Server) decline(body []byte) {
+	if s.cfg.DeclineKV == nil || !bytes.Contains(body, []byte(`"kv_transfer_params"`)) {
+		return
+	}
+	var b struct {
+		KV map[string]any `json:"kv_transfer_params"`
+	}
+	if json.Unmarshal(body, &b) == nil && b.KV != nil {
+		s.cfg.DeclineKV(b.KV)
 	}
 }
 
@@ -330,17 +385,27 @@ func (t *trackingWriter) Write(b []byte) (int, error) {
 // Unwrap returns the wrapped writer (for http.ResponseController).
 func (t *trackingWriter) Unwrap() http.ResponseWriter { return t.ResponseWriter }
 
-// readBody reads the request body under the size limit.
+// readBody reads the request body under the size limit and the read deadline.
 func (s *Server) readBody(w http.ResponseWriter, r *http.Request) ([]byte, *APIError) {
+	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Now().Add(s.cfg.BodyReadTimeout))
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, s.cfg.MaxBodyBytes))
 	if err != nil {
+		// The deadline stays: the server must not wait for the rest of a body that is not
+		// coming before it answers; the connection is not reused.
+		w.Header().Set("Connection", "close")
 		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
+		switch {
+		case errors.As(err, &mbe):
 			return nil, &APIError{Status: http.StatusRequestEntityTooLarge, Type: "RequestEntityTooLargeError",
 				Message: fmt.Sprintf("The request body is larger than the limit of %d bytes.", mbe.Limit)}
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			return nil, &APIError{Status: http.StatusRequestTimeout, Type: "RequestTimeoutError",
+				Message: fmt.Sprintf("The request body was not received within %v.", s.cfg.BodyReadTimeout)}
 		}
 		return nil, badRequest("", "Could not read the request body: %v", err)
 	}
+	_ = rc.SetReadDeadline(time.Time{})
 	return body, nil
 }
 

@@ -28,6 +28,9 @@ type Config struct {
 	IdleTimeout time.Duration
 	// MaxBodyBytes limits a client's request body. Default 32 MiB.
 	MaxBodyBytes int64
+	// BodyReadTimeout bounds the reading of a client's request body (408 beyond it). Default
+	// 30 s.
+	BodyReadTimeout time.Duration
 	// Transport carries the engine legs; nil uses a dedicated http.Transport.
 	Transport http.RoundTripper
 }
@@ -44,6 +47,9 @@ func (c *Config) defaults() error {
 	}
 	if c.MaxBodyBytes <= 0 {
 		c.MaxBodyBytes = 32 << 20
+	}
+	if c.BodyReadTimeout <= 0 {
+		c.BodyReadTimeout = 30 * time.Second
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)

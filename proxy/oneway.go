@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"time"
 
 	"github.com/google/uuid"
 )
@@ -85,18 +87,27 @@ func relayGet(w http.ResponseWriter, r *http.Request, l *legs, inst Instance, pa
 	_ = relay(w, resp, r.Header.Get("X-Request-Id"), l.cfg.IdleTimeout, cancel)
 }
 
-// readBody reads and decodes the client's JSON body, answering the client itself on failure.
+// readBody reads and decodes the client's JSON body (bounded in size and time), answering the
+// client itself on failure.
 func (l *legs) readBody(w http.ResponseWriter, r *http.Request) (body, bool) {
+	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Now().Add(l.cfg.BodyReadTimeout))
 	data, err := io.ReadAll(http.MaxBytesReader(w, r.Body, l.cfg.MaxBodyBytes))
 	if err != nil {
+		// The deadline stays: the answer must not wait for the rest of the body.
+		w.Header().Set("Connection", "close")
 		var tooBig *http.MaxBytesError
-		if errors.As(err, &tooBig) {
+		switch {
+		case errors.As(err, &tooBig):
 			writeError(w, http.StatusRequestEntityTooLarge, "BadRequestError", "request_too_large", fmt.Sprintf("the request body exceeds %d bytes", tooBig.Limit))
-			return nil, false
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			writeError(w, http.StatusRequestTimeout, "RequestTimeoutError", "request_timeout", fmt.Sprintf("the request body was not received within %v", l.cfg.BodyReadTimeout))
+		default:
+			writeError(w, http.StatusBadRequest, "BadRequestError", codeBadRequest, "reading the request body: "+err.Error())
 		}
-		writeError(w, http.StatusBadRequest, "BadRequestError", codeBadRequest, "reading the request body: "+err.Error())
 		return nil, false
 	}
+	_ = rc.SetReadDeadline(time.Time{})
 	b, err := decodeBody(data)
 	if err != nil {
 		writeError(w, http.StatusBadRequest, "BadRequestError", codeBadRequest, err.Error())

@@ -1,13 +1,17 @@
 package proxy_test
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvbridge/kvbridge/proxy"
 )
@@ -131,5 +135,41 @@ func TestMultiTurnDecoderWithoutParams(t *testing.T) {
 	_, raw := do(t, http.MethodGet, srv.URL+"/metrics", nil)
 	if !strings.Contains(string(raw), "kvbridge:proxy_decode_without_params_total 3") {
 		t.Errorf("metrics lack kvbridge:proxy_decode_without_params_total 3:\n%s", raw)
+	}
+}
+
+// TestProxyBodyReadDeadline: a client that trickles its request body is answered 408 once the
+// proxy's body read deadline passes, through either proxy; nothing reaches the engines.
+func TestProxyBodyReadDeadline(t *testing.T) {
+	p, d := startEngine(t, "kv_producer", 4096), startEngine(t, "kv_consumer", 4096)
+	pr := record(t, p.URL)
+	cfg := proxy.Config{Prefill: []proxy.Instance{instanceOf(t, pr.srv.URL)}, Decode: []proxy.Instance{instanceOf(t, d.URL)}, BodyReadTimeout: 100 * time.Millisecond}
+	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mtSrv := httptest.NewServer(mt)
+	t.Cleanup(func() { mtSrv.Close(); mt.Close() })
+	for _, url := range []string{startProxy(t, cfg).URL, mtSrv.URL} {
+		c, err := net.DialTimeout("tcp", strings.TrimPrefix(url, "http://"), 10*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+		body := `{"model":"kvbridge/tiny","prompt":"slow","max_tokens":2}`
+		fmt.Fprintf(c, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", len(body), body[:10])
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		raw, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusRequestTimeout || !strings.Contains(string(raw), "request_timeout") {
+			t.Errorf("%s: %d %s, want 408", url, resp.StatusCode, raw)
+		}
+	}
+	if len(pr.bodies) != 0 {
+		t.Errorf("P saw %d requests", len(pr.bodies))
 	}
 }
