@@ -2,11 +2,13 @@
 // contract, the side-channel handshake, leases and heartbeats, the load-failure policy and the
 // transfer statistics (see ../shared/spec/vllm-nixl-protocol.md).
 //
-// Security: with kv_connector_extra_config.auth_token (or KVBRIDGE_KV_AUTH_TOKEN) every
-// side-channel and transfer connection is mutually authenticated; with or without it, a peer
-// reads over TCP only the blocks leased to the request id it names. SHM is offered only to
-// same-host processes of the same user id, which map the KV arena and so are not checked per
-// read; restrict backends to ["TCP"] where that matters. Details in auth.go.
+// Security: kv_transfer_params are untrusted hints. A reader uses pulled blocks only if what
+// their owner published beside them (block records and the lease's tag) matches its own prompt
+// (verify.go); every read, notification and heartbeat presents the lease's token (lease.go,
+// notification.go). With kv_connector_extra_config.auth_token (or KVBRIDGE_KV_AUTH_TOKEN) every
+// side-channel and transfer connection is mutually authenticated and params carry their
+// issuer's MAC (mac.go); allowed_peers bounds the hosts params may name (peers.go). Details in
+// auth.go; the threat model is in docs/reliability.md.
 package connector
 
 import (

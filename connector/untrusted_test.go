@@ -235,3 +235,42 @@ func TestProducerGoneUnmapsItsArena(t *testing.T) {
 	}
 	eventually(t, "D to unmap the arena of a P that is gone", func() bool { return d.conn.Agent().Stats().MappedBytes == 0 })
 }
+
+// TestParamsMAC: with a shared auth token, P MACs the params it issues and D acts only on params
+// whose MAC verifies: unchanged params are pulled from (a proxy's rewrite of remote_host does not
+// matter), while a changed block list, token count or lease is refused before any connection.
+func TestParamsMAC(t *testing.T) {
+	const tok = `"auth_token":"tok-0123456789abcdef"`
+	p := startNode(t, "P", nodeOptions{kvConfig: kvConfig("kv_producer", tok)})
+	d := startNode(t, "D", nodeOptions{kvConfig: kvConfig("kv_consumer", tok)})
+	prompt := tokens(40, 36)
+	want := reference(t, prompt)
+	kv := prefill(t, p, prompt)
+	if kv[connector.KeyMAC] == nil {
+		t.Fatalf("P's params carry no MAC: %v", kv)
+	}
+	for name, change := range map[string]func(map[string]any){
+		"blocks": func(m map[string]any) {
+			ids := m["remote_block_ids"].([]any)[0].([]any)
+			m["remote_block_ids"] = []any{append([]any{ids[1], ids[0]}, ids[2:]...)}
+		},
+		"tokens": func(m map[string]any) { m["remote_num_tokens"] = 16.0 },
+		"lease":  func(m map[string]any) { m[connector.KeyLease] = strings.Repeat("cd", 16) },
+		"no MAC": func(m map[string]any) { delete(m, connector.KeyMAC) },
+	} {
+		forged := maps.Clone(kv)
+		change(forged)
+		if status, r := ask(t, d, prompt, forged); status != 200 || r.Text != want || cachedTokens(r) != 0 {
+			t.Fatalf("params with a changed %s: %d cached %d %s", name, status, cachedTokens(r), r.Raw)
+		}
+	}
+	if got := d.conn.AuthRefusals().Params; got != 4 {
+		t.Errorf("D refused %d params, want 4", got)
+	}
+	rewritten := maps.Clone(kv)
+	rewritten["remote_host"] = "localhost" // as the multi-turn proxy rewrites it
+	if status, r := ask(t, d, prompt, rewritten); status != 200 || r.Text != want || cachedTokens(r) == 0 {
+		t.Fatalf("the issued params with remote_host rewritten: %d %s", status, r.Raw)
+	}
+	p.waitPoolFull(t)
+}

@@ -109,6 +109,8 @@ type engineOptions struct {
 	sideChannel   int           // side-channel port; 0 = a free one
 	prefix        bool
 	model         *model.Model
+	numBlocks     int      // KV pool size (default numBlocks)
+	allowedPeers  []string // kv_connector_extra_config.allowed_peers
 }
 
 // engine is one in-process instance.
@@ -132,6 +134,9 @@ func (o engineOptions) kvConfig() map[string]any {
 	if len(o.backends) > 0 {
 		extra["backends"] = o.backends
 	}
+	if o.allowedPeers != nil {
+		extra["allowed_peers"] = o.allowedPeers
+	}
 	doc := map[string]any{"kv_connector": "NixlConnector", "kv_role": string(o.role), "kv_connector_extra_config": extra}
 	if o.policy != "" {
 		doc["kv_load_failure_policy"] = string(o.policy)
@@ -144,8 +149,12 @@ func (o engineOptions) kvConfig() map[string]any {
 
 // instanceConfig builds the instance configuration of o.
 func (o engineOptions) instanceConfig(log *slog.Logger) (instance.Config, error) {
+	blocks := numBlocks
+	if o.numBlocks > 0 {
+		blocks = o.numBlocks
+	}
 	cfg := instance.Config{
-		Model: model.Tiny, OpenedModel: o.model, Host: "127.0.0.1", NumBlocks: numBlocks, MaxModelLen: maxModelLen,
+		Model: model.Tiny, OpenedModel: o.model, Host: "127.0.0.1", NumBlocks: blocks, MaxModelLen: min(maxModelLen, blocks*blockSize),
 		BlockSize: blockSize, PrefixCaching: o.prefix, Logger: log, StatsInterval: time.Hour, SideChannelPort: -1,
 	}
 	if o.sideChannel > 0 {

@@ -26,6 +26,7 @@ type stackOptions struct {
 	fixedPorts    bool     // P and D keep their side-channel ports across restarts
 	backends      []string // kv_connector_extra_config.backends (TCP with transferProxy)
 	pPrefix       bool     // prefix caching on P (D always caches prefixes)
+	dNumBlocks    int      // D's KV pool size (default numBlocks)
 }
 
 // stack is P, D and a proxy, each engine behind a fault proxy on its HTTP port.
@@ -51,7 +52,7 @@ func startStack(t *testing.T, o stackOptions) *stack {
 		s.xfer = newFaultProxy(t, "")
 	}
 	po := engineOptions{role: connector.RoleProducer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.pEngineID, prefix: o.pPrefix}
-	do := engineOptions{role: connector.RoleConsumer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.dEngineID, prefix: true}
+	do := engineOptions{role: connector.RoleConsumer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.dEngineID, prefix: true, numBlocks: o.dNumBlocks}
 	if o.pClock {
 		po.clock = newFakeClock()
 	}
