@@ -213,9 +213,11 @@ func (p *Proxy) Stall(dir Direction) *Signal {
 	return sig
 }
 
-// StallOn stalls, in dir, the first link that is about to forward a chunk containing pattern
-// (that chunk included); other links keep flowing. The pattern (at most 256 bytes) is matched
-// across the chunk boundaries of a link. It fires once; the signal fires with it.
+// StallOn stalls, in dir, the first link that is about to forward pattern: the bytes before the
+// match still go through (within the same read too), the match and everything after it are
+// held; other links keep flowing. The pattern (at most 256 bytes) is matched across the chunk
+// boundaries of a link (a match that began in forwarded bytes holds from the current chunk on).
+// It fires once; the signal fires with it.
 func (p *Proxy) StallOn(dir Direction, pattern []byte) *Signal {
 	return p.StallOnMatch(dir, regexp.MustCompile(regexp.QuoteMeta(string(pattern))))
 }
@@ -478,7 +480,6 @@ func (l *link) reader(dir Direction, q chan<- chunk) {
 // writer forwards q to dir's destination, applying the faults.
 func (l *link) writer(dir Direction, q <-chan chunk) {
 	defer l.p.wg.Done()
-	dst := l.dst(dir)
 	var sent int64  // bytes forwarded on this link in dir
 	var tail []byte // the end of what was forwarded, for patterns across chunks
 	for {
@@ -493,45 +494,67 @@ func (l *link) writer(dir Direction, q <-chan chunk) {
 		case <-l.done:
 			return
 		}
-		if !l.waitTurn(dir, c, tail) {
+		ok, split := l.waitTurn(dir, c, tail)
+		if !ok {
 			return
 		}
-		b, rest, cut, cutSig := l.p.take(dir, c.b, sent)
-		l.read[dir.index()].Add(int64(len(b) + len(rest) - len(c.b))) // a cut drops the rest of the chunk
-		tail = keepTail(tail, b)
-		if len(b) > 0 {
-			_, err := dst.Write(b)
-			l.fwd[dir.index()].Add(int64(len(b)))
-			l.p.forwarded[dir.index()].Add(int64(len(b)))
-			if err != nil {
-				l.close()
-				cutSig.fire() // the link is gone either way
+		if split > 0 {
+			// The bytes before a StallOn match go through; the rest waits as a chunk of its own.
+			if !l.forward(dir, chunk{c.b[:split], c.at}, &sent, &tail) {
 				return
 			}
-			sent += int64(len(b))
-		}
-		if cut {
-			if l.close() {
-				l.p.cut.Add(1)
+			c.b = c.b[split:]
+			if ok, _ = l.waitTurn(dir, c, tail); !ok {
+				return
 			}
-			cutSig.fire()
+		}
+		if !l.forward(dir, c, &sent, &tail) {
 			return
-		}
-		if len(rest) > 0 { // StallAfter split the chunk: the rest waits for the stall to end
-			if !l.waitTurn(dir, chunk{rest, c.at}, tail) {
-				return
-			}
-			_, err := dst.Write(rest)
-			l.fwd[dir.index()].Add(int64(len(rest)))
-			l.p.forwarded[dir.index()].Add(int64(len(rest)))
-			if err != nil {
-				l.close()
-				return
-			}
-			sent += int64(len(rest))
-			tail = keepTail(tail, rest)
 		}
 	}
+}
+
+// forward applies CloseAfter, StallAfter and Corrupt to chunk c, whose turn has come, and writes
+// it to dir's destination (a stall StallAfter sets inside it holds the rest of it). sent and
+// tail track what the link forwarded. It returns false when the link is gone.
+func (l *link) forward(dir Direction, c chunk, sent *int64, tail *[]byte) bool {
+	dst := l.dst(dir)
+	b, rest, cut, cutSig := l.p.take(dir, c.b, *sent)
+	l.read[dir.index()].Add(int64(len(b) + len(rest) - len(c.b))) // a cut drops the rest of the chunk
+	*tail = keepTail(*tail, b)
+	if len(b) > 0 {
+		_, err := dst.Write(b)
+		l.fwd[dir.index()].Add(int64(len(b)))
+		l.p.forwarded[dir.index()].Add(int64(len(b)))
+		if err != nil {
+			l.close()
+			cutSig.fire() // the link is gone either way
+			return false
+		}
+		*sent += int64(len(b))
+	}
+	if cut {
+		if l.close() {
+			l.p.cut.Add(1)
+		}
+		cutSig.fire()
+		return false
+	}
+	if len(rest) > 0 { // StallAfter split the chunk: the rest waits for the stall to end
+		if ok, _ := l.waitTurn(dir, chunk{rest, c.at}, *tail); !ok {
+			return false
+		}
+		_, err := dst.Write(rest)
+		l.fwd[dir.index()].Add(int64(len(rest)))
+		l.p.forwarded[dir.index()].Add(int64(len(rest)))
+		if err != nil {
+			l.close()
+			return false
+		}
+		*sent += int64(len(rest))
+		*tail = keepTail(*tail, rest)
+	}
+	return true
 }
 
 // keepTail remembers the last bytes forwarded, enough to match a pattern of up to 256 bytes
@@ -546,13 +569,21 @@ func keepTail(tail, b []byte) []byte {
 }
 
 // waitTurn blocks until chunk c may be forwarded in dir: its latency has passed and dir is not
-// stalled. It returns false when the link or the proxy closes.
-func (l *link) waitTurn(dir Direction, c chunk, tail []byte) bool {
+// stalled. It returns false when the link or the proxy closes. When a StallOn pattern matches
+// inside c, it returns at once with split > 0: the caller forwards c.b[:split] and waits again
+// with the rest, which is held.
+func (l *link) waitTurn(dir Direction, c chunk, tail []byte) (ok bool, split int) {
 	for {
 		l.p.mu.Lock()
 		f := &l.p.faults[dir.index()]
-		if f.stallOn != nil && matchAcross(tail, c.b, f.stallOn) {
-			f.stallOn, l.held[dir.index()] = nil, true
+		if f.stallOn != nil {
+			if at, match := matchAcross(tail, c.b, f.stallOn); match {
+				f.stallOn, l.held[dir.index()] = nil, true
+				if at > 0 {
+					l.p.mu.Unlock()
+					return true, at
+				}
+			}
 		}
 		stalled, latency, changed := f.stalled || l.held[dir.index()], f.latency, l.p.changed
 		if stalled {
@@ -567,7 +598,7 @@ func (l *link) waitTurn(dir Direction, c chunk, tail []byte) bool {
 			tm = time.NewTimer(left)
 			wait = tm.C
 		default:
-			return true
+			return true, 0
 		}
 		select {
 		case <-changed:
@@ -576,7 +607,7 @@ func (l *link) waitTurn(dir Direction, c chunk, tail []byte) bool {
 			if tm != nil {
 				tm.Stop()
 			}
-			return false
+			return false, 0
 		}
 		if tm != nil {
 			tm.Stop()
@@ -584,15 +615,16 @@ func (l *link) waitTurn(dir Direction, c chunk, tail []byte) bool {
 	}
 }
 
-// matchAcross reports whether re matches tail followed by b with a match that ends in b.
-func matchAcross(tail, b []byte, re *regexp.Regexp) bool {
+// matchAcross reports whether re matches tail followed by b with a match that ends in b, and
+// where in b the first such match starts (0 when it starts in tail).
+func matchAcross(tail, b []byte, re *regexp.Regexp) (at int, ok bool) {
 	joined := append(append([]byte(nil), tail...), b...)
 	for _, m := range re.FindAllIndex(joined, -1) {
 		if m[1] > len(tail) {
-			return true
+			return max(m[0]-len(tail), 0), true
 		}
 	}
-	return false
+	return 0, false
 }
 
 // take applies CloseAfter, StallAfter and Corrupt to chunk b, of which sent bytes of the link

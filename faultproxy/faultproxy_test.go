@@ -473,3 +473,26 @@ func TestSignalsFireWhenFaultsAct(t *testing.T) {
 		}
 	})
 }
+
+// TestStallOnSplitsAChunk: the bytes before a StallOn match go through even when they arrive in
+// the same read as the match (an HTTP response's headers and its first event); the match and
+// what follows are held.
+func TestStallOnSplitsAChunk(t *testing.T) {
+	s := startServer(t, []byte("HTTP/1.1 200 OK\r\n\r\ndata: one\n\n"))
+	p := newProxy(t, s.addr())
+	sig := p.StallOn(faultproxy.Down, []byte("data: "))
+	c := dial(t, p)
+	if got := readN(t, c, 19); string(got) != "HTTP/1.1 200 OK\r\n\r\n" {
+		t.Fatalf("before the match: %q", got)
+	}
+	if !sig.Wait(10 * time.Second) {
+		t.Fatal("the stall did not fire")
+	}
+	if got := p.Stats().Held[1]; got != 11 {
+		t.Fatalf("%d bytes held, want the 11 from the match on", got)
+	}
+	p.Resume(faultproxy.Down)
+	if got := readN(t, c, 11); string(got) != "data: one\n\n" {
+		t.Fatalf("after resume: %q", got)
+	}
+}
