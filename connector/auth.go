@@ -8,12 +8,10 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"sync/atomic"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/vmihailenco/msgpack/v5"
 
-	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
@@ -232,59 +230,10 @@ func (c *Connector) AuthRefusals() AuthRefusals {
 		SideChannel:   c.side.refusals.Load() + c.sideRefusals.Load(),
 		Transfer:      st.AuthRefused,
 		Reads:         st.ReadsDenied,
-		Params:        c.refusals.params.Load(),
-		Notifications: c.refusals.notifications.Load(),
-		Verification:  c.refusals.verification.Load(),
+		Params:        c.counts.params.Load(),
+		Notifications: c.counts.notifications.Load(),
+		Verification:  c.counts.verification.Load(),
 	}
-}
-
-// refusalCounts are the connector's own refusal counters (see AuthRefusals) and the decoder
-// holds it evicted.
-type refusalCounts struct {
-	params, notifications, verification, evictedHolds atomic.Int64
-}
-
-// authorizeRead is the transfer agent's AuthorizeRead hook: a READ presents a lease token (the
-// tag), and every range must lie inside the blocks leased under it, their records, or the
-// lease's own slot.
-func (c *Connector) authorizeRead(peer string, tag []byte, descs []transfer.Desc) error {
-	var token LeaseToken
-	if len(tag) != len(token) {
-		return errors.New("the READ presents no lease token (a reader must present the token of the lease whose blocks it reads)")
-	}
-	copy(token[:], tag)
-	blockLen := int64(c.pool.BlockBytes())
-	numBlocks := int64(c.pool.NumBlocks())
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	l := c.leases.ByToken(token)
-	if l == nil {
-		return errors.New("no KV blocks are leased under the presented token (read already, expired, evicted, aborted, or never issued)")
-	}
-	for i, d := range descs {
-		if d.Offset < 0 || d.Length <= 0 {
-			return fmt.Errorf("range %d: invalid range [%d,+%d)", i, d.Offset, d.Length)
-		}
-		var unit int64
-		switch d.Region {
-		case c.kvRegionID:
-			unit = blockLen
-		case c.metaRegionID:
-			unit = kvcache.RecordBytes
-		default:
-			return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
-		}
-		first, last := d.Offset/unit, (d.Offset+d.Length-1)/unit
-		for b := first; b <= last; b++ {
-			switch {
-			case b < numBlocks && l.Holds(int32(b)):
-			case d.Region == c.metaRegionID && b == numBlocks+int64(l.Slot):
-			default:
-				return fmt.Errorf("range %d: entry %d is not part of the lease of request %q", i, b, clip(l.RequestID))
-			}
-		}
-	}
-	return nil
 }
 
 // transferAuthHint adds the setting to fix to a transfer connection refused for
@@ -329,5 +278,5 @@ func (x *authRefusalsCollector) Collect(ch chan<- prometheus.Metric) {
 		{"notification", r.Notifications}, {"verification", r.Verification}} {
 		ch <- prometheus.MustNewConstMetric(x.desc, prometheus.CounterValue, float64(k.n), k.kind)
 	}
-	ch <- prometheus.MustNewConstMetric(x.evicted, prometheus.CounterValue, float64(x.c.refusals.evictedHolds.Load()))
+	ch <- prometheus.MustNewConstMetric(x.evicted, prometheus.CounterValue, float64(x.c.counts.evictedHolds.Load()))
 }

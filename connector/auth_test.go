@@ -89,11 +89,11 @@ func newReader(t *testing.T, c *Connector, auth transfer.Authenticator) (*reader
 	}
 	t.Cleanup(r.local.Release)
 	tcp := &transfer.PrepareOptions{Backends: []string{"TCP"}}
-	if r.kv, err = a.PrepareRemote(t.Context(), peer, transfer.BlockDescs(c.kvRegionID, 0, bb, n), tcp); err != nil {
+	if r.kv, err = a.PrepareRemote(t.Context(), peer, transfer.BlockDescs(c.core.kvRegion, 0, bb, n), tcp); err != nil {
 		return nil, err
 	}
 	t.Cleanup(r.kv.Release)
-	if r.meta, err = a.PrepareRemote(t.Context(), peer, transfer.BlockDescs(c.metaRegionID, 0, kvcache.RecordBytes, 2*n), tcp); err != nil {
+	if r.meta, err = a.PrepareRemote(t.Context(), peer, transfer.BlockDescs(c.core.metaRegion, 0, kvcache.RecordBytes, 2*n), tcp); err != nil {
 		return nil, err
 	}
 	t.Cleanup(r.meta.Release)
@@ -157,7 +157,7 @@ func TestReadsNeedALease(t *testing.T) {
 			tokA, tokB := LeaseToken{1}, LeaseToken{2}
 			now := time.Now()
 			c.mu.Lock()
-			a, _ := c.leases.Add("req-A", tokA, []int32{2, 3, 6}, now, now.Add(time.Hour), true)
+			a, _ := c.core.leases.Add("req-A", tokA, []int32{2, 3, 6}, now, now.Add(time.Hour), true)
 			c.mu.Unlock()
 			if err := r.read(t, tokA[:], false, 2, 3); err != nil {
 				t.Fatalf("leased blocks: %v", err)
@@ -192,13 +192,13 @@ func TestReadsNeedALease(t *testing.T) {
 			}
 			// A lease that ended (read, expired or released) no longer opens its blocks.
 			c.mu.Lock()
-			c.leases.Release("req-A")
+			c.core.leases.Release("req-A")
 			c.mu.Unlock()
 			if err := r.read(t, tokA[:], false, 2); !errors.Is(err, transfer.ErrPermission) {
 				t.Fatalf("read after the lease ended: %v", err)
 			}
 			c.mu.Lock()
-			c.leases.Add("req-C", tokB, []int32{6}, now, now.Add(time.Hour), true)
+			c.core.leases.Add("req-C", tokB, []int32{6}, now, now.Add(time.Hour), true)
 			c.mu.Unlock()
 			if err := r.read(t, tokB[:], false, 6); err != nil {
 				t.Fatalf("the producer stopped serving after refusals: %v", err)

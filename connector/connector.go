@@ -60,23 +60,20 @@ type Options struct {
 }
 
 // Connector is kvbridge's NixlConnector: it implements engine.Connector (the scheduler side),
-// runs the transfers (the worker side) and serves the side channel. Its hooks run on the
-// engine's step loop and never block; one worker goroutine handles notifications, lease expiry
-// and heartbeats, and each load runs on a goroutine the connector owns until it reports.
+// runs the transfers (the worker side) and serves the side channel. It is the Node around the
+// core (core.go): every engine hook, notification, tick and finished handshake or load is an
+// event it hands the core under its mutex, and it performs the actions the core returns —
+// starting handshakes, loads and notifications on goroutines it owns, forgetting peers, and
+// telling the engine what finished. Its hooks never block.
 type Connector struct {
-	cfg       *Config
-	pool      *kvcache.Pool
-	geo       kvcache.Geometry
-	layout    ArenaLayout
-	log       *slog.Logger
-	metrics   *metrics.NixlMetrics
-	now       func() time.Time
-	epoch     time.Time
-	hash      string
-	host      string
-	port      int
-	peers     *peerFilter // allowed_peers; nil allows all
-	paramsKey []byte      // MAC key of issued and accepted params; nil without an auth token
+	cfg     *Config
+	pool    *kvcache.Pool
+	geo     kvcache.Geometry
+	layout  ArenaLayout
+	log     *slog.Logger
+	metrics *metrics.NixlMetrics
+	now     func() time.Time
+	hash    string
 
 	agent   *transfer.Agent
 	kvReg   *transfer.Region
@@ -85,13 +82,9 @@ type Connector struct {
 	side    *sideChannelServer
 	auth    *sideAuth // side-channel proofs; nil without an auth token
 	scratch []byte    // records and slots read from producers (see ArenaLayout.scratchEntries)
-	slots   []byte    // this engine's lease slots, published to readers
+	counts  counters
 
-	rejections   atomic.Int64 // pulls cut short by the decoder's hash hints (edited histories)
-	instance     string       // random per start; named in the params this engine issues
 	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
-	refusals     refusalCounts
-	quiet        logLimiter // rate-limits log lines that a remote client can trigger at will
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -99,29 +92,12 @@ type Connector struct {
 	tick   <-chan time.Time
 	ticker *time.Ticker
 
-	mu          sync.Mutex
-	sched       Scheduler
-	reqs        map[string]*reqState
-	leases      LeaseTable
-	heartbeats  HeartbeatTracker
-	remotes     map[remoteKey]*remoteEngine
-	handshaking int // handshakes in progress (bounded: params can name any engine)
-	localLists  map[int]*transfer.PreparedList
-	scrList     *transfer.PreparedList
-	closed      bool
-	// kvRegionID and metaRegionID are the regions peers may read (set once registered; 0
-	// before, which matches no region).
-	kvRegionID, metaRegionID uint32
-}
-
-// reqState is the connector's bookkeeping of one live request.
-type reqState struct {
-	params    *Params
-	processed bool // AfterAlloc ran: never read twice (vLLM's _remote_blocks_processed)
-	loading   bool // a load goroutine owns the request's blocks
-	finished  bool // the engine finished the request while it was loading
-	tracked   bool // heartbeats are being sent for it
-	pullFromD bool // a bidirectional turn: P pulls D's blocks
+	mu         sync.Mutex
+	core       *core
+	sched      Scheduler
+	localLists map[int]*transfer.PreparedList
+	scrList    *transfer.PreparedList
+	closed     bool
 }
 
 // New builds a connector: it starts a transfer agent, registers the KV arena, and listens on
@@ -140,8 +116,6 @@ func New(opts Options) (*Connector, error) {
 		metrics:    opts.Metrics,
 		now:        opts.Now,
 		hash:       CompatibilityHash(opts.Compat),
-		reqs:       map[string]*reqState{},
-		remotes:    map[remoteKey]*remoteEngine{},
 		localLists: map[int]*transfer.PreparedList{},
 		tick:       opts.Tick,
 	}
@@ -149,15 +123,19 @@ func New(opts Options) (*Connector, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: kv_connector_extra_config.allowed_peers: %v", ErrConfig, err)
 	}
-	c.peers = peers
 	if c.log == nil {
 		c.log = slog.New(slog.DiscardHandler)
 	}
 	if c.now == nil {
 		c.now = time.Now
 	}
-	c.epoch = c.now()
-	c.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
+	k := &core{
+		cfg: cfg, pool: c.pool, geo: c.geo, layout: c.layout, log: c.log, metrics: c.metrics,
+		epoch: c.now(), engineID: cfg.EngineID, peers: peers, random: rand.Reader,
+		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteEngine{}, counts: &c.counts,
+	}
+	k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
+	c.core = k
 	if err := c.layout.check(opts.Pool, opts.Arena); err != nil {
 		return nil, err
 	}
@@ -177,7 +155,7 @@ func New(opts Options) (*Connector, error) {
 		}
 		tc.Auth = ta
 		c.auth = newSideAuth(token)
-		c.paramsKey = paramsMACKey(token)
+		k.paramsKey = paramsMACKey(token)
 		c.log.Info("KV transfer authentication enabled: side channel and transfer connections require the shared auth token", "source", source)
 		if len(token) < 16 {
 			c.log.Warn("the KV auth token is shorter than 16 characters; use a long random value", "source", source)
@@ -204,18 +182,18 @@ func New(opts Options) (*Connector, error) {
 		return fail(fmt.Errorf("connector: register the scratch area: %w", err))
 	}
 	c.scratch = c.scrReg.Bytes()
-	c.slots = c.layout.slots(opts.Arena.Bytes())
-	clear(c.slots)
+	k.slots = c.layout.slots(opts.Arena.Bytes())
+	clear(k.slots)
 	c.mu.Lock()
-	c.kvRegionID, c.metaRegionID = c.kvReg.ID(), c.metaReg.ID()
+	k.kvRegion, k.metaRegion = c.kvReg.ID(), c.metaReg.ID()
 	c.mu.Unlock()
 	var inst [8]byte
 	if _, err := rand.Read(inst[:]); err != nil {
 		return fail(fmt.Errorf("connector: draw an instance id: %w", err))
 	}
-	c.instance = hex.EncodeToString(inst[:])
+	k.instance = hex.EncodeToString(inst[:])
 	meta := AgentMetadata{
-		Instance:      c.instance,
+		Instance:      k.instance,
 		EngineID:      cfg.EngineID,
 		AgentMetadata: agent.LocalMetadata(),
 		KVRegion:      c.kvReg.ID(),
@@ -236,12 +214,12 @@ func New(opts Options) (*Connector, error) {
 	if c.side, err = listenSideChannel(opts.SideChannelAddr, payload, c.clockSeconds, c.log, c.auth); err != nil {
 		return fail(err)
 	}
-	c.host = opts.AdvertiseHost
-	c.port = c.side.addr().(*net.TCPAddr).Port
-	if c.host == "" {
-		c.host, _, _ = net.SplitHostPort(opts.SideChannelAddr)
-		if ip := net.ParseIP(c.host); c.host == "" || (ip != nil && ip.IsUnspecified()) {
-			c.host = "localhost"
+	k.host = opts.AdvertiseHost
+	k.port = c.side.addr().(*net.TCPAddr).Port
+	if k.host == "" {
+		k.host, _, _ = net.SplitHostPort(opts.SideChannelAddr)
+		if ip := net.ParseIP(k.host); k.host == "" || (ip != nil && ip.IsUnspecified()) {
+			k.host = "localhost"
 		}
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
@@ -272,7 +250,7 @@ func (c *Connector) EngineID() string { return c.cfg.EngineID }
 func (c *Connector) LeaseDeadline(id string) (time.Time, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if l := c.leases.Get(id); l != nil {
+	if l := c.core.leases.Get(id); l != nil {
 		return l.Deadline, true
 	}
 	return time.Time{}, false
@@ -291,6 +269,7 @@ func (c *Connector) Close() error {
 		return nil
 	}
 	c.closed = true
+	c.core.closed = true
 	c.mu.Unlock()
 	if c.cancel != nil {
 		c.cancel()
@@ -316,7 +295,7 @@ func (c *Connector) closeResources() error {
 			c.scrList.Release()
 		}
 		c.localLists, c.scrList = nil, nil
-		for _, r := range c.remotes {
+		for _, r := range c.core.remotes {
 			r.releaseLists()
 		}
 		c.mu.Unlock()
@@ -332,7 +311,7 @@ func (c *Connector) closeResources() error {
 
 // clockSeconds is this engine's clock for the side channel and remote_blocks_expiry_time:
 // seconds since the connector started (monotonic).
-func (c *Connector) clockSeconds() float64 { return c.now().Sub(c.epoch).Seconds() }
+func (c *Connector) clockSeconds() float64 { return c.core.seconds(c.now()) }
 
 var (
 	_ engine.Connector       = (*Connector)(nil)

@@ -22,25 +22,27 @@ var errLeaseGone = errors.New("no such lease")
 // was alive when the slot was read, so it held the blocks unchanged since before the data was
 // read — and every block's record must carry the generation the params name, the number of
 // tokens the params say it holds, and the chain hash of the reader's own prompt at that
-// position. It returns the index in j.blocks of the first block that cannot be used.
-func (c *Connector) verifyRead(j loadJob, r *remoteEngine, plan readPlan, slotEntry int) (int, error) {
+// position. records[k] is the record read for plan pair k, slot the slot read; rbs is the
+// producer's block size. It returns the index in j.blocks of the first block that cannot be
+// used. A pure function: the core's decisions are testable without memory or sockets.
+func verifyRead(j loadJob, remoteID string, rbs int, plan readPlan, records [][]byte, slot []byte) (int, error) {
 	p := j.params
 	want := LeaseTag(p.Lease, p.RemoteNumTokens, p.Blocks(), p.BlockGenerations)
-	if got := c.scratchEntry(slotEntry)[:len(want)]; !bytes.Equal(got, want[:]) {
+	if len(slot) < len(want) || !bytes.Equal(slot[:len(want)], want[:]) {
 		return plan.firstLocal, fmt.Errorf("%w: %w: %w: request %s: engine %s holds no lease matching these kv_transfer_params (it expired, was released or evicted, or the params are not its own)",
-			errLeaseGone, ErrStaleBlocks, ErrVerification, j.id, r.id)
+			errLeaseGone, ErrStaleBlocks, ErrVerification, j.id, remoteID)
 	}
-	rbs := r.meta.BlockSize
 	own := j.prompt
 	chain := kvcache.ChainHashes(own, rbs)
-	for k, entry := range plan.scratch {
-		rec := kvcache.DecodeRecord(c.scratchEntry(entry))
+	for k, raw := range records {
+		rec := kvcache.DecodeRecord(raw)
 		rj := plan.remoteIndex[k]
 		bad := func(format string, args ...any) (int, error) {
 			return plan.localIndex[k], fmt.Errorf("%w: request %s, remote block %d (#%d): %s", ErrVerification, j.id, p.Blocks()[rj], rj, fmt.Sprintf(format, args...))
 		}
 		if rec.Gen != p.BlockGenerations[rj] {
-			return bad("generation %d, the params name %d: %v", rec.Gen, p.BlockGenerations[rj], ErrStaleBlocks)
+			return plan.localIndex[k], fmt.Errorf("%w: %w: request %s, remote block %d (#%d): generation %d, the params name %d",
+				ErrVerification, ErrStaleBlocks, j.id, p.Blocks()[rj], rj, rec.Gen, p.BlockGenerations[rj])
 		}
 		n := min(rbs, p.RemoteNumTokens-rj*rbs)
 		switch {

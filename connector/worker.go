@@ -2,15 +2,18 @@ package connector
 
 import (
 	"context"
-	"fmt"
-	"strings"
 	"time"
 
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
-// worker handles notifications from readers, lease expiry, heartbeats and idle remote engines.
+// The worker side: the goroutine that feeds the core notifications and ticks, and perform, which
+// carries out the core's actions. Every goroutine started here is counted in c.wg and ends with
+// c.ctx (Close).
+
+// worker hands the core the notifications from readers and the clock's ticks (lease expiry,
+// heartbeats, idle remote engines).
 func (c *Connector) worker() {
 	defer c.wg.Done()
 	notifs := c.agent.Notifications()
@@ -22,113 +25,39 @@ func (c *Connector) worker() {
 			if !ok {
 				return
 			}
-			c.handleNotif(n)
+			c.mu.Lock()
+			c.core.notification(n.Peer, string(n.Msg), c.now())
+			c.performLocked()
 		case <-c.tick:
-			c.sweep()
+			c.mu.Lock()
+			c.core.tick(c.now())
+			c.performLocked()
 		}
 	}
 }
 
-// handleNotif applies one notification: "HB:token,…" extends leases; "<id>:<n>:<token>" is one
-// of n reads of a lease done. A notification that presents no valid token changes nothing; it
-// is counted, and logged at most once per interval.
-func (c *Connector) handleNotif(n transfer.Notif) {
-	msg := string(n.Msg)
-	if hexTokens, ok := ParseHeartbeat(msg); ok {
-		tokens := make([]LeaseToken, 0, len(hexTokens))
-		for _, h := range hexTokens {
-			if t, err := ParseLeaseToken(h); err == nil {
-				tokens = append(tokens, t)
-			}
-		}
-		c.mu.Lock()
-		c.leases.Heartbeat(tokens, c.now(), c.cfg.LeaseDuration*2/3)
-		c.mu.Unlock()
-		return
-	}
-	id, readers, token, err := ParseRelease(msg)
-	if err != nil {
-		if ok, suppressed := c.quiet.allow("malformed", c.now()); ok {
-			c.log.Warn("ignoring a malformed KV notification", "peer", n.Peer, "message", truncateMsg(msg), "error", err, "similar_suppressed", suppressed)
-		}
-		return
-	}
-	c.mu.Lock()
-	l, res := c.leases.Notify(id, token, readers)
-	if l != nil {
-		c.endLease(l)
-	}
+// performLocked takes the core's actions, unlocks c.mu (held by the caller) and performs them.
+func (c *Connector) performLocked() {
+	a := c.core.take()
+	closed := c.closed
+	sched := c.sched
 	c.mu.Unlock()
-	switch res {
-	case NotifyUnknown:
-		if c.metrics != nil {
-			c.metrics.CountNotificationAfterExpiry()
-		}
-		if ok, suppressed := c.quiet.allow("unknown", c.now()); ok {
-			c.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", truncateMsg(id)),
-				"peer", n.Peer, "similar_suppressed", suppressed)
-		}
-	case NotifyRefused:
-		c.refusals.notifications.Add(1)
-		if ok, suppressed := c.quiet.allow("refused", c.now()); ok {
-			c.log.Warn("refusing a KV notification that presents another lease's token", "request_id", truncateMsg(id), "peer", n.Peer, "similar_suppressed", suppressed)
-		}
+	for _, r := range a.drops {
+		_ = c.agent.InvalidateIncarnation(r.peer, r.peerInc)
+		r.releaseLists()
 	}
-}
-
-func truncateMsg(s string) string {
-	if len(s) > 80 {
-		return s[:80] + "…"
+	for _, r := range a.handshakes {
+		c.spawn(closed, func() { c.runHandshake(r) }, func() { c.abandonHandshake(r) })
 	}
-	return s
-}
-
-// sweep releases expired leases (every entry, not only the earliest: vllm#58222), sends due
-// heartbeats and forgets remote engines idle longer than engine_ttl.
-func (c *Connector) sweep() {
-	now := c.now()
-	c.mu.Lock()
-	expired := c.leases.Expire(now)
-	for _, l := range expired {
-		c.endLease(l)
+	for _, j := range a.loads {
+		c.spawn(closed, func() { c.runLoad(j) }, func() {
+			c.event(func(k *core) { k.loadFinished(j, j.localHit/c.geo.BlockSize, transfer.ErrClosed, true, c.now()) })
+		})
 	}
-	type beat struct {
-		peer string
-		msg  []byte
+	for _, p := range a.notifies {
+		c.spawn(closed, func() { c.notify(p) }, nil)
 	}
-	var beats []beat
-	for _, b := range c.heartbeats.Due(now) {
-		engineID, instance, _ := strings.Cut(b.Engine, "\x00")
-		r := c.remotes[remoteKey{engineID, instance}]
-		if r == nil {
-			continue
-		}
-		select {
-		case <-r.ready:
-			if r.err == nil {
-				beats = append(beats, beat{r.peer, []byte(FormatHeartbeat(b.IDs))})
-			}
-		default: // still handshaking: this beat is skipped, the next one goes through
-		}
-	}
-	for _, r := range c.remotes {
-		if now.Sub(r.lastUsed) > c.cfg.EngineTTL {
-			select {
-			case <-r.ready:
-				c.log.Info("forgetting an idle remote engine", "remote_engine_id", r.id, "idle", now.Sub(r.lastUsed).String())
-				c.dropRemote(r)
-			default:
-			}
-		}
-	}
-	c.mu.Unlock()
-	for _, l := range expired {
-		c.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.notified))
-		if c.metrics != nil {
-			c.metrics.CountExpiredRequest()
-		}
-	}
-	for _, b := range beats {
+	for _, b := range a.beats {
 		ctx, cancel := context.WithTimeout(c.ctx, time.Second)
 		if err := c.agent.SendNotif(ctx, b.peer, b.msg); err != nil {
 			c.log.Warn("sending a heartbeat failed", "peer", b.peer, "error", err)
@@ -138,6 +67,92 @@ func (c *Connector) sweep() {
 		}
 		cancel()
 	}
+	if sched == nil {
+		return
+	}
+	for _, id := range a.release {
+		sched.ReleaseDelayed(id)
+	}
+	if len(a.loaded) > 0 || len(a.failed) > 0 {
+		sched.LoadsDone(a.loaded, a.failed)
+	}
+	if len(a.missed) > 0 {
+		sched.LoadsMissed(a.missed)
+	}
+}
+
+// event hands the core one event under c.mu and performs what it asks for.
+func (c *Connector) event(f func(*core)) {
+	c.mu.Lock()
+	f(c.core)
+	c.performLocked()
+}
+
+// spawn runs fn on a goroutine the connector owns, or, once the connector is closing, runs
+// instead (when not nil) on the caller's goroutine.
+func (c *Connector) spawn(closed bool, fn, instead func()) {
+	if closed {
+		if instead != nil {
+			instead()
+		}
+		return
+	}
+	c.wg.Add(1)
+	go func() {
+		defer c.wg.Done()
+		fn()
+	}()
+}
+
+// runLoad performs one load and reports it to the core.
+func (c *Connector) runLoad(j loadJob) {
+	ctx, cancel := context.WithTimeout(c.ctx, loadTimeout)
+	defer cancel()
+	bad, err := c.load(ctx, j)
+	c.event(func(k *core) { k.loadFinished(j, bad, err, false, c.now()) })
+}
+
+// notify tells a producer that this engine will not read its blocks, retrying once over a new
+// handshake when the producer's agent went away.
+func (c *Connector) notify(p *Params) {
+	ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
+	defer cancel()
+	var err error
+	for attempt := 0; attempt < 2; attempt++ {
+		var r *remoteEngine
+		if r, err = c.remote(ctx, p); err != nil {
+			break
+		}
+		if err = c.agent.SendNotif(ctx, r.peer, []byte(FormatRelease(p.RemoteRequestID, 1, p.Lease))); err == nil || !peerGone(err) {
+			break
+		}
+		c.forget(r)
+	}
+	if err != nil {
+		c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "error", err)
+		if c.metrics != nil {
+			c.metrics.CountFailedNotification()
+		}
+	}
+}
+
+// peerLost is the transfer agent's OnPeerLost hook: the control connection to a producer's
+// agent ended (see core.peerLost).
+func (c *Connector) peerLost(name string, inc uint64) {
+	c.event(func(k *core) { k.peerLost(name, inc) })
+}
+
+// forget drops r if it is still the current record of its engine incarnation, invalidating its
+// transfer peer and releasing its descriptor lists (a dead incarnation's arena is unmapped).
+func (c *Connector) forget(r *remoteEngine) {
+	c.event(func(k *core) { k.forget(r) })
+}
+
+// authorizeRead is the transfer agent's AuthorizeRead hook (see core.authorizeRead).
+func (c *Connector) authorizeRead(_ string, tag []byte, descs []transfer.Desc) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.core.authorizeRead(tag, descs)
 }
 
 func metricsSample(t transfer.RequestTelemetry) metrics.TransferSample {

@@ -1,0 +1,725 @@
+package connector
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/metrics"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// The connector is split the way etcd's raft splits RawNode from Node. The core (this file) is
+// the NixlConnector's bookkeeping: the engine's hooks, leases and their published tags,
+// heartbeats, notifications, expiry, the records of remote engines and what to do with a
+// finished load. It is a deterministic state machine: every event comes with the time, and what
+// must happen outside — a handshake, a load, a notification to send, a record to drop, a
+// scheduler call — is appended to its actions, which the Connector (connector.go, worker.go)
+// takes after each event and performs. It starts no goroutine, does no network I/O and reads no
+// clock; its only side effects are on the KV pool and the lease slots in shared memory, which
+// must be published before the params that name them leave the hook. Not safe for concurrent
+// use: the Connector holds its mutex around every call.
+
+// core is the connector's deterministic state machine.
+type core struct {
+	cfg       *Config
+	pool      *kvcache.Pool
+	geo       kvcache.Geometry
+	layout    ArenaLayout
+	slots     []byte // the lease slots this engine publishes
+	log       *slog.Logger
+	metrics   *metrics.NixlMetrics
+	epoch     time.Time
+	engineID  string
+	instance  string // random per start; named in the params this engine issues
+	host      string // remote_host of the params this engine issues
+	port      int
+	peers     *peerFilter // allowed_peers; nil allows all
+	paramsKey []byte      // MAC key of issued and accepted params; nil without an auth token
+	random    io.Reader   // lease tokens (crypto/rand)
+
+	// kvRegion and metaRegion are the regions peers may read (0 before registration).
+	kvRegion, metaRegion uint32
+
+	reqs        map[string]*reqState
+	leases      LeaseTable
+	heartbeats  HeartbeatTracker
+	remotes     map[remoteKey]*remoteEngine
+	handshaking int
+	quiet       logLimiter
+	counts      *counters
+	closed      bool
+
+	out actions
+}
+
+// counters are the core's counts, read without the lock (AuthRefusals, the collector).
+type counters struct {
+	rejections                                        atomic.Int64 // pulls cut short by hash hints
+	params, notifications, verification, evictedHolds atomic.Int64
+}
+
+// actions are what the core asks its worker to do; take returns and clears them.
+type actions struct {
+	handshakes []*remoteEngine // run the side-channel handshake of each new record
+	loads      []loadJob       // read remote KV into local blocks
+	notifies   []*Params       // tell a producer that this engine will not read its blocks
+	beats      []beat          // send a heartbeat batch to a handshaken producer
+	drops      []*remoteEngine // forget a record: invalidate its incarnation, release its lists
+	release    []string        // Scheduler.ReleaseDelayed
+	loaded     []string        // Scheduler.LoadsDone, successes
+	failed     map[string]int  // Scheduler.LoadsDone, failures and their first bad block
+	missed     []string        // Scheduler.LoadsMissed
+}
+
+// beat is one heartbeat message for one producer.
+type beat struct {
+	peer string
+	msg  []byte
+}
+
+// take returns the actions accumulated since the last call.
+func (k *core) take() actions {
+	a := k.out
+	k.out = actions{}
+	return a
+}
+
+// reqState is the core's bookkeeping of one live request.
+type reqState struct {
+	params    *Params
+	processed bool // AfterAlloc ran: never read twice (vLLM's _remote_blocks_processed)
+	loading   bool // a load owns the request's blocks
+	finished  bool // the engine finished the request while it was loading
+	tracked   bool // heartbeats are being sent for it
+	pullFromD bool // a bidirectional turn: P pulls D's blocks
+}
+
+// loadJob is one request's pull of remote KV into its own blocks.
+type loadJob struct {
+	id       string
+	params   *Params
+	blocks   []int32 // the request's whole block table
+	prompt   []int32 // the request's prompt: what the remote blocks must hold
+	localHit int     // tokens already in the leading blocks (a multiple of the block size)
+	count    int     // tokens to load after them
+	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
+}
+
+// remoteKey names one incarnation of a remote engine: its engine id and its instance (random per
+// start). Records are keyed by both, so params naming a new address or a new instance of a
+// known engine never replace a healthy record by themselves.
+type remoteKey struct{ engine, instance string }
+
+// remoteEngine is a producer this engine has handshaken with (or is handshaking with). The core
+// creates it; the worker runs the handshake, fills in the rest and closes ready.
+type remoteEngine struct {
+	key   remoteKey
+	id    string        // engine id, for messages
+	addr  string        // where the handshake went
+	ready chan struct{} // closed when the handshake ended; then err or the rest is set
+	err   error
+
+	meta     AgentMetadata
+	offset   float64 // producer clock − our clock, seconds
+	peer     string  // transfer agent name
+	peerInc  uint64  // transfer agent incarnation
+	ratio    int     // local block size ÷ remote block size
+	layout   kvcache.Layout
+	kv, recs *transfer.PreparedList // the producer's blocks; its records then slots
+	local    *transfer.PreparedList
+	lastUsed time.Time
+}
+
+// done reports whether r's handshake ended, and whether it succeeded.
+func (r *remoteEngine) done() (ended, ok bool) {
+	select {
+	case <-r.ready:
+		return true, r.err == nil
+	default:
+		return false, false
+	}
+}
+
+// seconds is the engine's clock for the side channel and remote_blocks_expiry_time: seconds
+// since the connector started.
+func (k *core) seconds(now time.Time) float64 { return now.Sub(k.epoch).Seconds() }
+
+// state returns the bookkeeping of seq, parsing its kv_transfer_params on first sight. Invalid
+// or refused params are logged and ignored: the request computes locally (spec §2.3).
+func (k *core) state(seq *engine.Sequence, now time.Time) *reqState {
+	st := k.reqs[seq.ID()]
+	if st != nil {
+		return st
+	}
+	st = &reqState{}
+	if raw := seq.KVTransfer(); raw != nil {
+		p, err := ParseParams(raw)
+		if err == nil {
+			err = k.checkParams(p)
+		}
+		if err != nil {
+			k.refuseParams(seq.ID(), err, now)
+		} else {
+			st.params = p
+		}
+	}
+	k.reqs[seq.ID()] = st
+	return st
+}
+
+// errRefusedParams wraps the reasons pull params are refused before any connection.
+var errRefusedParams = errors.New("refused kv_transfer_params")
+
+// checkParams refuses params that would make this engine pull KV (or notify a producer) unless
+// they name a lease (its token and slot), the producer's instance and block generations, carry a
+// valid MAC when engines share an auth token, and name an allowed host. Params that pull
+// nothing (a first-turn template) pass.
+func (k *core) checkParams(p *Params) error {
+	if pull, _ := k.consumer(p); !pull {
+		return nil
+	}
+	switch {
+	case !p.HasLease || p.LeaseSlot < 0:
+		return fmt.Errorf("%w: they name no lease (%s, %s): only a kvbridge engine's params can be pulled from", errRefusedParams, KeyLease, KeyLeaseSlot)
+	case p.Instance == "":
+		return fmt.Errorf("%w: they name no producer instance (%s)", errRefusedParams, KeyInstance)
+	case len(p.BlockGenerations) != len(p.Blocks()):
+		return fmt.Errorf("%w: %d block generations for %d blocks", errRefusedParams, len(p.BlockGenerations), len(p.Blocks()))
+	case k.paramsKey != nil && !verifyMAC(k.paramsKey, p):
+		return fmt.Errorf("%w: no valid %s: with an auth token, only params an engine of this deployment issued are accepted", errRefusedParams, KeyMAC)
+	case !k.peers.allows(p.RemoteHost):
+		return fmt.Errorf("%w: remote_host %q is not in kv_connector_extra_config.allowed_peers", errRefusedParams, clip(p.RemoteHost))
+	}
+	return nil
+}
+
+// refuseParams counts refused params and logs it, at most once per interval: a client can send
+// as many as it likes.
+func (k *core) refuseParams(id string, err error, now time.Time) {
+	k.counts.params.Add(1)
+	if ok, suppressed := k.quiet.allow("params", now); ok {
+		k.log.Warn("Got invalid KVTransferParams; this request will not utilize KVTransfer", "request_id", id, "error", err, "similar_suppressed", suppressed)
+	}
+}
+
+// consumer reports whether params ask this engine to pull the prompt's KV from a producer: a
+// decode request carrying P's params, or (bidirectional) a prefill request carrying D's.
+func (k *core) consumer(p *Params) (pull bool, fromDecoder bool) {
+	switch {
+	case p == nil || !p.Complete():
+		return false, false
+	case p.DoRemotePrefill:
+		return true, false
+	case p.DoRemoteDecode && k.cfg.Bidirectional:
+		return true, true
+	}
+	return false, false
+}
+
+// arrived: a decode request that will pull from a producer starts heartbeating the producer's
+// lease now, while it may still wait in the queue, and the handshake starts (vLLM's proactive
+// handshake).
+func (k *core) arrived(seq *engine.Sequence, now time.Time) {
+	st := k.state(seq, now)
+	if pull, fromD := k.consumer(st.params); pull && !fromD {
+		k.track(st, now)
+	}
+}
+
+// track starts heartbeats for a consumer request.
+func (k *core) track(st *reqState, now time.Time) {
+	if st.tracked || st.params.TPSize <= 0 {
+		return // vLLM tracks only requests whose params carry tp_size
+	}
+	k.heartbeats.Track(heartbeatKey(st.params), st.params.Lease.String())
+	st.tracked = true
+	_, _ = k.entry(st.params, now)
+}
+
+// untrack stops heartbeats for a consumer request.
+func (k *core) untrack(st *reqState) {
+	if st.tracked {
+		k.heartbeats.Untrack(heartbeatKey(st.params), st.params.Lease.String())
+		st.tracked = false
+	}
+}
+
+// heartbeatKey groups heartbeats by producer incarnation.
+func heartbeatKey(p *Params) string { return p.RemoteEngineID + "\x00" + p.Instance }
+
+// matchedExternal returns the tokens after the local hit that a producer holds, loaded
+// asynchronously.
+func (k *core) matchedExternal(seq *engine.Sequence, localHit int, now time.Time) (int, bool) {
+	st := k.state(seq, now)
+	pull, fromD := k.consumer(st.params)
+	if !pull || st.processed {
+		return 0, false
+	}
+	avail := seq.NumPromptTokens()
+	if fromD {
+		st.pullFromD = true
+		avail = k.verifiedTokens(st.params, seq.Prompt())
+	} else {
+		k.track(st, now) // normally done on arrival; heartbeats never go towards a decoder
+	}
+	count := avail - localHit
+	if count <= 0 {
+		return 0, false
+	}
+	if t := k.cfg.Threshold(); count < t {
+		return 0, false // cheaper to recompute than to pull (kv_recompute_threshold)
+	}
+	return count, true
+}
+
+// verifiedTokens returns how many leading tokens of prompt a decoder's blocks hold, as far as
+// the decoder's hash hints say: min(remote_num_tokens, prompt), cut at the first full block
+// whose hint differs from the prompt's own chain. The hints only size the pull; what is read is
+// checked against the decoder's published records (verify.go).
+func (k *core) verifiedTokens(p *Params, prompt []int32) int {
+	n := min(p.RemoteNumTokens, len(prompt))
+	if p.BlockHashes == nil {
+		return n
+	}
+	bs := k.geo.BlockSize
+	own := kvcache.ChainHashes(prompt[:n], bs)
+	ok := 0
+	for ok < len(own) && ok < len(p.BlockHashes) && own[ok].String() == p.BlockHashes[ok] {
+		ok++
+	}
+	if ok < len(own) {
+		k.counts.rejections.Add(1)
+		return ok * bs
+	}
+	// Every full block matched; the trailing partial block has no hint.
+	return min(n, ok*bs)
+}
+
+// afterAlloc starts the load, or tells the producer to free when nothing is loaded.
+func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int, now time.Time) {
+	st := k.state(seq, now)
+	pull, _ := k.consumer(st.params)
+	if !pull || st.processed {
+		return
+	}
+	st.processed = true
+	if numExternal == 0 {
+		k.untrack(st)
+		k.out.notifies = append(k.out.notifies, st.params)
+		return
+	}
+	st.loading = true
+	j := loadJob{
+		id:       seq.ID(),
+		params:   st.params,
+		blocks:   append([]int32(nil), blocks...),
+		prompt:   append([]int32(nil), seq.Prompt()...),
+		localHit: seq.NumLocalHitTokens(),
+		count:    numExternal,
+		fromD:    st.pullFromD,
+	}
+	if k.closed {
+		k.loadFinished(j, j.localHit/k.geo.BlockSize, transfer.ErrClosed, true, now)
+		return
+	}
+	k.out.loads = append(k.out.loads, j)
+}
+
+// finished: a producer that finished normally holds its blocks for the reader and returns the
+// params that name them; a consumer whose load is still running keeps its blocks until the load
+// ends; a consumer that never loaded tells its producer to free.
+func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Time) (bool, map[string]any) {
+	st := k.reqs[seq.ID()]
+	if st == nil {
+		return false, nil
+	}
+	k.untrack(st)
+	p := st.params
+	pull, _ := k.consumer(p)
+	if pull && !st.processed {
+		k.out.notifies = append(k.out.notifies, p) // aborted before its read: the producer must not wait for the lease
+	}
+	if st.loading {
+		// The load still writes into the blocks; they are released when it ends.
+		st.finished = true
+		return true, nil
+	}
+	delete(k.reqs, seq.ID())
+	if p == nil || (status != engine.StatusFinishedStopped && status != engine.StatusFinishedLengthCapped) {
+		return false, nil // aborted or failed: free at once, no params (conformance item 7)
+	}
+	var params map[string]any
+	switch {
+	case p.DoRemoteDecode:
+		params = k.holdForReader(seq, k.cfg.LeaseDuration, true, now)
+	case p.DoRemotePrefill && k.cfg.Bidirectional:
+		params = k.holdForReader(seq, k.cfg.DecoderBlocksTTL, false, now)
+	}
+	return params != nil, params
+}
+
+// holdForReader leases seq's blocks for ttl under a fresh token, publishes what a reader checks
+// (the blocks' records and the lease's tag in its slot) and returns the params that let a reader
+// pull them. It returns nil, and holds nothing, when the blocks cannot be published.
+func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable bool, now time.Time) map[string]any {
+	blocks := append([]int32(nil), seq.Blocks()...)
+	computed := seq.NumComputed()
+	var token LeaseToken
+	if _, err := io.ReadFull(k.random, token[:]); err != nil {
+		k.log.Error("drawing a lease token failed; the blocks are freed", "request_id", seq.ID(), "error", err)
+		return nil
+	}
+	deadline := now.Add(ttl)
+	l, replaced := k.leases.Add(seq.ID(), token, blocks, now, deadline, renewable) // the engine keeps a held id reserved
+	if replaced != nil {
+		k.clearSlot(replaced)
+	}
+	gens := k.pool.Generations(blocks)
+	if l.Slot >= k.layout.NumBlocks {
+		k.leases.Release(seq.ID())
+		k.log.Error("no lease slot left; the blocks are freed", "request_id", seq.ID(), "leases", k.leases.Len())
+		return nil
+	}
+	if err := k.pool.PublishChain(blocks, seq.Tokens()[:computed]); err != nil {
+		k.leases.Release(seq.ID())
+		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "error", err)
+		return nil
+	}
+	tag := LeaseTag(token, computed, blocks, gens)
+	copy(k.slots[l.Slot*slotBytes:], tag[:])
+	p := Params{
+		DoRemotePrefill:  renewable, // P's params send D to pull; D's send the next P to pull
+		DoRemoteDecode:   !renewable,
+		RemoteBlockIDs:   [][]int32{blocks},
+		RemoteEngineID:   k.engineID,
+		RemoteRequestID:  seq.ID(),
+		RemoteHost:       k.host,
+		RemotePort:       k.port,
+		TPSize:           1,
+		DCPSize:          1,
+		PPSize:           1,
+		RemoteNumTokens:  computed,
+		TransferMode:     "pull",
+		BlockGenerations: gens,
+		Instance:         k.instance,
+		Lease:            token,
+		HasLease:         true,
+		LeaseSlot:        l.Slot,
+	}
+	if !renewable {
+		exp := k.seconds(deadline)
+		p.RemoteBlocksExpiryTime = &exp
+		// Hints for the next turn's prefiller, which sizes its pull with them before reading;
+		// what it reads is checked against the records published above, not against these.
+		hashes := kvcache.ChainHashes(seq.Tokens()[:computed], k.geo.BlockSize)
+		p.BlockHashes = make([]string, len(hashes))
+		for i, h := range hashes {
+			p.BlockHashes[i] = h.String()
+		}
+	}
+	if k.paramsKey != nil {
+		p.MAC = paramsMAC(k.paramsKey, &p)
+	}
+	return p.Map()
+}
+
+// clearSlot withdraws l's tag: from now on no reader accepts what it reads under l. The lease's
+// blocks must not be freed yet.
+func (k *core) clearSlot(l *Lease) {
+	if l.Slot < k.layout.NumBlocks {
+		clear(k.slots[l.Slot*slotBytes : (l.Slot+1)*slotBytes])
+	}
+}
+
+// endLease withdraws l's tag and lets the engine free its blocks.
+func (k *core) endLease(l *Lease) {
+	k.clearSlot(l)
+	k.out.release = append(k.out.release, l.RequestID)
+}
+
+// evictHolds ends the oldest decoder holds until they add up to blocks blocks (or none is left),
+// withdrawing their tags, and returns their request ids for the scheduler to free at once.
+func (k *core) evictHolds(blocks int, now time.Time) []string {
+	var ids []string
+	for freed := 0; freed < blocks; {
+		l := k.leases.EvictOldestHold()
+		if l == nil {
+			break
+		}
+		k.clearSlot(l)
+		ids = append(ids, l.RequestID)
+		freed += len(l.Blocks)
+	}
+	if len(ids) > 0 {
+		k.counts.evictedHolds.Add(int64(len(ids)))
+		if ok, suppressed := k.quiet.allow("evict", now); ok {
+			k.log.Warn("KV pool full: evicting decoder holds kept for next turns (decoder_kv_blocks_ttl); those turns will recompute", "holds", len(ids), "blocks_wanted", blocks, "similar_suppressed", suppressed)
+		}
+	}
+	return ids
+}
+
+// decline tells the producer named by raw params that this engine will not read its blocks.
+func (k *core) decline(raw map[string]any, now time.Time) {
+	p, err := ParseParams(raw)
+	if err != nil || p == nil {
+		return
+	}
+	if pull, _ := k.consumer(p); !pull {
+		return
+	}
+	if err := k.checkParams(p); err != nil {
+		k.refuseParams(p.RemoteRequestID, err, now)
+		return
+	}
+	k.out.notifies = append(k.out.notifies, p)
+}
+
+// notification applies one notification from peer: "HB:token,…" extends leases; "<id>:<n>:
+// <token>" is one of n reads of a lease done. A notification that presents no valid token
+// changes nothing; it is counted, and logged at most once per interval.
+func (k *core) notification(peer, msg string, now time.Time) {
+	if hexTokens, ok := ParseHeartbeat(msg); ok {
+		tokens := make([]LeaseToken, 0, len(hexTokens))
+		for _, h := range hexTokens {
+			if t, err := ParseLeaseToken(h); err == nil {
+				tokens = append(tokens, t)
+			}
+		}
+		k.leases.Heartbeat(tokens, now, k.cfg.LeaseDuration*2/3)
+		return
+	}
+	id, readers, token, err := ParseRelease(msg)
+	if err != nil {
+		if ok, suppressed := k.quiet.allow("malformed", now); ok {
+			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", truncateMsg(msg), "error", err, "similar_suppressed", suppressed)
+		}
+		return
+	}
+	l, res := k.leases.Notify(id, token, readers)
+	if l != nil {
+		k.endLease(l)
+	}
+	switch res {
+	case NotifyUnknown:
+		if k.metrics != nil {
+			k.metrics.CountNotificationAfterExpiry()
+		}
+		if ok, suppressed := k.quiet.allow("unknown", now); ok {
+			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", truncateMsg(id)),
+				"peer", peer, "similar_suppressed", suppressed)
+		}
+	case NotifyRefused:
+		k.counts.notifications.Add(1)
+		if ok, suppressed := k.quiet.allow("refused", now); ok {
+			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", truncateMsg(id), "peer", peer, "similar_suppressed", suppressed)
+		}
+	}
+}
+
+// truncateMsg shortens an untrusted message for logs.
+func truncateMsg(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
+}
+
+// tick releases expired leases (every entry, not only the earliest: vllm#58222), sends due
+// heartbeats and forgets remote engines idle longer than engine_ttl.
+func (k *core) tick(now time.Time) {
+	for _, l := range k.leases.Expire(now) {
+		k.endLease(l)
+		k.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.notified))
+		if k.metrics != nil {
+			k.metrics.CountExpiredRequest()
+		}
+	}
+	for _, b := range k.heartbeats.Due(now) {
+		engineID, instance, _ := strings.Cut(b.Engine, "\x00")
+		r := k.remotes[remoteKey{engineID, instance}]
+		if r == nil {
+			continue
+		}
+		if _, ok := r.done(); ok { // still handshaking: this beat is skipped, the next one goes through
+			k.out.beats = append(k.out.beats, beat{r.peer, []byte(FormatHeartbeat(b.IDs))})
+		}
+	}
+	for _, r := range k.remotes {
+		if ended, _ := r.done(); ended && now.Sub(r.lastUsed) > k.cfg.EngineTTL {
+			k.log.Info("forgetting an idle remote engine", "remote_engine_id", r.id, "idle", now.Sub(r.lastUsed).String())
+			k.drop(r)
+		}
+	}
+}
+
+// loadFinished reports a load to the engine: the blocks of a request that finished meanwhile
+// are freed; a bidirectional pull whose decoder hold is gone is a miss (computed locally
+// whatever the policy); other failures follow the policy.
+func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now time.Time) {
+	st := k.reqs[j.id]
+	finished := st == nil || st.finished
+	if st != nil {
+		st.loading = false
+		k.untrack(st)
+		if st.finished {
+			delete(k.reqs, j.id)
+		}
+	}
+	if err != nil && !quiet {
+		k.log.Error("NIXL transfer failure: transfer_failed", "request_id", j.id, "remote_engine_id", j.params.RemoteEngineID,
+			"remote_request_id", j.params.RemoteRequestID, "remote_host", j.params.RemoteHost, "remote_port", j.params.RemotePort,
+			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "error", err)
+		if errors.Is(err, ErrVerification) {
+			k.counts.verification.Add(1)
+		}
+		if k.metrics != nil && !errors.Is(err, ErrExpired) {
+			k.metrics.CountFailedTransfer()
+		}
+	}
+	switch {
+	case finished:
+		k.out.release = append(k.out.release, j.id)
+	case err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission)):
+		// A decoder's hold is a cache: one that expired or was evicted was not there to pull.
+		// Nothing was used; the prompt is computed here, whatever the failure policy.
+		k.out.missed = append(k.out.missed, j.id)
+	case err != nil:
+		if k.out.failed == nil {
+			k.out.failed = map[string]int{}
+		}
+		k.out.failed[j.id] = firstBad
+	default:
+		k.out.loaded = append(k.out.loaded, j.id)
+	}
+}
+
+// expiredHold reports whether a bidirectional read of p's blocks must be declined: it would end
+// within expiryMargin of the decoder's TTL, measured on this engine's clock through the
+// handshake's clock offset (spec item 35). Params without an expiry never expire.
+func (k *core) expiredHold(p *Params, offset float64, now time.Time) bool {
+	if p.RemoteBlocksExpiryTime == nil {
+		return false
+	}
+	deadline := *p.RemoteBlocksExpiryTime - offset // on our clock
+	return k.seconds(now)+expiryMargin.Seconds() >= deadline
+}
+
+// entry returns the record of the producer incarnation named by p, creating it (and asking for
+// its handshake) if there is none. A known incarnation is used whatever address the params give
+// (proxies rewrite remote_host); a new one is handshaken at the address given.
+func (k *core) entry(p *Params, now time.Time) (*remoteEngine, error) {
+	key := remoteKey{p.RemoteEngineID, p.Instance}
+	r := k.remotes[key]
+	if r == nil {
+		if k.closed {
+			return nil, transfer.ErrClosed
+		}
+		if k.handshaking >= maxHandshakes {
+			return nil, fmt.Errorf("%w: %d handshakes already in progress", ErrHandshake, k.handshaking)
+		}
+		r = &remoteEngine{key: key, id: p.RemoteEngineID, addr: joinHostPort(p.RemoteHost, p.RemotePort), ready: make(chan struct{})}
+		k.remotes[key] = r
+		k.handshaking++
+		k.out.handshakes = append(k.out.handshakes, r)
+	}
+	r.lastUsed = now
+	return r, nil
+}
+
+// handshakeEnded records that r's handshake ended, with r.err set on failure (the worker closes
+// r.ready right after); a failed record is forgotten so that the next request tries again.
+func (k *core) handshakeEnded(r *remoteEngine) {
+	k.handshaking--
+	if r.err != nil && k.remotes[r.key] == r {
+		delete(k.remotes, r.key)
+	}
+}
+
+// forget drops r if it is still the current record of its engine incarnation.
+func (k *core) forget(r *remoteEngine) {
+	if k.remotes[r.key] == r {
+		k.drop(r)
+	}
+}
+
+// drop removes r and asks the worker to forget its transfer peer.
+func (k *core) drop(r *remoteEngine) {
+	if k.remotes[r.key] == r {
+		delete(k.remotes, r.key)
+	}
+	if _, ok := r.done(); ok && r.peer != "" {
+		k.out.drops = append(k.out.drops, r)
+	}
+}
+
+// peerLost: the control connection to a producer's transfer agent ended. Its death is observed:
+// its records are dropped now (which unmaps its arena), not when engine_ttl passes.
+func (k *core) peerLost(name string, inc uint64) {
+	for _, r := range k.remotes {
+		if _, ok := r.done(); ok && r.peer == name && r.peerInc == inc {
+			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "addr", r.addr)
+			k.drop(r)
+		}
+	}
+}
+
+// older returns the handshaken records of other incarnations of r's engine.
+func (k *core) older(r *remoteEngine) []*remoteEngine {
+	var out []*remoteEngine
+	for key, o := range k.remotes {
+		if o != r && key.engine == r.key.engine {
+			if _, ok := o.done(); ok {
+				out = append(out, o)
+			}
+		}
+	}
+	return out
+}
+
+// authorizeRead decides a TCP READ: it presents a lease token (the tag), and every range must lie
+// inside the blocks leased under it, their records, or the lease's own slot.
+func (k *core) authorizeRead(tag []byte, descs []transfer.Desc) error {
+	var token LeaseToken
+	if len(tag) != len(token) {
+		return errors.New("the READ presents no lease token (a reader must present the token of the lease whose blocks it reads)")
+	}
+	copy(token[:], tag)
+	blockLen := int64(k.pool.BlockBytes())
+	numBlocks := int64(k.pool.NumBlocks())
+	l := k.leases.ByToken(token)
+	if l == nil {
+		return errors.New("no KV blocks are leased under the presented token (read already, expired, evicted, aborted, or never issued)")
+	}
+	for i, d := range descs {
+		if d.Offset < 0 || d.Length <= 0 {
+			return fmt.Errorf("range %d: invalid range [%d,+%d)", i, d.Offset, d.Length)
+		}
+		var unit int64
+		switch d.Region {
+		case k.kvRegion:
+			unit = blockLen
+		case k.metaRegion:
+			unit = kvcache.RecordBytes
+		default:
+			return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
+		}
+		first, last := d.Offset/unit, (d.Offset+d.Length-1)/unit
+		for b := first; b <= last; b++ {
+			switch {
+			case b < numBlocks && l.Holds(int32(b)):
+			case d.Region == k.metaRegion && b == numBlocks+int64(l.Slot):
+			default:
+				return fmt.Errorf("range %d: entry %d is not part of the lease of request %q", i, b, clip(l.RequestID))
+			}
+		}
+	}
+	return nil
+}

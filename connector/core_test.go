@@ -1,0 +1,534 @@
+package connector
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/metrics"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// The core's decisions, driven through the real scheduler on a fake clock: no model, no
+// sockets, no goroutines. Each test reads the actions the core asks its worker to perform.
+
+const coreBlockSize = 4
+
+// countingReader is a deterministic token source: 0, 1, 2, … (tests only).
+type countingReader struct{ n byte }
+
+func (r *countingReader) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = r.n
+		r.n++
+	}
+	return len(p), nil
+}
+
+// coreHarness is a core behind a real scheduler over a small pool.
+type coreHarness struct {
+	t       *testing.T
+	k       *core
+	sched   *engine.Scheduler
+	pool    *kvcache.Pool
+	records []byte // the pool's record table
+	now     time.Time
+	acts    actions
+	nixl    *metrics.NixlMetrics
+}
+
+// newCoreHarness builds a core for a --kv-transfer-config document.
+func newCoreHarness(t *testing.T, kvConfig string) *coreHarness {
+	t.Helper()
+	cfg, err := ParseConfig([]byte(kvConfig), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	geo := kvcache.Geometry{NumLayers: 1, NumKVHeads: 1, HeadDim: 4, BlockSize: coreBlockSize}
+	const numBlocks = 32
+	layout := NewArenaLayout(geo.BlockBytes(), numBlocks)
+	records := kvcache.AlignedMemory(int(layout.RecordsBytes))
+	pool, err := kvcache.NewPool(kvcache.AlignedMemory(numBlocks*geo.BlockBytes()), kvcache.PoolConfig{
+		Geometry: geo, NumBlocks: numBlocks, RecordTable: records})
+	if err != nil {
+		t.Fatal(err)
+	}
+	peers, err := newPeerFilter(cfg.AllowedPeers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := &coreHarness{t: t, pool: pool, records: records, now: t0, nixl: metrics.NewRegistry().Engine("m", "0").Nixl()}
+	h.k = &core{
+		cfg: cfg, pool: pool, geo: geo, layout: layout, slots: kvcache.AlignedMemory(int(layout.SlotsBytes)),
+		log: testLogger(io.Discard), metrics: h.nixl, epoch: t0, engineID: "self", instance: "inst-self",
+		host: "self-host", port: 5600, random: &countingReader{}, reqs: map[string]*reqState{},
+		remotes: map[remoteKey]*remoteEngine{}, counts: &counters{}, peers: peers,
+	}
+	if cfg.AuthToken != "" {
+		h.k.paramsKey = paramsMACKey(cfg.AuthToken)
+	}
+	h.k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
+	h.sched, err = engine.NewScheduler(pool, engine.SchedulerConfig{MaxModelLen: 64, Connector: coreAdapter{h}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+// coreAdapter is the engine.Connector of the harness: the core's hooks at the harness's clock.
+type coreAdapter struct{ h *coreHarness }
+
+func (a coreAdapter) Arrived(seq *engine.Sequence) { a.h.k.arrived(seq, a.h.now); a.h.collect() }
+func (a coreAdapter) MatchedExternal(seq *engine.Sequence, hit int) (int, bool) {
+	defer a.h.collect()
+	return a.h.k.matchedExternal(seq, hit, a.h.now)
+}
+func (a coreAdapter) AfterAlloc(seq *engine.Sequence, blocks []int32, n int) {
+	a.h.k.afterAlloc(seq, blocks, n, a.h.now)
+	a.h.collect()
+}
+func (a coreAdapter) Finished(seq *engine.Sequence, st engine.Status, _ time.Time) (bool, map[string]any) {
+	defer a.h.collect()
+	return a.h.k.finished(seq, st, a.h.now)
+}
+func (a coreAdapter) EvictHolds(blocks int) []string { return a.h.k.evictHolds(blocks, a.h.now) }
+
+// collect moves the core's actions into the harness.
+func (h *coreHarness) collect() {
+	a := h.k.take()
+	h.acts.handshakes = append(h.acts.handshakes, a.handshakes...)
+	h.acts.loads = append(h.acts.loads, a.loads...)
+	h.acts.notifies = append(h.acts.notifies, a.notifies...)
+	h.acts.beats = append(h.acts.beats, a.beats...)
+	h.acts.drops = append(h.acts.drops, a.drops...)
+	h.acts.release = append(h.acts.release, a.release...)
+	h.acts.loaded = append(h.acts.loaded, a.loaded...)
+	h.acts.missed = append(h.acts.missed, a.missed...)
+	for id, b := range a.failed {
+		if h.acts.failed == nil {
+			h.acts.failed = map[string]int{}
+		}
+		h.acts.failed[id] = b
+	}
+}
+
+// takeActs returns and clears what the core asked for.
+func (h *coreHarness) takeActs() actions {
+	h.collect()
+	a := h.acts
+	h.acts = actions{}
+	return a
+}
+
+// run adds a request and steps the scheduler until it finishes, sampling token 7 each time; it
+// returns the params the request finished with.
+func (h *coreHarness) run(id string, prompt []int32, maxTokens int, kv map[string]any) map[string]any {
+	h.t.Helper()
+	if _, err := h.sched.Add(&engine.Request{ID: id, Prompt: prompt, MaxTokens: maxTokens, KVTransfer: kv}, h.now); err != nil {
+		h.t.Fatal(err)
+	}
+	for range 100 {
+		plan := h.sched.Schedule(h.now)
+		sampled := make([]int32, len(plan.Work))
+		for i := range sampled {
+			sampled[i] = 7
+		}
+		for _, ev := range h.sched.Update(h.now, sampled) {
+			if ev.Seq.ID() == id && ev.Seq.Status().Finished() {
+				return viaJSON(h.t, ev.KVTransfer)
+			}
+		}
+	}
+	h.t.Fatalf("request %s did not finish", id)
+	return nil
+}
+
+// viaJSON round-trips params through JSON, as they travel between engines.
+func viaJSON(t *testing.T, m map[string]any) map[string]any {
+	t.Helper()
+	if m == nil {
+		return nil
+	}
+	b, err := json.Marshal(m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out map[string]any
+	if err := json.Unmarshal(b, &out); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// template is what a proxy sends P.
+func template() map[string]any {
+	return map[string]any{"do_remote_decode": true, "do_remote_prefill": false}
+}
+
+func ids(n int32) []int32 {
+	out := make([]int32, n)
+	for i := range out {
+		out[i] = 100 + int32(i)
+	}
+	return out
+}
+
+// TestCoreProducerLease: a producer's finished request holds its blocks under a fresh token; its
+// records and the lease's tag are published before the params leave the hook; a notification
+// with another token changes nothing, the owner's ends the lease (a release action), a late one
+// is unknown and counted.
+func TestCoreProducerLease(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_producer"}`)
+	prompt := ids(10) // two full blocks and a partial one of 2 tokens
+	raw := h.run("p1", prompt, 1, template())
+	p, err := ParseParams(raw)
+	if err != nil || !p.HasLease || !p.DoRemotePrefill || p.RemoteNumTokens != 10 || len(p.Blocks()) != 3 || p.Instance != "inst-self" {
+		t.Fatalf("P's params %+v %v", p, err)
+	}
+	slot := h.k.slots[p.LeaseSlot*slotBytes : p.LeaseSlot*slotBytes+16]
+	if tag := LeaseTag(p.Lease, 10, p.Blocks(), p.BlockGenerations); string(slot) != string(tag[:]) {
+		t.Error("the slot does not hold the lease's tag")
+	}
+	chain := kvcache.ChainHashes(prompt, coreBlockSize)
+	for i, want := range []kvcache.Record{
+		{Gen: p.BlockGenerations[0], Count: 4, Hash: chain[0]},
+		{Gen: p.BlockGenerations[1], Count: 4, Hash: chain[1]},
+		{Gen: p.BlockGenerations[2], Count: 2, Hash: kvcache.NextHash(chain[1], prompt[8:])},
+	} {
+		rec := kvcache.DecodeRecord(h.records[int(p.Blocks()[i])*kvcache.RecordBytes:])
+		if rec != want {
+			t.Errorf("block %d record %+v, want %+v", i, rec, want)
+		}
+	}
+	wrong := p.Lease
+	wrong[0]++
+	h.k.notification("d", FormatRelease("p1", 1, wrong), h.now)
+	if a := h.takeActs(); len(a.release) != 0 || h.k.counts.notifications.Load() != 1 {
+		t.Fatalf("a notification with another token: %+v, refused %d", a, h.k.counts.notifications.Load())
+	}
+	h.k.notification("d", FormatRelease("p1", 1, p.Lease), h.now)
+	if a := h.takeActs(); !slices.Equal(a.release, []string{"p1"}) {
+		t.Fatalf("the owner's notification: %+v", a)
+	}
+	if string(slot) != string(make([]byte, 16)) {
+		t.Error("the ended lease's tag is still published")
+	}
+	h.k.notification("d", FormatRelease("p1", 1, p.Lease), h.now)
+	if h.takeActs().release != nil {
+		t.Error("a late notification released again")
+	}
+}
+
+// TestCoreLeaseExpiryAndHeartbeats: a lease expires at its deadline, not before; heartbeats
+// with its token push the deadline; a decoder's hold is not renewed by them.
+func TestCoreLeaseExpiryAndHeartbeats(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":30}}`)
+	p, _ := ParseParams(h.run("p1", ids(6), 1, template()))
+	for _, tc := range []struct {
+		at       time.Duration
+		beat     bool
+		released bool
+	}{
+		{29 * time.Second, false, false},
+		{29 * time.Second, true, false}, // extends to 29 + 20 = 49 s
+		{48 * time.Second, false, false},
+		{49 * time.Second, false, true},
+	} {
+		h.now = t0.Add(tc.at)
+		if tc.beat {
+			h.k.notification("d", FormatHeartbeat([]string{p.Lease.String(), strings.Repeat("0", 32)}), h.now)
+			continue
+		}
+		h.k.tick(h.now)
+		if a := h.takeActs(); (len(a.release) == 1) != tc.released {
+			t.Fatalf("at %v: released %v, want %v", tc.at, a.release, tc.released)
+		}
+	}
+	if got := h.nixl.TakeInterval().ExpiredRequests; got != 1 {
+		t.Errorf("counted %d expired requests, want 1", got)
+	}
+}
+
+// TestCoreConsumerHeartbeats: a decode request carrying P's params asks for P's handshake on
+// arrival and, once it is done, heartbeats P's lease every kv_lease_duration/6 (a batch due
+// while the handshake runs is skipped) until its load ends.
+func TestCoreConsumerHeartbeats(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+	tok := LeaseToken{9}
+	kv := (&Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1, 2}}, RemoteEngineID: "P", RemoteRequestID: "p1",
+		RemoteHost: "h", RemotePort: 1, TPSize: 1, RemoteNumTokens: 8, BlockGenerations: []uint64{1, 1}, Instance: "i",
+		Lease: tok, HasLease: true, LeaseSlot: 0}).Map()
+	kv = viaJSON(t, kv)
+	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
+		t.Fatal(err)
+	}
+	a := h.takeActs()
+	if len(a.handshakes) != 1 || a.handshakes[0].addr != "h:1" {
+		t.Fatalf("arrival: %+v", a)
+	}
+	r := a.handshakes[0]
+	h.k.tick(h.now) // the first batch is due at once, but the handshake has not ended: skipped
+	if a := h.takeActs(); len(a.beats) != 0 {
+		t.Fatalf("a beat before the handshake ended: %+v", a.beats)
+	}
+	r.peer, r.peerInc = "kvbridge-P", 5
+	close(r.ready)
+	h.k.handshakeEnded(r)
+	want := FormatHeartbeat([]string{tok.String()})
+	for _, tc := range []struct {
+		at   time.Duration
+		beat bool
+	}{{4 * time.Second, false}, {5 * time.Second, true}, {9 * time.Second, false}, {10 * time.Second, true}} {
+		h.now = t0.Add(tc.at)
+		h.k.tick(h.now)
+		a := h.takeActs()
+		if tc.beat != (len(a.beats) == 1) || (tc.beat && (a.beats[0].peer != "kvbridge-P" || string(a.beats[0].msg) != want)) {
+			t.Fatalf("at %v: beats %+v, want one %q: %v", tc.at, a.beats, want, tc.beat)
+		}
+	}
+	plan := h.sched.Schedule(h.now) // admission: the load starts
+	if len(plan.Work) != 0 {
+		t.Fatalf("the request ran before its load: %+v", plan)
+	}
+	a = h.takeActs()
+	if len(a.loads) != 1 || a.loads[0].count != 8 {
+		t.Fatalf("admission: %+v", a)
+	}
+	h.k.loadFinished(a.loads[0], 0, nil, false, h.now)
+	if a := h.takeActs(); !slices.Equal(a.loaded, []string{"d1"}) {
+		t.Fatalf("a successful load: %+v", a)
+	}
+	h.now = h.now.Add(time.Minute)
+	h.k.tick(h.now)
+	if a := h.takeActs(); len(a.beats) != 0 {
+		t.Errorf("beats after the load ended: %+v", a.beats)
+	}
+}
+
+// TestCoreLoadFinished: what a finished load asks of the scheduler.
+func TestCoreLoadFinished(t *testing.T) {
+	gone := fmt.Errorf("%w: slot", errLeaseGone)
+	for _, tc := range []struct {
+		name     string
+		fromD    bool
+		finished bool
+		err      error
+		want     string
+	}{
+		{"ok", false, false, nil, "loaded"},
+		{"failed", false, false, transfer.ErrRemoteDisconnect, "failed"},
+		{"lease gone on P", false, false, gone, "failed"},
+		{"hold gone on D", true, false, gone, "missed"},
+		{"hold refused over TCP", true, false, transfer.ErrPermission, "missed"},
+		{"corrupt hold", true, false, ErrVerification, "failed"},
+		{"request finished meanwhile", false, true, nil, "release"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+			h.k.reqs["r"] = &reqState{loading: true, finished: tc.finished}
+			h.k.loadFinished(loadJob{id: "r", params: &Params{}, fromD: tc.fromD}, 3, tc.err, false, h.now)
+			a := h.takeActs()
+			got := ""
+			switch {
+			case len(a.loaded) == 1:
+				got = "loaded"
+			case len(a.missed) == 1:
+				got = "missed"
+			case len(a.release) == 1:
+				got = "release"
+			case a.failed["r"] == 3:
+				got = "failed"
+			}
+			if got != tc.want {
+				t.Errorf("got %q (%+v), want %q", got, a, tc.want)
+			}
+		})
+	}
+}
+
+// TestCoreExpiredHold: P declines a turn-2 read when it would end within 5 s of D's TTL, on D's
+// clock rebased through the handshake's offset (spec item 35).
+func TestCoreExpiredHold(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_producer"}`)
+	exp := func(v float64) *Params { return &Params{RemoteBlocksExpiryTime: &v} }
+	for _, tc := range []struct {
+		p       *Params
+		offset  float64
+		now     time.Duration
+		expired bool
+	}{
+		{&Params{}, 0, time.Hour, false},
+		{exp(100), 0, 94 * time.Second, false},
+		{exp(100), 0, 95 * time.Second, true},
+		{exp(100), 50, 44 * time.Second, false}, // D's clock runs 50 s ahead
+		{exp(100), 50, 45 * time.Second, true},
+	} {
+		if got := h.k.expiredHold(tc.p, tc.offset, t0.Add(tc.now)); got != tc.expired {
+			t.Errorf("expiry %v, offset %v, now %v: expired %v", tc.p.RemoteBlocksExpiryTime, tc.offset, tc.now, got)
+		}
+	}
+}
+
+// TestCoreEvictHolds: decoder holds are evicted oldest first, their tags withdrawn; a
+// producer's lease never is.
+func TestCoreEvictHolds(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"bidirectional_kv_xfer":true}}`)
+	// Turns of a decoder: finished requests whose params came from a producer.
+	var slots []int
+	for i, id := range []string{"old", "new"} {
+		h.now = t0.Add(time.Duration(i) * time.Second)
+		kv := map[string]any{"do_remote_prefill": true} // no remote blocks: computed locally, then held
+		raw := h.run(id, ids(6), 2, kv)
+		p, err := ParseParams(raw)
+		if err != nil || !p.HasLease || !p.DoRemoteDecode {
+			t.Fatalf("%s: D's params %+v %v", id, p, err)
+		}
+		slots = append(slots, p.LeaseSlot)
+	}
+	if got := h.k.evictHolds(1, h.now); !slices.Equal(got, []string{"old"}) {
+		t.Fatalf("evicted %v, want [old]", got)
+	}
+	if s := h.k.slots[slots[0]*slotBytes : slots[0]*slotBytes+16]; string(s) != string(make([]byte, 16)) {
+		t.Error("an evicted hold's tag is still published")
+	}
+	if got := h.k.evictHolds(100, h.now); !slices.Equal(got, []string{"new"}) || h.k.counts.evictedHolds.Load() != 2 {
+		t.Fatalf("evicted %v (counted %d), want [new]", got, h.k.counts.evictedHolds.Load())
+	}
+}
+
+// TestCoreDeclineAndRefusals: declined params from a producer become a release notification;
+// params without a lease, with a bad MAC or naming a host outside allowed_peers are refused and
+// counted, and nothing is dialled.
+func TestCoreDeclineAndRefusals(t *testing.T) {
+	good := &Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1}}, RemoteEngineID: "P", RemoteRequestID: "p1",
+		RemoteHost: "10.1.2.3", RemotePort: 1, BlockGenerations: []uint64{1}, Instance: "i", Lease: LeaseToken{1}, HasLease: true, LeaseSlot: 0}
+	for _, tc := range []struct {
+		name    string
+		extra   string
+		change  func(*Params)
+		refused bool
+	}{
+		{"good", ``, nil, false},
+		{"no lease", ``, func(p *Params) { p.HasLease = false }, true},
+		{"no instance", ``, func(p *Params) { p.Instance = "" }, true},
+		{"allowed host", `"allowed_peers":["10.0.0.0/8"]`, nil, false},
+		{"host outside allowed_peers", `"allowed_peers":["192.168.0.0/16"]`, nil, true},
+		{"no MAC with a token", `"auth_token":"tok-0123456789abcdef"`, nil, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{`+tc.extra+`}}`)
+			p := *good
+			if tc.change != nil {
+				tc.change(&p)
+			}
+			h.k.decline(viaJSON(t, p.Map()), h.now)
+			a := h.takeActs()
+			if refused := h.k.counts.params.Load() == 1; refused != tc.refused || (len(a.notifies) == 1) == tc.refused {
+				t.Errorf("refused %v, notifies %d; want refused %v", refused, len(a.notifies), tc.refused)
+			}
+		})
+	}
+}
+
+// TestCoreRemoteRecords: records are keyed by engine incarnation; another address for a known
+// one reuses it; a lost peer and an idle one (engine_ttl) are dropped with their transfer peer.
+func TestCoreRemoteRecords(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"engine_ttl":60}}`)
+	params := func(instance, host string) *Params {
+		return &Params{RemoteEngineID: "P", Instance: instance, RemoteHost: host, RemotePort: 1}
+	}
+	r1, _ := h.k.entry(params("i1", "a"), h.now)
+	r2, _ := h.k.entry(params("i1", "b"), h.now)
+	if r1 != r2 || len(h.takeActs().handshakes) != 1 {
+		t.Fatal("another address for a known incarnation made a new record")
+	}
+	r1.peer, r1.peerInc = "kvbridge-P", 1
+	close(r1.ready)
+	h.k.handshakeEnded(r1)
+	r3, _ := h.k.entry(params("i2", "b"), h.now)
+	r3.peer, r3.peerInc = "kvbridge-P", 2
+	close(r3.ready)
+	h.k.handshakeEnded(r3)
+	if older := h.k.older(r3); len(older) != 1 || older[0] != r1 {
+		t.Fatalf("older incarnations of r3: %v", older)
+	}
+	h.k.peerLost("kvbridge-P", 1)
+	if a := h.takeActs(); len(a.drops) != 1 || a.drops[0] != r1 || h.k.remotes[r1.key] != nil || h.k.remotes[r3.key] != r3 {
+		t.Fatalf("a lost incarnation: %+v", a.drops)
+	}
+	h.now = h.now.Add(61 * time.Second)
+	h.k.tick(h.now)
+	if a := h.takeActs(); len(a.drops) != 1 || a.drops[0] != r3 || len(h.k.remotes) != 0 {
+		t.Fatalf("an idle record after engine_ttl: %+v", a.drops)
+	}
+	failed, _ := h.k.entry(params("i3", "c"), h.now)
+	failed.err = errors.New("refused")
+	h.k.handshakeEnded(failed)
+	if h.k.remotes[failed.key] != nil {
+		t.Error("a failed handshake's record stayed")
+	}
+}
+
+// TestVerifyRead: what a read brought is used only if the slot holds the params' tag and each
+// record matches the reader's own prompt.
+func TestVerifyRead(t *testing.T) {
+	prompt := ids(10)
+	chain := kvcache.ChainHashes(prompt, coreBlockSize)
+	tok := LeaseToken{3}
+	p := &Params{RemoteBlockIDs: [][]int32{{7, 8, 9}}, RemoteNumTokens: 10, BlockGenerations: []uint64{4, 4, 5}, Lease: tok}
+	tag := LeaseTag(tok, 10, p.Blocks(), p.BlockGenerations)
+	record := func(gen uint64, count int, hash kvcache.BlockHash) []byte {
+		b := make([]byte, kvcache.RecordBytes)
+		binary.LittleEndian.PutUint64(b, gen)
+		binary.LittleEndian.PutUint32(b[8:], uint32(count))
+		copy(b[16:], hash[:])
+		return b
+	}
+	good := [][]byte{record(4, 4, chain[0]), record(4, 4, chain[1]), record(5, 2, kvcache.NextHash(chain[1], prompt[8:]))}
+	plan := readPlan{localIndex: []int{0, 1, 2}, remoteIndex: []int{0, 1, 2}, scratch: []int{0, 1, 2}}
+	j := loadJob{id: "r", params: p, prompt: prompt}
+	for _, tc := range []struct {
+		name    string
+		slot    []byte
+		records func([][]byte) [][]byte
+		prompt  []int32
+		bad     int
+		want    error
+	}{
+		{"ok", tag[:], nil, nil, 0, nil},
+		{"slot cleared", make([]byte, 16), nil, nil, 0, errLeaseGone},
+		{"generation", tag[:], func(r [][]byte) [][]byte { r[1] = record(3, 4, chain[1]); return r }, nil, 1, ErrStaleBlocks},
+		{"count", tag[:], func(r [][]byte) [][]byte { r[2] = record(5, 3, kvcache.NextHash(chain[1], prompt[8:])); return r }, nil, 2, ErrVerification},
+		{"another prompt", tag[:], func(r [][]byte) [][]byte { r[0] = record(4, 4, chain[1]); return r }, nil, 0, ErrVerification},
+		{"beyond the prompt", tag[:], nil, prompt[:9], 2, ErrVerification},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			recs := slices.Clone(good)
+			if tc.records != nil {
+				recs = tc.records(recs)
+			}
+			jj := j
+			if tc.prompt != nil {
+				jj.prompt = tc.prompt
+			}
+			bad, err := verifyRead(jj, "P", coreBlockSize, plan, recs, tc.slot)
+			if tc.want == nil {
+				if err != nil {
+					t.Fatalf("verify: %v", err)
+				}
+				return
+			}
+			if !errors.Is(err, tc.want) || bad != tc.bad {
+				t.Fatalf("verify: block %d, %v; want block %d, %v", bad, err, tc.bad, tc.want)
+			}
+		})
+	}
+}
