@@ -1,10 +1,28 @@
 // Package proxy routes OpenAI requests between prefill (P) and decode (D) engines, as vLLM's toy
 // proxy and multi-turn proxy do: P computes the prompt's KV cache with max_tokens=1 and returns
 // kv_transfer_params, D receives the client's original request plus those params, pulls the KV
-// and generates. It talks to engines over HTTP only.
+// and generates. It talks to engines over HTTP only. The map of the whole system is
+// docs/architecture.md.
+//
+// Both proxies share one prefill leg (legs.go: P's body from payload.go's prefillRequest,
+// replayable, P's 4xx relayed and anything else a 502 prefill_request_failed) and one decode
+// relay (decode.go). They differ where vLLM's two proxies differ, on purpose:
+//
+//   - the one-way proxy (the toy proxy) forwards the client's body to D unchanged but for P's
+//     params (conformance item 2): D streams only if the client asked;
+//   - the multi-turn proxy always asks D for a stream with usage, assembles one JSON answer for a
+//     client that asked for none, rewrites remote_host in P's params to P's HTTP host and in D's
+//     to D's (spec §5.5), and caches D's params per conversation.
+//
+// vLLM's multi-turn proxy removes max_completion_tokens from P's leg where the toy proxy sets it
+// to 1; the two are the same request to P (max_tokens is 1 either way), and both proxies here
+// set it to 1.
 //
 // Where the Python proxies fall short, this one does better: D's status reaches the client (not a
 // 200 with a truncated body), a failed P leg is a 502 with a JSON error code, SSE is relayed event
-// by event with flushes, a client that goes away cancels both legs, and timeouts apply to the time
-// to response headers and to stream idleness, never to a request's total duration.
+// by event with flushes, a client that goes away cancels both legs — until the proxy writes
+// [DONE], after which its bookkeeping no longer depends on the client — client-supplied
+// kv_transfer_params are refused and the engines' never reach a client, and timeouts apply to the
+// request body, the time to response headers and stream idleness, never to a request's total
+// duration.
 package proxy

@@ -1,11 +1,9 @@
 package proxy
 
 import (
-	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"maps"
 	"net/http"
 	"strconv"
@@ -228,9 +226,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 			mt.m.misses.Inc()
 		}
 	}
-	pbody := prefillRequest(b, pparams)
-	delete(pbody, "max_completion_tokens")
-	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, pbody)
+	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams))
 	mt.m.leg.WithLabelValues("prefill").Observe(time.Since(start).Seconds())
 	if lerr != nil {
 		if lerr.body == nil {
@@ -247,17 +243,30 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	h.Set(HeaderCache, cacheState)
 	setUsageHeaders(h, pre.usage)
 
+	// D always streams, with usage: its params ride on its last chunk. A client that asked for
+	// no stream gets the assembled answer; the usage chunk only if it asked for it (as in vLLM,
+	// stream_options {} asks for usage).
 	dbody := decodeRequest(b, dparams)
 	dbody["stream"] = true
 	dbody["stream_options"] = map[string]any{"include_usage": true}
-	dstart := time.Now()
-	// The turn is stored when D's stream ends, before the client sees [DONE].
-	store := func(ans answer) {
-		if conv != "" {
-			mt.remember(conv, chat, b, dInst, ans)
-		}
+	wantUsage := false
+	if so, ok := b["stream_options"].(map[string]any); ok {
+		v, set := so["include_usage"]
+		wantUsage = !set || v == true
 	}
-	_ = mt.decodeStream(w, r, dInst, path, reqID, dbody, b, start, store)
+	dstart := time.Now()
+	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
+		streaming:   b.streaming(),
+		usage:       wantUsage,
+		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
+		unreachable: func() { mt.markUnhealthy(dInst) },
+		// The turn is stored when D's stream ends, before the client sees [DONE].
+		done: func(ans answer) {
+			if conv != "" {
+				mt.remember(conv, chat, b, dInst, ans)
+			}
+		},
+	})
 	mt.m.leg.WithLabelValues("decode").Observe(time.Since(dstart).Seconds())
 }
 
@@ -324,209 +333,4 @@ func setUsageHeaders(h http.Header, usage map[string]any) {
 	h.Set(HeaderPromptTokens, strconv.Itoa(prompt))
 	h.Set(HeaderPulledTokens, strconv.Itoa(num(details, "external_cached_tokens")))
 	h.Set(HeaderComputedTokens, strconv.Itoa(prompt-cached))
-}
-
-// answer is what D's stream said.
-type answer struct {
-	text       string
-	finish     string
-	params     map[string]any
-	usage      map[string]any
-	id, model  string
-	created    any
-	err        map[string]any
-	uncachable bool
-}
-
-// decodeStream calls D with stream=true and either relays the events to a streaming client
-// (without D's kv_transfer_params, and without the usage chunk unless the client asked for it)
-// or assembles one response for a non-streaming client. done sees the answer when D's stream
-// has ended, before the client sees [DONE] or the assembled response; from then on the client's
-// departure no longer touches the leg. It returns the first error.
-func (mt *MultiTurn) decodeStream(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, dbody, client body, start time.Time, done func(answer)) error {
-	var ans answer
-	ctx, cancel, detach := legContext(r.Context())
-	defer cancel(nil)
-	resp, err := mt.post(ctx, inst, path, reqID, r.Header, dbody, false)
-	if err != nil {
-		if r.Context().Err() == nil {
-			mt.markUnhealthy(inst)
-			mt.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
-		}
-		return err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode/100 != 2 {
-		data, _ := readAllIdle(resp.Body, mt.cfg.IdleTimeout, cancel)
-		(&legError{status: resp.StatusCode, body: data}).write(w)
-		return fmt.Errorf("decode answered %d", resp.StatusCode)
-	}
-	streaming := client.streaming()
-	wantUsage := false
-	if so, ok := client["stream_options"].(map[string]any); ok {
-		// As in vLLM, stream_options {} asks for usage.
-		v, set := so["include_usage"]
-		wantUsage = !set || v == true
-	}
-	out := newSSEWriter(w)
-	if streaming {
-		w.Header().Set("Content-Type", "text/event-stream")
-		w.Header().Set("Cache-Control", "no-cache")
-		w.Header().Set("X-Request-Id", reqID)
-		w.WriteHeader(http.StatusOK)
-		_ = out.rc.Flush()
-	}
-	ir := newIdleReader(resp.Body, mt.cfg.IdleTimeout, cancel)
-	defer ir.close()
-	events := newEventReader(ir)
-	first := true
-	for {
-		data, err := events.next()
-		if errors.Is(err, io.EOF) || bytes.Equal(data, doneData) {
-			break
-		}
-		if err != nil {
-			err = legCause(ctx, err)
-			if r.Context().Err() != nil {
-				return err // the client left before the end
-			}
-			mt.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
-			if streaming {
-				writeSSEError(w, "decode stream ended early: "+err.Error())
-				_ = out.rc.Flush()
-			} else {
-				mt.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
-			}
-			return err
-		}
-		data, forward := ans.event(data)
-		if streaming && (forward || (wantUsage && isUsageChunk(data))) {
-			if first {
-				mt.m.ttft.Observe(time.Since(start).Seconds())
-				first = false
-			}
-			if err := out.event(data); err != nil {
-				return err
-			}
-		}
-	}
-	// D's stream is over: finish the bookkeeping, then let the client have the end of it.
-	detach()
-	done(ans)
-	if !streaming {
-		mt.m.ttft.Observe(time.Since(start).Seconds())
-		writeAssembled(w, reqID, client, ans)
-	} else if err := out.event(doneData); err != nil {
-		return nil // the client left at [DONE], as most clients do
-	}
-	drain(ir)
-	return nil
-}
-
-// isUsageChunk reports whether an SSE payload is the usage-only chunk.
-func isUsageChunk(data []byte) bool {
-	var m struct {
-		Choices []any `json:"choices"`
-		Usage   any   `json:"usage"`
-	}
-	return json.Unmarshal(data, &m) == nil && len(m.Choices) == 0 && m.Usage != nil
-}
-
-// event records one SSE payload of D's stream. It returns the payload without D's
-// kv_transfer_params and whether a streaming client should see it: every event with a choice
-// (D puts its params on the one with finish_reason), errors and what the proxy cannot parse;
-// not the usage chunk (the caller decides) nor an older engine's chunk that only carried params.
-func (a *answer) event(data []byte) ([]byte, bool) {
-	data, params := withoutParams(data)
-	if params != nil {
-		a.params = params
-	}
-	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.UseNumber()
-	var m map[string]any
-	if dec.Decode(&m) != nil {
-		return data, true // not ours to judge
-	}
-	if e, ok := m["error"].(map[string]any); ok {
-		a.err = e
-		return data, true
-	}
-	if id, ok := m["id"].(string); ok {
-		a.id = id
-	}
-	if s, ok := m["model"].(string); ok {
-		a.model = s
-	}
-	if c, ok := m["created"]; ok {
-		a.created = c
-	}
-	choices, _ := m["choices"].([]any)
-	for _, c := range choices {
-		ch, _ := c.(map[string]any)
-		if s, ok := ch["text"].(string); ok {
-			a.text += s
-		}
-		if d, ok := ch["delta"].(map[string]any); ok {
-			if s, ok := d["content"].(string); ok {
-				a.text += s
-			}
-			for _, k := range []string{"reasoning", "reasoning_content", "tool_calls", "function_call"} {
-				if v, ok := d[k]; ok && v != nil && !isEmptyList(v) {
-					a.uncachable = true
-				}
-			}
-		}
-		if f, ok := ch["finish_reason"].(string); ok {
-			a.finish = f
-		}
-	}
-	if u, ok := m["usage"].(map[string]any); ok {
-		a.usage = u
-	}
-	return data, len(choices) > 0
-}
-
-func isEmptyList(v any) bool {
-	l, ok := v.([]any)
-	return ok && len(l) == 0
-}
-
-// writeSSEError ends a stream with an error event and [DONE], as vLLM's engine does.
-func writeSSEError(w io.Writer, msg string) {
-	data, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": "BadGatewayError", "param": nil, "code": http.StatusBadGateway}})
-	fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", data)
-}
-
-// writeAssembled answers a non-streaming client with the body D's stream amounts to.
-func writeAssembled(w http.ResponseWriter, reqID string, client body, a answer) {
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("X-Request-Id", reqID)
-	if a.err != nil {
-		status := http.StatusInternalServerError
-		if c, ok := a.err["code"].(json.Number); ok {
-			if n, err := c.Int64(); err == nil && n >= 400 && n < 600 {
-				status = int(n)
-			}
-		}
-		w.WriteHeader(status)
-		_ = json.NewEncoder(w).Encode(map[string]any{"error": a.err})
-		return
-	}
-	var finish any
-	if a.finish != "" {
-		finish = a.finish
-	}
-	model := a.model
-	if model == "" {
-		model, _ = client["model"].(string)
-	}
-	out := map[string]any{"id": a.id, "created": a.created, "model": model, "usage": a.usage}
-	if _, chat := client["messages"]; chat {
-		out["object"] = "chat.completion"
-		out["choices"] = []any{map[string]any{"index": 0, "message": map[string]any{"role": "assistant", "content": a.text}, "finish_reason": finish, "logprobs": nil}}
-	} else {
-		out["object"] = "text_completion"
-		out["choices"] = []any{map[string]any{"index": 0, "text": a.text, "finish_reason": finish, "logprobs": nil}}
-	}
-	_ = json.NewEncoder(w).Encode(out)
 }

@@ -135,44 +135,7 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 		lerr.write(w)
 		return
 	}
-	o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params))
-}
-
-// decode runs the D leg and relays its answer, whatever its status (vllm#23981), without D's
-// kv_transfer_params.
-func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, path, reqID string, b body) error {
-	ctx, cancel, detach := legContext(r.Context())
-	defer cancel(nil)
-	resp, err := l.post(ctx, inst, path, reqID, r.Header, b, false)
-	if err != nil {
-		if r.Context().Err() != nil {
-			return err // the client left; nobody to answer
-		}
-		l.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
-		return err
-	}
-	defer resp.Body.Close()
-	if !isSSE(resp) {
-		if err := relayJSON(w, resp, reqID, l.cfg.IdleTimeout, cancel); err != nil {
-			err = legCause(ctx, err)
-			if r.Context().Err() == nil {
-				l.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
-			}
-			return err
-		}
-		return nil
-	}
-	if _, err := relaySSE(w, resp, reqID, l.cfg.IdleTimeout, cancel, detach); err != nil {
-		err = legCause(ctx, err)
-		if r.Context().Err() != nil {
-			return err // the client left before the end of the stream
-		}
-		l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
-		// The 200 is gone: end the stream the way an engine does, so the client sees an
-		// error rather than a truncated success.
-		writeSSEError(w, "decode stream ended early: "+err.Error())
-		_ = http.NewResponseController(w).Flush()
-		return err
-	}
-	return nil
+	// The client's body goes to D unchanged (conformance item 2): D streams only if the client
+	// asked, and its usage chunk is the client's.
+	_ = o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params), decodeOptions{streaming: b.streaming(), usage: true})
 }

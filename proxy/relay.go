@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -103,40 +102,4 @@ func relayJSON(w http.ResponseWriter, resp *http.Response, reqID string, idle ti
 	w.WriteHeader(resp.StatusCode)
 	_, err = w.Write(data)
 	return err
-}
-
-// relaySSE relays an engine's event stream to the client an event at a time, so that a stream
-// cut in the middle of an event never hands the client half an event (an error event can follow
-// cleanly). Each event's kv_transfer_params are taken out; detach is called before [DONE] is
-// written (from then on the client may leave without touching the leg), and what follows [DONE]
-// is drained.
-func relaySSE(w http.ResponseWriter, resp *http.Response, reqID string, idle time.Duration, cancel context.CancelCauseFunc, detach func()) (sawDone bool, err error) {
-	copyHeaders(w, resp, reqID)
-	w.WriteHeader(resp.StatusCode)
-	out := newSSEWriter(w)
-	_ = out.rc.Flush()
-	ir := newIdleReader(resp.Body, idle, cancel)
-	defer ir.close()
-	events := newEventReader(ir)
-	for {
-		data, err := events.next()
-		if err != nil {
-			if errors.Is(err, io.EOF) {
-				return false, nil // an engine that sends no [DONE]: its stream ended cleanly
-			}
-			return false, err
-		}
-		if bytes.Equal(data, doneData) {
-			detach()
-			if err := out.event(data); err != nil {
-				return true, nil // the client left at [DONE], as most clients do
-			}
-			drain(ir)
-			return true, nil
-		}
-		data, _ = withoutParams(data)
-		if err := out.event(data); err != nil {
-			return false, fmt.Errorf("writing to the client: %w", err)
-		}
-	}
 }
