@@ -107,8 +107,8 @@ func NewConversationCache(ttl time.Duration, capacity int, maxBytes int64, now f
 	return &ConversationCache{ttl: ttl, max: capacity, maxBytes: maxBytes, now: now, entries: map[string]*list.Element{}}
 }
 
-// put stores conv's last turn, replacing an older one.
-func (c *ConversationCache) put(conv string, t turn) {
+// putTurn stores conv's last turn, replacing an older one.
+func (c *ConversationCache) putTurn(conv string, t turn) {
 	size := int64(len(conv) + entryOverhead)
 	if b, err := json.Marshal(t.params); err == nil {
 		size += int64(len(b))
@@ -142,8 +142,8 @@ func (c *ConversationCache) remove(e *list.Element) {
 	c.bytes -= ce.t.size
 }
 
-// take removes and returns conv's last turn if it is there and fresh.
-func (c *ConversationCache) take(conv string) (turn, bool) {
+// takeTurn removes and returns conv's last turn if it is there and fresh.
+func (c *ConversationCache) takeTurn(conv string) (turn, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	e := c.entries[conv]

@@ -13,14 +13,14 @@ func TestConversationCacheDropsStaleOnPut(t *testing.T) {
 	now := time.Unix(1000, 0)
 	c := NewConversationCache(time.Minute, 0, 0, func() time.Time { return now })
 	for i := range 100 {
-		c.put(strconv.Itoa(i), turn{prefixLen: 1})
+		c.putTurn(strconv.Itoa(i), turn{prefixLen: 1})
 	}
 	now = now.Add(2 * time.Minute)
-	c.put("fresh", turn{})
+	c.putTurn("fresh", turn{})
 	if n, stale := c.Sweep(); n != 1 || stale != 100 {
 		t.Errorf("after a put past the TTL: %d cached, %d stale; want 1 and 100", n, stale)
 	}
-	if _, ok := c.take("fresh"); !ok {
+	if _, ok := c.takeTurn("fresh"); !ok {
 		t.Error("the fresh conversation is gone")
 	}
 }

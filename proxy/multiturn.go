@@ -1,12 +1,14 @@
 package proxy
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -28,6 +30,12 @@ type MultiTurnConfig struct {
 	// RequireConversationID answers 400 to requests without a conversation id instead of
 	// routing them one-way.
 	RequireConversationID bool
+	// Store is where conversations are kept between turns: "" or "memory" for the in-process
+	// cache (the default), or a Redis URL (redis://[user:password@]host:port[/db]) that the
+	// replicas of a proxy tier share. With Redis, CacheTTL is the keys' expiry, a turn is
+	// claimed by exactly one replica (GETDEL), and the memory bound is Redis's maxmemory
+	// policy; a Redis that cannot be reached makes turns misses, never errors.
+	Store string
 	// Now is the clock of the cache (default time.Now).
 	Now func() time.Time
 }
@@ -49,7 +57,9 @@ const (
 type MultiTurn struct {
 	legs
 	p, d    roundRobin
-	cache   *ConversationCache
+	cache   *ConversationCache // the in-memory store, or nil
+	redis   *redisStore        // the Redis store, or nil
+	store   conversationStore
 	require bool
 	mux     *http.ServeMux
 	reg     *prometheus.Registry
@@ -58,12 +68,16 @@ type MultiTurn struct {
 	mu        sync.Mutex
 	unhealthy map[Instance]time.Time
 	noParams  map[Instance]bool // decoders already warned about for returning no params
+
+	closeOnce sync.Once
+	closeErr  error
 }
 
 type proxyMetrics struct {
-	hits, misses, rejections, uncachable, noParams prometheus.Counter
-	leg                                            *prometheus.HistogramVec
-	ttft                                           prometheus.Histogram
+	hits, misses, rejections, uncachable, noParams, claimed prometheus.Counter
+	leg, storeTime                                          *prometheus.HistogramVec
+	storeErrors                                             *prometheus.CounterVec
+	ttft                                                    prometheus.Histogram
 }
 
 // NewMultiTurn returns the multi-turn proxy for cfg.
@@ -78,12 +92,24 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		legs:      legs{cfg: cfg.Config, client: &http.Client{Transport: cfg.Transport}},
 		p:         roundRobin{list: cfg.Prefill},
 		d:         roundRobin{list: cfg.Decode},
-		cache:     NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.MaxConversationBytes, cfg.Now),
 		require:   cfg.RequireConversationID,
 		mux:       http.NewServeMux(),
 		reg:       prometheus.NewRegistry(),
 		unhealthy: map[Instance]time.Time{},
 		noParams:  map[Instance]bool{},
+	}
+	switch {
+	case cfg.Store == "" || cfg.Store == "memory":
+		mt.cache = NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.MaxConversationBytes, cfg.Now)
+		mt.store = mt.cache
+	case strings.HasPrefix(cfg.Store, "redis://") || strings.HasPrefix(cfg.Store, "rediss://"):
+		rs, err := newRedisStore(cfg.Store, cfg.CacheTTL)
+		if err != nil {
+			return nil, err
+		}
+		mt.redis, mt.store = rs, rs
+	default:
+		return nil, fmt.Errorf("proxy: conversation store %q: want \"memory\" or a redis:// URL", cfg.Store)
 	}
 	counter := func(name, help string) prometheus.Counter {
 		c := prometheus.NewCounter(prometheus.CounterOpts{Name: "kvbridge:proxy_" + name, Help: help})
@@ -99,12 +125,36 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, []string{"leg"})
 	mt.m.ttft = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvbridge:proxy_time_to_first_token_seconds", Help: "Time from the client's request to the first content the proxy relays.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)})
-	mt.reg.MustRegister(mt.m.leg, mt.m.ttft, prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_cached_conversations", Help: "Conversations in the cache."},
-		func() float64 { n, _ := mt.cache.Sweep(); return float64(n) }),
-		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_conversation_cache_evictions_total", Help: "Conversations dropped because the cache was full."},
-			func() float64 { return float64(mt.cache.Evicted()) }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_cached_conversation_bytes", Help: "Bytes the cached conversations take, as the cache's byte bound counts them."},
-			func() float64 { return float64(mt.cache.Bytes()) }))
+	mt.m.claimed = counter("conversations_claimed_total", "Conversations whose stored turn this replica took (single use: of concurrent takers, one).")
+	mt.m.storeTime = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvbridge:proxy_conversation_store_seconds", Help: "Round trips to the conversation store, by operation.",
+		Buckets: prometheus.ExponentialBuckets(0.00005, 2, 16)}, []string{"op"})
+	mt.m.storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge:proxy_conversation_store_errors_total", Help: "Conversation store operations that failed (each a cache miss or a turn not stored), by operation."}, []string{"op"})
+	mt.reg.MustRegister(mt.m.leg, mt.m.ttft, mt.m.storeTime, mt.m.storeErrors)
+	if mt.cache != nil {
+		mt.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_cached_conversations", Help: "Conversations in the cache."},
+			func() float64 { n, _ := mt.cache.Sweep(); return float64(n) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_conversation_cache_evictions_total", Help: "Conversations dropped because the cache was full."},
+				func() float64 { return float64(mt.cache.Evicted()) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_conversations_expired_total", Help: "Conversations dropped because their TTL passed."},
+				func() float64 { _, stale := mt.cache.Sweep(); return float64(stale) }),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_cached_conversation_bytes", Help: "Bytes the cached conversations take, as the cache's byte bound counts them."},
+				func() float64 { return float64(mt.cache.Bytes()) }))
+	}
+	mt.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_conversation_store_up", Help: "1 when the conversation store's last round trip succeeded."},
+		func() float64 {
+			if mt.redis != nil && !mt.redis.up.Load() {
+				return 0
+			}
+			return 1
+		}))
+	if mt.redis != nil {
+		mt.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_conversations_expired_total", Help: "Keys the Redis server expired (INFO stats expired_keys; the whole server's count)."},
+			func() float64 {
+				ctx, cancel := context.WithTimeout(context.Background(), storeTimeout)
+				defer cancel()
+				return float64(max(mt.redis.expiredKeys(ctx), 0))
+			}))
+	}
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
 	mt.mux.HandleFunc("GET /health", mt.health)
@@ -120,22 +170,60 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 // ServeHTTP implements http.Handler.
 func (mt *MultiTurn) ServeHTTP(w http.ResponseWriter, r *http.Request) { mt.mux.ServeHTTP(w, r) }
 
-// Close releases idle connections to the engines. It is idempotent.
+// Close releases idle connections to the engines and the store's connections. It is
+// idempotent.
 func (mt *MultiTurn) Close() error {
 	if t, ok := mt.cfg.Transport.(interface{ CloseIdleConnections() }); ok {
 		t.CloseIdleConnections()
 	}
-	return nil
+	mt.closeOnce.Do(func() { mt.closeErr = mt.store.close() })
+	return mt.closeErr
 }
 
-// Cache returns the conversation cache (for diagnostics).
+// Cache returns the in-memory conversation cache (for diagnostics), nil with another store.
 func (mt *MultiTurn) Cache() *ConversationCache { return mt.cache }
 
 func (mt *MultiTurn) health(w http.ResponseWriter, _ *http.Request) {
-	n, stale := mt.cache.Sweep()
+	h := map[string]any{"status": "ok", "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode)}
+	if mt.cache != nil {
+		n, stale := mt.cache.Sweep()
+		h["store"], h["cached_conversations"], h["evicted_stale"], h["evicted_capacity"] = "memory", n, stale, mt.cache.Evicted()
+	} else {
+		h["store"], h["store_up"] = "redis", mt.redis.up.Load()
+	}
 	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(map[string]any{"status": "ok", "cached_conversations": n, "evicted_stale": stale,
-		"evicted_capacity": mt.cache.Evicted(), "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode)})
+	_ = json.NewEncoder(w).Encode(h)
+}
+
+// takeTurn claims conv's stored turn; a store that fails is a miss.
+func (mt *MultiTurn) takeTurn(ctx context.Context, conv string) (turn, bool) {
+	ctx, cancel := context.WithTimeout(ctx, storeTimeout)
+	defer cancel()
+	start := time.Now()
+	t, ok, err := mt.store.take(ctx, conv)
+	mt.m.storeTime.WithLabelValues("take").Observe(time.Since(start).Seconds())
+	if err != nil {
+		mt.m.storeErrors.WithLabelValues("take").Inc()
+		mt.cfg.Logger.Warn("conversation store: take failed; the turn is a miss", "error", err)
+		return turn{}, false
+	}
+	if ok {
+		mt.m.claimed.Inc()
+	}
+	return t, ok
+}
+
+// putTurn stores conv's turn; a store that fails loses it (the next turn misses).
+func (mt *MultiTurn) putTurn(ctx context.Context, conv string, t turn) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	defer cancel()
+	start := time.Now()
+	err := mt.store.put(ctx, conv, t)
+	mt.m.storeTime.WithLabelValues("put").Observe(time.Since(start).Seconds())
+	if err != nil {
+		mt.m.storeErrors.WithLabelValues("put").Inc()
+		mt.cfg.Logger.Warn("conversation store: put failed; the next turn will miss", "error", err)
+	}
 }
 
 // healthy reports whether inst answered its last leg (a transport failure makes it unhealthy for
@@ -210,7 +298,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	pparams, cacheState := prefillTemplate(), "off"
 	if conv != "" {
 		cacheState = "miss"
-		if t, found := mt.cache.take(conv); found && t.continues(b) {
+		if t, found := mt.takeTurn(r.Context(), conv); found && t.continues(b) {
 			cacheState = "hit"
 			pparams = maps.Clone(t.params)
 			pparams["do_remote_decode"] = true
@@ -263,7 +351,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		// The turn is stored when D's stream ends, before the client sees [DONE].
 		done: func(ans answer) {
 			if conv != "" {
-				mt.remember(conv, chat, b, dInst, ans)
+				mt.remember(r.Context(), conv, chat, b, dInst, ans)
 			}
 		},
 	})
@@ -271,7 +359,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 }
 
 // remember stores the turn a finished answer completes, when it can be reused.
-func (mt *MultiTurn) remember(conv string, chat bool, b body, dInst Instance, ans answer) {
+func (mt *MultiTurn) remember(ctx context.Context, conv string, chat bool, b body, dInst Instance, ans answer) {
 	switch {
 	case ans.err != nil:
 		return
@@ -295,7 +383,7 @@ func (mt *MultiTurn) remember(conv string, chat bool, b body, dInst Instance, an
 	} else {
 		return // token-id prompts cannot be checked for continuation
 	}
-	mt.cache.put(conv, t)
+	mt.putTurn(ctx, conv, t)
 }
 
 // warnNoParams counts a turn whose decoder returned no kv_transfer_params, and says why once

@@ -21,6 +21,7 @@ type proxyFlags struct {
 	multiTurn, requireConversationID  bool
 	cacheTTL                          time.Duration
 	maxConversations                  int
+	conversationStore                 string
 	host                              string
 	port                              int
 	prefillHosts, decodeHosts         []string
@@ -57,6 +58,7 @@ func newProxyCmd() *cobra.Command {
 	fl.BoolVar(&f.requireConversationID, "require-conversation-id", false, "with --multi-turn: answer 400 to requests without a conversation_id")
 	fl.DurationVar(&f.cacheTTL, "conversation-ttl", 450*time.Second, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
 	fl.IntVar(&f.maxConversations, "max-conversations", 10000, "with --multi-turn: most conversations cached (least recently used dropped first)")
+	fl.StringVar(&f.conversationStore, "conversation-store", "memory", "with --multi-turn: where conversations are kept between turns: memory, or redis://HOST:PORT/DB shared by the replicas of a proxy tier")
 	return cmd
 }
 
@@ -90,6 +92,9 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if !f.multiTurn && f.requireConversationID {
 		return usageError("--require-conversation-id needs --multi-turn")
 	}
+	if !f.multiTurn && f.conversationStore != "memory" {
+		return usageError("--conversation-store needs --multi-turn")
+	}
 	cfg := proxy.Config{
 		Prefill: pre, Decode: dec, APIKey: os.Getenv("OPENAI_API_KEY"), Logger: log,
 		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout,
@@ -99,7 +104,8 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 		Close() error
 	}
 	if f.multiTurn {
-		h, err = proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg, CacheTTL: f.cacheTTL, MaxConversations: f.maxConversations, RequireConversationID: f.requireConversationID})
+		h, err = proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg, CacheTTL: f.cacheTTL, MaxConversations: f.maxConversations,
+			RequireConversationID: f.requireConversationID, Store: f.conversationStore})
 	} else {
 		h, err = proxy.NewOneWay(cfg)
 	}
