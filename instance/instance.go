@@ -57,6 +57,14 @@ type Config struct {
 	APIKey string
 	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit.
 	MaxConcurrentRequests int
+	// MaxLogprobs is --max-logprobs (0: the OpenAI server's default, 20).
+	MaxLogprobs int
+	// PromptTokensDetails is --enable-prompt-tokens-details: usage.prompt_tokens_details
+	// (cached and transferred prompt tokens) in responses. Off by default, as in vLLM; the
+	// multi-turn proxy's prefill headers and kvbridge's benchmarks read it.
+	PromptTokensDetails bool
+	// ForceIncludeUsage is --enable-force-include-usage: every stream ends with its usage.
+	ForceIncludeUsage bool
 	// KVTransfer configures the NixlConnector; nil means none.
 	KVTransfer *connector.Config
 	// SideChannelHost and SideChannelPort place the connector's side channel
@@ -197,7 +205,8 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}
 	ocfg := openai.Config{
 		ServedModelNames: names, MaxModelLen: maxLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
-		MaxConcurrentRequests: cfg.MaxConcurrentRequests,
+		MaxConcurrentRequests: cfg.MaxConcurrentRequests, MaxLogprobs: cfg.MaxLogprobs,
+		PromptTokensDetails: cfg.PromptTokensDetails, ForceIncludeUsage: cfg.ForceIncludeUsage,
 	}
 	if in.Connector != nil {
 		ocfg.DeclineKV = in.Connector.Decline

@@ -19,12 +19,6 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
 		return nil, apiErr
 	}
-	if req.Logprobs != nil && *req.Logprobs {
-		return nil, unsupported("logprobs", "logprobs")
-	}
-	if req.TopLogprobs != nil && *req.TopLogprobs > 0 {
-		return nil, unsupported("top_logprobs", "top_logprobs")
-	}
 	if req.Echo != nil && *req.Echo {
 		return nil, unsupported("echo", "echo on chat completions")
 	}
@@ -34,6 +28,9 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	tok := s.model.Tokenizer()
 	p, apiErr := s.params(&req.commonRequest, tok.VocabSize())
 	if apiErr != nil {
+		return nil, apiErr
+	}
+	if apiErr := s.chatLogprobs(req.Logprobs, req.TopLogprobs, tok.VocabSize(), &p); apiErr != nil {
 		return nil, apiErr
 	}
 	if len(req.Messages) == 0 {
@@ -61,8 +58,9 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 		id:      "chatcmpl-" + base,
 		created: time.Now().Unix(),
 		model:   s.responseModel(),
+		prompt:  prompt,
 		p:       p,
-		req:     s.engineRequest(engineID("chatcmpl-"+base), prompt, p),
+		reqs:    s.engineRequests("chatcmpl-"+base, prompt, p),
 	}, nil
 }
 

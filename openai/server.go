@@ -75,6 +75,16 @@ type Config struct {
 	// BodyReadTimeout bounds the reading of a request body (408 beyond it), so that a client
 	// trickling its body holds nothing for long. Default DefaultBodyReadTimeout.
 	BodyReadTimeout time.Duration
+	// MaxLogprobs is --max-logprobs: the most logprobs (sampled or prompt) a request may ask
+	// for per position; −1 allows the whole vocabulary. Zero means DefaultMaxLogprobs.
+	MaxLogprobs int
+	// PromptTokensDetails is --enable-prompt-tokens-details: usage carries
+	// prompt_tokens_details (cached_tokens, external_cached_tokens) only when it is set, as in
+	// vLLM.
+	PromptTokensDetails bool
+	// ForceIncludeUsage is --enable-force-include-usage: streams end with the usage chunk even
+	// when the request has no stream_options.
+	ForceIncludeUsage bool
 	// DeclineKV, if set, is called with the kv_transfer_params of a request refused before the
 	// engine took it (invalid, too long, over capacity), so that the connector tells the
 	// producer that holds their blocks to free them now rather than when its lease expires.
@@ -126,6 +136,9 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	}
 	if cfg.Version == "" {
 		cfg.Version = "dev"
+	}
+	if cfg.MaxLogprobs == 0 {
+		cfg.MaxLogprobs = DefaultMaxLogprobs
 	}
 	if cfg.BodyReadTimeout <= 0 {
 		cfg.BodyReadTimeout = DefaultBodyReadTimeout
