@@ -77,8 +77,8 @@ func answer(t *testing.T, r result) string {
 		}
 		var chunk struct {
 			Choices []struct {
-				Index    int             `json:"index"`
-				Text     string          `json:"text"`
+				Index    int    `json:"index"`
+				Text     string `json:"text"`
 				Delta    struct{ Content string }
 				Logprobs json.RawMessage `json:"logprobs"`
 				Finish   any             `json:"finish_reason"`
