@@ -35,24 +35,15 @@ type detokenizeRequest struct {
 // token first when add_special_tokens, the default, and the tokenizer adds one); messages are
 // rendered with the chat template as a chat request is (add_special_tokens defaults to false).
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
-	body, apiErr := s.readBody(w, r)
-	if apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
 	var req tokenizeRequest
-	if apiErr := decodeJSON(body, &req); apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
-	if apiErr := s.checkModel(req.Model); apiErr != nil {
-		writeError(w, apiErr)
+	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
 		return
 	}
 	tok := s.model.Tokenizer()
 	var (
 		text       string
 		addSpecial bool
+		apiErr     *APIError
 	)
 	switch {
 	case req.Messages != nil:
@@ -82,18 +73,8 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 // handleDetokenize serves POST /detokenize: {"prompt": the text of the tokens}, special tokens
 // included.
 func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
-	body, apiErr := s.readBody(w, r)
-	if apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
 	var req detokenizeRequest
-	if apiErr := decodeJSON(body, &req); apiErr != nil {
-		writeError(w, apiErr)
-		return
-	}
-	if apiErr := s.checkModel(req.Model); apiErr != nil {
-		writeError(w, apiErr)
+	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
 		return
 	}
 	tok := s.model.Tokenizer()
@@ -115,4 +96,21 @@ func tokenIDs(tok *tokenizer.Tokenizer, in []jsonInt) ([]int32, *APIError) {
 		ids[i] = int32(t)
 	}
 	return ids, nil
+}
+
+// readRequest reads and decodes a JSON body into v and checks the model it names (model is
+// called after decoding); it answers the error itself and reports whether to go on.
+func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, v any, model func() *string) bool {
+	body, apiErr := s.readBody(w, r)
+	if apiErr == nil {
+		apiErr = decodeJSON(body, v)
+	}
+	if apiErr == nil {
+		apiErr = s.checkModel(model())
+	}
+	if apiErr != nil {
+		writeError(w, apiErr)
+		return false
+	}
+	return true
 }
