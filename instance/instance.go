@@ -74,6 +74,8 @@ type Config struct {
 	SideChannelPort int
 	// StatsInterval is the period of the "KV Transfer metrics" log line (default 10 s).
 	StatsInterval time.Duration
+	// DisableLogStats (--disable-log-stats) turns that log line off.
+	DisableLogStats bool
 	// Logger receives the instance's logs; nil discards.
 	Logger *slog.Logger
 	// Connector overrides test hooks of the connector (clock, tick, transfer settings).
@@ -195,7 +197,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		if every <= 0 {
 			every = 10 * time.Second
 		}
-		go in.Metrics.Nixl().LogEvery(logCtx, log, every)
+		if !cfg.DisableLogStats {
+			go in.Metrics.Nixl().LogEvery(logCtx, log, every)
+		}
 	}
 	if in.Engine, err = engine.New(in.Model, in.Pool, ecfg, log); err != nil {
 		return nil, err
