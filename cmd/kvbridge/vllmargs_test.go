@@ -139,3 +139,21 @@ func TestServeVLLMFlags(t *testing.T) {
 		t.Errorf("kvbridge serve -dp 2 exited %d, want 2", code)
 	}
 }
+
+// TestBenchMultiTurnFlags: the vLLM script's -v, --print-content, -e and --version parse, and
+// --version prints the script's version line and exits 0.
+func TestBenchMultiTurnFlags(t *testing.T) {
+	cmd := newBenchMultiTurnCmd()
+	var out strings.Builder
+	cmd.SetOut(&out)
+	cmd.SetArgs([]string{"-v", "--print-content", "-e", "--version"})
+	if err := cmd.Execute(); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.HasPrefix(out.String(), "Benchmark serving with multi-turn conversations 1.0") {
+		t.Errorf("--version printed %q", out.String())
+	}
+	if code := run([]string{"bench", "multi-turn", "--version"}); code != 0 {
+		t.Errorf("kvbridge bench multi-turn --version exited %d", code)
+	}
+}
