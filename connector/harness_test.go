@@ -148,7 +148,8 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 	if n.conn != nil {
 		n.conn.Start(n.eng)
 	}
-	ocfg := openai.Config{ServedModelNames: []string{m.Name()}, MaxModelLen: maxLen, Metrics: n.reg, Logger: log, MaxConcurrentRequests: o.maxRequests}
+	ocfg := openai.Config{ServedModelNames: []string{m.Name()}, MaxModelLen: maxLen, Metrics: n.reg, Logger: log,
+		MaxConcurrentRequests: o.maxRequests, PromptTokensDetails: true}
 	if n.conn != nil {
 		ocfg.DeclineKV = n.conn.Decline // as instance.Start does
 	}

@@ -80,6 +80,7 @@ type Engine struct {
 	sched  *Scheduler
 	live   map[string]*liveRequest
 	logits [][]float32
+	raw    []float32 // the model's logits of the request being sampled, for its logprobs
 	steps  int64
 }
 
@@ -93,6 +94,13 @@ type liveRequest struct {
 	ctx      context.Context
 	stopCtx  func() bool
 	seq      *Sequence
+
+	// promptLP collects the prompt logprobs (entry k: prompt token k+1) as prefill chunks
+	// compute them; promptSent is set once they went out. lastLP is the logprobs of the token
+	// sampled in the current step.
+	promptLP   []model.PositionLogprobs
+	promptSent bool
+	lastLP     *model.PositionLogprobs
 }
 
 type commandKind uint8
@@ -255,6 +263,9 @@ func (e *Engine) Add(ctx context.Context, r *Request) (*Stream, error) {
 		stream:  newStream(rc.ID, min(rc.MaxTokens, e.cfg.MaxModelLen-len(rc.Prompt))),
 		sampler: model.NewSampler(rc.Sampling),
 		text:    newStopText(e.tok, rc.Stop, rc.MinTokens),
+	}
+	if rc.PromptLogprobs {
+		l.promptLP = make([]model.PositionLogprobs, len(rc.Prompt)-1)
 	}
 	l.stopToks = append([]int32(nil), rc.StopTokenIDs...)
 	if !rc.IgnoreEOS {
@@ -431,6 +442,9 @@ func (e *Engine) step(plan Plan) {
 	seqs := make([]model.Seq, len(plan.Work))
 	for i, w := range plan.Work {
 		seqs[i] = model.Seq{Tokens: w.Tokens, Start: w.Start, Blocks: w.Blocks}
+		if l := e.live[w.Seq.ID()]; l != nil && l.promptLP != nil && w.Start < len(l.promptLP) {
+			seqs[i].RowLogits = l.promptRowLogits(w.Start)
+		}
 		if w.Sample {
 			if e.logits[i] == nil {
 				e.logits[i] = make([]float32, e.vocab)
@@ -459,6 +473,9 @@ func (e *Engine) step(plan Plan) {
 		}
 		l := e.live[w.Seq.ID()]
 		logits := e.logits[i]
+		if l != nil && l.req.Logprobs {
+			e.raw = append(e.raw[:0], logits...)
+		}
 		for _, id := range e.suppress {
 			logits[id] = float32(math.Inf(-1))
 		}
@@ -473,7 +490,12 @@ func (e *Engine) step(plan Plan) {
 				}
 			}
 		}
+		l.sampler.Process(logits, w.Seq.Prompt(), w.Seq.Output())
 		sampled[i] = l.sampler.Sample(logits)
+		if l.req.Logprobs {
+			lp := model.Logprobs(e.raw, sampled[i], l.req.TopLogprobs)
+			l.lastLP = &lp
+		}
 	}
 	now := time.Now()
 	for _, ev := range e.sched.Update(now, sampled) {
@@ -500,9 +522,37 @@ func (e *Engine) deliver(now time.Time, ev Event) {
 		e.end(ev, text, stopped, nil)
 		return
 	}
-	l.stream.send(Output{Tokens: []int32{ev.Token}, Text: text,
+	out := Output{Tokens: []int32{ev.Token}, Text: text,
 		PromptTokens: q.NumPromptTokens(), CachedTokens: q.CachedTokens(), ExternalCachedTokens: q.ExternalCachedTokens(),
-		CompletionTokens: q.NumOutputTokens()})
+		CompletionTokens: q.NumOutputTokens()}
+	l.attachLogprobs(&out)
+	l.stream.send(out)
+}
+
+// promptRowLogits returns the Forward callback that records the prompt logprobs of a chunk
+// starting at position start: row j scores prompt token start+j+1. A recomputed chunk (after a
+// preemption) writes the same values again.
+func (l *liveRequest) promptRowLogits(start int) func(int, []float32) {
+	prompt, k := l.req.Prompt, l.req.TopPromptLogprobs
+	return func(j int, logits []float32) {
+		if pos := start + j; pos+1 < len(prompt) {
+			l.promptLP[pos] = model.Logprobs(logits, prompt[pos+1], k)
+		}
+	}
+}
+
+// attachLogprobs adds the logprobs of out's token (and, with the first token, the prompt's).
+func (l *liveRequest) attachLogprobs(out *Output) {
+	if len(out.Tokens) == 0 {
+		return
+	}
+	if l.lastLP != nil {
+		out.Logprobs = []model.PositionLogprobs{*l.lastLP}
+		l.lastLP = nil
+	}
+	if l.promptLP != nil && !l.promptSent {
+		out.PromptLogprobs, l.promptSent = l.promptLP, true
+	}
 }
 
 // end delivers the final Output of a finished request and forgets it.
@@ -526,6 +576,7 @@ func (e *Engine) end(ev Event, text string, stoppedByString bool, err error) {
 	}
 	if ev.HasToken {
 		out.Tokens = []int32{ev.Token}
+		l.attachLogprobs(&out)
 	}
 	e.publish() // a client that has its final output sees stats that include its request
 	l.stream.finish(out)

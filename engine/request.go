@@ -28,6 +28,19 @@ type Request struct {
 	StopTokenIDs []int32
 	// IgnoreEOS keeps generating past EOS (until MaxTokens or MaxModelLen).
 	IgnoreEOS bool
+	// Logprobs asks for the model's logprobs of every sampled token (Output.Logprobs), with the
+	// TopLogprobs most likely tokens at each position (negative: the whole vocabulary). They are
+	// computed from the logits as the model produced them, before penalties, biases, masks and
+	// temperature (vLLM's default raw logprobs).
+	Logprobs    bool
+	TopLogprobs int
+	// PromptLogprobs asks for the logprobs of the prompt tokens after the first
+	// (Output.PromptLogprobs), with the TopPromptLogprobs most likely tokens (negative: all).
+	// They need the logits of every prompt position, so such a request computes its whole
+	// prompt: it takes nothing from the prefix cache or the connector (as vLLM skips the prefix
+	// cache for it); a connector's producer is still told to free its blocks.
+	PromptLogprobs    bool
+	TopPromptLogprobs int
 	// KVTransfer is kv_transfer_params, opaque to the engine; the Connector interprets it.
 	KVTransfer map[string]any
 }

@@ -383,7 +383,10 @@ func (s *Scheduler) allocate(n int) ([]int32, error) {
 func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
 	fresh := q.table.Len() == 0
 	async := false
-	if fresh {
+	if fresh && q.req.PromptLogprobs {
+		// Prompt logprobs need the logits of every prompt position: compute it all here.
+		q.localHit, q.external, q.numComputed = 0, 0, 0
+	} else if fresh {
 		q.localHit = q.table.MatchPrefix(s.pool, q.tokens)
 		n, a := s.conn.MatchedExternal(q, q.localHit)
 		n = max(0, min(n, q.NumTokens()-q.localHit))

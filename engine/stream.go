@@ -1,5 +1,7 @@
 package engine
 
+import "github.com/kvbridge/kvbridge/model"
+
 // Output is one delivery on a request's Stream: the tokens sampled since the previous Output and
 // their text, and on the last one (Finished) the finish reason and, where set, the connector's
 // params or the error.
@@ -21,6 +23,11 @@ type Output struct {
 	// ExternalCachedTokens is the part of CachedTokens loaded by the connector from a remote
 	// engine; the rest came from the local prefix cache.
 	ExternalCachedTokens int
+	// Logprobs holds, for a request that asked for them, the logprobs of each of Tokens.
+	Logprobs []model.PositionLogprobs
+	// PromptLogprobs holds, for a request that asked for them, the logprobs of prompt tokens
+	// 1..n-1 (entry k is prompt token k+1's); it comes once, with the first token.
+	PromptLogprobs []model.PositionLogprobs
 	// KVTransfer is the connector's kv_transfer_params, on the last Output, when it returned some.
 	KVTransfer map[string]any
 	// Err is set on the last Output of a request that ended with "error" (wrapping ErrForward or
@@ -79,6 +86,10 @@ func (s *Stream) finish(o Output) {
 // merge appends later Output o to p.
 func merge(p *Output, o Output) {
 	p.Tokens = append(p.Tokens, o.Tokens...)
+	p.Logprobs = append(p.Logprobs, o.Logprobs...)
+	if o.PromptLogprobs != nil {
+		p.PromptLogprobs = o.PromptLogprobs
+	}
 	p.Text += o.Text
 	p.Finished, p.FinishReason = o.Finished, o.FinishReason
 	p.PromptTokens, p.CachedTokens, p.CompletionTokens = o.PromptTokens, o.CachedTokens, o.CompletionTokens

@@ -57,6 +57,14 @@ type Config struct {
 	APIKey string
 	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit.
 	MaxConcurrentRequests int
+	// MaxLogprobs is --max-logprobs (0: the OpenAI server's default, 20).
+	MaxLogprobs int
+	// PromptTokensDetails is --enable-prompt-tokens-details: usage.prompt_tokens_details
+	// (cached and transferred prompt tokens) in responses. Off by default, as in vLLM; the
+	// multi-turn proxy's prefill headers and kvbridge's benchmarks read it.
+	PromptTokensDetails bool
+	// ForceIncludeUsage is --enable-force-include-usage: every stream ends with its usage.
+	ForceIncludeUsage bool
 	// KVTransfer configures the NixlConnector; nil means none.
 	KVTransfer *connector.Config
 	// SideChannelHost and SideChannelPort place the connector's side channel
@@ -66,6 +74,8 @@ type Config struct {
 	SideChannelPort int
 	// StatsInterval is the period of the "KV Transfer metrics" log line (default 10 s).
 	StatsInterval time.Duration
+	// DisableLogStats (--disable-log-stats) turns that log line off.
+	DisableLogStats bool
 	// Logger receives the instance's logs; nil discards.
 	Logger *slog.Logger
 	// Connector overrides test hooks of the connector (clock, tick, transfer settings).
@@ -187,7 +197,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		if every <= 0 {
 			every = 10 * time.Second
 		}
-		go in.Metrics.Nixl().LogEvery(logCtx, log, every)
+		if !cfg.DisableLogStats {
+			go in.Metrics.Nixl().LogEvery(logCtx, log, every)
+		}
 	}
 	if in.Engine, err = engine.New(in.Model, in.Pool, ecfg, log); err != nil {
 		return nil, err
@@ -197,7 +209,8 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}
 	ocfg := openai.Config{
 		ServedModelNames: names, MaxModelLen: maxLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
-		MaxConcurrentRequests: cfg.MaxConcurrentRequests,
+		MaxConcurrentRequests: cfg.MaxConcurrentRequests, MaxLogprobs: cfg.MaxLogprobs,
+		PromptTokensDetails: cfg.PromptTokensDetails, ForceIncludeUsage: cfg.ForceIncludeUsage,
 	}
 	if in.Connector != nil {
 		ocfg.DeclineKV = in.Connector.Decline

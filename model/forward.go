@@ -24,7 +24,18 @@ type Seq struct {
 	Blocks []int32
 	// Logits, if non-nil (len = vocab size), receives the logits of the last token of Tokens.
 	Logits []float32
+	// RowLogits, if non-nil, is called with the logits of every token of Tokens, in order (i
+	// indexes Tokens), on the goroutine that called Forward; logits is valid only during the
+	// call. A prompt's logprobs need them. They are bit-identical to what Logits would receive
+	// for the same token.
+	RowLogits func(i int, logits []float32)
 }
+
+// logitRowGroup bounds the rows whose logits are computed at once (vocab-sized each).
+const logitRowGroup = 32
+
+// logitRow is a token row whose logits are wanted: its sequence and its index in Tokens.
+type logitRow struct{ row, seq, tok int }
 
 // workspace holds one Forward call's activations; reused across calls through Model.work.
 type workspace struct {
@@ -32,8 +43,8 @@ type workspace struct {
 	tokSeq                         []int32 // sequence index of each token
 	tokPos                         []int32 // position of each token
 	views                          []headView
-	viewBase                       []int // views index of (seq, head 0, block 0)
-	logitRows                      []int // token rows whose logits are wanted
+	viewBase                       []int      // views index of (seq, head 0, block 0)
+	logitRows                      []logitRow // token rows whose logits are wanted
 	seqAttn                        []seqAttn
 	items                          []attnItem
 	packItems                      []packItem
@@ -100,7 +111,7 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		if s.Logits != nil && len(s.Logits) != c.VocabSize {
 			return fmt.Errorf("%w: seq %d: logits length %d, vocab %d", ErrBadInput, i, len(s.Logits), c.VocabSize)
 		}
-		if s.Logits != nil && len(s.Tokens) == 0 {
+		if (s.Logits != nil || s.RowLogits != nil) && len(s.Tokens) == 0 {
 			return fmt.Errorf("%w: seq %d: logits requested for no tokens", ErrBadInput, i)
 		}
 		for _, t := range s.Tokens {
@@ -147,8 +158,13 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 			w.tokPos[row] = int32(s.Start + j)
 			row++
 		}
-		if s.Logits != nil {
-			w.logitRows = append(w.logitRows, row-1)
+		switch {
+		case s.RowLogits != nil:
+			for j := range s.Tokens {
+				w.logitRows = append(w.logitRows, logitRow{row: row - len(s.Tokens) + j, seq: i, tok: j})
+			}
+		case s.Logits != nil:
+			w.logitRows = append(w.logitRows, logitRow{row: row - 1, seq: i, tok: len(s.Tokens) - 1})
 		}
 	}
 	w.views = grow(w.views, nviews)
@@ -184,21 +200,27 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
 	}
 
-	// Final norm and lm_head for the requested rows only.
+	// Final norm and lm_head for the requested rows only, a group of rows at a time.
 	n := len(w.logitRows)
 	if n == 0 {
 		return nil
 	}
-	for i, r := range w.logitRows {
-		kernel.RMSNorm(w.h[i*h:(i+1)*h], w.x[r*h:(r+1)*h], m.norm, eps)
-	}
-	logits := make([]float32, n*c.VocabSize)
-	m.head.Apply(logits, w.h, n)
-	i := 0
-	for _, s := range seqs {
-		if s.Logits != nil {
-			copy(s.Logits, logits[i*c.VocabSize:(i+1)*c.VocabSize])
-			i++
+	v := c.VocabSize
+	logits := make([]float32, min(n, logitRowGroup)*v)
+	for g := 0; g < n; g += logitRowGroup {
+		rows := w.logitRows[g:min(n, g+logitRowGroup)]
+		for k, r := range rows {
+			kernel.RMSNorm(w.h[k*h:(k+1)*h], w.x[r.row*h:(r.row+1)*h], m.norm, eps)
+		}
+		m.head.Apply(logits, w.h, len(rows))
+		for k, r := range rows {
+			s, lg := seqs[r.seq], logits[k*v:(k+1)*v]
+			if s.RowLogits != nil {
+				s.RowLogits(r.tok, lg)
+			}
+			if s.Logits != nil && r.tok == len(s.Tokens)-1 {
+				copy(s.Logits, lg)
+			}
 		}
 	}
 	return nil

@@ -15,8 +15,29 @@ type SamplingParams struct {
 	TopP float64
 	// TopK keeps the TopK most likely tokens; ≤ 0 = off.
 	TopK int
+	// MinP drops tokens whose probability (after temperature) is below MinP times the most
+	// likely token's; 0 = off. Like top-k and top-p it does not apply to greedy decoding.
+	MinP float64
 	// Seed seeds the request's random stream: the same seed gives the same draws.
 	Seed int64
+
+	// The processors below change the logits before temperature, in vLLM's order: allowed
+	// tokens, bad words, logit bias, then the penalties (see Sampler.Process).
+
+	// AllowedTokenIDs, if non-empty, are the only tokens that may be drawn.
+	AllowedTokenIDs []int32
+	// BadWords are token sequences that may not be generated: the last token of one is masked
+	// when the output ends with the rest of it.
+	BadWords [][]int32
+	// LogitBias is added to the logits of its tokens.
+	LogitBias map[int32]float32
+	// RepetitionPenalty divides the positive logits and multiplies the negative ones of every
+	// token present in the prompt or the output; 0 and 1 are off.
+	RepetitionPenalty float64
+	// FrequencyPenalty is subtracted from a token's logit once per occurrence in the output.
+	FrequencyPenalty float64
+	// PresencePenalty is subtracted from the logit of every token present in the output.
+	PresencePenalty float64
 }
 
 // greedyEpsilon is the temperature below which sampling is greedy (vLLM's _SAMPLING_EPS).
@@ -27,6 +48,14 @@ type Sampler struct {
 	p    SamplingParams
 	rng  *rand.Rand
 	cand []candidate
+
+	// Process state: the allowed-token bitmap, the prompt's distinct tokens (sorted) and the
+	// output's token counts, kept up to date incrementally.
+	allowed    []uint64
+	promptSet  []int32
+	promptSeen bool
+	outCounts  map[int32]int
+	outCounted int
 }
 
 // candidate is one token considered by a non-greedy draw.
@@ -68,6 +97,21 @@ func (s *Sampler) Sample(logits []float32) int32 {
 	s.cand = c
 	if len(c) == 0 {
 		return Argmax(logits)
+	}
+	if s.p.MinP > 0 {
+		// vLLM masks p_i < min_p · p_max, that is logit_i − logit_max < ln(min_p).
+		maxL := math.Inf(-1)
+		for _, x := range c {
+			maxL = max(maxL, float64(x.logit))
+		}
+		cut := math.Log(s.p.MinP)
+		kept := c[:0]
+		for _, x := range c {
+			if float64(x.logit)-maxL >= cut {
+				kept = append(kept, x)
+			}
+		}
+		c = kept
 	}
 	byLogit := func(a, b candidate) int {
 		if x := cmp.Compare(b.logit, a.logit); x != 0 {
@@ -128,4 +172,91 @@ func Argmax(logits []float32) int32 {
 		}
 	}
 	return int32(best)
+}
+
+// Process applies the request's logit processors to logits in place, in vLLM's order: tokens
+// outside AllowedTokenIDs and the last token of each bad word whose prefix ends the output are
+// masked (−Inf), LogitBias is added, then the repetition penalty (over prompt and output
+// tokens), the frequency penalty and the presence penalty (over output tokens) are applied.
+// output is the tokens generated so far; it must only grow between calls.
+func (s *Sampler) Process(logits []float32, prompt, output []int32) {
+	p := &s.p
+	if len(p.AllowedTokenIDs) > 0 {
+		if s.allowed == nil {
+			s.allowed = make([]uint64, (len(logits)+63)/64)
+			for _, id := range p.AllowedTokenIDs {
+				if id >= 0 && int(id) < len(logits) {
+					s.allowed[id/64] |= 1 << (id % 64)
+				}
+			}
+		}
+		for i := range logits {
+			if s.allowed[i/64]&(1<<(i%64)) == 0 {
+				logits[i] = float32(math.Inf(-1))
+			}
+		}
+	}
+	for _, w := range p.BadWords {
+		if len(w) == 0 || len(w) > len(output)+1 {
+			continue
+		}
+		prefix := w[:len(w)-1]
+		if slices.Equal(output[len(output)-len(prefix):], prefix) {
+			if last := w[len(w)-1]; last >= 0 && int(last) < len(logits) {
+				logits[last] = float32(math.Inf(-1))
+			}
+		}
+	}
+	for id, b := range p.LogitBias {
+		if id >= 0 && int(id) < len(logits) {
+			logits[id] += b
+		}
+	}
+	rep := p.RepetitionPenalty != 0 && p.RepetitionPenalty != 1
+	if !rep && p.FrequencyPenalty == 0 && p.PresencePenalty == 0 {
+		return
+	}
+	s.countOutput(output)
+	if rep {
+		if !s.promptSeen {
+			s.promptSet = slices.Compact(slices.Sorted(slices.Values(prompt)))
+			s.promptSeen = true
+		}
+		penalize := func(id int32) {
+			if id < 0 || int(id) >= len(logits) {
+				return
+			}
+			if l := logits[id]; l > 0 {
+				logits[id] = l / float32(p.RepetitionPenalty)
+			} else {
+				logits[id] = l * float32(p.RepetitionPenalty)
+			}
+		}
+		for _, id := range s.promptSet {
+			penalize(id)
+		}
+		for id := range s.outCounts {
+			if _, inPrompt := slices.BinarySearch(s.promptSet, id); !inPrompt {
+				penalize(id)
+			}
+		}
+	}
+	for id, n := range s.outCounts {
+		if id < 0 || int(id) >= len(logits) {
+			continue
+		}
+		logits[id] -= float32(p.FrequencyPenalty) * float32(n)
+		logits[id] -= float32(p.PresencePenalty)
+	}
+}
+
+// countOutput brings the output token counts up to date with output.
+func (s *Sampler) countOutput(output []int32) {
+	if s.outCounts == nil || len(output) < s.outCounted {
+		s.outCounts, s.outCounted = make(map[int32]int), 0
+	}
+	for _, id := range output[s.outCounted:] {
+		s.outCounts[id]++
+	}
+	s.outCounted = len(output)
 }

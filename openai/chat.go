@@ -19,12 +19,6 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
 		return nil, apiErr
 	}
-	if req.Logprobs != nil && *req.Logprobs {
-		return nil, unsupported("logprobs", "logprobs")
-	}
-	if req.TopLogprobs != nil && *req.TopLogprobs > 0 {
-		return nil, unsupported("top_logprobs", "top_logprobs")
-	}
 	if req.Echo != nil && *req.Echo {
 		return nil, unsupported("echo", "echo on chat completions")
 	}
@@ -36,20 +30,12 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	if apiErr != nil {
 		return nil, apiErr
 	}
-	if len(req.Messages) == 0 {
-		return nil, badRequest("messages", "The messages field must be a non-empty list.")
+	if apiErr := s.chatLogprobs(req.Logprobs, req.TopLogprobs, tok.VocabSize(), &p); apiErr != nil {
+		return nil, apiErr
 	}
-	msgs := make([]tokenizer.Message, len(req.Messages))
-	for i, m := range req.Messages {
-		if m.Role == nil || *m.Role == "" {
-			return nil, badRequest("messages", "messages[%d] has no role.", i)
-		}
-		msgs[i] = tokenizer.Message{Role: *m.Role, Content: m.Content.text}
-	}
-	addGen := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
-	text, err := renderChat(s.model.ChatTemplate(), msgs, addGen)
-	if err != nil {
-		return nil, badRequest("messages", "The chat template could not render the messages: %v", err)
+	text, apiErr := s.renderMessages(req.Messages, req.AddGenerationPrompt)
+	if apiErr != nil {
+		return nil, apiErr
 	}
 	prompt := tok.Encode(text)
 	if apiErr := s.fitPrompt(&p, len(prompt), "messages"); apiErr != nil {
@@ -61,9 +47,30 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 		id:      "chatcmpl-" + base,
 		created: time.Now().Unix(),
 		model:   s.responseModel(),
+		prompt:  prompt,
 		p:       p,
-		req:     s.engineRequest(engineID("chatcmpl-"+base), prompt, p),
+		reqs:    s.engineRequests("chatcmpl-"+base, prompt, p),
 	}, nil
+}
+
+// renderMessages checks the request messages and renders them with the chat template
+// (add_generation_prompt defaults to true).
+func (s *Server) renderMessages(in []chatMessageIn, addGeneration *bool) (string, *APIError) {
+	if len(in) == 0 {
+		return "", badRequest("messages", "The messages field must be a non-empty list.")
+	}
+	msgs := make([]tokenizer.Message, len(in))
+	for i, m := range in {
+		if m.Role == nil || *m.Role == "" {
+			return "", badRequest("messages", "messages[%d] has no role.", i)
+		}
+		msgs[i] = tokenizer.Message{Role: *m.Role, Content: m.Content.text}
+	}
+	text, err := renderChat(s.model.ChatTemplate(), msgs, addGeneration == nil || *addGeneration)
+	if err != nil {
+		return "", badRequest("messages", "The chat template could not render the messages: %v", err)
+	}
+	return text, nil
 }
 
 // renderChat renders msgs, turning a panic inside the template engine into an error.

@@ -4,8 +4,6 @@ import (
 	"encoding/json"
 	"net/http"
 	"time"
-
-	"github.com/kvbridge/kvbridge/engine"
 )
 
 // completionJob decodes and validates a completion request and builds its job.
@@ -17,15 +15,22 @@ func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []by
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
 		return nil, apiErr
 	}
-	if req.Logprobs != nil {
-		return nil, unsupported("logprobs", "logprobs")
-	}
 	if req.Suffix != nil && *req.Suffix != "" {
 		return nil, unsupported("suffix", "suffix")
 	}
 	tok := s.model.Tokenizer()
+	echo := req.Echo != nil && *req.Echo
+	// echo with max_tokens 0 returns the prompt alone (the engine still generates one token).
+	noGeneration := echo && req.MaxTokens != nil && *req.MaxTokens == 0 && req.MaxCompletionTokens == nil
+	if noGeneration {
+		one := jsonInt(1)
+		req.MaxTokens = &one
+	}
 	p, apiErr := s.params(&req.commonRequest, tok.VocabSize())
 	if apiErr != nil {
+		return nil, apiErr
+	}
+	if apiErr := s.completionLogprobs(req.Logprobs, echo, tok.VocabSize(), &p); apiErr != nil {
 		return nil, apiErr
 	}
 	prompt, text, apiErr := s.completionPrompt(req.Prompt)
@@ -37,14 +42,17 @@ func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []by
 	}
 	base := baseRequestID(w, r, req.RequestID)
 	j := &job{
-		id:      "cmpl-" + base,
-		created: time.Now().Unix(),
-		model:   s.responseModel(),
-		p:       p,
-		req:     s.engineRequest(engineID("cmpl-"+base+"-0"), prompt, p),
+		id:           "cmpl-" + base,
+		created:      time.Now().Unix(),
+		model:        s.responseModel(),
+		prompt:       prompt,
+		p:            p,
+		reqs:         s.engineRequests("cmpl-"+base+"-0", prompt, p),
+		echo:         echo,
+		noGeneration: noGeneration,
 	}
-	if req.Echo != nil && *req.Echo {
-		j.echo = text()
+	if echo {
+		j.echoText = text()
 	}
 	return j, nil
 }
@@ -103,19 +111,4 @@ func (s *Server) completionPrompt(raw json.RawMessage) (ids []int32, text func()
 		ids[i] = int32(t)
 	}
 	return ids, func() string { return tok.Decode(ids) }, nil
-}
-
-// engineRequest builds the engine request of a validated prompt and parameters.
-func (s *Server) engineRequest(id string, prompt []int32, p genParams) *engine.Request {
-	return &engine.Request{
-		ID:           id,
-		Prompt:       prompt,
-		Sampling:     p.sampling,
-		MaxTokens:    p.maxTokens,
-		MinTokens:    p.minTokens,
-		Stop:         p.stop,
-		StopTokenIDs: p.stopTokenIDs,
-		IgnoreEOS:    p.ignoreEOS,
-		KVTransfer:   p.kvTransfer,
-	}
 }

@@ -39,9 +39,14 @@ func FuzzDecodeRequest(f *testing.F) {
 			errorOf(t, apiErr.JSON(), apiErr.Status)
 			return
 		}
-		if j == nil || len(j.req.Prompt) == 0 || j.req.MaxTokens < 1 ||
-			len(j.req.Prompt)+j.req.MaxTokens > testMaxModelLen || j.req.MinTokens > j.req.MaxTokens {
+		if j == nil || len(j.reqs) == 0 || len(j.reqs) > maxChoices {
 			t.Fatalf("accepted an invalid request %q: %+v", body, j)
+		}
+		for _, req := range j.reqs {
+			if len(req.Prompt) == 0 || req.MaxTokens < 1 ||
+				len(req.Prompt)+req.MaxTokens > testMaxModelLen || req.MinTokens > req.MaxTokens {
+				t.Fatalf("accepted an invalid request %q: %+v", body, req)
+			}
 		}
 	})
 }

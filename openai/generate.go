@@ -1,48 +1,108 @@
 package openai
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
+	"slices"
+	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
 	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/model"
 )
 
-// abortGrace bounds the wait for the engine's final output after the client went away.
+// abortGrace bounds the wait for the engine's final outputs after the client went away (or a
+// sibling sequence failed and the others were aborted).
 const abortGrace = 10 * time.Second
 
 // errClientGone reports that the client disconnected; nothing more can be written.
 var errClientGone = errors.New("openai: client disconnected")
 
-// job is one generation: the engine request and how to present its outputs.
+// job is one generation: the engine requests of its sequences and how to present them.
 type job struct {
 	chat    bool
 	id      string // response id: cmpl-<base> or chatcmpl-<base>
 	created int64
 	model   string
-	req     *engine.Request
-	p       genParams
-	echo    string // completions with echo: the prompt text to prepend
+	prompt  []int32
+	// reqs are the sequences: best_of of them (n unless best_of is larger). Only the first
+	// carries the request's kv_transfer_params.
+	reqs []*engine.Request
+	p    genParams
+	// echo (completions) prepends the prompt, echoText, to every choice; noGeneration
+	// (echo with max_tokens 0) returns only the prompt.
+	echo         bool
+	echoText     string
+	noGeneration bool
 }
 
-// outcome is what a successfully finished request produced.
-type outcome struct {
-	text       string
+// seqResult is what one sequence produced.
+type seqResult struct {
+	text       []byte
+	tokens     []int32
+	logprobs   []model.PositionLogprobs
+	prompt     []model.PositionLogprobs // prompt logprobs
 	finish     string
-	usage      usageInfo
-	kvTransfer map[string]any
+	kv         map[string]any
+	usage      usageInfo // this sequence's counts (cached tokens as reported)
+	cached     int
+	external   int
+	started    bool // its first output arrived
+	finished   bool
+	last       time.Time
+	sentRunes  int  // characters streamed so far (completions text_offset)
+	echoed     bool // the streamed echo went out
+	cumLogprob float64
 }
-
-// deltaFunc receives the text of each output as it arrives (streaming); final is set on the
-// last call, with the finish reason and the connector's kv_transfer_params (nil when none).
-type deltaFunc func(text string, final bool, finish string, u usageInfo, kv map[string]any)
 
 // engineID returns a unique engine request id for a response id: vLLM appends a random suffix
 // to external ids so that a reused X-Request-Id never collides inside the engine.
 func engineID(prefix string) string { return prefix + "-" + uuid.NewString()[:8] }
+
+// engineRequests builds the sequences of a validated prompt and parameters. Sequence i of a
+// seeded request uses seed+i (as vLLM's parallel sampling does); only sequence 0 carries the
+// kv_transfer_params. Every sequence computes logprobs when best_of must rank them.
+func (s *Server) engineRequests(idPrefix string, prompt []int32, p genParams) []*engine.Request {
+	reqs := make([]*engine.Request, p.bestOf)
+	for i := range reqs {
+		r := &engine.Request{
+			ID:                engineID(idPrefix),
+			Prompt:            prompt,
+			Sampling:          p.sampling,
+			MaxTokens:         p.maxTokens,
+			MinTokens:         p.minTokens,
+			Stop:              p.stop,
+			StopTokenIDs:      p.stopTokenIDs,
+			IgnoreEOS:         p.ignoreEOS,
+			Logprobs:          p.logprobs || p.bestOf > p.n,
+			TopLogprobs:       p.topLogprobs,
+			PromptLogprobs:    p.promptLogprobs,
+			TopPromptLogprobs: p.topPromptLogprobs,
+		}
+		if i == 0 {
+			r.KVTransfer = p.kvTransfer
+		} else {
+			r.ID = fmt.Sprintf("%s_%d", r.ID, i)
+		}
+		if seed := p.sampling.Seed; seed != 0 && i > 0 {
+			if seed == explicitSeedZero {
+				seed = 0
+			}
+			r.Sampling.Seed = seed + int64(i)
+			if r.Sampling.Seed == 0 {
+				r.Sampling.Seed = explicitSeedZero
+			}
+		}
+		reqs[i] = r
+	}
+	return reqs
+}
 
 // addError maps an engine.Add error to the HTTP error.
 func (s *Server) addError(err error) *APIError {
@@ -56,126 +116,312 @@ func (s *Server) addError(err error) *APIError {
 	return internalError()
 }
 
-// add queues the job's request in the engine.
-func (s *Server) add(ctx context.Context, j *job) (*engine.Stream, *APIError) {
-	st, err := s.engine.Add(ctx, j.req)
-	if err != nil {
-		return nil, s.addError(err)
-	}
-	return st, nil
+// seqEvent is one output of sequence idx.
+type seqEvent struct {
+	idx int
+	out engine.Output
 }
 
-// collect reads the request's outputs until it finishes, recording metrics and calling onDelta
-// (if non-nil) for every piece of text. It returns errClientGone if the client went away, or
-// an APIError for a request that ended in error.
-func (s *Server) collect(ctx context.Context, j *job, st *engine.Stream, onDelta deltaFunc) (outcome, *APIError, error) {
+// runner drives a job's sequences: it adds them to the engine, forwards their outputs to one
+// channel and records what they produced. Its forwarding goroutines end by close.
+type runner struct {
+	s      *Server
+	j      *job
+	client context.Context // the HTTP request's context
+	ctx    context.Context // the sequences' context: cancelled to abort them all
+	cancel context.CancelFunc
+	events chan seqEvent
+	stop   chan struct{}
+	wg     sync.WaitGroup
+	res    []*seqResult
+	added  int
+	start  time.Time
+	// share: sequences 1.. are added once sequence 0 has computed the prompt, so that they
+	// find its blocks in the prefix cache.
+	share    bool
+	gotToken bool
+}
+
+// startJob adds the job's first sequence (and, unless they wait for it, the others). An error
+// means the engine took nothing.
+func (s *Server) startJob(ctx context.Context, j *job) (*runner, *APIError) {
+	rn := &runner{s: s, j: j, client: ctx, events: make(chan seqEvent), stop: make(chan struct{}),
+		res: make([]*seqResult, len(j.reqs)), start: time.Now()}
+	rn.ctx, rn.cancel = context.WithCancel(ctx)
+	for i := range rn.res {
+		rn.res[i] = &seqResult{}
+	}
+	if apiErr := rn.add(); apiErr != nil {
+		rn.close()
+		return nil, apiErr
+	}
+	rn.share = len(j.reqs) > 1 && !j.p.promptLogprobs && s.prefixCaching()
+	if !rn.share {
+		if apiErr := rn.addRest(); apiErr != nil {
+			rn.close()
+			return nil, apiErr
+		}
+	}
+	return rn, nil
+}
+
+// prefixCaching reports whether the engine caches prefixes (when it says).
+func (s *Server) prefixCaching() bool {
+	ec, ok := s.engine.(interface{ Config() engine.Config })
+	return ok && ec.Config().PrefixCaching
+}
+
+// add adds the next sequence and starts forwarding its outputs.
+func (rn *runner) add() *APIError {
+	i := rn.added
+	st, err := rn.s.engine.Add(rn.ctx, rn.j.reqs[i])
+	if err != nil {
+		return rn.s.addError(err)
+	}
+	rn.added++
+	rn.wg.Add(1)
+	go func() {
+		defer rn.wg.Done()
+		for o := range st.C() {
+			select {
+			case rn.events <- seqEvent{idx: i, out: o}:
+			case <-rn.stop:
+				return // the collector is gone; the context's cancel aborts the sequence
+			}
+		}
+	}()
+	return nil
+}
+
+// addRest adds the sequences not added yet.
+func (rn *runner) addRest() *APIError {
+	for rn.added < len(rn.j.reqs) {
+		if apiErr := rn.add(); apiErr != nil {
+			return apiErr
+		}
+	}
+	return nil
+}
+
+// close aborts whatever still runs and waits for the forwarding goroutines.
+func (rn *runner) close() {
+	rn.cancel()
+	close(rn.stop)
+	rn.wg.Wait()
+}
+
+// wait reads the sequences' outputs until all have finished, recording metrics and calling
+// each (if non-nil) for every output of a sequence that has not failed. It returns errClientGone
+// if the client went away, or an APIError for a sequence that ended in error (the others are
+// then aborted).
+func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 	var (
-		out      outcome
-		text     []byte
-		start    = time.Now()
-		last     time.Time
-		gotToken bool
-		ch       = st.C()
-		done     = ctx.Done()
+		done     = rn.client.Done()
 		grace    <-chan time.Time
+		timer    *time.Timer
+		failure  *APIError
+		finished int
 	)
-	out.usage.PromptTokens = len(j.req.Prompt)
-	completion := 0
-	for {
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
+	startGrace := func() {
+		if timer == nil {
+			timer = time.NewTimer(abortGrace)
+			grace = timer.C
+		}
+	}
+	pending := func() bool { // sequences still to add once sequence 0 has started
+		return rn.added < len(rn.j.reqs) && failure == nil && rn.client.Err() == nil
+	}
+	for finished < rn.added || pending() {
 		select {
 		case <-done:
 			done = nil
-			t := time.NewTimer(abortGrace)
-			defer t.Stop()
-			grace = t.C
+			startGrace()
 			continue
 		case <-grace:
-			s.log.Warn("engine did not finish an aborted request in time", "request_id", j.req.ID)
-			return out, nil, errClientGone
-		case o, ok := <-ch:
-			if !ok {
-				s.log.Error("engine stream closed before the request finished", "request_id", j.req.ID)
-				return out, internalError(), nil
+			rn.s.log.Warn("engine did not finish an aborted request in time", "request_id", rn.j.reqs[0].ID)
+			if rn.client.Err() != nil {
+				return nil, errClientGone
 			}
-			now := time.Now()
-			if n := len(o.Tokens); n > 0 {
-				// One inter-token latency per token after the first, as vLLM records per step;
-				// an Output coalescing n tokens spreads its gap over them.
-				if !gotToken {
-					gotToken = true
-					s.metrics.ObserveTimeToFirstToken(now.Sub(start))
-					s.metrics.AddPromptTokens(max(o.PromptTokens, len(j.req.Prompt)))
-					for range n - 1 {
-						s.metrics.ObserveInterTokenLatency(0)
-					}
-				} else {
-					gap := now.Sub(last) / time.Duration(n)
-					for range n {
-						s.metrics.ObserveInterTokenLatency(gap)
-					}
+			return failure, nil
+		case ev := <-rn.events:
+			r := rn.res[ev.idx]
+			o := ev.out
+			rn.record(ev.idx, o)
+			ok := !o.Finished || o.FinishReason == "stop" || o.FinishReason == "length"
+			if ev.idx == 0 && !r.started && ok && pending() {
+				// Sequence 0 has computed the prompt: the others start from its cached blocks.
+				if apiErr := rn.addRest(); apiErr != nil {
+					failure = apiErr
+					rn.cancel()
+					startGrace()
 				}
-				last = now
-				s.metrics.AddGenerationTokens(n)
-				completion += n
 			}
-			if o.PromptTokens > 0 {
-				out.usage.PromptTokens = o.PromptTokens
-			}
-			if o.CachedTokens > 0 {
-				out.usage.PromptTokensDetails.CachedTokens = o.CachedTokens
-				out.usage.PromptTokensDetails.ExternalCachedTokens = o.ExternalCachedTokens
-			}
-			out.usage.CompletionTokens = max(o.CompletionTokens, completion)
-			out.usage.TotalTokens = out.usage.PromptTokens + out.usage.CompletionTokens
-			text = append(text, o.Text...)
-
+			r.started = true
 			if !o.Finished {
-				if onDelta != nil && o.Text != "" {
-					onDelta(o.Text, false, "", out.usage, nil)
+				if each != nil && failure == nil {
+					each(ev.idx, o)
 				}
 				continue
 			}
-			s.metrics.ObserveFinished(o.FinishReason, now.Sub(start))
+			r.finished = true
+			finished++
+			rn.s.metrics.ObserveFinished(o.FinishReason, time.Since(rn.start))
 			switch o.FinishReason {
 			case "stop", "length":
-			case "abort":
-				if ctx.Err() != nil {
-					return out, nil, errClientGone
+				r.finish = o.FinishReason
+				r.kv = o.KVTransfer
+				if each != nil && failure == nil {
+					each(ev.idx, o)
 				}
-				if errors.Is(o.Err, engine.ErrClosed) {
-					return out, unavailable(), nil
-				}
-				s.log.Error("request aborted by the engine", "request_id", j.req.ID, "err", o.Err)
-				return out, internalError(), nil
+				continue
+			}
+			if failure != nil || rn.client.Err() != nil {
+				continue // an abort we caused, or the client's
+			}
+			switch {
+			case o.FinishReason == "abort" && errors.Is(o.Err, engine.ErrClosed):
+				failure = unavailable()
+			case o.FinishReason == "abort":
+				rn.s.log.Error("request aborted by the engine", "request_id", rn.j.reqs[ev.idx].ID, "err", o.Err)
+				failure = internalError()
 			default: // "error": forward failure, KV load failure under policy fail, …
-				s.log.Error("request failed", "request_id", j.req.ID, "finish_reason", o.FinishReason, "err", o.Err)
-				return out, internalError(), nil
+				rn.s.log.Error("request failed", "request_id", rn.j.reqs[ev.idx].ID, "finish_reason", o.FinishReason, "err", o.Err)
+				failure = internalError()
 			}
-			out.text = string(text)
-			out.finish = o.FinishReason
-			out.kvTransfer = o.KVTransfer
-			if onDelta != nil {
-				onDelta(o.Text, true, o.FinishReason, out.usage, out.kvTransfer)
-			}
-			return out, nil, nil
+			rn.cancel() // the other sequences cannot make a response any more
+			startGrace()
 		}
 	}
+	if rn.client.Err() != nil {
+		return nil, errClientGone
+	}
+	return failure, nil
+}
+
+// record adds an output to its sequence's result and to the metrics.
+func (rn *runner) record(i int, o engine.Output) {
+	r := rn.res[i]
+	now := time.Now()
+	if n := len(o.Tokens); n > 0 {
+		// One inter-token latency per token after the first, as vLLM records per step; an
+		// Output coalescing n tokens spreads its gap over them.
+		m := rn.s.metrics
+		if !rn.gotToken {
+			rn.gotToken = true
+			m.ObserveTimeToFirstToken(now.Sub(rn.start))
+			m.AddPromptTokens(max(o.PromptTokens, len(rn.j.prompt)))
+		}
+		if r.last.IsZero() {
+			for range n - 1 {
+				m.ObserveInterTokenLatency(0)
+			}
+		} else {
+			gap := now.Sub(r.last) / time.Duration(n)
+			for range n {
+				m.ObserveInterTokenLatency(gap)
+			}
+		}
+		r.last = now
+		m.AddGenerationTokens(n)
+	}
+	r.text = append(r.text, o.Text...)
+	r.tokens = append(r.tokens, o.Tokens...)
+	r.logprobs = append(r.logprobs, o.Logprobs...)
+	for _, lp := range o.Logprobs {
+		r.cumLogprob += lp.Token.Logprob
+	}
+	if o.PromptLogprobs != nil {
+		r.prompt = o.PromptLogprobs
+	}
+	if o.CachedTokens > 0 {
+		r.cached, r.external = o.CachedTokens, o.ExternalCachedTokens
+	}
+	r.usage.PromptTokens = len(rn.j.prompt)
+	if o.PromptTokens > 0 {
+		r.usage.PromptTokens = o.PromptTokens
+	}
+	r.usage.CompletionTokens = max(o.CompletionTokens, len(r.tokens))
+	r.usage.TotalTokens = r.usage.PromptTokens + r.usage.CompletionTokens
+}
+
+// usage returns the usage of the sequences at idx: the prompt once, their completion tokens
+// summed, and (with --enable-prompt-tokens-details) the first sequence's cached tokens.
+func (s *Server) usage(j *job, res []*seqResult, idx []int) usageInfo {
+	u := usageInfo{PromptTokens: max(res[0].usage.PromptTokens, len(j.prompt))}
+	for _, i := range idx {
+		u.CompletionTokens += res[i].usage.CompletionTokens
+	}
+	u.TotalTokens = u.PromptTokens + u.CompletionTokens
+	if s.cfg.PromptTokensDetails {
+		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: res[0].cached, ExternalCachedTokens: res[0].external}
+	}
+	return u
+}
+
+// choices returns the sequences to return, in order: all of them, or for best_of > n the n with
+// the highest cumulative logprob.
+func choices(j *job, res []*seqResult) []int {
+	idx := make([]int, len(res))
+	for i := range idx {
+		idx[i] = i
+	}
+	if j.p.bestOf > j.p.n {
+		slices.SortStableFunc(idx, func(a, b int) int { return cmp.Compare(res[b].cumLogprob, res[a].cumLogprob) })
+		idx = idx[:j.p.n]
+	}
+	return idx
+}
+
+// completionText returns what a completions choice shows of sequence r: the echoed prompt, then
+// the generated text, with the logprobs of those tokens (nil where there are none).
+func (j *job) completionText(r *seqResult, text string, tokens []int32, lps []model.PositionLogprobs, withPrompt bool) (string, []int32, []*model.PositionLogprobs) {
+	var toks []int32
+	var pos []*model.PositionLogprobs
+	if withPrompt && j.echo {
+		text = j.echoText + text
+		toks = append(toks, j.prompt...)
+		pos = append(pos, nil)
+		for k := range r.prompt {
+			pos = append(pos, &r.prompt[k])
+		}
+		for len(pos) < len(toks) {
+			pos = append(pos, nil)
+		}
+		if j.noGeneration {
+			return j.echoText, toks, pos
+		}
+	}
+	toks = append(toks, tokens...)
+	for k := range tokens {
+		var p *model.PositionLogprobs
+		if k < len(lps) {
+			p = &lps[k]
+		}
+		pos = append(pos, p)
+	}
+	return text, toks, pos
 }
 
 // serve runs the job and writes the JSON or SSE response. It reports whether the engine took
 // the request (from then on the engine and its connector own its kv_transfer_params).
 func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) bool {
 	ctx := r.Context()
-	st, apiErr := s.add(ctx, j)
+	rn, apiErr := s.startJob(ctx, j)
 	if apiErr != nil {
 		writeError(w, apiErr)
 		return false
 	}
+	defer rn.close()
 	if j.p.stream {
-		s.stream(ctx, w, j, st)
+		s.stream(w, j, rn)
 		return true
 	}
-	out, apiErr, err := s.collect(ctx, j, st, nil)
+	apiErr, err := rn.wait(nil)
 	switch {
 	case err != nil:
 		return true // the client is gone
@@ -183,68 +429,118 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) bool {
 		writeError(w, apiErr)
 		return true
 	}
-	fin := out.finish
+	res := rn.res
+	idx := choices(j, res)
+	u := s.usage(j, res, idx)
+	tok := s.model.Tokenizer()
 	var body any
 	if j.chat {
-		body = chatResponse{
-			ID: j.id, Object: "chat.completion", Created: j.created, Model: j.model,
-			Choices: []chatChoice{{
-				Message:      chatMessage{Role: "assistant", Content: out.text, ToolCalls: []any{}},
-				FinishReason: &fin,
-			}},
-			Usage:            &out.usage,
-			KVTransferParams: out.kvTransfer,
+		resp := chatResponse{ID: j.id, Object: "chat.completion", Created: j.created, Model: j.model,
+			Choices: make([]chatChoice, 0, len(idx)), Usage: &u, KVTransferParams: res[0].kv}
+		for k, i := range idx {
+			fin := res[i].finish
+			c := chatChoice{Index: k, Message: chatMessage{Role: "assistant", Content: string(res[i].text), ToolCalls: []any{}}, FinishReason: &fin}
+			if j.p.logprobs {
+				c.Logprobs = newChatLogprobs(tok, res[i].logprobs, j.p.topLogprobs)
+			}
+			resp.Choices = append(resp.Choices, c)
 		}
+		if j.p.promptLogprobs {
+			resp.PromptLogprobs = &promptLogprobs{tok: tok, positions: res[0].prompt}
+		}
+		body = resp
 	} else {
-		body = completionResponse{
-			ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
-			Choices:          []completionChoice{{Text: j.echo + out.text, FinishReason: &fin}},
-			Usage:            &out.usage,
-			KVTransferParams: out.kvTransfer,
+		resp := completionResponse{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
+			Choices: make([]completionChoice, 0, len(idx)), Usage: &u, KVTransferParams: res[0].kv}
+		for k, i := range idx {
+			r := res[i]
+			fin := r.finish
+			text, toks, pos := j.completionText(r, string(r.text), r.tokens, r.logprobs, true)
+			c := completionChoice{Index: k, Text: text, FinishReason: &fin}
+			if j.p.logprobs {
+				c.Logprobs = newCompletionLogprobs(tok, toks, pos, j.p.topLogprobs, 0)
+			}
+			if j.p.promptLogprobs {
+				c.PromptLogprobs = &promptLogprobs{tok: tok, positions: r.prompt}
+			}
+			resp.Choices = append(resp.Choices, c)
 		}
+		body = resp
 	}
 	writeJSON(w, http.StatusOK, body)
 	return true
 }
 
-// stream writes the job's outputs as SSE chunks: (chat) a first chunk with the assistant role,
-// text deltas, the chunk with finish_reason — which also carries the engine's
-// kv_transfer_params, when there are some, as a top-level field beside choices — a usage chunk
-// (choices: []) with stream_options.include_usage, then [DONE]. Every chunk but the usage one
-// has a choice, so clients that read choices[0] of every event (vLLM's multi-turn benchmark)
-// can parse the stream. A failure after the headers went out is one error event then [DONE].
-func (s *Server) stream(ctx context.Context, w http.ResponseWriter, j *job, st *engine.Stream) {
+// includeUsage reports whether a stream ends with the usage chunk and whether every chunk
+// carries usage, as vLLM's should_include_usage decides (stream_options {} asks for usage;
+// --enable-force-include-usage always does).
+func (s *Server) includeUsage(p genParams) (final, continuous bool) {
+	if p.streamOptions {
+		final = p.includeUsage || s.cfg.ForceIncludeUsage
+		return final, final && p.continuousUsage
+	}
+	return s.cfg.ForceIncludeUsage, false
+}
+
+// stream writes the job's outputs as SSE chunks: (chat) a first chunk with the assistant role
+// for every choice, text deltas (with their logprobs), each choice's chunk with finish_reason —
+// the first one's also carries the engine's kv_transfer_params, when there are some, as a
+// top-level field beside choices — a usage chunk (choices: []) when asked for, then [DONE].
+// Every chunk but the usage one has a choice, so clients that read choices[0] of every event
+// (vLLM's multi-turn benchmark) can parse the stream. A failure after the headers went out is
+// one error event then [DONE].
+func (s *Server) stream(w http.ResponseWriter, j *job, rn *runner) {
 	sse := newSSEWriter(w)
 	sse.start()
-	usageFor := func(u usageInfo) *usageInfo {
-		if j.p.continuousUsage {
+	tok := s.model.Tokenizer()
+	final, continuous := s.includeUsage(j.p)
+	usageFor := func(r *seqResult) *usageInfo {
+		if continuous {
+			u := r.usage
 			return &u
 		}
 		return nil
 	}
 	if j.chat {
 		empty := ""
-		sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
-			Choices: []chatChunkChoice{{Delta: chatDelta{Role: "assistant", Content: &empty}}}})
-	} else if j.echo != "" {
-		sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
-			Choices: []completionChoice{{Text: j.echo}}})
+		for i := range j.p.n {
+			sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
+				Choices: []chatChunkChoice{{Index: i, Delta: chatDelta{Role: "assistant", Content: &empty}}}})
+		}
 	}
-	onDelta := func(text string, final bool, finish string, u usageInfo, kv map[string]any) {
+	each := func(i int, o engine.Output) {
+		r := rn.res[i]
 		var fin *string
-		if final {
-			fin = &finish
+		if o.Finished {
+			fin = &r.finish
 		}
 		if j.chat {
+			text := o.Text
+			if text == "" && fin == nil && !(j.p.logprobs && len(o.Tokens) > 0) {
+				return
+			}
+			c := chatChunkChoice{Index: i, Delta: chatDelta{Content: &text}, FinishReason: fin}
+			if j.p.logprobs {
+				c.Logprobs = newChatLogprobs(tok, o.Logprobs, j.p.topLogprobs)
+			}
 			sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
-				Choices: []chatChunkChoice{{Delta: chatDelta{Content: &text}, FinishReason: fin}}, Usage: usageFor(u),
-				KVTransferParams: kv})
-		} else {
-			sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
-				Choices: []completionChoice{{Text: text, FinishReason: fin}}, Usage: usageFor(u), KVTransferParams: kv})
+				Choices: []chatChunkChoice{c}, Usage: usageFor(r), KVTransferParams: o.KVTransfer})
+			return
 		}
+		text, toks, pos := j.completionText(r, o.Text, o.Tokens, o.Logprobs, !r.echoed)
+		r.echoed = true
+		if text == "" && fin == nil && !(j.p.logprobs && len(toks) > 0) {
+			return
+		}
+		c := completionChunkChoice{Index: i, Text: text, FinishReason: fin}
+		if j.p.logprobs {
+			c.Logprobs = newCompletionLogprobs(tok, toks, pos, j.p.topLogprobs, r.sentRunes)
+		}
+		r.sentRunes += runeCount(text)
+		sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
+			Choices: []completionChunkChoice{c}, Usage: usageFor(r), KVTransferParams: o.KVTransfer})
 	}
-	out, apiErr, err := s.collect(ctx, j, st, onDelta)
+	apiErr, err := rn.wait(each)
 	switch {
 	case err != nil:
 		return
@@ -253,13 +549,18 @@ func (s *Server) stream(ctx context.Context, w http.ResponseWriter, j *job, st *
 		sse.done()
 		return
 	}
-	if j.p.includeUsage {
+	if final {
 		object := "text_completion"
 		if j.chat {
 			object = "chat.completion.chunk"
 		}
+		all := make([]int, len(rn.res))
+		for i := range all {
+			all[i] = i
+		}
+		u := s.usage(j, rn.res, all)
 		sse.event(usageChunk{ID: j.id, Object: object, Created: j.created, Model: j.model,
-			Choices: []struct{}{}, Usage: &out.usage})
+			Choices: []struct{}{}, Usage: &u})
 	}
 	sse.done()
 }
@@ -273,3 +574,6 @@ type usageChunk struct {
 	Choices []struct{} `json:"choices"`
 	Usage   *usageInfo `json:"usage"`
 }
+
+// runeCount is Python's len() of a string: its characters.
+func runeCount(s string) int { return utf8.RuneCountInString(s) }

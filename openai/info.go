@@ -11,6 +11,24 @@ type modelCard struct {
 	Root        string  `json:"root"`
 	Parent      *string `json:"parent"`
 	MaxModelLen int     `json:"max_model_len"`
+	// Permission is vLLM's one ModelPermission entry.
+	Permission []modelPermission `json:"permission"`
+}
+
+// modelPermission is vLLM's ModelPermission (OpenAI's legacy shape).
+type modelPermission struct {
+	ID                 string  `json:"id"`
+	Object             string  `json:"object"`
+	Created            int64   `json:"created"`
+	AllowCreateEngine  bool    `json:"allow_create_engine"`
+	AllowSampling      bool    `json:"allow_sampling"`
+	AllowLogprobs      bool    `json:"allow_logprobs"`
+	AllowSearchIndices bool    `json:"allow_search_indices"`
+	AllowView          bool    `json:"allow_view"`
+	AllowFineTuning    bool    `json:"allow_fine_tuning"`
+	Organization       string  `json:"organization"`
+	Group              *string `json:"group"`
+	IsBlocking         bool    `json:"is_blocking"`
 }
 
 // modelList is the GET /v1/models response.
@@ -24,12 +42,14 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 	list := modelList{Object: "list", Data: make([]modelCard, 0, len(s.cfg.ServedModelNames))}
 	for _, name := range s.cfg.ServedModelNames {
 		list.Data = append(list.Data, modelCard{ID: name, Object: "model", Created: s.created,
-			OwnedBy: "kvbridge", Root: s.model.Name(), MaxModelLen: s.cfg.MaxModelLen})
+			OwnedBy: "kvbridge", Root: s.model.Name(), MaxModelLen: s.cfg.MaxModelLen,
+			Permission: []modelPermission{{ID: "modelperm-" + name, Object: "model_permission", Created: s.created,
+				AllowSampling: true, AllowLogprobs: true, AllowView: true, Organization: "*"}}})
 	}
 	writeJSON(w, http.StatusOK, list)
 }
 
-// handleHealth serves GET /health: 200 with an empty body, as vLLM does.
+// handleHealth serves GET /health and GET or POST /ping: 200 with an empty body, as vLLM does.
 func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }
 
 // handleVersion serves GET /version: {"version": "..."}.

@@ -2,6 +2,10 @@ package openai
 
 import (
 	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"unicode"
 
 	"github.com/kvbridge/kvbridge/model"
 )
@@ -13,53 +17,135 @@ const greedyEpsilon = 1e-5
 // seed" (the engine then derives one per request).
 const explicitSeedZero = math.MinInt64
 
+// DefaultMaxLogprobs is vLLM's default --max-logprobs: the most logprobs a request may ask for
+// per position.
+const DefaultMaxLogprobs = 20
+
+// maxChoices bounds n and best_of: one request may not queue more sequences than this.
+const maxChoices = 256
+
 // genParams are a request's validated generation parameters, before the prompt is known.
 type genParams struct {
-	maxTokens       int // 0: not given (defaults to max_model_len − prompt length)
-	minTokens       int
-	sampling        model.SamplingParams
-	stop            []string
-	stopTokenIDs    []int32
-	ignoreEOS       bool
-	stream          bool
-	includeUsage    bool
-	continuousUsage bool
-	kvTransfer      map[string]any
+	// n is the number of choices returned; bestOf ≥ n the number of sequences generated (the
+	// n with the highest cumulative logprob are returned).
+	n, bestOf int
+	// logprobs: report the sampled tokens' logprobs with topLogprobs alternatives (−1: all);
+	// promptLogprobs: the prompt's, with topPromptLogprobs alternatives.
+	logprobs, promptLogprobs       bool
+	topLogprobs, topPromptLogprobs int
+	maxTokens                      int // 0: not given (defaults to max_model_len − prompt length)
+	minTokens                      int
+	sampling                       model.SamplingParams
+	stop                           []string
+	stopTokenIDs                   []int32
+	ignoreEOS                      bool
+	stream                         bool
+	streamOptions                  bool // stream_options was given
+	includeUsage                   bool
+	continuousUsage                bool
+	kvTransfer                     map[string]any
 }
 
 // params validates the fields common to both routes. vocab is the tokenizer's size.
 func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
-	var p genParams
-	if c.N != nil && *c.N != 1 {
+	p := genParams{n: 1}
+	if c.N != nil {
 		if *c.N < 1 {
 			return p, badRequest("n", "n must be at least 1, got %d.", *c.N)
 		}
-		return p, unsupported("n", "n > 1 (several choices per request)")
+		if *c.N > maxChoices {
+			return p, badRequest("n", "n must be at most %d, got %d.", maxChoices, *c.N)
+		}
+		p.n = int(*c.N)
 	}
-	if c.BestOf != nil && *c.BestOf > 1 {
-		return p, unsupported("best_of", "best_of > 1")
+	p.bestOf = p.n
+	if c.BestOf != nil {
+		switch b := *c.BestOf; {
+		case b < int64ToJSON(p.n):
+			return p, badRequest("best_of", "best_of must be greater than or equal to n, got n=%d and best_of=%d.", p.n, b)
+		case b > maxChoices:
+			return p, badRequest("best_of", "best_of must be at most %d, got %d.", maxChoices, b)
+		case b > int64ToJSON(p.n) && c.Stream != nil && *c.Stream:
+			return p, badRequest("best_of", "best_of must equal n to stream, got n=%d and best_of=%d.", p.n, b)
+		}
+		p.bestOf = int(*c.BestOf)
 	}
 	if c.UseBeamSearch != nil && *c.UseBeamSearch {
 		return p, unsupported("use_beam_search", "beam search")
 	}
 	if c.PromptLogprobs != nil {
-		return p, unsupported("prompt_logprobs", "prompt_logprobs")
+		k := *c.PromptLogprobs
+		if k < -1 {
+			return p, badRequest("prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
+		}
+		if c.Stream != nil && *c.Stream && k != 0 {
+			return p, badRequest("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+		}
+		if apiErr := s.checkNumLogprobs("prompt_logprobs", "prompt", k, vocab); apiErr != nil {
+			return p, apiErr
+		}
+		p.promptLogprobs, p.topPromptLogprobs = true, int(k)
 	}
-	if c.PresencePenalty != nil && *c.PresencePenalty != 0 {
-		return p, unsupported("presence_penalty", "presence_penalty")
+	penalty := func(name string, v *float64) (float64, *APIError) {
+		if v == nil {
+			return 0, nil
+		}
+		if !(*v >= -2 && *v <= 2) {
+			return 0, badRequest(name, "%s must be in [-2, 2], got %v.", name, *v)
+		}
+		return *v, nil
 	}
-	if c.FrequencyPenalty != nil && *c.FrequencyPenalty != 0 {
-		return p, unsupported("frequency_penalty", "frequency_penalty")
+	var apiErr *APIError
+	if p.sampling.PresencePenalty, apiErr = penalty("presence_penalty", c.PresencePenalty); apiErr != nil {
+		return p, apiErr
 	}
-	if c.RepetitionPenalty != nil && *c.RepetitionPenalty != 1 {
-		return p, unsupported("repetition_penalty", "repetition_penalty")
+	if p.sampling.FrequencyPenalty, apiErr = penalty("frequency_penalty", c.FrequencyPenalty); apiErr != nil {
+		return p, apiErr
 	}
-	if c.MinP != nil && *c.MinP != 0 {
-		return p, unsupported("min_p", "min_p")
+	if c.RepetitionPenalty != nil {
+		if r := *c.RepetitionPenalty; !(r > 0) || math.IsInf(r, 0) {
+			return p, badRequest("repetition_penalty", "repetition_penalty must be greater than zero, got %v.", r)
+		}
+		p.sampling.RepetitionPenalty = *c.RepetitionPenalty
+	}
+	if c.MinP != nil {
+		if m := *c.MinP; !(m >= 0 && m <= 1) {
+			return p, badRequest("min_p", "min_p must be in [0, 1], got %v.", m)
+		}
+		p.sampling.MinP = *c.MinP
 	}
 	if len(c.LogitBias) > 0 {
-		return p, unsupported("logit_bias", "logit_bias")
+		p.sampling.LogitBias = make(map[int32]float32, len(c.LogitBias))
+		var bad []int64
+		for k, v := range c.LogitBias {
+			id, err := strconv.ParseInt(k, 10, 64)
+			if err != nil {
+				return p, badRequest("logit_bias", "Found token_id %q in logit_bias that is not an integer or string representing an integer.", k)
+			}
+			if id < 0 || id >= int64(vocab) {
+				bad = append(bad, id)
+				continue
+			}
+			// OpenAI and vLLM clamp a bias to [-100, 100].
+			p.sampling.LogitBias[int32(id)] = float32(max(-100, min(100, v)))
+		}
+		if len(bad) > 0 {
+			slices.Sort(bad)
+			return p, badRequest("logit_bias", "token_id(s) %v in logit_bias contain out-of-vocab token ids. Vocabulary size: %d", bad, vocab)
+		}
 	}
+	if c.AllowedTokenIDs != nil {
+		if len(c.AllowedTokenIDs) == 0 {
+			return p, badRequest("allowed_token_ids", "allowed_token_ids is not None and empty!")
+		}
+		for _, id := range c.AllowedTokenIDs {
+			if id < 0 || int64(id) >= int64(vocab) {
+				return p, badRequest("allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!")
+			}
+			p.sampling.AllowedTokenIDs = append(p.sampling.AllowedTokenIDs, int32(id))
+		}
+	}
+	p.sampling.BadWords = s.badWords(c.BadWords)
 	if c.ResponseFormat != nil && c.ResponseFormat.Type != "" && c.ResponseFormat.Type != "text" {
 		return p, unsupported("response_format", "response_format "+c.ResponseFormat.Type)
 	}
@@ -86,7 +172,7 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 	}
 
 	gen := s.model.Generation()
-	p.sampling = model.SamplingParams{Temperature: gen.Temperature, TopP: gen.TopP, TopK: gen.TopK}
+	p.sampling.Temperature, p.sampling.TopP, p.sampling.TopK = gen.Temperature, gen.TopP, gen.TopK
 	if c.Temperature != nil {
 		t := *c.Temperature
 		if t < 0 || math.IsNaN(t) || math.IsInf(t, 0) {
@@ -136,12 +222,99 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 
 	p.stream = c.Stream != nil && *c.Stream
 	if p.stream && c.StreamOptions != nil {
+		p.streamOptions = true
 		// As in vLLM, include_usage defaults to true once stream_options is given: {} asks for usage.
 		p.includeUsage = c.StreamOptions.IncludeUsage == nil || *c.StreamOptions.IncludeUsage
 		p.continuousUsage = p.includeUsage && c.StreamOptions.ContinuousUsageStats != nil && *c.StreamOptions.ContinuousUsageStats
 	}
 	p.kvTransfer = c.KVTransferParams
 	return p, nil
+}
+
+// completionLogprobs applies completions' logprobs (an integer: how many alternatives) and, with
+// echo, makes the prompt's logprobs default to the same count, as vLLM does.
+func (s *Server) completionLogprobs(k *jsonInt, echo bool, vocab int, p *genParams) *APIError {
+	if k == nil {
+		return nil
+	}
+	if *k < -1 {
+		return badRequest("logprobs", "`logprobs` must be a positive value or -1.")
+	}
+	if apiErr := s.checkNumLogprobs("logprobs", "sample", *k, vocab); apiErr != nil {
+		return apiErr
+	}
+	p.logprobs, p.topLogprobs = true, int(*k)
+	if echo && !p.promptLogprobs {
+		if apiErr := s.checkNumLogprobs("logprobs", "prompt", *k, vocab); apiErr != nil {
+			return apiErr
+		}
+		p.promptLogprobs, p.topPromptLogprobs = true, int(*k)
+	}
+	return nil
+}
+
+// chatLogprobs applies chat's logprobs (a boolean) and top_logprobs.
+func (s *Server) chatLogprobs(on *bool, top *jsonInt, vocab int, p *genParams) *APIError {
+	enabled := on != nil && *on
+	if top != nil {
+		if *top < -1 {
+			return badRequest("top_logprobs", "`top_logprobs` must be a positive value or -1.")
+		}
+		if *top != 0 && !enabled {
+			return badRequest("top_logprobs", "when using `top_logprobs`, `logprobs` must be set to true.")
+		}
+	}
+	if !enabled {
+		return nil
+	}
+	var k jsonInt
+	if top != nil {
+		k = *top
+	}
+	if apiErr := s.checkNumLogprobs("top_logprobs", "sample", k, vocab); apiErr != nil {
+		return apiErr
+	}
+	p.logprobs, p.topLogprobs = true, int(k)
+	return nil
+}
+
+// int64ToJSON converts a count for comparison with a request integer.
+func int64ToJSON(n int) jsonInt { return jsonInt(n) }
+
+// checkNumLogprobs checks a logprobs count against --max-logprobs (−1 means the vocabulary).
+func (s *Server) checkNumLogprobs(param, kind string, k jsonInt, vocab int) *APIError {
+	n := int64(k)
+	if n == -1 {
+		n = int64(vocab)
+	}
+	limit := int64(s.cfg.MaxLogprobs)
+	if limit == -1 {
+		limit = int64(vocab)
+	}
+	if n > limit {
+		return badRequest(param, "Requested %s logprobs of %d, which is greater than max allowed: %d", kind, n, limit)
+	}
+	return nil
+}
+
+// badWords tokenizes bad_words as vLLM does: each word as written (leading spaces stripped)
+// and, when that makes a different first token of the same length, with a leading space, so
+// that it is banned at the start of the text and after a space.
+func (s *Server) badWords(words []string) [][]int32 {
+	tok := s.model.Tokenizer()
+	var out [][]int32
+	for _, w := range words {
+		w = strings.TrimLeftFunc(w, unicode.IsSpace)
+		plain := tok.Encode(w)
+		if len(plain) == 0 {
+			continue
+		}
+		out = append(out, plain)
+		if spaced := tok.Encode(" " + w); len(spaced) == len(plain) && spaced[0] != plain[0] {
+			out = append(out, spaced)
+		}
+	}
+	return out
 }
 
 // fitPrompt checks the prompt length against max_model_len and settles max_tokens (default:

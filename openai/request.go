@@ -116,6 +116,8 @@ type commonRequest struct {
 	FrequencyPenalty    *float64           `json:"frequency_penalty"`
 	RepetitionPenalty   *float64           `json:"repetition_penalty"`
 	LogitBias           map[string]float64 `json:"logit_bias"`
+	AllowedTokenIDs     []jsonInt          `json:"allowed_token_ids"`
+	BadWords            []string           `json:"bad_words"`
 	PromptLogprobs      *jsonInt           `json:"prompt_logprobs"`
 	ResponseFormat      *responseFormat    `json:"response_format"`
 	User                *string            `json:"user"`

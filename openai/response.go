@@ -5,10 +5,11 @@ package openai
 
 // usageInfo is the "usage" object.
 type usageInfo struct {
-	PromptTokens        int                 `json:"prompt_tokens"`
-	TotalTokens         int                 `json:"total_tokens"`
-	CompletionTokens    int                 `json:"completion_tokens"`
-	PromptTokensDetails promptTokensDetails `json:"prompt_tokens_details"`
+	PromptTokens     int `json:"prompt_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	// PromptTokensDetails is set only with Config.PromptTokensDetails.
+	PromptTokensDetails *promptTokensDetails `json:"prompt_tokens_details,omitempty"`
 }
 
 // promptTokensDetails reports the prompt tokens not computed by this engine: cached_tokens
@@ -31,45 +32,55 @@ type completionResponse struct {
 	KVTransferParams map[string]any     `json:"kv_transfer_params"`
 }
 
-// completionChoice is one choice of a completion response or chunk.
+// completionChoice is one choice of a completion response.
 type completionChoice struct {
-	Index        int     `json:"index"`
-	Text         string  `json:"text"`
-	Logprobs     any     `json:"logprobs"`
-	FinishReason *string `json:"finish_reason"`
-	StopReason   any     `json:"stop_reason"`
+	Index          int                 `json:"index"`
+	Text           string              `json:"text"`
+	Logprobs       *completionLogprobs `json:"logprobs"`
+	FinishReason   *string             `json:"finish_reason"`
+	StopReason     any                 `json:"stop_reason"`
+	PromptLogprobs *promptLogprobs     `json:"prompt_logprobs"`
+}
+
+// completionChunkChoice is the choice of a completion chunk.
+type completionChunkChoice struct {
+	Index        int                 `json:"index"`
+	Text         string              `json:"text"`
+	Logprobs     *completionLogprobs `json:"logprobs"`
+	FinishReason *string             `json:"finish_reason"`
+	StopReason   any                 `json:"stop_reason"`
 }
 
 // completionChunk is one streamed /v1/completions event.
 type completionChunk struct {
-	ID               string             `json:"id"`
-	Object           string             `json:"object"` // "text_completion"
-	Created          int64              `json:"created"`
-	Model            string             `json:"model"`
-	Choices          []completionChoice `json:"choices"`
-	Usage            *usageInfo         `json:"usage,omitempty"`
-	KVTransferParams map[string]any     `json:"kv_transfer_params,omitempty"`
+	ID               string                  `json:"id"`
+	Object           string                  `json:"object"` // "text_completion"
+	Created          int64                   `json:"created"`
+	Model            string                  `json:"model"`
+	Choices          []completionChunkChoice `json:"choices"`
+	Usage            *usageInfo              `json:"usage,omitempty"`
+	KVTransferParams map[string]any          `json:"kv_transfer_params,omitempty"`
 }
 
 // chatResponse is a non-streaming /v1/chat/completions response.
 type chatResponse struct {
-	ID               string         `json:"id"`
-	Object           string         `json:"object"` // "chat.completion"
-	Created          int64          `json:"created"`
-	Model            string         `json:"model"`
-	Choices          []chatChoice   `json:"choices"`
-	Usage            *usageInfo     `json:"usage"`
-	PromptLogprobs   any            `json:"prompt_logprobs"`
-	KVTransferParams map[string]any `json:"kv_transfer_params"`
+	ID               string          `json:"id"`
+	Object           string          `json:"object"` // "chat.completion"
+	Created          int64           `json:"created"`
+	Model            string          `json:"model"`
+	Choices          []chatChoice    `json:"choices"`
+	Usage            *usageInfo      `json:"usage"`
+	PromptLogprobs   *promptLogprobs `json:"prompt_logprobs"`
+	KVTransferParams map[string]any  `json:"kv_transfer_params"`
 }
 
 // chatChoice is one choice of a chat response.
 type chatChoice struct {
-	Index        int         `json:"index"`
-	Message      chatMessage `json:"message"`
-	Logprobs     any         `json:"logprobs"`
-	FinishReason *string     `json:"finish_reason"`
-	StopReason   any         `json:"stop_reason"`
+	Index        int           `json:"index"`
+	Message      chatMessage   `json:"message"`
+	Logprobs     *chatLogprobs `json:"logprobs"`
+	FinishReason *string       `json:"finish_reason"`
+	StopReason   any           `json:"stop_reason"`
 }
 
 // chatMessage is the assistant message of a chat response.
@@ -92,11 +103,11 @@ type chatChunk struct {
 
 // chatChunkChoice is the choice of a chat chunk.
 type chatChunkChoice struct {
-	Index        int       `json:"index"`
-	Delta        chatDelta `json:"delta"`
-	Logprobs     any       `json:"logprobs"`
-	FinishReason *string   `json:"finish_reason"`
-	StopReason   any       `json:"stop_reason,omitempty"`
+	Index        int           `json:"index"`
+	Delta        chatDelta     `json:"delta"`
+	Logprobs     *chatLogprobs `json:"logprobs"`
+	FinishReason *string       `json:"finish_reason"`
+	StopReason   any           `json:"stop_reason,omitempty"`
 }
 
 // chatDelta is the incremental message of a chat chunk.

@@ -19,6 +19,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/internal/buildinfo"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/tokenizer"
@@ -66,7 +67,8 @@ type Config struct {
 	APIKey string
 	// MaxBodyBytes limits request bodies (413 beyond it). Default DefaultMaxBodyBytes.
 	MaxBodyBytes int64
-	// Version is reported by GET /version. Default "dev".
+	// Version is reported by GET /version. Default: the binary's module version and VCS
+	// revision (buildinfo.Version).
 	Version string
 	// MaxConcurrentRequests bounds the completions being served at once; one more is answered
 	// at once with 429 (RateLimitError) instead of queueing without bound. Zero means no limit.
@@ -75,6 +77,16 @@ type Config struct {
 	// BodyReadTimeout bounds the reading of a request body (408 beyond it), so that a client
 	// trickling its body holds nothing for long. Default DefaultBodyReadTimeout.
 	BodyReadTimeout time.Duration
+	// MaxLogprobs is --max-logprobs: the most logprobs (sampled or prompt) a request may ask
+	// for per position; −1 allows the whole vocabulary. Zero means DefaultMaxLogprobs.
+	MaxLogprobs int
+	// PromptTokensDetails is --enable-prompt-tokens-details: usage carries
+	// prompt_tokens_details (cached_tokens, external_cached_tokens) only when it is set, as in
+	// vLLM.
+	PromptTokensDetails bool
+	// ForceIncludeUsage is --enable-force-include-usage: streams end with the usage chunk even
+	// when the request has no stream_options.
+	ForceIncludeUsage bool
 	// DeclineKV, if set, is called with the kv_transfer_params of a request refused before the
 	// engine took it (invalid, too long, over capacity), so that the connector tells the
 	// producer that holds their blocks to free them now rather than when its lease expires.
@@ -125,7 +137,10 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	if cfg.Version == "" {
-		cfg.Version = "dev"
+		cfg.Version = buildinfo.Version()
+	}
+	if cfg.MaxLogprobs == 0 {
+		cfg.MaxLogprobs = DefaultMaxLogprobs
 	}
 	if cfg.BodyReadTimeout <= 0 {
 		cfg.BodyReadTimeout = DefaultBodyReadTimeout
@@ -155,6 +170,11 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	s.route("GET /v1/models", s.handleModels)
 	s.route("GET /health", s.handleHealth)
 	s.route("GET /version", s.handleVersion)
+	s.route("POST /tokenize", s.handleTokenize)
+	s.route("POST /detokenize", s.handleDetokenize)
+	s.mux.HandleFunc("GET /ping", s.handleHealth)
+	s.mux.HandleFunc("POST /ping", s.handleHealth)
+	s.mux.Handle("/ping", methodNotAllowed("GET, HEAD, POST"))
 	s.mux.Handle("GET /metrics", s.reg.Handler())
 	s.mux.Handle("/metrics", methodNotAllowed("GET, HEAD"))
 	s.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {

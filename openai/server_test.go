@@ -66,7 +66,7 @@ func newEnv(t testing.TB, opts ...any) *env {
 	}
 	reg := metrics.NewRegistry()
 	cfg := Config{ServedModelNames: []string{testModelName, "alias"}, MaxModelLen: testMaxModelLen,
-		Logger: log, Metrics: reg, Version: "test"}
+		Logger: log, Metrics: reg, Version: "test", PromptTokensDetails: true}
 	for _, o := range opts {
 		switch o := o.(type) {
 		case func(*Config):

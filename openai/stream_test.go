@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -57,10 +58,17 @@ func TestClientDisconnectMidStreamFreesBlocks(t *testing.T) {
 // TestClientDisconnectWhileGenerating: a client that hangs up while tokens stream leaves the
 // pool full (whether the abort or the natural end came first).
 func TestClientDisconnectWhileGenerating(t *testing.T) {
+	for _, n := range []int{1, 3} {
+		t.Run(fmt.Sprintf("n=%d", n), func(t *testing.T) { disconnectWhileGenerating(t, n) })
+	}
+}
+
+// disconnectWhileGenerating hangs up on a streamed request of n choices after its first chunk.
+func disconnectWhileGenerating(t *testing.T, n int) {
 	e := newEnv(t)
 	ctx, cancel := context.WithTimeout(t.Context(), testWait)
 	defer cancel()
-	body := `{"prompt":"` + strings.Repeat("once upon a time ", 8) + `","ignore_eos":true,"stream":true}`
+	body := fmt.Sprintf(`{"prompt":"%s","ignore_eos":true,"stream":true,"n":%d}`, strings.Repeat("once upon a time ", 8), n)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.http.URL+"/v1/completions", bytes.NewReader([]byte(body)))
 	if err != nil {
 		t.Fatal(err)

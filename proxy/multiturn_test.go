@@ -23,7 +23,7 @@ func startBidirectional(t *testing.T, role string, prefix bool) *instance.Instan
 		t.Fatal(err)
 	}
 	in, err := instance.Start(t.Context(), instance.Config{OpenedModel: openTiny(t), Host: "127.0.0.1", NumBlocks: 1024, MaxModelLen: 8192,
-		PrefixCaching: prefix, SideChannelPort: -1, KVTransfer: kv})
+		PrefixCaching: prefix, SideChannelPort: -1, KVTransfer: kv, PromptTokensDetails: true})
 	if err != nil {
 		t.Fatal(err)
 	}

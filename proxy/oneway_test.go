@@ -288,3 +288,39 @@ func TestOneWayClientDisconnectCancelsDecode(t *testing.T) {
 		}
 	}
 }
+
+// TestPrefillLegDropsDecodeOnlyFields: P's one-token leg carries neither n, best_of, logprobs,
+// top_logprobs, echo nor prompt_logprobs (only D answers them), but keeps the sampling
+// parameters; D gets the client's body and answers all of it.
+func TestPrefillLegDropsDecodeOnlyFields(t *testing.T) {
+	p, d := startEngine(t, "kv_producer", 4096), startEngine(t, "kv_consumer", 4096)
+	pr, dr := record(t, p.URL), record(t, d.URL)
+	px := startProxy(t, proxy.Config{Prefill: []proxy.Instance{instanceOf(t, pr.srv.URL)}, Decode: []proxy.Instance{instanceOf(t, dr.srv.URL)}})
+	body := map[string]any{"model": "kvbridge/tiny", "prompt": "several answers please", "max_tokens": 4, "n": 2, "best_of": 2,
+		"logprobs": 1, "echo": true, "prompt_logprobs": 1, "presence_penalty": 0.5, "logit_bias": map[string]any{"7": -1}, "seed": 3}
+	resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", body)
+	if resp.StatusCode != 200 {
+		t.Fatalf("%d %s", resp.StatusCode, raw)
+	}
+	pb := pr.bodies[0]
+	for _, k := range []string{"n", "best_of", "logprobs", "top_logprobs", "echo", "prompt_logprobs"} {
+		if _, ok := pb[k]; ok {
+			t.Errorf("P's body still has %s: %v", k, pb)
+		}
+	}
+	if pb["presence_penalty"] != 0.5 || pb["seed"] != 3.0 || pb["logit_bias"] == nil {
+		t.Errorf("P's body lost sampling parameters: %v", pb)
+	}
+	if db := dr.bodies[0]; db["n"] != 2.0 || db["echo"] != true || db["prompt_logprobs"] != 1.0 {
+		t.Errorf("D's body: %v", db)
+	}
+	var out struct {
+		Choices []struct {
+			Logprobs       map[string]any `json:"logprobs"`
+			PromptLogprobs []any          `json:"prompt_logprobs"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(raw, &out); err != nil || len(out.Choices) != 2 || out.Choices[1].Logprobs == nil || len(out.Choices[0].PromptLogprobs) == 0 {
+		t.Errorf("answer through the proxy: %s", raw)
+	}
+}

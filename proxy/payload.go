@@ -41,9 +41,18 @@ func prefillTemplate() map[string]any {
 	}
 }
 
+// decodeOnlyFields are the request fields whose results only D produces: P's one-token leg
+// computes the prompt's KV once for one sequence and its answer is dropped, so it asks for
+// neither several choices (n, best_of), nor logprobs (logprobs, top_logprobs), nor the prompt
+// back (echo), nor the prompt's logprobs (prompt_logprobs: D recomputes the prompt for them,
+// since they need the logits of every prompt position, which a KV transfer does not carry).
+// The sampling parameters stay: they change nothing in P's KV, and P validates them as D will.
+var decodeOnlyFields = []string{"n", "best_of", "logprobs", "top_logprobs", "echo", "prompt_logprobs"}
+
 // prefillRequest derives P's request from the client's body: a shallow copy with params as
 // kv_transfer_params, stream off, max_tokens 1 (and max_completion_tokens 1 when present), and no
-// stream_options, min_tokens or min_completion_tokens (spec §1.3, conformance item 1).
+// stream_options, min_tokens or min_completion_tokens (spec §1.3, conformance item 1), nor the
+// fields only D answers (decodeOnlyFields).
 func prefillRequest(b body, params map[string]any) body {
 	p := maps.Clone(b)
 	p["kv_transfer_params"] = params
@@ -55,6 +64,9 @@ func prefillRequest(b body, params map[string]any) body {
 	delete(p, "stream_options")
 	delete(p, "min_tokens")
 	delete(p, "min_completion_tokens")
+	for _, k := range decodeOnlyFields {
+		delete(p, k)
+	}
 	return p
 }
 

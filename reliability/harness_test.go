@@ -156,6 +156,7 @@ func (o engineOptions) instanceConfig(log *slog.Logger) (instance.Config, error)
 	cfg := instance.Config{
 		Model: model.Tiny, OpenedModel: o.model, Host: "127.0.0.1", NumBlocks: blocks, MaxModelLen: min(maxModelLen, blocks*blockSize),
 		BlockSize: blockSize, PrefixCaching: o.prefix, Logger: log, StatsInterval: time.Hour, SideChannelPort: -1,
+		PromptTokensDetails: true,
 	}
 	if o.sideChannel > 0 {
 		cfg.SideChannelPort = o.sideChannel

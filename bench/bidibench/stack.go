@@ -156,7 +156,7 @@ func startEngine(ctx context.Context, cfg StackConfig, role connector.Role, pref
 	ic := instance.Config{
 		OpenedModel: cfg.Model, Host: cfg.Host, Port: port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: prefix, SideChannelPort: -1, KVTransfer: kv,
-		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger,
+		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true,
 	}
 	in, err := instance.Start(ctx, ic)
 	if err != nil && port != 0 && cfg.FallbackToFreePorts && errors.Is(err, syscall.EADDRINUSE) {

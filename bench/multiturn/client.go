@@ -2,9 +2,11 @@ package multiturn
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"time"
 )
 
@@ -21,6 +23,8 @@ type clientConfig struct {
 	limitMin      int
 	limitMax      int
 	origin        time.Time
+	verbose       bool // -v: report the client's choices
+	content       bool // --print-content: report messages and answers
 }
 
 // clientEvent is what a client reports to the phase's collector.
@@ -31,6 +35,7 @@ type clientEvent struct {
 	exited   bool
 	client   int
 	log      string
+	content  string // printed as is (--print-content)
 }
 
 // errMismatch marks a --verify-output mismatch; it ends the client without retries.
@@ -90,6 +95,9 @@ func (c *client) run(ctx context.Context) {
 				active[conv.ID] = conv
 				order = append(order, conv.ID)
 				ring = append(ring, conv.ID)
+				c.verbosef(ctx, "client %d will use conversation ID %s (active conversations %d)", c.id, conv.ID, len(active))
+			} else {
+				c.verbosef(ctx, "client %d will not use conversation ID %s (all %d messages already sent)", c.id, conv.ID, len(conv.Messages))
 			}
 		}
 		if len(active) == 0 || queueEmpty {
@@ -105,6 +113,7 @@ func (c *client) run(ctx context.Context) {
 		conv := active[id]
 		turns[id]++
 		cur := turns[id]
+		c.verbosef(ctx, "client %d using conversation ID %s (turn: %d)", c.id, id, cur)
 
 		began := time.Now()
 		var (
@@ -144,6 +153,7 @@ func (c *client) run(ctx context.Context) {
 			}
 			if turns[id] >= limit {
 				remove(id)
+				c.verbosef(ctx, "client %d finished conversation ID %s", c.id, id)
 				c.emit(ctx, clientEvent{finished: conv})
 			} else if !c.cfg.random {
 				ring = append([]string{id}, ring...)
@@ -192,6 +202,10 @@ func (c *client) sendTurn(ctx context.Context, conv *Conversation, cur int) (*Re
 		maxTok = nil
 	}
 
+	if c.cfg.content {
+		data, _ := json.Marshal(msgs)
+		c.emit(ctx, clientEvent{content: fmt.Sprintf("Messages (conversation ID %s, %d turns): %s\n", conv.ID, len(msgs), data)})
+	}
 	r, err := c.q.send(ctx, conv.ID, msgs, minTok, maxTok)
 	if err != nil {
 		return nil, err
@@ -219,6 +233,10 @@ func (c *client) sendTurn(ctx context.Context, conv *Conversation, cur int) (*Re
 	st.OutputNumChunks = r.chunks
 	st.TTFTMs, st.TPOTMs = tokenTimings(ms(r.ttft), st.LatencyMs, st.OutputNumTokens, st.OutputNumFirstChunkTokens)
 
+	if c.cfg.content {
+		c.emit(ctx, clientEvent{content: fmt.Sprintf("\nResponse (%d tokens): %s\nResponse metrics: ttft_ms %.2f, tpot_ms %.2f, latency_ms %.2f, input_num_tokens %d, output_num_tokens %d\n%s\n",
+			st.OutputNumTokens, r.content, st.TTFTMs, st.TPOTMs, st.LatencyMs, st.InputNumTokens, st.OutputNumTokens, strings.Repeat("-", 70))})
+	}
 	if len(conv.Messages) > cur {
 		orig := conv.Messages[cur].Content
 		if c.cfg.verify && orig != r.content {
@@ -262,6 +280,13 @@ func (c *client) emit(ctx context.Context, ev clientEvent) {
 // logf reports a message through the collector (so it does not garble the progress bar).
 func (c *client) logf(ctx context.Context, format string, args ...any) {
 	c.emit(ctx, clientEvent{log: fmt.Sprintf(format, args...)})
+}
+
+// verbosef reports a message with -v only.
+func (c *client) verbosef(ctx context.Context, format string, args ...any) {
+	if c.cfg.verbose {
+		c.logf(ctx, format, args...)
+	}
 }
 
 // stopped reports whether the benchmark asked clients to stop or was cancelled.

@@ -1,8 +1,10 @@
 package multiturn
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -23,23 +25,45 @@ type fakeChat struct {
 
 type recorded struct {
 	payload map[string]any
+	keys    []string // the payload's top-level keys in wire order
 	header  http.Header
 	conv    string
 	turn    int
 }
 
 func (f *fakeChat) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	raw, _ := io.ReadAll(r.Body)
 	var p map[string]any
-	if err := json.NewDecoder(r.Body).Decode(&p); err != nil {
+	if err := json.Unmarshal(raw, &p); err != nil {
 		http.Error(w, err.Error(), 400)
 		return
+	}
+	var keys []string
+	dec := json.NewDecoder(bytes.NewReader(raw))
+	for depth := 0; ; {
+		tok, err := dec.Token()
+		if err != nil {
+			break
+		}
+		switch tok {
+		case json.Delim('{'), json.Delim('['):
+			depth++
+		case json.Delim('}'), json.Delim(']'):
+			depth--
+		default:
+			if k, ok := tok.(string); ok && depth == 1 && dec.More() {
+				keys = append(keys, k)
+				var skip json.RawMessage
+				_ = dec.Decode(&skip)
+			}
+		}
 	}
 	msgs, _ := p["messages"].([]any)
 	turn := (len(msgs) + 1) / 2
 	first, _ := msgs[0].(map[string]any)
 	conv := strings.Fields(first["content"].(string))[0]
 	f.mu.Lock()
-	f.requests = append(f.requests, recorded{payload: p, header: r.Header.Clone(), conv: conv, turn: turn})
+	f.requests = append(f.requests, recorded{payload: p, keys: keys, header: r.Header.Clone(), conv: conv, turn: turn})
 	f.mu.Unlock()
 	if f.hold != nil {
 		f.hold(conv, turn)
@@ -109,14 +133,18 @@ func TestPayloadAndHeaders(t *testing.T) {
 	answerTokens := float64(tc.Count("answer c0 1"))
 	for i, r := range reqs {
 		p := r.payload
-		if p["model"] != "served" || p["conversation_id"] != "c0" || p["stream"] != true || p["seed"] != 0.0 || p["temperature"] != 0.0 {
+		if p["model"] != "served" || p["conversation_id"] != "c0" || p["stream"] != true {
 			t.Errorf("payload %d: %v", i, p)
+		}
+		// The current vLLM script's payload, in its order: no seed, temperature or min_tokens.
+		if want := []string{"model", "messages", "conversation_id", "stream", "stream_options", "max_tokens"}; strings.Join(r.keys, ",") != strings.Join(want, ",") {
+			t.Errorf("payload %d keys %v, want %v", i, r.keys, want)
 		}
 		if so, _ := p["stream_options"].(map[string]any); so["include_usage"] != false {
 			t.Errorf("stream_options %v", p["stream_options"])
 		}
-		if p["max_tokens"] != answerTokens || p["min_tokens"] != answerTokens {
-			t.Errorf("max/min tokens %v/%v, want %v", p["max_tokens"], p["min_tokens"], answerTokens)
+		if p["max_tokens"] != answerTokens {
+			t.Errorf("max_tokens %v, want %v", p["max_tokens"], answerTokens)
 		}
 		if r.header.Get("X-Session-ID") != "c0" || r.header.Get("X-Custom") != "v" || r.header.Get("Authorization") != "Bearer k" || r.header.Get("Content-Type") != "application/json" {
 			t.Errorf("headers %v", r.header)
@@ -142,15 +170,18 @@ func TestPayloadAndHeaders(t *testing.T) {
 func TestLimitsAndNoConversationID(t *testing.T) {
 	f := &fakeChat{}
 	url := startFake(t, f)
-	if _, err := Run(t.Context(), convs(1), Options{URL: url, Model: "m", LimitMinTokens: 3, LimitMaxTokens: 7, NoStream: true}); err != nil {
+	seed, temp := int64(0), 0.0
+	if _, err := Run(t.Context(), convs(1), Options{URL: url, Model: "m", LimitMinTokens: 3, LimitMaxTokens: 7, NoStream: true,
+		SendMinTokens: true, RequestSeed: &seed, Temperature: &temp}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := Run(t.Context(), convs(1), Options{URL: url, Model: "m", LimitMinTokens: -1, LimitMaxTokens: -1}); err != nil {
 		t.Fatal(err)
 	}
 	reqs := f.log()
-	if p := reqs[0].payload; p["min_tokens"] != 3.0 || p["max_tokens"] != 7.0 || p["stream"] != nil || p["conversation_id"] != nil || reqs[0].header.Get("X-Session-ID") != "" {
-		t.Errorf("limited payload %v", p)
+	if p := reqs[0].payload; p["min_tokens"] != 3.0 || p["max_tokens"] != 7.0 || p["stream"] != nil || p["conversation_id"] != nil ||
+		p["seed"] != 0.0 || p["temperature"] != 0.0 || reqs[0].header.Get("X-Session-ID") != "" {
+		t.Errorf("limited payload (seed, temperature and min_tokens asked for) %v", p)
 	}
 	if p := reqs[1].payload; p["min_tokens"] != nil || p["max_tokens"] != nil {
 		t.Errorf("unlimited payload %v", p)

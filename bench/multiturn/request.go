@@ -14,17 +14,18 @@ import (
 )
 
 // chatPayload is the body of one /v1/chat/completions request. Field order is the order on the
-// wire.
+// wire: the current vLLM script's (model, messages, conversation_id, stream, stream_options,
+// max_tokens), then what only kvbridge sends when asked (seed, temperature, min_tokens).
 type chatPayload struct {
 	Model          string         `json:"model"`
 	Messages       []Message      `json:"messages"`
 	ConversationID string         `json:"conversation_id,omitempty"`
-	Seed           int            `json:"seed"`
-	Temperature    float64        `json:"temperature"`
 	Stream         bool           `json:"stream,omitempty"`
 	StreamOptions  *streamOptions `json:"stream_options,omitempty"`
-	MinTokens      *int           `json:"min_tokens,omitempty"`
 	MaxTokens      *int           `json:"max_tokens,omitempty"`
+	Seed           *int64         `json:"seed,omitempty"`
+	Temperature    *float64       `json:"temperature,omitempty"`
+	MinTokens      *int           `json:"min_tokens,omitempty"`
 }
 
 // streamOptions is the OpenAI stream_options object.
@@ -67,12 +68,19 @@ type requester struct {
 	timeout  time.Duration
 	header   http.Header
 	sendConv bool
+	// seed, temperature and sendMinTokens add what the current vLLM script no longer sends.
+	seed          *int64
+	temperature   *float64
+	sendMinTokens bool
 }
 
 // send posts messages and reads the answer. It returns errRejected (wrapped) for an answer that
 // is not usable, another error when the request failed (timeout, connection).
 func (q *requester) send(ctx context.Context, convID string, messages []Message, minTokens, maxTokens *int) (serverResponse, error) {
-	p := chatPayload{Model: q.model, Messages: messages, MinTokens: minTokens, MaxTokens: maxTokens}
+	p := chatPayload{Model: q.model, Messages: messages, MaxTokens: maxTokens, Seed: q.seed, Temperature: q.temperature}
+	if q.sendMinTokens {
+		p.MinTokens = minTokens
+	}
 	if q.sendConv {
 		p.ConversationID = convID
 	}

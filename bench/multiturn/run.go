@@ -65,6 +65,17 @@ type Options struct {
 	SendConversationID bool
 	// Header holds extra request headers (including Authorization for --api-key).
 	Header http.Header
+	// RequestSeed and Temperature, when set, are sent as "seed" and "temperature" in every
+	// request, and SendMinTokens sends min_tokens (from LimitMinTokens) as older versions of
+	// vLLM's script did; the current one sends none of them.
+	RequestSeed   *int64
+	Temperature   *float64
+	SendMinTokens bool
+	// Verbose (-v) reports every client's choices: the conversations it takes up, the turns it
+	// sends, the conversations it finishes.
+	Verbose bool
+	// Content, if set (--print-content), receives every request's messages and the answer.
+	Content io.Writer
 
 	// Progress receives progress and warning lines (nil: none). With ProgressBar set, progress
 	// is one self-overwriting line, for terminals.
@@ -188,6 +199,7 @@ func Run(ctx context.Context, convs []Conversation, opts Options) (*Result, erro
 	q := &requester{
 		http: o.HTTPClient, chatURL: o.URL + "/v1/chat/completions", model: o.Model,
 		stream: !o.NoStream, timeout: o.RequestTimeout, header: o.Header, sendConv: o.SendConversationID,
+		seed: o.RequestSeed, temperature: o.Temperature, sendMinTokens: o.SendMinTokens,
 	}
 	origin := time.Now()
 	cc := clientConfig{
@@ -200,6 +212,8 @@ func Run(ctx context.Context, convs []Conversation, opts Options) (*Result, erro
 		limitMin:    o.LimitMinTokens,
 		limitMax:    o.LimitMaxTokens,
 		origin:      origin,
+		verbose:     o.Verbose,
+		content:     o.Content != nil,
 	}
 	if o.MaxNumRequests > 0 {
 		cc.maxRequests = o.MaxNumRequests / o.NumClients
@@ -288,6 +302,8 @@ func runPhase(ctx context.Context, convs []*Conversation, o Options, cc clientCo
 			return res
 		}
 		switch {
+		case ev.content != "":
+			fmt.Fprint(o.Content, ev.content)
 		case ev.log != "":
 			pr.logf("%s", ev.log)
 		case ev.sample != nil:

@@ -57,7 +57,7 @@ func startCluster(ctx context.Context, cfg clusterConfig) (_ *cluster, err error
 	}()
 	base := instance.Config{
 		OpenedModel: cfg.model, Host: "127.0.0.1", BlockSize: cfg.blockSize, NumBlocks: cfg.numBlocks,
-		MaxModelLen: cfg.maxModelLen, StatsInterval: bigStatsInterval, Logger: cfg.log,
+		MaxModelLen: cfg.maxModelLen, StatsInterval: bigStatsInterval, Logger: cfg.log, PromptTokensDetails: true,
 	}
 	if cfg.single {
 		if c.single, err = instance.Start(ctx, base); err != nil {

@@ -125,7 +125,7 @@ func (m *member) start(ctx context.Context) error {
 	// (with its own prefix cache P would hold the history and pull nothing); D caches them.
 	in, err := instance.Start(ctx, instance.Config{
 		OpenedModel: m.model, Host: "127.0.0.1", NumBlocks: numBlocks, MaxModelLen: maxModelLen, PrefixCaching: m.role == connector.RoleConsumer,
-		KVTransfer: kv, SideChannelPort: side, StatsInterval: time.Hour, Logger: m.log.With("engine", m.name),
+		KVTransfer: kv, SideChannelPort: side, StatsInterval: time.Hour, Logger: m.log.With("engine", m.name), PromptTokensDetails: true,
 		ConnectorHooks: func(o *connector.Options) {
 			o.Transfer.ListenTCP = listen
 			o.Transfer.AdvertiseTCP = m.xfer.Addr()

@@ -24,7 +24,7 @@ func usageError(format string, args ...any) error {
 //	--kv-transfer-config '{"kv_role":"kv_producer"}'
 //	--kv-transfer-config.kv_role kv_producer
 //	--kv-transfer-config.kv_connector_extra_config.backends+ TCP
-var jsonFlags = []string{"kv-transfer-config"}
+var jsonFlags = []string{"kv-transfer-config", "compilation-config"}
 
 // multiValueFlags take one or more values like argparse's nargs="+": "--decoder-hosts a b" is
 // rewritten to "--decoder-hosts a --decoder-hosts b".
@@ -40,6 +40,10 @@ var multiValueFlags = []string{
 // when they parse (numbers, booleans, lists, objects), then as human-readable integers (1k, 2M),
 // else kept as strings; a trailing + appends comma-separated strings to a list.
 func normalizeArgs(args []string) ([]string, error) {
+	args, err := expandVLLMArgs(args)
+	if err != nil {
+		return nil, err
+	}
 	out := make([]string, 0, len(args))
 	merged := map[string]map[string]any{}
 	var order []string

@@ -14,6 +14,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/kvbridge/kvbridge/bench/multiturn"
+	"github.com/kvbridge/kvbridge/internal/buildinfo"
 )
 
 // newBenchMultiTurnCmd returns `kvbridge bench multi-turn`, vLLM's
@@ -27,6 +28,9 @@ func newBenchMultiTurnCmd() *cobra.Command {
 		headers                         []string
 		timeoutSec                      int
 		trustRemoteCode                 bool
+		excel, printContent, version    bool
+		temperature                     float64
+		requestSeed                     int64
 	)
 	cmd := &cobra.Command{
 		Use:   "multi-turn",
@@ -42,9 +46,10 @@ bench/multiturn/generate_multi_turn.json) or a ShareGPT-style list of {"id", "me
 files of a generator config are looked up next to the config, then in the current directory; a
 missing one is replaced by the public-domain text built into kvbridge (with a notice).
 
-Each request sends the conversation so far with the server's real earlier answers; max_tokens
-and min_tokens default to the dataset answer's length, and requests carry "seed": 0 and
-"temperature": 0. Clients are goroutines sharing a queue of conversations. --model names the
+Each request sends the conversation so far with the server's real earlier answers, as the
+current vLLM script does: model, messages, (conversation_id,) stream, stream_options and
+max_tokens, which defaults to the dataset answer's length. --temperature, --request-seed and
+--send-min-tokens add what older versions sent ("temperature": 0, "seed": 0, min_tokens). Clients are goroutines sharing a queue of conversations. --model names the
 tokenizer used to count tokens (kvbridge/tiny, kvbridge/small, a local HF directory or a cached
 repo id); when it cannot be loaded, tokens are estimated as characters/4 and the summary says so.
 
@@ -55,6 +60,10 @@ Additions: --plot FILE draws the mean TTFT per user turn (SVG); --json FILE writ
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			f := cmd.Flags()
+			if version {
+				fmt.Fprintf(cmd.OutOrStdout(), "Benchmark serving with multi-turn conversations 1.0 (kvbridge %s)\n", buildinfo.Version())
+				return nil
+			}
 			if input == "" {
 				return usageError("-i/--input-file is required")
 			}
@@ -105,6 +114,15 @@ Additions: --plot FILE draws the mean TTFT per user turn (SVG); --json FILE writ
 				opts.Model = served
 			}
 			opts.RequestTimeout = time.Duration(timeoutSec) * time.Second
+			if f.Changed("temperature") {
+				opts.Temperature = &temperature
+			}
+			if f.Changed("request-seed") {
+				opts.RequestSeed = &requestSeed
+			}
+			if printContent {
+				opts.Content = cmd.OutOrStdout()
+			}
 			_ = trustRemoteCode // accepted for compatibility: kvbridge's tokenizers run no code
 
 			ctx := cmd.Context()
@@ -166,6 +184,10 @@ Additions: --plot FILE draws the mean TTFT per user turn (SVG); --json FILE writ
 					}))
 				}
 			}
+			if excel {
+				name := multiturn.ExcelFileName(max(opts.NumClients, 1), time.Now())
+				wrote(name, multiturn.WriteExcel(name, sum, res.Samples, opts.Verbose))
+			}
 			if output != "" {
 				wrote(output, writeFileWithDir(output, func() error { return multiturn.WriteConversations(output, res.Conversations) }))
 			}
@@ -202,6 +224,13 @@ Additions: --plot FILE draws the mean TTFT per user turn (SVG); --json FILE writ
 	f.StringVar(&plotOut, "plot", "", "draw the mean TTFT per user turn to this SVG file")
 	f.StringVar(&summaryJSON, "json", "", "write the summary (statistics and ttft_ms_by_turn) to this JSON file")
 	f.BoolVar(&trustRemoteCode, "trust-remote-code", false, "accepted for compatibility; has no effect")
+	f.BoolVarP(&excel, "excel-output", "e", false, "write the summary and the raw data to statistics_<N>_clients__<timestamp>.xlsx")
+	f.BoolVarP(&opts.Verbose, "verbose", "v", false, "report each client's conversations and turns; Excel raw data get time_between_user_turns_sec")
+	f.BoolVar(&printContent, "print-content", false, "print the user prompts and the server's answers")
+	f.BoolVar(&version, "version", false, "print the benchmark's version and exit")
+	f.Float64Var(&temperature, "temperature", 0, `send "temperature" in every request (the current vLLM script sends none)`)
+	f.Int64Var(&requestSeed, "request-seed", 0, `send "seed" in every request (the current vLLM script sends none)`)
+	f.BoolVar(&opts.SendMinTokens, "send-min-tokens", false, "send min_tokens (the --limit-min-tokens value) as older versions of the vLLM script did")
 	return cmd
 }
 

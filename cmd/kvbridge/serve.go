@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"time"
 
@@ -41,9 +42,50 @@ type serveFlags struct {
 	numBlocksOverride   int
 	kvCacheLayout       string
 	maxConcurrent       int
+
+	// vLLM flags with an effect here.
+	dataParallelSize     int
+	pipelineParallelSize int
+	maxLogprobs          int
+	disableLogStats      bool
+	promptTokensDetails  bool
+	forceIncludeUsage    bool
+	dtype                string
+	kvCacheDtype         string
+	quantization         string
+	// internals are vLLM flags that only tune its Python process (no effect on results).
+	internals map[string]*string
+	internalB map[string]*bool
+	// changed reports whether a flag was given (set when the command runs).
+	changed func(name string) bool
 }
 
-func newServeCmd() *cobra.Command {
+// pythonOnlyFlags take a value and only tune vLLM's Python internals (servers, logging,
+// CUDA graphs, compilation, memory fractions, parallel transports): kvbridge accepts them and
+// says so in a debug log.
+var pythonOnlyFlags = []string{
+	"uvicorn-log-level", "gpu-memory-utilization", "swap-space", "cpu-offload-gb", "distributed-executor-backend",
+	"compilation-config", "optimization-level", "api-server-count", "max-seq-len-to-capture", "cuda-graph-sizes",
+	"load-format", "download-dir", "worker-cls", "otlp-traces-endpoint", "collect-detailed-traces",
+	"data-parallel-backend", "data-parallel-address", "data-parallel-rpc-port", "data-parallel-size-local",
+	"data-parallel-rank", "data-parallel-start-rank", "max-parallel-loading-workers", "tokenizer-mode",
+	"root-path", "middleware", "allowed-origins", "allowed-methods", "allowed-headers",
+	"max-log-len", "kv-events-config",
+}
+
+// pythonOnlyBools are the boolean flags of the same kind.
+var pythonOnlyBools = []string{
+	"disable-log-requests", "enable-log-requests", "disable-frontend-multiprocessing", "disable-custom-all-reduce",
+	"enable-chunked-prefill", "no-enable-chunked-prefill", "trust-remote-code", "disable-uvicorn-access-log",
+	"disable-fastapi-docs", "disable-async-output-proc", "async-scheduling", "no-async-scheduling",
+	"enable-log-outputs", "enable-server-load-tracking", "data-parallel-hybrid-lb", "data-parallel-external-lb",
+	"enable-expert-parallel", "enable-sleep-mode", "disable-cascade-attn",
+}
+
+func newServeCmd() *cobra.Command { return serveCommand(serve) }
+
+// serveCommand returns `kvbridge serve`, which calls run with its flags.
+func serveCommand(run func(context.Context, serveFlags) error) *cobra.Command {
 	var f serveFlags
 	cmd := &cobra.Command{
 		Use:   "serve [MODEL]",
@@ -63,7 +105,8 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 			if f.model == "" {
 				f.model = defaultModel
 			}
-			return serve(cmd.Context(), f)
+			f.changed = cmd.Flags().Changed
+			return run(cmd.Context(), f)
 		},
 	}
 	fl := cmd.Flags()
@@ -87,41 +130,112 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
 	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", 4096, "completions served at once; one more is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
+	fl.IntVar(&f.dataParallelSize, "data-parallel-size", 1, "data parallelism (-dp); only 1 for now")
+	fl.IntVar(&f.pipelineParallelSize, "pipeline-parallel-size", 1, "pipeline parallelism (-pp); only 1 is supported")
+	fl.IntVar(&f.maxLogprobs, "max-logprobs", 20, "most logprobs a request may ask for per position (-1: the vocabulary)")
+	fl.BoolVar(&f.disableLogStats, "disable-log-stats", false, "no periodic KV Transfer metrics log line")
+	fl.BoolVar(&f.promptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details (cached and transferred prompt tokens)")
+	fl.BoolVar(&f.forceIncludeUsage, "enable-force-include-usage", false, "end every stream with a usage chunk")
+	fl.StringVar(&f.dtype, "dtype", "auto", "compute type; kvbridge computes in float32 (auto, float, float32)")
+	fl.StringVar(&f.kvCacheDtype, "kv-cache-dtype", "auto", "KV cache type; kvbridge stores float32 (auto)")
+	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
+	f.internals, f.internalB = map[string]*string{}, map[string]*bool{}
+	for _, name := range pythonOnlyFlags {
+		f.internals[name] = fl.String(name, "", "accepted for vLLM compatibility; tunes only vLLM's Python internals")
+		_ = fl.MarkHidden(name)
+	}
+	for _, name := range pythonOnlyBools {
+		f.internalB[name] = fl.Bool(name, false, "accepted for vLLM compatibility; tunes only vLLM's Python internals")
+		_ = fl.MarkHidden(name)
+	}
 	return cmd
+}
+
+// checkVLLMFlags refuses, naming the flag, the vLLM settings that would change results and that
+// kvbridge cannot honour, and debug-logs the accepted ones that only tune vLLM's internals.
+func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool) error {
+	switch {
+	case f.tensorParallelSize != 1:
+		return usageError("--tensor-parallel-size %d: kvbridge runs one rank per engine; only 1 is supported", f.tensorParallelSize)
+	case f.pipelineParallelSize != 1:
+		return usageError("--pipeline-parallel-size %d: kvbridge runs one rank per engine; only 1 is supported", f.pipelineParallelSize)
+	case f.dataParallelSize < 1:
+		return usageError("--data-parallel-size %d must be at least 1", f.dataParallelSize)
+	case f.dataParallelSize > 1:
+		return usageError("--data-parallel-size %d: data parallelism (several engine replicas behind one port) is not available yet; run one kvbridge serve per replica, each with its own --port and VLLM_NIXL_SIDE_CHANNEL_PORT", f.dataParallelSize)
+	case f.maxLogprobs < -1 || f.maxLogprobs == 0:
+		return usageError("--max-logprobs %d must be -1 (the vocabulary) or at least 1", f.maxLogprobs)
+	case f.quantization != "":
+		return usageError("--quantization %s: kvbridge runs float32 weights; quantization is not supported", f.quantization)
+	case f.dtype != "auto" && f.dtype != "float" && f.dtype != "float32":
+		return usageError("--dtype %s: kvbridge computes in float32; only auto, float and float32 are supported", f.dtype)
+	case f.kvCacheDtype != "auto" && f.kvCacheDtype != "float32":
+		return usageError("--kv-cache-dtype %s: kvbridge stores its KV cache in float32; only auto is supported", f.kvCacheDtype)
+	}
+	for _, name := range append(slices.Clone(pythonOnlyFlags), pythonOnlyBools...) {
+		if changed(name) {
+			log.Debug("accepted for vLLM compatibility; it only tunes vLLM's Python internals and has no effect here", "flag", "--"+name)
+		}
+	}
+	return nil
 }
 
 // serve runs one engine until ctx ends.
 func serve(ctx context.Context, f serveFlags) error {
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-	if f.tensorParallelSize != 1 {
-		return usageError("--tensor-parallel-size %d: kvbridge runs one rank per engine; only 1 is supported", f.tensorParallelSize)
+	cfg, err := f.instanceConfig(log)
+	if err != nil {
+		return err
+	}
+	in, err := instance.Start(ctx, cfg)
+	if errors.Is(err, instance.ErrConfig) {
+		return usageError("%v", err)
+	}
+	if err != nil {
+		return err
+	}
+	defer in.Close()
+	if err := in.Wait(ctx); err != nil {
+		return err
+	}
+	return in.Close()
+}
+
+// instanceConfig checks the flags and builds the engine's configuration.
+func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
+	changed := f.changed
+	if changed == nil {
+		changed = func(string) bool { return false }
+	}
+	if err := f.checkVLLMFlags(log, changed); err != nil {
+		return instance.Config{}, err
 	}
 	if f.port < 0 || f.port > 65535 {
-		return usageError("--port %d is not a port number", f.port)
+		return instance.Config{}, usageError("--port %d is not a port number", f.port)
 	}
 	if f.blockSize <= 0 || f.blockSize > 1024 {
-		return usageError("--block-size %d must be between 1 and 1024", f.blockSize)
+		return instance.Config{}, usageError("--block-size %d must be between 1 and 1024", f.blockSize)
 	}
 	if f.maxNumSeqs <= 0 || f.maxNumBatchedTokens <= 0 || f.maxModelLen < 0 || f.numBlocksOverride < 0 {
-		return usageError("--max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks-override must be positive")
+		return instance.Config{}, usageError("--max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks-override must be positive")
 	}
 	kvLayout := kvcache.HND
 	if f.kvCacheLayout != "" {
 		l, err := kvcache.ParseLayout(f.kvCacheLayout)
 		if err != nil {
-			return usageError("--kv-cache-layout: %v", err)
+			return instance.Config{}, usageError("--kv-cache-layout: %v", err)
 		}
 		kvLayout = l
 	}
 	kvMem, err := parseBytes(f.kvCacheMemory)
 	if err != nil {
-		return usageError("--kv-cache-memory-bytes: %v", err)
+		return instance.Config{}, usageError("--kv-cache-memory-bytes: %v", err)
 	}
 	var kvCfg *connector.Config
 	if f.kvTransferConfig != "" {
 		kvCfg, err = connector.ParseConfig([]byte(f.kvTransferConfig), log)
 		if err != nil {
-			return usageError("%v", err)
+			return instance.Config{}, usageError("%v", err)
 		}
 		if !kvCfg.Enabled() {
 			kvCfg = nil
@@ -132,7 +246,7 @@ func serve(ctx context.Context, f serveFlags) error {
 	if v := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_PORT"); v != "" {
 		p, err := strconv.Atoi(v)
 		if err != nil || p < 0 || p > 65535 {
-			return usageError("VLLM_NIXL_SIDE_CHANNEL_PORT=%q is not a port number", v)
+			return instance.Config{}, usageError("VLLM_NIXL_SIDE_CHANNEL_PORT=%q is not a port number", v)
 		}
 		port = p
 		if p == 0 {
@@ -143,7 +257,7 @@ func serve(ctx context.Context, f serveFlags) error {
 	if f.chatTemplate != "" {
 		src, err := os.ReadFile(f.chatTemplate)
 		if err != nil {
-			return usageError("--chat-template: %v", err)
+			return instance.Config{}, usageError("--chat-template: %v", err)
 		}
 		chatTemplate = string(src)
 	}
@@ -169,19 +283,12 @@ func serve(ctx context.Context, f serveFlags) error {
 		SideChannelPort:       port,
 		StatsInterval:         statsInterval(),
 		Logger:                log,
+		MaxLogprobs:           f.maxLogprobs,
+		PromptTokensDetails:   f.promptTokensDetails,
+		ForceIncludeUsage:     f.forceIncludeUsage,
+		DisableLogStats:       f.disableLogStats,
 	}
-	in, err := instance.Start(ctx, cfg)
-	if errors.Is(err, instance.ErrConfig) {
-		return usageError("%v", err)
-	}
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	if err := in.Wait(ctx); err != nil {
-		return err
-	}
-	return in.Close()
+	return cfg, nil
 }
 
 // statsInterval is VLLM_LOG_STATS_INTERVAL (seconds, default 10).

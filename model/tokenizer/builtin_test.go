@@ -224,3 +224,22 @@ func TestBuiltinPrintable(t *testing.T) {
 		t.Error("printable ids left a partial character")
 	}
 }
+
+func TestTokenStrings(t *testing.T) {
+	tok := Builtin(4096)
+	ids := tok.Encode("the cat\n")
+	strs := tok.TokenStrings(append(ids, -1))
+	for i, id := range ids {
+		// Each spelling maps back to its id through the vocabulary, and spaces and newlines
+		// are written in the byte-level alphabet.
+		if back, ok := tok.TokenID(strs[i]); !ok || back != id {
+			t.Errorf("TokenStrings(%d) = %q, which maps back to %d", id, strs[i], back)
+		}
+		if strings.ContainsAny(strs[i], " \n") {
+			t.Errorf("spelling %q is not in the byte-level alphabet", strs[i])
+		}
+	}
+	if strs[len(ids)] != "" {
+		t.Errorf("unknown id spelled %q", strs[len(ids)])
+	}
+}

@@ -1,0 +1,95 @@
+package openai
+
+import (
+	"encoding/json"
+	"net/http"
+	"slices"
+	"testing"
+
+	"github.com/kvbridge/kvbridge/internal/buildinfo"
+	"github.com/kvbridge/kvbridge/model/tokenizer"
+)
+
+// TestTokenizeDetokenize: /tokenize answers vLLM's {count, max_model_len, tokens, token_strs}
+// for a prompt and for chat messages (rendered as /v1/chat/completions renders them), and
+// /detokenize turns the tokens back into the text.
+func TestTokenizeDetokenize(t *testing.T) {
+	e := newEnv(t)
+	tok := e.model.Tokenizer()
+	type tokenized struct {
+		Count       int      `json:"count"`
+		MaxModelLen int      `json:"max_model_len"`
+		Tokens      []int32  `json:"tokens"`
+		TokenStrs   []string `json:"token_strs"`
+	}
+	post := func(path string, body any) []byte {
+		resp, b := e.post(t, path, body, nil)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%s: %d %s", path, resp.StatusCode, b)
+		}
+		return b
+	}
+	var got tokenized
+	text := "Tokenize me, please: naïve café"
+	if err := json.Unmarshal(post("/tokenize", map[string]any{"model": testModelName, "prompt": text, "return_token_strs": true}), &got); err != nil {
+		t.Fatal(err)
+	}
+	if want := tok.Encode(text); !slices.Equal(got.Tokens, want) || got.Count != len(want) || got.MaxModelLen != testMaxModelLen {
+		t.Errorf("tokenize = %+v, want tokens %v", got, want)
+	}
+	if len(got.TokenStrs) != got.Count || got.TokenStrs[0] == "" {
+		t.Errorf("token_strs = %q", got.TokenStrs)
+	}
+	var plain map[string]any
+	_ = json.Unmarshal(post("/tokenize", map[string]any{"prompt": text}), &plain)
+	if plain["token_strs"] != nil {
+		t.Errorf("token_strs without return_token_strs: %v", plain["token_strs"])
+	}
+	// Chat: the same tokens as the chat route's prompt (usage.prompt_tokens).
+	msgs := []map[string]any{{"role": "system", "content": "be brief"}, {"role": "user", "content": "count my tokens"}}
+	var chat tokenized
+	_ = json.Unmarshal(post("/tokenize", map[string]any{"messages": msgs}), &chat)
+	rendered, _ := renderChat(e.model.ChatTemplate(), []tokenizer.Message{{Role: "system", Content: "be brief"}, {Role: "user", Content: "count my tokens"}}, true)
+	if !slices.Equal(chat.Tokens, tok.Encode(rendered)) {
+		t.Errorf("chat tokenize = %v", chat.Tokens)
+	}
+	var resp struct{ Usage usage }
+	_ = json.Unmarshal(post("/v1/chat/completions", map[string]any{"messages": msgs, "max_tokens": 1}), &resp)
+	if resp.Usage.PromptTokens != chat.Count {
+		t.Errorf("chat tokenize count %d, chat prompt_tokens %d", chat.Count, resp.Usage.PromptTokens)
+	}
+	var de struct{ Prompt string }
+	_ = json.Unmarshal(post("/detokenize", map[string]any{"tokens": got.Tokens}), &de)
+	if de.Prompt != text {
+		t.Errorf("detokenize = %q, want %q", de.Prompt, text)
+	}
+	for _, bad := range []struct {
+		path string
+		body any
+	}{{"/detokenize", map[string]any{"tokens": []int{1, 99999999}}}, {"/tokenize", map[string]any{}}, {"/tokenize", map[string]any{"model": "nope", "prompt": "x"}}} {
+		if resp, b := e.post(t, bad.path, bad.body, nil); resp.StatusCode/100 != 4 {
+			t.Errorf("%s %v: %d %s", bad.path, bad.body, resp.StatusCode, b)
+		}
+	}
+}
+
+// TestPingVersionModels: /ping answers GET and POST like /health; /version reports the build's
+// version; /v1/models carries vLLM's fields.
+func TestPingVersionModels(t *testing.T) {
+	e := newEnv(t, func(c *Config) { c.Version = "" })
+	for _, m := range []string{http.MethodGet, http.MethodPost} {
+		if resp, b := e.do(t, m, "/ping", nil, nil); resp.StatusCode != http.StatusOK || len(b) != 0 {
+			t.Errorf("%s /ping: %d %q", m, resp.StatusCode, b)
+		}
+	}
+	_, b := e.do(t, http.MethodGet, "/version", nil, nil)
+	if v := decode(t, b)["version"]; v != buildinfo.Version() || v == "" {
+		t.Errorf("version %v, want %q", v, buildinfo.Version())
+	}
+	_, b = e.do(t, http.MethodGet, "/v1/models", nil, nil)
+	card := decode(t, b)["data"].([]any)[0].(map[string]any)
+	wantKeys(t, card, "id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission")
+	if card["max_model_len"] != float64(testMaxModelLen) || card["root"] != e.model.Name() || card["parent"] != nil {
+		t.Errorf("model card %v", card)
+	}
+}
