@@ -117,7 +117,7 @@ func answer(t *testing.T, r result) string {
 
 // TestSamplingThroughPD: requests with n, seeds, logprobs, echo, prompt logprobs, best_of,
 // penalties, min_p, logit_bias, allowed_token_ids and bad_words get, through the one-way proxy
-// (streamed or not) and the multi-turn proxy (streamed), exactly the answer of a single engine:
+// and the multi-turn proxy (streamed or not), exactly the answer of a single engine:
 // same texts, same logprobs to the last bit. P prefills one sequence; D pulls it and computes
 // the rest, and recomputes the prompt itself for prompt logprobs (telling P to free). Every
 // block comes back to both pools.
@@ -155,8 +155,8 @@ func TestSamplingThroughPD(t *testing.T) {
 		t.Errorf("D pulled nothing from P: %+v", st)
 	}
 
-	// The multi-turn proxy streams from D whatever the client asked; streamed requests pass
-	// through it event for event.
+	// Through the multi-turn proxy (with a conversation id): streamed requests pass event for
+	// event, the others get D's own JSON answer — every choice, logprobs, prompt logprobs.
 	pi, _ := proxy.NewInstance(p.host, p.port)
 	di, _ := proxy.NewInstance(d.host, d.port)
 	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}}})
@@ -165,25 +165,21 @@ func TestSamplingThroughPD(t *testing.T) {
 	}
 	mtSrv := httptest.NewServer(mt)
 	t.Cleanup(func() { mtSrv.Close(); mt.Close() })
-	var streams []accuracyCase
-	var wantStreams []result
+	var viaMT []accuracyCase
 	for i, c := range cases {
-		if c.body["stream"] == true {
-			body := map[string]any{"conversation_id": fmt.Sprintf("conv-%d", i)}
-			for k, v := range c.body {
-				body[k] = v
-			}
-			streams = append(streams, accuracyCase{c.path, body})
-			wantStreams = append(wantStreams, want[i])
+		body := map[string]any{"conversation_id": fmt.Sprintf("conv-%d", i)}
+		for k, v := range c.body {
+			body[k] = v
 		}
+		viaMT = append(viaMT, accuracyCase{c.path, body})
 	}
-	if len(streams) < 4 {
-		t.Fatalf("%d streamed cases", len(streams))
-	}
-	gotStreams := runAll(t, mtSrv.URL, streams)
-	for i := range streams {
-		if a, b := answer(t, gotStreams[i]), answer(t, wantStreams[i]); a != b {
-			t.Errorf("stream %d (%s) through the multi-turn proxy:\n got %s\nwant %s", i, streams[i].path, a, b)
+	gotMT := runAll(t, mtSrv.URL, viaMT)
+	for i := range viaMT {
+		if a, b := answer(t, gotMT[i]), answer(t, want[i]); a != b {
+			t.Errorf("case %d (%s %v) through the multi-turn proxy:\n got %s\nwant %s", i, viaMT[i].path, viaMT[i].body["stream"], a, b)
+		}
+		if strings.Contains(gotMT[i].Raw, "kv_transfer_params") {
+			t.Errorf("case %d: D's params reached the client", i)
 		}
 	}
 	p.waitPoolFull(t)

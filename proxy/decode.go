@@ -9,29 +9,29 @@ import (
 	"net/http"
 )
 
-// The decode leg, shared by both proxies. D's answer is relayed (or, for a multi-turn client
-// that did not ask for a stream, assembled) an event at a time: D's kv_transfer_params are taken
-// out of every event, the caller's bookkeeping runs when D's stream ends, and only then does the
-// client get [DONE] — most clients close the connection as soon as they read it, so nothing may
-// depend on the client reading further. What differs between the proxies is chosen through
-// decodeOptions:
+// The decode leg, shared by both proxies. D's answer is relayed without D's
+// kv_transfer_params — a stream an event at a time, a JSON body whole — and the caller's
+// bookkeeping runs when D's answer has ended, before the client gets its end ([DONE], or the
+// body): most clients close the connection as soon as they read [DONE], so nothing may depend on
+// the client reading further. What differs between the proxies is chosen through decodeOptions:
 //
-//   - the one-way proxy forwards the client's body unchanged (conformance item 2), so D streams
-//     only when the client asked, and D's own usage chunk goes through as the client asked for it;
-//   - the multi-turn proxy always asks D for a stream with usage (D's params ride on its last
-//     chunk), assembles one JSON response for a non-streaming client, forwards the usage chunk
-//     only to a client that asked for it, and stores the turn when the stream ends.
+//   - the one-way proxy forwards the client's body unchanged (conformance item 2), and D's
+//     usage chunk goes through as the client asked for it;
+//   - the multi-turn proxy asks D for a stream with usage when the client streams (D's params
+//     ride on its last chunk), forwards the usage chunk only to a client that asked for it, and
+//     stores the turn when D's answer ends. A client that asked for no stream gets D's own JSON
+//     answer (every choice, logprobs and prompt logprobs included), D's params taken out of it.
 
 // decodeOptions adapt the decode leg to a proxy.
 type decodeOptions struct {
-	// streaming says whether the client asked for a stream; when it did not but D streams, the
-	// client gets one assembled JSON response.
+	// streaming says whether the client asked for a stream.
 	streaming bool
 	// usage says whether a usage-only chunk from D is forwarded to a streaming client.
 	usage bool
-	// first, if set, is called when the first event reaches the client (TTFT).
+	// first, if set, is called when the first content reaches the client (TTFT).
 	first func()
-	// done, if set, sees the answer once D's stream has ended, before the client gets its end.
+	// done, if set, sees the answer once D's successful answer has ended, before the client
+	// gets its end.
 	done func(answer)
 	// unreachable, if set, is called when D could not be reached (no answer at all).
 	unreachable func()
@@ -55,21 +55,34 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode/100 != 2 || !isSSE(resp) {
-		if err := relayJSON(w, resp, reqID, l.cfg.IdleTimeout, cancel); err != nil {
+		data, err := readAllIdle(resp.Body, l.cfg.IdleTimeout, cancel)
+		if err != nil {
 			err = legCause(ctx, err)
 			if r.Context().Err() == nil {
 				l.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
 			}
 			return err
 		}
-		return nil
+		data, params := withoutParams(data)
+		if resp.StatusCode/100 == 2 && o.done != nil {
+			ans := answerOf(data)
+			ans.params = params
+			detach()
+			o.done(ans)
+		}
+		if o.first != nil {
+			o.first()
+		}
+		copyHeaders(w, resp, reqID)
+		w.Header().Del("Content-Length")
+		w.WriteHeader(resp.StatusCode)
+		_, err = w.Write(data)
+		return err
 	}
 	out := newSSEWriter(w)
-	if o.streaming {
-		copyHeaders(w, resp, reqID)
-		w.WriteHeader(http.StatusOK)
-		_ = out.rc.Flush()
-	}
+	copyHeaders(w, resp, reqID)
+	w.WriteHeader(http.StatusOK)
+	_ = out.rc.Flush()
 	ir := newIdleReader(resp.Body, l.cfg.IdleTimeout, cancel)
 	defer ir.close()
 	events := newEventReader(ir)
@@ -85,18 +98,14 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 				return err // the client left before the end
 			}
 			l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
-			if o.streaming {
-				// The 200 is gone: end the stream the way an engine does, so the client sees
-				// an error rather than a truncated success.
-				writeSSEError(w, "decode stream ended early: "+err.Error())
-				_ = out.rc.Flush()
-			} else {
-				l.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
-			}
+			// The 200 is gone: end the stream the way an engine does, so the client sees an
+			// error rather than a truncated success.
+			writeSSEError(w, "decode stream ended early: "+err.Error())
+			_ = out.rc.Flush()
 			return err
 		}
 		data, forward := ans.event(data)
-		if o.streaming && (forward || (o.usage && isUsageChunk(data))) {
+		if forward || (o.usage && isUsageChunk(data)) {
 			if o.first != nil {
 				o.first()
 				o.first = nil
@@ -111,12 +120,7 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 	if o.done != nil {
 		o.done(ans)
 	}
-	if !o.streaming {
-		if o.first != nil {
-			o.first()
-		}
-		writeAssembled(w, reqID, b, ans)
-	} else if err := out.event(doneData); err != nil {
+	if err := out.event(doneData); err != nil {
 		return nil // the client left at [DONE], as most clients do
 	}
 	drain(ir)
@@ -173,12 +177,25 @@ func (a *answer) event(data []byte) ([]byte, bool) {
 		a.created = c
 	}
 	choices, _ := m["choices"].([]any)
+	a.choices(choices, "delta")
+	if u, ok := m["usage"].(map[string]any); ok {
+		a.usage = u
+	}
+	return data, len(choices) > 0
+}
+
+// choices records what the first choice (index 0: the one a next turn continues) says, in a
+// stream's deltas or a whole answer's message (key "delta" or "message").
+func (a *answer) choices(choices []any, key string) {
 	for _, c := range choices {
 		ch, _ := c.(map[string]any)
+		if idx, ok := ch["index"].(json.Number); ok && idx.String() != "0" {
+			continue
+		}
 		if s, ok := ch["text"].(string); ok {
 			a.text += s
 		}
-		if d, ok := ch["delta"].(map[string]any); ok {
+		if d, ok := ch[key].(map[string]any); ok {
 			if s, ok := d["content"].(string); ok {
 				a.text += s
 			}
@@ -192,10 +209,26 @@ func (a *answer) event(data []byte) ([]byte, bool) {
 			a.finish = f
 		}
 	}
+}
+
+// answerOf reads a whole (non-streaming) JSON answer, without its params.
+func answerOf(data []byte) answer {
+	var a answer
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	var m map[string]any
+	if dec.Decode(&m) != nil {
+		return a
+	}
+	if e, ok := m["error"].(map[string]any); ok {
+		a.err = e
+	}
+	choices, _ := m["choices"].([]any)
+	a.choices(choices, "message")
 	if u, ok := m["usage"].(map[string]any); ok {
 		a.usage = u
 	}
-	return data, len(choices) > 0
+	return a
 }
 
 func isEmptyList(v any) bool {
@@ -207,38 +240,4 @@ func isEmptyList(v any) bool {
 func writeSSEError(w io.Writer, msg string) {
 	data, _ := json.Marshal(map[string]any{"error": map[string]any{"message": msg, "type": "BadGatewayError", "param": nil, "code": http.StatusBadGateway}})
 	fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", data)
-}
-
-// writeAssembled answers a non-streaming client with the body D's stream amounts to.
-func writeAssembled(w http.ResponseWriter, reqID string, client body, a answer) {
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("X-Request-Id", reqID)
-	if a.err != nil {
-		status := http.StatusInternalServerError
-		if c, ok := a.err["code"].(json.Number); ok {
-			if n, err := c.Int64(); err == nil && n >= 400 && n < 600 {
-				status = int(n)
-			}
-		}
-		w.WriteHeader(status)
-		_ = json.NewEncoder(w).Encode(map[string]any{"error": a.err})
-		return
-	}
-	var finish any
-	if a.finish != "" {
-		finish = a.finish
-	}
-	model := a.model
-	if model == "" {
-		model, _ = client["model"].(string)
-	}
-	out := map[string]any{"id": a.id, "created": a.created, "model": model, "usage": a.usage}
-	if _, chat := client["messages"]; chat {
-		out["object"] = "chat.completion"
-		out["choices"] = []any{map[string]any{"index": 0, "message": map[string]any{"role": "assistant", "content": a.text}, "finish_reason": finish, "logprobs": nil}}
-	} else {
-		out["object"] = "text_completion"
-		out["choices"] = []any{map[string]any{"index": 0, "text": a.text, "finish_reason": finish, "logprobs": nil}}
-	}
-	_ = json.NewEncoder(w).Encode(out)
 }

@@ -10,9 +10,11 @@
 //
 //   - the one-way proxy (the toy proxy) forwards the client's body to D unchanged but for P's
 //     params (conformance item 2): D streams only if the client asked;
-//   - the multi-turn proxy always asks D for a stream with usage, assembles one JSON answer for a
-//     client that asked for none, rewrites remote_host in P's params to P's HTTP host and in D's
-//     to D's (spec §5.5), and caches D's params per conversation.
+//   - the multi-turn proxy asks D for a stream with usage when the client streams (vLLM's always
+//     streams from D; an engine of kvbridge returns its params in JSON bodies too, so a client
+//     that asked for no stream gets D's own JSON answer, every choice and logprob in it),
+//     rewrites remote_host in P's params to P's HTTP host and in D's to D's (spec §5.5), and
+//     caches D's params per conversation.
 //
 // vLLM's multi-turn proxy removes max_completion_tokens from P's leg where the toy proxy sets it
 // to 1; the two are the same request to P (max_tokens is 1 either way), and both proxies here

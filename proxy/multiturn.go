@@ -331,16 +331,17 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	h.Set(HeaderCache, cacheState)
 	setUsageHeaders(h, pre.usage)
 
-	// D always streams, with usage: its params ride on its last chunk. A client that asked for
-	// no stream gets the assembled answer; the usage chunk only if it asked for it (as in vLLM,
-	// stream_options {} asks for usage).
-	dbody := decodeRequest(b, dparams)
-	dbody["stream"] = true
-	dbody["stream_options"] = map[string]any{"include_usage": true}
+	// A streaming client's D leg carries usage (its params ride on D's last chunk, and the usage
+	// chunk goes to the client only if it asked for it: as in vLLM, stream_options {} asks for
+	// usage). A client that asked for no stream gets D's JSON answer, params taken out.
 	wantUsage := false
 	if so, ok := b["stream_options"].(map[string]any); ok {
 		v, set := so["include_usage"]
 		wantUsage = !set || v == true
+	}
+	dbody := maps.Clone(decodeRequest(b, dparams)) // never the client's own body
+	if b.streaming() {
+		dbody["stream_options"] = map[string]any{"include_usage": true}
 	}
 	dstart := time.Now()
 	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
