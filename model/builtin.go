@@ -74,7 +74,7 @@ func randomWeights(cfg Config, seed uint64) *weights {
 	mat := func(n int) matrix { return matrix{data: normal(n)} }
 	h, hd, in := cfg.HiddenSize, cfg.HeadDim, cfg.IntermediateSize
 	qd, kd := cfg.NumHeads*hd, cfg.NumKVHeads*hd
-	w := &weights{embed: normal(cfg.VocabSize * h)}
+	w := &weights{embed: mat(cfg.VocabSize * h)}
 	for range cfg.NumLayers {
 		l := layerWeights{
 			inNorm: ones(h), postNorm: ones(h),

@@ -78,6 +78,8 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 			err = fmt.Errorf("%w: forward step failed: %v", ErrBadInput, r)
 		}
 	}()
+	m.life.RLock()
+	defer m.life.RUnlock()
 	if m.closed.Load() {
 		return ErrClosed
 	}
@@ -142,7 +144,7 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 			nviews += c.NumKVHeads * ((s.Start + len(s.Tokens) + blockSize - 1) / blockSize)
 		}
 		for j, t := range s.Tokens {
-			copy(w.x[row*h:(row+1)*h], m.embed[int(t)*h:(int(t)+1)*h])
+			m.lookup(t, w.x[row*h:(row+1)*h])
 			w.tokSeq[row] = int32(i)
 			w.tokPos[row] = int32(s.Start + j)
 			row++
@@ -265,4 +267,13 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 		copy(v.k[o:o+hd], row[qd+g*hd:qd+(g+1)*hd])
 		copy(v.v[o:o+hd], row[qd+kd+g*hd:qd+kd+(g+1)*hd])
 	}
+}
+
+// lookup writes the embedding of token t into dst (HiddenSize values).
+func (m *Model) lookup(t int32, dst []float32) {
+	if m.tiedEmbed {
+		m.head.Row(int(t), dst)
+		return
+	}
+	m.embed.fill(int(t), dst)
 }

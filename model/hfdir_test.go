@@ -12,42 +12,18 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvbridge/kvbridge/model/kernel"
 	"github.com/kvbridge/kvbridge/model/tokenizer"
 )
 
 // --- writing checkpoints ---------------------------------------------------------------------
 
-// f32ToBF16 rounds to the nearest bfloat16 (ties to even).
-func f32ToBF16(f float32) uint16 {
-	b := math.Float32bits(f)
-	return uint16((b + 0x7fff + (b>>16)&1) >> 16)
-}
-
-// f32ToF16 rounds a finite float32 to the nearest IEEE half (ties to even), subnormals included.
-func f32ToF16(f float32) uint16 {
-	sign := uint16(math.Float32bits(f)>>16) & 0x8000
-	a := math.Abs(float64(f))
-	if a == 0 {
-		return sign
-	}
-	if a >= 65520 {
-		return sign | 0x7c00
-	}
-	_, exp := math.Frexp(a) // a = frac·2^exp, frac in [0.5,1): floor(log2 a) = exp-1
-	e := max(exp-1, -14)
-	q := math.Ldexp(1, e-10) // spacing of halves with this exponent
-	v := math.RoundToEven(a/q) * q
-	if v < math.Ldexp(1, -14) {
-		return sign | uint16(v/math.Ldexp(1, -24))
-	}
-	_, exp = math.Frexp(v)
-	e = exp - 1
-	if e > 15 {
-		return sign | 0x7c00
-	}
-	mant := uint16(v/math.Ldexp(1, e-10)) - 1024
-	return sign | uint16(e+15)<<10 | mant
-}
+// Test shorthands for the kernel's conversions.
+var (
+	f32ToBF16 = kernel.F32ToBF16
+	f32ToF16  = kernel.F32ToF16
+	f16ToF32  = kernel.F16ToF32
+)
 
 // roundTo replaces every value of s by its nearest value representable in dtype.
 func roundTo(dtype string, s []float32) {
@@ -170,39 +146,6 @@ func testTokenizerJSON(t *testing.T) []byte {
 const testTokenizerConfig = `{"bos_token": null, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
  "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}`
 
-// configJSON renders c as an HF config.json.
-func configJSON(t *testing.T, c Config) []byte {
-	t.Helper()
-	m := map[string]any{
-		"architectures":           []string{c.Architecture},
-		"vocab_size":              c.VocabSize,
-		"hidden_size":             c.HiddenSize,
-		"intermediate_size":       c.IntermediateSize,
-		"num_hidden_layers":       c.NumLayers,
-		"num_attention_heads":     c.NumHeads,
-		"num_key_value_heads":     c.NumKVHeads,
-		"head_dim":                c.HeadDim,
-		"rms_norm_eps":            c.RMSNormEps,
-		"rope_theta":              c.RopeTheta,
-		"tie_word_embeddings":     c.TieWordEmbeddings,
-		"attention_bias":          c.AttentionBias,
-		"max_position_embeddings": c.MaxPositionEmbeddings,
-		"torch_dtype":             c.DType,
-		"hidden_act":              "silu",
-		"eos_token_id":            261,
-		"rope_scaling":            nil,
-	}
-	if s := c.RopeScaling; s != nil {
-		m["rope_scaling"] = map[string]any{"rope_type": s.Type, "factor": s.Factor, "low_freq_factor": s.LowFreqFactor,
-			"high_freq_factor": s.HighFreqFactor, "original_max_position_embeddings": s.OriginalMaxPositionEmbeddings}
-	}
-	b, err := json.Marshal(m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 // writeModelDir writes a complete HF model directory for (c, w) with tensors in dtype, split
 // over shards files (1: model.safetensors; more: an index and model-0000i-of-0000n files).
 func writeModelDir(t *testing.T, dir string, c Config, w *weights, dtype string, shards int) {
@@ -212,7 +155,7 @@ func writeModelDir(t *testing.T, dir string, c Config, w *weights, dtype string,
 			t.Fatal(err)
 		}
 	}
-	write("config.json", configJSON(t, c))
+	write("config.json", hfConfigJSON(c))
 	write("tokenizer.json", testTokenizerJSON(t))
 	write("tokenizer_config.json", []byte(testTokenizerConfig))
 	write("generation_config.json", []byte(`{"eos_token_id": [261, 259], "temperature": 0.6, "top_p": 0.95, "top_k": 20}`))
@@ -329,8 +272,21 @@ func TestLoadHFDirectory(t *testing.T) {
 			if loaded.Name() != dir {
 				t.Errorf("Name() = %q", loaded.Name())
 			}
-			if loaded.WeightBytes() != mem.WeightBytes() || loaded.WeightBytes() <= 0 {
-				t.Errorf("WeightBytes %d vs %d", loaded.WeightBytes(), mem.WeightBytes())
+			// Matrices stay in the checkpoint's dtype (2 bytes a weight for bf16 and f16);
+			// vectors are float32.
+			c := tc.cfg
+			qd, kd := c.NumHeads*c.HeadDim, c.NumKVHeads*c.HeadDim
+			matrices := c.NumLayers*((qd+2*kd)*c.HiddenSize+c.HiddenSize*qd+3*c.IntermediateSize*c.HiddenSize) + c.VocabSize*c.HiddenSize
+			vectors := c.NumLayers*2*c.HiddenSize + c.HiddenSize
+			if c.QKNorm {
+				vectors += c.NumLayers * 2 * c.HeadDim
+			}
+			if c.AttentionBias {
+				vectors += c.NumLayers * (qd + 2*kd)
+			}
+			size := map[string]int{"F32": 4, "BF16": 2, "F16": 2}[tc.dtype]
+			if want := int64(size*matrices + 4*vectors); loaded.WeightBytes() != want || mem.WeightBytes() != int64(4*matrices+4*vectors) {
+				t.Errorf("WeightBytes %d (in memory %d), want %d (%d)", loaded.WeightBytes(), mem.WeightBytes(), want, 4*matrices+4*vectors)
 			}
 			tokens := randomTokens(21, 262, uint64(i))
 			a := prefillChunked(t, loaded, newTestKV(got, 8, 3, false), 8, blockRange(0, 3), tokens, 21)

@@ -49,17 +49,21 @@ type OpenOptions struct {
 
 // Model is a loaded decoder-only transformer. Its methods are safe for concurrent use.
 type Model struct {
-	name  string
-	cfg   Config
-	tok   *tokenizer.Tokenizer
-	tmpl  tokenizer.ChatTemplate
-	gen   GenerationConfig
-	embed []float32 // VocabSize × HiddenSize
-	layer []decoderLayer
-	norm  []float32
-	head  *kernel.Linear
-	rope  rope
-	pool  *kernel.Pool // owned: the workers of every Linear and of attention
+	name string
+	cfg  Config
+	tok  *tokenizer.Tokenizer
+	tmpl tokenizer.ChatTemplate
+	gen  GenerationConfig
+	// embed is the untied embedding (VocabSize × HiddenSize), possibly in the mapped
+	// checkpoint; with tiedEmbed the embedding is head's weights and embed is empty.
+	embed     matrix
+	tiedEmbed bool
+	files     mappedFiles // the checkpoint files embed reads; closed by Close
+	layer     []decoderLayer
+	norm      []float32
+	head      *kernel.Linear
+	rope      rope
+	pool      *kernel.Pool // owned: the workers of every Linear and of attention
 	// serial is a one-worker pool: attention's per-step Linears run inline on the calling worker.
 	serial *kernel.Pool
 	qScale float32 // 1/sqrt(HeadDim)
@@ -71,12 +75,15 @@ type Model struct {
 	// sums straight from the KV store's rows with kernel.RowDots and kernel.AccumulateRows, when
 	// the kernel has them for HeadDim (tests change it).
 	inPlace bool
-	// weightBytes is the float32 bytes streamed per decode step (see WeightBytes).
+	// weightBytes is the weight bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
 
 	work    sync.Pool // *workspace
 	scratch sync.Pool // *attnScratch
-	closed  atomic.Bool
+	// life is held (read) by every Forward and (write) by Close, so the checkpoint mapping is
+	// never unmapped under a running step.
+	life   sync.RWMutex
+	closed atomic.Bool
 }
 
 // decoderLayer holds one layer's packed weights.
@@ -160,9 +167,10 @@ func (m *Model) Generation() GenerationConfig {
 	return g
 }
 
-// WeightBytes returns the bytes of float32 weights one decode step streams from memory: every
-// projection matrix, every norm vector and lm_head (the embedding lookup of one row is not
-// counted). Memory bandwidth divided by this bounds decode tokens/s.
+// WeightBytes returns the weight bytes one decode step streams from memory, each matrix in its
+// storage type (2 bytes a weight for bf16 and f16 checkpoints, 4 for float32): every projection
+// matrix, every norm vector and lm_head (the embedding lookup of one row is not counted).
+// Memory bandwidth divided by this bounds decode tokens/s.
 func (m *Model) WeightBytes() int64 { return m.weightBytes }
 
 // matmulMACs returns the multiply-adds of the per-token projections of all layers (not lm_head).
@@ -199,9 +207,13 @@ func (m *Model) PrefillFLOPs(promptLen int) float64 {
 
 // Close releases the model. It is idempotent; using the model afterwards returns ErrClosed.
 func (m *Model) Close() error {
+	m.life.Lock()
+	defer m.life.Unlock()
 	if m.closed.Swap(true) {
 		return nil
 	}
+	m.files.close()
+	m.files, m.embed = nil, matrix{}
 	return errors.Join(m.pool.Close(), m.serial.Close())
 }
 

@@ -47,6 +47,7 @@ func referenceLogits(c Config, w *weights, tokens []int32) [][]float64 {
 		half := hd / 2
 		for i := range half {
 			s, co := math.Sincos(float64(pos) * r.invFreq[i])
+			s, co = s*r.scale, co*r.scale
 			a, b := x[i], x[i+half]
 			x[i] = a*co - b*s
 			x[i+half] = b*co + a*s
@@ -58,7 +59,7 @@ func referenceLogits(c Config, w *weights, tokens []int32) [][]float64 {
 	for t, id := range tokens {
 		x[t] = make([]float64, h)
 		for i := range h {
-			x[t][i] = float64(w.embed[int(id)*h+i])
+			x[t][i] = float64(w.embed.data[int(id)*h+i])
 		}
 	}
 	for _, l := range w.layers {
@@ -132,7 +133,7 @@ func referenceLogits(c Config, w *weights, tokens []int32) [][]float64 {
 	}
 	head := w.lmHead.data
 	if head == nil {
-		head = w.embed
+		head = w.embed.data
 	}
 	out := make([][]float64, T)
 	for t := range T {

@@ -47,7 +47,7 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError("%v", err) })
-	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd(), newDemoCmd())
+	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd(), newDemoCmd(), newDevCmd())
 	return root
 }
 

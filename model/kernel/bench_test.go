@@ -7,16 +7,27 @@ import (
 	"time"
 )
 
+// benchWeights returns an out × in Linear on pool storing random weights as dtype.
+func benchWeights(pool *Pool, dtype DType, out, in int) *Linear {
+	r := rand.New(rand.NewPCG(1, 1))
+	w := randSlice(r, out*in)
+	if dtype == F32 {
+		return NewLinearOn(pool, w, out, in)
+	}
+	h, _ := to16(w, dtype)
+	return NewLinear16From(pool, dtype, out, in, func(n int, dst []uint16) { copy(dst, h[n*in:(n+1)*in]) })
+}
+
 // benchLinear reports achieved GFLOP/s and its ratio to the FMA peak measured just before.
-func benchLinear(b *testing.B, rows, out, in int) {
+func benchLinear(b *testing.B, dtype DType, rows, out, in int) {
 	r := rand.New(rand.NewPCG(1, 1))
 	pool := NewPool(0)
 	defer pool.Close()
-	l := NewLinearOn(pool, randSlice(r, out*in), out, in)
+	l := benchWeights(pool, dtype, out, in)
 	x, dst := randSlice(r, rows*in), make([]float32, rows*out)
 	peak := PeakGFLOPS(100 * time.Millisecond)
 	l.Apply(dst, x, rows)
-	b.SetBytes(int64(out * in * 4))
+	b.SetBytes(l.Bytes())
 	b.ResetTimer()
 	for b.Loop() {
 		l.Apply(dst, x, rows)
@@ -32,7 +43,9 @@ func benchLinear(b *testing.B, rows, out, in int) {
 func BenchmarkGEMM(b *testing.B) {
 	for _, s := range [][3]int{{2048, 1024, 1024}, {512, 1024, 1024}, {512, 2048, 2048}, {2048, 3072, 1024},
 		{2048, 1024, 3072}, {64, 1024, 1024}, {512, 1024, 512}, {512, 3072, 512}, {512, 512, 1536}} {
-		b.Run(fmt.Sprintf("%dx%dx%d", s[0], s[1], s[2]), func(b *testing.B) { benchLinear(b, s[0], s[1], s[2]) })
+		for _, dt := range []DType{F32, BF16} {
+			b.Run(fmt.Sprintf("%v/%dx%dx%d", dt, s[0], s[1], s[2]), func(b *testing.B) { benchLinear(b, dt, s[0], s[1], s[2]) })
+		}
 	}
 }
 
@@ -41,26 +54,28 @@ func BenchmarkGEMM(b *testing.B) {
 // larger than the last-level cache that is the memory-bound ceiling).
 func BenchmarkGEMV(b *testing.B) {
 	for _, s := range [][2]int{{3072, 512}, {1024, 1024}, {2048, 2048}, {4096, 4096}, {8192, 2048}} {
-		b.Run(fmt.Sprintf("%dx%d", s[0], s[1]), func(b *testing.B) {
-			out, in := s[0], s[1]
-			r := rand.New(rand.NewPCG(1, 1))
-			pool := NewPool(0)
-			defer pool.Close()
-			l := NewLinearOn(pool, randSlice(r, out*in), out, in)
-			x, dst := randSlice(r, in), make([]float32, out)
-			bw := ReadGBps(out * in * 4)
-			l.Apply(dst, x, 1)
-			b.SetBytes(int64(out * in * 4))
-			b.ResetTimer()
-			for b.Loop() {
+		for _, dt := range []DType{F32, BF16} {
+			b.Run(fmt.Sprintf("%v/%dx%d", dt, s[0], s[1]), func(b *testing.B) {
+				out, in := s[0], s[1]
+				r := rand.New(rand.NewPCG(1, 1))
+				pool := NewPool(0)
+				defer pool.Close()
+				l := benchWeights(pool, dt, out, in)
+				x, dst := randSlice(r, in), make([]float32, out)
+				bw := ReadGBps(int(l.Bytes()))
 				l.Apply(dst, x, 1)
-			}
-			sec := b.Elapsed().Seconds() / float64(b.N)
-			gbps := float64(out*in*4) / sec / 1e9
-			b.ReportMetric(2*float64(out*in)/sec/1e9, "GFLOP/s")
-			b.ReportMetric(bw, "readGB/s")
-			b.ReportMetric(gbps/bw, "ofReadBW")
-		})
+				b.SetBytes(l.Bytes())
+				b.ResetTimer()
+				for b.Loop() {
+					l.Apply(dst, x, 1)
+				}
+				sec := b.Elapsed().Seconds() / float64(b.N)
+				gbps := float64(l.Bytes()) / sec / 1e9
+				b.ReportMetric(2*float64(out*in)/sec/1e9, "GFLOP/s")
+				b.ReportMetric(bw, "readGB/s")
+				b.ReportMetric(gbps/bw, "ofReadBW")
+			})
+		}
 	}
 }
 

@@ -10,6 +10,10 @@ type impl struct {
 	// each element one fixed accumulation chain over k ascending.
 	tile func(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int)
 
+	// tile16 is tile for BF16 or F16 panels (see Linear), widening each weight exactly before
+	// its FMA; nil: the panel is widened into a float32 copy and tile runs on that.
+	tile16 func(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int)
+
 	dot      func(a, b []float32) float32
 	axpy     func(alpha float32, x, y []float32)
 	scale    func(alpha float32, x []float32)

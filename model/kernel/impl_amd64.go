@@ -11,6 +11,7 @@ var avx512Impl = &impl{
 	name:      "avx512",
 	mr:        6,
 	tile:      tileAVX512,
+	tile16:    tile16AVX512,
 	dot:       dotAVX512,
 	axpy:      axpyAVX512,
 	scale:     scaleAVX512,
@@ -79,6 +80,42 @@ func tile512x3(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask
 func tile512x4(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x5(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x6(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+
+func tile512bf16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+
+func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+
+// tile16Kernels are the 16-bit tile kernels by DType (BF16, F16) and rows − 1.
+var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64){
+	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
+	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
+}
+
+// tile16AVX512 is tileAVX512 for BF16 or F16 panels.
+func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int) {
+	_ = a[(mr-1)*lda+k-1]
+	if dtype == BF16 {
+		_ = w[(k+1)/2*2*panelWidth-1]
+	} else {
+		_ = w[k*panelWidth-1]
+	}
+	_ = c[(mr-1)*ldc+ncols-1]
+	if mr < 1 || mr > maxTileRows {
+		panic("kernel: bad tile height")
+	}
+	mask := ^uint64(0) >> (panelWidth - ncols)
+	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask)
+}
 
 func tileAcc512x1(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
 func tileAcc512x2(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)

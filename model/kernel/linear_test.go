@@ -280,3 +280,62 @@ func TestApplyStridedMatchesApply(t *testing.T) {
 		}
 	}
 }
+
+// to16 returns w rounded to dtype, as 16-bit values and widened back to float32.
+func to16(w []float32, dtype DType) ([]uint16, []float32) {
+	h := make([]uint16, len(w))
+	wide := make([]float32, len(w))
+	for i, v := range w {
+		if dtype == BF16 {
+			h[i] = F32ToBF16(v)
+		} else {
+			h[i] = F32ToF16(v)
+		}
+	}
+	widen16(wide, h, dtype)
+	return h, wide
+}
+
+// TestLinear16MatchesChain: a Linear storing bfloat16 or float16 weights computes every output
+// element with the chain of an F32 Linear holding the same (exactly widened) values, on every
+// implementation (native 16-bit tiles or a widened panel), for odd and even widths, and its Row
+// returns the widened weights.
+func TestLinear16MatchesChain(t *testing.T) {
+	r := rand.New(rand.NewPCG(31, 32))
+	pool := NewPool(2)
+	defer pool.Close()
+	for _, im := range candidateImpls() {
+		for _, dtype := range []DType{BF16, F16} {
+			for _, sh := range testShapes {
+				out, in := sh[0], sh[1]
+				h, wide := to16(randSlice(r, out*in), dtype)
+				l := newLinear16(im, pool, dtype, out, in, func(n int, dst []uint16) { copy(dst, h[n*in:(n+1)*in]) })
+				if l.Bytes() != int64(2*out*in) || l.DType() != dtype {
+					t.Fatalf("Bytes %d, DType %v", l.Bytes(), l.DType())
+				}
+				row := make([]float32, in)
+				for n := range out {
+					l.Row(n, row)
+					for k := range in {
+						if math.Float32bits(row[k]) != math.Float32bits(wide[n*in+k]) {
+							t.Fatalf("%s %v %dx%d: Row(%d)[%d] = %v, want %v", im.name, dtype, out, in, n, k, row[k], wide[n*in+k])
+						}
+					}
+				}
+				for _, rows := range []int{1, 3, 6, 7, 13} {
+					x := randSlice(r, rows*in)
+					dst := make([]float32, rows*out)
+					l.Apply(dst, x, rows)
+					for m := range rows {
+						for n := range out {
+							want := chainRef(im, x[m*in:(m+1)*in], wide[n*in:(n+1)*in])
+							if got := dst[m*out+n]; math.Float32bits(got) != math.Float32bits(want) {
+								t.Fatalf("%s %v %dx%dx%d: row %d col %d: %v, chain %v", im.name, dtype, rows, out, in, m, n, got, want)
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}

@@ -224,3 +224,40 @@ func TestBuiltinPrintable(t *testing.T) {
 		t.Error("printable ids left a partial character")
 	}
 }
+
+func TestBuiltinJSONLoadsAsBuiltin(t *testing.T) {
+	for _, vocab := range []int{BuiltinMinVocab, 1000, 4096} {
+		want := Builtin(vocab)
+		tj, cfg := BuiltinJSON(vocab)
+		got, err := Load(tj, cfg)
+		if err != nil {
+			t.Fatalf("vocab %d: %v", vocab, err)
+		}
+		if got.VocabSize() != want.VocabSize() {
+			t.Fatalf("vocab %d: VocabSize %d, want %d", vocab, got.VocabSize(), want.VocabSize())
+		}
+		for _, text := range []string{"Hello, world! 1234 ünïcödé\n\n  spaces", "<|im_start|>user\nhi<|im_end|>", string(must(os.ReadFile("testdata/heldout_english.txt")))} {
+			if a, b := got.Encode(text), want.Encode(text); !slices.Equal(a, b) {
+				t.Fatalf("vocab %d: Encode(%.40q) = %v, Builtin gives %v", vocab, text, a, b)
+			}
+		}
+		msgs := []Message{{Role: "user", Content: "hi"}}
+		tmpl, err := got.ChatTemplate()
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, _ := tmpl.Render(msgs, true)
+		b, _ := ChatML().Render(msgs, true)
+		if a != b {
+			t.Fatalf("chat template renders %q, ChatML %q", a, b)
+		}
+	}
+}
+
+// must returns v, panicking on err (test inputs that are part of the repository).
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
+}
