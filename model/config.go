@@ -295,7 +295,17 @@ func (c *Config) parseRope(h hfConfig) error {
 	}
 	var r hfRope
 	if present(raw) {
-		if err := json.Unmarshal(raw, &r); err != nil {
+		var fields map[string]json.RawMessage
+		err := json.Unmarshal(raw, &fields)
+		for k, v := range fields {
+			if t := bytes.TrimSpace(v); len(t) > 0 && t[0] == '{' {
+				err = fmt.Errorf("%q holds parameters per layer type", k)
+			}
+		}
+		if err == nil {
+			err = json.Unmarshal(raw, &r)
+		}
+		if err != nil {
 			return fmt.Errorf("%w: %s: %w (want one object with rope_type; per-layer-type parameters are not supported)", ErrBadConfig, key, err)
 		}
 	}

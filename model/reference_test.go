@@ -216,7 +216,10 @@ func variantConfigs(vocab int) []Config {
 	qwen2.Architecture, qwen2.AttentionBias, qwen2.TieWordEmbeddings, qwen2.NumKVHeads = "Qwen2ForCausalLM", true, true, 6
 	qwen3 := base
 	qwen3.Architecture, qwen3.QKNorm, qwen3.HeadDim, qwen3.NumKVHeads = "Qwen3ForCausalLM", true, 16, 3
-	return []Config{llama, qwen2, qwen3}
+	// YaRN scales cos and sin as well as the frequencies (attention factor 0.1·ln 4 + 1).
+	yarn := qwen3
+	yarn.RopeScaling = &RopeScaling{Type: "yarn", Factor: 4, OriginalMaxPositionEmbeddings: 32, BetaFast: 32, BetaSlow: 1}
+	return []Config{llama, qwen2, qwen3, yarn}
 }
 
 // variantWeights draws random weights for c, with biases when c has them and non-unit norms.
@@ -252,7 +255,11 @@ func variantWeights(c Config, seed uint64) *weights {
 func TestForwardMatchesReferenceVariants(t *testing.T) {
 	tok := tokenizer.Builtin(builtinVocab)
 	for i, c := range variantConfigs(tok.VocabSize()) {
-		t.Run(c.Architecture, func(t *testing.T) {
+		name := c.Architecture
+		if c.RopeScaling != nil {
+			name += "-" + c.RopeScaling.Type
+		}
+		t.Run(name, func(t *testing.T) {
 			w := variantWeights(c, uint64(10+i))
 			m, err := newModel("variant", c, w, tok, tokenizer.ChatML(), GenerationConfig{})
 			if err != nil {
