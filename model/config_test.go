@@ -222,7 +222,7 @@ func TestParseConfigTransformersVersions(t *testing.T) {
 	llama := Config{
 		Architecture: "LlamaForCausalLM", ModelType: "llama", VocabSize: 128256, HiddenSize: 2048, IntermediateSize: 8192,
 		NumLayers: 16, NumHeads: 32, NumKVHeads: 8, HeadDim: 64, RMSNormEps: 1e-5, RopeTheta: 500000,
-		RopeScaling: &RopeScaling{Type: "llama3", Factor: 32, LowFreqFactor: 1, HighFreqFactor: 4, OriginalMaxPositionEmbeddings: 8192},
+		RopeScaling:       &RopeScaling{Type: "llama3", Factor: 32, LowFreqFactor: 1, HighFreqFactor: 4, OriginalMaxPositionEmbeddings: 8192},
 		TieWordEmbeddings: true, MaxPositionEmbeddings: 131072, DType: "bfloat16", BOSTokenID: 128000, EOSTokenIDs: []int32{128001},
 	}
 	qwen25 := Config{
