@@ -14,9 +14,10 @@ import (
 )
 
 // loadDir loads a Hugging Face model directory: config.json, model.safetensors or a sharded
-// model.safetensors.index.json, tokenizer.json, tokenizer_config.json (optional) and
-// generation_config.json (optional).
-func loadDir(ctx context.Context, name, dir string) (*Model, error) {
+// model.safetensors.index.json, generation_config.json (optional), and from tokDir (dir itself
+// unless --tokenizer names another) tokenizer.json, tokenizer_config.json (optional) and the
+// chat template.
+func loadDir(ctx context.Context, name, dir, tokDir string) (*Model, error) {
 	cfgData, err := os.ReadFile(filepath.Join(dir, "config.json"))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrModelNotFound, dir, err)
@@ -25,11 +26,11 @@ func loadDir(ctx context.Context, name, dir string) (*Model, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
-	tok, err := loadTokenizer(dir)
+	tok, err := loadTokenizer(tokDir)
 	if err != nil {
 		return nil, err
 	}
-	tmpl, err := chatTemplate(dir, tok)
+	tmpl, err := chatTemplate(tokDir, tok)
 	if err != nil {
 		return nil, err
 	}

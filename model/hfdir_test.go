@@ -404,6 +404,44 @@ func TestOpenFromHubCache(t *testing.T) {
 	}
 	m.Close()
 
+	t.Run("revision", func(t *testing.T) {
+		d := filepath.Join(repo, "snapshots", "def456")
+		os.MkdirAll(d, 0o755)
+		writeModelDir(t, d, c, variantWeights(c, 5), "BF16", 1)
+		os.WriteFile(filepath.Join(d, "chat_template.jinja"), []byte("release {{ messages[0].content }}"), 0o644)
+		os.WriteFile(filepath.Join(d, "tokenizer_config.json"), []byte(`{"eos_token": "<|im_end|>"}`), 0o644)
+		os.MkdirAll(filepath.Join(repo, "refs", "tags"), 0o755)
+		os.WriteFile(filepath.Join(repo, "refs", "tags", "v1"), []byte("def456"), 0o644)
+		for _, rev := range []string{"tags/v1", "def456"} {
+			m, err := Open(t.Context(), "acme/tiny-qwen", OpenOptions{HubCache: cache, Revision: rev})
+			if err != nil {
+				t.Fatalf("revision %s: %v", rev, err)
+			}
+			text, err := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, false)
+			m.Close()
+			if err != nil || text != "release hi" {
+				t.Fatalf("revision %s loaded the wrong snapshot: chat template gives %q, %v", rev, text, err)
+			}
+		}
+		_, err := Open(t.Context(), "acme/tiny-qwen", OpenOptions{HubCache: cache, Revision: "nope"})
+		if !errors.Is(err, ErrModelNotFound) || !strings.Contains(err.Error(), `revision "nope"`) {
+			t.Fatalf("unknown revision: err = %v", err)
+		}
+		// --tokenizer takes the tokenizer and chat template from another directory.
+		m, err := Open(t.Context(), filepath.Join(repo, "snapshots", "abc123"), OpenOptions{Tokenizer: d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		text, _ := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, false)
+		m.Close()
+		if text != "release hi" {
+			t.Fatalf("--tokenizer: chat template gives %q", text)
+		}
+		if _, err := Open(t.Context(), Tiny, OpenOptions{Tokenizer: d}); !errors.Is(err, ErrBadConfig) {
+			t.Fatalf("built-in model with a tokenizer: err = %v", err)
+		}
+	})
+
 	t.Run("env", func(t *testing.T) {
 		t.Setenv("HF_HUB_CACHE", "")
 		t.Setenv("HUGGINGFACE_HUB_CACHE", "")

@@ -45,6 +45,12 @@ type OpenOptions struct {
 	// (instead of $HF_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub and
 	// ~/.cache/huggingface/hub).
 	HubCache string
+	// Revision, if non-empty, picks the snapshot of a repo id in the hub cache: a branch or tag
+	// (refs/<revision>) or a commit hash (snapshots/<revision>). vLLM's --revision.
+	Revision string
+	// Tokenizer, if non-empty, is a directory or cached repo id whose tokenizer.json,
+	// tokenizer_config.json and chat template replace the model's. vLLM's --tokenizer.
+	Tokenizer string
 }
 
 // Model is a loaded decoder-only transformer. Its methods are safe for concurrent use.
@@ -117,12 +123,19 @@ func Open(ctx context.Context, nameOrPath string, opts OpenOptions) (*Model, err
 		err error
 	)
 	if spec, ok := builtinSpecs(nameOrPath); ok {
+		if opts.Tokenizer != "" || opts.Revision != "" {
+			return nil, fmt.Errorf("%w: the built-in model %s has its own tokenizer and no revisions", ErrBadConfig, nameOrPath)
+		}
 		m, err = newBuiltin(nameOrPath, spec)
 	} else {
 		var dir string
-		dir, err = resolveModelDir(nameOrPath, opts.HubCache)
+		dir, err = resolveModelDir(nameOrPath, opts.HubCache, opts.Revision)
+		tokDir := dir
+		if err == nil && opts.Tokenizer != "" {
+			tokDir, err = resolveModelDir(opts.Tokenizer, opts.HubCache, "")
+		}
 		if err == nil {
-			m, err = loadDir(ctx, nameOrPath, dir)
+			m, err = loadDir(ctx, nameOrPath, dir, tokDir)
 		}
 	}
 	if err != nil {

@@ -38,7 +38,10 @@ type serveFlags struct {
 	chatTemplate        string
 	apiKey              string
 	kvCacheMemory       string
+	memoryUtilization   float64
 	numBlocksOverride   int
+	tokenizer           string
+	revision            string
 	kvCacheLayout       string
 	maxConcurrent       int
 }
@@ -50,8 +53,16 @@ func newServeCmd() *cobra.Command {
 		Short: "Run an inference engine with an OpenAI-compatible API (and, with --kv-transfer-config, a NixlConnector)",
 		Long: `Run an inference engine with an OpenAI-compatible API.
 
-MODEL is a built-in model (kvbridge/tiny, kvbridge/small), a Hugging Face model directory, or a
-repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is served.`,
+MODEL is a built-in model (kvbridge/tiny, kvbridge/small), a Hugging Face model directory
+(config.json, model.safetensors or a sharded index, tokenizer.json), or a repo id such as
+Qwen/Qwen3-0.6B found in the local Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else
+~/.cache/huggingface/hub; --revision picks a branch, tag or commit). kvbridge never downloads.
+Without MODEL, kvbridge/small is served.
+
+The KV cache gets --kv-cache-memory-bytes (default 1G; env VLLM_CPU_KVCACHE_SPACE in GiB as
+vLLM's CPU backend reads it), or with --gpu-memory-utilization that fraction of the machine's
+memory less what the loaded model holds. Without --max-model-len the model's context is served,
+shortened (and logged) to what the KV cache holds when it is longer.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if len(args) == 1 {
@@ -62,6 +73,9 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 			}
 			if f.model == "" {
 				f.model = defaultModel
+			}
+			if !cmd.Flags().Changed("kv-cache-memory-bytes") {
+				f.kvCacheMemory = ""
 			}
 			return serve(cmd.Context(), f)
 		},
@@ -83,7 +97,10 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 	fl.IntVarP(&f.tensorParallelSize, "tensor-parallel-size", "t", 1, "tensor parallelism; only 1 is supported")
 	fl.StringVar(&f.chatTemplate, "chat-template", "", "Jinja chat template file (default: the model's, else ChatML)")
 	fl.StringVar(&f.apiKey, "api-key", "", "require this Bearer token on the /v1 routes")
-	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", "1G", "memory for the KV cache pool (suffixes k, M, G)")
+	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", "1G", "memory for the KV cache pool (suffixes k, M, G; env VLLM_CPU_KVCACHE_SPACE in GiB)")
+	fl.Float64Var(&f.memoryUtilization, "gpu-memory-utilization", 0, "size the KV cache to this fraction of the machine's memory less the loaded model (0 < x ≤ 1; instead of --kv-cache-memory-bytes)")
+	fl.StringVar(&f.tokenizer, "tokenizer", "", "directory or cached repo id to take the tokenizer and chat template from (default: the model's)")
+	fl.StringVar(&f.revision, "revision", "", "revision of a cached repo id: branch, tag or commit hash (default: refs/main)")
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
 	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", 4096, "completions served at once; one more is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
@@ -113,10 +130,29 @@ func serve(ctx context.Context, f serveFlags) error {
 		}
 		kvLayout = l
 	}
-	kvMem, err := parseBytes(f.kvCacheMemory)
-	if err != nil {
-		return usageError("--kv-cache-memory-bytes: %v", err)
+	var kvMem int64
+	switch {
+	case f.kvCacheMemory != "":
+		if f.memoryUtilization != 0 {
+			return usageError("--kv-cache-memory-bytes and --gpu-memory-utilization both size the KV cache: give one")
+		}
+		v, err := parseBytes(f.kvCacheMemory)
+		if err != nil {
+			return usageError("--kv-cache-memory-bytes: %v", err)
+		}
+		kvMem = v
+	case f.memoryUtilization != 0:
+		if !(f.memoryUtilization > 0 && f.memoryUtilization <= 1) {
+			return usageError("--gpu-memory-utilization %g must be in (0, 1]", f.memoryUtilization)
+		}
+	case os.Getenv("VLLM_CPU_KVCACHE_SPACE") != "":
+		gib, err := strconv.ParseFloat(os.Getenv("VLLM_CPU_KVCACHE_SPACE"), 64)
+		if err != nil || !(gib > 0) {
+			return usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive number of GiB", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
+		}
+		kvMem = int64(gib * (1 << 30))
 	}
+	var err error
 	var kvCfg *connector.Config
 	if f.kvTransferConfig != "" {
 		kvCfg, err = connector.ParseConfig([]byte(f.kvTransferConfig), log)
@@ -156,6 +192,9 @@ func serve(ctx context.Context, f serveFlags) error {
 		Layout:                kvLayout,
 		NumBlocks:             f.numBlocksOverride,
 		KVBytes:               kvMem,
+		MemoryUtilization:     f.memoryUtilization,
+		Tokenizer:             f.tokenizer,
+		Revision:              f.revision,
 		MaxModelLen:           f.maxModelLen,
 		MaxNumSeqs:            f.maxNumSeqs,
 		MaxNumBatchedTokens:   f.maxNumBatchedTokens,
