@@ -44,6 +44,7 @@ func Builtin(vocabSize int) *Tokenizer {
 	bl := newByteLevel()
 	t := &Tokenizer{
 		pre:            &splitPre{m: qwenMatcher{maxDigits: 1}},
+		dec:            byteLevelDecoder{bl: bl},
 		tokens:         make([]tokenInfo, vocabSize),
 		vocab:          make(map[string]int32, vocabSize),
 		addedByContent: map[string]int32{},
@@ -52,7 +53,7 @@ func Builtin(vocabSize int) *Tokenizer {
 	}
 	t.bpe.unk = -1
 	for b := range 256 {
-		t.tokens[b] = tokenInfo{bytes: []byte{byte(b)}, ok: true}
+		t.tokens[b] = tokenInfo{piece: string(bl.toRune[b]), bytes: []byte{byte(b)}, ok: true}
 		t.vocab[string(bl.toRune[b])] = int32(b)
 		t.bpe.byteIDs[b] = int32(b)
 	}
@@ -73,7 +74,7 @@ func Builtin(vocabSize int) *Tokenizer {
 			}
 			id, next = next, next+1
 			t.vocab[a+b] = id
-			t.tokens[id] = tokenInfo{bytes: append(append([]byte(nil), t.tokens[ia].bytes...), t.tokens[ib].bytes...), ok: true}
+			t.tokens[id] = tokenInfo{piece: a + b, bytes: append(append([]byte(nil), t.tokens[ia].bytes...), t.tokens[ib].bytes...), ok: true}
 		}
 		if _, dup := t.bpe.merges[pairKey(ia, ib)]; !dup {
 			t.bpe.merges[pairKey(ia, ib)] = merge{rank: rank, id: id}
@@ -83,7 +84,7 @@ func Builtin(vocabSize int) *Tokenizer {
 	var specials []*addedToken
 	for i, s := range []string{EndOfText, IMStart, IMEnd} {
 		id := int32(vocabSize - 3 + i)
-		t.tokens[id] = tokenInfo{bytes: []byte(s), ok: true, added: true, special: true}
+		t.tokens[id] = tokenInfo{piece: s, bytes: []byte(s), ok: true, added: true, special: true}
 		t.addedByContent[s] = id
 		specials = append(specials, &addedToken{id: id, content: s, special: true})
 	}
