@@ -44,6 +44,11 @@ func loadDir(ctx context.Context, name, dir, tokDir string) (*Model, error) {
 		return nil, err
 	}
 	m, err := newModel(name, cfg, w, tok, tmpl, gen)
+	if err == nil {
+		for _, f := range files {
+			m.checkpointBytes += int64(len(f.mapped))
+		}
+	}
 	if err != nil || m.tiedEmbed {
 		files.close() // the packed model holds its own copy of everything
 		return m, err

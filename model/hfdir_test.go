@@ -300,7 +300,7 @@ func TestLoadHFDirectory(t *testing.T) {
 			if len(g.SuppressTokens) != 300-262 || g.SuppressTokens[0] != 262 {
 				t.Errorf("suppress = %v", g.SuppressTokens)
 			}
-			text, err := loaded.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hello"}}, true)
+			text, err := loaded.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hello"}}, tokenizer.RenderOptions{AddGenerationPrompt: true})
 			if err != nil || text != "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n" {
 				t.Errorf("chat template: %q, %v", text, err)
 			}
@@ -417,7 +417,7 @@ func TestOpenFromHubCache(t *testing.T) {
 			if err != nil {
 				t.Fatalf("revision %s: %v", rev, err)
 			}
-			text, err := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, false)
+			text, err := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, tokenizer.RenderOptions{})
 			m.Close()
 			if err != nil || text != "release hi" {
 				t.Fatalf("revision %s loaded the wrong snapshot: chat template gives %q, %v", rev, text, err)
@@ -432,7 +432,7 @@ func TestOpenFromHubCache(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		text, _ := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, false)
+		text, _ := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, tokenizer.RenderOptions{})
 		m.Close()
 		if text != "release hi" {
 			t.Fatalf("--tokenizer: chat template gives %q", text)

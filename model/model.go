@@ -83,6 +83,8 @@ type Model struct {
 	inPlace bool
 	// weightBytes is the weight bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
+	// checkpointBytes is the size of the safetensors files loaded (0 for built-in models).
+	checkpointBytes int64
 
 	work    sync.Pool // *workspace
 	scratch sync.Pool // *attnScratch
@@ -185,6 +187,10 @@ func (m *Model) Generation() GenerationConfig {
 // matrix, every norm vector and lm_head (the embedding lookup of one row is not counted).
 // Memory bandwidth divided by this bounds decode tokens/s.
 func (m *Model) WeightBytes() int64 { return m.weightBytes }
+
+// CheckpointBytes returns the size of the safetensors files the weights were loaded from (0 for
+// a built-in model): what "the memory it takes on disk" means for a loaded model.
+func (m *Model) CheckpointBytes() int64 { return m.checkpointBytes }
 
 // matmulMACs returns the multiply-adds of the per-token projections of all layers (not lm_head).
 func (c Config) matmulMACs() float64 {

@@ -2,6 +2,7 @@ package openai
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -41,9 +42,6 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, req *chatReques
 	if req.TopLogprobs != nil && *req.TopLogprobs > 0 {
 		return nil, unsupported("top_logprobs", "top_logprobs")
 	}
-	if req.Echo != nil && *req.Echo {
-		return nil, unsupported("echo", "echo on chat completions")
-	}
 	if t := bytes.TrimSpace(req.Tools); len(t) > 0 && !bytes.Equal(t, []byte("null")) && !bytes.Equal(t, []byte("[]")) {
 		return nil, unsupported("tools", "tool calling")
 	}
@@ -62,32 +60,49 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, req *chatReques
 		}
 		msgs[i] = tokenizer.Message{Role: *m.Role, Content: m.Content.text}
 	}
-	addGen := req.AddGenerationPrompt == nil || *req.AddGenerationPrompt
-	text, err := renderChat(s.model.ChatTemplate(), msgs, addGen)
-	if err != nil {
+	opts := tokenizer.RenderOptions{
+		AddGenerationPrompt:  req.AddGenerationPrompt == nil || *req.AddGenerationPrompt,
+		ContinueFinalMessage: req.ContinueFinalMessage != nil && *req.ContinueFinalMessage,
+		Kwargs:               req.ChatTemplateKwargs,
+	}
+	if opts.ContinueFinalMessage && req.AddGenerationPrompt == nil {
+		opts.AddGenerationPrompt = false // vLLM: continuing a message replaces the generation prompt
+	}
+	text, err := renderChat(s.model.ChatTemplate(), msgs, opts)
+	switch {
+	case errors.Is(err, tokenizer.ErrBadRenderOptions):
+		return nil, badRequest("continue_final_message", "%v", err)
+	case err != nil:
 		return nil, badRequest("messages", "The chat template could not render the messages: %v", err)
 	}
 	prompt := tok.Encode(text)
+	if req.AddSpecialTokens != nil && *req.AddSpecialTokens {
+		prompt = tok.EncodeSpecial(text)
+	}
 	if apiErr := s.fitPrompt(&p, len(prompt), "messages"); apiErr != nil {
 		return nil, apiErr
 	}
 	base := baseRequestID(w, r, req.RequestID)
-	return &job{
+	j := &job{
 		chat:    true,
 		id:      "chatcmpl-" + base,
 		created: time.Now().Unix(),
 		model:   s.responseModel(),
 		p:       p,
 		req:     s.engineRequest(engineID("chatcmpl-"+base), prompt, p),
-	}, nil
+	}
+	if last := msgs[len(msgs)-1]; req.Echo != nil && *req.Echo && last.Role == "assistant" {
+		j.echo = last.Content
+	}
+	return j, nil
 }
 
 // renderChat renders msgs, turning a panic inside the template engine into an error.
-func renderChat(t tokenizer.ChatTemplate, msgs []tokenizer.Message, addGen bool) (text string, err error) {
+func renderChat(t tokenizer.ChatTemplate, msgs []tokenizer.Message, opts tokenizer.RenderOptions) (text string, err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			err = fmt.Errorf("template panicked: %v", v)
 		}
 	}()
-	return t.Render(msgs, addGen)
+	return t.Render(msgs, opts)
 }

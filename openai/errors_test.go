@@ -54,7 +54,6 @@ func TestErrors(t *testing.T) {
 		{"n=0", "/v1/completions", `{"prompt":"x","n":0}`, 400, "BadRequestError", "n must be at least 1"},
 		{"logprobs completion", "/v1/completions", `{"prompt":"x","logprobs":1}`, 400, "BadRequestError", "logprobs"},
 		{"logprobs chat", "/v1/chat/completions", chat(`,"logprobs":true`), 400, "BadRequestError", "logprobs"},
-		{"echo chat", "/v1/chat/completions", chat(`,"echo":true`), 400, "BadRequestError", "echo"},
 		{"tools", "/v1/chat/completions", chat(`,"tools":[{"type":"function","function":{"name":"f"}}]`), 400, "BadRequestError", "tool"},
 		{"presence_penalty", "/v1/completions", `{"prompt":"x","presence_penalty":0.5}`, 400, "BadRequestError", "presence_penalty"},
 	}

@@ -25,7 +25,7 @@ type job struct {
 	model   string
 	req     *engine.Request
 	p       genParams
-	echo    string // completions with echo: the prompt text to prepend
+	echo    string // with echo: the prompt text (completions) or final assistant message (chat) to prepend
 }
 
 // outcome is what a successfully finished request produced.
@@ -188,7 +188,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) {
 		body = chatResponse{
 			ID: j.id, Object: "chat.completion", Created: j.created, Model: j.model,
 			Choices: []chatChoice{{
-				Message:      chatMessage{Role: "assistant", Content: out.text, ToolCalls: []any{}},
+				Message:      chatMessage{Role: "assistant", Content: j.echo + out.text, ToolCalls: []any{}},
 				FinishReason: &fin,
 			}},
 			Usage:            &out.usage,
@@ -222,6 +222,10 @@ func (s *Server) stream(ctx context.Context, w http.ResponseWriter, j *job, st *
 		empty := ""
 		sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
 			Choices: []chatChunkChoice{{Delta: chatDelta{Role: "assistant", Content: &empty}}}})
+		if j.echo != "" {
+			sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
+				Choices: []chatChunkChoice{{Delta: chatDelta{Content: &j.echo}}}})
+		}
 	} else if j.echo != "" {
 		sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
 			Choices: []completionChoice{{Text: j.echo}}})

@@ -14,6 +14,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvbridge/kvbridge/internal/procmem"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/kernel"
@@ -71,16 +72,21 @@ func (o *Options) defaults() {
 
 // Result is one run's figures. JSON names are the `--json` file's keys.
 type Result struct {
-	Model          string  `json:"model"`
-	Kernel         string  `json:"kernel"`
-	GOMAXPROCS     int     `json:"gomaxprocs"`
-	PromptLen      int     `json:"prompt_len"`
-	PrefillChunk   int     `json:"prefill_chunk"`
-	DecodeTokens   int     `json:"decode_tokens"`
-	Repeat         int     `json:"repeat"`
-	WeightBytes    int64   `json:"weight_bytes"`
-	KVBytesPerTok  int64   `json:"kv_bytes_per_token"`
-	PrefillSeconds float64 `json:"prefill_seconds"`
+	Model        string `json:"model"`
+	Kernel       string `json:"kernel"`
+	GOMAXPROCS   int    `json:"gomaxprocs"`
+	PromptLen    int    `json:"prompt_len"`
+	PrefillChunk int    `json:"prefill_chunk"`
+	DecodeTokens int    `json:"decode_tokens"`
+	Repeat       int    `json:"repeat"`
+	WeightBytes  int64  `json:"weight_bytes"`
+	// CheckpointBytes is the size of the model's safetensors files (0 for a built-in model) and
+	// ResidentAfterLoad the process's resident memory right after loading it (before the KV
+	// pool); their ratio is the memory target's (≤ 1.15).
+	CheckpointBytes   int64   `json:"checkpoint_bytes"`
+	ResidentAfterLoad int64   `json:"resident_after_load"`
+	KVBytesPerTok     int64   `json:"kv_bytes_per_token"`
+	PrefillSeconds    float64 `json:"prefill_seconds"`
 	// PrefillFLOPs counts 2 × the multiply-adds of every projection and of attention (scores and
 	// weighted values), lm_head for the last token only.
 	PrefillFLOPs      float64 `json:"prefill_flops"`
@@ -125,6 +131,10 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 		return nil, err
 	}
 	defer m.Close()
+	resident, err := procmem.Resident()
+	if err != nil {
+		progress("no resident memory figure: %v", err)
+	}
 	c := m.Config()
 	if total := opts.PromptLen + opts.DecodeTokens; total > c.MaxPositionEmbeddings {
 		return nil, fmt.Errorf("enginebench: prompt %d + decode %d tokens exceed the model's %d positions",
@@ -144,15 +154,17 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	defer pool.Free(blocks...)
 
 	r := &Result{
-		Model:         m.Name(),
-		Kernel:        kernel.Implementation(),
-		GOMAXPROCS:    runtime.GOMAXPROCS(0),
-		PromptLen:     opts.PromptLen,
-		PrefillChunk:  opts.Chunk,
-		DecodeTokens:  opts.DecodeTokens,
-		Repeat:        opts.Repeat,
-		WeightBytes:   m.WeightBytes(),
-		KVBytesPerTok: int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * 4),
+		Model:             m.Name(),
+		Kernel:            kernel.Implementation(),
+		GOMAXPROCS:        runtime.GOMAXPROCS(0),
+		PromptLen:         opts.PromptLen,
+		PrefillChunk:      opts.Chunk,
+		DecodeTokens:      opts.DecodeTokens,
+		Repeat:            opts.Repeat,
+		WeightBytes:       m.WeightBytes(),
+		CheckpointBytes:   m.CheckpointBytes(),
+		ResidentAfterLoad: resident,
+		KVBytesPerTok:     int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * 4),
 	}
 	if r.PrefillChunk <= 0 || r.PrefillChunk > opts.PromptLen {
 		r.PrefillChunk = opts.PromptLen
@@ -262,6 +274,10 @@ func (r *Result) WriteTable(w io.Writer) error {
 		fmt.Fprintf(tw, "decode incl. KV reads\t%.1f tok/s\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n",
 			r.DecodeTokensPerS, r.DecodeBoundWithKVTokensPerS, r.DecodeTokensPerS/r.DecodeBoundWithKVTokensPerS)
 		fmt.Fprintf(tw, "decode compute\t%.1f GFLOP/s\t%.1f GFLOP/s FP32 peak\t%.2f\t\n", r.DecodeGFLOPS, r.PeakGFLOPS, r.DecodeGFLOPS/r.PeakGFLOPS)
+	}
+	if r.CheckpointBytes > 0 && r.ResidentAfterLoad > 0 {
+		fmt.Fprintf(tw, "resident memory after load\t%.1f MB\t%.1f MB safetensors\t%.2f\t\n",
+			float64(r.ResidentAfterLoad)/1e6, float64(r.CheckpointBytes)/1e6, float64(r.ResidentAfterLoad)/float64(r.CheckpointBytes))
 	}
 	fmt.Fprintf(tw, "prompt KV %.1f MB: compute vs copy\t%.2f s\t%.4f s memcpy\t%.0f×\t\n",
 		float64(r.PromptKVBytes)/1e6, r.PrefillSeconds, r.PromptKVMemcpySeconds, r.PrefillOverKVCopy)

@@ -35,6 +35,7 @@ var checkpointShapes = map[string]func() model.Config{
 func newRandomCheckpointCmd() *cobra.Command {
 	var shape, dtype string
 	var seed uint64
+	var layers int
 	cmd := &cobra.Command{
 		Use:   "random-checkpoint DIR",
 		Short: "Write a Hugging Face model directory with a real model's shape and random weights",
@@ -59,7 +60,14 @@ streamed to disk. Serve or benchmark it like a downloaded checkpoint.`,
 			if dt != "BF16" && dt != "F16" && dt != "F32" {
 				return usageError("--dtype %q: want bfloat16, float16 or float32", dtype)
 			}
-			n, err := model.WriteRandomCheckpoint(args[0], model.RandomCheckpoint{Config: cfg(), DType: dt, Seed: seed})
+			c := cfg()
+			if layers < 0 || layers > c.NumLayers {
+				return usageError("--layers %d: the shape has %d", layers, c.NumLayers)
+			}
+			if layers > 0 {
+				c.NumLayers = layers
+			}
+			n, err := model.WriteRandomCheckpoint(args[0], model.RandomCheckpoint{Config: c, DType: dt, Seed: seed})
 			if err != nil {
 				return err
 			}
@@ -71,5 +79,6 @@ streamed to disk. Serve or benchmark it like a downloaded checkpoint.`,
 	f.StringVar(&shape, "shape", "qwen3-0.6b", "model shape: qwen3-0.6b")
 	f.StringVar(&dtype, "dtype", "bfloat16", "weight dtype: bfloat16, float16 or float32")
 	f.Uint64Var(&seed, "seed", 1, "random seed of the weights")
+	f.IntVar(&layers, "layers", 0, "keep only the first N decoder layers (0: all), for a smaller file of the same width")
 	return cmd
 }

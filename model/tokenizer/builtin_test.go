@@ -41,7 +41,7 @@ func TestBuiltinLayout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := ct.Render([]Message{{"user", "hi"}}, true); got != "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" {
+	if got, _ := ct.Render([]Message{{"user", "hi"}}, RenderOptions{AddGenerationPrompt: true}); got != "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" {
 		t.Errorf("built-in chat template rendered %q", got)
 	}
 }
@@ -246,8 +246,8 @@ func TestBuiltinJSONLoadsAsBuiltin(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		a, _ := tmpl.Render(msgs, true)
-		b, _ := ChatML().Render(msgs, true)
+		a, _ := tmpl.Render(msgs, RenderOptions{AddGenerationPrompt: true})
+		b, _ := ChatML().Render(msgs, RenderOptions{AddGenerationPrompt: true})
 		if a != b {
 			t.Fatalf("chat template renders %q, ChatML %q", a, b)
 		}

@@ -73,7 +73,7 @@ func FuzzChatTemplate(f *testing.F) {
 			return
 		}
 		msgs := []Message{{"system", content}, {"user", content}, {"assistant", content}}
-		_, _ = ct.Render(msgs, true)
-		_, _ = ct.Render(nil, false)
+		_, _ = ct.Render(msgs, RenderOptions{AddGenerationPrompt: true})
+		_, _ = ct.Render(nil, RenderOptions{})
 	})
 }

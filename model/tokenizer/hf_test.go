@@ -1,13 +1,12 @@
 package tokenizer
 
 import (
-	"compress/gzip"
 	"encoding/json"
 	"fmt"
-	"io"
-	"os"
 	"slices"
 	"testing"
+
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 // hfExpected is testdata/hf/expected.json.gz, written by testdata/hf/gen.mjs with Hugging
@@ -32,30 +31,11 @@ type hfExpected struct {
 	}
 }
 
-// readGzip returns the contents of a gzipped test file.
-func readGzip(t *testing.T, path string) []byte {
-	t.Helper()
-	f, err := os.Open(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	zr, err := gzip.NewReader(f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := io.ReadAll(zr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 // hfTokenizerJSON returns the trimmed base tokenizer.json with the variant's components replaced.
 func hfTokenizerJSON(t *testing.T, base string, overrides map[string]json.RawMessage) []byte {
 	t.Helper()
 	var doc map[string]json.RawMessage
-	if err := json.Unmarshal(readGzip(t, fmt.Sprintf("testdata/hf/base-%s.json.gz", base)), &doc); err != nil {
+	if err := json.Unmarshal(fixture.Gunzip(t, fmt.Sprintf("testdata/hf/base-%s.json.gz", base)), &doc); err != nil {
 		t.Fatal(err)
 	}
 	for k, v := range overrides {
@@ -76,7 +56,7 @@ func hfTokenizerJSON(t *testing.T, base string, overrides map[string]json.RawMes
 // ids and texts Hugging Face's tokenizers produced.
 func TestMatchesHuggingFaceTokenizers(t *testing.T) {
 	var want hfExpected
-	if err := json.Unmarshal(readGzip(t, "testdata/hf/expected.json.gz"), &want); err != nil {
+	if err := json.Unmarshal(fixture.Gunzip(t, "testdata/hf/expected.json.gz"), &want); err != nil {
 		t.Fatal(err)
 	}
 	if len(want.Strings) < 450 || len(want.Variants) < 10 {

@@ -259,7 +259,7 @@ func TestLoadConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := ct.Render([]Message{{"user", "hi"}}, true)
+	got, err := ct.Render([]Message{{"user", "hi"}}, RenderOptions{AddGenerationPrompt: true})
 	if err != nil {
 		t.Fatal(err)
 	}
