@@ -1118,6 +1118,182 @@ func prefetchLines() {
 	p("RET")
 }
 
+// evex512 emits the register form of an EVEX.512.0F38.W0 instruction the Go assembler does not
+// know (the AVX512_BF16 ones) as bytes: dst in ModRM.reg, src1 in EVEX.vvvv, src2 in ModRM.rm;
+// pp is the mandatory prefix (2: F3, 3: F2). The name is kept as a comment.
+func evex512(name string, pp, opcode byte, dst, src1, src2 int) {
+	bit := func(r, b int) byte { return byte(r>>b) & 1 }
+	p0 := (1-bit(dst, 3))<<7 | (1-bit(src2, 4))<<6 | (1-bit(src2, 3))<<5 | (1-bit(dst, 4))<<4 | 0b10
+	p1 := byte(^src1&15)<<3 | 1<<2 | pp
+	p2 := byte(2)<<5 | (1-bit(src1, 4))<<3
+	modrm := 0xc0 | byte(dst&7)<<3 | byte(src2&7)
+	var b []string
+	for _, x := range []byte{0x62, p0, p1, p2, opcode, modrm} {
+		b = append(b, fmt.Sprintf("BYTE $0x%02x", x))
+	}
+	p("%s // %s Z%d, Z%d, Z%d", strings.Join(b, "; "), name, src2, src1, dst)
+}
+
+// vdpbf16ps emits VDPBF16PS Z(src2), Z(src1), Z(dst): for each of the 16 lanes,
+// dst += src1.bf16[2j+1]·src2.bf16[2j+1], then dst += src1.bf16[2j]·src2.bf16[2j].
+func vdpbf16ps(dst, src1, src2 int) { evex512("VDPBF16PS", 2, 0x52, dst, src1, src2) }
+
+// vcvtne2ps2bf16 emits VCVTNE2PS2BF16 Z(src2), Z(src1), Z(dst): words 0–15 of dst are src2's 16
+// floats rounded to bfloat16, words 16–31 src1's.
+func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, dst, src1, src2) }
+
+// tileDot512 computes mr rows × 64 columns of a BF16 panel with bfloat16 products: a holds the
+// rows' activations as bfloat16 pairs (one dword per pair of k, lda dwords per row), w the panel
+// (256 bytes per pair of k). Accumulators Z0..Z4mr-1 (row m, vector v in Z(4m+v)), the panel's
+// pairs in Z24..Z27, a row's pair broadcast in Z28/Z29. Every lane is one output element: zero,
+// then one VDPBF16PS per pair of k, k ascending.
+func tileDot512(mr, unroll int) {
+	name := fmt.Sprintf("tileDot512x%d", mr)
+	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)", "$0-56")
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ lda+8(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	p("MOVQ w+16(FP), BX")
+	p("MOVQ kp+24(FP), CX")
+	for i := 0; i < 4*mr; i++ {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	step := func(j int) {
+		for v := range 4 {
+			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
+		}
+		for m := range mr {
+			b := 28 + m%2
+			p("VPBROADCASTD %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
+			for v := range 4 {
+				vdpbf16ps(4*m+v, 24+v, b)
+			}
+		}
+	}
+	p("CMPQ CX, $%d", unroll)
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range unroll {
+		step(j)
+	}
+	p("ADDQ $%d, BX", 256*unroll)
+	p("ADDQ $%d, DI", 4*unroll)
+	p("ADDQ $%d, SI", 4*unroll)
+	p("SUBQ $%d, CX", unroll)
+	p("CMPQ CX, $%d", unroll)
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0)
+	p("ADDQ $256, BX")
+	p("ADDQ $4, DI")
+	p("ADDQ $4, SI")
+	p("DECQ CX")
+	p("JMP %s_tail", name)
+	label(name + "_store")
+	p("MOVQ mask+48(FP), AX")
+	for v := range 4 {
+		p("KMOVW AX, K%d", v+1)
+		if v < 3 {
+			p("SHRQ $16, AX")
+		}
+	}
+	p("MOVQ c+32(FP), DI")
+	p("MOVQ ldc+40(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	for m := range mr {
+		for v := range 4 {
+			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+		}
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// toBF16Pairs512 rounds n floats to bfloat16 (VCVTNE2PS2BF16: nearest even, denormals to zero)
+// into ceil(n/2) dwords of pairs, 32 floats at a time; the tail is loaded under masks (missing
+// floats read as zero) and stored under a word mask.
+func toBF16Pairs512() {
+	text("toBF16Pairs512(dst *uint32, src *float32, n int)", "$0-24")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ src+8(FP), SI")
+	p("MOVQ n+16(FP), DX")
+	p("MOVQ DX, BX")
+	p("SHRQ $5, BX")
+	p("JZ toBF16Pairs512_tail")
+	label("toBF16Pairs512_loop")
+	p("VMOVUPS (SI), Z0")
+	p("VMOVUPS 64(SI), Z1")
+	vcvtne2ps2bf16(2, 1, 0)
+	p("VMOVDQU32 Z2, (DI)")
+	p("ADDQ $128, SI")
+	p("ADDQ $64, DI")
+	p("DECQ BX")
+	p("JNZ toBF16Pairs512_loop")
+	label("toBF16Pairs512_tail")
+	p("ANDQ $31, DX")
+	p("JZ toBF16Pairs512_done")
+	// K1/K2: the floats left (low and high 16); K3: the words to store (rounded up to a pair).
+	p("MOVQ $1, AX")
+	p("MOVQ DX, CX")
+	p("SHLQ CX, AX")
+	p("DECQ AX")
+	p("KMOVW AX, K1")
+	p("SHRQ $16, AX")
+	p("KMOVW AX, K2")
+	p("LEAQ 1(DX), CX")
+	p("ANDQ $-2, CX")
+	p("MOVQ $1, AX")
+	p("SHLQ CX, AX")
+	p("DECQ AX")
+	p("KMOVD AX, K3")
+	p("VMOVUPS.Z (SI), K1, Z0")
+	p("VMOVUPS.Z 64(SI), K2, Z1")
+	vcvtne2ps2bf16(2, 1, 0)
+	p("VMOVDQU16 Z2, K3, (DI)")
+	label("toBF16Pairs512_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// dotBF16Probe runs one VDPBF16PS on 16 lanes from memory (acc += a·b), for tests.
+func dotBF16Probe() {
+	text("dotBF16Probe(acc *float32, a, b *uint32)", "$0-24")
+	p("MOVQ acc+0(FP), DI")
+	p("MOVQ a+8(FP), SI")
+	p("MOVQ b+16(FP), DX")
+	p("VMOVUPS (DI), Z0")
+	p("VMOVDQU32 (SI), Z1")
+	p("VMOVDQU32 (DX), Z2")
+	vdpbf16ps(0, 1, 2)
+	p("VMOVUPS Z0, (DI)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// dpLoop512 runs n iterations of 24 independent VDPBF16PS (zmm): 24 × 16 lanes × 2 multiply-adds
+// × 2 FLOPs = 1536 FLOPs per iteration.
+func dpLoop512() {
+	text("dpLoop512(n int)", "$0-8")
+	p("MOVQ n+0(FP), CX")
+	for i := range 26 {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	label("dpLoop512_loop")
+	for i := range 24 {
+		vdpbf16ps(i, 24, 25)
+	}
+	p("DECQ CX")
+	p("JNZ dpLoop512_loop")
+	p("VZEROUPPER")
+	p("RET")
+}
+
 func main() {
 	out.WriteString("// Code generated by asmgen.go; DO NOT EDIT.\n\n//go:build amd64 && !purego\n\n#include \"textflag.h\"\n")
 	hi16Data()
@@ -1154,6 +1330,12 @@ func main() {
 	transpose256()
 	rowDots512()
 	prefetchLines()
+	for mr := 1; mr <= maxRows; mr++ {
+		tileDot512(mr, 4)
+	}
+	toBF16Pairs512()
+	dotBF16Probe()
+	dpLoop512()
 	if err := os.WriteFile("kernel_amd64.s", out.Bytes(), 0o644); err != nil {
 		log.Fatal(err)
 	}

@@ -25,6 +25,7 @@ type Linear struct {
 	out, in int
 	panels  int // ceil(out / panelWidth)
 	dtype   DType
+	bf16Dot bool      // BF16 weights times bfloat16-rounded activations (NewLinearBF16Dot)
 	w       []float32 // F32 panels
 	h       []uint16  // BF16 or F16 panels
 	pool    *Pool
@@ -215,6 +216,10 @@ func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows
 		for m := range rows {
 			clear(dst[m*ldc : m*ldc+l.out])
 		}
+		return
+	}
+	if l.bf16Dot {
+		l.applyBF16Dot(dst, ldc, x, lda, rows)
 		return
 	}
 	s := l.schedule(rows)

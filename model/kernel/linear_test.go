@@ -9,26 +9,8 @@ import (
 )
 
 // fma32 returns a·b+c rounded once to float32 (IEEE fusedMultiplyAdd), an oracle for the
-// hardware FMA independent of it: a·b is exact in float64; the float64 sum is turned into its
-// round-to-odd value (Boldo–Melquiond), from which one rounding to float32 is the correctly
-// rounded result because float64 has more than 24+2 significand bits.
-func fma32(a, b, c float32) float32 {
-	p := float64(a) * float64(b)
-	s := p + float64(c)
-	if math.IsInf(s, 0) || math.IsNaN(s) {
-		return float32(s)
-	}
-	bb := s - p
-	err := (p - (s - bb)) + (float64(c) - bb) // TwoSum: s + err == p + c exactly
-	if err != 0 && math.Float64bits(s)&1 == 0 {
-		if (err > 0) == (s > 0) {
-			s = math.Float64frombits(math.Float64bits(s) + 1)
-		} else {
-			s = math.Float64frombits(math.Float64bits(s) - 1)
-		}
-	}
-	return float32(s)
-}
+// hardware FMA independent of it (a·b is exact in float64; see roundSum).
+func fma32(a, b, c float32) float32 { return roundSum(float64(a)*float64(b), c) }
 
 // fma32Big is fma32 by exact arithmetic, to check fma32 itself.
 func fma32Big(a, b, c float32) float32 {
