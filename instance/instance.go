@@ -22,6 +22,7 @@ import (
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/model/kernel"
 	"github.com/kvbridge/kvbridge/openai"
 	"github.com/kvbridge/kvbridge/transfer"
 )
@@ -37,8 +38,9 @@ type Config struct {
 	OpenedModel *model.Model
 	// ChatTemplate, if set, is a Jinja template source replacing the model's.
 	ChatTemplate string
-	// Tokenizer and Revision are model.OpenOptions' (vLLM's --tokenizer and --revision).
-	Tokenizer, Revision string
+	// Tokenizer, Revision, DType and KVCacheDType are model.OpenOptions' (vLLM's --tokenizer,
+	// --revision, --dtype and --kv-cache-dtype).
+	Tokenizer, Revision, DType, KVCacheDType string
 	// Host and Port are where the HTTP server listens; Port 0 picks a free port.
 	Host string
 	Port int
@@ -125,12 +127,19 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}()
 	in.Model = cfg.OpenedModel
 	if in.Model == nil {
-		m, err := model.Open(ctx, cfg.Model, model.OpenOptions{ChatTemplate: cfg.ChatTemplate, Tokenizer: cfg.Tokenizer, Revision: cfg.Revision})
+		m, err := model.Open(ctx, cfg.Model, model.OpenOptions{ChatTemplate: cfg.ChatTemplate, Tokenizer: cfg.Tokenizer,
+			Revision: cfg.Revision, DType: cfg.DType, KVCacheDType: cfg.KVCacheDType})
 		if err != nil {
 			return nil, err
 		}
 		in.Model, in.ownModel = m, true
 	}
+	loaded := []any{"model", in.Model.String(), "dtype", in.Model.DType(), "kv_cache_dtype", in.Model.KVCacheDType(),
+		"weights_mb", math.Round(float64(in.Model.WeightBytes()) / 1e6), "kernel", kernel.Implementation()}
+	if in.Model.DType() == "bfloat16" {
+		loaded = append(loaded, "bf16_products", kernel.BF16Products())
+	}
+	log.Info("model loaded", loaded...)
 	mc := in.Model.Config()
 	geo := engine.KVGeometry(in.Model, cfg.BlockSize)
 	geo.Layout = cfg.Layout
@@ -300,8 +309,8 @@ func startConnector(cfg Config, kv *connector.Config, in *Instance, layout conne
 	opts := connector.Options{
 		Config: kv, Pool: in.Pool, Arena: in.arena, Layout: layout,
 		Compat: connector.CompatFactors{
-			Model: in.Model.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
-			NumLayers: mc.NumLayers, CacheDType: "float32",
+			Model: in.Model.Name(), DType: in.Model.DType(), NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
+			NumLayers: mc.NumLayers, CacheDType: in.Model.KVCacheDType(),
 		},
 		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(port)),
 		AdvertiseHost:   host,

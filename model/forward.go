@@ -14,6 +14,12 @@ type KVBlocks interface {
 	HeadView(layer, block, head int) (k, v []float32, stride int)
 }
 
+// KVBlocksBF16 is a KV store of bfloat16 values, which a model with a bfloat16 KV cache
+// (OpenOptions.KVCacheDType) needs: HeadViewBF16 is HeadView for the values' bits.
+type KVBlocksBF16 interface {
+	HeadViewBF16(layer, block, head int) (k, v []uint16, stride int)
+}
+
 // Seq is one sequence's share of a forward step.
 type Seq struct {
 	// Tokens are the tokens computed this step (their KV is written into the blocks).
@@ -50,10 +56,12 @@ func (w *workspace) release() {
 	w.items, w.packItems = w.items[:0], w.packItems[:0]
 }
 
-// headView is one (layer, block, KV head) view of the KV store.
+// headView is one (layer, block, KV head) view of the KV store: float32 values (k, v) or
+// bfloat16 ones (k16, v16).
 type headView struct {
-	k, v   []float32
-	stride int
+	k, v     []float32
+	k16, v16 []uint16
+	stride   int
 }
 
 // grow returns s resized to n, reallocating only when its capacity is too small.
@@ -89,6 +97,9 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	c := m.cfg
 	if blockSize <= 0 {
 		return fmt.Errorf("%w: block size %d", ErrBadInput, blockSize)
+	}
+	if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
+		return fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
 	}
 	total := 0
 	for i, s := range seqs {
@@ -217,6 +228,11 @@ func (m *Model) resolveViews(w *workspace, kv KVBlocks, l, blockSize int, seqs [
 		base := w.viewBase[i]
 		for g := range nkv {
 			for b := range nb {
+				if m.kvBF16 {
+					k, v, stride := kv.(KVBlocksBF16).HeadViewBF16(l, int(s.Blocks[b]), g)
+					w.views[base+g*nb+b] = headView{k16: k, v16: v, stride: stride}
+					continue
+				}
 				k, v, stride := kv.HeadView(l, int(s.Blocks[b]), g)
 				w.views[base+g*nb+b] = headView{k: k, v: v, stride: stride}
 			}
@@ -264,16 +280,31 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 	for g := range c.NumKVHeads {
 		v := w.view(seqs, blockSize, si, g, b)
 		o := slot * v.stride
+		if m.kvBF16 {
+			for i, x := range row[qd+g*hd : qd+(g+1)*hd] {
+				v.k16[o+i] = kernel.F32ToBF16(x)
+			}
+			for i, x := range row[qd+kd+g*hd : qd+kd+(g+1)*hd] {
+				v.v16[o+i] = kernel.F32ToBF16(x)
+			}
+			continue
+		}
 		copy(v.k[o:o+hd], row[qd+g*hd:qd+(g+1)*hd])
 		copy(v.v[o:o+hd], row[qd+kd+g*hd:qd+kd+(g+1)*hd])
 	}
 }
 
-// lookup writes the embedding of token t into dst (HiddenSize values).
+// lookup writes the embedding of token t into dst (HiddenSize values); in bfloat16 the values
+// of an embedding not stored as bfloat16 are rounded to it, as every other weight is.
 func (m *Model) lookup(t int32, dst []float32) {
 	if m.tiedEmbed {
 		m.head.Row(int(t), dst)
 		return
 	}
 	m.embed.fill(int(t), dst)
+	if m.bf16 && m.embed.storage() != kernel.BF16 {
+		for i, x := range dst {
+			dst[i] = kernel.BF16ToF32(kernel.F32ToBF16(x))
+		}
+	}
 }

@@ -17,7 +17,7 @@ import (
 // model.safetensors.index.json, generation_config.json (optional), and from tokDir (dir itself
 // unless --tokenizer names another) tokenizer.json, tokenizer_config.json (optional) and the
 // chat template.
-func loadDir(ctx context.Context, name, dir, tokDir string) (*Model, error) {
+func loadDir(ctx context.Context, name, dir, tokDir string, opts OpenOptions) (*Model, error) {
 	cfgData, err := os.ReadFile(filepath.Join(dir, "config.json"))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrModelNotFound, dir, err)
@@ -25,6 +25,10 @@ func loadDir(ctx context.Context, name, dir, tokDir string) (*Model, error) {
 	cfg, err := ParseConfig(cfgData)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
+	}
+	prec, err := parsePrecision(opts, cfg.DType)
+	if err != nil {
+		return nil, err
 	}
 	tok, err := loadTokenizer(tokDir)
 	if err != nil {
@@ -43,7 +47,7 @@ func loadDir(ctx context.Context, name, dir, tokDir string) (*Model, error) {
 		files.close()
 		return nil, err
 	}
-	m, err := newModel(name, cfg, w, tok, tmpl, gen)
+	m, err := buildModel(name, cfg, w, tok, tmpl, gen, prec)
 	if err == nil {
 		for _, f := range files {
 			m.checkpointBytes += int64(len(f.mapped))

@@ -249,7 +249,17 @@ func TestLoadHFDirectory(t *testing.T) {
 			}
 			writeModelDir(t, dir, tc.cfg, w, tc.dtype, tc.shards)
 
-			loaded, err := Open(t.Context(), dir, OpenOptions{})
+			// config.json says bfloat16, so dtype auto computes in bfloat16; float32 compares
+			// with the in-memory float32 model bit for bit.
+			auto, err := Open(t.Context(), dir, OpenOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if auto.DType() != "bfloat16" {
+				t.Errorf("dtype auto of a bfloat16 checkpoint: %s", auto.DType())
+			}
+			auto.Close()
+			loaded, err := Open(t.Context(), dir, OpenOptions{DType: "float32"})
 			if err != nil {
 				t.Fatal(err)
 			}

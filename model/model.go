@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -51,6 +52,47 @@ type OpenOptions struct {
 	// Tokenizer, if non-empty, is a directory or cached repo id whose tokenizer.json,
 	// tokenizer_config.json and chat template replace the model's. vLLM's --tokenizer.
 	Tokenizer string
+	// DType is vLLM's --dtype: "auto" (or empty: the checkpoint's dtype — bfloat16 for bf16 and,
+	// as vLLM's CPU backend casts them, f16 checkpoints; float32 for f32 checkpoints and the
+	// built-in models), "bfloat16" or "float32". In bfloat16 the weight matrices are stored as
+	// bfloat16, the activations are rounded to bfloat16 at every matrix product's input and the
+	// products are summed in float32 (VDPBF16PS where the CPU has it); norms, softmax, RoPE and
+	// attention stay float32. In float32 the products are float32; 16-bit checkpoint weights
+	// stay 2 bytes and are widened exactly in the kernels.
+	DType string
+	// KVCacheDType is vLLM's --kv-cache-dtype: "auto" (or empty) and "float32" keep keys and
+	// values as float32, "bfloat16" rounds them to bfloat16 (2 bytes a value).
+	KVCacheDType string
+}
+
+// precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32.
+type precision struct {
+	bf16, kvBF16 bool
+}
+
+// parsePrecision resolves OpenOptions' dtypes for a checkpoint of dtype ckpt ("" for a built-in
+// model).
+func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
+	var p precision
+	switch strings.ToLower(opts.DType) {
+	case "", "auto":
+		p.bf16 = ckpt == "bfloat16" || ckpt == "float16"
+	case "bfloat16", "bf16":
+		p.bf16 = true
+	case "float32", "float", "fp32":
+	case "float16", "half", "fp16":
+		return p, fmt.Errorf("%w: dtype %q: float16 is not supported on the CPU; use bfloat16 or float32", ErrUnsupported, opts.DType)
+	default:
+		return p, fmt.Errorf("%w: dtype %q (want auto, bfloat16 or float32)", ErrUnsupported, opts.DType)
+	}
+	switch strings.ToLower(opts.KVCacheDType) {
+	case "", "auto", "float32", "fp32", "float":
+	case "bfloat16", "bf16":
+		p.kvBF16 = true
+	default:
+		return p, fmt.Errorf("%w: KV cache dtype %q (want auto, float32 or bfloat16)", ErrUnsupported, opts.KVCacheDType)
+	}
+	return p, nil
 }
 
 // Model is a loaded decoder-only transformer. Its methods are safe for concurrent use.
@@ -64,12 +106,14 @@ type Model struct {
 	// checkpoint; with tiedEmbed the embedding is head's weights and embed is empty.
 	embed     matrix
 	tiedEmbed bool
-	files     mappedFiles // the checkpoint files embed reads; closed by Close
-	layer     []decoderLayer
-	norm      []float32
-	head      *kernel.Linear
-	rope      rope
-	pool      *kernel.Pool // owned: the workers of every Linear and of attention
+	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache.
+	bf16, kvBF16 bool
+	files        mappedFiles // the checkpoint files embed reads; closed by Close
+	layer        []decoderLayer
+	norm         []float32
+	head         *kernel.Linear
+	rope         rope
+	pool         *kernel.Pool // owned: the workers of every Linear and of attention
 	// serial is a one-worker pool: attention's per-step Linears run inline on the calling worker.
 	serial *kernel.Pool
 	qScale float32 // 1/sqrt(HeadDim)
@@ -128,7 +172,11 @@ func Open(ctx context.Context, nameOrPath string, opts OpenOptions) (*Model, err
 		if opts.Tokenizer != "" || opts.Revision != "" {
 			return nil, fmt.Errorf("%w: the built-in model %s has its own tokenizer and no revisions", ErrBadConfig, nameOrPath)
 		}
-		m, err = newBuiltin(nameOrPath, spec)
+		prec, err := parsePrecision(opts, "")
+		if err != nil {
+			return nil, err
+		}
+		m, err = newBuiltin(nameOrPath, spec, prec)
 	} else {
 		var dir string
 		dir, err = resolveModelDir(nameOrPath, opts.HubCache, opts.Revision)
@@ -137,7 +185,7 @@ func Open(ctx context.Context, nameOrPath string, opts OpenOptions) (*Model, err
 			tokDir, err = resolveModelDir(opts.Tokenizer, opts.HubCache, "")
 		}
 		if err == nil {
-			m, err = loadDir(ctx, nameOrPath, dir, tokDir)
+			m, err = loadDir(ctx, nameOrPath, dir, tokDir, opts)
 		}
 	}
 	if err != nil {
@@ -166,6 +214,24 @@ func (m *Model) Config() Config {
 		c.RopeScaling = &rs
 	}
 	return c
+}
+
+// DType returns how the model computes its matrix products: "bfloat16" or "float32"
+// (OpenOptions.DType resolved).
+func (m *Model) DType() string {
+	if m.bf16 {
+		return "bfloat16"
+	}
+	return "float32"
+}
+
+// KVCacheDType returns the type of the keys and values the model writes and reads: "float32",
+// or "bfloat16" (then Forward needs a KVBlocksBF16 store).
+func (m *Model) KVCacheDType() string {
+	if m.kvBF16 {
+		return "bfloat16"
+	}
+	return "float32"
 }
 
 // Tokenizer returns the model's tokenizer.

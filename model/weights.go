@@ -90,14 +90,10 @@ type part struct {
 }
 
 // newFused packs parts (stacked in order; together out rows of in values) into one Linear on
-// pool, stored in the type all parts are exact in (float32 when they differ).
-func newFused(pool *kernel.Pool, out, in int, parts ...part) *kernel.Linear {
-	dtype := parts[0].m.storage()
-	for _, p := range parts[1:] {
-		if p.m.storage() != dtype {
-			dtype = kernel.F32
-		}
-	}
+// pool: with bf16, bfloat16 weights (rounded to nearest even where the checkpoint is not
+// bfloat16) with bfloat16 products; else stored in the type all parts are exact in (float32
+// when they differ) with float32 products.
+func newFused(pool *kernel.Pool, bf16 bool, out, in int, parts ...part) *kernel.Linear {
 	find := func(n int) part {
 		for _, p := range parts {
 			if n < p.at+p.n {
@@ -105,6 +101,18 @@ func newFused(pool *kernel.Pool, out, in int, parts ...part) *kernel.Linear {
 			}
 		}
 		panic("model: fused row out of range")
+	}
+	if bf16 {
+		return kernel.NewLinearBF16Dot(pool, out, in, func(n int, dst []uint16) {
+			p := find(n)
+			p.m.fill16(n-p.at, dst, kernel.BF16)
+		})
+	}
+	dtype := parts[0].m.storage()
+	for _, p := range parts[1:] {
+		if p.m.storage() != dtype {
+			dtype = kernel.F32
+		}
 	}
 	if dtype == kernel.F32 {
 		return kernel.NewLinearFrom(pool, out, in, func(n int, dst []float32) {
@@ -170,12 +178,17 @@ func (w *weights) specs(c Config) []tensorSpec {
 	return s
 }
 
-// newModel packs w for the kernel and assembles a Model. The tokenizer's vocabulary must not
-// exceed cfg.VocabSize. Matrices are stored in the type their values are exact in (a bf16
-// checkpoint stays 2 bytes a weight); a tied embedding is stored once, as lm_head, and looked up
-// from it. An untied embedding stays where it is (the mapped checkpoint, whose files the model
-// then keeps open and closes in Close).
+// newModel is buildModel in float32.
 func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmpl tokenizer.ChatTemplate, gen GenerationConfig) (*Model, error) {
+	return buildModel(name, cfg, w, tok, tmpl, gen, precision{})
+}
+
+// buildModel packs w for the kernel and assembles a Model computing with prec. The tokenizer's
+// vocabulary must not exceed cfg.VocabSize. Matrices are stored in the type their values are
+// exact in (a bf16 checkpoint stays 2 bytes a weight), or in bfloat16 with bfloat16 products; a
+// tied embedding is stored once, as lm_head, and looked up from it. An untied embedding stays
+// where it is (the mapped checkpoint, whose files the model then keeps open and closes in Close).
+func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmpl tokenizer.ChatTemplate, gen GenerationConfig, prec precision) (*Model, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
@@ -196,8 +209,11 @@ func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmp
 		serial:     kernel.NewPool(1),
 		qScale:     float32(1 / math.Sqrt(float64(hd))),
 		prefillMin: cfg.tileTokens() + 1,
-		inPlace:    kernel.RowKernels(cfg.HeadDim),
+		inPlace:    kernel.RowKernels(cfg.HeadDim) && !prec.kvBF16,
+		bf16:       prec.bf16,
+		kvBF16:     prec.kvBF16,
 	}
+	bf := prec.bf16
 	var bytes int64
 	for i := range w.layers {
 		l := &w.layers[i]
@@ -205,12 +221,12 @@ func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmp
 		d := decoderLayer{
 			inNorm:   l.inNorm,
 			postNorm: l.postNorm,
-			qkv:      newFused(m.pool, qd+2*kd, h, part{l.q, 0, qd}, part{l.k, qd, kd}, part{l.v, qd + kd, kd}),
+			qkv:      newFused(m.pool, bf, qd+2*kd, h, part{l.q, 0, qd}, part{l.k, qd, kd}, part{l.v, qd + kd, kd}),
 			qNorm:    l.qNorm,
 			kNorm:    l.kNorm,
-			o:        newFused(m.pool, h, qd, part{l.o, 0, h}),
-			gateUp:   newFused(m.pool, 2*in, h, part{l.gate, 0, in}, part{l.up, in, in}),
-			down:     newFused(m.pool, h, in, part{l.down, 0, h}),
+			o:        newFused(m.pool, bf, h, qd, part{l.o, 0, h}),
+			gateUp:   newFused(m.pool, bf, 2*in, h, part{l.gate, 0, in}, part{l.up, in, in}),
+			down:     newFused(m.pool, bf, h, in, part{l.down, 0, h}),
 		}
 		if l.qb != nil || l.kb != nil || l.vb != nil {
 			d.qkvBias = make([]float32, qd+2*kd)
@@ -229,7 +245,7 @@ func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmp
 	} else {
 		m.embed = w.embed
 	}
-	m.head = newFused(m.pool, cfg.VocabSize, h, part{head, 0, cfg.VocabSize})
+	m.head = newFused(m.pool, bf, cfg.VocabSize, h, part{head, 0, cfg.VocabSize})
 	bytes += m.head.Bytes() + 4*int64(len(w.norm))
 	m.weightBytes = bytes
 	return m, nil

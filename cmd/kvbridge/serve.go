@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -42,6 +43,8 @@ type serveFlags struct {
 	numBlocksOverride   int
 	tokenizer           string
 	revision            string
+	dtype               string
+	kvCacheDType        string
 	kvCacheLayout       string
 	maxConcurrent       int
 }
@@ -101,6 +104,8 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.Float64Var(&f.memoryUtilization, "gpu-memory-utilization", 0, "size the KV cache to this fraction of the machine's memory less the loaded model (0 < x ≤ 1; instead of --kv-cache-memory-bytes)")
 	fl.StringVar(&f.tokenizer, "tokenizer", "", "directory or cached repo id to take the tokenizer and chat template from (default: the model's)")
 	fl.StringVar(&f.revision, "revision", "", "revision of a cached repo id: branch, tag or commit hash (default: refs/main)")
+	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
+	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (float32), float32 or bfloat16")
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
 	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", 4096, "completions served at once; one more is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
@@ -129,6 +134,14 @@ func serve(ctx context.Context, f serveFlags) error {
 			return usageError("--kv-cache-layout: %v", err)
 		}
 		kvLayout = l
+	}
+	switch strings.ToLower(f.dtype) {
+	case "auto", "bfloat16", "bf16", "float32", "float", "fp32":
+	default:
+		return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", f.dtype)
+	}
+	if _, err := kvcache.ParseDType(f.kvCacheDType); err != nil {
+		return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", f.kvCacheDType)
 	}
 	var kvMem int64
 	switch {
@@ -195,6 +208,8 @@ func serve(ctx context.Context, f serveFlags) error {
 		MemoryUtilization:     f.memoryUtilization,
 		Tokenizer:             f.tokenizer,
 		Revision:              f.revision,
+		DType:                 f.dtype,
+		KVCacheDType:          f.kvCacheDType,
 		MaxModelLen:           f.maxModelLen,
 		MaxNumSeqs:            f.maxNumSeqs,
 		MaxNumBatchedTokens:   f.maxNumBatchedTokens,
