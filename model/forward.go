@@ -35,8 +35,10 @@ type Seq struct {
 // workspace holds one Forward call's activations; reused across calls through Model.work.
 type workspace struct {
 	x, h, qkv, attn, proj, gu, act []float32
-	tokSeq                         []int32 // sequence index of each token
-	tokPos                         []int32 // position of each token
+	rope                           []float32 // per token row: cos (HeadDim/2), then sin
+	logits                         []float32 // lm_head's output rows
+	tokSeq                         []int32   // sequence index of each token
+	tokPos                         []int32   // position of each token
 	views                          []headView
 	viewBase                       []int // views index of (seq, head 0, block 0)
 	logitRows                      []int // token rows whose logits are wanted
@@ -166,10 +168,19 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	}
 	w.views = grow(w.views, nviews)
 
+	// RoPE's cos and sin of every token, once for all layers.
+	w.rope = grow(w.rope, total*hd)
+	m.pool.Parallel((total+63)/64, func(i int) {
+		for r := i * 64; r < min(total, (i+1)*64); r++ {
+			m.rope.angles(int(w.tokPos[r]), w.rope[r*hd:r*hd+hd/2], w.rope[r*hd+hd/2:(r+1)*hd])
+		}
+	})
+
 	m.planAttention(w, seqs)
 	defer w.release()
 
 	eps := float32(c.RMSNormEps)
+	in := c.IntermediateSize
 	for l := range m.layer {
 		if err = ctx.Err(); err != nil {
 			return err
@@ -178,23 +189,24 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		m.resolveViews(w, kv, l, blockSize, seqs)
 
 		// Attention block.
-		kernel.RMSNorm(w.h[:total*h], w.x[:total*h], ly.inNorm, eps)
+		m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.inNorm, eps) })
 		ly.qkv.Apply(w.qkv, w.h, total)
 		m.pool.Parallel(total, func(r int) { m.prepareToken(w, ly, seqs, blockSize, r) })
 		m.attention(w, seqs, blockSize)
 		ly.o.Apply(w.proj, w.attn, total)
-		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
+		m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
 
 		// MLP block.
-		kernel.RMSNorm(w.h[:total*h], w.x[:total*h], ly.postNorm, eps)
+		m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.postNorm, eps) })
 		ly.gateUp.Apply(w.gu, w.h, total)
-		in := c.IntermediateSize
-		for r := range total {
-			g := w.gu[r*2*in : (r+1)*2*in]
-			kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
-		}
+		m.eachRows(total, in, func(r0, r1 int) {
+			for r := r0; r < r1; r++ {
+				g := w.gu[r*2*in : (r+1)*2*in]
+				kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
+			}
+		})
 		ly.down.Apply(w.proj, w.act, total)
-		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
+		m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
 	}
 
 	// Final norm and lm_head for the requested rows only.
@@ -205,7 +217,8 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	for i, r := range w.logitRows {
 		kernel.RMSNorm(w.h[i*h:(i+1)*h], w.x[r*h:(r+1)*h], m.norm, eps)
 	}
-	logits := make([]float32, n*c.VocabSize)
+	w.logits = grow(w.logits, n*c.VocabSize)
+	logits := w.logits
 	m.head.Apply(logits, w.h, n)
 	i := 0
 	for _, s := range seqs {
@@ -215,6 +228,19 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		}
 	}
 	return nil
+}
+
+// eachRows runs fn on ranges [r0, r1) of rows rows of width values, split over the pool's
+// workers when there is enough work to pay for it. Row-wise operations compute each row the
+// same way wherever it is, so the split changes no result.
+func (m *Model) eachRows(rows, width int, fn func(r0, r1 int)) {
+	const minValues = 1 << 15
+	per := max(1, minValues/width)
+	if rows <= per {
+		fn(0, rows)
+		return
+	}
+	m.pool.Parallel((rows+per-1)/per, func(i int) { fn(i*per, min(rows, (i+1)*per)) })
 }
 
 // resolveViews fills the view table of layer l: for every sequence, KV head and block index.
@@ -262,15 +288,8 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 		kernel.RMSNorm(row[:qd], row[:qd], ly.qNorm, eps)
 		kernel.RMSNorm(row[qd:qd+kd], row[qd:qd+kd], ly.kNorm, eps)
 	}
-	var buf [512]float32
-	var cos, sin []float32
-	if hd <= len(buf) {
-		cos, sin = buf[:hd/2], buf[hd/2:hd]
-	} else {
-		cos, sin = make([]float32, hd/2), make([]float32, hd/2)
-	}
+	cos, sin := w.rope[r*hd:r*hd+hd/2], w.rope[r*hd+hd/2:(r+1)*hd]
 	pos := int(w.tokPos[r])
-	m.rope.angles(pos, cos, sin)
 	for hh := range c.NumHeads + c.NumKVHeads {
 		applyRope(row[hh*hd:(hh+1)*hd], cos, sin)
 	}

@@ -1138,6 +1138,42 @@ func evex512(name string, pp, opcode byte, dst, src1, src2 int) {
 // dst += src1.bf16[2j+1]·src2.bf16[2j+1], then dst += src1.bf16[2j]·src2.bf16[2j].
 func vdpbf16ps(dst, src1, src2 int) { evex512("VDPBF16PS", 2, 0x52, dst, src1, src2) }
 
+// vdpbf16psBcst emits VDPBF16PS m32bcst, Z(src1), Z(dst) with the memory operand of row m of
+// rowAddr's addressing (base DI or SI, index R8 or R9) plus disp (a multiple of 4, < 512): the
+// dword at that address (a pair of bfloat16 activations) is broadcast to every lane. EVEX.b set,
+// disp8 compressed by the element size 4.
+func vdpbf16psBcst(dst, src1, m, disp int) {
+	const di, si, r8, r9 = 7, 6, 8, 9
+	base, index, scale := []int{di, di, di, di, si, si}[m], []int{-1, r8, r8, r9, -1, r8}[m], []int{1, 1, 2, 1, 1, 1}[m]
+	bit := func(r, b int) byte { return byte(r>>b) & 1 }
+	x := byte(0)
+	if index >= 0 {
+		x = bit(index, 3)
+	}
+	p0 := (1-bit(dst, 3))<<7 | (1-x)<<6 | (1-bit(base, 3))<<5 | (1-bit(dst, 4))<<4 | 0b10
+	p1 := byte(^src1&15)<<3 | 1<<2 | 2
+	p2 := byte(2)<<5 | 1<<4 | (1-bit(src1, 4))<<3
+	mod := byte(0)
+	if disp != 0 {
+		mod = 1
+	}
+	b := []byte{0x62, p0, p1, p2, 0x52}
+	if index >= 0 {
+		sib := map[int]byte{1: 0, 2: 1, 4: 2, 8: 3}[scale]<<6 | byte(index&7)<<3 | byte(base&7)
+		b = append(b, mod<<6|byte(dst&7)<<3|4, sib)
+	} else {
+		b = append(b, mod<<6|byte(dst&7)<<3|byte(base&7))
+	}
+	if mod == 1 {
+		b = append(b, byte(disp/4))
+	}
+	var bs []string
+	for _, c := range b {
+		bs = append(bs, fmt.Sprintf("BYTE $0x%02x", c))
+	}
+	p("%s // VDPBF16PS.BCST %s, Z%d, Z%d", strings.Join(bs, "; "), rowAddr(m, "DI", "SI", "R8", "R9", disp), src1, dst)
+}
+
 // vcvtne2ps2bf16 emits VCVTNE2PS2BF16 Z(src2), Z(src1), Z(dst): words 0–15 of dst are src2's 16
 // floats rounded to bfloat16, words 16–31 src1's.
 func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, dst, src1, src2) }
@@ -1145,11 +1181,15 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 // tileDot512 computes mr rows × 64 columns of a BF16 panel with bfloat16 products: a holds the
 // rows' activations as bfloat16 pairs (one dword per pair of k, lda dwords per row), w the panel
 // (256 bytes per pair of k). Accumulators Z0..Z4mr-1 (row m, vector v in Z(4m+v)), the panel's
-// pairs in Z24..Z27, a row's pair broadcast in Z28/Z29. Every lane is one output element: zero,
-// then one VDPBF16PS per pair of k, k ascending.
+// pairs in Z24..Z27; each row's pair is broadcast from memory by the VDPBF16PS itself. Every
+// lane is one output element: zero, then one VDPBF16PS per pair of k, k ascending. Each pair of
+// k also prefetches 64 bytes from pf on (the caller points pf at the share of the next panel this
+// tile brings into the cache, so the next panel streams from memory while this one is computed
+// from the cache).
 func tileDot512(mr, unroll int) {
 	name := fmt.Sprintf("tileDot512x%d", mr)
-	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)", "$0-56")
+	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)", "$0-64")
+	p("MOVQ pf+56(FP), R10")
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
@@ -1164,11 +1204,10 @@ func tileDot512(mr, unroll int) {
 		for v := range 4 {
 			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
 		}
+		p("PREFETCHT0 %d(R10)", 64*j)
 		for m := range mr {
-			b := 28 + m%2
-			p("VPBROADCASTD %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
 			for v := range 4 {
-				vdpbf16ps(4*m+v, 24+v, b)
+				vdpbf16psBcst(4*m+v, 24+v, m, 4*j)
 			}
 		}
 	}
@@ -1181,6 +1220,7 @@ func tileDot512(mr, unroll int) {
 	p("ADDQ $%d, BX", 256*unroll)
 	p("ADDQ $%d, DI", 4*unroll)
 	p("ADDQ $%d, SI", 4*unroll)
+	p("ADDQ $%d, R10", 64*unroll)
 	p("SUBQ $%d, CX", unroll)
 	p("CMPQ CX, $%d", unroll)
 	p("JGE %s_loop", name)
@@ -1191,6 +1231,7 @@ func tileDot512(mr, unroll int) {
 	p("ADDQ $256, BX")
 	p("ADDQ $4, DI")
 	p("ADDQ $4, SI")
+	p("ADDQ $64, R10")
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")

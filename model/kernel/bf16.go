@@ -90,7 +90,7 @@ func toPairsGeneric(dst []uint32, src []float32) {
 
 // tileDotGeneric is the portable chain of bfloat16 products for rows [0,mr) × columns [0,ncols)
 // of a BF16 panel; a holds the rows' activation pairs, lda pairs apart.
-func tileDotGeneric(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int) {
+func tileDotGeneric(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, _ []uint16) {
 	for m := range mr {
 		x := a[m*lda : m*lda+kp]
 		for j := range ncols {
@@ -141,6 +141,13 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 		toPairs(pairs[m*kp:(m+1)*kp], x[m*lda:m*lda+l.in])
 	}
 	s := l.schedule(rows)
+	if s.tileGroups == 1 && s.tiles > 1 {
+		// A few rows (batched decode): every task runs all row tiles over a long run of
+		// consecutive panels, prefetching each next panel while the current one is computed
+		// from the cache, so the weights stream from memory under the arithmetic.
+		s.panelGroup = (s.panels + 2*l.pool.Workers() - 1) / (2 * l.pool.Workers())
+		s.panelGroups = (s.panels + s.panelGroup - 1) / s.panelGroup
+	}
 	if s.tasks() == 1 {
 		l.dotTask(dst, ldc, pairs, kp, rows, s, 0)
 		return
@@ -158,13 +165,18 @@ func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s
 		tile = tileDotGeneric
 	}
 	stride := l.panel16Len()
+	share := stride / 4 // a tile prefetches a quarter of the next panel
 	for p := p0; p < p1; p++ {
 		w := l.h[p*stride : (p+1)*stride]
 		col := p * panelWidth
 		ncols := min(panelWidth, l.out-col)
 		for ti := t0; ti < t1; ti++ {
 			m0 := ti * s.mr
-			tile(dst[m0*ldc+col:], ldc, a[m0*kp:], kp, w, kp, min(s.mr, rows-m0), ncols)
+			var pf []uint16
+			if q := ti - t0; q < 4 && t1-t0 > 1 && p+1 < p1 {
+				pf = l.h[(p+1)*stride+q*share : (p+1)*stride+(q+1)*share]
+			}
+			tile(dst[m0*ldc+col:], ldc, a[m0*kp:], kp, w, kp, min(s.mr, rows-m0), ncols, pf)
 		}
 	}
 }

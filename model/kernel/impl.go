@@ -16,7 +16,8 @@ type impl struct {
 
 	// tileDot is tile for bfloat16 products (see bf16.go): a holds activation pairs, lda pairs
 	// apart, w a BF16 panel of kp pairs; toPairs rounds floats to pairs. nil: portable Go.
-	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int)
+	// pf is memory to prefetch on the way (a share of the next panel; nil: none).
+	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16)
 	toPairs func(dst []uint32, src []float32)
 	// dpLoop is fmaLoop for bfloat16 products (nil without them).
 	dpLoop func(n int) float64

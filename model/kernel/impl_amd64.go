@@ -90,20 +90,24 @@ func candidateImpls() []*impl {
 }
 
 // tileDotKernels are the bfloat16-product tile kernels by rows − 1.
-var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64){
+var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16){
 	tileDot512x1, tileDot512x2, tileDot512x3, tileDot512x4, tileDot512x5, tileDot512x6,
 }
 
 // tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
-// masked off at the store.
-func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int) {
+// masked off at the store. pf (kp×32 values, else the tile's own panel) is prefetched on the
+// way.
+func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16) {
 	_ = a[(mr-1)*lda+kp-1]
 	_ = w[kp*2*panelWidth-1]
 	_ = c[(mr-1)*ldc+ncols-1]
 	if mr < 1 || mr > maxTileRows {
 		panic("kernel: bad tile height")
 	}
-	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols))
+	if len(pf) < kp*32 {
+		pf = w
+	}
+	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0])
 }
 
 // toPairsAVX512 rounds src to bfloat16 pairs with VCVTNE2PS2BF16.
@@ -297,12 +301,12 @@ func accRowsAVX512(acc []float32, ldacc int, p []float32, ldp, rows int, v []flo
 	}
 }
 
-func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)
-func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)
-func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)
-func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)
-func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)
-func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64)
+func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
 
 //go:noescape
 func toBF16Pairs512(dst *uint32, src *float32, n int)
