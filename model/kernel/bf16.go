@@ -171,12 +171,14 @@ func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s
 		col := p * panelWidth
 		ncols := min(panelWidth, l.out-col)
 		for ti := t0; ti < t1; ti++ {
-			m0 := ti * s.mr
+			// Tiles of balanced heights (32 rows: 6, 6, 5, 5, 5, 5, not 6×5 + 2), as a short tile
+			// computes its rows less efficiently.
+			m0, m1 := ti*rows/s.tiles, (ti+1)*rows/s.tiles
 			var pf []uint16
 			if q := ti - t0; q < 4 && t1-t0 > 1 && p+1 < p1 {
 				pf = l.h[(p+1)*stride+q*share : (p+1)*stride+(q+1)*share]
 			}
-			tile(dst[m0*ldc+col:], ldc, a[m0*kp:], kp, w, kp, min(s.mr, rows-m0), ncols, pf)
+			tile(dst[m0*ldc+col:], ldc, a[m0*kp:], kp, w, kp, m1-m0, ncols, pf)
 		}
 	}
 }
