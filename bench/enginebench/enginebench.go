@@ -12,6 +12,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"runtime"
+	"runtime/debug"
 	"slices"
 	"text/tabwriter"
 	"time"
@@ -106,6 +107,7 @@ type Result struct {
 	PromptLen    int    `json:"prompt_len"`
 	PrefillChunk int    `json:"prefill_chunk"`
 	DecodeTokens int    `json:"decode_tokens"`
+	DecodeSteps  int    `json:"decode_steps"`
 	Repeat       int    `json:"repeat"`
 	// CheckpointBytes is the size of the model's safetensors files (0 for a built-in model).
 	CheckpointBytes int64 `json:"checkpoint_bytes"`
@@ -157,6 +159,8 @@ type BatchResult struct {
 	// serves the whole batch.
 	BoundTokensPerS float64 `json:"bound_tokens_per_s"`
 	BoundRatio      float64 `json:"bound_ratio"`
+	// BoundWithKVTokensPerS also counts reading every sequence's context KV at each step.
+	BoundWithKVTokensPerS float64 `json:"bound_with_kv_tokens_per_s"`
 	// GFLOPS is the products' FLOPs per second; PeakRatio against the dtype's peak.
 	GFLOPS    float64 `json:"gflops"`
 	PeakRatio float64 `json:"peak_ratio"`
@@ -175,7 +179,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	}
 	r := &Result{
 		Kernel: kernel.Implementation(), GOMAXPROCS: runtime.GOMAXPROCS(0), BF16Products: kernel.BF16Products(),
-		PromptLen: opts.PromptLen, PrefillChunk: opts.Chunk, DecodeTokens: opts.DecodeTokens, Repeat: opts.Repeat,
+		PromptLen: opts.PromptLen, PrefillChunk: opts.Chunk, DecodeTokens: opts.DecodeTokens, DecodeSteps: opts.DecodeSteps, Repeat: opts.Repeat,
 	}
 	if r.PrefillChunk <= 0 || r.PrefillChunk > opts.PromptLen {
 		r.PrefillChunk = opts.PromptLen
@@ -200,7 +204,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 // runDType measures one dtype.
 func runDType(ctx context.Context, opts Options, r *Result, dtype string, progress func(string, ...any)) (*DTypeResult, error) {
 	progress("loading %s (dtype %s)", opts.Model, dtype)
-	runtime.GC()
+	debug.FreeOSMemory() // the previous dtype's model and pool, so the resident figure is this one's
 	m, err := model.Open(ctx, opts.Model, model.OpenOptions{DType: dtype})
 	if err != nil {
 		return nil, err
@@ -315,6 +319,8 @@ func (d *DTypeResult) ratios(r *Result) {
 		b := &d.Batched[i]
 		b.BoundTokensPerS = float64(b.Batch) * r.ReadGBps * 1e9 / float64(d.WeightBytes)
 		b.BoundRatio = b.TokensPerS / b.BoundTokensPerS
+		kv := float64(b.Batch) * (float64(b.Context) + float64(r.DecodeSteps)/2) * float64(d.KVBytesPerTok)
+		b.BoundWithKVTokensPerS = float64(b.Batch) * r.ReadGBps * 1e9 / (float64(d.WeightBytes) + kv)
 		b.PeakRatio = b.GFLOPS / peak
 		if b.Batch == 1 {
 			one = b.TokensPerS
@@ -413,6 +419,7 @@ func (r *Result) WriteTable(w io.Writer) error {
 		for _, b := range d.Batched {
 			fmt.Fprintf(tw, "decode batch %d (context %d)\t%s\t%.1f tok/s (%.1f× batch 1)\t%.1f tok/s weights÷bandwidth\t%.2f\t\n",
 				b.Batch, b.Context, d.DType, b.TokensPerS, b.OverBatch1, b.BoundTokensPerS, b.BoundRatio)
+			fmt.Fprintf(tw, "  incl. KV reads\t%s\t\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n", d.DType, b.BoundWithKVTokensPerS, b.TokensPerS/b.BoundWithKVTokensPerS)
 			fmt.Fprintf(tw, "  its compute\t%s\t%.1f GFLOP/s\t%s\t%.2f\t\n", d.DType, b.GFLOPS, peakName, b.PeakRatio)
 		}
 	}
