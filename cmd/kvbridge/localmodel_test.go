@@ -100,7 +100,8 @@ func TestServeRepoIDFromHubCache(t *testing.T) {
 	}
 }
 
-// TestServeSizingFlagErrors: bad sizing flags are usage errors (exit status 2) naming the flag.
+// TestServeSizingFlagErrors: bad sizing and precision flags are usage errors (exit status 2)
+// naming the flag.
 func TestServeSizingFlagErrors(t *testing.T) {
 	for _, tc := range []struct {
 		env  string
@@ -110,6 +111,8 @@ func TestServeSizingFlagErrors(t *testing.T) {
 		{"", []string{"--gpu-memory-utilization", "1.5"}, "--gpu-memory-utilization"},
 		{"", []string{"--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "1G"}, "give one"},
 		{"VLLM_CPU_KVCACHE_SPACE=lots", nil, "VLLM_CPU_KVCACHE_SPACE"},
+		{"", []string{"--dtype", "half"}, "--dtype"},
+		{"", []string{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype"},
 	} {
 		args := append([]string{"serve", "kvbridge/tiny", "--port", "0"}, tc.args...)
 		cmd := exec.Command(os.Args[0], args...)
