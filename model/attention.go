@@ -227,10 +227,8 @@ func (it *positionIter) next() (k, v []float32) {
 	it.next16++
 	k = it.ring[2*r*it.hd : (2*r+1)*it.hd]
 	v = it.ring[(2*r+1)*it.hd : (2*r+2)*it.hd]
-	for i := range it.hd {
-		k[i] = kernel.BF16ToF32(it.view.k16[o+i])
-		v[i] = kernel.BF16ToF32(it.view.v16[o+i])
-	}
+	kernel.WidenBF16(k, it.view.k16[o:o+it.hd])
+	kernel.WidenBF16(v, it.view.v16[o:o+it.hd])
 	return k, v
 }
 

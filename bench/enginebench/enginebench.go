@@ -379,10 +379,10 @@ func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts O
 	}
 	t0 := time.Now()
 	for k := range opts.DecodeSteps {
-		for i := range step {
+		kernel.Parallel(len(step), func(i int) { // greedy sampling of every sequence, on every core
 			toks[i] = model.Argmax(last[i])
 			step[i].Tokens, step[i].Start = toks[i:i+1], len(seqs[i].Tokens)+k
-		}
+		})
 		if err := m.Forward(ctx, pool, opts.BlockSize, step); err != nil {
 			return 0, err
 		}

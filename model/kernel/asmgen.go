@@ -1302,6 +1302,36 @@ func toBF16Pairs512() {
 	p("RET")
 }
 
+// widenBF16x512 widens n bfloat16 values to float32 (each shifted into the upper half of a
+// dword), 16 at a time, the tail under a mask.
+func widenBF16x512() {
+	text("widenBF16x512(dst *float32, src *uint16, n int)", "$0-24")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ src+8(FP), SI")
+	p("MOVQ n+16(FP), DX")
+	p("MOVQ DX, BX")
+	p("SHRQ $4, BX")
+	p("JZ widenBF16x512_tail")
+	label("widenBF16x512_loop")
+	p("VPMOVZXWD (SI), Z0")
+	p("VPSLLD $16, Z0, Z0")
+	p("VMOVUPS Z0, (DI)")
+	p("ADDQ $32, SI")
+	p("ADDQ $64, DI")
+	p("DECQ BX")
+	p("JNZ widenBF16x512_loop")
+	label("widenBF16x512_tail")
+	tailMask("DX")
+	p("KORTESTW K1, K1")
+	p("JZ widenBF16x512_done")
+	p("VPMOVZXWD.Z (SI), K1, Z0")
+	p("VPSLLD $16, Z0, Z0")
+	p("VMOVUPS Z0, K1, (DI)")
+	label("widenBF16x512_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
 // dotBF16Probe runs one VDPBF16PS on 16 lanes from memory (acc += a·b), for tests.
 func dotBF16Probe() {
 	text("dotBF16Probe(acc *float32, a, b *uint32)", "$0-24")
@@ -1375,6 +1405,7 @@ func main() {
 		tileDot512(mr, 4)
 	}
 	toBF16Pairs512()
+	widenBF16x512()
 	dotBF16Probe()
 	dpLoop512()
 	if err := os.WriteFile("kernel_amd64.s", out.Bytes(), 0o644); err != nil {

@@ -111,3 +111,16 @@ func F32ToF16(f float32) uint16 {
 	e = exp - 1
 	return sign | uint16(e+15)<<10 | (uint16(v/math.Ldexp(1, e-10)) - 1024)
 }
+
+// WidenBF16 writes the float32 values of the bfloat16 values src into dst (len ≥ len(src)), with
+// vector instructions where the CPU has them. Widening is exact.
+func WidenBF16(dst []float32, src []uint16) {
+	if len(dst) < len(src) {
+		panic(fmt.Sprintf("kernel.WidenBF16: len(dst) = %d < len(src) = %d", len(dst), len(src)))
+	}
+	if defaultImpl.widenBF16 != nil {
+		defaultImpl.widenBF16(dst, src)
+		return
+	}
+	widen16(dst[:len(src)], src, BF16)
+}

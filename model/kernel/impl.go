@@ -22,6 +22,9 @@ type impl struct {
 	// dpLoop is fmaLoop for bfloat16 products (nil without them).
 	dpLoop func(n int) float64
 
+	// widenBF16 widens bfloat16 values to float32 (nil: portable Go).
+	widenBF16 func(dst []float32, src []uint16)
+
 	dot      func(a, b []float32) float32
 	axpy     func(alpha float32, x, y []float32)
 	scale    func(alpha float32, x []float32)

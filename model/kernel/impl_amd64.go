@@ -12,6 +12,7 @@ var avx512Impl = &impl{
 	mr:        6,
 	tile:      tileAVX512,
 	tile16:    tile16AVX512,
+	widenBF16: widenBF16AVX512,
 	dot:       dotAVX512,
 	axpy:      axpyAVX512,
 	scale:     scaleAVX512,
@@ -310,6 +311,17 @@ func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, ma
 
 //go:noescape
 func toBF16Pairs512(dst *uint32, src *float32, n int)
+
+//go:noescape
+func widenBF16x512(dst *float32, src *uint16, n int)
+
+// widenBF16AVX512 is WidenBF16 with zmm registers.
+func widenBF16AVX512(dst []float32, src []uint16) {
+	if len(src) > 0 {
+		_ = dst[len(src)-1]
+		widenBF16x512(&dst[0], &src[0], len(src))
+	}
+}
 
 //go:noescape
 func dotBF16Probe(acc *float32, a, b *uint32)

@@ -8088,6 +8088,38 @@ toBF16Pairs512_done:
 	VZEROUPPER
 	RET
 
+// func widenBF16x512(dst *float32, src *uint16, n int)
+TEXT ·widenBF16x512(SB), NOSPLIT, $0-24
+	MOVQ dst+0(FP), DI
+	MOVQ src+8(FP), SI
+	MOVQ n+16(FP), DX
+	MOVQ DX, BX
+	SHRQ $4, BX
+	JZ widenBF16x512_tail
+widenBF16x512_loop:
+	VPMOVZXWD (SI), Z0
+	VPSLLD $16, Z0, Z0
+	VMOVUPS Z0, (DI)
+	ADDQ $32, SI
+	ADDQ $64, DI
+	DECQ BX
+	JNZ widenBF16x512_loop
+widenBF16x512_tail:
+	MOVQ DX, CX
+	ANDQ $15, CX
+	MOVQ $1, AX
+	SHLQ CX, AX
+	DECQ AX
+	KMOVW AX, K1
+	KORTESTW K1, K1
+	JZ widenBF16x512_done
+	VPMOVZXWD.Z (SI), K1, Z0
+	VPSLLD $16, Z0, Z0
+	VMOVUPS Z0, K1, (DI)
+widenBF16x512_done:
+	VZEROUPPER
+	RET
+
 // func dotBF16Probe(acc *float32, a, b *uint32)
 TEXT ·dotBF16Probe(SB), NOSPLIT, $0-24
 	MOVQ acc+0(FP), DI
