@@ -204,7 +204,11 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 // runDType measures one dtype.
 func runDType(ctx context.Context, opts Options, r *Result, dtype string, progress func(string, ...any)) (*DTypeResult, error) {
 	progress("loading %s (dtype %s)", opts.Model, dtype)
-	debug.FreeOSMemory() // the previous dtype's model and pool, so the resident figure is this one's
+	// Return the previous dtype's model and pool to the OS, so the resident figure is this
+	// one's: the first collection empties the sync.Pools still holding the closed model's
+	// scratch, the second frees what they held.
+	debug.FreeOSMemory()
+	debug.FreeOSMemory()
 	m, err := model.Open(ctx, opts.Model, model.OpenOptions{DType: dtype})
 	if err != nil {
 		return nil, err
