@@ -90,7 +90,8 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 		fail(fmt.Errorf("%w: %w", ErrIncompatible, err))
 		return
 	}
-	remoteGeo := kvcache.Geometry{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, HeadDim: m.HeadDim, BlockSize: m.BlockSize, Layout: layout}
+	// The KV dtype is part of the compatibility hash, checked above: the producer's is ours.
+	remoteGeo := kvcache.Geometry{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, HeadDim: m.HeadDim, BlockSize: m.BlockSize, Layout: layout, DType: c.geo.DType}
 	ratio, err := kvcache.BlockRatio(c.geo, remoteGeo, c.cfg.EnablePermuteLocalKV)
 	if err != nil {
 		fail(fmt.Errorf("%w with engine %s: %w", ErrIncompatible, r.id, err))

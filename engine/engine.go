@@ -41,10 +41,11 @@ type Config struct {
 }
 
 // KVGeometry returns the KV block geometry of m's layers with blockSize tokens per block, in the
-// default HND layout: the geometry of the pool an Engine for m needs.
+// default HND layout and m's KV cache dtype: the geometry of the pool an Engine for m needs.
 func KVGeometry(m *model.Model, blockSize int) kvcache.Geometry {
 	c := m.Config()
-	return kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: blockSize}
+	dt, _ := kvcache.ParseDType(m.KVCacheDType()) // the model only says float32 or bfloat16
+	return kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: blockSize, DType: dt}
 }
 
 // Engine runs requests on a model over a paged KV pool. It owns one step-loop goroutine, started
@@ -160,7 +161,7 @@ func New(m *model.Model, pool *kvcache.Pool, cfg Config, log *slog.Logger) (*Eng
 		cfg.Observer = noObserver{}
 	}
 	switch want := KVGeometry(m, g.BlockSize); {
-	case g.NumLayers != want.NumLayers || g.NumKVHeads != want.NumKVHeads || g.HeadDim != want.HeadDim:
+	case g.NumLayers != want.NumLayers || g.NumKVHeads != want.NumKVHeads || g.HeadDim != want.HeadDim || g.DType != want.DType:
 		return nil, fmt.Errorf("engine: pool geometry %+v does not fit model %s (%d layers, %d KV heads of %d): %w",
 			g, m.Name(), mc.NumLayers, mc.NumKVHeads, mc.HeadDim, ErrConfig)
 	case cfg.BlockSize != g.BlockSize:

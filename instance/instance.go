@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"strconv"
@@ -21,6 +22,7 @@ import (
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/model/kernel"
 	"github.com/kvbridge/kvbridge/openai"
 	"github.com/kvbridge/kvbridge/transfer"
 )
@@ -36,16 +38,26 @@ type Config struct {
 	OpenedModel *model.Model
 	// ChatTemplate, if set, is a Jinja template source replacing the model's.
 	ChatTemplate string
+	// Tokenizer, Revision, DType and KVCacheDType are model.OpenOptions' (vLLM's --tokenizer,
+	// --revision, --dtype and --kv-cache-dtype).
+	Tokenizer, Revision, DType, KVCacheDType string
 	// Host and Port are where the HTTP server listens; Port 0 picks a free port.
 	Host string
 	Port int
 	// BlockSize is tokens per KV block (default 16); Layout the block layout (default HND).
 	BlockSize int
 	Layout    kvcache.Layout
-	// NumBlocks sizes the KV pool; when 0, KVBytes does (default 1 GiB).
+	// NumBlocks sizes the KV pool; when 0, KVBytes does; when that is 0 too,
+	// MemoryUtilization does; else the pool gets 1 GiB.
 	NumBlocks int
 	KVBytes   int64
-	// MaxModelLen defaults to the model's context, at most 32768.
+	// MemoryUtilization, in (0, 1], sizes the KV pool as vLLM's --gpu-memory-utilization sizes
+	// a GPU's: the pool gets that fraction of the machine's memory (MemTotal) less what the
+	// process holds after loading the model (its resident set: weights and runtime).
+	MemoryUtilization float64
+	// MaxModelLen defaults to the model's context (max_position_embeddings), shortened to what
+	// the KV pool holds when that is less (logged); an explicit length that does not fit is an
+	// ErrConfig error.
 	MaxModelLen         int
 	MaxNumSeqs          int
 	MaxNumBatchedTokens int
@@ -125,33 +137,29 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}()
 	in.Model = cfg.OpenedModel
 	if in.Model == nil {
-		m, err := model.Open(ctx, cfg.Model, model.OpenOptions{ChatTemplate: cfg.ChatTemplate})
+		m, err := model.Open(ctx, cfg.Model, model.OpenOptions{ChatTemplate: cfg.ChatTemplate, Tokenizer: cfg.Tokenizer,
+			Revision: cfg.Revision, DType: cfg.DType, KVCacheDType: cfg.KVCacheDType})
 		if err != nil {
 			return nil, err
 		}
 		in.Model, in.ownModel = m, true
 	}
+	loaded := []any{"model", in.Model.String(), "dtype", in.Model.DType(), "kv_cache_dtype", in.Model.KVCacheDType(),
+		"weights_mb", math.Round(float64(in.Model.WeightBytes()) / 1e6), "kernel", kernel.Implementation()}
+	if in.Model.DType() == "bfloat16" {
+		loaded = append(loaded, "bf16_products", kernel.BF16Products())
+	}
+	log.Info("model loaded", loaded...)
 	mc := in.Model.Config()
-	maxLen := cfg.MaxModelLen
-	if maxLen == 0 {
-		maxLen = min(mc.MaxPositionEmbeddings, 32768)
-	}
-	if maxLen > mc.MaxPositionEmbeddings {
-		return nil, fmt.Errorf("%w: max model length %d exceeds the model's max_position_embeddings %d", ErrConfig, maxLen, mc.MaxPositionEmbeddings)
-	}
 	geo := engine.KVGeometry(in.Model, cfg.BlockSize)
 	geo.Layout = cfg.Layout
-	numBlocks := cfg.NumBlocks
-	if numBlocks == 0 {
-		kvBytes := cfg.KVBytes
-		if kvBytes == 0 {
-			kvBytes = 1 << 30
-		}
-		numBlocks = int(kvBytes / int64(geo.BlockBytes()))
+	numBlocks, err := kvBlocks(cfg, geo.BlockBytes(), log)
+	if err != nil {
+		return nil, err
 	}
-	if need := (maxLen + cfg.BlockSize - 1) / cfg.BlockSize; numBlocks < need {
-		return nil, fmt.Errorf("%w: the KV cache holds %d blocks of %d tokens but one %d-token sequence needs %d: give it more memory or lower the max model length",
-			ErrConfig, numBlocks, cfg.BlockSize, maxLen, need)
+	maxLen, err := fitModelLen(cfg, mc.MaxPositionEmbeddings, numBlocks, geo.BlockBytes(), log)
+	if err != nil {
+		return nil, err
 	}
 	names := cfg.ServedModelNames
 	if len(names) == 0 {
@@ -236,6 +244,67 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	return in, nil
 }
 
+// kvBlocks returns the number of KV blocks of blockBytes bytes the configuration asks for.
+func kvBlocks(cfg Config, blockBytes int, log *slog.Logger) (int, error) {
+	switch {
+	case cfg.NumBlocks > 0:
+		return cfg.NumBlocks, nil
+	case cfg.KVBytes > 0:
+		return int(cfg.KVBytes / int64(blockBytes)), nil
+	case cfg.MemoryUtilization != 0:
+		total, resident, err := memoryFigures()
+		if err != nil {
+			return 0, fmt.Errorf("%w: memory utilization needs the machine's memory figures: %w", ErrConfig, err)
+		}
+		if !(cfg.MemoryUtilization > 0 && cfg.MemoryUtilization <= 1) {
+			return 0, fmt.Errorf("%w: memory utilization %g must be in (0, 1]", ErrConfig, cfg.MemoryUtilization)
+		}
+		kv := int64(cfg.MemoryUtilization*float64(total)) - resident
+		if kv < int64(blockBytes) {
+			return 0, fmt.Errorf("%w: memory utilization %g of %.2f GiB leaves no room for the KV cache after the model (%.2f GiB resident): raise it",
+				ErrConfig, cfg.MemoryUtilization, gib(total), gib(resident))
+		}
+		log.Info("KV cache sized by memory utilization", "utilization", cfg.MemoryUtilization,
+			"memory_gib", round2(gib(total)), "resident_gib", round2(gib(resident)), "kv_cache_gib", round2(gib(kv)))
+		return int(kv / int64(blockBytes)), nil
+	}
+	return int((1 << 30) / int64(blockBytes)), nil
+}
+
+// fitModelLen returns the context length to serve: cfg.MaxModelLen, which must fit the pool
+// (vLLM's error, with the numbers, when not); or by default the model's context, shortened to
+// the pool's capacity (logged) when that is smaller.
+func fitModelLen(cfg Config, modelLen, numBlocks, blockBytes int, log *slog.Logger) (int, error) {
+	capacity := numBlocks * cfg.BlockSize
+	kvGiB := round2(gib(int64(numBlocks) * int64(blockBytes)))
+	if capacity < cfg.BlockSize {
+		return 0, fmt.Errorf("%w: the KV cache (%.2f GiB) holds no block of %d bytes: give it more memory (--kv-cache-memory-bytes)", ErrConfig, kvGiB, blockBytes)
+	}
+	maxLen := cfg.MaxModelLen
+	if maxLen == 0 {
+		maxLen = modelLen
+		if capacity < maxLen {
+			log.Warn("the model's context does not fit the KV cache; serving the longest that fits (raise --kv-cache-memory-bytes or --gpu-memory-utilization for more)",
+				"max_model_len", capacity, "model_context", modelLen, "kv_cache_gib", kvGiB)
+			maxLen = capacity
+		}
+	}
+	if maxLen > modelLen {
+		return 0, fmt.Errorf("%w: max model length %d exceeds the model's max_position_embeddings %d", ErrConfig, maxLen, modelLen)
+	}
+	if maxLen > capacity {
+		need := float64((maxLen+cfg.BlockSize-1)/cfg.BlockSize) * float64(blockBytes)
+		return 0, fmt.Errorf("%w: to serve at least one request with the model's max seq len (%d), %.2f GiB KV cache is needed, which is larger than the available KV cache memory (%.2f GiB). "+
+			"Based on the available memory, the estimated maximum model length is %d. Try increasing --kv-cache-memory-bytes or decreasing --max-model-len",
+			ErrConfig, maxLen, need/(1<<30), kvGiB, capacity)
+	}
+	return maxLen, nil
+}
+
+// gib converts bytes to GiB; round2 rounds to two decimals for logs.
+func gib(b int64) float64      { return float64(b) / (1 << 30) }
+func round2(x float64) float64 { return math.Round(x*100) / 100 }
+
 // startConnector starts the NixlConnector of in.
 func startConnector(cfg Config, kv *connector.Config, in *Instance, layout connector.ArenaLayout, log *slog.Logger) (*connector.Connector, error) {
 	host := cfg.SideChannelHost
@@ -257,8 +326,8 @@ func startConnector(cfg Config, kv *connector.Config, in *Instance, layout conne
 	opts := connector.Options{
 		Config: kv, Pool: in.Pool, Arena: in.arena, Layout: layout,
 		Compat: connector.CompatFactors{
-			Model: in.Model.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
-			NumLayers: mc.NumLayers, CacheDType: "float32",
+			Model: in.Model.Name(), DType: in.Model.DType(), NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
+			NumLayers: mc.NumLayers, CacheDType: in.Model.KVCacheDType(),
 		},
 		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(port)),
 		AdvertiseHost:   host,

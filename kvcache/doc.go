@@ -5,7 +5,7 @@
 //
 // # Block layout
 //
-// KV is float32, little-endian. One block holds BlockSize token slots of every layer, keys then
+// KV is float32 (or, with Geometry.DType BFloat16, bfloat16), little-endian. One block holds BlockSize token slots of every layer, keys then
 // values, and is one contiguous byte range:
 //
 //	[layer][k, v][HND: head, slot, dim | NHD: slot, head, dim]

@@ -62,13 +62,59 @@ func (l *Layout) UnmarshalText(b []byte) error {
 	return nil
 }
 
-// Geometry is the shape of one KV block. Blocks hold float32 keys and values for every layer.
+// DType is the type of the keys and values a block holds. The zero value is Float32.
+type DType uint8
+
+const (
+	// Float32 stores each key and value channel as a little-endian float32 (4 bytes).
+	Float32 DType = iota
+	// BFloat16 stores each channel as a little-endian bfloat16 (2 bytes): vLLM's
+	// --kv-cache-dtype bfloat16.
+	BFloat16
+)
+
+// String returns "float32" or "bfloat16" (vLLM's names), or "DType(n)" for an invalid value.
+func (d DType) String() string {
+	switch d {
+	case Float32:
+		return "float32"
+	case BFloat16:
+		return "bfloat16"
+	}
+	return fmt.Sprintf("DType(%d)", uint8(d))
+}
+
+// Size returns the bytes of one value (0 for an invalid type).
+func (d DType) Size() int {
+	switch d {
+	case Float32:
+		return 4
+	case BFloat16:
+		return 2
+	}
+	return 0
+}
+
+// ParseDType parses vLLM's --kv-cache-dtype values kvbridge supports: "auto" (float32), "float32",
+// "fp32", "bfloat16", "bf16".
+func ParseDType(s string) (DType, error) {
+	switch strings.ToLower(strings.TrimSpace(s)) {
+	case "", "auto", "float32", "fp32", "float":
+		return Float32, nil
+	case "bfloat16", "bf16":
+		return BFloat16, nil
+	}
+	return 0, fmt.Errorf("kvcache: unknown KV cache dtype %q (want auto, float32 or bfloat16): %w", s, ErrGeometry)
+}
+
+// Geometry is the shape of one KV block. Blocks hold the keys and values of every layer.
 type Geometry struct {
 	NumLayers  int    // transformer layers
 	NumKVHeads int    // KV heads per layer (after any TP split)
 	HeadDim    int    // channels per head
 	BlockSize  int    // token slots per block
 	Layout     Layout // slot/head order inside a layer's K or V part
+	DType      DType  // type of each channel (default Float32)
 }
 
 // maxBlockBytes bounds a block so that offsets of many blocks stay far from int overflow.
@@ -83,28 +129,32 @@ func (g Geometry) Validate() error {
 	if !g.Layout.Valid() {
 		return fmt.Errorf("kvcache: geometry layout %v: %w", g.Layout, ErrGeometry)
 	}
-	n := float64(g.NumLayers) * 2 * float64(g.NumKVHeads) * float64(g.BlockSize) * float64(g.HeadDim) * 4
+	if g.DType.Size() == 0 {
+		return fmt.Errorf("kvcache: geometry dtype %v: %w", g.DType, ErrGeometry)
+	}
+	n := float64(g.NumLayers) * 2 * float64(g.NumKVHeads) * float64(g.BlockSize) * float64(g.HeadDim) * float64(g.DType.Size())
 	if n > maxBlockBytes || n > math.MaxInt/2 {
 		return fmt.Errorf("kvcache: geometry %+v: block of %.0f bytes is too large: %w", g, n, ErrGeometry)
 	}
 	return nil
 }
 
-// BlockBytes returns the size of one block: NumLayers × 2 × NumKVHeads × BlockSize × HeadDim × 4.
+// BlockBytes returns the size of one block: NumLayers × 2 × NumKVHeads × BlockSize × HeadDim ×
+// the value size (4 for float32, 2 for bfloat16).
 func (g Geometry) BlockBytes() int {
-	return g.NumLayers * 2 * g.NumKVHeads * g.BlockSize * g.HeadDim * 4
+	return g.blockValues() * g.DType.Size()
 }
 
-// blockFloats returns the number of float32 values in one block.
-func (g Geometry) blockFloats() int { return g.BlockBytes() / 4 }
+// blockValues returns the number of values in one block.
+func (g Geometry) blockValues() int { return g.NumLayers * 2 * g.partValues() }
 
-// partFloats returns the number of float32 values in one layer's K (or V) part of a block.
-func (g Geometry) partFloats() int { return g.NumKVHeads * g.BlockSize * g.HeadDim }
+// partValues returns the number of values in one layer's K (or V) part of a block.
+func (g Geometry) partValues() int { return g.NumKVHeads * g.BlockSize * g.HeadDim }
 
-// vecIndex returns the float32 index, inside one block of geometry g with layout l, of the first
+// vecIndex returns the value index, inside one block of geometry g with layout l, of the first
 // channel of head h at slot s of layer layer's K (kv = 0) or V (kv = 1) part.
 func (g Geometry) vecIndex(l Layout, layer, kv, h, s int) int {
-	base := (layer*2 + kv) * g.partFloats()
+	base := (layer*2 + kv) * g.partValues()
 	if l == NHD {
 		return base + (s*g.NumKVHeads+h)*g.HeadDim
 	}

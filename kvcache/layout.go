@@ -9,7 +9,7 @@ import (
 // vLLM's rules (spec §8), and returns the block-size ratio r = local.BlockSize / remote.BlockSize:
 // local block b is filled from the r consecutive remote-sized sub-blocks b×r … b×r+r−1.
 //
-//   - layers, KV heads and head size must be equal;
+//   - layers, KV heads, head size and dtype must be equal;
 //   - the remote block size must not be larger than the local one and must divide it;
 //   - the layouts must be equal, except that with permute (enable_permute_local_kv) an HND remote
 //     may feed an NHD local pool; the permutation never converts into HND.
@@ -21,6 +21,9 @@ func BlockRatio(local, remote Geometry, permute bool) (int, error) {
 	}
 	if err := remote.Validate(); err != nil {
 		return 0, fmt.Errorf("kvcache: remote %w", err)
+	}
+	if local.DType != remote.DType {
+		return 0, fmt.Errorf("kvcache: remote KV dtype %v differs from local %v: %w", remote.DType, local.DType, ErrIncompatible)
 	}
 	if local.NumLayers != remote.NumLayers || local.NumKVHeads != remote.NumKVHeads || local.HeadDim != remote.HeadDim {
 		return 0, fmt.Errorf("kvcache: remote KV shape (%d layers, %d KV heads, head size %d) differs from local (%d, %d, %d): %w",
@@ -136,14 +139,14 @@ func detach(dst, src []byte) []byte {
 // of geometry g, slot counting across the blocks.
 func vecOffset(g Geometry, layer, kv, h, slot int) int {
 	sub, s := slot/g.BlockSize, slot%g.BlockSize
-	return sub*g.BlockBytes() + 4*g.vecIndex(g.Layout, layer, kv, h, s)
+	return sub*g.BlockBytes() + g.DType.Size()*g.vecIndex(g.Layout, layer, kv, h, s)
 }
 
 // moveVectors copies every head vector of slots slots from src (consecutive blocks of geometry sg)
 // to dst (consecutive blocks of geometry dg); the two geometries share layers, heads and head size.
 // It walks dst in order and merges vectors that are contiguous on both sides into one copy.
 func moveVectors(dst []byte, dg Geometry, src []byte, sg Geometry, slots int) {
-	vec := 4 * dg.HeadDim
+	vec := dg.DType.Size() * dg.HeadDim
 	runD, runS, runN := 0, 0, 0
 	emit := func(layer, kv, h, s int) {
 		do, so := vecOffset(dg, layer, kv, h, s), vecOffset(sg, layer, kv, h, s)

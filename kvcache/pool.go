@@ -33,7 +33,8 @@ type Pool struct {
 	n      int // number of blocks
 	prefix bool
 	mem    []byte    // exactly n×bb bytes
-	f32    []float32 // mem viewed as float32
+	f32    []float32 // mem viewed as float32 (a float32 pool)
+	u16    []uint16  // mem viewed as bfloat16 bits (a bfloat16 pool)
 
 	mu     sync.Mutex
 	meta   []blockMeta
@@ -89,6 +90,7 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 		prefix: cfg.PrefixCaching,
 		mem:    mem,
 		f32:    unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/4),
+		u16:    unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/2),
 		meta:   make([]blockMeta, n),
 		free:   make(idHeap, 0, n),
 		lru:    newLRU(),
@@ -105,7 +107,7 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 const maxBlocks = 1<<31 - 1
 
 // littleEndian reports whether the host stores integers little-endian (the block format is
-// float32 little-endian and the pool views memory as native float32).
+// little-endian float32 or bfloat16 and the pool views memory as native values).
 func littleEndian() bool {
 	x := uint16(1)
 	return *(*byte)(unsafe.Pointer(&x)) == 1

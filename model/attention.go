@@ -187,7 +187,8 @@ func (m *Model) packValues(l *kernel.Linear, w *workspace, seqs []Seq, blockSize
 }
 
 // positionIter walks the stored keys and values of consecutive positions of one sequence and
-// KV head, resolving each block's view once.
+// KV head, resolving each block's view once. Bfloat16 values are widened into ring, whose last
+// ringRows keys and values stay valid (a Linear's SetRows holds up to 16 rows at once).
 type positionIter struct {
 	w               *workspace
 	seqs            []Seq
@@ -195,7 +196,12 @@ type positionIter struct {
 	g, hd           int
 	block, slot, bs int
 	view            headView
+	ring            []float32 // 2·ringRows rows of hd floats (bfloat16 stores only)
+	next16          int
 }
+
+// ringRows is how many widened keys (and values) a bfloat16 positionIter keeps valid.
+const ringRows = 16
 
 // positions returns an iterator over the KV of sa, KV head g, from position lo.
 func (w *workspace) positions(seqs []Seq, blockSize int, sa *seqAttn, g, lo, hd int) *positionIter {
@@ -211,7 +217,19 @@ func (it *positionIter) next() (k, v []float32) {
 	}
 	o := it.slot * it.view.stride
 	it.slot++
-	return it.view.k[o : o+it.hd], it.view.v[o : o+it.hd]
+	if it.view.k16 == nil {
+		return it.view.k[o : o+it.hd], it.view.v[o : o+it.hd]
+	}
+	if it.ring == nil {
+		it.ring = make([]float32, 2*ringRows*it.hd)
+	}
+	r := it.next16 % ringRows
+	it.next16++
+	k = it.ring[2*r*it.hd : (2*r+1)*it.hd]
+	v = it.ring[(2*r+1)*it.hd : (2*r+2)*it.hd]
+	kernel.WidenBF16(k, it.view.k16[o:o+it.hd])
+	kernel.WidenBF16(v, it.view.v16[o:o+it.hd])
+	return k, v
 }
 
 // stretches calls fn for each stretch of the positions [lo, lo+n) of sa, KV head g, that lies

@@ -54,6 +54,10 @@ func TestAttentionPathsAgree(t *testing.T) {
 // transfer does. Both stores have the same geometry.
 func copyBlock(dst *testKV, db int, src *testKV, sb int) {
 	n := src.layers * 2 * src.heads * src.blockSize * src.headDim
+	if src.mem16 != nil {
+		copy(dst.mem16[db*n:(db+1)*n], src.mem16[sb*n:(sb+1)*n])
+		return
+	}
 	copy(dst.mem[db*n:(db+1)*n], src.mem[sb*n:(sb+1)*n])
 }
 
@@ -61,6 +65,9 @@ func copyBlock(dst *testKV, db int, src *testKV, sb int) {
 // other, scattered blocks, and its block table of nb blocks.
 func transferred(c Config, src *testKV, srcBlocks []int32, n, nb int) (*testKV, []int32) {
 	dst := newTestKV(c, src.blockSize, 3*nb, false)
+	if src.mem16 != nil {
+		dst.mem16, dst.mem = make([]uint16, len(dst.mem)), nil
+	}
 	blocks := make([]int32, nb)
 	for i := range blocks {
 		blocks[i] = int32(3*nb - 1 - 2*i) // descending, with gaps
@@ -71,17 +78,18 @@ func transferred(c Config, src *testKV, srcBlocks []int32, n, nb int) (*testKV, 
 	return dst, blocks
 }
 
-func TestAttentionAfterTransfer(t *testing.T) {
+func TestAttentionAfterTransfer(t *testing.T) { forEachPrecision(t, testAttentionAfterTransfer) }
+
+func testAttentionAfterTransfer(t *testing.T, m *Model) {
 	// D's view of disaggregated prefill: the KV of a prompt but its last token arrives in other
 	// blocks; D computes the last token, then decodes. Every step must give the bits of the
 	// instance that computed everything itself.
-	m := openTiny(t)
 	c := m.cfg
 	const blockSize, n, steps = 16, 300, 12
 	nb := (n + steps + blockSize - 1) / blockSize
 	prompt := randomTokens(n, c.VocabSize, 71)
 	srcBlocks := blockRange(0, nb)
-	src := newTestKV(c, blockSize, nb, false)
+	src := newTestKVFor(m, blockSize, nb, false)
 	want := decodeRun(t, m, src, blockSize, srcBlocks, prompt, n, steps)
 
 	dst, blocks := transferred(c, src, srcBlocks, n-1, nb)
@@ -102,15 +110,18 @@ func TestAttentionAfterTransfer(t *testing.T) {
 }
 
 func TestPrefillOverTransferredHistory(t *testing.T) {
+	forEachPrecision(t, testPrefillOverTransferredHistory)
+}
+
+func testPrefillOverTransferredHistory(t *testing.T, m *Model) {
 	// P's view of a bidirectional turn: the history's KV arrives by transfer and only the new
 	// tokens are prefilled, attending over all of it, in one step or in chunks.
-	m := openTiny(t)
 	c := m.cfg
 	const blockSize, history, extra = 16, 200, 75
 	nb := (history + extra + blockSize - 1) / blockSize
 	tokens := randomTokens(history+extra, c.VocabSize, 81)
 	srcBlocks := blockRange(0, nb)
-	src := newTestKV(c, blockSize, nb, false)
+	src := newTestKVFor(m, blockSize, nb, false)
 	want := prefillChunked(t, m, src, blockSize, srcBlocks, tokens, len(tokens))
 	for _, chunk := range []int{extra, 33, 1} {
 		t.Run(fmt.Sprintf("chunk%d", chunk), func(t *testing.T) {

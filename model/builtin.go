@@ -74,7 +74,7 @@ func randomWeights(cfg Config, seed uint64) *weights {
 	mat := func(n int) matrix { return matrix{data: normal(n)} }
 	h, hd, in := cfg.HiddenSize, cfg.HeadDim, cfg.IntermediateSize
 	qd, kd := cfg.NumHeads*hd, cfg.NumKVHeads*hd
-	w := &weights{embed: normal(cfg.VocabSize * h)}
+	w := &weights{embed: mat(cfg.VocabSize * h)}
 	for range cfg.NumLayers {
 		l := layerWeights{
 			inNorm: ones(h), postNorm: ones(h),
@@ -94,7 +94,7 @@ func randomWeights(cfg Config, seed uint64) *weights {
 }
 
 // newBuiltin builds a built-in model: random weights, the built-in tokenizer, ChatML.
-func newBuiltin(name string, s builtinSpec) (*Model, error) {
+func newBuiltin(name string, s builtinSpec, prec precision) (*Model, error) {
 	tok := tokenizer.Builtin(builtinVocab)
 	cfg := builtinConfig(s, tok.VocabSize())
 	gen, err := builtinGeneration(tok)
@@ -102,7 +102,7 @@ func newBuiltin(name string, s builtinSpec) (*Model, error) {
 		return nil, err
 	}
 	cfg.EOSTokenIDs = gen.EOSTokenIDs
-	return newModel(name, cfg, randomWeights(cfg, s.seed), tok, tokenizer.ChatML(), gen)
+	return buildModel(name, cfg, randomWeights(cfg, s.seed), tok, tokenizer.ChatML(), gen, prec)
 }
 
 // builtinGeneration returns the built-in models' generation config: EOS <|im_end|> and

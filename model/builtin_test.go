@@ -43,7 +43,7 @@ func TestBuiltinConfig(t *testing.T) {
 	if !slices.Contains(g.SuppressTokens, imStart) || slices.Contains(g.SuppressTokens, imEnd) || slices.Contains(g.SuppressTokens, eot) {
 		t.Errorf("suppress tokens: im_start suppressed %v, EOS not suppressed", slices.Contains(g.SuppressTokens, imStart))
 	}
-	text, err := m.ChatTemplate().Render(nil, true)
+	text, err := m.ChatTemplate().Render(nil, tokenizer.RenderOptions{AddGenerationPrompt: true})
 	if err != nil || !strings.HasSuffix(text, "<|im_start|>assistant\n") {
 		t.Errorf("chat template: %q, %v", text, err)
 	}
@@ -93,7 +93,7 @@ func TestOpenOptions(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer m.Close()
-	text, err := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, false)
+	text, err := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, tokenizer.RenderOptions{})
 	if err != nil || text != "[user] hi\n" {
 		t.Errorf("custom template: %q, %v", text, err)
 	}

@@ -14,6 +14,12 @@ type KVBlocks interface {
 	HeadView(layer, block, head int) (k, v []float32, stride int)
 }
 
+// KVBlocksBF16 is a KV store of bfloat16 values, which a model with a bfloat16 KV cache
+// (OpenOptions.KVCacheDType) needs: HeadViewBF16 is HeadView for the values' bits.
+type KVBlocksBF16 interface {
+	HeadViewBF16(layer, block, head int) (k, v []uint16, stride int)
+}
+
 // Seq is one sequence's share of a forward step.
 type Seq struct {
 	// Tokens are the tokens computed this step (their KV is written into the blocks).
@@ -40,8 +46,10 @@ type logitRow struct{ row, seq, tok int }
 // workspace holds one Forward call's activations; reused across calls through Model.work.
 type workspace struct {
 	x, h, qkv, attn, proj, gu, act []float32
-	tokSeq                         []int32 // sequence index of each token
-	tokPos                         []int32 // position of each token
+	rope                           []float32 // per token row: cos (HeadDim/2), then sin
+	logits                         []float32 // lm_head's output rows
+	tokSeq                         []int32   // sequence index of each token
+	tokPos                         []int32   // position of each token
 	views                          []headView
 	viewBase                       []int      // views index of (seq, head 0, block 0)
 	logitRows                      []logitRow // token rows whose logits are wanted
@@ -61,10 +69,12 @@ func (w *workspace) release() {
 	w.items, w.packItems = w.items[:0], w.packItems[:0]
 }
 
-// headView is one (layer, block, KV head) view of the KV store.
+// headView is one (layer, block, KV head) view of the KV store: float32 values (k, v) or
+// bfloat16 ones (k16, v16).
 type headView struct {
-	k, v   []float32
-	stride int
+	k, v     []float32
+	k16, v16 []uint16
+	stride   int
 }
 
 // grow returns s resized to n, reallocating only when its capacity is too small.
@@ -89,6 +99,8 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 			err = fmt.Errorf("%w: forward step failed: %v", ErrBadInput, r)
 		}
 	}()
+	m.life.RLock()
+	defer m.life.RUnlock()
 	if m.closed.Load() {
 		return ErrClosed
 	}
@@ -98,6 +110,9 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	c := m.cfg
 	if blockSize <= 0 {
 		return fmt.Errorf("%w: block size %d", ErrBadInput, blockSize)
+	}
+	if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
+		return fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
 	}
 	total := 0
 	for i, s := range seqs {
@@ -153,7 +168,7 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 			nviews += c.NumKVHeads * ((s.Start + len(s.Tokens) + blockSize - 1) / blockSize)
 		}
 		for j, t := range s.Tokens {
-			copy(w.x[row*h:(row+1)*h], m.embed[int(t)*h:(int(t)+1)*h])
+			m.lookup(t, w.x[row*h:(row+1)*h])
 			w.tokSeq[row] = int32(i)
 			w.tokPos[row] = int32(s.Start + j)
 			row++
@@ -169,10 +184,19 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	}
 	w.views = grow(w.views, nviews)
 
+	// RoPE's cos and sin of every token, once for all layers.
+	w.rope = grow(w.rope, total*hd)
+	m.pool.Parallel((total+63)/64, func(i int) {
+		for r := i * 64; r < min(total, (i+1)*64); r++ {
+			m.rope.angles(int(w.tokPos[r]), w.rope[r*hd:r*hd+hd/2], w.rope[r*hd+hd/2:(r+1)*hd])
+		}
+	})
+
 	m.planAttention(w, seqs)
 	defer w.release()
 
 	eps := float32(c.RMSNormEps)
+	in := c.IntermediateSize
 	for l := range m.layer {
 		if err = ctx.Err(); err != nil {
 			return err
@@ -181,23 +205,24 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		m.resolveViews(w, kv, l, blockSize, seqs)
 
 		// Attention block.
-		kernel.RMSNorm(w.h[:total*h], w.x[:total*h], ly.inNorm, eps)
+		m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.inNorm, eps) })
 		ly.qkv.Apply(w.qkv, w.h, total)
 		m.pool.Parallel(total, func(r int) { m.prepareToken(w, ly, seqs, blockSize, r) })
 		m.attention(w, seqs, blockSize)
 		ly.o.Apply(w.proj, w.attn, total)
-		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
+		m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
 
 		// MLP block.
-		kernel.RMSNorm(w.h[:total*h], w.x[:total*h], ly.postNorm, eps)
+		m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.postNorm, eps) })
 		ly.gateUp.Apply(w.gu, w.h, total)
-		in := c.IntermediateSize
-		for r := range total {
-			g := w.gu[r*2*in : (r+1)*2*in]
-			kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
-		}
+		m.eachRows(total, in, func(r0, r1 int) {
+			for r := r0; r < r1; r++ {
+				g := w.gu[r*2*in : (r+1)*2*in]
+				kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
+			}
+		})
 		ly.down.Apply(w.proj, w.act, total)
-		kernel.Add(w.x[:total*h], w.x[:total*h], w.proj[:total*h])
+		m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
 	}
 
 	// Final norm and lm_head for the requested rows only, a group of rows at a time.
@@ -206,7 +231,8 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		return nil
 	}
 	v := c.VocabSize
-	logits := make([]float32, min(n, logitRowGroup)*v)
+	w.logits = grow(w.logits, min(n, logitRowGroup)*v)
+	logits := w.logits
 	for g := 0; g < n; g += logitRowGroup {
 		rows := w.logitRows[g:min(n, g+logitRowGroup)]
 		for k, r := range rows {
@@ -226,6 +252,19 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	return nil
 }
 
+// eachRows runs fn on ranges [r0, r1) of rows rows of width values, split over the pool's
+// workers when there is enough work to pay for it. Row-wise operations compute each row the
+// same way wherever it is, so the split changes no result.
+func (m *Model) eachRows(rows, width int, fn func(r0, r1 int)) {
+	const minValues = 1 << 15
+	per := max(1, minValues/width)
+	if rows <= per {
+		fn(0, rows)
+		return
+	}
+	m.pool.Parallel((rows+per-1)/per, func(i int) { fn(i*per, min(rows, (i+1)*per)) })
+}
+
 // resolveViews fills the view table of layer l: for every sequence, KV head and block index.
 func (m *Model) resolveViews(w *workspace, kv KVBlocks, l, blockSize int, seqs []Seq) {
 	nkv := m.cfg.NumKVHeads
@@ -237,6 +276,11 @@ func (m *Model) resolveViews(w *workspace, kv KVBlocks, l, blockSize int, seqs [
 		base := w.viewBase[i]
 		for g := range nkv {
 			for b := range nb {
+				if m.kvBF16 {
+					k, v, stride := kv.(KVBlocksBF16).HeadViewBF16(l, int(s.Blocks[b]), g)
+					w.views[base+g*nb+b] = headView{k16: k, v16: v, stride: stride}
+					continue
+				}
 				k, v, stride := kv.HeadView(l, int(s.Blocks[b]), g)
 				w.views[base+g*nb+b] = headView{k: k, v: v, stride: stride}
 			}
@@ -266,15 +310,8 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 		kernel.RMSNorm(row[:qd], row[:qd], ly.qNorm, eps)
 		kernel.RMSNorm(row[qd:qd+kd], row[qd:qd+kd], ly.kNorm, eps)
 	}
-	var buf [512]float32
-	var cos, sin []float32
-	if hd <= len(buf) {
-		cos, sin = buf[:hd/2], buf[hd/2:hd]
-	} else {
-		cos, sin = make([]float32, hd/2), make([]float32, hd/2)
-	}
+	cos, sin := w.rope[r*hd:r*hd+hd/2], w.rope[r*hd+hd/2:(r+1)*hd]
 	pos := int(w.tokPos[r])
-	m.rope.angles(pos, cos, sin)
 	for hh := range c.NumHeads + c.NumKVHeads {
 		applyRope(row[hh*hd:(hh+1)*hd], cos, sin)
 	}
@@ -284,7 +321,31 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 	for g := range c.NumKVHeads {
 		v := w.view(seqs, blockSize, si, g, b)
 		o := slot * v.stride
+		if m.kvBF16 {
+			for i, x := range row[qd+g*hd : qd+(g+1)*hd] {
+				v.k16[o+i] = kernel.F32ToBF16(x)
+			}
+			for i, x := range row[qd+kd+g*hd : qd+kd+(g+1)*hd] {
+				v.v16[o+i] = kernel.F32ToBF16(x)
+			}
+			continue
+		}
 		copy(v.k[o:o+hd], row[qd+g*hd:qd+(g+1)*hd])
 		copy(v.v[o:o+hd], row[qd+kd+g*hd:qd+kd+(g+1)*hd])
+	}
+}
+
+// lookup writes the embedding of token t into dst (HiddenSize values); in bfloat16 the values
+// of an embedding not stored as bfloat16 are rounded to it, as every other weight is.
+func (m *Model) lookup(t int32, dst []float32) {
+	if m.tiedEmbed {
+		m.head.Row(int(t), dst)
+		return
+	}
+	m.embed.fill(int(t), dst)
+	if m.bf16 && m.embed.storage() != kernel.BF16 {
+		for i, x := range dst {
+			dst[i] = kernel.BF16ToF32(kernel.F32ToBF16(x))
+		}
 	}
 }

@@ -14,9 +14,10 @@ import (
 )
 
 // loadDir loads a Hugging Face model directory: config.json, model.safetensors or a sharded
-// model.safetensors.index.json, tokenizer.json, tokenizer_config.json (optional) and
-// generation_config.json (optional).
-func loadDir(ctx context.Context, name, dir string) (*Model, error) {
+// model.safetensors.index.json, generation_config.json (optional), and from tokDir (dir itself
+// unless --tokenizer names another) tokenizer.json, tokenizer_config.json (optional) and the
+// chat template.
+func loadDir(ctx context.Context, name, dir, tokDir string, opts OpenOptions) (*Model, error) {
 	cfgData, err := os.ReadFile(filepath.Join(dir, "config.json"))
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrModelNotFound, dir, err)
@@ -25,11 +26,15 @@ func loadDir(ctx context.Context, name, dir string) (*Model, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", dir, err)
 	}
-	tok, err := loadTokenizer(dir)
+	prec, err := parsePrecision(opts, cfg.DType)
 	if err != nil {
 		return nil, err
 	}
-	tmpl, err := chatTemplate(dir, tok)
+	tok, err := loadTokenizer(tokDir)
+	if err != nil {
+		return nil, err
+	}
+	tmpl, err := chatTemplate(tokDir, tok)
 	if err != nil {
 		return nil, err
 	}
@@ -38,11 +43,23 @@ func loadDir(ctx context.Context, name, dir string) (*Model, error) {
 		return nil, err
 	}
 	w, files, err := loadWeights(ctx, dir, cfg)
-	defer files.close() // the packed model holds its own copy
 	if err != nil {
+		files.close()
 		return nil, err
 	}
-	return newModel(name, cfg, w, tok, tmpl, gen)
+	m, err := buildModel(name, cfg, w, tok, tmpl, gen, prec)
+	if err == nil {
+		for _, f := range files {
+			m.checkpointBytes += int64(len(f.mapped))
+		}
+	}
+	if err != nil || m.tiedEmbed {
+		files.close() // the packed model holds its own copy of everything
+		return m, err
+	}
+	// An untied embedding is read from the mapping: the model keeps the files open.
+	m.files = files
+	return m, nil
 }
 
 // loadTokenizer reads tokenizer.json and tokenizer_config.json (optional).
@@ -152,9 +169,9 @@ func (fs mappedFiles) close() {
 }
 
 // loadWeights finds every tensor cfg needs in model.safetensors or the sharded index. Vectors
-// and the embedding are widened to float32 now; projection matrices are left as row readers over
-// the mapped files, widened while being packed. The caller closes the returned files after
-// packing (also on error).
+// are widened to float32 now; matrices (the embedding and the projections) are left as views of
+// the mapped files, read while being packed (or, an untied embedding, at every lookup). The
+// caller closes the returned files when it no longer needs the views (also on error).
 func loadWeights(ctx context.Context, dir string, cfg Config) (*weights, mappedFiles, error) {
 	files := mappedFiles{}
 	open := func(name string) (*safetensors, error) {
@@ -216,7 +233,7 @@ func loadWeights(ctx context.Context, dir string, cfg Config) (*weights, mappedF
 		}
 		var shape []int
 		if s.mat != nil {
-			s.mat.row, shape, err = f.rows(s.name)
+			*s.mat, shape, err = f.matrix(s.name)
 		} else {
 			*s.vec, shape, err = f.float32s(s.name)
 		}

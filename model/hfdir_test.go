@@ -12,42 +12,18 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvbridge/kvbridge/model/kernel"
 	"github.com/kvbridge/kvbridge/model/tokenizer"
 )
 
 // --- writing checkpoints ---------------------------------------------------------------------
 
-// f32ToBF16 rounds to the nearest bfloat16 (ties to even).
-func f32ToBF16(f float32) uint16 {
-	b := math.Float32bits(f)
-	return uint16((b + 0x7fff + (b>>16)&1) >> 16)
-}
-
-// f32ToF16 rounds a finite float32 to the nearest IEEE half (ties to even), subnormals included.
-func f32ToF16(f float32) uint16 {
-	sign := uint16(math.Float32bits(f)>>16) & 0x8000
-	a := math.Abs(float64(f))
-	if a == 0 {
-		return sign
-	}
-	if a >= 65520 {
-		return sign | 0x7c00
-	}
-	_, exp := math.Frexp(a) // a = frac·2^exp, frac in [0.5,1): floor(log2 a) = exp-1
-	e := max(exp-1, -14)
-	q := math.Ldexp(1, e-10) // spacing of halves with this exponent
-	v := math.RoundToEven(a/q) * q
-	if v < math.Ldexp(1, -14) {
-		return sign | uint16(v/math.Ldexp(1, -24))
-	}
-	_, exp = math.Frexp(v)
-	e = exp - 1
-	if e > 15 {
-		return sign | 0x7c00
-	}
-	mant := uint16(v/math.Ldexp(1, e-10)) - 1024
-	return sign | uint16(e+15)<<10 | mant
-}
+// Test shorthands for the kernel's conversions.
+var (
+	f32ToBF16 = kernel.F32ToBF16
+	f32ToF16  = kernel.F32ToF16
+	f16ToF32  = kernel.F16ToF32
+)
 
 // roundTo replaces every value of s by its nearest value representable in dtype.
 func roundTo(dtype string, s []float32) {
@@ -170,39 +146,6 @@ func testTokenizerJSON(t *testing.T) []byte {
 const testTokenizerConfig = `{"bos_token": null, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
  "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}`
 
-// configJSON renders c as an HF config.json.
-func configJSON(t *testing.T, c Config) []byte {
-	t.Helper()
-	m := map[string]any{
-		"architectures":           []string{c.Architecture},
-		"vocab_size":              c.VocabSize,
-		"hidden_size":             c.HiddenSize,
-		"intermediate_size":       c.IntermediateSize,
-		"num_hidden_layers":       c.NumLayers,
-		"num_attention_heads":     c.NumHeads,
-		"num_key_value_heads":     c.NumKVHeads,
-		"head_dim":                c.HeadDim,
-		"rms_norm_eps":            c.RMSNormEps,
-		"rope_theta":              c.RopeTheta,
-		"tie_word_embeddings":     c.TieWordEmbeddings,
-		"attention_bias":          c.AttentionBias,
-		"max_position_embeddings": c.MaxPositionEmbeddings,
-		"torch_dtype":             c.DType,
-		"hidden_act":              "silu",
-		"eos_token_id":            261,
-		"rope_scaling":            nil,
-	}
-	if s := c.RopeScaling; s != nil {
-		m["rope_scaling"] = map[string]any{"rope_type": s.Type, "factor": s.Factor, "low_freq_factor": s.LowFreqFactor,
-			"high_freq_factor": s.HighFreqFactor, "original_max_position_embeddings": s.OriginalMaxPositionEmbeddings}
-	}
-	b, err := json.Marshal(m)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
-}
-
 // writeModelDir writes a complete HF model directory for (c, w) with tensors in dtype, split
 // over shards files (1: model.safetensors; more: an index and model-0000i-of-0000n files).
 func writeModelDir(t *testing.T, dir string, c Config, w *weights, dtype string, shards int) {
@@ -212,7 +155,7 @@ func writeModelDir(t *testing.T, dir string, c Config, w *weights, dtype string,
 			t.Fatal(err)
 		}
 	}
-	write("config.json", configJSON(t, c))
+	write("config.json", hfConfigJSON(c))
 	write("tokenizer.json", testTokenizerJSON(t))
 	write("tokenizer_config.json", []byte(testTokenizerConfig))
 	write("generation_config.json", []byte(`{"eos_token_id": [261, 259], "temperature": 0.6, "top_p": 0.95, "top_k": 20}`))
@@ -306,7 +249,17 @@ func TestLoadHFDirectory(t *testing.T) {
 			}
 			writeModelDir(t, dir, tc.cfg, w, tc.dtype, tc.shards)
 
-			loaded, err := Open(t.Context(), dir, OpenOptions{})
+			// config.json says bfloat16, so dtype auto computes in bfloat16; float32 compares
+			// with the in-memory float32 model bit for bit.
+			auto, err := Open(t.Context(), dir, OpenOptions{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if auto.DType() != "bfloat16" {
+				t.Errorf("dtype auto of a bfloat16 checkpoint: %s", auto.DType())
+			}
+			auto.Close()
+			loaded, err := Open(t.Context(), dir, OpenOptions{DType: "float32"})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -329,8 +282,21 @@ func TestLoadHFDirectory(t *testing.T) {
 			if loaded.Name() != dir {
 				t.Errorf("Name() = %q", loaded.Name())
 			}
-			if loaded.WeightBytes() != mem.WeightBytes() || loaded.WeightBytes() <= 0 {
-				t.Errorf("WeightBytes %d vs %d", loaded.WeightBytes(), mem.WeightBytes())
+			// Matrices stay in the checkpoint's dtype (2 bytes a weight for bf16 and f16);
+			// vectors are float32.
+			c := tc.cfg
+			qd, kd := c.NumHeads*c.HeadDim, c.NumKVHeads*c.HeadDim
+			matrices := c.NumLayers*((qd+2*kd)*c.HiddenSize+c.HiddenSize*qd+3*c.IntermediateSize*c.HiddenSize) + c.VocabSize*c.HiddenSize
+			vectors := c.NumLayers*2*c.HiddenSize + c.HiddenSize
+			if c.QKNorm {
+				vectors += c.NumLayers * 2 * c.HeadDim
+			}
+			if c.AttentionBias {
+				vectors += c.NumLayers * (qd + 2*kd)
+			}
+			size := map[string]int{"F32": 4, "BF16": 2, "F16": 2}[tc.dtype]
+			if want := int64(size*matrices + 4*vectors); loaded.WeightBytes() != want || mem.WeightBytes() != int64(4*matrices+4*vectors) {
+				t.Errorf("WeightBytes %d (in memory %d), want %d (%d)", loaded.WeightBytes(), mem.WeightBytes(), want, 4*matrices+4*vectors)
 			}
 			tokens := randomTokens(21, 262, uint64(i))
 			a := prefillChunked(t, loaded, newTestKV(got, 8, 3, false), 8, blockRange(0, 3), tokens, 21)
@@ -344,7 +310,7 @@ func TestLoadHFDirectory(t *testing.T) {
 			if len(g.SuppressTokens) != 300-262 || g.SuppressTokens[0] != 262 {
 				t.Errorf("suppress = %v", g.SuppressTokens)
 			}
-			text, err := loaded.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hello"}}, true)
+			text, err := loaded.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hello"}}, tokenizer.RenderOptions{AddGenerationPrompt: true})
 			if err != nil || text != "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n" {
 				t.Errorf("chat template: %q, %v", text, err)
 			}
@@ -447,6 +413,44 @@ func TestOpenFromHubCache(t *testing.T) {
 		t.Errorf("Name() = %q", m.Name())
 	}
 	m.Close()
+
+	t.Run("revision", func(t *testing.T) {
+		d := filepath.Join(repo, "snapshots", "def456")
+		os.MkdirAll(d, 0o755)
+		writeModelDir(t, d, c, variantWeights(c, 5), "BF16", 1)
+		os.WriteFile(filepath.Join(d, "chat_template.jinja"), []byte("release {{ messages[0].content }}"), 0o644)
+		os.WriteFile(filepath.Join(d, "tokenizer_config.json"), []byte(`{"eos_token": "<|im_end|>"}`), 0o644)
+		os.MkdirAll(filepath.Join(repo, "refs", "tags"), 0o755)
+		os.WriteFile(filepath.Join(repo, "refs", "tags", "v1"), []byte("def456"), 0o644)
+		for _, rev := range []string{"tags/v1", "def456"} {
+			m, err := Open(t.Context(), "acme/tiny-qwen", OpenOptions{HubCache: cache, Revision: rev})
+			if err != nil {
+				t.Fatalf("revision %s: %v", rev, err)
+			}
+			text, err := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, tokenizer.RenderOptions{})
+			m.Close()
+			if err != nil || text != "release hi" {
+				t.Fatalf("revision %s loaded the wrong snapshot: chat template gives %q, %v", rev, text, err)
+			}
+		}
+		_, err := Open(t.Context(), "acme/tiny-qwen", OpenOptions{HubCache: cache, Revision: "nope"})
+		if !errors.Is(err, ErrModelNotFound) || !strings.Contains(err.Error(), `revision "nope"`) {
+			t.Fatalf("unknown revision: err = %v", err)
+		}
+		// --tokenizer takes the tokenizer and chat template from another directory.
+		m, err := Open(t.Context(), filepath.Join(repo, "snapshots", "abc123"), OpenOptions{Tokenizer: d})
+		if err != nil {
+			t.Fatal(err)
+		}
+		text, _ := m.ChatTemplate().Render([]tokenizer.Message{{Role: "user", Content: "hi"}}, tokenizer.RenderOptions{})
+		m.Close()
+		if text != "release hi" {
+			t.Fatalf("--tokenizer: chat template gives %q", text)
+		}
+		if _, err := Open(t.Context(), Tiny, OpenOptions{Tokenizer: d}); !errors.Is(err, ErrBadConfig) {
+			t.Fatalf("built-in model with a tokenizer: err = %v", err)
+		}
+	})
 
 	t.Run("env", func(t *testing.T) {
 		t.Setenv("HF_HUB_CACHE", "")

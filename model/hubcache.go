@@ -13,9 +13,10 @@ import (
 var repoIDPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$`)
 
 // resolveModelDir turns a model argument into a local directory: an existing directory as is, or a
-// repo id's snapshot in the local Hugging Face hub cache. hubCache, if non-empty, is the only
-// cache searched. It never touches the network.
-func resolveModelDir(nameOrPath, hubCache string) (string, error) {
+// repo id's snapshot in the local Hugging Face hub cache — the one revision names (a branch or
+// tag under refs/, or a commit hash under snapshots/), or with no revision refs/main's, else the
+// newest. hubCache, if non-empty, is the only cache searched. It never touches the network.
+func resolveModelDir(nameOrPath, hubCache, revision string) (string, error) {
 	if st, err := os.Stat(nameOrPath); err == nil {
 		if !st.IsDir() {
 			return "", fmt.Errorf("%w: %s is a file, not a model directory", ErrModelNotFound, nameOrPath)
@@ -28,6 +29,13 @@ func resolveModelDir(nameOrPath, hubCache string) (string, error) {
 		repoDir := "models--" + strings.ReplaceAll(nameOrPath, "/", "--")
 		for _, c := range caches {
 			dir := filepath.Join(c, repoDir)
+			if revision != "" {
+				if snap, ok := revisionDir(dir, revision); ok {
+					return snap, nil
+				}
+				looked = append(looked, fmt.Sprintf("revision %q in %s", revision, dir))
+				continue
+			}
 			if snap, ok := snapshotDir(dir); ok {
 				return snap, nil
 			}
@@ -95,6 +103,28 @@ func snapshotDir(repoDir string) (string, bool) {
 		}
 	}
 	return best, best != ""
+}
+
+// revisionDir returns the snapshot of revision in a cached repo: snapshots/<revision> (a commit
+// hash), or the commit refs/<revision> (a branch or tag) names.
+func revisionDir(repoDir, revision string) (string, bool) {
+	if strings.Contains(revision, "..") || strings.HasPrefix(revision, "/") {
+		return "", false
+	}
+	snaps := filepath.Join(repoDir, "snapshots")
+	if d := filepath.Join(snaps, revision); !strings.ContainsAny(revision, `/\`) && fileExists(filepath.Join(d, "config.json")) {
+		return d, true
+	}
+	ref, err := os.ReadFile(filepath.Join(repoDir, "refs", filepath.FromSlash(revision)))
+	if err != nil {
+		return "", false
+	}
+	hash := strings.TrimSpace(string(ref))
+	if hash == "" || strings.ContainsAny(hash, `/\`) {
+		return "", false
+	}
+	d := filepath.Join(snaps, hash)
+	return d, fileExists(filepath.Join(d, "config.json"))
 }
 
 // fileExists reports whether path exists (following symlinks, as the hub cache uses them).

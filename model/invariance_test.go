@@ -11,14 +11,36 @@ import (
 )
 
 // openTiny opens kvbridge/tiny and closes it at the end of the test.
-func openTiny(t testing.TB) *Model {
+func openTiny(t testing.TB) *Model { return openTinyWith(t, precision{}) }
+
+// openTinyWith opens kvbridge/tiny computing with prec.
+func openTinyWith(t testing.TB, prec precision) *Model {
 	t.Helper()
-	m, err := Open(t.Context(), Tiny, OpenOptions{})
+	spec, _ := builtinSpecs(Tiny)
+	m, err := newBuiltin(Tiny, spec, prec)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { m.Close() })
 	return m
+}
+
+// testPrecisions are the ways a model computes: float32; bfloat16 products with a float32 KV
+// cache; bfloat16 products with a bfloat16 KV cache.
+var testPrecisions = []struct {
+	name string
+	prec precision
+}{
+	{"float32", precision{}},
+	{"bfloat16", precision{bf16: true}},
+	{"bfloat16-kv", precision{bf16: true, kvBF16: true}},
+}
+
+// forEachPrecision runs test on kvbridge/tiny in every precision: each invariant holds in each.
+func forEachPrecision(t *testing.T, test func(*testing.T, *Model)) {
+	for _, p := range testPrecisions {
+		t.Run(p.name, func(t *testing.T) { test(t, openTinyWith(t, p.prec)) })
+	}
 }
 
 // bits returns the bit patterns of x, for exact comparisons that also treat NaNs as equal.
@@ -116,40 +138,42 @@ func kvOf(kv *testKV, c Config, blocks []int32, n int) []float32 {
 	return out
 }
 
-func TestForwardChunkingInvariance(t *testing.T) {
-	m := openTiny(t)
+func TestForwardChunkingInvariance(t *testing.T) { forEachPrecision(t, testForwardChunkingInvariance) }
+
+func testForwardChunkingInvariance(t *testing.T, m *Model) {
 	c := m.cfg
 	const blockSize = 16
 	tokens := randomTokens(50, c.VocabSize, 7)
 	nb := (len(tokens) + blockSize - 1) / blockSize
 	blocks := blockRange(0, nb)
 
-	oneKV := newTestKV(c, blockSize, nb, false)
+	oneKV := newTestKVFor(m, blockSize, nb, false)
 	want := prefillChunked(t, m, oneKV, blockSize, blocks, tokens, len(tokens))
 	wantKV := kvOf(oneKV, c, blocks, len(tokens))
 	for _, chunk := range []int{1, 3, 16, 17} {
 		t.Run(fmt.Sprintf("chunk%d", chunk), func(t *testing.T) {
-			kv := newTestKV(c, blockSize, nb, false)
+			kv := newTestKVFor(m, blockSize, nb, false)
 			got := prefillChunked(t, m, kv, blockSize, blocks, tokens, chunk)
 			requireSameBits(t, "logits", want, got)
 			requireSameBits(t, "kv", wantKV, kvOf(kv, c, blocks, len(tokens)))
 		})
 	}
 	t.Run("nhd-layout-scattered-blocks", func(t *testing.T) {
-		kv := newTestKV(c, blockSize, 3*nb, true)
+		kv := newTestKVFor(m, blockSize, 3*nb, true)
 		scattered := []int32{7, 2, 11, 5}[:nb]
 		got := prefillChunked(t, m, kv, blockSize, scattered, tokens, 13)
 		requireSameBits(t, "logits", want, got)
 	})
 	t.Run("block-size-5", func(t *testing.T) {
-		kv := newTestKV(c, 5, 10, false)
+		kv := newTestKVFor(m, 5, 10, false)
 		got := prefillChunked(t, m, kv, 5, blockRange(0, 10), tokens, 9)
 		requireSameBits(t, "logits", want, got)
 	})
 }
 
-func TestForwardBatchInvariance(t *testing.T) {
-	m := openTiny(t)
+func TestForwardBatchInvariance(t *testing.T) { forEachPrecision(t, testForwardBatchInvariance) }
+
+func testForwardBatchInvariance(t *testing.T, m *Model) {
 	c := m.cfg
 	const blockSize = 16
 	const perSeq = 4 // blocks per sequence
@@ -162,7 +186,7 @@ func TestForwardBatchInvariance(t *testing.T) {
 	// Reference: each prompt alone, in one step, on its own store.
 	want := make([][]float32, len(prompts))
 	for i, p := range prompts {
-		kv := newTestKV(c, blockSize, perSeq, false)
+		kv := newTestKVFor(m, blockSize, perSeq, false)
 		want[i] = prefillChunked(t, m, kv, blockSize, blockRange(0, perSeq), p, len(p))
 	}
 
@@ -170,7 +194,7 @@ func TestForwardBatchInvariance(t *testing.T) {
 	// each step mixes sequences at different positions (prefill chunks and single tokens).
 	for _, order := range [][]int{{0, 1, 2, 3}, {3, 2, 1, 0}, {2, 0, 3, 1}} {
 		t.Run(fmt.Sprint(order), func(t *testing.T) {
-			kv := newTestKV(c, blockSize, perSeq*len(prompts), false)
+			kv := newTestKVFor(m, blockSize, perSeq*len(prompts), false)
 			chunks := []int{7, 1, 20, 3}
 			done := make([]int, len(prompts))
 			got := make([][]float32, len(prompts))
@@ -207,35 +231,39 @@ func TestForwardBatchInvariance(t *testing.T) {
 }
 
 func TestForwardDecodeMatchesPrefill(t *testing.T) {
+	forEachPrecision(t, testForwardDecodeMatchesPrefill)
+}
+
+func testForwardDecodeMatchesPrefill(t *testing.T, m *Model) {
 	// Logits of position p computed while decoding (one token, KV of 0..p-1 from earlier steps)
 	// equal those of a prefill that ends at p.
-	m := openTiny(t)
 	c := m.cfg
 	tokens := randomTokens(20, c.VocabSize, 3)
 	all := forwardAll(t, m, tokens, 8)
 	for _, n := range []int{1, 8, 9, 20} {
-		kv := newTestKV(c, 8, 3, false)
+		kv := newTestKVFor(m, 8, 3, false)
 		got := prefillChunked(t, m, kv, 8, blockRange(0, 3), tokens[:n], n)
 		requireSameBits(t, fmt.Sprintf("prefix %d", n), all[n-1], got)
 	}
 }
 
-func TestForwardConcurrent(t *testing.T) {
+func TestForwardConcurrent(t *testing.T) { forEachPrecision(t, testForwardConcurrent) }
+
+func testForwardConcurrent(t *testing.T, m *Model) {
 	// Concurrent steps on one model (shared workers and scratch) give the results of
 	// sequential ones.
-	m := openTiny(t)
 	c := m.cfg
 	const streams = 4
 	want := make([][][]float32, streams)
 	for i := range streams {
-		want[i] = decodeRun(t, m, newTestKV(c, 16, 8, false), 16, blockRange(0, 8), randomTokens(90+i, c.VocabSize, uint64(70+i)), 30, 10)
+		want[i] = decodeRun(t, m, newTestKVFor(m, 16, 8, false), 16, blockRange(0, 8), randomTokens(90+i, c.VocabSize, uint64(70+i)), 30, 10)
 	}
 	got := make([][][]float32, streams)
 	errs := make([]error, streams)
 	var wg sync.WaitGroup
 	for i := range streams {
 		wg.Go(func() {
-			got[i], errs[i] = decode(t.Context(), m, newTestKV(c, 16, 8, false), 16, blockRange(0, 8), randomTokens(90+i, c.VocabSize, uint64(70+i)), 30, 10)
+			got[i], errs[i] = decode(t.Context(), m, newTestKVFor(m, 16, 8, false), 16, blockRange(0, 8), randomTokens(90+i, c.VocabSize, uint64(70+i)), 30, 10)
 		})
 	}
 	wg.Wait()
@@ -257,7 +285,7 @@ func TestForwardFarPositionsFinite(t *testing.T) {
 	const blockSize = 256
 	start := c.MaxPositionEmbeddings - 4
 	nb := c.MaxPositionEmbeddings / blockSize
-	kv := newTestKV(c, blockSize, nb, false)
+	kv := newTestKVFor(m, blockSize, nb, false)
 	logits := make([]float32, c.VocabSize)
 	err := m.Forward(t.Context(), kv, blockSize, []Seq{{Tokens: randomTokens(4, c.VocabSize, 5), Start: start, Blocks: blockRange(0, nb), Logits: logits}})
 	if err != nil {
@@ -273,7 +301,7 @@ func TestForwardFarPositionsFinite(t *testing.T) {
 func TestForwardRejectsBadInput(t *testing.T) {
 	m := openTiny(t)
 	c := m.cfg
-	kv := newTestKV(c, 4, 2, false)
+	kv := newTestKVFor(m, 4, 2, false)
 	cases := map[string]Seq{
 		"token out of range": {Tokens: []int32{int32(c.VocabSize)}, Blocks: blockRange(0, 1)},
 		"negative token":     {Tokens: []int32{-1}, Blocks: blockRange(0, 1)},

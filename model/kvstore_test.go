@@ -1,11 +1,14 @@
 package model
 
+import "github.com/kvbridge/kvbridge/model/kernel"
+
 // testKV is a paged KV store for tests: numBlocks blocks, each [layer][k,v] with the heads in
 // HND ([head][slot][dim]) or NHD ([slot][head][dim]) order, like kvcache's blocks.
 type testKV struct {
 	layers, heads, headDim, blockSize int
 	nhd                               bool
-	mem                               []float32
+	mem                               []float32 // float32 values, or nil
+	mem16                             []uint16  // bfloat16 values, or nil
 }
 
 func newTestKV(c Config, blockSize, numBlocks int, nhd bool) *testKV {
@@ -15,21 +18,51 @@ func newTestKV(c Config, blockSize, numBlocks int, nhd bool) *testKV {
 	}
 }
 
-// HeadView implements KVBlocks.
-func (s *testKV) HeadView(layer, block, head int) (k, v []float32, stride int) {
-	part := s.heads * s.blockSize * s.headDim
-	base := (block*s.layers + layer) * 2 * part
-	kp, vp := s.mem[base:base+part], s.mem[base+part:base+2*part]
-	if s.nhd {
-		o := head * s.headDim
-		return kp[o:], vp[o:], s.heads * s.headDim
+// newTestKVFor is newTestKV with m's KV cache dtype.
+func newTestKVFor(m *Model, blockSize, numBlocks int, nhd bool) *testKV {
+	kv := newTestKV(m.cfg, blockSize, numBlocks, nhd)
+	if m.kvBF16 {
+		kv.mem16, kv.mem = make([]uint16, len(kv.mem)), nil
 	}
-	o := head * s.blockSize * s.headDim
-	return kp[o : o+s.blockSize*s.headDim], vp[o : o+s.blockSize*s.headDim], s.headDim
+	return kv
 }
 
-// position returns copies of the K and V of (layer, head, pos) under block table blocks.
+// offsets returns where the keys and values of (layer, block, head) start and the stride.
+func (s *testKV) offsets(layer, block, head int) (ko, vo, n, stride int) {
+	part := s.heads * s.blockSize * s.headDim
+	base := (block*s.layers + layer) * 2 * part
+	if s.nhd {
+		o := head * s.headDim
+		return base + o, base + part + o, part - o, s.heads * s.headDim
+	}
+	o := head * s.blockSize * s.headDim
+	return base + o, base + part + o, s.blockSize * s.headDim, s.headDim
+}
+
+// HeadView implements KVBlocks.
+func (s *testKV) HeadView(layer, block, head int) (k, v []float32, stride int) {
+	ko, vo, n, stride := s.offsets(layer, block, head)
+	return s.mem[ko : ko+n], s.mem[vo : vo+n], stride
+}
+
+// HeadViewBF16 implements KVBlocksBF16.
+func (s *testKV) HeadViewBF16(layer, block, head int) (k, v []uint16, stride int) {
+	ko, vo, n, stride := s.offsets(layer, block, head)
+	return s.mem16[ko : ko+n], s.mem16[vo : vo+n], stride
+}
+
+// position returns copies of the K and V of (layer, head, pos) under block table blocks, as
+// float32 (bfloat16 values widened).
 func (s *testKV) position(blocks []int32, layer, head, pos int) (k, v []float32) {
+	if s.mem16 != nil {
+		kk, vv, stride := s.HeadViewBF16(layer, int(blocks[pos/s.blockSize]), head)
+		o := (pos % s.blockSize) * stride
+		for d := range s.headDim {
+			k = append(k, kernel.BF16ToF32(kk[o+d]))
+			v = append(v, kernel.BF16ToF32(vv[o+d]))
+		}
+		return k, v
+	}
 	kk, vv, stride := s.HeadView(layer, int(blocks[pos/s.blockSize]), head)
 	o := (pos % s.blockSize) * stride
 	return append([]float32(nil), kk[o:o+s.headDim]...), append([]float32(nil), vv[o:o+s.headDim]...)

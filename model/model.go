@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 
@@ -45,21 +46,74 @@ type OpenOptions struct {
 	// (instead of $HF_HUB_CACHE, $HF_HOME/hub, $XDG_CACHE_HOME/huggingface/hub and
 	// ~/.cache/huggingface/hub).
 	HubCache string
+	// Revision, if non-empty, picks the snapshot of a repo id in the hub cache: a branch or tag
+	// (refs/<revision>) or a commit hash (snapshots/<revision>). vLLM's --revision.
+	Revision string
+	// Tokenizer, if non-empty, is a directory or cached repo id whose tokenizer.json,
+	// tokenizer_config.json and chat template replace the model's. vLLM's --tokenizer.
+	Tokenizer string
+	// DType is vLLM's --dtype: "auto" (or empty: the checkpoint's dtype — bfloat16 for bf16 and,
+	// as vLLM's CPU backend casts them, f16 checkpoints; float32 for f32 checkpoints and the
+	// built-in models), "bfloat16" or "float32". In bfloat16 the weight matrices are stored as
+	// bfloat16, the activations are rounded to bfloat16 at every matrix product's input and the
+	// products are summed in float32 (VDPBF16PS where the CPU has it); norms, softmax, RoPE and
+	// attention stay float32. In float32 the products are float32; 16-bit checkpoint weights
+	// stay 2 bytes and are widened exactly in the kernels.
+	DType string
+	// KVCacheDType is vLLM's --kv-cache-dtype: "auto" (or empty) and "float32" keep keys and
+	// values as float32, "bfloat16" rounds them to bfloat16 (2 bytes a value).
+	KVCacheDType string
+}
+
+// precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32.
+type precision struct {
+	bf16, kvBF16 bool
+}
+
+// parsePrecision resolves OpenOptions' dtypes for a checkpoint of dtype ckpt ("" for a built-in
+// model).
+func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
+	var p precision
+	switch strings.ToLower(opts.DType) {
+	case "", "auto":
+		p.bf16 = ckpt == "bfloat16" || ckpt == "float16"
+	case "bfloat16", "bf16":
+		p.bf16 = true
+	case "float32", "float", "fp32":
+	case "float16", "half", "fp16":
+		return p, fmt.Errorf("%w: dtype %q: float16 is not supported on the CPU; use bfloat16 or float32", ErrUnsupported, opts.DType)
+	default:
+		return p, fmt.Errorf("%w: dtype %q (want auto, bfloat16 or float32)", ErrUnsupported, opts.DType)
+	}
+	switch strings.ToLower(opts.KVCacheDType) {
+	case "", "auto", "float32", "fp32", "float":
+	case "bfloat16", "bf16":
+		p.kvBF16 = true
+	default:
+		return p, fmt.Errorf("%w: KV cache dtype %q (want auto, float32 or bfloat16)", ErrUnsupported, opts.KVCacheDType)
+	}
+	return p, nil
 }
 
 // Model is a loaded decoder-only transformer. Its methods are safe for concurrent use.
 type Model struct {
-	name  string
-	cfg   Config
-	tok   *tokenizer.Tokenizer
-	tmpl  tokenizer.ChatTemplate
-	gen   GenerationConfig
-	embed []float32 // VocabSize × HiddenSize
-	layer []decoderLayer
-	norm  []float32
-	head  *kernel.Linear
-	rope  rope
-	pool  *kernel.Pool // owned: the workers of every Linear and of attention
+	name string
+	cfg  Config
+	tok  *tokenizer.Tokenizer
+	tmpl tokenizer.ChatTemplate
+	gen  GenerationConfig
+	// embed is the untied embedding (VocabSize × HiddenSize), possibly in the mapped
+	// checkpoint; with tiedEmbed the embedding is head's weights and embed is empty.
+	embed     matrix
+	tiedEmbed bool
+	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache.
+	bf16, kvBF16 bool
+	files        mappedFiles // the checkpoint files embed reads; closed by Close
+	layer        []decoderLayer
+	norm         []float32
+	head         *kernel.Linear
+	rope         rope
+	pool         *kernel.Pool // owned: the workers of every Linear and of attention
 	// serial is a one-worker pool: attention's per-step Linears run inline on the calling worker.
 	serial *kernel.Pool
 	qScale float32 // 1/sqrt(HeadDim)
@@ -71,12 +125,17 @@ type Model struct {
 	// sums straight from the KV store's rows with kernel.RowDots and kernel.AccumulateRows, when
 	// the kernel has them for HeadDim (tests change it).
 	inPlace bool
-	// weightBytes is the float32 bytes streamed per decode step (see WeightBytes).
+	// weightBytes is the weight bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
+	// checkpointBytes is the size of the safetensors files loaded (0 for built-in models).
+	checkpointBytes int64
 
 	work    sync.Pool // *workspace
 	scratch sync.Pool // *attnScratch
-	closed  atomic.Bool
+	// life is held (read) by every Forward and (write) by Close, so the checkpoint mapping is
+	// never unmapped under a running step.
+	life   sync.RWMutex
+	closed atomic.Bool
 }
 
 // decoderLayer holds one layer's packed weights.
@@ -110,12 +169,23 @@ func Open(ctx context.Context, nameOrPath string, opts OpenOptions) (*Model, err
 		err error
 	)
 	if spec, ok := builtinSpecs(nameOrPath); ok {
-		m, err = newBuiltin(nameOrPath, spec)
+		if opts.Tokenizer != "" || opts.Revision != "" {
+			return nil, fmt.Errorf("%w: the built-in model %s has its own tokenizer and no revisions", ErrBadConfig, nameOrPath)
+		}
+		prec, err := parsePrecision(opts, "")
+		if err != nil {
+			return nil, err
+		}
+		m, err = newBuiltin(nameOrPath, spec, prec)
 	} else {
 		var dir string
-		dir, err = resolveModelDir(nameOrPath, opts.HubCache)
+		dir, err = resolveModelDir(nameOrPath, opts.HubCache, opts.Revision)
+		tokDir := dir
+		if err == nil && opts.Tokenizer != "" {
+			tokDir, err = resolveModelDir(opts.Tokenizer, opts.HubCache, "")
+		}
 		if err == nil {
-			m, err = loadDir(ctx, nameOrPath, dir)
+			m, err = loadDir(ctx, nameOrPath, dir, tokDir, opts)
 		}
 	}
 	if err != nil {
@@ -146,6 +216,24 @@ func (m *Model) Config() Config {
 	return c
 }
 
+// DType returns how the model computes its matrix products: "bfloat16" or "float32"
+// (OpenOptions.DType resolved).
+func (m *Model) DType() string {
+	if m.bf16 {
+		return "bfloat16"
+	}
+	return "float32"
+}
+
+// KVCacheDType returns the type of the keys and values the model writes and reads: "float32",
+// or "bfloat16" (then Forward needs a KVBlocksBF16 store).
+func (m *Model) KVCacheDType() string {
+	if m.kvBF16 {
+		return "bfloat16"
+	}
+	return "float32"
+}
+
 // Tokenizer returns the model's tokenizer.
 func (m *Model) Tokenizer() *tokenizer.Tokenizer { return m.tok }
 
@@ -160,10 +248,15 @@ func (m *Model) Generation() GenerationConfig {
 	return g
 }
 
-// WeightBytes returns the bytes of float32 weights one decode step streams from memory: every
-// projection matrix, every norm vector and lm_head (the embedding lookup of one row is not
-// counted). Memory bandwidth divided by this bounds decode tokens/s.
+// WeightBytes returns the weight bytes one decode step streams from memory, each matrix in its
+// storage type (2 bytes a weight for bf16 and f16 checkpoints, 4 for float32): every projection
+// matrix, every norm vector and lm_head (the embedding lookup of one row is not counted).
+// Memory bandwidth divided by this bounds decode tokens/s.
 func (m *Model) WeightBytes() int64 { return m.weightBytes }
+
+// CheckpointBytes returns the size of the safetensors files the weights were loaded from (0 for
+// a built-in model): what "the memory it takes on disk" means for a loaded model.
+func (m *Model) CheckpointBytes() int64 { return m.checkpointBytes }
 
 // matmulMACs returns the multiply-adds of the per-token projections of all layers (not lm_head).
 func (c Config) matmulMACs() float64 {
@@ -199,9 +292,13 @@ func (m *Model) PrefillFLOPs(promptLen int) float64 {
 
 // Close releases the model. It is idempotent; using the model afterwards returns ErrClosed.
 func (m *Model) Close() error {
+	m.life.Lock()
+	defer m.life.Unlock()
 	if m.closed.Swap(true) {
 		return nil
 	}
+	m.files.close()
+	m.files, m.embed = nil, matrix{}
 	return errors.Join(m.pool.Close(), m.serial.Close())
 }
 

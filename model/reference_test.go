@@ -47,6 +47,7 @@ func referenceLogits(c Config, w *weights, tokens []int32) [][]float64 {
 		half := hd / 2
 		for i := range half {
 			s, co := math.Sincos(float64(pos) * r.invFreq[i])
+			s, co = s*r.scale, co*r.scale
 			a, b := x[i], x[i+half]
 			x[i] = a*co - b*s
 			x[i+half] = b*co + a*s
@@ -58,7 +59,7 @@ func referenceLogits(c Config, w *weights, tokens []int32) [][]float64 {
 	for t, id := range tokens {
 		x[t] = make([]float64, h)
 		for i := range h {
-			x[t][i] = float64(w.embed[int(id)*h+i])
+			x[t][i] = float64(w.embed.data[int(id)*h+i])
 		}
 	}
 	for _, l := range w.layers {
@@ -132,7 +133,7 @@ func referenceLogits(c Config, w *weights, tokens []int32) [][]float64 {
 	}
 	head := w.lmHead.data
 	if head == nil {
-		head = w.embed
+		head = w.embed.data
 	}
 	out := make([][]float64, T)
 	for t := range T {
@@ -157,7 +158,7 @@ func forwardAll(t *testing.T, m *Model, tokens []int32, blockSize int) [][]float
 	t.Helper()
 	c := m.Config()
 	nb := (len(tokens) + blockSize - 1) / blockSize
-	kv := newTestKV(c, blockSize, nb, false)
+	kv := newTestKVFor(m, blockSize, nb, false)
 	blocks := blockRange(0, nb)
 	out := make([][]float32, len(tokens))
 	for i := range tokens {
@@ -215,7 +216,10 @@ func variantConfigs(vocab int) []Config {
 	qwen2.Architecture, qwen2.AttentionBias, qwen2.TieWordEmbeddings, qwen2.NumKVHeads = "Qwen2ForCausalLM", true, true, 6
 	qwen3 := base
 	qwen3.Architecture, qwen3.QKNorm, qwen3.HeadDim, qwen3.NumKVHeads = "Qwen3ForCausalLM", true, 16, 3
-	return []Config{llama, qwen2, qwen3}
+	// YaRN scales cos and sin as well as the frequencies (attention factor 0.1·ln 4 + 1).
+	yarn := qwen3
+	yarn.RopeScaling = &RopeScaling{Type: "yarn", Factor: 4, OriginalMaxPositionEmbeddings: 32, BetaFast: 32, BetaSlow: 1}
+	return []Config{llama, qwen2, qwen3, yarn}
 }
 
 // variantWeights draws random weights for c, with biases when c has them and non-unit norms.
@@ -251,7 +255,11 @@ func variantWeights(c Config, seed uint64) *weights {
 func TestForwardMatchesReferenceVariants(t *testing.T) {
 	tok := tokenizer.Builtin(builtinVocab)
 	for i, c := range variantConfigs(tok.VocabSize()) {
-		t.Run(c.Architecture, func(t *testing.T) {
+		name := c.Architecture
+		if c.RopeScaling != nil {
+			name += "-" + c.RopeScaling.Type
+		}
+		t.Run(name, func(t *testing.T) {
 			w := variantWeights(c, uint64(10+i))
 			m, err := newModel("variant", c, w, tok, tokenizer.ChatML(), GenerationConfig{})
 			if err != nil {
@@ -260,6 +268,72 @@ func TestForwardMatchesReferenceVariants(t *testing.T) {
 			t.Cleanup(func() { m.Close() })
 			// 70 positions reach past the llama3 scaling's original context of 64.
 			compareReference(t, m, w, randomTokens(70, c.VocabSize, uint64(i)), 1e-4)
+		})
+	}
+}
+
+// TestForwardMatchesReferenceBF16 compares bfloat16 mode against the float64 reference computed
+// with the same (bfloat16) weights, within a tolerance derived from the rounding the mode adds:
+//
+// Every matrix product's input x is rounded to bfloat16, x_k(1+δ_k) with |δ_k| ≤ u = 2⁻⁹ (nearest
+// even with 8 significant bits); the products and their sums are exact or float32-accurate
+// (2⁻²⁴, negligible). The output y = Σ x_k w_k gains e = Σ δ_k x_k w_k: with δ_k spread uniformly,
+// e has standard deviation u/√3 · √(Σ (x_k w_k)²) ≈ u/√3 · |y| for terms of random sign, a
+// relative error of u/√3 ≈ 1.13·10⁻³ per product. A token's logits pass through P such
+// products — qkv, o, gate/up and down in each of L layers, and lm_head: P = 4L + 1 — and a
+// bfloat16 KV cache rounds keys and values too (P = 6L + 1). The residual stream carries these
+// errors forward without amplifying them (norms rescale, softmax and SiLU are contractive to
+// first order), so they add in quadrature: σ ≈ u/√3 · √P relative to the logits' size (measured:
+// 0.77σ RMS). The tolerance is 8σ times the RMS of the reference logits at that position — the
+// largest of ~10⁵ logits sits in the tail, at 5–7σ here: for kvbridge/tiny (L = 2), 0.027
+// (P = 9) and 0.033 (P = 13) of the logits' RMS. The test also requires the logits to differ
+// from float32 mode's, so it fails if the rounding does not happen.
+func TestForwardMatchesReferenceBF16(t *testing.T) {
+	spec, _ := builtinSpecs(Tiny)
+	for _, p := range testPrecisions[1:] {
+		t.Run(p.name, func(t *testing.T) {
+			m := openTinyWith(t, p.prec)
+			c := m.cfg
+			w := randomWeights(c, spec.seed)
+			roundTo("BF16", w.embed.data)
+			for i := range w.layers {
+				l := &w.layers[i]
+				for _, x := range []*matrix{&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down} {
+					roundTo("BF16", x.data)
+				}
+			}
+			products := 4*c.NumLayers + 1
+			if p.prec.kvBF16 {
+				products = 6*c.NumLayers + 1
+			}
+			sigma := math.Ldexp(1, -9) / math.Sqrt(3) * math.Sqrt(float64(products))
+			tolRel := 8 * sigma
+			tokens := randomTokens(37, c.VocabSize, 1)
+			want := referenceLogits(c, w, tokens)
+			got := forwardAll(t, m, tokens, 16)
+			f32 := forwardAll(t, openTiny(t), tokens, 16)
+			worst, differs, sq, n := 0.0, false, 0.0, 0
+			for pos := range tokens {
+				rms := 0.0
+				for _, v := range want[pos] {
+					rms += v * v
+				}
+				rms = math.Sqrt(rms / float64(len(want[pos])))
+				for i, v := range got[pos] {
+					d := math.Abs(float64(v)-want[pos][i]) / rms
+					if !(d <= tolRel) {
+						t.Fatalf("position %d logit %d: %g, reference %g: |diff| = %.3g × RMS %.3g > %.3g", pos, i, v, want[pos][i], d, rms, tolRel)
+					}
+					worst = max(worst, d)
+					sq, n = sq+d*d, n+1
+					differs = differs || v != f32[pos][i]
+				}
+			}
+			if !differs {
+				t.Fatal("bfloat16 logits equal float32 mode's: the activations were not rounded")
+			}
+			t.Logf("|logit − reference| / logits' RMS: RMS %.3g (σ estimate %.3g), max %.3g (tolerance %.3g, %d rounded products)",
+				math.Sqrt(sq/float64(n)), sigma, worst, tolRel, products)
 		})
 	}
 }

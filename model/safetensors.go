@@ -10,6 +10,8 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvbridge/kvbridge/model/kernel"
 )
 
 // safetensors is one memory-mapped .safetensors file: an 8-byte little-endian header length, a
@@ -145,21 +147,17 @@ func (s *safetensors) float32s(name string) ([]float32, []int, error) {
 	return out, t.Shape, nil
 }
 
-// rows returns a reader that widens row n of the 2-D tensor name into dst (len = columns), and
-// the tensor's shape. The reader reads the mapping: it must not be used after Close.
-func (s *safetensors) rows(name string) (func(n int, dst []float32), []int, error) {
+// matrix returns the 2-D tensor name as a matrix reading the mapping (it must not be used after
+// Close), and the tensor's shape.
+func (s *safetensors) matrix(name string) (matrix, []int, error) {
 	t, src, err := s.tensor(name)
 	if err != nil {
-		return nil, nil, err
+		return matrix{}, nil, err
 	}
 	if len(t.Shape) != 2 {
-		return nil, t.Shape, nil
+		return matrix{}, t.Shape, nil
 	}
-	size, _ := dtypeSize(t.DType)
-	rowBytes := t.Shape[1] * size
-	return func(n int, dst []float32) {
-		widen(dst[:t.Shape[1]], src[n*rowBytes:(n+1)*rowBytes], t.DType)
-	}, t.Shape, nil
+	return matrix{raw: src, dtype: t.DType, cols: t.Shape[1]}, t.Shape, nil
 }
 
 // widen converts little-endian src of dtype into dst (len(dst) elements).
@@ -171,34 +169,13 @@ func widen(dst []float32, src []byte, dtype string) {
 		}
 	case "BF16":
 		for i := range dst {
-			dst[i] = math.Float32frombits(uint32(binary.LittleEndian.Uint16(src[2*i:])) << 16)
+			dst[i] = kernel.BF16ToF32(binary.LittleEndian.Uint16(src[2*i:]))
 		}
 	case "F16":
 		for i := range dst {
-			dst[i] = f16ToF32(binary.LittleEndian.Uint16(src[2*i:]))
+			dst[i] = kernel.F16ToF32(binary.LittleEndian.Uint16(src[2*i:]))
 		}
 	}
-}
-
-// f16ToF32 widens an IEEE 754 half-precision value exactly.
-func f16ToF32(h uint16) float32 {
-	sign := uint32(h>>15) << 31
-	exp := uint32(h>>10) & 0x1f
-	mant := uint32(h) & 0x3ff
-	switch {
-	case exp == 0x1f: // Inf, NaN
-		return math.Float32frombits(sign | 0xff<<23 | mant<<13)
-	case exp != 0: // normal
-		return math.Float32frombits(sign | (exp+127-15)<<23 | mant<<13)
-	case mant == 0: // ±0
-		return math.Float32frombits(sign)
-	}
-	// Subnormal: value = mant · 2^-24.
-	f := float32(mant) * (1.0 / (1 << 24))
-	if sign != 0 {
-		f = -f
-	}
-	return f
 }
 
 // Close unmaps the file. It is idempotent.

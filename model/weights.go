@@ -1,6 +1,7 @@
 package model
 
 import (
+	"encoding/binary"
 	"fmt"
 	"math"
 
@@ -11,7 +12,7 @@ import (
 // weights are a model's parameters in Hugging Face layout (matrices out × in, row-major),
 // before packing for the kernel.
 type weights struct {
-	embed  []float32 // VocabSize × HiddenSize
+	embed  matrix // VocabSize × HiddenSize
 	layers []layerWeights
 	norm   []float32 // HiddenSize
 	lmHead matrix    // VocabSize × HiddenSize; empty when tied to embed
@@ -26,24 +27,103 @@ type layerWeights struct {
 	gate, up, down   matrix    // gate, up: Intermediate × Hidden; down: Hidden × Intermediate
 }
 
-// matrix is a row-major weight matrix held in memory (data) or read row by row, widened to
-// float32, from a memory-mapped checkpoint (row), so loading never holds an unpacked float32
-// copy of a whole checkpoint.
+// matrix is a row-major weight matrix held in memory as float32 (data), or as the raw
+// little-endian rows of a memory-mapped checkpoint tensor (raw, of safetensors dtype "F32",
+// "BF16" or "F16", cols values a row), so loading never holds a widened copy of a checkpoint.
 type matrix struct {
-	data []float32
-	row  func(n int, dst []float32) // set when data is nil
+	data  []float32
+	raw   []byte
+	dtype string
+	cols  int
 }
 
 // empty reports whether m holds nothing.
-func (m matrix) empty() bool { return m.data == nil && m.row == nil }
+func (m matrix) empty() bool { return m.data == nil && m.raw == nil }
 
-// fill writes row n (len(dst) values) into dst.
+// storage returns the kernel type m's values are exact in: F32 for in-memory data, the
+// checkpoint's type otherwise.
+func (m matrix) storage() kernel.DType {
+	switch m.dtype {
+	case "BF16":
+		return kernel.BF16
+	case "F16":
+		return kernel.F16
+	}
+	return kernel.F32
+}
+
+// fill writes row n (len(dst) values) into dst, widened to float32.
 func (m matrix) fill(n int, dst []float32) {
-	if m.row != nil {
-		m.row(n, dst)
+	if m.raw != nil {
+		size, _ := dtypeSize(m.dtype)
+		widen(dst, m.raw[n*m.cols*size:(n+1)*m.cols*size], m.dtype)
 		return
 	}
 	copy(dst, m.data[n*len(dst):(n+1)*len(dst)])
+}
+
+// fill16 writes row n (len(dst) values) into dst as 16-bit values of to (BF16 or F16): the raw
+// bits when the checkpoint stores that type, else the values rounded to nearest even.
+func (m matrix) fill16(n int, dst []uint16, to kernel.DType) {
+	if m.storage() == to {
+		raw := m.raw[n*m.cols*2 : (n+1)*m.cols*2]
+		for i := range dst {
+			dst[i] = binary.LittleEndian.Uint16(raw[2*i:])
+		}
+		return
+	}
+	wide := make([]float32, len(dst))
+	m.fill(n, wide)
+	for i, v := range wide {
+		if to == kernel.BF16 {
+			dst[i] = kernel.F32ToBF16(v)
+		} else {
+			dst[i] = kernel.F32ToF16(v)
+		}
+	}
+}
+
+// part is a matrix whose rows make up rows [at, at+n) of a fused Linear.
+type part struct {
+	m     matrix
+	at, n int
+}
+
+// newFused packs parts (stacked in order; together out rows of in values) into one Linear on
+// pool: with bf16, bfloat16 weights (rounded to nearest even where the checkpoint is not
+// bfloat16) with bfloat16 products; else stored in the type all parts are exact in (float32
+// when they differ) with float32 products.
+func newFused(pool *kernel.Pool, bf16 bool, out, in int, parts ...part) *kernel.Linear {
+	find := func(n int) part {
+		for _, p := range parts {
+			if n < p.at+p.n {
+				return p
+			}
+		}
+		panic("model: fused row out of range")
+	}
+	if bf16 {
+		return kernel.NewLinearBF16Dot(pool, out, in, func(n int, dst []uint16) {
+			p := find(n)
+			p.m.fill16(n-p.at, dst, kernel.BF16)
+		})
+	}
+	dtype := parts[0].m.storage()
+	for _, p := range parts[1:] {
+		if p.m.storage() != dtype {
+			dtype = kernel.F32
+		}
+	}
+	if dtype == kernel.F32 {
+		return kernel.NewLinearFrom(pool, out, in, func(n int, dst []float32) {
+			p := find(n)
+			p.m.fill(n-p.at, dst)
+		})
+	}
+	return kernel.NewLinear16From(pool, dtype, out, in, func(n int, dst []uint16) {
+		p := find(n)
+		p.m.fill16(n-p.at, dst, dtype)
+	})
 }
 
 // tensorSpec is one HF tensor the architecture uses: its name, shape, whether it may be absent,
@@ -65,7 +145,7 @@ func (w *weights) specs(c Config) []tensorSpec {
 		w.layers = make([]layerWeights, c.NumLayers)
 	}
 	s := []tensorSpec{
-		{name: "model.embed_tokens.weight", shape: []int{c.VocabSize, h}, vec: &w.embed},
+		{name: "model.embed_tokens.weight", shape: []int{c.VocabSize, h}, mat: &w.embed},
 		{name: "model.norm.weight", shape: []int{h}, vec: &w.norm},
 	}
 	if !c.TieWordEmbeddings {
@@ -98,9 +178,17 @@ func (w *weights) specs(c Config) []tensorSpec {
 	return s
 }
 
-// newModel packs w for the kernel and assembles a Model. The tokenizer's vocabulary must not
-// exceed cfg.VocabSize.
+// newModel is buildModel in float32.
 func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmpl tokenizer.ChatTemplate, gen GenerationConfig) (*Model, error) {
+	return buildModel(name, cfg, w, tok, tmpl, gen, precision{})
+}
+
+// buildModel packs w for the kernel and assembles a Model computing with prec. The tokenizer's
+// vocabulary must not exceed cfg.VocabSize. Matrices are stored in the type their values are
+// exact in (a bf16 checkpoint stays 2 bytes a weight), or in bfloat16 with bfloat16 products; a
+// tied embedding is stored once, as lm_head, and looked up from it. An untied embedding stays
+// where it is (the mapped checkpoint, whose files the model then keeps open and closes in Close).
+func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmpl tokenizer.ChatTemplate, gen GenerationConfig, prec precision) (*Model, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
 	}
@@ -115,43 +203,30 @@ func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmp
 		tok:        tok,
 		tmpl:       tmpl,
 		gen:        gen,
-		embed:      w.embed,
 		norm:       w.norm,
 		rope:       newRope(cfg),
 		pool:       kernel.NewPool(0),
 		serial:     kernel.NewPool(1),
 		qScale:     float32(1 / math.Sqrt(float64(hd))),
 		prefillMin: cfg.tileTokens() + 1,
-		inPlace:    kernel.RowKernels(cfg.HeadDim),
+		inPlace:    kernel.RowKernels(cfg.HeadDim) && !prec.kvBF16,
+		bf16:       prec.bf16,
+		kvBF16:     prec.kvBF16,
 	}
-	var floats int64
+	bf := prec.bf16
+	var bytes int64
 	for i := range w.layers {
 		l := &w.layers[i]
 		in := cfg.IntermediateSize
 		d := decoderLayer{
 			inNorm:   l.inNorm,
 			postNorm: l.postNorm,
-			qkv: kernel.NewLinearFrom(m.pool, qd+2*kd, h, func(n int, dst []float32) {
-				switch {
-				case n < qd:
-					l.q.fill(n, dst)
-				case n < qd+kd:
-					l.k.fill(n-qd, dst)
-				default:
-					l.v.fill(n-qd-kd, dst)
-				}
-			}),
-			qNorm: l.qNorm,
-			kNorm: l.kNorm,
-			o:     kernel.NewLinearFrom(m.pool, h, qd, l.o.fill),
-			gateUp: kernel.NewLinearFrom(m.pool, 2*in, h, func(n int, dst []float32) {
-				if n < in {
-					l.gate.fill(n, dst)
-				} else {
-					l.up.fill(n-in, dst)
-				}
-			}),
-			down: kernel.NewLinearFrom(m.pool, h, in, l.down.fill),
+			qkv:      newFused(m.pool, bf, qd+2*kd, h, part{l.q, 0, qd}, part{l.k, qd, kd}, part{l.v, qd + kd, kd}),
+			qNorm:    l.qNorm,
+			kNorm:    l.kNorm,
+			o:        newFused(m.pool, bf, h, qd, part{l.o, 0, h}),
+			gateUp:   newFused(m.pool, bf, 2*in, h, part{l.gate, 0, in}, part{l.up, in, in}),
+			down:     newFused(m.pool, bf, h, in, part{l.down, 0, h}),
 		}
 		if l.qb != nil || l.kb != nil || l.vb != nil {
 			d.qkvBias = make([]float32, qd+2*kd)
@@ -159,16 +234,19 @@ func newModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, tmp
 			copy(d.qkvBias[qd:], l.kb)
 			copy(d.qkvBias[qd+kd:], l.vb)
 		}
-		floats += int64((qd+2*kd)*h+h*qd+3*in*h+len(d.qkvBias)) +
-			int64(len(l.inNorm)+len(l.postNorm)+len(l.qNorm)+len(l.kNorm))
+		bytes += d.qkv.Bytes() + d.o.Bytes() + d.gateUp.Bytes() + d.down.Bytes() +
+			4*int64(len(d.qkvBias)+len(l.inNorm)+len(l.postNorm)+len(l.qNorm)+len(l.kNorm))
 		m.layer = append(m.layer, d)
 	}
 	head := w.lmHead
 	if head.empty() {
-		head = matrix{data: w.embed}
+		head = w.embed
+		m.tiedEmbed = true
+	} else {
+		m.embed = w.embed
 	}
-	m.head = kernel.NewLinearFrom(m.pool, cfg.VocabSize, h, head.fill)
-	floats += int64(cfg.VocabSize*h + len(w.norm))
-	m.weightBytes = 4 * floats
+	m.head = newFused(m.pool, bf, cfg.VocabSize, h, part{head, 0, cfg.VocabSize})
+	bytes += m.head.Bytes() + 4*int64(len(w.norm))
+	m.weightBytes = bytes
 	return m, nil
 }

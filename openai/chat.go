@@ -2,6 +2,7 @@ package openai
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net/http"
 	"time"
@@ -19,9 +20,6 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
 		return nil, apiErr
 	}
-	if req.Echo != nil && *req.Echo {
-		return nil, unsupported("echo", "echo on chat completions")
-	}
 	if t := bytes.TrimSpace(req.Tools); len(t) > 0 && !bytes.Equal(t, []byte("null")) && !bytes.Equal(t, []byte("[]")) {
 		return nil, unsupported("tools", "tool calling")
 	}
@@ -33,16 +31,20 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	if apiErr := s.chatLogprobs(req.Logprobs, req.TopLogprobs, tok.VocabSize(), &p); apiErr != nil {
 		return nil, apiErr
 	}
-	text, apiErr := s.renderMessages(req.Messages, req.AddGenerationPrompt)
+	text, msgs, apiErr := s.renderMessages(req.Messages, chatOptions{
+		addGeneration: req.AddGenerationPrompt, continueFinal: req.ContinueFinalMessage, kwargs: req.ChatTemplateKwargs})
 	if apiErr != nil {
 		return nil, apiErr
 	}
 	prompt := tok.Encode(text)
+	if req.AddSpecialTokens != nil && *req.AddSpecialTokens {
+		prompt = tok.EncodeSpecial(text)
+	}
 	if apiErr := s.fitPrompt(&p, len(prompt), "messages"); apiErr != nil {
 		return nil, apiErr
 	}
 	base := baseRequestID(w, r, req.RequestID)
-	return &job{
+	j := &job{
 		chat:    true,
 		id:      "chatcmpl-" + base,
 		created: time.Now().Unix(),
@@ -50,35 +52,55 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 		prompt:  prompt,
 		p:       p,
 		reqs:    s.engineRequests("chatcmpl-"+base, prompt, p),
-	}, nil
+	}
+	if last := msgs[len(msgs)-1]; req.Echo != nil && *req.Echo && last.Role == "assistant" {
+		j.chatEcho = last.Content // vLLM echoes a final assistant message before each answer
+	}
+	return j, nil
 }
 
-// renderMessages checks the request messages and renders them with the chat template
-// (add_generation_prompt defaults to true).
-func (s *Server) renderMessages(in []chatMessageIn, addGeneration *bool) (string, *APIError) {
+// chatOptions are a request's chat template options.
+type chatOptions struct {
+	addGeneration, continueFinal *bool // add_generation_prompt (default true), continue_final_message
+	kwargs                       map[string]any
+}
+
+// renderMessages checks the request messages and renders them with the chat template.
+func (s *Server) renderMessages(in []chatMessageIn, o chatOptions) (string, []tokenizer.Message, *APIError) {
 	if len(in) == 0 {
-		return "", badRequest("messages", "The messages field must be a non-empty list.")
+		return "", nil, badRequest("messages", "The messages field must be a non-empty list.")
 	}
 	msgs := make([]tokenizer.Message, len(in))
 	for i, m := range in {
 		if m.Role == nil || *m.Role == "" {
-			return "", badRequest("messages", "messages[%d] has no role.", i)
+			return "", nil, badRequest("messages", "messages[%d] has no role.", i)
 		}
 		msgs[i] = tokenizer.Message{Role: *m.Role, Content: m.Content.text}
 	}
-	text, err := renderChat(s.model.ChatTemplate(), msgs, addGeneration == nil || *addGeneration)
-	if err != nil {
-		return "", badRequest("messages", "The chat template could not render the messages: %v", err)
+	opts := tokenizer.RenderOptions{
+		AddGenerationPrompt:  o.addGeneration == nil || *o.addGeneration,
+		ContinueFinalMessage: o.continueFinal != nil && *o.continueFinal,
+		Kwargs:               o.kwargs,
 	}
-	return text, nil
+	if opts.ContinueFinalMessage && o.addGeneration == nil {
+		opts.AddGenerationPrompt = false // vLLM: continuing a message replaces the generation prompt
+	}
+	text, err := renderChat(s.model.ChatTemplate(), msgs, opts)
+	switch {
+	case errors.Is(err, tokenizer.ErrBadRenderOptions):
+		return "", nil, badRequest("continue_final_message", "%v", err)
+	case err != nil:
+		return "", nil, badRequest("messages", "The chat template could not render the messages: %v", err)
+	}
+	return text, msgs, nil
 }
 
 // renderChat renders msgs, turning a panic inside the template engine into an error.
-func renderChat(t tokenizer.ChatTemplate, msgs []tokenizer.Message, addGen bool) (text string, err error) {
+func renderChat(t tokenizer.ChatTemplate, msgs []tokenizer.Message, opts tokenizer.RenderOptions) (text string, err error) {
 	defer func() {
 		if v := recover(); v != nil {
 			err = fmt.Errorf("template panicked: %v", v)
 		}
 	}()
-	return t.Render(msgs, addGen)
+	return t.Render(msgs, opts)
 }

@@ -33,7 +33,7 @@ func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []by
 	if apiErr := s.completionLogprobs(req.Logprobs, echo, tok.VocabSize(), &p); apiErr != nil {
 		return nil, apiErr
 	}
-	prompt, text, apiErr := s.completionPrompt(req.Prompt)
+	prompt, text, apiErr := s.completionPrompt(req.Prompt, req.AddSpecialTokens == nil || *req.AddSpecialTokens)
 	if apiErr != nil {
 		return nil, apiErr
 	}
@@ -58,10 +58,15 @@ func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []by
 }
 
 // completionPrompt tokenizes the prompt field: a string, a list of one string, a list of token
-// ids, or a list of one list of token ids. text returns the prompt's text (for echo).
-func (s *Server) completionPrompt(raw json.RawMessage) (ids []int32, text func() string, apiErr *APIError) {
+// ids, or a list of one list of token ids. A text prompt gets the tokenizer's special tokens
+// (its BOS) when special is set, as vLLM's add_special_tokens; token ids are taken as they are.
+// text returns the prompt's text (for echo).
+func (s *Server) completionPrompt(raw json.RawMessage, special bool) (ids []int32, text func() string, apiErr *APIError) {
 	tok := s.model.Tokenizer()
 	fromString := func(str string) ([]int32, func() string, *APIError) {
+		if special {
+			return tok.EncodeSpecial(str), func() string { return str }, nil
+		}
 		return tok.Encode(str), func() string { return str }, nil
 	}
 	switch jsonKind(raw) {

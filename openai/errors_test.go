@@ -61,7 +61,6 @@ func TestErrors(t *testing.T) {
 		{"top_logprobs above max", "/v1/chat/completions", chat(`,"logprobs":true,"top_logprobs":30`), 400, "BadRequestError", "max allowed: 20"},
 		{"prompt_logprobs streaming", "/v1/completions", `{"prompt":"x","prompt_logprobs":1,"stream":true}`, 400, "BadRequestError", "`prompt_logprobs` are not available when `stream=True`."},
 		{"prompt_logprobs above max", "/v1/chat/completions", chat(`,"prompt_logprobs":25`), 400, "BadRequestError", "Requested prompt logprobs of 25"},
-		{"echo chat", "/v1/chat/completions", chat(`,"echo":true`), 400, "BadRequestError", "echo"},
 		{"tools", "/v1/chat/completions", chat(`,"tools":[{"type":"function","function":{"name":"f"}}]`), 400, "BadRequestError", "tool"},
 		{"presence_penalty", "/v1/completions", `{"prompt":"x","presence_penalty":2.5}`, 400, "BadRequestError", "presence_penalty must be in [-2, 2], got 2.5."},
 		{"frequency_penalty", "/v1/completions", `{"prompt":"x","frequency_penalty":-3}`, 400, "BadRequestError", "frequency_penalty must be in [-2, 2]"},

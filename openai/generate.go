@@ -40,6 +40,9 @@ type job struct {
 	echo         bool
 	echoText     string
 	noGeneration bool
+	// chatEcho (chat with echo) is the final assistant message the request continues, shown
+	// before every choice's content.
+	chatEcho string
 }
 
 // seqResult is what one sequence produced.
@@ -439,7 +442,7 @@ func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) bool {
 			Choices: make([]chatChoice, 0, len(idx)), Usage: &u, KVTransferParams: res[0].kv}
 		for k, i := range idx {
 			fin := res[i].finish
-			c := chatChoice{Index: k, Message: chatMessage{Role: "assistant", Content: string(res[i].text), ToolCalls: []any{}}, FinishReason: &fin}
+			c := chatChoice{Index: k, Message: chatMessage{Role: "assistant", Content: j.chatEcho + string(res[i].text), ToolCalls: []any{}}, FinishReason: &fin}
 			if j.p.logprobs {
 				c.Logprobs = newChatLogprobs(tok, res[i].logprobs, j.p.topLogprobs)
 			}
@@ -506,6 +509,10 @@ func (s *Server) stream(w http.ResponseWriter, j *job, rn *runner) {
 		for i := range j.p.n {
 			sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
 				Choices: []chatChunkChoice{{Index: i, Delta: chatDelta{Role: "assistant", Content: &empty}}}})
+			if j.chatEcho != "" {
+				sse.event(chatChunk{ID: j.id, Object: "chat.completion.chunk", Created: j.created, Model: j.model,
+					Choices: []chatChunkChoice{{Index: i, Delta: chatDelta{Content: &j.chatEcho}}}})
+			}
 		}
 	}
 	each := func(i int, o engine.Output) {

@@ -129,10 +129,13 @@ type commonRequest struct {
 // completionRequest is the body of POST /v1/completions.
 type completionRequest struct {
 	commonRequest
-	Prompt   json.RawMessage `json:"prompt"`
-	Echo     *bool           `json:"echo"`
-	Logprobs *jsonInt        `json:"logprobs"`
-	Suffix   *string         `json:"suffix"`
+	Prompt json.RawMessage `json:"prompt"`
+	// AddSpecialTokens (vLLM's add_special_tokens, default true) adds the special tokens the
+	// tokenizer's post-processor puts around a text prompt (Llama's BOS).
+	AddSpecialTokens *bool    `json:"add_special_tokens"`
+	Echo             *bool    `json:"echo"`
+	Logprobs         *jsonInt `json:"logprobs"`
+	Suffix           *string  `json:"suffix"`
 }
 
 // chatRequest is the body of POST /v1/chat/completions.
@@ -142,8 +145,15 @@ type chatRequest struct {
 	Logprobs            *bool           `json:"logprobs"`
 	TopLogprobs         *jsonInt        `json:"top_logprobs"`
 	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
-	Echo                *bool           `json:"echo"`
-	Tools               json.RawMessage `json:"tools"`
+	// ContinueFinalMessage, ChatTemplateKwargs and AddSpecialTokens (default false: the
+	// template writes the special tokens) are vLLM's chat template options.
+	ContinueFinalMessage *bool          `json:"continue_final_message"`
+	ChatTemplateKwargs   map[string]any `json:"chat_template_kwargs"`
+	AddSpecialTokens     *bool          `json:"add_special_tokens"`
+	// Echo prefixes the response with the final message's content when that message is the
+	// assistant's (with continue_final_message, the whole assistant turn).
+	Echo  *bool           `json:"echo"`
+	Tools json.RawMessage `json:"tools"`
 }
 
 // chatMessageIn is one request message. Content is a string, null, or a list of content parts

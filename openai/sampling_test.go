@@ -291,7 +291,7 @@ func runesOf(b []int) []byte {
 // mustRender renders one user message with the model's chat template.
 func mustRender(t *testing.T, e *env, content string) string {
 	t.Helper()
-	s, err := renderChat(e.model.ChatTemplate(), []tokenizer.Message{{Role: "user", Content: content}}, true)
+	s, err := renderChat(e.model.ChatTemplate(), []tokenizer.Message{{Role: "user", Content: content}}, tokenizer.RenderOptions{AddGenerationPrompt: true})
 	if err != nil {
 		t.Fatal(err)
 	}

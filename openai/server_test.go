@@ -42,14 +42,23 @@ type env struct {
 }
 
 // envEngineOption adjusts the engine config of a test env; newEnv's other options are
-// func(*Config), adjusting the server config.
+// func(*Config), adjusting the server config, and envModel.
 type envEngineOption func(*engine.Config)
+
+// envModel is a newEnv option: the model to serve instead of kvbridge/tiny.
+type envModel string
 
 func newEnv(t testing.TB, opts ...any) *env {
 	t.Helper()
-	m, err := model.Open(t.Context(), model.Tiny, model.OpenOptions{})
+	name := model.Tiny
+	for _, o := range opts {
+		if o, ok := o.(envModel); ok {
+			name = string(o)
+		}
+	}
+	m, err := model.Open(t.Context(), name, model.OpenOptions{})
 	if err != nil {
-		t.Fatalf("open %s: %v", model.Tiny, err)
+		t.Fatalf("open %s: %v", name, err)
 	}
 	t.Cleanup(func() { m.Close() })
 	mc := m.Config()
@@ -73,6 +82,7 @@ func newEnv(t testing.TB, opts ...any) *env {
 			o(&cfg)
 		case envEngineOption:
 			o(&ecfg)
+		case envModel:
 		default:
 			t.Fatalf("unknown env option %T", o)
 		}

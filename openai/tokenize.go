@@ -47,7 +47,7 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	)
 	switch {
 	case req.Messages != nil:
-		if text, apiErr = s.renderMessages(req.Messages, req.AddGenerationPrompt); apiErr != nil {
+		if text, _, apiErr = s.renderMessages(req.Messages, chatOptions{addGeneration: req.AddGenerationPrompt}); apiErr != nil {
 			writeError(w, apiErr)
 			return
 		}

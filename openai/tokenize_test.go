@@ -49,7 +49,7 @@ func TestTokenizeDetokenize(t *testing.T) {
 	msgs := []map[string]any{{"role": "system", "content": "be brief"}, {"role": "user", "content": "count my tokens"}}
 	var chat tokenized
 	_ = json.Unmarshal(post("/tokenize", map[string]any{"messages": msgs}), &chat)
-	rendered, _ := renderChat(e.model.ChatTemplate(), []tokenizer.Message{{Role: "system", Content: "be brief"}, {Role: "user", Content: "count my tokens"}}, true)
+	rendered, _ := renderChat(e.model.ChatTemplate(), []tokenizer.Message{{Role: "system", Content: "be brief"}, {Role: "user", Content: "count my tokens"}}, tokenizer.RenderOptions{AddGenerationPrompt: true})
 	if !slices.Equal(chat.Tokens, tok.Encode(rendered)) {
 		t.Errorf("chat tokenize = %v", chat.Tokens)
 	}

@@ -1,6 +1,7 @@
 // Package enginebench measures the model's forward pass — prefill throughput and achieved
-// GFLOP/s, decode tokens/s — against ceilings measured in the same run: the machine's FP32 FMA
-// peak and its memory bandwidth. It backs `kvbridge bench engine`.
+// GFLOP/s, decode tokens/s at several batch sizes — in float32 and bfloat16, against ceilings
+// measured in the same run: the machine's float32 FMA and VDPBF16PS peaks and its memory read
+// bandwidth. It backs `kvbridge bench engine`.
 package enginebench
 
 import (
@@ -11,9 +12,12 @@ import (
 	"math/rand/v2"
 	"os"
 	"runtime"
+	"runtime/debug"
+	"slices"
 	"text/tabwriter"
 	"time"
 
+	"github.com/kvbridge/kvbridge/internal/procmem"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/kernel"
@@ -23,21 +27,33 @@ import (
 type Options struct {
 	// Model is the model to load (default kvbridge/small).
 	Model string
-	// PromptLen is the number of prompt tokens prefilled (default 2000).
+	// DTypes are the --dtype values measured, one after the other (default float32 and
+	// bfloat16).
+	DTypes []string
+	// PromptLen is the number of prompt tokens prefilled (default 1024).
 	PromptLen int
-	// DecodeTokens is the number of tokens decoded one at a time after the prompt (0: 64;
-	// negative: none).
-	DecodeTokens int
 	// Chunk is the prefill chunk size in tokens; 0 prefills the whole prompt in one step.
 	Chunk int
+	// DecodeTokens is the number of decode steps timed after the prompt, one token each
+	// (0: 32; negative: none).
+	DecodeTokens int
+	// Batches are the batch sizes of the batched decode (default 1, 8, 32): that many
+	// sequences of DecodeContext tokens each decode DecodeSteps steps together, one Forward
+	// call (one pass over the weights) per step.
+	Batches []int
+	// DecodeContext is each batched sequence's context before decoding (default 128, so that
+	// the weights, not the KV cache, are what a step reads).
+	DecodeContext int
+	// DecodeSteps is the number of timed steps of each batch size (default 16).
+	DecodeSteps int
 	// BlockSize is the KV block size in tokens (default 16).
 	BlockSize int
-	// PeakDuration is how long the FMA peak is measured (default 1s).
+	// PeakDuration is how long each compute peak is measured (default 1s).
 	PeakDuration time.Duration
-	// Repeat is how many times the prefill and decode are run; the fastest run of each is
-	// reported (default 3), as the machine may be shared.
+	// Repeat is how many times each measurement runs; the fastest is reported (default 3), as
+	// the machine may be shared.
 	Repeat int
-	// Seed chooses the random prompt (default 1).
+	// Seed chooses the random prompts (default 1).
 	Seed uint64
 	// Progress, if non-nil, receives one line per phase.
 	Progress io.Writer
@@ -47,13 +63,25 @@ func (o *Options) defaults() {
 	if o.Model == "" {
 		o.Model = model.Small
 	}
+	if len(o.DTypes) == 0 {
+		o.DTypes = []string{"float32", "bfloat16"}
+	}
 	if o.PromptLen <= 0 {
-		o.PromptLen = 2000
+		o.PromptLen = 1024
 	}
 	if o.DecodeTokens < 0 {
 		o.DecodeTokens = 0
 	} else if o.DecodeTokens == 0 {
-		o.DecodeTokens = 64
+		o.DecodeTokens = 32
+	}
+	if len(o.Batches) == 0 {
+		o.Batches = []int{1, 8, 32}
+	}
+	if o.DecodeContext <= 0 {
+		o.DecodeContext = 128
+	}
+	if o.DecodeSteps <= 0 {
+		o.DecodeSteps = 16
 	}
 	if o.BlockSize <= 0 {
 		o.BlockSize = 16
@@ -71,47 +99,77 @@ func (o *Options) defaults() {
 
 // Result is one run's figures. JSON names are the `--json` file's keys.
 type Result struct {
-	Model          string  `json:"model"`
-	Kernel         string  `json:"kernel"`
-	GOMAXPROCS     int     `json:"gomaxprocs"`
-	PromptLen      int     `json:"prompt_len"`
-	PrefillChunk   int     `json:"prefill_chunk"`
-	DecodeTokens   int     `json:"decode_tokens"`
-	Repeat         int     `json:"repeat"`
-	WeightBytes    int64   `json:"weight_bytes"`
-	KVBytesPerTok  int64   `json:"kv_bytes_per_token"`
-	PrefillSeconds float64 `json:"prefill_seconds"`
-	// PrefillFLOPs counts 2 × the multiply-adds of every projection and of attention (scores and
-	// weighted values), lm_head for the last token only.
-	PrefillFLOPs      float64 `json:"prefill_flops"`
-	PrefillTokensPerS float64 `json:"prefill_tokens_per_s"`
-	PrefillGFLOPS     float64 `json:"prefill_gflops"`
-	// PeakGFLOPS is the measured FP32 FMA peak of all cores (kernel.PeakGFLOPS), the higher of
-	// a measurement before the prefill and one after the decode.
-	PeakGFLOPS       float64 `json:"peak_gflops"`
-	PrefillPeakRatio float64 `json:"prefill_peak_ratio"`
-	DecodeSeconds    float64 `json:"decode_seconds"`
-	DecodeTokensPerS float64 `json:"decode_tokens_per_s"`
-	DecodeGFLOPS     float64 `json:"decode_gflops"`
+	Model      string `json:"model"`
+	Kernel     string `json:"kernel"`
+	GOMAXPROCS int    `json:"gomaxprocs"`
+	// BF16Products is how bfloat16 products run: "VDPBF16PS" or "portable Go".
+	BF16Products string `json:"bf16_products"`
+	PromptLen    int    `json:"prompt_len"`
+	PrefillChunk int    `json:"prefill_chunk"`
+	DecodeTokens int    `json:"decode_tokens"`
+	DecodeSteps  int    `json:"decode_steps"`
+	Repeat       int    `json:"repeat"`
+	// CheckpointBytes is the size of the model's safetensors files (0 for a built-in model).
+	CheckpointBytes int64 `json:"checkpoint_bytes"`
+	// PeakGFLOPS and PeakBF16GFLOPS are the measured float32 FMA and VDPBF16PS peaks of all
+	// cores (kernel.PeakGFLOPS, kernel.PeakBF16GFLOPS; 0 without the instruction), the higher of
+	// a measurement before and one after the model runs.
+	PeakGFLOPS     float64 `json:"peak_gflops"`
+	PeakBF16GFLOPS float64 `json:"peak_bf16_gflops"`
 	// ReadGBps is the all-core memory read bandwidth (kernel.ReadGBps); MemcpyGBps one
 	// goroutine's copy bandwidth (kernel.MemcpyGBps); each the higher of two measurements.
 	ReadGBps   float64 `json:"read_gbps"`
 	MemcpyGBps float64 `json:"memcpy_gbps"`
-	// DecodeBoundTokensPerS = ReadGBps ÷ WeightBytes: every weight byte is read once per token.
-	DecodeBoundTokensPerS float64 `json:"decode_bound_tokens_per_s"`
-	DecodeBoundRatio      float64 `json:"decode_bound_ratio"`
-	// DecodeBoundWithKVTokensPerS also counts reading the KV of the context at each decode step.
-	DecodeBoundWithKVTokensPerS float64 `json:"decode_bound_with_kv_tokens_per_s"`
-	// PromptKVBytes is the KV of the prompt; PromptKVMemcpySeconds the time to copy it once at
-	// MemcpyGBps (a same-host transfer's ceiling); PrefillOverKVCopy how many times longer
-	// computing it took.
-	PromptKVBytes         int64   `json:"prompt_kv_bytes"`
-	PromptKVMemcpySeconds float64 `json:"prompt_kv_memcpy_seconds"`
-	PrefillOverKVCopy     float64 `json:"prefill_over_kv_copy"`
+	// Runs are the measurements of each dtype.
+	Runs []DTypeResult `json:"runs"`
 }
 
-// Run loads the model, measures the ceilings, prefills a random prompt into a kvcache.Pool and
-// decodes greedily from it.
+// DTypeResult is one dtype's figures.
+type DTypeResult struct {
+	DType         string `json:"dtype"`
+	WeightBytes   int64  `json:"weight_bytes"`
+	KVBytesPerTok int64  `json:"kv_bytes_per_token"`
+	// ResidentAfterLoad is the process's resident memory right after loading the model (before
+	// any KV pool); against CheckpointBytes it is the memory target's ratio (≤ 1.15).
+	ResidentAfterLoad int64 `json:"resident_after_load"`
+	// PrefillFLOPs counts 2 × the multiply-adds of every projection and of attention (scores and
+	// weighted values), lm_head for the last token only. PeakRatio is against the peak of the
+	// dtype's products (float32 FMA or VDPBF16PS).
+	PrefillSeconds    float64 `json:"prefill_seconds"`
+	PrefillFLOPs      float64 `json:"prefill_flops"`
+	PrefillTokensPerS float64 `json:"prefill_tokens_per_s"`
+	PrefillGFLOPS     float64 `json:"prefill_gflops"`
+	PrefillPeakRatio  float64 `json:"prefill_peak_ratio"`
+	// DecodeTokensPerS is one sequence decoding DecodeTokens tokens right after the prompt
+	// (context PromptLen and on); DecodeBoundWithKVTokensPerS its bound when every step reads
+	// the weights and the context's KV once.
+	DecodeTokensPerS            float64 `json:"decode_tokens_per_s"`
+	DecodeBoundWithKVTokensPerS float64 `json:"decode_bound_with_kv_tokens_per_s"`
+	// Batched is the batched decode at each batch size.
+	Batched []BatchResult `json:"batched"`
+}
+
+// BatchResult is decoding a batch of sequences.
+type BatchResult struct {
+	Batch   int `json:"batch"`
+	Context int `json:"context"`
+	// TokensPerS is tokens generated per second by the whole batch.
+	TokensPerS float64 `json:"tokens_per_s"`
+	// BoundTokensPerS = Batch × ReadGBps ÷ WeightBytes: one pass over the weights per step
+	// serves the whole batch.
+	BoundTokensPerS float64 `json:"bound_tokens_per_s"`
+	BoundRatio      float64 `json:"bound_ratio"`
+	// BoundWithKVTokensPerS also counts reading every sequence's context KV at each step.
+	BoundWithKVTokensPerS float64 `json:"bound_with_kv_tokens_per_s"`
+	// GFLOPS is the products' FLOPs per second; PeakRatio against the dtype's peak.
+	GFLOPS    float64 `json:"gflops"`
+	PeakRatio float64 `json:"peak_ratio"`
+	// OverBatch1 is TokensPerS ÷ batch 1's.
+	OverBatch1 float64 `json:"over_batch1"`
+}
+
+// Run loads the model in each dtype, measures the ceilings, prefills a random prompt into a
+// kvcache.Pool and decodes from it, then decodes batches of sequences.
 func Run(ctx context.Context, opts Options) (*Result, error) {
 	opts.defaults()
 	progress := func(format string, args ...any) {
@@ -119,20 +177,65 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 			fmt.Fprintf(opts.Progress, format+"\n", args...)
 		}
 	}
-	progress("loading %s", opts.Model)
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	r := &Result{
+		Kernel: kernel.Implementation(), GOMAXPROCS: runtime.GOMAXPROCS(0), BF16Products: kernel.BF16Products(),
+		PromptLen: opts.PromptLen, PrefillChunk: opts.Chunk, DecodeTokens: opts.DecodeTokens, DecodeSteps: opts.DecodeSteps, Repeat: opts.Repeat,
+	}
+	if r.PrefillChunk <= 0 || r.PrefillChunk > opts.PromptLen {
+		r.PrefillChunk = opts.PromptLen
+	}
+	progress("measuring ceilings (float32 and bfloat16 peaks for %v each, memory bandwidth)", opts.PeakDuration/2)
+	r.measureCeilings(opts.PeakDuration / 2)
+	for _, dt := range opts.DTypes {
+		d, err := runDType(ctx, opts, r, dt, progress)
+		if err != nil {
+			return nil, err
+		}
+		r.Runs = append(r.Runs, *d)
+	}
+	progress("measuring ceilings again")
+	r.measureCeilings(opts.PeakDuration / 2)
+	for i := range r.Runs {
+		r.Runs[i].ratios(r)
+	}
+	return r, nil
+}
+
+// runDType measures one dtype.
+func runDType(ctx context.Context, opts Options, r *Result, dtype string, progress func(string, ...any)) (*DTypeResult, error) {
+	progress("loading %s (dtype %s)", opts.Model, dtype)
+	// Return the previous dtype's model and pool to the OS, so the resident figure is this
+	// one's: the first collection empties the sync.Pools still holding the closed model's
+	// scratch, the second frees what they held.
+	debug.FreeOSMemory()
+	debug.FreeOSMemory()
+	m, err := model.Open(ctx, opts.Model, model.OpenOptions{DType: dtype})
 	if err != nil {
 		return nil, err
 	}
 	defer m.Close()
+	resident, err := procmem.Resident()
+	if err != nil {
+		progress("no resident memory figure: %v", err)
+	}
+	r.Model, r.CheckpointBytes = m.Name(), m.CheckpointBytes()
 	c := m.Config()
 	if total := opts.PromptLen + opts.DecodeTokens; total > c.MaxPositionEmbeddings {
 		return nil, fmt.Errorf("enginebench: prompt %d + decode %d tokens exceed the model's %d positions",
 			opts.PromptLen, opts.DecodeTokens, c.MaxPositionEmbeddings)
 	}
+	d := &DTypeResult{
+		DType: m.DType(), WeightBytes: m.WeightBytes(), ResidentAfterLoad: resident,
+		KVBytesPerTok: int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * 4),
+	}
 
+	// One pool for the prompt and for every batch (not at once).
 	geo := kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: opts.BlockSize}
-	nblocks := (opts.PromptLen + opts.DecodeTokens + opts.BlockSize - 1) / opts.BlockSize
+	perSeq := func(n int) int { return (n + opts.BlockSize - 1) / opts.BlockSize }
+	nblocks := perSeq(opts.PromptLen + opts.DecodeTokens)
+	for _, b := range opts.Batches {
+		nblocks = max(nblocks, b*perSeq(opts.DecodeContext+opts.DecodeSteps))
+	}
 	pool, err := kvcache.NewPool(kvcache.AlignedMemory(nblocks*geo.BlockBytes()), kvcache.PoolConfig{Geometry: geo, NumBlocks: nblocks})
 	if err != nil {
 		return nil, fmt.Errorf("enginebench: %w", err)
@@ -143,30 +246,16 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	}
 	defer pool.Free(blocks...)
 
-	r := &Result{
-		Model:         m.Name(),
-		Kernel:        kernel.Implementation(),
-		GOMAXPROCS:    runtime.GOMAXPROCS(0),
-		PromptLen:     opts.PromptLen,
-		PrefillChunk:  opts.Chunk,
-		DecodeTokens:  opts.DecodeTokens,
-		Repeat:        opts.Repeat,
-		WeightBytes:   m.WeightBytes(),
-		KVBytesPerTok: int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * 4),
-	}
-	if r.PrefillChunk <= 0 || r.PrefillChunk > opts.PromptLen {
-		r.PrefillChunk = opts.PromptLen
-	}
-
-	progress("measuring ceilings (FMA peak for %v, memory bandwidth)", opts.PeakDuration/2)
-	r.measureCeilings(opts.PeakDuration / 2)
-
 	rng := rand.New(rand.NewPCG(opts.Seed, 0))
 	vocab := m.Tokenizer().VocabSize()
-	prompt := make([]int32, opts.PromptLen)
-	for i := range prompt {
-		prompt[i] = int32(rng.IntN(vocab))
+	random := func(n int) []int32 {
+		t := make([]int32, n)
+		for i := range t {
+			t[i] = int32(rng.IntN(vocab))
+		}
+		return t
 	}
+	prompt := random(opts.PromptLen)
 	logits := make([]float32, c.VocabSize)
 
 	// Warm up: fault in the weights and the pool, start the workers. Overwritten by the prefill.
@@ -174,51 +263,84 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	if err := m.Forward(ctx, pool, opts.BlockSize, []model.Seq{{Tokens: prompt[:warm], Blocks: blocks, Logits: logits}}); err != nil {
 		return nil, err
 	}
-
 	for rep := range opts.Repeat {
-		progress("run %d/%d: prefilling %d tokens (chunks of %d), decoding %d", rep+1, opts.Repeat, opts.PromptLen, r.PrefillChunk, opts.DecodeTokens)
+		progress("%s run %d/%d: prefilling %d tokens (chunks of %d), decoding %d", dtype, rep+1, opts.Repeat, opts.PromptLen, r.PrefillChunk, opts.DecodeTokens)
 		prefill, decode, err := runOnce(ctx, m, pool, opts, r.PrefillChunk, blocks, prompt, logits)
 		if err != nil {
 			return nil, err
 		}
-		if rep == 0 || prefill < r.PrefillSeconds {
-			r.PrefillSeconds = prefill
+		if rep == 0 || prefill < d.PrefillSeconds {
+			d.PrefillSeconds = prefill
 		}
-		if rep == 0 || decode < r.DecodeSeconds {
-			r.DecodeSeconds = decode
+		if opts.DecodeTokens > 0 && (rep == 0 || float64(opts.DecodeTokens)/decode > d.DecodeTokensPerS) {
+			d.DecodeTokensPerS = float64(opts.DecodeTokens) / decode
 		}
 	}
 	// Only the last chunk computes lm_head, as PrefillFLOPs assumes.
-	r.PrefillFLOPs = m.PrefillFLOPs(opts.PromptLen)
-	r.PrefillTokensPerS = float64(opts.PromptLen) / r.PrefillSeconds
-	r.PrefillGFLOPS = r.PrefillFLOPs / r.PrefillSeconds / 1e9
-	if opts.DecodeTokens > 0 {
-		var flops float64
-		for i := range opts.DecodeTokens {
-			flops += m.FLOPsPerToken(opts.PromptLen + i + 1)
-		}
-		r.DecodeTokensPerS = float64(opts.DecodeTokens) / r.DecodeSeconds
-		r.DecodeGFLOPS = flops / r.DecodeSeconds / 1e9
-	}
-	progress("measuring ceilings again")
-	r.measureCeilings(opts.PeakDuration / 2)
-	r.PrefillPeakRatio = r.PrefillGFLOPS / r.PeakGFLOPS
-	r.DecodeBoundTokensPerS = r.ReadGBps * 1e9 / float64(r.WeightBytes)
-	r.DecodeBoundRatio = r.DecodeTokensPerS / r.DecodeBoundTokensPerS
-	meanCtx := float64(opts.PromptLen) + float64(opts.DecodeTokens)/2
-	r.DecodeBoundWithKVTokensPerS = r.ReadGBps * 1e9 / (float64(r.WeightBytes) + meanCtx*float64(r.KVBytesPerTok))
+	d.PrefillFLOPs = m.PrefillFLOPs(opts.PromptLen)
+	d.PrefillTokensPerS = float64(opts.PromptLen) / d.PrefillSeconds
+	d.PrefillGFLOPS = d.PrefillFLOPs / d.PrefillSeconds / 1e9
 
-	r.PromptKVBytes = int64(opts.PromptLen) * r.KVBytesPerTok
-	r.PromptKVMemcpySeconds = float64(r.PromptKVBytes) / (r.MemcpyGBps * 1e9)
-	r.PrefillOverKVCopy = r.PrefillSeconds / r.PromptKVMemcpySeconds
-	return r, nil
+	for _, b := range opts.Batches {
+		seqs := make([]model.Seq, b)
+		for i := range seqs {
+			seqs[i] = model.Seq{Tokens: random(opts.DecodeContext), Blocks: blocks[i*perSeq(opts.DecodeContext+opts.DecodeSteps):][:perSeq(opts.DecodeContext+opts.DecodeSteps)],
+				Logits: make([]float32, c.VocabSize)}
+		}
+		if err := m.Forward(ctx, pool, opts.BlockSize, seqs); err != nil { // the contexts, in one batched prefill
+			return nil, err
+		}
+		var best float64
+		for rep := range opts.Repeat {
+			progress("%s run %d/%d: decoding %d steps at batch %d (context %d)", dtype, rep+1, opts.Repeat, opts.DecodeSteps, b, opts.DecodeContext)
+			sec, err := decodeBatch(ctx, m, pool, opts, seqs)
+			if err != nil {
+				return nil, err
+			}
+			best = max(best, float64(b*opts.DecodeSteps)/sec)
+		}
+		var flops float64
+		for s := range opts.DecodeSteps {
+			flops += float64(b) * m.FLOPsPerToken(opts.DecodeContext+s+1)
+		}
+		d.Batched = append(d.Batched, BatchResult{Batch: b, Context: opts.DecodeContext, TokensPerS: best,
+			GFLOPS: flops / (float64(b*opts.DecodeSteps) / best) / 1e9})
+	}
+	return d, nil
 }
 
-// measureCeilings measures the FMA peak (for about d) and the memory bandwidths, keeping the
-// highest figures seen in this run: the machine is shared, and a ceiling measured while other
-// work runs would flatter the ratios.
+// ratios fills the figures that depend on the ceilings.
+func (d *DTypeResult) ratios(r *Result) {
+	peak := r.PeakGFLOPS
+	if d.DType == "bfloat16" && r.PeakBF16GFLOPS > 0 {
+		peak = r.PeakBF16GFLOPS
+	}
+	d.PrefillPeakRatio = d.PrefillGFLOPS / peak
+	meanCtx := float64(r.PromptLen) + float64(r.DecodeTokens)/2
+	d.DecodeBoundWithKVTokensPerS = r.ReadGBps * 1e9 / (float64(d.WeightBytes) + meanCtx*float64(d.KVBytesPerTok))
+	var one float64
+	for i := range d.Batched {
+		b := &d.Batched[i]
+		b.BoundTokensPerS = float64(b.Batch) * r.ReadGBps * 1e9 / float64(d.WeightBytes)
+		b.BoundRatio = b.TokensPerS / b.BoundTokensPerS
+		kv := float64(b.Batch) * (float64(b.Context) + float64(r.DecodeSteps)/2) * float64(d.KVBytesPerTok)
+		b.BoundWithKVTokensPerS = float64(b.Batch) * r.ReadGBps * 1e9 / (float64(d.WeightBytes) + kv)
+		b.PeakRatio = b.GFLOPS / peak
+		if b.Batch == 1 {
+			one = b.TokensPerS
+		}
+		if one > 0 {
+			b.OverBatch1 = b.TokensPerS / one
+		}
+	}
+}
+
+// measureCeilings measures the compute peaks (for about d each) and the memory bandwidths,
+// keeping the highest figures seen in this run: the machine is shared, and a ceiling measured
+// while other work runs would flatter the ratios.
 func (r *Result) measureCeilings(d time.Duration) {
 	r.PeakGFLOPS = max(r.PeakGFLOPS, kernel.PeakGFLOPS(d))
+	r.PeakBF16GFLOPS = max(r.PeakBF16GFLOPS, kernel.PeakBF16GFLOPS(d))
 	r.ReadGBps = max(r.ReadGBps, kernel.ReadGBps(256<<20))
 	r.MemcpyGBps = max(r.MemcpyGBps, kernel.MemcpyGBps(64<<20))
 }
@@ -248,30 +370,70 @@ func runOnce(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Optio
 	return prefill, time.Since(t0).Seconds(), nil
 }
 
-// WriteTable prints the result as a table with ratios to the ceilings.
-func (r *Result) WriteTable(w io.Writer) error {
-	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintf(w, "kvbridge bench engine: %s, kernel %s, GOMAXPROCS %d, weights %.1f MB, KV %.1f KiB/token\n",
-		r.Model, r.Kernel, r.GOMAXPROCS, float64(r.WeightBytes)/1e6, float64(r.KVBytesPerTok)/1024)
-	fmt.Fprintf(tw, "figure (best of %d runs)\tmeasured\tceiling\tratio\t\n", r.Repeat)
-	fmt.Fprintf(tw, "prefill %d tokens (chunk %d)\t%.0f tok/s (%.2f s)\t\t\t\n", r.PromptLen, r.PrefillChunk, r.PrefillTokensPerS, r.PrefillSeconds)
-	fmt.Fprintf(tw, "prefill compute\t%.1f GFLOP/s\t%.1f GFLOP/s FP32 peak\t%.2f\t\n", r.PrefillGFLOPS, r.PeakGFLOPS, r.PrefillPeakRatio)
-	if r.DecodeTokens > 0 {
-		fmt.Fprintf(tw, "decode %d tokens (context %d+)\t%.1f tok/s\t%.1f tok/s weights÷bandwidth\t%.2f\t\n",
-			r.DecodeTokens, r.PromptLen, r.DecodeTokensPerS, r.DecodeBoundTokensPerS, r.DecodeBoundRatio)
-		fmt.Fprintf(tw, "decode incl. KV reads\t%.1f tok/s\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n",
-			r.DecodeTokensPerS, r.DecodeBoundWithKVTokensPerS, r.DecodeTokensPerS/r.DecodeBoundWithKVTokensPerS)
-		fmt.Fprintf(tw, "decode compute\t%.1f GFLOP/s\t%.1f GFLOP/s FP32 peak\t%.2f\t\n", r.DecodeGFLOPS, r.PeakGFLOPS, r.DecodeGFLOPS/r.PeakGFLOPS)
+// decodeBatch decodes DecodeSteps greedy steps of every sequence of seqs together (whose
+// contexts are in the pool and whose Logits hold their last logits) and returns the seconds.
+// The sequences are left as they were, so every repetition decodes the same steps.
+func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Options, seqs []model.Seq) (float64, error) {
+	step := make([]model.Seq, len(seqs))
+	toks := make([]int32, len(seqs))
+	last := make([][]float32, len(seqs))
+	for i, s := range seqs {
+		last[i] = slices.Clone(s.Logits)
+		step[i] = model.Seq{Blocks: s.Blocks, Logits: make([]float32, len(s.Logits))}
 	}
-	fmt.Fprintf(tw, "prompt KV %.1f MB: compute vs copy\t%.2f s\t%.4f s memcpy\t%.0f×\t\n",
-		float64(r.PromptKVBytes)/1e6, r.PrefillSeconds, r.PromptKVMemcpySeconds, r.PrefillOverKVCopy)
+	t0 := time.Now()
+	for k := range opts.DecodeSteps {
+		kernel.Parallel(len(step), func(i int) { // greedy sampling of every sequence, on every core
+			toks[i] = model.Argmax(last[i])
+			step[i].Tokens, step[i].Start = toks[i:i+1], len(seqs[i].Tokens)+k
+		})
+		if err := m.Forward(ctx, pool, opts.BlockSize, step); err != nil {
+			return 0, err
+		}
+		for i := range step {
+			last[i], step[i].Logits = step[i].Logits, last[i]
+		}
+	}
+	return time.Since(t0).Seconds(), nil
+}
+
+// WriteTable prints the result as tables with ratios to the ceilings.
+func (r *Result) WriteTable(w io.Writer) error {
+	fmt.Fprintf(w, "kvbridge bench engine: %s, kernel %s (bfloat16 products: %s), GOMAXPROCS %d\n", r.Model, r.Kernel, r.BF16Products, r.GOMAXPROCS)
+	fmt.Fprintf(w, "ceilings (best of before/after): float32 FMA peak %.1f GFLOP/s, VDPBF16PS peak %.1f GFLOP/s, memory read %.1f GB/s (all cores), memcpy %.1f GB/s (one goroutine)\n",
+		r.PeakGFLOPS, r.PeakBF16GFLOPS, r.ReadGBps, r.MemcpyGBps)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "figure (best of %d runs)\tdtype\tmeasured\tceiling\tratio\t\n", r.Repeat)
+	for _, d := range r.Runs {
+		peakName := "float32 peak"
+		if d.DType == "bfloat16" {
+			peakName = "bf16 peak"
+		}
+		fmt.Fprintf(tw, "weights\t%s\t%.1f MB\t\t\t\n", d.DType, float64(d.WeightBytes)/1e6)
+		if r.CheckpointBytes > 0 && d.ResidentAfterLoad > 0 {
+			fmt.Fprintf(tw, "resident memory after load\t%s\t%.1f MB\t%.1f MB safetensors\t%.2f\t\n",
+				d.DType, float64(d.ResidentAfterLoad)/1e6, float64(r.CheckpointBytes)/1e6, float64(d.ResidentAfterLoad)/float64(r.CheckpointBytes))
+		}
+		fmt.Fprintf(tw, "prefill %d tokens (chunk %d)\t%s\t%.0f tok/s (%.2f s)\t\t\t\n", r.PromptLen, r.PrefillChunk, d.DType, d.PrefillTokensPerS, d.PrefillSeconds)
+		fmt.Fprintf(tw, "prefill compute\t%s\t%.1f GFLOP/s\t%s\t%.2f\t\n", d.DType, d.PrefillGFLOPS, peakName, d.PrefillPeakRatio)
+		if r.DecodeTokens > 0 {
+			fmt.Fprintf(tw, "decode after the prompt (context %d+)\t%s\t%.1f tok/s\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n",
+				r.PromptLen, d.DType, d.DecodeTokensPerS, d.DecodeBoundWithKVTokensPerS, d.DecodeTokensPerS/d.DecodeBoundWithKVTokensPerS)
+		}
+		for _, b := range d.Batched {
+			fmt.Fprintf(tw, "decode batch %d (context %d)\t%s\t%.1f tok/s (%.1f× batch 1)\t%.1f tok/s weights÷bandwidth\t%.2f\t\n",
+				b.Batch, b.Context, d.DType, b.TokensPerS, b.OverBatch1, b.BoundTokensPerS, b.BoundRatio)
+			fmt.Fprintf(tw, "  incl. KV reads\t%s\t\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n", d.DType, b.BoundWithKVTokensPerS, b.TokensPerS/b.BoundWithKVTokensPerS)
+			fmt.Fprintf(tw, "  its compute\t%s\t%.1f GFLOP/s\t%s\t%.2f\t\n", d.DType, b.GFLOPS, peakName, b.PeakRatio)
+		}
+	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintf(w, "memory: read %.1f GB/s (all cores), memcpy %.1f GB/s (one goroutine); decode bound = read bandwidth ÷ weight bytes\n"+
-		"FP32 peak: measured (best of before/after), %d goroutines each running independent %s FMAs; FLOPs = FMA instructions × lanes × 2\n"+
-		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step\n",
-		r.ReadGBps, r.MemcpyGBps, r.GOMAXPROCS, vectorWord(r.Kernel))
+	_, err := fmt.Fprintf(w, "peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2) or VDPBF16PS (× lanes × 4)\n"+
+		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step and sequence\n"+
+		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch\n",
+		r.GOMAXPROCS, vectorWord(r.Kernel))
 	return err
 }
 

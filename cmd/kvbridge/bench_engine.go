@@ -2,6 +2,8 @@ package main
 
 import (
 	"fmt"
+	"os"
+	"runtime/pprof"
 
 	"github.com/spf13/cobra"
 
@@ -10,23 +12,43 @@ import (
 )
 
 // newBenchEngineCmd returns `kvbridge bench engine`: prefill and decode throughput of the model's
-// forward pass against the FP32 peak and memory bandwidth measured in the same run.
+// forward pass, in float32 and bfloat16, against the peaks and memory bandwidth measured in the
+// same run.
 func newBenchEngineCmd() *cobra.Command {
 	var (
-		opts     enginebench.Options
-		jsonPath string
+		opts       enginebench.Options
+		jsonPath   string
+		cpuProfile string
 	)
 	cmd := &cobra.Command{
 		Use:   "engine",
 		Short: "Measure prefill and decode speed of the model against this machine's ceilings",
-		Long: `Prefills a random prompt into a paged KV pool, decodes greedily from it, and prints prefill
-tokens/s and GFLOP/s against the measured FP32 FMA peak, and decode tokens/s against the bound
-set by weight bytes ÷ memory read bandwidth. Ceilings are measured in the same run; quote ratios.`,
+		Long: `Prefills a random prompt into a paged KV pool and decodes greedily from it, then decodes
+batches of sequences (one pass over the weights per step for the whole batch), for each --dtype.
+Prints prefill tokens/s and GFLOP/s against the measured float32 FMA or VDPBF16PS peak, and
+decode tokens/s at each batch size against the bound set by batch × memory read bandwidth ÷
+weight bytes. Ceilings are measured in the same run; quote ratios.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			opts.Progress = cmd.ErrOrStderr()
 			if opts.DecodeTokens == 0 {
 				opts.DecodeTokens = -1 // the flag's 0 means none; Options' 0 means the default
+			}
+			for _, b := range opts.Batches {
+				if b <= 0 {
+					return usageError("--batch %d: batch sizes must be positive", b)
+				}
+			}
+			if cpuProfile != "" {
+				f, err := os.Create(cpuProfile)
+				if err != nil {
+					return usageError("--cpuprofile: %v", err)
+				}
+				defer f.Close()
+				if err := pprof.StartCPUProfile(f); err != nil {
+					return err
+				}
+				defer pprof.StopCPUProfile()
 			}
 			r, err := enginebench.Run(cmd.Context(), opts)
 			if err != nil {
@@ -46,12 +68,17 @@ set by weight bytes ÷ memory read bandwidth. Ceilings are measured in the same 
 	}
 	f := cmd.Flags()
 	f.StringVar(&opts.Model, "model", model.Small, "model: kvbridge/tiny, kvbridge/small, a local HF directory or a cached repo id")
-	f.IntVar(&opts.PromptLen, "prompt-len", 2000, "prompt tokens to prefill")
-	f.IntVar(&opts.DecodeTokens, "decode-tokens", 64, "tokens to decode after the prompt (0: none)")
+	f.StringSliceVar(&opts.DTypes, "dtype", []string{"float32", "bfloat16"}, "dtypes to measure, one after the other (auto, bfloat16, float32)")
+	f.IntVar(&opts.PromptLen, "prompt-len", 1024, "prompt tokens to prefill")
+	f.IntVar(&opts.DecodeTokens, "decode-tokens", 32, "tokens to decode after the prompt (0: none)")
 	f.IntVar(&opts.Chunk, "chunk", 0, "prefill chunk size in tokens (0: the whole prompt in one step)")
+	f.IntSliceVar(&opts.Batches, "batch", []int{1, 8, 32}, "batch sizes of the batched decode")
+	f.IntVar(&opts.DecodeContext, "decode-context", 128, "context of each sequence of the batched decode")
+	f.IntVar(&opts.DecodeSteps, "decode-steps", 16, "timed steps at each batch size")
 	f.IntVar(&opts.BlockSize, "block-size", 16, "KV block size in tokens")
-	f.IntVar(&opts.Repeat, "repeat", 3, "runs of prefill and decode; the fastest of each is reported")
-	f.DurationVar(&opts.PeakDuration, "peak-duration", 0, "how long to measure the FMA peak (default 1s)")
+	f.IntVar(&opts.Repeat, "repeat", 3, "runs of each measurement; the fastest is reported")
+	f.DurationVar(&opts.PeakDuration, "peak-duration", 0, "how long to measure each compute peak (default 1s)")
 	f.StringVar(&jsonPath, "json", "", "also write the results as JSON to this file")
+	f.StringVar(&cpuProfile, "cpuprofile", "", "write a CPU profile of the whole run to this file (go tool pprof)")
 	return cmd
 }

@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"syscall"
 
 	"github.com/spf13/cobra"
@@ -23,6 +24,14 @@ func main() {
 func run(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	if path := os.Getenv("KVBRIDGE_CPUPROFILE"); path != "" {
+		// A CPU profile of the whole process (e.g. `kvbridge serve` until SIGTERM), for go tool
+		// pprof.
+		if f, err := os.Create(path); err == nil && pprof.StartCPUProfile(f) == nil {
+			defer f.Close()
+			defer pprof.StopCPUProfile()
+		}
+	}
 	args, err := normalizeArgs(args)
 	if err == nil {
 		root := newRootCmd()
@@ -47,7 +56,7 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError("%v", err) })
-	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd(), newDemoCmd())
+	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd(), newDemoCmd(), newDevCmd())
 	return root
 }
 

@@ -21,7 +21,21 @@ var sideChannel = []string{"VLLM_NIXL_SIDE_CHANNEL_PORT=0"}
 // TestCrossProcessPD runs the seed guide's topology as separate processes — a prefiller, a
 // decoder and `kvbridge proxy` — over each transfer backend, and checks the output against a
 // single engine's. The backend is forced with the guide's dotted `+` syntax.
-func TestCrossProcessPD(t *testing.T) {
+func TestCrossProcessPD(t *testing.T) { crossProcessPD(t, []string{"SHM", "TCP"}) }
+
+// TestCrossProcessPDBF16 is TestCrossProcessPD with bfloat16 matrix products (--dtype bfloat16)
+// on every engine: P/D still gives the single engine's tokens exactly.
+func TestCrossProcessPDBF16(t *testing.T) { crossProcessPD(t, []string{"SHM"}, "--dtype", "bfloat16") }
+
+// TestCrossProcessPDBF16KV adds a bfloat16 KV cache (--kv-cache-dtype bfloat16: 2 bytes a
+// value moved between the engines), over both backends.
+func TestCrossProcessPDBF16KV(t *testing.T) {
+	crossProcessPD(t, []string{"SHM", "TCP"}, "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
+}
+
+// crossProcessPD runs the P/D topology over each backend with the extra serve flags.
+func crossProcessPD(t *testing.T, backends []string, extra ...string) {
+	serveArgs := func(more ...string) []string { return append(append(serveArgs(), extra...), more...) }
 	single := startProcess(t, nil, serveArgs()...)
 	prompts := []any{"Hi", "The KV cache of this prompt is computed on one process and read by another.",
 		strings.Repeat("many words make many blocks ", 30), []int{5, 6, 7}}
@@ -33,7 +47,7 @@ func TestCrossProcessPD(t *testing.T) {
 		}
 		want[i] = completionText(t, raw)
 	}
-	for _, backend := range []string{"SHM", "TCP"} {
+	for _, backend := range backends {
 		t.Run(backend, func(t *testing.T) {
 			cfg := func(role string) []string {
 				return serveArgs("--kv-transfer-config.kv_connector", "NixlConnector", "--kv-transfer-config.kv_role", role,

@@ -8,6 +8,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -39,7 +40,10 @@ type serveFlags struct {
 	chatTemplate        string
 	apiKey              string
 	kvCacheMemory       string
+	memoryUtilization   float64
 	numBlocksOverride   int
+	tokenizer           string
+	revision            string
 	kvCacheLayout       string
 	maxConcurrent       int
 
@@ -51,7 +55,7 @@ type serveFlags struct {
 	promptTokensDetails  bool
 	forceIncludeUsage    bool
 	dtype                string
-	kvCacheDtype         string
+	kvCacheDType         string
 	quantization         string
 	// internals are vLLM flags that only tune its Python process (no effect on results).
 	internals map[string]*string
@@ -64,7 +68,7 @@ type serveFlags struct {
 // CUDA graphs, compilation, memory fractions, parallel transports): kvbridge accepts them and
 // says so in a debug log.
 var pythonOnlyFlags = []string{
-	"uvicorn-log-level", "gpu-memory-utilization", "swap-space", "cpu-offload-gb", "distributed-executor-backend",
+	"uvicorn-log-level", "swap-space", "cpu-offload-gb", "distributed-executor-backend",
 	"compilation-config", "optimization-level", "api-server-count", "max-seq-len-to-capture", "cuda-graph-sizes",
 	"load-format", "download-dir", "worker-cls", "otlp-traces-endpoint", "collect-detailed-traces",
 	"data-parallel-backend", "data-parallel-address", "data-parallel-rpc-port", "data-parallel-size-local",
@@ -92,8 +96,16 @@ func serveCommand(run func(context.Context, serveFlags) error) *cobra.Command {
 		Short: "Run an inference engine with an OpenAI-compatible API (and, with --kv-transfer-config, a NixlConnector)",
 		Long: `Run an inference engine with an OpenAI-compatible API.
 
-MODEL is a built-in model (kvbridge/tiny, kvbridge/small), a Hugging Face model directory, or a
-repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is served.`,
+MODEL is a built-in model (kvbridge/tiny, kvbridge/small), a Hugging Face model directory
+(config.json, model.safetensors or a sharded index, tokenizer.json), or a repo id such as
+Qwen/Qwen3-0.6B found in the local Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else
+~/.cache/huggingface/hub; --revision picks a branch, tag or commit). kvbridge never downloads.
+Without MODEL, kvbridge/small is served.
+
+The KV cache gets --kv-cache-memory-bytes (default 1G; env VLLM_CPU_KVCACHE_SPACE in GiB as
+vLLM's CPU backend reads it), or with --gpu-memory-utilization that fraction of the machine's
+memory less what the loaded model holds. Without --max-model-len the model's context is served,
+shortened (and logged) to what the KV cache holds when it is longer.`,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if len(args) == 1 {
@@ -104,6 +116,9 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 			}
 			if f.model == "" {
 				f.model = defaultModel
+			}
+			if !cmd.Flags().Changed("kv-cache-memory-bytes") {
+				f.kvCacheMemory = "" // sized by VLLM_CPU_KVCACHE_SPACE, --gpu-memory-utilization or the default
 			}
 			f.changed = cmd.Flags().Changed
 			return run(cmd.Context(), f)
@@ -126,7 +141,10 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 	fl.IntVarP(&f.tensorParallelSize, "tensor-parallel-size", "t", 1, "tensor parallelism; only 1 is supported")
 	fl.StringVar(&f.chatTemplate, "chat-template", "", "Jinja chat template file (default: the model's, else ChatML)")
 	fl.StringVar(&f.apiKey, "api-key", "", "require this Bearer token on the /v1 routes")
-	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", "1G", "memory for the KV cache pool (suffixes k, M, G)")
+	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", "1G", "memory for the KV cache pool (suffixes k, M, G; env VLLM_CPU_KVCACHE_SPACE in GiB)")
+	fl.Float64Var(&f.memoryUtilization, "gpu-memory-utilization", 0, "size the KV cache to this fraction of the machine's memory less the loaded model (0 < x ≤ 1; instead of --kv-cache-memory-bytes)")
+	fl.StringVar(&f.tokenizer, "tokenizer", "", "directory or cached repo id to take the tokenizer and chat template from (default: the model's)")
+	fl.StringVar(&f.revision, "revision", "", "revision of a cached repo id: branch, tag or commit hash (default: refs/main)")
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
 	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", 4096, "completions served at once; one more is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
@@ -136,8 +154,8 @@ repo id found in the local Hugging Face cache. Without MODEL, kvbridge/small is 
 	fl.BoolVar(&f.disableLogStats, "disable-log-stats", false, "no periodic KV Transfer metrics log line")
 	fl.BoolVar(&f.promptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details (cached and transferred prompt tokens)")
 	fl.BoolVar(&f.forceIncludeUsage, "enable-force-include-usage", false, "end every stream with a usage chunk")
-	fl.StringVar(&f.dtype, "dtype", "auto", "compute type; kvbridge computes in float32 (auto, float, float32)")
-	fl.StringVar(&f.kvCacheDtype, "kv-cache-dtype", "auto", "KV cache type; kvbridge stores float32 (auto)")
+	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
+	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (float32), float32 or bfloat16")
 	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
 	f.internals, f.internalB = map[string]*string{}, map[string]*bool{}
 	for _, name := range pythonOnlyFlags {
@@ -166,11 +184,15 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 	case f.maxLogprobs < -1 || f.maxLogprobs == 0:
 		return usageError("--max-logprobs %d must be -1 (the vocabulary) or at least 1", f.maxLogprobs)
 	case f.quantization != "":
-		return usageError("--quantization %s: kvbridge runs float32 weights; quantization is not supported", f.quantization)
-	case f.dtype != "auto" && f.dtype != "float" && f.dtype != "float32":
-		return usageError("--dtype %s: kvbridge computes in float32; only auto, float and float32 are supported", f.dtype)
-	case f.kvCacheDtype != "auto" && f.kvCacheDtype != "float32":
-		return usageError("--kv-cache-dtype %s: kvbridge stores its KV cache in float32; only auto is supported", f.kvCacheDtype)
+		return usageError("--quantization %s: kvbridge runs the checkpoint's weights (bfloat16 or float32); quantization is not supported", f.quantization)
+	}
+	switch strings.ToLower(f.dtype) {
+	case "auto", "bfloat16", "bf16", "float32", "float", "fp32":
+	default:
+		return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", f.dtype)
+	}
+	if _, err := kvcache.ParseDType(f.kvCacheDType); err != nil {
+		return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", f.kvCacheDType)
 	}
 	for _, name := range append(slices.Clone(pythonOnlyFlags), pythonOnlyBools...) {
 		if changed(name) {
@@ -227,10 +249,29 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		}
 		kvLayout = l
 	}
-	kvMem, err := parseBytes(f.kvCacheMemory)
-	if err != nil {
-		return instance.Config{}, usageError("--kv-cache-memory-bytes: %v", err)
+	var kvMem int64
+	switch {
+	case f.kvCacheMemory != "":
+		if f.memoryUtilization != 0 {
+			return instance.Config{}, usageError("--kv-cache-memory-bytes and --gpu-memory-utilization both size the KV cache: give one")
+		}
+		v, err := parseBytes(f.kvCacheMemory)
+		if err != nil {
+			return instance.Config{}, usageError("--kv-cache-memory-bytes: %v", err)
+		}
+		kvMem = v
+	case f.memoryUtilization != 0:
+		if !(f.memoryUtilization > 0 && f.memoryUtilization <= 1) {
+			return instance.Config{}, usageError("--gpu-memory-utilization %g must be in (0, 1]", f.memoryUtilization)
+		}
+	case os.Getenv("VLLM_CPU_KVCACHE_SPACE") != "":
+		gib, err := strconv.ParseFloat(os.Getenv("VLLM_CPU_KVCACHE_SPACE"), 64)
+		if err != nil || !(gib > 0) {
+			return instance.Config{}, usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive number of GiB", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
+		}
+		kvMem = int64(gib * (1 << 30))
 	}
+	var err error
 	var kvCfg *connector.Config
 	if f.kvTransferConfig != "" {
 		kvCfg, err = connector.ParseConfig([]byte(f.kvTransferConfig), log)
@@ -287,6 +328,11 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		PromptTokensDetails:   f.promptTokensDetails,
 		ForceIncludeUsage:     f.forceIncludeUsage,
 		DisableLogStats:       f.disableLogStats,
+		MemoryUtilization:     f.memoryUtilization,
+		Tokenizer:             f.tokenizer,
+		Revision:              f.revision,
+		DType:                 f.dtype,
+		KVCacheDType:          f.kvCacheDType,
 	}
 	return cfg, nil
 }

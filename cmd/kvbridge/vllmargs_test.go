@@ -122,8 +122,8 @@ func TestServeVLLMFlags(t *testing.T) {
 		{[]string{"-dp", "2"}, "--data-parallel-size 2"},
 		{[]string{"-pp", "2"}, "--pipeline-parallel-size 2"},
 		{[]string{"-q", "awq"}, "--quantization awq"},
-		{[]string{"--dtype", "bfloat16"}, "--dtype bfloat16"},
-		{[]string{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype fp8"},
+		{[]string{"--dtype", "float16"}, `--dtype "float16"`},
+		{[]string{"--kv-cache-dtype", "fp8"}, `--kv-cache-dtype "fp8"`},
 		{[]string{"--max-logprobs", "-3"}, "--max-logprobs -3"},
 	} {
 		f, err := parse(c.args...)

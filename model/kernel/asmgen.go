@@ -47,11 +47,26 @@ func rowAddr(m int, r0, r4, s, s3 string, disp int) string {
 	panic("row")
 }
 
+// Weight storage kinds of the tile kernels (see Linear's packing in linear.go).
+const (
+	wF32  = iota // panel row k: 64 float32 (256 bytes)
+	wBF16        // panel row-pair k/2: 64 columns × (bf16 of k even, bf16 of k odd) (256 bytes per pair)
+	wF16         // panel row k: 64 halves (128 bytes)
+)
+
+// tileName names the tile kernel for mr rows of weights of kind wk.
+func tileName(wk, mr int) string {
+	return fmt.Sprintf("tile512%sx%d", []string{"", "bf16", "f16"}[wk], mr)
+}
+
 // tile512 computes mr rows × 64 columns (one packed panel) with zmm registers:
 // accumulators Z0..Z23 (row m, vector v in Z(4m+v)), panel row in Z24..Z27, broadcasts in Z28/Z29.
-// Every accumulator lane is one output element: zero, then one VFMADD231PS per k, k ascending.
-func tile512(mr, unroll int) {
-	name := fmt.Sprintf("tile512x%d", mr)
+// Every accumulator lane is one output element: zero, then one VFMADD231PS per k, k ascending,
+// with the weight widened exactly to float32 first (bf16: shifted into the upper half of a
+// float32; f16: VCVTPH2PS). bf16 panels hold pairs of k: Z24..Z27 get the raw pairs, Z28..Z31
+// the even k widened, then the odd k, and the FMAs broadcast x straight from memory.
+func tile512(wk, mr, unroll int) {
+	name := tileName(wk, mr)
 	text(name+"(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)", "$0-56")
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
@@ -63,39 +78,82 @@ func tile512(mr, unroll int) {
 	for i := 0; i < 4*mr; i++ {
 		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
 	}
-	step := func(j int) {
-		for v := range 4 {
-			p("VMOVUPS %d(BX), Z%d", j*256+v*64, 24+v)
-		}
-		for m := range mr {
-			b := 28 + m%2
-			p("VBROADCASTSS %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
+	kstep, wstep := 1, 256 // k per step, weight bytes per step
+	switch wk {
+	case wBF16:
+		kstep = 2
+	case wF16:
+		wstep = 128
+	}
+	// step emits the FMAs of step j of an unrolled group (k = kstep·j, …); even only: the
+	// last, unpaired k of a bf16 panel.
+	step := func(j int, evenOnly bool) {
+		switch wk {
+		case wF32, wF16:
 			for v := range 4 {
-				p("VFMADD231PS Z%d, Z%d, Z%d", 24+v, b, 4*m+v)
+				if wk == wF32 {
+					p("VMOVUPS %d(BX), Z%d", j*wstep+v*64, 24+v)
+				} else {
+					p("VCVTPH2PS %d(BX), Z%d", j*wstep+v*32, 24+v)
+				}
+			}
+			for m := range mr {
+				b := 28 + m%2
+				p("VBROADCASTSS %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
+				for v := range 4 {
+					p("VFMADD231PS Z%d, Z%d, Z%d", 24+v, b, 4*m+v)
+				}
+			}
+		case wBF16:
+			for v := range 4 {
+				p("VMOVDQU32 %d(BX), Z%d", j*wstep+v*64, 24+v)
+			}
+			for half := range 2 {
+				if half == 1 && evenOnly {
+					break
+				}
+				for v := range 4 {
+					if half == 0 {
+						p("VPSLLD $16, Z%d, Z%d", 24+v, 28+v)
+					} else {
+						p("VPANDD.BCST hi16<>(SB), Z%d, Z%d", 24+v, 28+v)
+					}
+				}
+				for m := range mr {
+					for v := range 4 {
+						p("VFMADD231PS.BCST %s, Z%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*(2*j+half)), 28+v, 4*m+v)
+					}
+				}
 			}
 		}
 	}
-	p("CMPQ CX, $%d", unroll)
+	p("CMPQ CX, $%d", unroll*kstep)
 	p("JLT %s_tail", name)
 	label(name + "_loop")
 	for j := range unroll {
-		step(j)
+		step(j, false)
 	}
-	p("ADDQ $%d, BX", 256*unroll)
-	p("ADDQ $%d, DI", 4*unroll)
-	p("ADDQ $%d, SI", 4*unroll)
-	p("SUBQ $%d, CX", unroll)
-	p("CMPQ CX, $%d", unroll)
+	p("ADDQ $%d, BX", wstep*unroll)
+	p("ADDQ $%d, DI", 4*kstep*unroll)
+	p("ADDQ $%d, SI", 4*kstep*unroll)
+	p("SUBQ $%d, CX", kstep*unroll)
+	p("CMPQ CX, $%d", kstep*unroll)
 	p("JGE %s_loop", name)
 	label(name + "_tail")
-	p("TESTQ CX, CX")
-	p("JEQ %s_store", name)
-	step(0)
-	p("ADDQ $256, BX")
-	p("ADDQ $4, DI")
-	p("ADDQ $4, SI")
-	p("DECQ CX")
+	p("CMPQ CX, $%d", kstep)
+	p("JLT %s_last", name)
+	step(0, false)
+	p("ADDQ $%d, BX", wstep)
+	p("ADDQ $%d, DI", 4*kstep)
+	p("ADDQ $%d, SI", 4*kstep)
+	p("SUBQ $%d, CX", kstep)
 	p("JMP %s_tail", name)
+	label(name + "_last")
+	if wk == wBF16 {
+		p("TESTQ CX, CX")
+		p("JEQ %s_store", name)
+		step(0, true)
+	}
 	label(name + "_store")
 	p("MOVQ mask+48(FP), AX")
 	for v := range 4 {
@@ -116,6 +174,11 @@ func tile512(mr, unroll int) {
 	}
 	p("VZEROUPPER")
 	p("RET")
+}
+
+// hi16Data is the mask that keeps the upper 16 bits of a dword (the odd bf16 of a pair).
+func hi16Data() {
+	out.WriteString("DATA hi16<>+0(SB)/4, $0xffff0000\nGLOBL hi16<>(SB), RODATA|NOPTR, $4\n")
 }
 
 // tile256 computes mr rows × 16 columns of a packed panel (w points at the first of the 16
@@ -1055,10 +1118,260 @@ func prefetchLines() {
 	p("RET")
 }
 
+// evex512 emits the register form of an EVEX.512.0F38.W0 instruction the Go assembler does not
+// know (the AVX512_BF16 ones) as bytes: dst in ModRM.reg, src1 in EVEX.vvvv, src2 in ModRM.rm;
+// pp is the mandatory prefix (2: F3, 3: F2). The name is kept as a comment.
+func evex512(name string, pp, opcode byte, dst, src1, src2 int) {
+	bit := func(r, b int) byte { return byte(r>>b) & 1 }
+	p0 := (1-bit(dst, 3))<<7 | (1-bit(src2, 4))<<6 | (1-bit(src2, 3))<<5 | (1-bit(dst, 4))<<4 | 0b10
+	p1 := byte(^src1&15)<<3 | 1<<2 | pp
+	p2 := byte(2)<<5 | (1-bit(src1, 4))<<3
+	modrm := 0xc0 | byte(dst&7)<<3 | byte(src2&7)
+	var b []string
+	for _, x := range []byte{0x62, p0, p1, p2, opcode, modrm} {
+		b = append(b, fmt.Sprintf("BYTE $0x%02x", x))
+	}
+	p("%s // %s Z%d, Z%d, Z%d", strings.Join(b, "; "), name, src2, src1, dst)
+}
+
+// vdpbf16ps emits VDPBF16PS Z(src2), Z(src1), Z(dst): for each of the 16 lanes,
+// dst += src1.bf16[2j+1]·src2.bf16[2j+1], then dst += src1.bf16[2j]·src2.bf16[2j].
+func vdpbf16ps(dst, src1, src2 int) { evex512("VDPBF16PS", 2, 0x52, dst, src1, src2) }
+
+// vdpbf16psBcst emits VDPBF16PS m32bcst, Z(src1), Z(dst) with the memory operand of row m of
+// rowAddr's addressing (base DI or SI, index R8 or R9) plus disp (a multiple of 4, < 512): the
+// dword at that address (a pair of bfloat16 activations) is broadcast to every lane. EVEX.b set,
+// disp8 compressed by the element size 4.
+func vdpbf16psBcst(dst, src1, m, disp int) {
+	const di, si, r8, r9 = 7, 6, 8, 9
+	base, index, scale := []int{di, di, di, di, si, si}[m], []int{-1, r8, r8, r9, -1, r8}[m], []int{1, 1, 2, 1, 1, 1}[m]
+	bit := func(r, b int) byte { return byte(r>>b) & 1 }
+	x := byte(0)
+	if index >= 0 {
+		x = bit(index, 3)
+	}
+	p0 := (1-bit(dst, 3))<<7 | (1-x)<<6 | (1-bit(base, 3))<<5 | (1-bit(dst, 4))<<4 | 0b10
+	p1 := byte(^src1&15)<<3 | 1<<2 | 2
+	p2 := byte(2)<<5 | 1<<4 | (1-bit(src1, 4))<<3
+	mod := byte(0)
+	if disp != 0 {
+		mod = 1
+	}
+	b := []byte{0x62, p0, p1, p2, 0x52}
+	if index >= 0 {
+		sib := map[int]byte{1: 0, 2: 1, 4: 2, 8: 3}[scale]<<6 | byte(index&7)<<3 | byte(base&7)
+		b = append(b, mod<<6|byte(dst&7)<<3|4, sib)
+	} else {
+		b = append(b, mod<<6|byte(dst&7)<<3|byte(base&7))
+	}
+	if mod == 1 {
+		b = append(b, byte(disp/4))
+	}
+	var bs []string
+	for _, c := range b {
+		bs = append(bs, fmt.Sprintf("BYTE $0x%02x", c))
+	}
+	p("%s // VDPBF16PS.BCST %s, Z%d, Z%d", strings.Join(bs, "; "), rowAddr(m, "DI", "SI", "R8", "R9", disp), src1, dst)
+}
+
+// vcvtne2ps2bf16 emits VCVTNE2PS2BF16 Z(src2), Z(src1), Z(dst): words 0–15 of dst are src2's 16
+// floats rounded to bfloat16, words 16–31 src1's.
+func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, dst, src1, src2) }
+
+// tileDot512 computes mr rows × 64 columns of a BF16 panel with bfloat16 products: a holds the
+// rows' activations as bfloat16 pairs (one dword per pair of k, lda dwords per row), w the panel
+// (256 bytes per pair of k). Accumulators Z0..Z4mr-1 (row m, vector v in Z(4m+v)), the panel's
+// pairs in Z24..Z27; each row's pair is broadcast from memory by the VDPBF16PS itself. Every
+// lane is one output element: zero, then one VDPBF16PS per pair of k, k ascending. Each pair of
+// k also prefetches 64 bytes from pf on (the caller points pf at the share of the next panel this
+// tile brings into the cache, so the next panel streams from memory while this one is computed
+// from the cache).
+func tileDot512(mr, unroll int) {
+	name := fmt.Sprintf("tileDot512x%d", mr)
+	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)", "$0-64")
+	p("MOVQ pf+56(FP), R10")
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ lda+8(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	p("MOVQ w+16(FP), BX")
+	p("MOVQ kp+24(FP), CX")
+	for i := 0; i < 4*mr; i++ {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	step := func(j int) {
+		for v := range 4 {
+			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
+		}
+		p("PREFETCHT0 %d(R10)", 64*j)
+		for m := range mr {
+			for v := range 4 {
+				vdpbf16psBcst(4*m+v, 24+v, m, 4*j)
+			}
+		}
+	}
+	p("CMPQ CX, $%d", unroll)
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range unroll {
+		step(j)
+	}
+	p("ADDQ $%d, BX", 256*unroll)
+	p("ADDQ $%d, DI", 4*unroll)
+	p("ADDQ $%d, SI", 4*unroll)
+	p("ADDQ $%d, R10", 64*unroll)
+	p("SUBQ $%d, CX", unroll)
+	p("CMPQ CX, $%d", unroll)
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0)
+	p("ADDQ $256, BX")
+	p("ADDQ $4, DI")
+	p("ADDQ $4, SI")
+	p("ADDQ $64, R10")
+	p("DECQ CX")
+	p("JMP %s_tail", name)
+	label(name + "_store")
+	p("MOVQ mask+48(FP), AX")
+	for v := range 4 {
+		p("KMOVW AX, K%d", v+1)
+		if v < 3 {
+			p("SHRQ $16, AX")
+		}
+	}
+	p("MOVQ c+32(FP), DI")
+	p("MOVQ ldc+40(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	for m := range mr {
+		for v := range 4 {
+			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+		}
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// toBF16Pairs512 rounds n floats to bfloat16 (VCVTNE2PS2BF16: nearest even, denormals to zero)
+// into ceil(n/2) dwords of pairs, 32 floats at a time; the tail is loaded under masks (missing
+// floats read as zero) and stored under a word mask.
+func toBF16Pairs512() {
+	text("toBF16Pairs512(dst *uint32, src *float32, n int)", "$0-24")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ src+8(FP), SI")
+	p("MOVQ n+16(FP), DX")
+	p("MOVQ DX, BX")
+	p("SHRQ $5, BX")
+	p("JZ toBF16Pairs512_tail")
+	label("toBF16Pairs512_loop")
+	p("VMOVUPS (SI), Z0")
+	p("VMOVUPS 64(SI), Z1")
+	vcvtne2ps2bf16(2, 1, 0)
+	p("VMOVDQU32 Z2, (DI)")
+	p("ADDQ $128, SI")
+	p("ADDQ $64, DI")
+	p("DECQ BX")
+	p("JNZ toBF16Pairs512_loop")
+	label("toBF16Pairs512_tail")
+	p("ANDQ $31, DX")
+	p("JZ toBF16Pairs512_done")
+	// K1/K2: the floats left (low and high 16); K3: the words to store (rounded up to a pair).
+	p("MOVQ $1, AX")
+	p("MOVQ DX, CX")
+	p("SHLQ CX, AX")
+	p("DECQ AX")
+	p("KMOVW AX, K1")
+	p("SHRQ $16, AX")
+	p("KMOVW AX, K2")
+	p("LEAQ 1(DX), CX")
+	p("ANDQ $-2, CX")
+	p("MOVQ $1, AX")
+	p("SHLQ CX, AX")
+	p("DECQ AX")
+	p("KMOVD AX, K3")
+	p("VMOVUPS.Z (SI), K1, Z0")
+	p("VMOVUPS.Z 64(SI), K2, Z1")
+	vcvtne2ps2bf16(2, 1, 0)
+	p("VMOVDQU16 Z2, K3, (DI)")
+	label("toBF16Pairs512_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// widenBF16x512 widens n bfloat16 values to float32 (each shifted into the upper half of a
+// dword), 16 at a time, the tail under a mask.
+func widenBF16x512() {
+	text("widenBF16x512(dst *float32, src *uint16, n int)", "$0-24")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ src+8(FP), SI")
+	p("MOVQ n+16(FP), DX")
+	p("MOVQ DX, BX")
+	p("SHRQ $4, BX")
+	p("JZ widenBF16x512_tail")
+	label("widenBF16x512_loop")
+	p("VPMOVZXWD (SI), Z0")
+	p("VPSLLD $16, Z0, Z0")
+	p("VMOVUPS Z0, (DI)")
+	p("ADDQ $32, SI")
+	p("ADDQ $64, DI")
+	p("DECQ BX")
+	p("JNZ widenBF16x512_loop")
+	label("widenBF16x512_tail")
+	tailMask("DX")
+	p("KORTESTW K1, K1")
+	p("JZ widenBF16x512_done")
+	p("VPMOVZXWD.Z (SI), K1, Z0")
+	p("VPSLLD $16, Z0, Z0")
+	p("VMOVUPS Z0, K1, (DI)")
+	label("widenBF16x512_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// dotBF16Probe runs one VDPBF16PS on 16 lanes from memory (acc += a·b), for tests.
+func dotBF16Probe() {
+	text("dotBF16Probe(acc *float32, a, b *uint32)", "$0-24")
+	p("MOVQ acc+0(FP), DI")
+	p("MOVQ a+8(FP), SI")
+	p("MOVQ b+16(FP), DX")
+	p("VMOVUPS (DI), Z0")
+	p("VMOVDQU32 (SI), Z1")
+	p("VMOVDQU32 (DX), Z2")
+	vdpbf16ps(0, 1, 2)
+	p("VMOVUPS Z0, (DI)")
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// dpLoop512 runs n iterations of 24 independent VDPBF16PS (zmm): 24 × 16 lanes × 2 multiply-adds
+// × 2 FLOPs = 1536 FLOPs per iteration.
+func dpLoop512() {
+	text("dpLoop512(n int)", "$0-8")
+	p("MOVQ n+0(FP), CX")
+	for i := range 26 {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	label("dpLoop512_loop")
+	for i := range 24 {
+		vdpbf16ps(i, 24, 25)
+	}
+	p("DECQ CX")
+	p("JNZ dpLoop512_loop")
+	p("VZEROUPPER")
+	p("RET")
+}
+
 func main() {
 	out.WriteString("// Code generated by asmgen.go; DO NOT EDIT.\n\n//go:build amd64 && !purego\n\n#include \"textflag.h\"\n")
-	for mr := 1; mr <= maxRows; mr++ {
-		tile512(mr, 4)
+	hi16Data()
+	for _, wk := range []int{wF32, wBF16, wF16} {
+		for mr := 1; mr <= maxRows; mr++ {
+			tile512(wk, mr, 4)
+		}
 	}
 	for mr := 1; mr <= maxRows; mr++ {
 		tile256(mr, 4)
@@ -1088,6 +1401,13 @@ func main() {
 	transpose256()
 	rowDots512()
 	prefetchLines()
+	for mr := 1; mr <= maxRows; mr++ {
+		tileDot512(mr, 4)
+	}
+	toBF16Pairs512()
+	widenBF16x512()
+	dotBF16Probe()
+	dpLoop512()
 	if err := os.WriteFile("kernel_amd64.s", out.Bytes(), 0o644); err != nil {
 		log.Fatal(err)
 	}

@@ -7,16 +7,32 @@ import (
 	"time"
 )
 
-// benchLinear reports achieved GFLOP/s and its ratio to the FMA peak measured just before.
-func benchLinear(b *testing.B, rows, out, in int) {
+// benchWeights returns an out × in Linear on pool storing random weights as dtype.
+func benchWeights(pool *Pool, dtype DType, out, in int) *Linear {
+	r := rand.New(rand.NewPCG(1, 1))
+	w := randSlice(r, out*in)
+	if dtype == F32 {
+		return NewLinearOn(pool, w, out, in)
+	}
+	h, _ := to16(w, dtype)
+	return NewLinear16From(pool, dtype, out, in, func(n int, dst []uint16) { copy(dst, h[n*in:(n+1)*in]) })
+}
+
+// benchLinear reports achieved GFLOP/s and its ratio to the FMA peak (bfloat16 products: the
+// VDPBF16PS peak) measured just before. dot selects bfloat16 products (BF16 weights).
+func benchLinear(b *testing.B, dtype DType, dot bool, rows, out, in int) {
 	r := rand.New(rand.NewPCG(1, 1))
 	pool := NewPool(0)
 	defer pool.Close()
-	l := NewLinearOn(pool, randSlice(r, out*in), out, in)
-	x, dst := randSlice(r, rows*in), make([]float32, rows*out)
+	l := benchWeights(pool, dtype, out, in)
 	peak := PeakGFLOPS(100 * time.Millisecond)
+	if dot {
+		l.bf16Dot = true
+		peak = PeakBF16GFLOPS(100 * time.Millisecond)
+	}
+	x, dst := randSlice(r, rows*in), make([]float32, rows*out)
 	l.Apply(dst, x, rows)
-	b.SetBytes(int64(out * in * 4))
+	b.SetBytes(l.Bytes())
 	b.ResetTimer()
 	for b.Loop() {
 		l.Apply(dst, x, rows)
@@ -32,7 +48,12 @@ func benchLinear(b *testing.B, rows, out, in int) {
 func BenchmarkGEMM(b *testing.B) {
 	for _, s := range [][3]int{{2048, 1024, 1024}, {512, 1024, 1024}, {512, 2048, 2048}, {2048, 3072, 1024},
 		{2048, 1024, 3072}, {64, 1024, 1024}, {512, 1024, 512}, {512, 3072, 512}, {512, 512, 1536}} {
-		b.Run(fmt.Sprintf("%dx%dx%d", s[0], s[1], s[2]), func(b *testing.B) { benchLinear(b, s[0], s[1], s[2]) })
+		for _, dt := range []DType{F32, BF16} {
+			b.Run(fmt.Sprintf("%v/%dx%dx%d", dt, s[0], s[1], s[2]), func(b *testing.B) { benchLinear(b, dt, false, s[0], s[1], s[2]) })
+		}
+		if BF16Products() == "VDPBF16PS" {
+			b.Run(fmt.Sprintf("bf16dot/%dx%dx%d", s[0], s[1], s[2]), func(b *testing.B) { benchLinear(b, BF16, true, s[0], s[1], s[2]) })
+		}
 	}
 }
 
@@ -41,26 +62,33 @@ func BenchmarkGEMM(b *testing.B) {
 // larger than the last-level cache that is the memory-bound ceiling).
 func BenchmarkGEMV(b *testing.B) {
 	for _, s := range [][2]int{{3072, 512}, {1024, 1024}, {2048, 2048}, {4096, 4096}, {8192, 2048}} {
-		b.Run(fmt.Sprintf("%dx%d", s[0], s[1]), func(b *testing.B) {
-			out, in := s[0], s[1]
-			r := rand.New(rand.NewPCG(1, 1))
-			pool := NewPool(0)
-			defer pool.Close()
-			l := NewLinearOn(pool, randSlice(r, out*in), out, in)
-			x, dst := randSlice(r, in), make([]float32, out)
-			bw := ReadGBps(out * in * 4)
-			l.Apply(dst, x, 1)
-			b.SetBytes(int64(out * in * 4))
-			b.ResetTimer()
-			for b.Loop() {
+		for _, kind := range []string{"float32", "bfloat16", "bf16dot"} {
+			b.Run(fmt.Sprintf("%s/%dx%d", kind, s[0], s[1]), func(b *testing.B) {
+				out, in := s[0], s[1]
+				r := rand.New(rand.NewPCG(1, 1))
+				pool := NewPool(0)
+				defer pool.Close()
+				dt := BF16
+				if kind == "float32" {
+					dt = F32
+				}
+				l := benchWeights(pool, dt, out, in)
+				l.bf16Dot = kind == "bf16dot"
+				x, dst := randSlice(r, in), make([]float32, out)
+				bw := ReadGBps(max(int(l.Bytes()), 256<<20))
 				l.Apply(dst, x, 1)
-			}
-			sec := b.Elapsed().Seconds() / float64(b.N)
-			gbps := float64(out*in*4) / sec / 1e9
-			b.ReportMetric(2*float64(out*in)/sec/1e9, "GFLOP/s")
-			b.ReportMetric(bw, "readGB/s")
-			b.ReportMetric(gbps/bw, "ofReadBW")
-		})
+				b.SetBytes(l.Bytes())
+				b.ResetTimer()
+				for b.Loop() {
+					l.Apply(dst, x, 1)
+				}
+				sec := b.Elapsed().Seconds() / float64(b.N)
+				gbps := float64(l.Bytes()) / sec / 1e9
+				b.ReportMetric(2*float64(out*in)/sec/1e9, "GFLOP/s")
+				b.ReportMetric(bw, "readGB/s")
+				b.ReportMetric(gbps/bw, "ofReadBW")
+			})
+		}
 	}
 }
 
@@ -96,6 +124,7 @@ func BenchmarkSoftmax(b *testing.B) {
 func BenchmarkCeilings(b *testing.B) {
 	for b.Loop() {
 		b.ReportMetric(PeakGFLOPS(200*time.Millisecond), "peakGFLOP/s")
+		b.ReportMetric(PeakBF16GFLOPS(200*time.Millisecond), "peakBF16GFLOP/s")
 		b.ReportMetric(MemcpyGBps(64<<20), "memcpyGB/s")
 		b.ReportMetric(ReadGBps(256<<20), "readGB/s")
 	}

@@ -17,7 +17,22 @@ import (
 // scalar multiply-adds. On a Zen 4/5 core with two 512-bit FMA pipes that is
 // 2 pipes × 16 lanes × 2 FLOPs = 64 FLOPs per cycle per core. Because it is measured, other
 // load on the machine lowers it; quote ratios against a peak measured in the same run.
-func PeakGFLOPS(d time.Duration) float64 {
+func PeakGFLOPS(d time.Duration) float64 { return peak(d, defaultImpl.fmaLoop) }
+
+// PeakBF16GFLOPS is [PeakGFLOPS] for bfloat16 products: one goroutine per GOMAXPROCS runs a loop
+// of independent VDPBF16PS (each 16 lanes × 2 multiply-adds = 64 FLOPs on a zmm register). It
+// returns 0 when this process computes bfloat16 products without the instruction (see
+// [BF16Products]). On Zen 4, whose two 512-bit FMA pipes also run VDPBF16PS, it is twice the
+// float32 peak.
+func PeakBF16GFLOPS(d time.Duration) float64 {
+	if defaultImpl.dpLoop == nil {
+		return 0
+	}
+	return peak(d, defaultImpl.dpLoop)
+}
+
+// peak runs loop on every core for about d and returns the GFLOP/s they achieved together.
+func peak(d time.Duration, loop func(n int) float64) float64 {
 	if d <= 0 {
 		d = 100 * time.Millisecond
 	}
@@ -30,7 +45,7 @@ func PeakGFLOPS(d time.Duration) float64 {
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
 			<-start
-			flops[w] = fmaBurn(d)
+			flops[w] = burn(d, loop)
 		})
 	}
 	close(start)
@@ -42,14 +57,14 @@ func PeakGFLOPS(d time.Duration) float64 {
 	return total / 1e9
 }
 
-// fmaBurn runs the FMA loop for about d and returns the FLOP/s it achieved.
-func fmaBurn(d time.Duration) float64 {
+// burn runs loop for about d and returns the FLOP/s it achieved.
+func burn(d time.Duration, loop func(n int) float64) float64 {
 	const chunk = 1 << 14 // loop iterations per timing check
 	var n int64
 	var perIter float64
 	t0 := time.Now()
 	for {
-		perIter = defaultImpl.fmaLoop(chunk)
+		perIter = loop(chunk)
 		n += chunk
 		if el := time.Since(t0); el >= d {
 			return float64(n) * perIter / el.Seconds()

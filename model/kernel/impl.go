@@ -10,6 +10,21 @@ type impl struct {
 	// each element one fixed accumulation chain over k ascending.
 	tile func(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int)
 
+	// tile16 is tile for BF16 or F16 panels (see Linear), widening each weight exactly before
+	// its FMA; nil: the panel is widened into a float32 copy and tile runs on that.
+	tile16 func(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int)
+
+	// tileDot is tile for bfloat16 products (see bf16.go): a holds activation pairs, lda pairs
+	// apart, w a BF16 panel of kp pairs; toPairs rounds floats to pairs. nil: portable Go.
+	// pf is memory to prefetch on the way (a share of the next panel; nil: none).
+	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16)
+	toPairs func(dst []uint32, src []float32)
+	// dpLoop is fmaLoop for bfloat16 products (nil without them).
+	dpLoop func(n int) float64
+
+	// widenBF16 widens bfloat16 values to float32 (nil: portable Go).
+	widenBF16 func(dst []float32, src []uint16)
+
 	dot      func(a, b []float32) float32
 	axpy     func(alpha float32, x, y []float32)
 	scale    func(alpha float32, x []float32)

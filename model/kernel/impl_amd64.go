@@ -11,6 +11,8 @@ var avx512Impl = &impl{
 	name:      "avx512",
 	mr:        6,
 	tile:      tileAVX512,
+	tile16:    tile16AVX512,
+	widenBF16: widenBF16AVX512,
 	dot:       dotAVX512,
 	axpy:      axpyAVX512,
 	scale:     scaleAVX512,
@@ -48,11 +50,23 @@ var avx2Impl = &impl{
 	prefetch:  prefetchAMD64,
 }
 
+// avx512BF16Impl is avx512Impl with AVX512_BF16's bfloat16 products (VDPBF16PS).
+var avx512BF16Impl = func() *impl {
+	im := *avx512Impl
+	im.tileDot, im.toPairs, im.dpLoop = tileDotAVX512, toPairsAVX512, dpLoopAVX512
+	return &im
+}()
+
 func hasAVX512() bool { return cpu.X86.HasAVX512F && cpu.X86.HasAVX2 && cpu.X86.HasFMA }
-func hasAVX2() bool   { return cpu.X86.HasAVX2 && cpu.X86.HasFMA }
+
+// hasBF16 reports AVX512_BF16 (and AVX512BW, which the conversion's word-masked store needs).
+func hasBF16() bool { return hasAVX512() && cpu.X86.HasAVX512BF16 && cpu.X86.HasAVX512BW }
+func hasAVX2() bool { return cpu.X86.HasAVX2 && cpu.X86.HasFMA }
 
 func selectImpl() *impl {
 	switch {
+	case hasBF16():
+		return avx512BF16Impl
 	case hasAVX512():
 		return avx512Impl
 	case hasAVX2():
@@ -70,7 +84,46 @@ func candidateImpls() []*impl {
 	if hasAVX512() {
 		c = append(c, avx512Impl)
 	}
+	if hasBF16() {
+		c = append(c, avx512BF16Impl)
+	}
 	return c
+}
+
+// tileDotKernels are the bfloat16-product tile kernels by rows − 1.
+var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16){
+	tileDot512x1, tileDot512x2, tileDot512x3, tileDot512x4, tileDot512x5, tileDot512x6,
+}
+
+// tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
+// masked off at the store. pf (kp×32 values, else the tile's own panel) is prefetched on the
+// way.
+func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16) {
+	_ = a[(mr-1)*lda+kp-1]
+	_ = w[kp*2*panelWidth-1]
+	_ = c[(mr-1)*ldc+ncols-1]
+	if mr < 1 || mr > maxTileRows {
+		panic("kernel: bad tile height")
+	}
+	if len(pf) < kp*32 {
+		pf = w
+	}
+	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0])
+}
+
+// toPairsAVX512 rounds src to bfloat16 pairs with VCVTNE2PS2BF16.
+func toPairsAVX512(dst []uint32, src []float32) {
+	if len(src) == 0 {
+		return
+	}
+	_ = dst[(len(src)+1)/2-1]
+	toBF16Pairs512(&dst[0], &src[0], len(src))
+}
+
+// dpLoopAVX512 runs dpLoop512 and returns its FLOPs per iteration.
+func dpLoopAVX512(n int) float64 {
+	dpLoop512(n)
+	return 24 * 16 * 2 * 2
 }
 
 func tile512x1(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
@@ -79,6 +132,42 @@ func tile512x3(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask
 func tile512x4(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x5(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x6(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
+
+func tile512bf16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+
+func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+
+// tile16Kernels are the 16-bit tile kernels by DType (BF16, F16) and rows − 1.
+var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64){
+	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
+	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
+}
+
+// tile16AVX512 is tileAVX512 for BF16 or F16 panels.
+func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int) {
+	_ = a[(mr-1)*lda+k-1]
+	if dtype == BF16 {
+		_ = w[(k+1)/2*2*panelWidth-1]
+	} else {
+		_ = w[k*panelWidth-1]
+	}
+	_ = c[(mr-1)*ldc+ncols-1]
+	if mr < 1 || mr > maxTileRows {
+		panic("kernel: bad tile height")
+	}
+	mask := ^uint64(0) >> (panelWidth - ncols)
+	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask)
+}
 
 func tileAcc512x1(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
 func tileAcc512x2(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
@@ -212,3 +301,32 @@ func accRowsAVX512(acc []float32, ldacc int, p []float32, ldp, rows int, v []flo
 		}
 	}
 }
+
+func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+
+//go:noescape
+func toBF16Pairs512(dst *uint32, src *float32, n int)
+
+//go:noescape
+func widenBF16x512(dst *float32, src *uint16, n int)
+
+// widenBF16AVX512 is WidenBF16 with zmm registers.
+func widenBF16AVX512(dst []float32, src []uint16) {
+	if len(src) > 0 {
+		_ = dst[len(src)-1]
+		widenBF16x512(&dst[0], &src[0], len(src))
+	}
+}
+
+//go:noescape
+func dotBF16Probe(acc *float32, a, b *uint32)
+
+func dpLoop512(n int)
+
+// hasBF16Impl reports whether the tests can run the AVX512_BF16 kernels here.
+func hasBF16Impl() bool { return hasBF16() }

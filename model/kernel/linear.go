@@ -10,10 +10,24 @@ const panelWidth = 64
 // once for the kernels. It is safe for concurrent Apply calls; it only changes when re-packed
 // in place by [Linear.SetRows] or [Linear.SetColumns] (scratch matrices), which must not
 // overlap any other use.
+//
+// The weights are stored as float32, bfloat16 or float16 ([DType]) in panels of panelWidth
+// outputs, zero-padded past out:
+//
+//   - F32: panel p holds in rows of 64 floats: W[p*64+j][k] at w[p*in*64 + k*64 + j];
+//   - BF16: panel p holds ceil(in/2) rows of 64 pairs: W[p*64+j][k] at
+//     h[p*kp*128 + (k/2)*128 + 2j + k%2] (kp = ceil(in/2)), the pair of an odd in padded with 0;
+//   - F16: panel p holds in rows of 64 halves: W[p*64+j][k] at h[p*in*64 + k*64 + j].
+//
+// Widening a bfloat16 or float16 weight to float32 is exact, so a Linear computes the same
+// bits whatever its storage holds the same values in.
 type Linear struct {
 	out, in int
-	panels  int       // ceil(out / panelWidth)
-	w       []float32 // panel p: w[p*in*panelWidth:][k*panelWidth+j] = W[p*panelWidth+j][k], zero-padded
+	panels  int // ceil(out / panelWidth)
+	dtype   DType
+	bf16Dot bool      // BF16 weights times bfloat16-rounded activations (NewLinearBF16Dot)
+	w       []float32 // F32 panels
+	h       []uint16  // BF16 or F16 panels
 	pool    *Pool
 	impl    *impl
 }
@@ -45,6 +59,103 @@ func NewLinearFrom(pool *Pool, out, in int, row func(n int, dst []float32)) *Lin
 	return newLinear(defaultImpl, pool, out, in, nil, row)
 }
 
+// NewLinear16From is [NewLinearFrom] for weights stored as 16-bit values of dtype (BF16 or F16):
+// row(n, dst) must write W[n][0..in) as raw bfloat16 or float16 bits into dst (len in). The
+// Linear keeps them in 2 bytes each and widens them exactly inside the kernels. It panics if
+// dtype is not BF16 or F16.
+func NewLinear16From(pool *Pool, dtype DType, out, in int, row func(n int, dst []uint16)) *Linear {
+	if out < 0 || in < 0 || (dtype != BF16 && dtype != F16) {
+		panic(fmt.Sprintf("kernel.NewLinear16From: %v, out = %d, in = %d", dtype, out, in))
+	}
+	return newLinear16(defaultImpl, pool, dtype, out, in, row)
+}
+
+// newLinear16 packs the 16-bit rows of W panel by panel in parallel.
+func newLinear16(im *impl, pool *Pool, dtype DType, out, in int, row func(n int, dst []uint16)) *Linear {
+	l := &Linear{out: out, in: in, panels: (out + panelWidth - 1) / panelWidth, dtype: dtype, pool: pool, impl: im}
+	stride := l.panel16Len()
+	l.h = make([]uint16, l.panels*stride)
+	if in == 0 {
+		return l
+	}
+	pool.Parallel(l.panels, func(p int) {
+		buf := make([]uint16, in)
+		dst := l.h[p*stride : (p+1)*stride]
+		for j := range min(panelWidth, out-p*panelWidth) {
+			row(p*panelWidth+j, buf)
+			if dtype == F16 {
+				for k, v := range buf {
+					dst[k*panelWidth+j] = v
+				}
+				continue
+			}
+			for k, v := range buf {
+				dst[(k/2)*2*panelWidth+2*j+k%2] = v
+			}
+		}
+	})
+	return l
+}
+
+// panel16Len returns the number of 16-bit values in one panel of a BF16 or F16 Linear.
+func (l *Linear) panel16Len() int {
+	if l.dtype == BF16 {
+		return (l.in + 1) / 2 * 2 * panelWidth
+	}
+	return l.in * panelWidth
+}
+
+// DType returns how the weights are stored.
+func (l *Linear) DType() DType { return l.dtype }
+
+// Bytes returns the bytes of the out × in weights in their storage type (without the panels'
+// padding): what one pass over the matrix reads from memory.
+func (l *Linear) Bytes() int64 { return int64(l.out) * int64(l.in) * int64(l.dtype.Size()) }
+
+// Row writes row n of W (the weights of output n), widened to float32, into dst (len ≥ in):
+// a tied embedding's lookup reads the lm_head Linear this way. It panics if n is out of range.
+func (l *Linear) Row(n int, dst []float32) {
+	if n < 0 || n >= l.out {
+		panic(fmt.Sprintf("kernel.Linear.Row(%d): %d outputs", n, l.out))
+	}
+	dst = dst[:l.in]
+	p, j := n/panelWidth, n%panelWidth
+	switch l.dtype {
+	case F32:
+		w := l.w[p*l.in*panelWidth:]
+		for k := range dst {
+			dst[k] = w[k*panelWidth+j]
+		}
+	case BF16:
+		h := l.h[p*l.panel16Len():]
+		for k := range dst {
+			dst[k] = BF16ToF32(h[(k/2)*2*panelWidth+2*j+k%2])
+		}
+	case F16:
+		h := l.h[p*l.panel16Len():]
+		for k := range dst {
+			dst[k] = F16ToF32(h[k*panelWidth+j])
+		}
+	}
+}
+
+// widenPanel writes panel p of a 16-bit Linear into dst as the float32 panel an F32 Linear
+// holds (len in*panelWidth).
+func (l *Linear) widenPanel(dst []float32, p int) {
+	h := l.h[p*l.panel16Len() : (p+1)*l.panel16Len()]
+	if l.dtype == F16 {
+		widen16(dst, h, F16)
+		return
+	}
+	for k := range l.in {
+		row := h[(k/2)*2*panelWidth:]
+		d := dst[k*panelWidth : (k+1)*panelWidth]
+		for j := range d {
+			d[j] = BF16ToF32(row[2*j+k%2])
+		}
+	}
+}
+
 // newLinear packs W, given as a row-major slice w or (w == nil) through row, panel by panel
 // in parallel.
 func newLinear(im *impl, pool *Pool, out, in int, w []float32, row func(n int, dst []float32)) *Linear {
@@ -71,7 +182,7 @@ func newLinear(im *impl, pool *Pool, out, in int, w []float32, row func(n int, d
 			}
 		})
 	}
-	return &Linear{out: out, in: in, panels: panels, w: packed, pool: pool, impl: im}
+	return &Linear{out: out, in: in, panels: panels, dtype: F32, w: packed, pool: pool, impl: im}
 }
 
 // Out returns the number of outputs (rows of W).
@@ -107,6 +218,10 @@ func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows
 		}
 		return
 	}
+	if l.bf16Dot {
+		l.applyBF16Dot(dst, ldc, x, lda, rows)
+		return
+	}
 	s := l.schedule(rows)
 	if s.tasks() == 1 {
 		l.task(dst, ldc, x, lda, rows, s, 0)
@@ -134,7 +249,7 @@ func (l *Linear) schedule(rows int) schedule {
 	mr := l.impl.mr
 	s := schedule{mr: mr, tiles: (rows + mr - 1) / mr, panels: l.panels}
 	workers := l.pool.Workers()
-	panelBytes := l.in * panelWidth * 4
+	panelBytes := l.in * panelWidth * l.dtype.Size()
 	rowBytes := l.in * 4
 	// Panels per task: as many as fit in half the budget, but enough tasks to feed the workers.
 	s.panelGroup = max(1, min(s.panels, l2Budget/2/panelBytes))
@@ -167,14 +282,32 @@ func (l *Linear) task(dst []float32, ldc int, x []float32, lda int, rows int, s 
 	t0, t1 := tg*s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup)
 	p0, p1 := pg*s.panelGroup, min(s.panels, (pg+1)*s.panelGroup)
 	in, out := l.in, l.out
+	var wide []float32 // a 16-bit panel widened, for implementations without 16-bit tiles
 	for p := p0; p < p1; p++ {
-		w := l.w[p*in*panelWidth : (p+1)*in*panelWidth]
 		col := p * panelWidth
 		ncols := min(panelWidth, out-col)
+		var w []float32
+		var h []uint16
+		switch {
+		case l.dtype == F32:
+			w = l.w[p*in*panelWidth : (p+1)*in*panelWidth]
+		case l.impl.tile16 != nil:
+			h = l.h[p*l.panel16Len() : (p+1)*l.panel16Len()]
+		default:
+			if wide == nil {
+				wide = make([]float32, in*panelWidth)
+			}
+			l.widenPanel(wide, p)
+			w = wide
+		}
 		for tile := t0; tile < t1; tile++ {
 			m0 := tile * s.mr
 			mr := min(s.mr, rows-m0)
-			l.impl.tile(dst[m0*ldc+col:], ldc, x[m0*lda:], lda, w, in, mr, ncols)
+			if h != nil {
+				l.impl.tile16(l.dtype, dst[m0*ldc+col:], ldc, x[m0*lda:], lda, h, in, mr, ncols)
+			} else {
+				l.impl.tile(dst[m0*ldc+col:], ldc, x[m0*lda:], lda, w, in, mr, ncols)
+			}
 		}
 	}
 }

@@ -9,26 +9,8 @@ import (
 )
 
 // fma32 returns a·b+c rounded once to float32 (IEEE fusedMultiplyAdd), an oracle for the
-// hardware FMA independent of it: a·b is exact in float64; the float64 sum is turned into its
-// round-to-odd value (Boldo–Melquiond), from which one rounding to float32 is the correctly
-// rounded result because float64 has more than 24+2 significand bits.
-func fma32(a, b, c float32) float32 {
-	p := float64(a) * float64(b)
-	s := p + float64(c)
-	if math.IsInf(s, 0) || math.IsNaN(s) {
-		return float32(s)
-	}
-	bb := s - p
-	err := (p - (s - bb)) + (float64(c) - bb) // TwoSum: s + err == p + c exactly
-	if err != 0 && math.Float64bits(s)&1 == 0 {
-		if (err > 0) == (s > 0) {
-			s = math.Float64frombits(math.Float64bits(s) + 1)
-		} else {
-			s = math.Float64frombits(math.Float64bits(s) - 1)
-		}
-	}
-	return float32(s)
-}
+// hardware FMA independent of it (a·b is exact in float64; see roundSum).
+func fma32(a, b, c float32) float32 { return roundSum(float64(a)*float64(b), c) }
 
 // fma32Big is fma32 by exact arithmetic, to check fma32 itself.
 func fma32Big(a, b, c float32) float32 {
@@ -273,6 +255,65 @@ func TestApplyStridedMatchesApply(t *testing.T) {
 							t.Fatalf("%s %dx%dx%d: row %d col %d: %v, Apply %v", im.name, rows, out, in, m, n, dst[i], want[m*out+n])
 						case n >= out && i < len(dst) && math.Float32bits(dst[i]) != math.Float32bits(orig[i]):
 							t.Fatalf("%s %dx%dx%d: gap element %d written", im.name, rows, out, in, i)
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
+// to16 returns w rounded to dtype, as 16-bit values and widened back to float32.
+func to16(w []float32, dtype DType) ([]uint16, []float32) {
+	h := make([]uint16, len(w))
+	wide := make([]float32, len(w))
+	for i, v := range w {
+		if dtype == BF16 {
+			h[i] = F32ToBF16(v)
+		} else {
+			h[i] = F32ToF16(v)
+		}
+	}
+	widen16(wide, h, dtype)
+	return h, wide
+}
+
+// TestLinear16MatchesChain: a Linear storing bfloat16 or float16 weights computes every output
+// element with the chain of an F32 Linear holding the same (exactly widened) values, on every
+// implementation (native 16-bit tiles or a widened panel), for odd and even widths, and its Row
+// returns the widened weights.
+func TestLinear16MatchesChain(t *testing.T) {
+	r := rand.New(rand.NewPCG(31, 32))
+	pool := NewPool(2)
+	defer pool.Close()
+	for _, im := range candidateImpls() {
+		for _, dtype := range []DType{BF16, F16} {
+			for _, sh := range testShapes {
+				out, in := sh[0], sh[1]
+				h, wide := to16(randSlice(r, out*in), dtype)
+				l := newLinear16(im, pool, dtype, out, in, func(n int, dst []uint16) { copy(dst, h[n*in:(n+1)*in]) })
+				if l.Bytes() != int64(2*out*in) || l.DType() != dtype {
+					t.Fatalf("Bytes %d, DType %v", l.Bytes(), l.DType())
+				}
+				row := make([]float32, in)
+				for n := range out {
+					l.Row(n, row)
+					for k := range in {
+						if math.Float32bits(row[k]) != math.Float32bits(wide[n*in+k]) {
+							t.Fatalf("%s %v %dx%d: Row(%d)[%d] = %v, want %v", im.name, dtype, out, in, n, k, row[k], wide[n*in+k])
+						}
+					}
+				}
+				for _, rows := range []int{1, 3, 6, 7, 13} {
+					x := randSlice(r, rows*in)
+					dst := make([]float32, rows*out)
+					l.Apply(dst, x, rows)
+					for m := range rows {
+						for n := range out {
+							want := chainRef(im, x[m*in:(m+1)*in], wide[n*in:(n+1)*in])
+							if got := dst[m*out+n]; math.Float32bits(got) != math.Float32bits(want) {
+								t.Fatalf("%s %v %dx%dx%d: row %d col %d: %v, chain %v", im.name, dtype, rows, out, in, m, n, got, want)
+							}
 						}
 					}
 				}

@@ -24,6 +24,23 @@ type Pool struct {
 	closed  bool
 	running sync.WaitGroup // live worker goroutines
 	parked  atomic.Int32   // workers blocked in a channel receive
+
+	pairs sync.Pool // *[]uint32: activation pairs of bfloat16 products, reused across calls
+}
+
+// pairBuffer returns a buffer of n uint32s (from the pool's free list when p is not nil) and the
+// function that gives it back.
+func (p *Pool) pairBuffer(n int) ([]uint32, func()) {
+	if p == nil {
+		return make([]uint32, n), func() {}
+	}
+	b, _ := p.pairs.Get().(*[]uint32)
+	if b == nil || cap(*b) < n {
+		b = new([]uint32)
+		*b = make([]uint32, n)
+	}
+	buf := (*b)[:n]
+	return buf, func() { p.pairs.Put(b) }
 }
 
 // NewPool returns a pool of n workers (the calling goroutine counts as one of them, so n-1

@@ -80,7 +80,7 @@ func (l *Linear) reset(pool *Pool, out, in int) {
 		l.w = make([]float32, n)
 	}
 	l.w = l.w[:n]
-	l.out, l.in, l.panels, l.pool = out, in, panels, pool
+	l.out, l.in, l.panels, l.pool, l.dtype, l.h = out, in, panels, pool, F32, nil
 	if l.impl == nil {
 		l.impl = defaultImpl
 	}

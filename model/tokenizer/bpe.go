@@ -1,6 +1,9 @@
 package tokenizer
 
-import "math"
+import (
+	"math"
+	"unicode/utf8"
+)
 
 // merge is one BPE merge rule: the pair it applies to ranks rank (lower merges first) and
 // produces token id.
@@ -15,11 +18,20 @@ const noMerge = math.MaxInt32
 // pairKey packs an adjacent token pair into a map key.
 func pairKey(left, right int32) uint64 { return uint64(uint32(left))<<32 | uint64(uint32(right)) }
 
-// bpeModel holds the byte-level BPE tables. It is immutable after construction.
+// bpeModel holds the BPE tables. It is immutable after construction.
+//
+// A byte-level model (GPT-2, Qwen, Llama 3) starts every piece from one symbol per byte. A
+// character-level model (SentencePiece-style: Llama 2, Mistral) starts from one symbol per
+// character; a character missing from the vocabulary becomes its UTF-8 bytes' <0xXX> tokens
+// (byte_fallback), else the unknown token (consecutive ones fused into one with fuse_unk).
 type bpeModel struct {
-	byteIDs      [256]int32       // token of each single byte, -1 if the vocabulary lacks it
+	byteIDs      [256]int32       // byte-level: token of each single byte, -1 if the vocabulary lacks it
+	charLevel    bool             // start from characters (byBytes) instead of bytes
+	fallbackIDs  [256]int32       // character-level byte_fallback: the <0xXX> tokens, -1 where missing
+	byteFallback bool             // character-level: spell unknown characters in <0xXX> tokens
+	fuseUnk      bool             // consecutive unknown characters become one unknown token
 	merges       map[uint64]merge // pairKey(left, right) → rule
-	byBytes      map[string]int32 // raw bytes of every vocabulary token → id (for ignore_merges)
+	byBytes      map[string]int32 // raw bytes of every vocabulary token → id
 	ignoreMerges bool             // a piece that is itself a token is emitted whole
 	unk          int32            // emitted for bytes without a token; -1 to drop them
 }
@@ -44,6 +56,11 @@ func (m *bpeModel) encodePiece(piece string, dst []int32) []int32 {
 	switch {
 	case piece == "":
 		return dst
+	case m.charLevel:
+		if id, ok := m.byBytes[piece]; ok && m.ignoreMerges {
+			return append(dst, id)
+		}
+		return m.merge(m.charSymbols(piece), dst)
 	case len(piece) == 1:
 		return m.emit(dst, m.byteIDs[piece[0]])
 	case m.ignoreMerges:
@@ -51,10 +68,61 @@ func (m *bpeModel) encodePiece(piece string, dst []int32) []int32 {
 			return append(dst, id)
 		}
 	}
-	if len(piece) <= smallPiece {
-		return m.mergeScan(piece, dst)
+	var buf [smallPiece]int32
+	ids := buf[:0]
+	if len(piece) > smallPiece {
+		ids = make([]int32, 0, len(piece))
 	}
-	return m.mergeHeap(piece, dst)
+	for i := range len(piece) {
+		ids = append(ids, m.byteIDs[piece[i]])
+	}
+	return m.merge(ids, dst)
+}
+
+// charSymbols returns the initial symbols of a character-level piece.
+func (m *bpeModel) charSymbols(piece string) []int32 {
+	ids := make([]int32, 0, len(piece))
+	unkRun := false // the last symbol is an unknown token that fuse_unk may extend
+	for i := 0; i < len(piece); {
+		_, w := utf8.DecodeRuneInString(piece[i:]) // an invalid byte is a character of its own
+		c := piece[i : i+w]
+		i += w
+		if id, ok := m.byBytes[c]; ok {
+			ids, unkRun = append(ids, id), false
+			continue
+		}
+		if m.byteFallback && m.fallbackFor(c) {
+			for j := range len(c) {
+				ids = append(ids, m.fallbackIDs[c[j]])
+			}
+			unkRun = false
+			continue
+		}
+		if m.unk >= 0 && !(unkRun && m.fuseUnk) {
+			ids = append(ids, m.unk)
+		}
+		unkRun = m.unk >= 0
+	}
+	return ids
+}
+
+// fallbackFor reports whether every byte of c has a <0xXX> token.
+func (m *bpeModel) fallbackFor(c string) bool {
+	for j := range len(c) {
+		if m.fallbackIDs[c[j]] < 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// merge applies the merges to the initial symbols ids (which it may overwrite) and appends the
+// result to dst.
+func (m *bpeModel) merge(ids []int32, dst []int32) []int32 {
+	if len(ids) <= smallPiece {
+		return m.mergeScan(ids, dst)
+	}
+	return m.mergeHeap(ids, dst)
 }
 
 // emit appends id, or the unknown token for a byte the vocabulary lacks.
@@ -68,15 +136,13 @@ func (m *bpeModel) emit(dst []int32, id int32) []int32 {
 	return dst
 }
 
-// mergeScan applies merges to a short piece: repeatedly merge the lowest-ranked adjacent pair,
-// leftmost first.
-func (m *bpeModel) mergeScan(piece string, dst []int32) []int32 {
-	var idBuf [smallPiece]int32
-	var ruleBuf [smallPiece]merge
-	ids := idBuf[:len(piece)]
-	for i := range len(piece) {
-		ids[i] = m.byteIDs[piece[i]]
+// mergeScan applies merges to a short symbol list: repeatedly merge the lowest-ranked adjacent
+// pair, leftmost first.
+func (m *bpeModel) mergeScan(ids []int32, dst []int32) []int32 {
+	if len(ids) == 0 {
+		return dst
 	}
+	var ruleBuf [smallPiece]merge
 	rules := ruleBuf[:len(ids)-1]
 	for i := range rules {
 		rules[i] = m.lookup(ids[i], ids[i+1])
@@ -166,13 +232,11 @@ func (h *candidateHeap) pop() candidate {
 
 // mergeHeap applies merges with a linked list of symbols and a heap of candidate pairs;
 // it produces the same result as mergeScan.
-func (m *bpeModel) mergeHeap(piece string, dst []int32) []int32 {
-	n := len(piece)
-	ids := make([]int32, n)
+func (m *bpeModel) mergeHeap(ids []int32, dst []int32) []int32 {
+	n := len(ids)
 	next := make([]int32, n) // -1 at the end
 	prev := make([]int32, n) // -1 at the start
 	for i := range n {
-		ids[i] = m.byteIDs[piece[i]]
 		next[i] = int32(i + 1)
 		prev[i] = int32(i - 1)
 	}

@@ -2,6 +2,7 @@ package tokenizer
 
 import (
 	_ "embed"
+	"encoding/json"
 	"fmt"
 	"strings"
 )
@@ -43,6 +44,7 @@ func Builtin(vocabSize int) *Tokenizer {
 	bl := newByteLevel()
 	t := &Tokenizer{
 		pre:            &splitPre{m: qwenMatcher{maxDigits: 1}},
+		dec:            byteLevelDecoder{bl: bl},
 		tokens:         make([]tokenInfo, vocabSize),
 		vocab:          make(map[string]int32, vocabSize),
 		addedByContent: map[string]int32{},
@@ -51,7 +53,7 @@ func Builtin(vocabSize int) *Tokenizer {
 	}
 	t.bpe.unk = -1
 	for b := range 256 {
-		t.tokens[b] = tokenInfo{bytes: []byte{byte(b)}, ok: true}
+		t.tokens[b] = tokenInfo{piece: string(bl.toRune[b]), bytes: []byte{byte(b)}, ok: true}
 		t.vocab[string(bl.toRune[b])] = int32(b)
 		t.bpe.byteIDs[b] = int32(b)
 	}
@@ -72,7 +74,7 @@ func Builtin(vocabSize int) *Tokenizer {
 			}
 			id, next = next, next+1
 			t.vocab[a+b] = id
-			t.tokens[id] = tokenInfo{bytes: append(append([]byte(nil), t.tokens[ia].bytes...), t.tokens[ib].bytes...), ok: true}
+			t.tokens[id] = tokenInfo{piece: a + b, bytes: append(append([]byte(nil), t.tokens[ia].bytes...), t.tokens[ib].bytes...), ok: true}
 		}
 		if _, dup := t.bpe.merges[pairKey(ia, ib)]; !dup {
 			t.bpe.merges[pairKey(ia, ib)] = merge{rank: rank, id: id}
@@ -82,7 +84,7 @@ func Builtin(vocabSize int) *Tokenizer {
 	var specials []*addedToken
 	for i, s := range []string{EndOfText, IMStart, IMEnd} {
 		id := int32(vocabSize - 3 + i)
-		t.tokens[id] = tokenInfo{bytes: []byte(s), ok: true, added: true, special: true}
+		t.tokens[id] = tokenInfo{piece: s, bytes: []byte(s), ok: true, added: true, special: true}
 		t.addedByContent[s] = id
 		specials = append(specials, &addedToken{id: id, content: s, special: true})
 	}
@@ -90,4 +92,51 @@ func Builtin(vocabSize int) *Tokenizer {
 	t.eosToken = IMEnd
 	t.eosID = int32(vocabSize - 1)
 	return t
+}
+
+// chatMLJinja is ChatML as a Jinja chat template (what ChatML renders).
+const chatMLJinja = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}" +
+	"{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+
+// BuiltinJSON returns Builtin(vocabSize) as the Hugging Face tokenizer.json and
+// tokenizer_config.json that Load turns into the same tokenizer (same ids for every text), for
+// writing model directories (random checkpoints for benchmarks and tests). It panics as Builtin
+// does.
+func BuiltinJSON(vocabSize int) (tokenizerJSON, tokenizerConfigJSON []byte) {
+	t := Builtin(vocabSize)
+	// Replay Builtin's merge list: every line up to the first one whose result has no id left.
+	var merges []string
+	for line := range strings.Lines(builtinMerges) {
+		line = strings.TrimSuffix(line, "\n")
+		a, b, _ := strings.Cut(line, " ")
+		if _, ok := t.vocab[a+b]; !ok {
+			break
+		}
+		merges = append(merges, line)
+	}
+	var added []map[string]any
+	for i, s := range []string{EndOfText, IMStart, IMEnd} {
+		added = append(added, map[string]any{"id": vocabSize - 3 + i, "content": s, "single_word": false,
+			"lstrip": false, "rstrip": false, "normalized": false, "special": true})
+	}
+	byteLevel := map[string]any{"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false}
+	doc := map[string]any{
+		"version":        "1.0",
+		"added_tokens":   added,
+		"normalizer":     nil,
+		"pre_tokenizer":  map[string]any{"type": "Sequence", "pretokenizers": []any{map[string]any{"type": "Split", "pattern": map[string]any{"Regex": PatternQwen2}, "behavior": "Isolated", "invert": false}, byteLevel}},
+		"post_processor": byteLevel,
+		"decoder":        byteLevel,
+		"model":          map[string]any{"type": "BPE", "vocab": t.vocab, "merges": merges, "byte_fallback": false, "ignore_merges": false},
+	}
+	tj, err := json.Marshal(doc)
+	if err != nil {
+		panic(err) // maps of strings and numbers always marshal
+	}
+	cfg, err := json.Marshal(map[string]any{"bos_token": nil, "eos_token": IMEnd, "pad_token": EndOfText,
+		"add_bos_token": false, "chat_template": chatMLJinja})
+	if err != nil {
+		panic(err)
+	}
+	return tj, cfg
 }

@@ -41,7 +41,7 @@ func TestBuiltinLayout(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, _ := ct.Render([]Message{{"user", "hi"}}, true); got != "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" {
+	if got, _ := ct.Render([]Message{{"user", "hi"}}, RenderOptions{AddGenerationPrompt: true}); got != "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" {
 		t.Errorf("built-in chat template rendered %q", got)
 	}
 }
@@ -242,4 +242,41 @@ func TestTokenStrings(t *testing.T) {
 	if strs[len(ids)] != "" {
 		t.Errorf("unknown id spelled %q", strs[len(ids)])
 	}
+}
+
+func TestBuiltinJSONLoadsAsBuiltin(t *testing.T) {
+	for _, vocab := range []int{BuiltinMinVocab, 1000, 4096} {
+		want := Builtin(vocab)
+		tj, cfg := BuiltinJSON(vocab)
+		got, err := Load(tj, cfg)
+		if err != nil {
+			t.Fatalf("vocab %d: %v", vocab, err)
+		}
+		if got.VocabSize() != want.VocabSize() {
+			t.Fatalf("vocab %d: VocabSize %d, want %d", vocab, got.VocabSize(), want.VocabSize())
+		}
+		for _, text := range []string{"Hello, world! 1234 ünïcödé\n\n  spaces", "<|im_start|>user\nhi<|im_end|>", string(must(os.ReadFile("testdata/heldout_english.txt")))} {
+			if a, b := got.Encode(text), want.Encode(text); !slices.Equal(a, b) {
+				t.Fatalf("vocab %d: Encode(%.40q) = %v, Builtin gives %v", vocab, text, a, b)
+			}
+		}
+		msgs := []Message{{Role: "user", Content: "hi"}}
+		tmpl, err := got.ChatTemplate()
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, _ := tmpl.Render(msgs, RenderOptions{AddGenerationPrompt: true})
+		b, _ := ChatML().Render(msgs, RenderOptions{AddGenerationPrompt: true})
+		if a != b {
+			t.Fatalf("chat template renders %q, ChatML %q", a, b)
+		}
+	}
+}
+
+// must returns v, panicking on err (test inputs that are part of the repository).
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
 }

@@ -30,7 +30,7 @@ func readTemplate(t *testing.T, name string) string {
 // mustRender renders msgs or fails the test.
 func mustRender(t *testing.T, ct ChatTemplate, msgs []Message, gen bool) string {
 	t.Helper()
-	out, err := ct.Render(msgs, gen)
+	out, err := ct.Render(msgs, RenderOptions{AddGenerationPrompt: gen})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -124,7 +124,7 @@ func TestChatTemplateErrors(t *testing.T) {
 			t.Errorf("ParseChatTemplate(%q): %v", src, err)
 			continue
 		}
-		_, err = ct.Render([]Message{{"user", "hi"}}, true)
+		_, err = ct.Render([]Message{{"user", "hi"}}, RenderOptions{AddGenerationPrompt: true})
 		if !errors.Is(err, ErrChatTemplate) || !strings.Contains(err.Error(), want) {
 			t.Errorf("Render(%q) err = %v, want one mentioning %q", src, err, want)
 		}
@@ -134,7 +134,7 @@ func TestChatTemplateErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, _ = ct.Render(nil, true)
+	_, _ = ct.Render(nil, RenderOptions{AddGenerationPrompt: true})
 }
 
 func TestChatTemplateBoundedRecursionAndRange(t *testing.T) {
@@ -192,7 +192,7 @@ func TestChatTemplateConcurrentRender(t *testing.T) {
 		wg.Go(func() {
 			msgs := []Message{{"user", strings.Repeat("x", i)}}
 			for range 50 {
-				out, err := ct.Render(msgs, false)
+				out, err := ct.Render(msgs, RenderOptions{})
 				if err != nil || out != "<"+strings.Repeat("x", i)+">" {
 					errs <- errors.Join(err, errors.New(out))
 					return
@@ -204,5 +204,78 @@ func TestChatTemplateConcurrentRender(t *testing.T) {
 	close(errs)
 	for err := range errs {
 		t.Error(err)
+	}
+}
+
+// TestQwen3ChatTemplateOptions renders Qwen3's real chat template with vLLM's chat options; the
+// expected prompts are read off the template's source (testdata/qwen3_chat_template.jinja).
+func TestQwen3ChatTemplateOptions(t *testing.T) {
+	ct, err := ParseChatTemplate(readTemplate(t, "qwen3_chat_template.jinja"), "", "<|im_end|>")
+	if err != nil {
+		t.Fatal(err)
+	}
+	user := []Message{{Role: "user", Content: "Hi"}}
+	render := func(msgs []Message, opts RenderOptions) string {
+		t.Helper()
+		out, err := ct.Render(msgs, opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	if got, want := render(user, RenderOptions{AddGenerationPrompt: true, Kwargs: map[string]any{"enable_thinking": false}}),
+		"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"; got != want {
+		t.Errorf("enable_thinking false: %q, want %q", got, want)
+	}
+	for _, kw := range []map[string]any{nil, {"enable_thinking": true}} {
+		if got, want := render(user, RenderOptions{AddGenerationPrompt: true, Kwargs: kw}), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"; got != want {
+			t.Errorf("kwargs %v: %q, want %q", kw, got, want)
+		}
+	}
+	// continue_final_message: the prompt stops inside the assistant's last message.
+	partial := append(user, Message{Role: "assistant", Content: "The answer is"})
+	if got, want := render(partial, RenderOptions{ContinueFinalMessage: true}),
+		"<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is"; got != want {
+		t.Errorf("continue_final_message: %q, want %q", got, want)
+	}
+	if got, want := render(partial, RenderOptions{}), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nThe answer is<|im_end|>\n"; got != want {
+		t.Errorf("closed final message: %q, want %q", got, want)
+	}
+	for name, opts := range map[string]RenderOptions{
+		"both":            {AddGenerationPrompt: true, ContinueFinalMessage: true},
+		"kwarg messages":  {Kwargs: map[string]any{"messages": []any{}}},
+		"kwarg internals": {Kwargs: map[string]any{spaceChars: "x"}},
+	} {
+		for _, tmpl := range []ChatTemplate{ct, ChatML()} {
+			if _, err := tmpl.Render(partial, opts); !errors.Is(err, ErrBadRenderOptions) {
+				t.Errorf("%s: err = %v, want ErrBadRenderOptions", name, err)
+			}
+		}
+	}
+	if _, err := ChatML().Render(nil, RenderOptions{ContinueFinalMessage: true}); !errors.Is(err, ErrBadRenderOptions) {
+		t.Errorf("continue with no messages: err = %v", err)
+	}
+	if got, _ := ChatML().Render(partial, RenderOptions{ContinueFinalMessage: true}); got != "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nThe answer is" {
+		t.Errorf("ChatML continue_final_message: %q", got)
+	}
+}
+
+// TestChatTemplateStripsLikePython: trim and argument-less strip(), lstrip() and rstrip()
+// remove what Python's str.strip() removes (str.isspace: including \x1c–\x1f, \v, U+00A0 and
+// U+3000), as Jinja2 does; string literals in tags are not rewritten.
+func TestChatTemplateStripsLikePython(t *testing.T) {
+	ct, err := ParseChatTemplate(`{{ messages[0].content|trim }}|{{ messages[0].content.strip() }}|{{ messages[0].content.lstrip() }}|`+
+		`{{ messages[0].content.rstrip() }}|{{ 'xhix'|trim('x') }}|{{ '.strip() |trim' }}{% raw %}{{ a|trim }}{% endraw %}`, "", "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	x := "\x1c\v\u3000 hi \u00a0\x1f\n"
+	got, err := ct.Render([]Message{{Role: "user", Content: x}}, RenderOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Python: x.strip() == 'hi', x.lstrip() == 'hi \xa0\x1f\n', x.rstrip() == '\x1c\x0b\u3000 hi'.
+	if want := "hi|hi|hi \u00a0\x1f\n|\x1c\v\u3000 hi|hi|.strip() |trim{{ a|trim }}"; got != want {
+		t.Fatalf("got %q, want %q", got, want)
 	}
 }

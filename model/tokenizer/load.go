@@ -24,6 +24,7 @@ type tokenizerFile struct {
 		Vocab                   map[string]int64  `json:"vocab"`
 		Merges                  []json.RawMessage `json:"merges"`
 		UnkToken                *string           `json:"unk_token"`
+		FuseUnk                 bool              `json:"fuse_unk"`
 		ContinuingSubwordPrefix *string           `json:"continuing_subword_prefix"`
 		EndOfWordSuffix         *string           `json:"end_of_word_suffix"`
 		IgnoreMerges            bool              `json:"ignore_merges"`
@@ -39,6 +40,7 @@ type addedTokenJSON struct {
 	LStrip     bool   `json:"lstrip"`
 	RStrip     bool   `json:"rstrip"`
 	Special    bool   `json:"special"`
+	Normalized *bool  `json:"normalized"`
 }
 
 // configFile is the part of tokenizer_config.json this package reads.
@@ -46,6 +48,7 @@ type configFile struct {
 	BOSToken           json.RawMessage           `json:"bos_token"`
 	EOSToken           json.RawMessage           `json:"eos_token"`
 	AddBOSToken        *bool                     `json:"add_bos_token"`
+	AddEOSToken        *bool                     `json:"add_eos_token"`
 	ChatTemplate       json.RawMessage           `json:"chat_template"`
 	AddedTokensDecoder map[string]addedTokenJSON `json:"added_tokens_decoder"`
 }
@@ -62,10 +65,15 @@ func isNull(raw json.RawMessage) bool {
 }
 
 // Load builds a Tokenizer from the contents of a Hugging Face tokenizer.json and, optionally
-// (nil or empty), tokenizer_config.json. It supports byte-level BPE: model type BPE with vocab
-// and merges (string "a b" or pair form), ByteLevel / Split (Regex or String) / Digits /
-// Sequence pre-tokenizers, added tokens, ignore_merges, and the ByteLevel decoder. From the
-// config it reads bos_token, eos_token, add_bos_token, chat_template and added_tokens_decoder.
+// (nil or empty), tokenizer_config.json. It supports BPE models, byte-level (a ByteLevel
+// pre-tokenizer step) or character-level with byte_fallback, unk_token and fuse_unk
+// (SentencePiece-style); the normalizers NFC, NFD, NFKC, NFKD, Lowercase, Strip, Replace, Prepend
+// and Sequence; the pre-tokenizers ByteLevel, Split (Regex or String), Digits, Metaspace and
+// Sequence; added tokens (normalized or not); ignore_merges; the post-processors
+// TemplateProcessing, ByteLevel, Bert/RobertaProcessing and Sequence; and the decoders ByteLevel,
+// Metaspace, Replace, ByteFallback, Fuse, Strip and Sequence. From the config it reads bos_token,
+// eos_token, add_bos_token and add_eos_token (which, as in transformers, replace the
+// post-processor's template), chat_template and added_tokens_decoder.
 func Load(tokenizerJSON, tokenizerConfigJSON []byte) (*Tokenizer, error) {
 	var f tokenizerFile
 	if err := json.Unmarshal(tokenizerJSON, &f); err != nil {
@@ -80,17 +88,29 @@ func Load(tokenizerJSON, tokenizerConfigJSON []byte) (*Tokenizer, error) {
 	if err := checkSupported(&f); err != nil {
 		return nil, err
 	}
+	norm, err := parseNormalizer(f.Normalizer)
+	if err != nil {
+		return nil, err
+	}
 	pre, byteLevelSeen, err := parsePreTokenizer(f.PreTokenizer)
 	if err != nil {
 		return nil, err
 	}
-	if !byteLevelSeen {
-		return nil, fmt.Errorf("%w: pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)", ErrUnsupported)
+	bl := newByteLevel()
+	dec, err := parseDecoder(f.Decoder, bl)
+	if err != nil {
+		return nil, err
+	}
+	special, err := parsePostProcessor(f.PostProcessor)
+	if err != nil {
+		return nil, err
 	}
 
-	bl := newByteLevel()
 	t := &Tokenizer{
+		norm:           norm,
 		pre:            pre,
+		dec:            dec,
+		special:        special,
 		vocab:          make(map[string]int32, len(f.Model.Vocab)),
 		addedByContent: map[string]int32{},
 		bosID:          -1,
@@ -98,6 +118,9 @@ func Load(tokenizerJSON, tokenizerConfigJSON []byte) (*Tokenizer, error) {
 	}
 	t.bpe.ignoreMerges = f.Model.IgnoreMerges
 	t.bpe.unk = -1
+	t.bpe.charLevel = !byteLevelSeen
+	t.bpe.byteFallback = f.Model.ByteFallback
+	t.bpe.fuseUnk = f.Model.FuseUnk
 	if err := t.loadVocab(bl, f.Model.Vocab); err != nil {
 		return nil, err
 	}
@@ -131,11 +154,43 @@ func Load(tokenizerJSON, tokenizerConfigJSON []byte) (*Tokenizer, error) {
 	if err := t.loadAdded(append(added, extra...)); err != nil {
 		return nil, err
 	}
-
-	if err := t.loadSpecialConfig(&cfg, f.PostProcessor); err != nil {
+	if err := t.loadSpecialConfig(&cfg); err != nil {
 		return nil, err
 	}
+	t.streamBytes()
 	return t, nil
+}
+
+// streamBytes sets each vocabulary token's bytes as it decodes after another token: byte-level
+// tokens their bytes; character-level ones through the decoders (▁ a space, <0xXX> its byte).
+func (t *Tokenizer) streamBytes() {
+	if !t.bpe.charLevel {
+		return
+	}
+	_, hasFallback := t.dec.(byteFallbackDecoder)
+	if seq, ok := t.dec.(decoders); ok {
+		for _, d := range seq {
+			if _, ok := d.(byteFallbackDecoder); ok {
+				hasFallback = true
+			}
+		}
+	}
+	for id := range t.tokens {
+		ti := &t.tokens[id]
+		if !ti.ok || ti.added {
+			continue
+		}
+		if b, ok := fallbackByte(ti.piece); ok && hasFallback {
+			ti.bytes = []byte{b}
+			continue
+		}
+		if t.dec == nil {
+			ti.bytes = []byte(" " + ti.piece)
+			continue
+		}
+		// Decoded behind a plain character, so no step treats it as the start of the text.
+		ti.bytes = []byte(strings.Join(t.dec.chain([]string{"x", ti.piece}), "")[1:])
+	}
 }
 
 // checkSupported rejects tokenizer.json features this package cannot honour.
@@ -155,49 +210,7 @@ func checkSupported(f *tokenizerFile) error {
 	if s := f.Model.EndOfWordSuffix; s != nil && *s != "" {
 		return fmt.Errorf("%w: end_of_word_suffix %q", ErrUnsupported, *s)
 	}
-	if f.Model.ByteFallback {
-		return fmt.Errorf("%w: byte_fallback (SentencePiece-style BPE)", ErrUnsupported)
-	}
-	if err := checkNormalizer(f.Normalizer); err != nil {
-		return err
-	}
-	if !isNull(f.Decoder) {
-		var d typed
-		if err := json.Unmarshal(f.Decoder, &d); err != nil {
-			return fmt.Errorf("%w: decoder: %w", ErrMalformed, err)
-		}
-		if d.Type != "ByteLevel" {
-			return fmt.Errorf("%w: decoder %q (only ByteLevel)", ErrUnsupported, d.Type)
-		}
-	}
 	return nil
-}
-
-// checkNormalizer accepts no normalizer and NFC (alone or in a Sequence). NFC is not applied:
-// text is assumed to be NFC already, which is what nearly all input is.
-func checkNormalizer(raw json.RawMessage) error {
-	if isNull(raw) {
-		return nil
-	}
-	var n struct {
-		Type        string            `json:"type"`
-		Normalizers []json.RawMessage `json:"normalizers"`
-	}
-	if err := json.Unmarshal(raw, &n); err != nil {
-		return fmt.Errorf("%w: normalizer: %w", ErrMalformed, err)
-	}
-	switch n.Type {
-	case "NFC":
-		return nil
-	case "Sequence":
-		for _, sub := range n.Normalizers {
-			if err := checkNormalizer(sub); err != nil {
-				return err
-			}
-		}
-		return nil
-	}
-	return fmt.Errorf("%w: normalizer %q", ErrUnsupported, n.Type)
 }
 
 // parsePreTokenizer builds the pre-tokenizer and reports whether a ByteLevel step is present.
@@ -217,6 +230,9 @@ func parsePreTokenizer(raw json.RawMessage) (preTokenizer, bool, error) {
 		Behavior         string `json:"behavior"`
 		Invert           bool   `json:"invert"`
 		IndividualDigits bool   `json:"individual_digits"`
+		Replacement      string `json:"replacement"`
+		PrependScheme    string `json:"prepend_scheme"`
+		Split            *bool  `json:"split"`
 	}
 	if err := json.Unmarshal(raw, &p); err != nil {
 		return nil, false, fmt.Errorf("%w: pre_tokenizer: %w", ErrMalformed, err)
@@ -270,6 +286,16 @@ func parsePreTokenizer(raw json.RawMessage) (preTokenizer, bool, error) {
 		return sp, false, nil
 	case "Digits":
 		return digitsPre{individual: p.IndividualDigits}, false, nil
+	case "Metaspace":
+		scheme, err := parsePrependScheme(p.PrependScheme, p.AddPrefixSpace)
+		if err != nil {
+			return nil, false, err
+		}
+		r, err := singleRune("Metaspace replacement", p.Replacement, '▁')
+		if err != nil {
+			return nil, false, err
+		}
+		return metaspacePre{replacement: string(r), scheme: scheme, split_: p.Split == nil || *p.Split}, false, nil
 	}
 	return nil, false, fmt.Errorf("%w: pre-tokenizer %q", ErrUnsupported, p.Type)
 }
@@ -298,15 +324,21 @@ func (t *Tokenizer) loadVocab(bl *byteLevel, vocab map[string]int64) error {
 		if t.tokens[id].ok {
 			return fmt.Errorf("%w: vocab id %d used twice", ErrMalformed, id)
 		}
-		b, _ := bl.decode(s)
-		t.tokens[id] = tokenInfo{bytes: b, ok: true}
+		b := []byte(s)
+		if !t.bpe.charLevel {
+			b, _ = bl.decode(s)
+		}
+		t.tokens[id] = tokenInfo{piece: s, bytes: b, ok: true}
 		t.vocab[s] = int32(id)
 		t.bpe.byBytes[string(b)] = int32(id)
 	}
 	for b := range 256 {
-		t.bpe.byteIDs[b] = -1
-		if id, ok := t.vocab[string(bl.toRune[b])]; ok {
+		t.bpe.byteIDs[b], t.bpe.fallbackIDs[b] = -1, -1
+		if id, ok := t.vocab[string(bl.toRune[b])]; ok && !t.bpe.charLevel {
 			t.bpe.byteIDs[b] = id
+		}
+		if id, ok := t.vocab[fmt.Sprintf("<0x%02X>", b)]; ok && t.bpe.charLevel {
+			t.bpe.fallbackIDs[b] = id
 		}
 	}
 	return nil
@@ -348,20 +380,30 @@ func (t *Tokenizer) loadMerges(raw []json.RawMessage) error {
 
 // loadAdded registers added tokens; they decode to their content verbatim.
 func (t *Tokenizer) loadAdded(added []addedTokenJSON) error {
-	var list []*addedToken
+	var raw, normalized []*addedToken
 	for _, a := range added {
 		if err := t.growTokens(a.ID); err != nil {
 			return fmt.Errorf("added token %q: %w", a.Content, err)
 		}
 		id := int32(a.ID)
-		t.tokens[id] = tokenInfo{bytes: []byte(a.Content), ok: true, added: true, special: a.Special}
+		t.tokens[id] = tokenInfo{piece: a.Content, bytes: []byte(a.Content), ok: true, added: true, special: a.Special}
 		t.addedByContent[a.Content] = id
-		list = append(list, &addedToken{
-			id: id, content: a.Content, special: a.Special,
-			lstrip: a.LStrip, rstrip: a.RStrip, singleWord: a.SingleWord,
-		})
+		tok := &addedToken{id: id, content: a.Content, special: a.Special, lstrip: a.LStrip, rstrip: a.RStrip, singleWord: a.SingleWord}
+		// Hugging Face matches normalized added tokens in the normalized text, by their
+		// normalized content; by default special tokens are not normalized, others are.
+		if a.Normalized == nil && !a.Special || a.Normalized != nil && *a.Normalized {
+			if t.norm != nil {
+				tok.content = t.norm.normalize(a.Content)
+			}
+			normalized = append(normalized, tok)
+			continue
+		}
+		raw = append(raw, tok)
 	}
-	t.added = newAddedMatcher(list)
+	t.added = newAddedMatcher(raw)
+	if len(normalized) > 0 {
+		t.addedN = newAddedMatcher(normalized)
+	}
 	return nil
 }
 
@@ -411,9 +453,9 @@ func chatTemplateSource(raw json.RawMessage) (string, error) {
 	return "", nil
 }
 
-// loadSpecialConfig reads BOS/EOS, add_bos_token and the chat template, and looks for a BOS
-// prepended by a TemplateProcessing post-processor.
-func (t *Tokenizer) loadSpecialConfig(cfg *configFile, post json.RawMessage) error {
+// loadSpecialConfig reads BOS/EOS, add_bos_token and add_eos_token (which replace the
+// post-processor's template, as transformers' update_post_processor does) and the chat template.
+func (t *Tokenizer) loadSpecialConfig(cfg *configFile) error {
 	var err error
 	if t.bosToken, err = tokenContent(cfg.BOSToken); err != nil {
 		return fmt.Errorf("%w: tokenizer_config.json bos_token: %w", ErrMalformed, err)
@@ -424,14 +466,8 @@ func (t *Tokenizer) loadSpecialConfig(cfg *configFile, post json.RawMessage) err
 	if t.chatTemplate, err = chatTemplateSource(cfg.ChatTemplate); err != nil {
 		return fmt.Errorf("%w: tokenizer_config.json chat_template: %w", ErrMalformed, err)
 	}
-	if postBOS := templateBOS(post); postBOS != "" {
-		t.addBOS = true
-		if t.bosToken == "" {
-			t.bosToken = postBOS
-		}
-	}
-	if cfg.AddBOSToken != nil {
-		t.addBOS = *cfg.AddBOSToken
+	if t.bosToken == "" && len(t.special.before) > 0 {
+		t.bosToken = t.tokens[t.special.before[0]].piece // the template's first special token
 	}
 	if id, ok := t.TokenID(t.bosToken); ok && t.bosToken != "" {
 		t.bosID = id
@@ -439,38 +475,19 @@ func (t *Tokenizer) loadSpecialConfig(cfg *configFile, post json.RawMessage) err
 	if id, ok := t.TokenID(t.eosToken); ok && t.eosToken != "" {
 		t.eosID = id
 	}
+	for _, id := range append(append([]int32(nil), t.special.before...), t.special.after...) {
+		if int(id) >= len(t.tokens) || !t.tokens[id].ok {
+			return fmt.Errorf("%w: post_processor adds token id %d, which has no token", ErrMalformed, id)
+		}
+	}
+	if cfg.AddBOSToken != nil || cfg.AddEOSToken != nil {
+		t.special = template{}
+		if cfg.AddBOSToken != nil && *cfg.AddBOSToken && t.bosID >= 0 {
+			t.special.before = []int32{t.bosID}
+		}
+		if cfg.AddEOSToken != nil && *cfg.AddEOSToken && t.eosID >= 0 {
+			t.special.after = []int32{t.eosID}
+		}
+	}
 	return nil
-}
-
-// templateBOS returns the special token a TemplateProcessing post-processor (possibly inside a
-// Sequence) puts first in a single sequence, or "".
-func templateBOS(raw json.RawMessage) string {
-	if isNull(raw) {
-		return ""
-	}
-	var p struct {
-		Type       string            `json:"type"`
-		Processors []json.RawMessage `json:"processors"`
-		Single     []struct {
-			SpecialToken *struct {
-				ID string `json:"id"`
-			} `json:"SpecialToken"`
-		} `json:"single"`
-	}
-	if json.Unmarshal(raw, &p) != nil {
-		return ""
-	}
-	switch p.Type {
-	case "Sequence":
-		for _, sub := range p.Processors {
-			if s := templateBOS(sub); s != "" {
-				return s
-			}
-		}
-	case "TemplateProcessing":
-		if len(p.Single) > 0 && p.Single[0].SpecialToken != nil {
-			return p.Single[0].SpecialToken.ID
-		}
-	}
-	return ""
 }

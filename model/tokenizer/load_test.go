@@ -223,7 +223,7 @@ func TestLoadLlama3DigitsAndIgnoreMerges(t *testing.T) {
 		t.Errorf("ignore_merges: Encode = %v, want %v", got, want)
 	}
 	var pieces []string
-	pieces = tok.pre.split([]string{"12345 x"}, pieces)
+	pieces = tok.pre.split([]string{"12345 x"}, pieces, true)
 	if want := []string{"123", "45", " x"}; !slices.Equal(pieces, want) {
 		t.Errorf("Llama-3 pieces %q, want %q", pieces, want)
 	}
@@ -259,7 +259,7 @@ func TestLoadConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, err := ct.Render([]Message{{"user", "hi"}}, true)
+	got, err := ct.Render([]Message{{"user", "hi"}}, RenderOptions{AddGenerationPrompt: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -280,7 +280,8 @@ func TestLoadConfig(t *testing.T) {
 			"single": []any{
 				map[string]any{"SpecialToken": map[string]any{"id": "<|begin_of_text|>", "type_id": 0}},
 				map[string]any{"Sequence": map[string]any{"id": "A", "type_id": 0}},
-			}},
+			},
+			"special_tokens": map[string]any{"<|begin_of_text|>": map[string]any{"id": "<|begin_of_text|>", "ids": []int{304}, "tokens": []string{"<|begin_of_text|>"}}}},
 	}}
 	tj, _ := json.Marshal(doc)
 	cfg := `{"eos_token": "<|endoftext|>", "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}`
@@ -327,10 +328,16 @@ func TestLoadErrors(t *testing.T) {
 		{"bad regex", mutate(func(d map[string]any) {
 			d["pre_tokenizer"].(map[string]any)["pretokenizers"].([]any)[0].(map[string]any)["pattern"] = map[string]any{"Regex": "(?<"}
 		}), "", ErrUnsupported},
-		{"no byte level", mutate(func(d map[string]any) { d["pre_tokenizer"] = map[string]any{"type": "Digits"} }), "", ErrUnsupported},
-		{"metaspace decoder", mutate(func(d map[string]any) { d["decoder"] = map[string]any{"type": "Metaspace"} }), "", ErrUnsupported},
-		{"nfkc", mutate(func(d map[string]any) { d["normalizer"] = map[string]any{"type": "NFKC"} }), "", ErrUnsupported},
-		{"byte fallback", mutate(func(d map[string]any) { model(d)["byte_fallback"] = true }), "", ErrUnsupported},
+		{"whitespace pre-tokenizer", mutate(func(d map[string]any) { d["pre_tokenizer"] = map[string]any{"type": "Whitespace"} }), "", ErrUnsupported},
+		{"wordpiece decoder", mutate(func(d map[string]any) { d["decoder"] = map[string]any{"type": "WordPiece"} }), "", ErrUnsupported},
+		{"precompiled normalizer", mutate(func(d map[string]any) { d["normalizer"] = map[string]any{"type": "Precompiled"} }), "", ErrUnsupported},
+		{"bert normalizer in a sequence", mutate(func(d map[string]any) {
+			d["normalizer"] = map[string]any{"type": "Sequence", "normalizers": []any{map[string]any{"type": "NFC"}, map[string]any{"type": "BertNormalizer"}}}
+		}), "", ErrUnsupported},
+		{"unknown post-processor", mutate(func(d map[string]any) { d["post_processor"] = map[string]any{"type": "Mystery"} }), "", ErrUnsupported},
+		{"template without special_tokens", mutate(func(d map[string]any) {
+			d["post_processor"] = map[string]any{"type": "TemplateProcessing", "single": []any{map[string]any{"SpecialToken": map[string]any{"id": "<s>"}}}}
+		}), "", ErrMalformed},
 	}
 	for _, c := range cases {
 		_, err := Load(c.json, []byte(c.cfg))
@@ -356,17 +363,17 @@ func TestSplitBehaviors(t *testing.T) {
 	}
 	for _, c := range cases {
 		p := &splitPre{m: m, behavior: c.b, invert: c.invert}
-		if got := p.split([]string{"a-b--c"}, nil); !slices.Equal(got, c.want) {
+		if got := p.split([]string{"a-b--c"}, nil, true); !slices.Equal(got, c.want) {
 			t.Errorf("behavior %d invert %v: %q, want %q", c.b, c.invert, got, c.want)
 		}
 	}
-	if got := (digitsPre{individual: true}).split([]string{"ab12c3"}, nil); !slices.Equal(got, []string{"ab", "1", "2", "c", "3"}) {
+	if got := (digitsPre{individual: true}).split([]string{"ab12c3"}, nil, true); !slices.Equal(got, []string{"ab", "1", "2", "c", "3"}) {
 		t.Errorf("Digits individual: %q", got)
 	}
-	if got := (digitsPre{}).split([]string{"ab12c3"}, nil); !slices.Equal(got, []string{"ab", "12", "c", "3"}) {
+	if got := (digitsPre{}).split([]string{"ab12c3"}, nil, true); !slices.Equal(got, []string{"ab", "12", "c", "3"}) {
 		t.Errorf("Digits: %q", got)
 	}
-	if got := (byteLevelPre{addPrefixSpace: true, useRegex: true}).split([]string{"hello world"}, nil); !slices.Equal(got, []string{" hello", " world"}) {
+	if got := (byteLevelPre{addPrefixSpace: true, useRegex: true}).split([]string{"hello world"}, nil, true); !slices.Equal(got, []string{" hello", " world"}) {
 		t.Errorf("ByteLevel: %q", got)
 	}
 }
@@ -379,8 +386,8 @@ func TestLongPieceHeapMatchesScan(t *testing.T) {
 		strings.Repeat("ĠĠ", 40) + "thethe",
 		strings.Repeat("世", 20),
 	} {
-		scan := tok.bpe.mergeScan(s[:min(len(s), smallPiece)], nil)
-		heap := tok.bpe.mergeHeap(s[:min(len(s), smallPiece)], nil)
+		scan := tok.bpe.mergeScan(tok.bpe.byteSymbols(s[:min(len(s), smallPiece)]), nil)
+		heap := tok.bpe.mergeHeap(tok.bpe.byteSymbols(s[:min(len(s), smallPiece)]), nil)
 		if !slices.Equal(scan, heap) {
 			t.Errorf("%q: scan %v, heap %v", s[:min(len(s), smallPiece)], scan, heap)
 		}
@@ -424,4 +431,13 @@ func TestLoadRegexp2PathMatchesHandPath(t *testing.T) {
 	for e := range errs {
 		t.Error(e)
 	}
+}
+
+// byteSymbols returns the initial symbols of a byte-level piece (one per byte).
+func (m *bpeModel) byteSymbols(s string) []int32 {
+	ids := make([]int32, len(s))
+	for i := range len(s) {
+		ids[i] = m.byteIDs[s[i]]
+	}
+	return ids
 }

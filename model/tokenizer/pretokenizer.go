@@ -13,8 +13,9 @@ import (
 // preTokenizer refines a list of pieces into smaller pieces; BPE then runs on each piece alone.
 // Implementations are immutable and safe for concurrent use.
 type preTokenizer interface {
-	// split appends the refined pieces of in to out and returns out.
-	split(in, out []string) []string
+	// split appends the refined pieces of in to out and returns out. atStart says in[0]
+	// begins the input text (Metaspace prepends only there under prepend_scheme "first").
+	split(in, out []string, atStart bool) []string
 }
 
 // splitBehavior is what Split does with the matched spans (HF SplitDelimiterBehavior).
@@ -64,7 +65,7 @@ type span struct {
 	match      bool
 }
 
-func (p *splitPre) split(in, out []string) []string {
+func (p *splitPre) split(in, out []string, _ bool) []string {
 	// Fast path: a hand splitter with Isolated behavior (the usual configuration) produces the
 	// pieces directly, without span bookkeeping.
 	if hm, ok := p.m.(handMatcher); ok && p.behavior == behaviorIsolated && !p.invert {
@@ -285,7 +286,7 @@ type byteLevelPre struct {
 	useRegex       bool
 }
 
-func (p byteLevelPre) split(in, out []string) []string {
+func (p byteLevelPre) split(in, out []string, _ bool) []string {
 	for _, s := range in {
 		if s == "" {
 			continue
@@ -305,7 +306,7 @@ func (p byteLevelPre) split(in, out []string) []string {
 // digitsPre is the Digits pre-tokenizer (ASCII digits split off, one by one or in runs).
 type digitsPre struct{ individual bool }
 
-func (p digitsPre) split(in, out []string) []string {
+func (p digitsPre) split(in, out []string, _ bool) []string {
 	for _, s := range in {
 		start := 0
 		for i := 0; i < len(s); {
@@ -337,10 +338,73 @@ func (p digitsPre) split(in, out []string) []string {
 // sequencePre applies pre-tokenizers in order.
 type sequencePre []preTokenizer
 
-func (seq sequencePre) split(in, out []string) []string {
+func (seq sequencePre) split(in, out []string, atStart bool) []string {
 	cur := in
 	for _, p := range seq {
-		cur = p.split(cur, nil)
+		cur = p.split(cur, nil, atStart)
 	}
 	return append(out, cur...)
+}
+
+// prependScheme is when Metaspace puts the replacement character in front of a piece.
+type prependScheme uint8
+
+const (
+	prependAlways prependScheme = iota
+	prependFirst                // only the piece that begins the input
+	prependNever
+)
+
+// parsePrependScheme reads Metaspace's prepend_scheme, or the older add_prefix_space.
+func parsePrependScheme(s string, addPrefixSpace *bool) (prependScheme, error) {
+	switch s {
+	case "always":
+		return prependAlways, nil
+	case "first":
+		return prependFirst, nil
+	case "never":
+		return prependNever, nil
+	case "":
+		if addPrefixSpace != nil && !*addPrefixSpace {
+			return prependNever, nil
+		}
+		return prependAlways, nil
+	}
+	return 0, fmt.Errorf("%w: Metaspace prepend_scheme %q", ErrUnsupported, s)
+}
+
+// metaspacePre is the Metaspace pre-tokenizer (SentencePiece's whitespace handling): spaces
+// become the replacement character (▁), which is prepended to a piece that does not start with
+// it (always, or only at the start of the input, or never), and with split the piece is cut
+// before every replacement character.
+type metaspacePre struct {
+	replacement string
+	scheme      prependScheme
+	split_      bool
+}
+
+func (p metaspacePre) split(in, out []string, atStart bool) []string {
+	for i, s := range in {
+		s = strings.ReplaceAll(s, " ", p.replacement)
+		if !strings.HasPrefix(s, p.replacement) && s != "" &&
+			(p.scheme == prependAlways || p.scheme == prependFirst && atStart && i == 0) {
+			s = p.replacement + s
+		}
+		if !p.split_ {
+			if s != "" {
+				out = append(out, s)
+			}
+			continue
+		}
+		for s != "" {
+			j := strings.Index(s[1:], p.replacement)
+			if j < 0 {
+				out = append(out, s)
+				break
+			}
+			out = append(out, s[:j+1])
+			s = s[j+1:]
+		}
+	}
+	return out
 }

@@ -1,0 +1,92 @@
+package tokenizer
+
+import (
+	"encoding/json"
+	"fmt"
+)
+
+// template is what a post-processor adds around a single sequence when special tokens are
+// requested (Hugging Face's TemplateProcessing "single", Bert/RobertaProcessing's cls and sep):
+// the ids before and after it.
+type template struct {
+	before, after []int32
+}
+
+// parsePostProcessor reads tokenizer.json's post_processor: TemplateProcessing, ByteLevel (which
+// adds nothing), Bert/RobertaProcessing and Sequence.
+func parsePostProcessor(raw json.RawMessage) (template, error) {
+	var tp template
+	if isNull(raw) {
+		return tp, nil
+	}
+	var p struct {
+		Type       string            `json:"type"`
+		Processors []json.RawMessage `json:"processors"`
+		Single     []struct {
+			SpecialToken *struct {
+				ID string `json:"id"`
+			} `json:"SpecialToken"`
+			Sequence *struct {
+				ID string `json:"id"`
+			} `json:"Sequence"`
+		} `json:"single"`
+		SpecialTokens map[string]struct {
+			IDs []int64 `json:"ids"`
+		} `json:"special_tokens"`
+	}
+	if err := json.Unmarshal(raw, &p); err != nil {
+		return tp, fmt.Errorf("%w: post_processor: %w", ErrMalformed, err)
+	}
+	switch p.Type {
+	case "ByteLevel":
+		return tp, nil
+	case "Sequence":
+		for _, sub := range p.Processors {
+			t, err := parsePostProcessor(sub)
+			if err != nil {
+				return tp, err
+			}
+			tp.before = append(tp.before, t.before...)
+			tp.after = append(t.after, tp.after...)
+		}
+		return tp, nil
+	case "TemplateProcessing":
+		seen := false
+		for _, item := range p.Single {
+			switch {
+			case item.Sequence != nil:
+				if seen || item.Sequence.ID != "A" {
+					return tp, fmt.Errorf("%w: post_processor single template must hold sequence A once", ErrUnsupported)
+				}
+				seen = true
+			case item.SpecialToken != nil:
+				st, ok := p.SpecialTokens[item.SpecialToken.ID]
+				if !ok {
+					return tp, fmt.Errorf("%w: post_processor: special token %q not in special_tokens", ErrMalformed, item.SpecialToken.ID)
+				}
+				for _, id := range st.IDs {
+					if id < 0 || id >= maxTokenID {
+						return tp, fmt.Errorf("%w: post_processor: token id %d", ErrMalformed, id)
+					}
+					if seen {
+						tp.after = append(tp.after, int32(id))
+					} else {
+						tp.before = append(tp.before, int32(id))
+					}
+				}
+			}
+		}
+		return tp, nil
+	case "BertProcessing", "RobertaProcessing":
+		var q struct {
+			Sep [2]json.RawMessage `json:"sep"`
+			Cls [2]json.RawMessage `json:"cls"`
+		}
+		var sep, cls int32
+		if err := json.Unmarshal(raw, &q); err != nil || json.Unmarshal(q.Sep[1], &sep) != nil || json.Unmarshal(q.Cls[1], &cls) != nil {
+			return tp, fmt.Errorf("%w: post_processor %s: sep and cls must be [token, id]", ErrMalformed, p.Type)
+		}
+		return template{before: []int32{cls}, after: []int32{sep}}, nil
+	}
+	return tp, fmt.Errorf("%w: post_processor %q (supported: TemplateProcessing, ByteLevel, BertProcessing, RobertaProcessing, Sequence)", ErrUnsupported, p.Type)
+}
