@@ -100,16 +100,7 @@ func TestProducerKilledBeforeRead(t *testing.T) {
 			status, raw = postJSON(t, d.url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "kv_transfer_params": pr.KV})
 			switch policy {
 			case "fail":
-				var e struct {
-					Error struct {
-						Message string `json:"message"`
-						Type    string `json:"type"`
-						Code    int    `json:"code"`
-					} `json:"error"`
-				}
-				if status != 500 || json.Unmarshal(raw, &e) != nil || e.Error.Message != "Internal server error" || e.Error.Code != 500 {
-					t.Fatalf("dead producer under fail: %d %s", status, raw)
-				}
+				internalError(t, answer{status: status, body: raw})
 			case "recompute":
 				if status != 200 || completionText(t, raw) != want {
 					t.Fatalf("dead producer under recompute: %d %s, want %q", status, raw, want)
