@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"os/exec"
 	"strconv"
 	"strings"
 	"testing"
@@ -613,4 +615,44 @@ func TestHostsFaults(t *testing.T) {
 		}
 		s.recovered(t, single, s.p, s.d)
 	})
+}
+
+// TestBenchPDHosts runs `kvbridge bench pd --hosts` on the tiny model: P and D on hosts of
+// their own over TCP, the ceiling a raw TCP stream between their hosts, all in one run.
+func TestBenchPDHosts(t *testing.T) {
+	hostNetwork(t) // skips where namespaces cannot be made
+	path := t.TempDir() + "/pd.json"
+	cmd := exec.Command(os.Args[0], "bench", "pd", "--hosts", "--model", "kvbridge/tiny", "--prompt-lens", "64,1024", "--iters", "1", "--json", path)
+	cmd.Env = append(os.Environ(), "KVBRIDGE_TEST_MAIN=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("bench pd --hosts: %v\n%s", err, out)
+	}
+	for _, want := range []string{"backend TCP", "on hosts of their own", "raw TCP streams", "ceiling_gbps"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("the report lacks %q:\n%s", want, out)
+		}
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []map[string]any
+	if err := json.Unmarshal(data, &rows); err != nil || len(rows) != 2 {
+		t.Fatalf("%d rows (%v), want 2:\n%s", len(rows), err, data)
+	}
+	for _, r := range rows {
+		if r["ceiling"] != "tcp_stream" || r["hosts"] != true || r["backend"] != "TCP" {
+			t.Errorf("row %v: want a tcp_stream ceiling across hosts over TCP", r)
+		}
+		for _, k := range []string{"ttft_single_ms", "ttft_pd_ms", "transfer_gbps", "ceiling_gbps", "ratio", "tcp_1conn_gbps", "tcp_4conn_gbps", "p_leg_ms", "d_engine_ms"} {
+			if v, ok := r[k].(float64); !ok || !(v > 0) {
+				t.Errorf("prompt %v: %s = %v, want > 0", r["prompt_len"], k, r[k])
+			}
+		}
+	}
+	// 1,024 tokens of the tiny model: 512 bytes each.
+	if b, _ := rows[1]["transfer_bytes"].(float64); b < 1024*512 {
+		t.Errorf("a 1,024-token prompt moved %v bytes, want at least %d", b, 1024*512)
+	}
 }
