@@ -568,8 +568,8 @@ func TestHostsFaults(t *testing.T) {
 		// P's death resets D's connections: D fails the load at once, not at its 60 s deadline.
 		a := s.sendDuringTransfer(t, 30*time.Second, s.p.kill)
 		internalError(t, a)
-		if !s.d.logLine(t, "NIXL transfer failure") {
-			t.Errorf("D did not log the failed read:\n%s", s.d.log())
+		if !s.d.logLine(t, "retrying after a new handshake") || !s.d.logLine(t, "NIXL transfer failure: handshake_setup_failed") {
+			t.Errorf("D did not log the failed read, then the failed handshake with the dead P:\n%s", s.d.log())
 		}
 		<-s.p.done
 		s.p = startEngineOn(t, s.hosts["p"], guideEnv(s.hosts["p"]), s.pkv) // the host's engine restarts
@@ -591,6 +591,9 @@ func TestHostsFaults(t *testing.T) {
 		}
 		// P's blocks were never released by D: its lease (3 s) expires.
 		waitPoolsFull(t, s.hc, 15*time.Second, s.p)
+		if !s.p.logLine(t, "Releasing expired KV blocks") {
+			t.Errorf("P did not free the blocks at its lease expiry:\n%s", s.p.log())
+		}
 		<-s.d.done
 		s.d = startEngineOn(t, s.hosts["d"], guideEnv(s.hosts["d"]), s.dkv)
 		s.recovered(t, single, s.p, s.d)
@@ -609,6 +612,10 @@ func TestHostsFaults(t *testing.T) {
 		internalError(t, a)
 		if !s.d.logLine(t, "NIXL transfer failure") {
 			t.Errorf("D did not log the failed read:\n%s", s.d.log())
+		}
+		// Cut off from D's heartbeats and notification, P freed the blocks at its lease expiry.
+		if !s.p.logLine(t, "Releasing expired KV blocks") {
+			t.Errorf("P did not free the blocks at its lease expiry:\n%s", s.p.log())
 		}
 		if err := p.SetLink(t.Context(), true); err != nil {
 			t.Fatal(err)
