@@ -38,8 +38,8 @@ type PDOptions struct {
 	Logger *slog.Logger
 	// Hosts runs the single engine, P and D as kvbridge processes on hosts of their own
 	// (network namespaces joined by a bridge, package netns; root is needed), with the proxy
-	// in this process on the client's host; P and D use TCP, and the ceiling is a raw TCP
-	// stream from P's host to D's instead of a memcpy.
+	// in this process on the client's host; P and D use TCP, and the ceiling is raw TCP
+	// streams from P's host to D's instead of a memcpy.
 	Hosts bool
 	// Command is how Hosts starts kvbridge: the program and leading arguments (default this
 	// process's executable).
@@ -131,8 +131,9 @@ type PDRow struct {
 	TransferShare float64 `json:"transfer_share"`
 	// TransferGBps is bytes ÷ transfer duration; CeilingGBps the same bytes moved by the
 	// ceiling measured in the same run (Ceiling: "memcpy", a single-goroutine memcpy,
-	// kernel.MemcpyGBps; or "tcp_stream" with Hosts, a raw TCP stream from P's host to D's: a
-	// request, then as many bytes); Ratio their quotient.
+	// kernel.MemcpyGBps; or "tcp_stream" with Hosts, raw TCP streams from P's host to D's:
+	// requests, then as many bytes), the median over the iterations, each measured right after
+	// its request; Ratio their quotient.
 	TransferGBps float64 `json:"transfer_gbps"`
 	CeilingGBps  float64 `json:"ceiling_gbps"`
 	Ratio        float64 `json:"ratio"`

@@ -33,8 +33,8 @@ breakdown of where the P/D time goes.
 With --hosts (root needed), the single engine, P and D run as kvbridge processes on hosts of
 their own — network namespaces with their own addresses joined by a bridge — and the proxy
 in this process on a client host, so every hop crosses a network stack; P and D use TCP, and
-the ceiling is a raw TCP stream of as many bytes from P's host to D's, measured in the same
-run.`,
+the ceiling is the better of two raw TCP streams of as many bytes from P's host to D's (one
+connection, and four as the transfer engine opens), measured right after each request.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var err error
@@ -74,7 +74,7 @@ run.`,
 	f.StringVar(&opts.Backend, "backend", "SHM", "transfer backend of P and D: SHM or TCP")
 	f.IntVar(&opts.BlockSize, "block-size", 16, "KV block size in tokens")
 	f.StringVar(&jsonP, "json", "", "also write the rows as JSON to this file")
-	f.BoolVar(&opts.Hosts, "hosts", false, "run the engines on hosts of their own (network namespaces; root) over TCP, against a raw TCP stream")
+	f.BoolVar(&opts.Hosts, "hosts", false, "run the engines on hosts of their own (network namespaces; root) over TCP, against raw TCP streams between them")
 	return cmd
 }
 
