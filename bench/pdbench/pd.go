@@ -133,7 +133,8 @@ type PDRow struct {
 	// ceiling measured in the same run (Ceiling: "memcpy", a single-goroutine memcpy,
 	// kernel.MemcpyGBps; or "tcp_stream" with Hosts, raw TCP streams from P's host to D's:
 	// requests, then as many bytes), the median over the iterations, each measured right after
-	// its request; Ratio their quotient.
+	// its request; Ratio the median of each request's transfer rate ÷ the ceiling measured right
+	// after it (paired, so that load from elsewhere on a shared machine cancels out).
 	TransferGBps float64 `json:"transfer_gbps"`
 	CeilingGBps  float64 `json:"ceiling_gbps"`
 	Ratio        float64 `json:"ratio"`
@@ -357,7 +358,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 	var single, pd, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
 		singleEng, pEng, dEng, dHTTP, dSched []float64
 	var bytes int64
-	var recompute, recomputeWarm, ceilBest, ceilOne, ceilMany []float64
+	var recompute, recomputeWarm, ceilBest, ceilOne, ceilMany, ratio []float64
 	for i := range b.opts.Iters {
 		var (
 			s      pdSample
@@ -385,6 +386,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 			return PDRow{}, err
 		}
 		ceilBest, ceilOne, ceilMany = append(ceilBest, c.best), append(ceilOne, c.oneConn), append(ceilMany, c.manyConns)
+		ratio = append(ratio, float64(s.bytes)/s.transfer.Seconds()/1e9/c.best)
 		cold, warm, err := b.rc.time(ctx, l, 1)
 		if err != nil {
 			return PDRow{}, err
@@ -431,7 +433,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		DHTTPMs: median(dHTTP), DSchedMs: median(dSched),
 	}
 	r.Overhead = r.TTFTPDMs/r.TTFTSingleMs - 1
-	r.Ratio = r.TransferGBps / r.CeilingGBps
+	r.Ratio = median(ratio)
 	return r, nil
 }
 

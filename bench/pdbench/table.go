@@ -43,7 +43,7 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "transfer = D's KV read (NIXL xferDuration); ceiling = "+ceiling+"; ratio = transfer_gbps ÷ ceiling_gbps\n"+
+	_, err := fmt.Fprintln(w, "transfer = D's KV read (NIXL xferDuration); ceiling = "+ceiling+";\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
 		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
 		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone,\n"+
 		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")
