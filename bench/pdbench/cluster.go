@@ -14,6 +14,7 @@ import (
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/model/kernel"
 	"github.com/kvbridge/kvbridge/proxy"
 )
 
@@ -121,16 +122,48 @@ func startCluster(ctx context.Context, cfg clusterConfig) (_ *cluster, err error
 	return c, nil
 }
 
+// client returns the benchmark's HTTP client for this cluster's proxy and single engine.
+func (c *cluster) client() *http.Client { return &http.Client{Transport: newTransport(4)} }
+
+// urls returns the single engine's and the proxy's base URLs.
+func (c *cluster) urls() (single, proxy string) { return c.single.URL, c.proxyURL }
+
+// engineTTFT returns the single engine's, P's and D's summed engine-side TTFT so far.
+func (c *cluster) engineTTFT(context.Context) (single, p, d time.Duration, err error) {
+	if single, err = c.single.Registry.TimeToFirstTokenTotal(); err != nil {
+		return 0, 0, 0, err
+	}
+	if p, err = c.p.Registry.TimeToFirstTokenTotal(); err != nil {
+		return 0, 0, 0, err
+	}
+	d, err = c.d.Registry.TimeToFirstTokenTotal()
+	return single, p, d, err
+}
+
+// takeTransfers returns D's KV reads since the previous call.
+func (c *cluster) takeTransfers(context.Context) (transfers, error) {
+	iv := c.d.Metrics.Nixl().TakeInterval()
+	t := transfers{n: int64(len(iv.Transfers)), failed: int64(iv.FailedTransfers)}
+	for _, s := range iv.Transfers {
+		t.dur += s.Duration
+		t.bytes += s.Bytes
+	}
+	return t, nil
+}
+
+// legs returns the proxy's legs of request id.
+func (c *cluster) legs(id string) (legTimes, bool) { return c.tracer.take(id) }
+
+// ceiling is one goroutine's memcpy of n bytes, in GB/s.
+func (c *cluster) ceiling(_ context.Context, n int64) (ceilings, error) {
+	return ceilings{best: kernel.MemcpyGBps(int(n))}, nil
+}
+
 // Close stops the proxy and the engines.
 func (c *cluster) Close() error {
 	var errs []error
 	if c.srv != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		errs = append(errs, c.srv.Shutdown(ctx))
-		cancel()
-		if err := <-c.served; !errors.Is(err, http.ErrServerClosed) {
-			errs = append(errs, err)
-		}
+		errs = append(errs, stopServer(c.srv, c.served))
 		c.srv = nil
 	}
 	if c.proxy != nil {
@@ -142,6 +175,18 @@ func (c *cluster) Close() error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// stopServer shuts srv down (waiting up to 10 s for requests in flight) and returns what its
+// Serve, which reports on served, returned besides http.ErrServerClosed.
+func stopServer(srv *http.Server, served <-chan error) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	err := srv.Shutdown(ctx)
+	if serr := <-served; !errors.Is(serr, http.ErrServerClosed) {
+		err = errors.Join(err, serr)
+	}
+	return err
 }
 
 // newTransport returns the HTTP transport of a benchmark: keep-alive connections, enough idle

@@ -15,7 +15,6 @@ import (
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
-	"github.com/kvbridge/kvbridge/model/kernel"
 )
 
 // PDOptions configure RunPD. Zero values take the defaults noted on each field.
@@ -37,6 +36,44 @@ type PDOptions struct {
 	Progress io.Writer
 	// Logger receives the engines' and the proxy's logs; nil discards.
 	Logger *slog.Logger
+	// Hosts runs the single engine, P and D as kvbridge processes on hosts of their own
+	// (network namespaces joined by a bridge, package netns; root is needed), with the proxy
+	// in this process on the client's host; P and D use TCP, and the ceiling is raw TCP
+	// streams from P's host to D's instead of a memcpy.
+	Hosts bool
+	// Command is how Hosts starts kvbridge: the program and leading arguments (default this
+	// process's executable).
+	Command []string
+}
+
+// pdStack is what RunPD measures: a single engine, and P and D behind the one-way proxy.
+type pdStack interface {
+	// client is the HTTP client that reaches the single engine and the proxy.
+	client() *http.Client
+	urls() (single, proxy string)
+	// engineTTFT returns the engines' summed engine-side TTFT so far.
+	engineTTFT(ctx context.Context) (single, p, d time.Duration, err error)
+	// takeTransfers returns D's KV reads since the previous call.
+	takeTransfers(ctx context.Context) (transfers, error)
+	// legs returns (and forgets) the proxy's legs of a request.
+	legs(id string) (legTimes, bool)
+	// ceiling measures how fast n bytes could move at best (right after each measured request).
+	ceiling(ctx context.Context, n int64) (ceilings, error)
+	Close() error
+}
+
+// ceilings are the rates, in GB/s, of moving a transfer's bytes without the transfer engine:
+// best is the ceiling; oneConn and manyConns the raw TCP streams over one connection and over
+// as many as the transfer engine opens (hosts only).
+type ceilings struct {
+	best, oneConn, manyConns float64
+}
+
+// transfers sums D's KV reads over an interval.
+type transfers struct {
+	n, failed int64
+	dur       time.Duration
+	bytes     int64
 }
 
 func (o *PDOptions) defaults() error {
@@ -56,11 +93,17 @@ func (o *PDOptions) defaults() error {
 	}
 	if o.Backend == "" {
 		o.Backend = "SHM"
+		if o.Hosts {
+			o.Backend = "TCP"
+		}
 	}
 	switch o.Backend = strings.ToUpper(o.Backend); o.Backend {
 	case "SHM", "TCP":
 	default:
 		return fmt.Errorf("pdbench: backend %q: SHM or TCP", o.Backend)
+	}
+	if o.Hosts && o.Backend != "TCP" {
+		return fmt.Errorf("pdbench: backend %s cannot cross hosts: use TCP", o.Backend)
 	}
 	if o.BlockSize <= 0 {
 		o.BlockSize = 16
@@ -86,11 +129,22 @@ type PDRow struct {
 	// of the same request, a fraction.
 	TransferMs    float64 `json:"transfer_ms"`
 	TransferShare float64 `json:"transfer_share"`
-	// TransferGBps is bytes ÷ transfer duration; CeilingGBps a single-goroutine memcpy of as many
-	// bytes measured in the same run (kernel.MemcpyGBps); Ratio their quotient.
+	// TransferGBps is bytes ÷ transfer duration; CeilingGBps the same bytes moved by the
+	// ceiling measured in the same run (Ceiling: "memcpy", a single-goroutine memcpy,
+	// kernel.MemcpyGBps; or "tcp_stream" with Hosts, raw TCP streams from P's host to D's:
+	// requests, then as many bytes), the median over the iterations, each measured right after
+	// its request; Ratio the median of each request's transfer rate ÷ the ceiling measured right
+	// after it (paired, so that load from elsewhere on a shared machine cancels out).
 	TransferGBps float64 `json:"transfer_gbps"`
 	CeilingGBps  float64 `json:"ceiling_gbps"`
 	Ratio        float64 `json:"ratio"`
+	Ceiling      string  `json:"ceiling"`
+	// TCP1ConnGBps and TCP4ConnGBps are the raw TCP streams the "tcp_stream" ceiling is the
+	// better of: one connection, and four (as many as the transfer engine opens to a peer).
+	TCP1ConnGBps float64 `json:"tcp_1conn_gbps,omitempty"`
+	TCP4ConnGBps float64 `json:"tcp_4conn_gbps,omitempty"`
+	// Hosts tells that P, D and the single engine ran on hosts of their own.
+	Hosts bool `json:"hosts,omitempty"`
 
 	Backend       string `json:"backend"`
 	Iters         int    `json:"iters"`
@@ -168,18 +222,27 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 		return nil, fmt.Errorf("pdbench: a %d-token prompt exceeds the model's %d positions", longest, mp)
 	}
 	blocksPerSeq := maxLen / bs
-	progress("starting a single engine, P and D (%s) and the proxy", opts.Backend)
-	c, err := startCluster(ctx, clusterConfig{
-		model: m, backend: opts.Backend, single: true, blockSize: bs, numBlocks: 2*blocksPerSeq + 8,
-		maxModelLen: maxLen, proxyTransport: newTransport(4), trace: true, log: opts.Logger,
-	})
+	var st pdStack
+	if opts.Hosts {
+		progress("starting a single engine, P and D (%s) on hosts of their own, and the proxy", opts.Backend)
+		st, err = startHostStack(ctx, hostStackConfig{
+			command: opts.Command, model: opts.Model, blockSize: bs, numBlocks: 2*blocksPerSeq + 8,
+			maxModelLen: maxLen, log: opts.Logger,
+		})
+	} else {
+		progress("starting a single engine, P and D (%s) and the proxy", opts.Backend)
+		st, err = startCluster(ctx, clusterConfig{
+			model: m, backend: opts.Backend, single: true, blockSize: bs, numBlocks: 2*blocksPerSeq + 8,
+			maxModelLen: maxLen, proxyTransport: newTransport(4), trace: true, log: opts.Logger,
+		})
+	}
 	if err != nil {
 		return nil, err
 	}
-	defer c.Close()
-	tr := newTransport(4)
-	defer tr.CloseIdleConnections()
-	b := &pdBench{opts: opts, m: m, c: c, hc: &http.Client{Transport: tr}}
+	defer st.Close()
+	hc := st.client()
+	defer hc.CloseIdleConnections()
+	b := &pdBench{opts: opts, m: m, st: st, hc: hc}
 	if b.rc, err = newRecomputer(m, bs, longest); err != nil {
 		return nil, err
 	}
@@ -200,7 +263,7 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 type pdBench struct {
 	opts PDOptions
 	m    *model.Model
-	c    *cluster
+	st   pdStack
 	hc   *http.Client
 	rc   *recomputer
 	seq  uint64 // requests sent, for distinct prompts and ids
@@ -229,16 +292,17 @@ func (b *pdBench) single(ctx context.Context, l int) (client, eng time.Duration,
 	if err != nil {
 		return 0, 0, err
 	}
-	e0, err := b.c.single.Registry.TimeToFirstTokenTotal()
+	single, _ := b.st.urls()
+	e0, _, _, err := b.st.engineTTFT(ctx)
 	if err != nil {
 		return 0, 0, err
 	}
 	t0 := time.Now()
-	if _, err := postJSON(ctx, b.hc, b.c.single.URL+"/v1/completions", "", body); err != nil {
+	if _, err := postJSON(ctx, b.hc, single+"/v1/completions", "", body); err != nil {
 		return 0, 0, err
 	}
 	client = time.Since(t0)
-	e1, err := b.c.single.Registry.TimeToFirstTokenTotal()
+	e1, _, _, err := b.st.engineTTFT(ctx)
 	return client, e1 - e0, err
 }
 
@@ -249,41 +313,35 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 		return pdSample{}, err
 	}
 	id := fmt.Sprintf("pdbench-%d-%d", l, b.seq)
-	nixl := b.c.d.Metrics.Nixl()
-	nixl.TakeInterval() // drop anything not of this request
-	p0, err := b.c.p.Registry.TimeToFirstTokenTotal()
+	if _, err := b.st.takeTransfers(ctx); err != nil { // drop anything not of this request
+		return pdSample{}, err
+	}
+	_, p0, d0, err := b.st.engineTTFT(ctx)
 	if err != nil {
 		return pdSample{}, err
 	}
-	d0, err := b.c.d.Registry.TimeToFirstTokenTotal()
-	if err != nil {
-		return pdSample{}, err
-	}
+	_, proxyURL := b.st.urls()
 	s := pdSample{t0: time.Now()}
-	if _, err := postJSON(ctx, b.hc, b.c.proxyURL+"/v1/completions", id, body); err != nil {
+	if _, err := postJSON(ctx, b.hc, proxyURL+"/v1/completions", id, body); err != nil {
 		return pdSample{}, err
 	}
 	s.t1 = time.Now()
 	s.pd = s.t1.Sub(s.t0)
-	p1, err := b.c.p.Registry.TimeToFirstTokenTotal()
-	if err != nil {
-		return pdSample{}, err
-	}
-	d1, err := b.c.d.Registry.TimeToFirstTokenTotal()
+	_, p1, d1, err := b.st.engineTTFT(ctx)
 	if err != nil {
 		return pdSample{}, err
 	}
 	s.pEng, s.dEng = p1-p0, d1-d0
-	iv := nixl.TakeInterval()
-	if len(iv.Transfers) == 0 {
-		return pdSample{}, fmt.Errorf("pdbench: D recorded no KV transfer for a %d-token prompt (failed transfers %d)", l, iv.FailedTransfers)
+	xf, err := b.st.takeTransfers(ctx)
+	if err != nil {
+		return pdSample{}, err
 	}
-	for _, t := range iv.Transfers {
-		s.transfer += t.Duration
-		s.bytes += t.Bytes
+	if xf.n == 0 {
+		return pdSample{}, fmt.Errorf("pdbench: D recorded no KV transfer for a %d-token prompt (failed transfers %d)", l, xf.failed)
 	}
+	s.transfer, s.bytes = xf.dur, xf.bytes
 	var ok bool
-	if s.legs, ok = b.c.tracer.take(id); !ok || s.legs.pEnd.IsZero() || s.legs.dEnd.IsZero() {
+	if s.legs, ok = b.st.legs(id); !ok || s.legs.pEnd.IsZero() || s.legs.dEnd.IsZero() {
 		return pdSample{}, fmt.Errorf("pdbench: the proxy's legs of request %s were not traced", id)
 	}
 	return s, nil
@@ -300,7 +358,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 	var single, pd, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
 		singleEng, pEng, dEng, dHTTP, dSched []float64
 	var bytes int64
-	var recompute, recomputeWarm []float64
+	var recompute, recomputeWarm, ceilBest, ceilOne, ceilMany, ratio []float64
 	for i := range b.opts.Iters {
 		var (
 			s      pdSample
@@ -322,6 +380,13 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		}
 		s.single, s.singleEng = sc, se
 		// D's recompute, timed alone right after the request so that both see the same load.
+		// The ceiling too, on the same bytes: noise from a shared machine hits both alike.
+		c, err := b.st.ceiling(ctx, s.bytes)
+		if err != nil {
+			return PDRow{}, err
+		}
+		ceilBest, ceilOne, ceilMany = append(ceilBest, c.best), append(ceilOne, c.oneConn), append(ceilMany, c.manyConns)
+		ratio = append(ratio, float64(s.bytes)/s.transfer.Seconds()/1e9/c.best)
 		cold, warm, err := b.rc.time(ctx, l, 1)
 		if err != nil {
 			return PDRow{}, err
@@ -351,11 +416,16 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		pover = append(pover, ms(s.legs.pEnd.Sub(s.legs.pStart)-s.single))
 		bytes = max(bytes, s.bytes)
 	}
+	kind := "memcpy"
+	if b.opts.Hosts {
+		kind = "tcp_stream"
+	}
 	r := PDRow{
 		PromptLen: l, TTFTSingleMs: median(single), TTFTPDMs: median(pd),
 		TransferMs: median(xfer), TransferShare: median(share), TransferGBps: median(gbps),
-		CeilingGBps: kernel.MemcpyGBps(int(bytes)),
-		Backend:     b.opts.Backend, Iters: b.opts.Iters, TransferBytes: bytes,
+		CeilingGBps: median(ceilBest), Ceiling: kind, Hosts: b.opts.Hosts,
+		TCP1ConnGBps: median(ceilOne), TCP4ConnGBps: median(ceilMany),
+		Backend: b.opts.Backend, Iters: b.opts.Iters, TransferBytes: bytes,
 		ProxyInMs: median(in), PLegMs: median(pleg), ProxyMidMs: median(mid), DLegMs: median(dleg),
 		ProxyOutMs: median(out), DOtherMs: median(dother), RecomputeMs: median(recompute), RecomputeWarmMs: median(recomputeWarm), PLegOverSingleMs: median(pover),
 		AddedMs: median(added), AddedShare: median(addedShare),
@@ -363,7 +433,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		DHTTPMs: median(dHTTP), DSchedMs: median(dSched),
 	}
 	r.Overhead = r.TTFTPDMs/r.TTFTSingleMs - 1
-	r.Ratio = r.TransferGBps / r.CeilingGBps
+	r.Ratio = median(ratio)
 	return r, nil
 }
 

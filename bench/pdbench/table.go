@@ -5,14 +5,22 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"strings"
 	"text/tabwriter"
 )
 
 // WritePDTable prints the rows of RunPD: the figures, then where the P/D time goes.
 func WritePDTable(w io.Writer, rows []PDRow) error {
+	ceiling := "one goroutine's memcpy of as many bytes, this run"
 	if len(rows) > 0 {
-		fmt.Fprintf(w, "kvbridge bench pd: backend %s, medians of %d requests per path after one warm-up; TTFT = non-stream max_tokens=1 answer\n",
-			rows[0].Backend, rows[0].Iters)
+		where := "in one process"
+		if rows[0].Hosts {
+			where = "single engine, P and D on hosts of their own (network namespaces), the proxy on the client's"
+			ceiling = "raw TCP streams of as many bytes from P's host to D's (requests, then the bytes, over warm connections), this run:\n" +
+				"the better of one connection and four (as many as the transfer engine opens): " + tcpCeilings(rows)
+		}
+		fmt.Fprintf(w, "kvbridge bench pd: backend %s, %s; medians of %d requests per path after one warm-up; TTFT = non-stream max_tokens=1 answer\n",
+			rows[0].Backend, where, rows[0].Iters)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "prompt_len\tttft_single_ms\tttft_pd_ms\toverhead\ttransfer_ms\ttransfer_share\ttransfer_gbps\tceiling_gbps\tratio\t")
@@ -35,11 +43,20 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "transfer = D's KV read (NIXL xferDuration); ceiling = one goroutine's memcpy of as many bytes, this run; ratio = transfer_gbps ÷ ceiling_gbps\n"+
+	_, err := fmt.Fprintln(w, "transfer = D's KV read (NIXL xferDuration); ceiling = "+ceiling+";\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
 		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
 		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone,\n"+
 		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")
 	return err
+}
+
+// tcpCeilings lists the rows' raw TCP streams, one connection and four.
+func tcpCeilings(rows []PDRow) string {
+	parts := make([]string, len(rows))
+	for i, r := range rows {
+		parts[i] = fmt.Sprintf("%d: %.2f/%.2f GB/s", r.PromptLen, r.TCP1ConnGBps, r.TCP4ConnGBps)
+	}
+	return strings.Join(parts, ", ")
 }
 
 // WriteProxyTable prints the rows of RunProxy.

@@ -28,7 +28,13 @@ decoder (kv_consumer) and the one-way proxy. For each prompt length it sends dis
 token-id prompts (max_tokens=1, non-stream) through the proxy and to the single engine and
 prints the median TTFT both ways, the P/D overhead, D's KV read (its share of the P/D TTFT and
 its GB/s against a single-goroutine memcpy of as many bytes measured in the same run), and a
-breakdown of where the P/D time goes.`,
+breakdown of where the P/D time goes.
+
+With --hosts (root needed), the single engine, P and D run as kvbridge processes on hosts of
+their own — network namespaces with their own addresses joined by a bridge — and the proxy
+in this process on a client host, so every hop crosses a network stack; P and D use TCP, and
+the ceiling is the better of two raw TCP streams of as many bytes from P's host to D's (one
+connection, and four as the transfer engine opens), measured right after each request.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var err error
@@ -37,6 +43,12 @@ breakdown of where the P/D time goes.`,
 			}
 			if b := strings.ToUpper(opts.Backend); b != "SHM" && b != "TCP" {
 				return usageError("--backend %q: SHM or TCP", opts.Backend)
+			}
+			if opts.Hosts {
+				if cmd.Flags().Changed("backend") && strings.ToUpper(opts.Backend) != "TCP" {
+					return usageError("--backend %s cannot cross hosts: --hosts uses TCP", opts.Backend)
+				}
+				opts.Backend = "TCP"
 			}
 			opts.Progress = cmd.ErrOrStderr()
 			rows, err := pdbench.RunPD(cmd.Context(), opts)
@@ -62,6 +74,7 @@ breakdown of where the P/D time goes.`,
 	f.StringVar(&opts.Backend, "backend", "SHM", "transfer backend of P and D: SHM or TCP")
 	f.IntVar(&opts.BlockSize, "block-size", 16, "KV block size in tokens")
 	f.StringVar(&jsonP, "json", "", "also write the rows as JSON to this file")
+	f.BoolVar(&opts.Hosts, "hosts", false, "run the engines on hosts of their own (network namespaces; root) over TCP, against raw TCP streams between them")
 	return cmd
 }
 

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -15,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvbridge/kvbridge/netns"
 )
 
 // TestMain lets a test re-execute this binary as the kvbridge command: with KVBRIDGE_TEST_MAIN
@@ -42,8 +45,19 @@ var urlAttr = regexp.MustCompile(`(?:url|addr)=(http://\S+)`)
 // 60 s) for its "serving"/"listening" log line, which names its URL.
 func startProcess(t *testing.T, env []string, args ...string) *process {
 	t.Helper()
+	return startProcessOn(t, nil, env, args...)
+}
+
+// startProcessOn is startProcess on host h of a netns network (nil: this machine's own
+// network); the URL is then the host's address and the port the process logged.
+func startProcessOn(t *testing.T, h *netns.Host, env []string, args ...string) *process {
+	t.Helper()
 	p := &process{done: make(chan struct{})}
-	p.cmd = exec.Command(os.Args[0], args...)
+	if h != nil {
+		p.cmd = h.Command(context.Background(), os.Args[0], args...)
+	} else {
+		p.cmd = exec.Command(os.Args[0], args...)
+	}
 	p.cmd.Env = append(append(os.Environ(), "KVBRIDGE_TEST_MAIN=1"), env...)
 	stderr, err := p.cmd.StderrPipe()
 	if err != nil {
@@ -73,6 +87,9 @@ func startProcess(t *testing.T, env []string, args ...string) *process {
 	t.Cleanup(func() { p.kill(); <-p.done })
 	select {
 	case p.url = <-found:
+		if h != nil {
+			p.url = "http://" + net.JoinHostPort(h.Addr.String(), port(t, p.url))
+		}
 	case <-p.done:
 		t.Fatalf("kvbridge %s exited early: %v\n%s", strings.Join(args, " "), p.err, p.log())
 	case <-time.After(60 * time.Second):
