@@ -1,6 +1,9 @@
 // Package instance assembles one running kvbridge engine: the model, the KV pool in a shared
 // transfer arena, the engine, the NixlConnector when configured, and the OpenAI HTTP server on a
-// listener. `kvbridge serve`, the demo, the benchmarks and the tests start engines through it.
+// listener. `kvbridge serve`, the stack package (and through it the demo, the benchmarks and the
+// fault suite) start engines through it. Config's defaults are applied in one place
+// (withDefaults); Stats is the narrow view of a running engine that benchmarks read. See
+// docs/architecture.md for where the package sits.
 package instance
 
 import (
@@ -28,7 +31,24 @@ import (
 // ErrConfig reports an instance configuration that cannot work.
 var ErrConfig = errors.New("instance: invalid configuration")
 
-// Config describes one engine. Zero values take the documented defaults.
+// Defaults of Config owned by the instance. The others live with the package that owns the
+// setting: kvcache.DefaultBlockSize, engine.DefaultMaxNumSeqs and
+// engine.DefaultMaxNumBatchedTokens, connector.DefaultSideChannelHost and
+// connector.DefaultSideChannelPort, openai.DefaultMaxConcurrentRequests.
+const (
+	// DefaultKVBytes is the memory of the KV pool when neither NumBlocks nor KVBytes is set
+	// (--kv-cache-memory-bytes).
+	DefaultKVBytes int64 = 1 << 30
+	// DefaultMaxModelLenCap caps the default context length: the model's
+	// max_position_embeddings, at most this.
+	DefaultMaxModelLenCap = 32768
+	// DefaultStatsInterval is the period of the "KV Transfer metrics" log line
+	// (VLLM_LOG_STATS_INTERVAL's default).
+	DefaultStatsInterval = 10 * time.Second
+)
+
+// Config describes one engine. Zero values take the documented defaults, applied by Start in
+// one place (withDefaults).
 type Config struct {
 	// Model is the model to open (a built-in name, a directory or a cached repo id), unless
 	// OpenedModel is set; OpenedModel is shared, not closed by the instance.
@@ -39,14 +59,17 @@ type Config struct {
 	// Host and Port are where the HTTP server listens; Port 0 picks a free port.
 	Host string
 	Port int
-	// BlockSize is tokens per KV block (default 16); Layout the block layout (default HND).
+	// BlockSize is tokens per KV block (default kvcache.DefaultBlockSize, at most
+	// kvcache.MaxBlockSize); Layout the block layout (default HND).
 	BlockSize int
 	Layout    kvcache.Layout
-	// NumBlocks sizes the KV pool; when 0, KVBytes does (default 1 GiB).
+	// NumBlocks sizes the KV pool; when 0, KVBytes does (default DefaultKVBytes).
 	NumBlocks int
 	KVBytes   int64
-	// MaxModelLen defaults to the model's context, at most 32768.
-	MaxModelLen         int
+	// MaxModelLen defaults to the model's context, at most DefaultMaxModelLenCap.
+	MaxModelLen int
+	// MaxNumSeqs and MaxNumBatchedTokens bound a step (defaults engine.DefaultMaxNumSeqs and
+	// engine.DefaultMaxNumBatchedTokens, applied by the engine).
 	MaxNumSeqs          int
 	MaxNumBatchedTokens int
 	PrefixCaching       bool
@@ -55,21 +78,75 @@ type Config struct {
 	ServedModelNames []string
 	// APIKey, if set, is required as a Bearer token on /v1 routes.
 	APIKey string
-	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit.
+	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit
+	// (`kvbridge serve` passes openai.DefaultMaxConcurrentRequests unless told otherwise).
 	MaxConcurrentRequests int
 	// KVTransfer configures the NixlConnector; nil means none.
 	KVTransfer *connector.Config
 	// SideChannelHost and SideChannelPort place the connector's side channel
-	// (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); the defaults are localhost and 5600. Port -1 picks a
-	// free port.
+	// (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); the defaults are connector.DefaultSideChannelHost and
+	// connector.DefaultSideChannelPort. Port -1 picks a free port.
 	SideChannelHost string
 	SideChannelPort int
-	// StatsInterval is the period of the "KV Transfer metrics" log line (default 10 s).
+	// StatsInterval is the period of the "KV Transfer metrics" log line (default
+	// DefaultStatsInterval).
 	StatsInterval time.Duration
 	// Logger receives the instance's logs; nil discards.
 	Logger *slog.Logger
 	// Connector overrides test hooks of the connector (clock, tick, transfer settings).
 	ConnectorHooks func(*connector.Options)
+}
+
+// withDefaults returns cfg with every default applied for the opened model m, or an error
+// wrapping ErrConfig naming what cannot work. In the result, NumBlocks, MaxModelLen,
+// ServedModelNames and the side channel's host are set, and SideChannelPort is the port to
+// listen on (0: a free one).
+func (cfg Config) withDefaults(m *model.Model) (Config, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = kvcache.DefaultBlockSize
+	}
+	if cfg.BlockSize < 0 || cfg.BlockSize > kvcache.MaxBlockSize {
+		return cfg, fmt.Errorf("%w: block size %d must be between 1 and %d", ErrConfig, cfg.BlockSize, kvcache.MaxBlockSize)
+	}
+	mc := m.Config()
+	if cfg.MaxModelLen == 0 {
+		cfg.MaxModelLen = min(mc.MaxPositionEmbeddings, DefaultMaxModelLenCap)
+	}
+	if cfg.MaxModelLen > mc.MaxPositionEmbeddings {
+		return cfg, fmt.Errorf("%w: max model length %d exceeds the model's max_position_embeddings %d", ErrConfig, cfg.MaxModelLen, mc.MaxPositionEmbeddings)
+	}
+	if cfg.NumBlocks == 0 {
+		if cfg.KVBytes == 0 {
+			cfg.KVBytes = DefaultKVBytes
+		}
+		cfg.NumBlocks = int(cfg.KVBytes / int64(engine.KVGeometry(m, cfg.BlockSize).BlockBytes()))
+	}
+	if need := (cfg.MaxModelLen + cfg.BlockSize - 1) / cfg.BlockSize; cfg.NumBlocks < need {
+		return cfg, fmt.Errorf("%w: the KV cache holds %d blocks of %d tokens but one %d-token sequence needs %d: give it more memory or lower the max model length",
+			ErrConfig, cfg.NumBlocks, cfg.BlockSize, cfg.MaxModelLen, need)
+	}
+	if len(cfg.ServedModelNames) == 0 {
+		cfg.ServedModelNames = []string{m.Name()}
+		if cfg.Model != "" {
+			cfg.ServedModelNames = []string{cfg.Model}
+		}
+	}
+	if cfg.SideChannelHost == "" {
+		cfg.SideChannelHost = connector.DefaultSideChannelHost
+	}
+	switch {
+	case cfg.SideChannelPort == 0:
+		cfg.SideChannelPort = connector.DefaultSideChannelPort
+	case cfg.SideChannelPort < 0:
+		cfg.SideChannelPort = 0
+	}
+	if cfg.StatsInterval <= 0 {
+		cfg.StatsInterval = DefaultStatsInterval
+	}
+	return cfg, nil
 }
 
 // Instance is a running engine with its HTTP server.
@@ -91,22 +168,13 @@ type Instance struct {
 	srv       *http.Server
 	served    chan error
 	cancelLog context.CancelFunc
+	logDone   chan struct{} // closed when the "KV Transfer metrics" logger has returned
 	closeOnce sync.Once
 	closeErr  error
 }
 
 // Start builds and starts an instance. On error everything it started is stopped.
 func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	if cfg.BlockSize == 0 {
-		cfg.BlockSize = 16
-	}
-	if cfg.BlockSize < 0 || cfg.BlockSize > 1024 {
-		return nil, fmt.Errorf("%w: block size %d must be between 1 and 1024", ErrConfig, cfg.BlockSize)
-	}
 	in := &Instance{served: make(chan error, 1)}
 	defer func() {
 		if err != nil {
@@ -121,56 +189,33 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		}
 		in.Model, in.ownModel = m, true
 	}
-	mc := in.Model.Config()
-	maxLen := cfg.MaxModelLen
-	if maxLen == 0 {
-		maxLen = min(mc.MaxPositionEmbeddings, 32768)
+	if cfg, err = cfg.withDefaults(in.Model); err != nil {
+		return nil, err
 	}
-	if maxLen > mc.MaxPositionEmbeddings {
-		return nil, fmt.Errorf("%w: max model length %d exceeds the model's max_position_embeddings %d", ErrConfig, maxLen, mc.MaxPositionEmbeddings)
-	}
+	log, names := cfg.Logger, cfg.ServedModelNames
 	geo := engine.KVGeometry(in.Model, cfg.BlockSize)
 	geo.Layout = cfg.Layout
-	numBlocks := cfg.NumBlocks
-	if numBlocks == 0 {
-		kvBytes := cfg.KVBytes
-		if kvBytes == 0 {
-			kvBytes = 1 << 30
-		}
-		numBlocks = int(kvBytes / int64(geo.BlockBytes()))
-	}
-	if need := (maxLen + cfg.BlockSize - 1) / cfg.BlockSize; numBlocks < need {
-		return nil, fmt.Errorf("%w: the KV cache holds %d blocks of %d tokens but one %d-token sequence needs %d: give it more memory or lower the max model length",
-			ErrConfig, numBlocks, cfg.BlockSize, maxLen, need)
-	}
-	names := cfg.ServedModelNames
-	if len(names) == 0 {
-		names = []string{in.Model.Name()}
-		if cfg.Model != "" {
-			names = []string{cfg.Model}
-		}
-	}
 	in.Registry = metrics.NewRegistry()
 	in.Metrics = in.Registry.Engine(names[0], "0")
 
-	layout := connector.NewArenaLayout(geo.BlockBytes(), numBlocks)
+	layout := connector.NewArenaLayout(geo.BlockBytes(), cfg.NumBlocks)
 	if in.arena, err = transfer.NewArena("kvcache", layout.Size); err != nil {
 		return nil, fmt.Errorf("allocate the KV cache: %w", err)
 	}
 	in.Pool, err = kvcache.NewPool(in.arena.Bytes(), kvcache.PoolConfig{
-		Geometry: geo, NumBlocks: numBlocks, PrefixCaching: cfg.PrefixCaching,
+		Geometry: geo, NumBlocks: cfg.NumBlocks, PrefixCaching: cfg.PrefixCaching,
 		RecordTable: layout.RecordTable(in.arena.Bytes()),
 	})
 	if err != nil {
 		return nil, err
 	}
 	ecfg := engine.Config{
-		BlockSize: cfg.BlockSize, NumBlocks: numBlocks, MaxModelLen: maxLen,
+		BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks, MaxModelLen: cfg.MaxModelLen,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
 		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed,
 	}
 	if kv := cfg.KVTransfer; kv != nil {
-		if in.Connector, err = startConnector(cfg, kv, in, layout, log); err != nil {
+		if in.Connector, err = startConnector(cfg, kv, in, layout); err != nil {
 			return nil, err
 		}
 		labels := prometheus.Labels{metrics.LabelModelName: names[0], metrics.LabelEngine: "0"}
@@ -182,12 +227,11 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
 		}
 		logCtx, cancel := context.WithCancel(context.Background())
-		in.cancelLog = cancel
-		every := cfg.StatsInterval
-		if every <= 0 {
-			every = 10 * time.Second
-		}
-		go in.Metrics.Nixl().LogEvery(logCtx, log, every)
+		in.cancelLog, in.logDone = cancel, make(chan struct{})
+		go func() {
+			defer close(in.logDone)
+			in.Metrics.Nixl().LogEvery(logCtx, log, cfg.StatsInterval)
+		}()
 	}
 	if in.Engine, err = engine.New(in.Model, in.Pool, ecfg, log); err != nil {
 		return nil, err
@@ -196,7 +240,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		in.Connector.Start(in.Engine)
 	}
 	ocfg := openai.Config{
-		ServedModelNames: names, MaxModelLen: maxLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
+		ServedModelNames: names, MaxModelLen: cfg.MaxModelLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
 		MaxConcurrentRequests: cfg.MaxConcurrentRequests,
 	}
 	if in.Connector != nil {
@@ -215,7 +259,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	in.URL = "http://" + net.JoinHostPort(host, strconv.Itoa(in.Addr.Port))
 	in.srv = &http.Server{Handler: handler, ReadHeaderTimeout: 30 * time.Second}
 	go func() { in.served <- in.srv.Serve(ln) }()
-	attrs := []any{"model", names[0], "url", in.URL, "blocks", numBlocks, "block_size", cfg.BlockSize, "max_model_len", maxLen}
+	attrs := []any{"model", names[0], "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
 	if in.Connector != nil {
 		attrs = append(attrs, "engine_id", in.Connector.EngineID(), "role", string(cfg.KVTransfer.Role), "side_channel", in.Connector.SideChannelAddr())
 	}
@@ -223,20 +267,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	return in, nil
 }
 
-// startConnector starts the NixlConnector of in.
-func startConnector(cfg Config, kv *connector.Config, in *Instance, layout connector.ArenaLayout, log *slog.Logger) (*connector.Connector, error) {
-	host := cfg.SideChannelHost
-	if host == "" {
-		host = "localhost"
-	}
-	port := cfg.SideChannelPort
-	switch {
-	case port == 0:
-		port = 5600
-	case port < 0:
-		port = 0
-	}
-	listen := host
+// startConnector starts the NixlConnector of in; cfg has its defaults applied.
+func startConnector(cfg Config, kv *connector.Config, in *Instance, layout connector.ArenaLayout) (*connector.Connector, error) {
+	listen := cfg.SideChannelHost
 	if listen == "localhost" {
 		listen = "127.0.0.1"
 	}
@@ -247,9 +280,9 @@ func startConnector(cfg Config, kv *connector.Config, in *Instance, layout conne
 			Model: in.Model.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
 			NumLayers: mc.NumLayers, CacheDType: "float32",
 		},
-		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(port)),
-		AdvertiseHost:   host,
-		Logger:          log,
+		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(cfg.SideChannelPort)),
+		AdvertiseHost:   cfg.SideChannelHost,
+		Logger:          cfg.Logger,
 		Metrics:         in.Metrics.Nixl(),
 		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, "0")},
 	}
@@ -270,7 +303,8 @@ func (in *Instance) Wait(ctx context.Context) error {
 }
 
 // Close stops the HTTP server (waiting up to 10 s for requests), the engine (releasing every
-// block it holds), the connector and the arena. It is idempotent.
+// block it holds), the connector, the "KV Transfer metrics" logger (waiting for it to return)
+// and the arena. It is idempotent.
 func (in *Instance) Close() error {
 	in.closeOnce.Do(func() {
 		var errs []error
@@ -287,6 +321,7 @@ func (in *Instance) Close() error {
 		}
 		if in.cancelLog != nil {
 			in.cancelLog()
+			<-in.logDone
 		}
 		if in.arena != nil {
 			errs = append(errs, in.arena.Close())

@@ -71,6 +71,13 @@ type Geometry struct {
 	Layout     Layout // slot/head order inside a layer's K or V part
 }
 
+// Block sizes in tokens: the default of --block-size (vLLM's on CUDA) and the largest an engine
+// accepts.
+const (
+	DefaultBlockSize = 16
+	MaxBlockSize     = 1024
+)
+
 // maxBlockBytes bounds a block so that offsets of many blocks stay far from int overflow.
 const maxBlockBytes = 1 << 40
 

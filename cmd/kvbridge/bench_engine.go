@@ -6,6 +6,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/kvbridge/kvbridge/bench/enginebench"
+	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 )
 
@@ -49,7 +50,7 @@ set by weight bytes ÷ memory read bandwidth. Ceilings are measured in the same 
 	f.IntVar(&opts.PromptLen, "prompt-len", 2000, "prompt tokens to prefill")
 	f.IntVar(&opts.DecodeTokens, "decode-tokens", 64, "tokens to decode after the prompt (0: none)")
 	f.IntVar(&opts.Chunk, "chunk", 0, "prefill chunk size in tokens (0: the whole prompt in one step)")
-	f.IntVar(&opts.BlockSize, "block-size", 16, "KV block size in tokens")
+	f.IntVar(&opts.BlockSize, "block-size", kvcache.DefaultBlockSize, "KV block size in tokens")
 	f.IntVar(&opts.Repeat, "repeat", 3, "runs of prefill and decode; the fastest of each is reported")
 	f.DurationVar(&opts.PeakDuration, "peak-duration", 0, "how long to measure the FMA peak (default 1s)")
 	f.StringVar(&jsonPath, "json", "", "also write the results as JSON to this file")
