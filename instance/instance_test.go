@@ -15,14 +15,15 @@ import (
 	"github.com/kvbridge/kvbridge/model"
 )
 
+// openTiny opens kvbridge/tiny for one test.
 func openTiny(t *testing.T) *model.Model {
-	t.Helper()
 	m, err := model.Open(t.Context(), model.Tiny, model.OpenOptions{})
-	if err != nil {
-		t.Fatal(err)
+	if err == nil {
+		t.Cleanup(func() { m.Close() })
+		return m
 	}
-	t.Cleanup(func() { m.Close() })
-	return m
+	t.Fatal(err)
+	return nil
 }
 
 // TestWithDefaults: every zero field takes its documented default, and set fields stay. The
