@@ -26,6 +26,9 @@ func TestSummaries(t *testing.T) {
 		{"nearest-rank p0: the smallest", NearestRank(xs, 0), 1},
 		{"nearest-rank p99 of 100: the 99th, not the 100th", NearestRank(seq(100), 0.99), 99},
 		{"nearest-rank of nothing", NearestRank(nil, 0.5), 0},
+		{"nearest-rank p50 of 10: the 5th", NearestRank(seq(10), 0.5), 5},
+		{"nearest-rank p99 of 10: ⌈9.9⌉ = 10th", NearestRank(seq(10), 0.99), 10},
+		{"median of 3 1 2 10: (2+3)/2", Median([]float64{3, 1, 2, 10}), 2.5},
 		// Linear: position q·(n−1) between the closest ranks.
 		{"quantile 0.25: position 1.75 between 1 and 2", Quantile(xs, 0.25), 1.75},
 		{"quantile 0.5: position 3.5 between 3 and 4", Quantile(xs, 0.5), 3.5},
