@@ -255,8 +255,8 @@ func (l *loader) direct(ctx context.Context, r request) error {
 // loopResult is the measured requests of one or more closed-loop windows.
 type loopResult struct {
 	lat     []float64     // latencies (ms) of the requests started in the measured windows
-	elapsed time.Duration   // total measured time
-	cpu     time.Duration   // this process's CPU time in the measured windows
+	elapsed time.Duration // total measured time
+	cpu     time.Duration // this process's CPU time in the measured windows
 }
 
 func (r *loopResult) add(o loopResult) {

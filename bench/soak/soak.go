@@ -23,6 +23,7 @@ import (
 
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // ErrConfig reports soak options that cannot work.
@@ -137,12 +138,12 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
-	m, err := model.Open(ctx, cfg.Model, model.OpenOptions{})
+	m, err := stack.OpenModel(ctx, cfg.Model, nil)
 	if err != nil {
 		return nil, err
 	}
 	defer m.Close()
-	s, err := startStack(ctx, m, cfg.Policy, cfg.Backend, cfg.Logger)
+	s, err := startRig(ctx, m, cfg.Policy, cfg.Backend, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
@@ -204,13 +205,13 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	s.resetFaults()
 	end, qerr := s.quiesce(ctx, quiesceDeadline)
 	rep.End = end
-	rep.Counters = map[string]map[string]float64{s.p.name: s.p.totals(), s.d.name: s.d.totals()}
+	rep.Counters = map[string]map[string]float64{s.P.Name: s.totals(s.P), s.D.Name: s.totals(s.D)}
 	rep.finish(qerr)
 	return rep, nil
 }
 
 // progress writes a status line every interval until ctx ends.
-func progress(ctx context.Context, w io.Writer, every time.Duration, s *stack, rep *Report, start time.Time) {
+func progress(ctx context.Context, w io.Writer, every time.Duration, s *rig, rep *Report, start time.Time) {
 	tk := time.NewTicker(every)
 	defer tk.Stop()
 	for {
@@ -219,10 +220,9 @@ func progress(ctx context.Context, w io.Writer, every time.Duration, s *stack, r
 			return
 		case <-tk.C:
 			c := rep.counts()
-			p, d := s.p.instance(), s.d.instance()
 			fmt.Fprintf(w, "soak %5.0fs: %d requests, %d served, %d errors, %d wrong outputs, %d faults, %d goroutines, free blocks P %d D %d\n",
 				time.Since(start).Seconds(), c.Requests, c.Served, c.Errors, c.WrongOutputs, c.faults, runtime.NumGoroutine(),
-				p.Pool.NumFree(), d.Pool.NumFree())
+				stats(s.P).FreeBlocks, stats(s.D).FreeBlocks)
 		}
 	}
 }
@@ -233,7 +233,7 @@ func progress(ctx context.Context, w io.Writer, every time.Duration, s *stack, r
 const healthEvery = 5 * time.Second
 
 // checkHealth polls the proxy's /health until ctx ends and records the conversations cached.
-func checkHealth(ctx context.Context, s *stack, rep *Report) {
+func checkHealth(ctx context.Context, s *rig, rep *Report) {
 	tk := time.NewTicker(healthEvery)
 	defer tk.Stop()
 	for {
@@ -271,7 +271,7 @@ const watchEvery = 100 * time.Millisecond
 
 // watch samples the engines until ctx ends: the fewest free blocks, the most requests waiting
 // and the most finished requests holding blocks.
-func watch(ctx context.Context, s *stack, rep *Report) {
+func watch(ctx context.Context, s *rig, rep *Report) {
 	tk := time.NewTicker(watchEvery)
 	defer tk.Stop()
 	for {
@@ -279,10 +279,9 @@ func watch(ctx context.Context, s *stack, rep *Report) {
 		case <-ctx.Done():
 			return
 		case <-tk.C:
-			for _, m := range []*member{s.p, s.d} {
-				in := m.instance()
-				st := in.Engine.Stats()
-				rep.sample(m.name, in.Pool.NumFree(), st.Waiting, st.Delayed)
+			for _, e := range []*stack.Engine{s.P, s.D} {
+				st := stats(e)
+				rep.sample(e.Name, st.FreeBlocks, st.Waiting, st.Held)
 			}
 		}
 	}
