@@ -17,6 +17,7 @@ import (
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/kernel"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // Options configure a run. Zero values take the defaults noted on each field.
@@ -30,7 +31,7 @@ type Options struct {
 	DecodeTokens int
 	// Chunk is the prefill chunk size in tokens; 0 prefills the whole prompt in one step.
 	Chunk int
-	// BlockSize is the KV block size in tokens (default 16).
+	// BlockSize is the KV block size in tokens (default kvcache.DefaultBlockSize).
 	BlockSize int
 	// PeakDuration is how long the FMA peak is measured (default 1s).
 	PeakDuration time.Duration
@@ -56,7 +57,7 @@ func (o *Options) defaults() {
 		o.DecodeTokens = 64
 	}
 	if o.BlockSize <= 0 {
-		o.BlockSize = 16
+		o.BlockSize = kvcache.DefaultBlockSize
 	}
 	if o.PeakDuration <= 0 {
 		o.PeakDuration = time.Second
@@ -119,8 +120,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 			fmt.Fprintf(opts.Progress, format+"\n", args...)
 		}
 	}
-	progress("loading %s", opts.Model)
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, err
 	}
