@@ -57,6 +57,13 @@ type Reply struct {
 // its body not read to the end; the Reply then holds what had arrived. An answer that arrived is
 // not an error, whatever it says: see Check.
 func Post(ctx context.Context, hc *http.Client, url string, body any, header http.Header) (Reply, error) {
+	return PostWatching(ctx, hc, url, body, header, nil)
+}
+
+// PostWatching is Post, calling onContent (when not nil) on the reading goroutine after each
+// event of a stream that carried content, with the reply so far: a test acts on a stream in
+// flight with it.
+func PostWatching(ctx context.Context, hc *http.Client, url string, body any, header http.Header, onContent func(Reply)) (Reply, error) {
 	data, ok := body.([]byte)
 	if !ok {
 		var err error
@@ -98,8 +105,13 @@ func Post(ctx context.Context, hc *http.Client, url string, body any, header htt
 			payload = bytes.TrimLeft(payload, " ")
 			if bytes.Equal(payload, []byte("[DONE]")) {
 				r.Done = true
-			} else if text := r.event(payload); text != "" && r.Chunks == 1 {
-				r.TTFT = time.Since(start)
+			} else if text := r.event(payload); text != "" {
+				if r.Chunks == 1 {
+					r.TTFT = time.Since(start)
+				}
+				if onContent != nil {
+					onContent(r)
+				}
 			}
 		}
 		if err != nil {

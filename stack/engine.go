@@ -38,8 +38,10 @@ const (
 type EngineConfig struct {
 	// Name labels the engine in errors and, when Logger is nil, in the stack's log lines.
 	Name string
-	// Model is the model served; it is shared, never closed by the engine. Required.
-	Model *model.Model
+	// Model is the model served; it is shared, never closed by the engine. Without it each
+	// incarnation opens ModelName itself and closes it with itself.
+	Model     *model.Model
+	ModelName string
 	// Role is the NixlConnector's kv_role; "" starts an engine without a connector.
 	Role connector.Role
 	// The connector's settings (--kv-transfer-config): bidirectional_kv_xfer,
@@ -112,7 +114,7 @@ type Engine struct {
 // StartEngine starts an engine (and its fault proxies). On error everything it started is
 // stopped.
 func StartEngine(ctx context.Context, cfg EngineConfig) (_ *Engine, err error) {
-	if cfg.Model == nil {
+	if cfg.Model == nil && cfg.ModelName == "" {
 		return nil, fmt.Errorf("stack: %w: engine %q has no model", instance.ErrConfig, cfg.Name)
 	}
 	if cfg.Host == "" {
@@ -146,12 +148,11 @@ func StartEngine(ctx context.Context, cfg EngineConfig) (_ *Engine, err error) {
 	return e, e.start(ctx)
 }
 
-// InstanceConfig returns the instance configuration of cfg: what StartEngine starts, without the
-// fault proxies and the transfer listener it chooses. A process of its own (a child a test
-// kills) starts it with instance.Start.
-func (cfg EngineConfig) InstanceConfig() instance.Config {
+// instanceConfig returns the instance configuration of cfg, without the transfer listener start
+// chooses.
+func (cfg EngineConfig) instanceConfig() instance.Config {
 	ic := instance.Config{
-		OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
+		Model: cfg.ModelName, OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
 		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger,
 	}
@@ -194,7 +195,7 @@ func (cfg EngineConfig) InstanceConfig() instance.Config {
 
 // start starts a new incarnation and points the fault proxies at it. e.mu must be held.
 func (e *Engine) start(ctx context.Context) error {
-	ic := e.cfg.InstanceConfig()
+	ic := e.cfg.instanceConfig()
 	if e.cfg.AdvertiseTransfer != "" {
 		// The agent reports the advertised address, so the listener's is chosen here.
 		addr, err := FreeAddr()
@@ -299,8 +300,8 @@ func (e *Engine) TransferAddr() string {
 // Stats returns a snapshot of the running incarnation (instance.Stats).
 func (e *Engine) Stats() (instance.Stats, error) { return e.Instance().Stats() }
 
-// Close stops the engine (every block returns to its pool) and its fault proxies. It is
-// idempotent.
+// Close stops the engine's fault proxies (cutting whatever they hold, a stalled request
+// included) and then the engine (every block returns to its pool). It is idempotent.
 func (e *Engine) Close() error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -309,13 +310,13 @@ func (e *Engine) Close() error {
 	}
 	e.closed = true
 	var errs []error
-	if e.in != nil {
-		errs = append(errs, e.in.Close())
-	}
 	for _, fp := range e.Faults.all() {
 		if fp != nil {
 			errs = append(errs, fp.Close())
 		}
+	}
+	if e.in != nil {
+		errs = append(errs, e.in.Close())
 	}
 	return errors.Join(errs...)
 }

@@ -41,7 +41,8 @@ const (
 // Config describes a stack. Settings given once here apply to both engines, unless the
 // engine's own config (P, D) sets them.
 type Config struct {
-	// Model is served by every engine; it is shared, never closed by the stack. Required.
+	// Model is served by every engine; it is shared, never closed by the stack. Required unless
+	// every engine's config names a model of its own.
 	Model *model.Model
 	// Mode is one-way (the default) or bidirectional. MultiTurnProxy puts the multi-turn proxy
 	// in front of a one-way stack too.
@@ -95,9 +96,6 @@ type Stack struct {
 // Start starts P, D, the single engine if asked and the proxy. On error everything started is
 // stopped.
 func Start(ctx context.Context, cfg Config) (_ *Stack, err error) {
-	if cfg.Model == nil {
-		return nil, fmt.Errorf("stack: %w: no model", instance.ErrConfig)
-	}
 	switch cfg.Mode {
 	case "":
 		cfg.Mode = OneWay
@@ -152,7 +150,9 @@ func (cfg Config) engine(e EngineConfig, role connector.Role) EngineConfig {
 	if e.Name == "" {
 		e.Name = map[connector.Role]string{connector.RoleProducer: "P", connector.RoleConsumer: "D"}[role]
 	}
-	e.Model = cfg.Model
+	if e.Model == nil {
+		e.Model = cfg.Model
+	}
 	e.Bidirectional = e.Bidirectional || (role != "" && cfg.Mode == Bidirectional)
 	if e.Policy == "" {
 		e.Policy = cfg.Policy
