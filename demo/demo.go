@@ -88,11 +88,7 @@ func Run(ctx context.Context, opts Options) (*Summary, error) {
 	if opts.Out == nil {
 		opts.Out = io.Discard
 	}
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
+	progress := stack.Printer(opts.Progress)
 	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("demo: %w", err)

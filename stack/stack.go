@@ -14,7 +14,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"maps"
 	"sync"
@@ -245,17 +244,4 @@ func (s *Stack) CheckPools() error {
 		}
 	}
 	return errors.Join(errs...)
-}
-
-// OpenModel opens the model name for a run, saying so on progress (when not nil): the prologue
-// of every benchmark and of the demo, which share one opened model among their stacks.
-func OpenModel(ctx context.Context, name string, progress io.Writer) (*model.Model, error) {
-	if progress != nil {
-		fmt.Fprintf(progress, "loading %s\n", name)
-	}
-	m, err := model.Open(ctx, name, model.OpenOptions{})
-	if err != nil {
-		return nil, fmt.Errorf("open %s: %w", name, err)
-	}
-	return m, nil
 }

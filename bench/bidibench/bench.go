@@ -142,11 +142,7 @@ func RunBench(ctx context.Context, opts BenchOptions) (*Report, error) {
 	if opts.Repeats <= 0 {
 		opts.Repeats = 3
 	}
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
+	progress := stack.Printer(opts.Progress)
 	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("bidibench: %w", err)

@@ -115,11 +115,7 @@ type Result struct {
 // decodes greedily from it.
 func Run(ctx context.Context, opts Options) (*Result, error) {
 	opts.defaults()
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
+	progress := stack.Printer(opts.Progress)
 	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, err

@@ -153,11 +153,7 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	if err := opts.defaults(); err != nil {
 		return nil, err
 	}
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
+	progress := stack.Printer(opts.Progress)
 	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
