@@ -1,6 +1,8 @@
 // Package enginebench measures the model's forward pass — prefill throughput and achieved
 // GFLOP/s, decode tokens/s — against ceilings measured in the same run: the machine's FP32 FMA
 // peak and its memory bandwidth. It backs `kvbridge bench engine`.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package enginebench
 
 import (

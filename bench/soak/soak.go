@@ -7,6 +7,8 @@
 // single-instance engine given the same messages and sampling; the report counts requests,
 // errors by class and wrong outputs, and compares heap, goroutines and free KV blocks before
 // and after, once the stack has quiesced.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package soak
 
 import (

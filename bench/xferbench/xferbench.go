@@ -3,6 +3,8 @@
 // (block sizes × batch sizes, descriptors in scattered order, SHM and TCP backends), with the
 // ceilings measured in the same run — a single-thread memcpy of the same bytes for SHM and a
 // raw Go loopback TCP stream for TCP — so that results read as a ratio of the ceiling.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package xferbench
 
 import (

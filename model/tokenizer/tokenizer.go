@@ -4,6 +4,8 @@
 // (ChatML built in, Jinja templates through github.com/ardanlabs/jinja).
 //
 // A Tokenizer is immutable once built and safe for concurrent use.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package tokenizer
 
 import (
