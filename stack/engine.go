@@ -198,7 +198,7 @@ func (e *Engine) start(ctx context.Context) error {
 	ic := e.cfg.instanceConfig()
 	if e.cfg.AdvertiseTransfer != "" {
 		// The agent reports the advertised address, so the listener's is chosen here.
-		addr, err := FreeAddr()
+		addr, err := freeAddr()
 		if err != nil {
 			return err
 		}
@@ -321,8 +321,8 @@ func (e *Engine) Close() error {
 	return errors.Join(errs...)
 }
 
-// FreeAddr returns a loopback address whose port was free a moment ago.
-func FreeAddr() (string, error) {
+// freeAddr returns a loopback address whose port was free a moment ago.
+func freeAddr() (string, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return "", err

@@ -108,7 +108,7 @@ func StartProxy(cfg ProxyConfig) (*Proxy, error) {
 	if err != nil {
 		return nil, fmt.Errorf("stack: %w", err)
 	}
-	ln, err := Listen(cfg.Host, cfg.Port, cfg.FallbackToFreePort)
+	ln, err := listen(cfg.Host, cfg.Port, cfg.FallbackToFreePort)
 	if err != nil {
 		p.handler.Close()
 		return nil, fmt.Errorf("stack: proxy listener: %w", err)
@@ -141,9 +141,9 @@ func (p *Proxy) Close() error {
 	return p.closeErr
 }
 
-// Listen listens on host:port, or on a free port of host when port is 0 or, with fallback,
+// listen listens on host:port, or on a free port of host when port is 0 or, with fallback,
 // taken.
-func Listen(host string, port int, fallback bool) (net.Listener, error) {
+func listen(host string, port int, fallback bool) (net.Listener, error) {
 	ln, err := net.Listen("tcp", net.JoinHostPort(host, strconv.Itoa(port)))
 	if err != nil && port != 0 && fallback && errors.Is(err, syscall.EADDRINUSE) {
 		ln, err = net.Listen("tcp", net.JoinHostPort(host, "0"))
