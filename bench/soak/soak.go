@@ -214,19 +214,12 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 
 // progress writes a status line every interval until ctx ends.
 func progress(ctx context.Context, w io.Writer, every time.Duration, s *rig, rep *Report, start time.Time) {
-	tk := time.NewTicker(every)
-	defer tk.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tk.C:
-			c := rep.counts()
-			fmt.Fprintf(w, "soak %5.0fs: %d requests, %d served, %d errors, %d wrong outputs, %d faults, %d goroutines, free blocks P %d D %d\n",
-				time.Since(start).Seconds(), c.Requests, c.Served, c.Errors, c.WrongOutputs, c.faults, runtime.NumGoroutine(),
-				stats(s.P).FreeBlocks, stats(s.D).FreeBlocks)
-		}
-	}
+	repeat(ctx, every, func() {
+		c := rep.counts()
+		fmt.Fprintf(w, "soak %5.0fs: %d requests, %d served, %d errors, %d wrong outputs, %d faults, %d goroutines, free blocks P %d D %d\n",
+			time.Since(start).Seconds(), c.Requests, c.Served, c.Errors, c.WrongOutputs, c.faults, runtime.NumGoroutine(),
+			stats(s.P).FreeBlocks, stats(s.D).FreeBlocks)
+	})
 }
 
 // healthEvery is how often the soak asks the proxy's /health, as a load balancer would. The
@@ -236,36 +229,29 @@ const healthEvery = 5 * time.Second
 
 // checkHealth polls the proxy's /health until ctx ends and records the conversations cached.
 func checkHealth(ctx context.Context, s *rig, rep *Report) {
-	tk := time.NewTicker(healthEvery)
-	defer tk.Stop()
-	for {
-		select {
-		case <-ctx.Done():
+	repeat(ctx, healthEvery, func() {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/health", nil)
+		if err != nil {
 			return
-		case <-tk.C:
-			req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/health", nil)
-			if err != nil {
-				continue
-			}
-			resp, err := s.client.Do(req)
-			if err != nil {
-				if ctx.Err() == nil { // not the end of the run cutting the request short
-					rep.countError("health check: " + transportClass(err))
-				}
-				continue
-			}
-			var h struct {
-				Cached int `json:"cached_conversations"`
-			}
-			err = json.NewDecoder(resp.Body).Decode(&h)
-			resp.Body.Close()
-			if err != nil || resp.StatusCode != http.StatusOK {
-				rep.countError(fmt.Sprintf("health check: %d", resp.StatusCode))
-				continue
-			}
-			rep.sampleCache(h.Cached)
 		}
-	}
+		resp, err := s.client.Do(req)
+		if err != nil {
+			if ctx.Err() == nil { // not the end of the run cutting the request short
+				rep.countError("health check: " + transportClass(err))
+			}
+			return
+		}
+		var h struct {
+			Cached int `json:"cached_conversations"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&h)
+		resp.Body.Close()
+		if err != nil || resp.StatusCode != http.StatusOK {
+			rep.countError(fmt.Sprintf("health check: %d", resp.StatusCode))
+			return
+		}
+		rep.sampleCache(h.Cached)
+	})
 }
 
 // watchEvery is the period of the pool samples.
@@ -274,17 +260,24 @@ const watchEvery = 100 * time.Millisecond
 // watch samples the engines until ctx ends: the fewest free blocks, the most requests waiting
 // and the most finished requests holding blocks.
 func watch(ctx context.Context, s *rig, rep *Report) {
-	tk := time.NewTicker(watchEvery)
+	repeat(ctx, watchEvery, func() {
+		for _, e := range []*stack.Engine{s.P, s.D} {
+			st := stats(e)
+			rep.sample(e.Name, st.FreeBlocks, st.Waiting, st.Held)
+		}
+	})
+}
+
+// repeat calls f every interval until ctx ends.
+func repeat(ctx context.Context, every time.Duration, f func()) {
+	tk := time.NewTicker(every)
 	defer tk.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tk.C:
-			for _, e := range []*stack.Engine{s.P, s.D} {
-				st := stats(e)
-				rep.sample(e.Name, st.FreeBlocks, st.Waiting, st.Held)
-			}
+			f()
 		}
 	}
 }
