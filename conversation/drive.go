@@ -320,6 +320,9 @@ func DriveSideBySide(ctx context.Context, stacks []*stack.Stack, opts Options) (
 		return nil, nil
 	}
 	m := opts.Model
+	if m == nil {
+		return nil, errors.New("conversation: no model to write the conversations with")
+	}
 	convs := scripts(m.Tokenizer(), opts.Seed, opts.Conversations, opts.Turns, opts.UserTokens)
 	runs := make([]*Run, len(stacks))
 	history := make([][][]message, len(stacks))
