@@ -1,6 +1,7 @@
 // Package connector implements the NixlConnector semantics of kvbridge: the kv_transfer_params
 // contract, the side-channel handshake, leases and heartbeats, the load-failure policy and the
-// transfer statistics (see ../shared/spec/vllm-nixl-protocol.md).
+// transfer statistics. docs/architecture.md shows where it sits among kvbridge's packages and
+// which file holds each item of the wire contract.
 //
 // Security: kv_transfer_params are untrusted hints. A reader uses pulled blocks only if what
 // their owner published beside them (block records and the lease's tag) matches its own prompt
@@ -131,8 +132,26 @@ func ParseConfig(data []byte, log *slog.Logger) (*Config, error) {
 	return configFromMap(raw, log)
 }
 
-func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
-	c := &Config{
+// The side channel's address when VLLM_NIXL_SIDE_CHANNEL_HOST and VLLM_NIXL_SIDE_CHANNEL_PORT
+// are unset, as in vLLM.
+const (
+	DefaultSideChannelHost = "localhost"
+	DefaultSideChannelPort = 5600
+)
+
+// DefaultConfig returns the configuration of a NixlConnector of role with every default
+// ParseConfig applies and a fresh engine id: what --kv-transfer-config
+// '{"kv_connector":"NixlConnector","kv_role":ROLE}' parses to. Callers that build a stack in code
+// change its fields instead of writing JSON to parse it back.
+func DefaultConfig(role Role) *Config {
+	c := defaultConfig()
+	c.Connector, c.Role, c.EngineID = "NixlConnector", role, uuid.NewString()
+	return c
+}
+
+// defaultConfig returns the defaults of every key, with no connector.
+func defaultConfig() *Config {
+	return &Config{
 		LoadFailurePolicy:      PolicyFail,
 		LeaseDuration:          30 * time.Second,
 		RecomputeThreshold:     -1,
@@ -140,6 +159,10 @@ func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
 		EnforceHandshakeCompat: true,
 		EngineTTL:              3600 * time.Second,
 	}
+}
+
+func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
+	c := defaultConfig()
 	p := fieldParser{log: log}
 	for key, v := range raw {
 		switch key {

@@ -2,6 +2,7 @@ package connector
 
 import (
 	"errors"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -36,6 +37,28 @@ func TestParseConfigDefaults(t *testing.T) {
 	if c.LoadFailurePolicy != PolicyFail || c.LeaseDuration != 30*time.Second || c.Threshold() != 0 ||
 		c.DecoderBlocksTTL != 480*time.Second || !c.EnforceHandshakeCompat || c.EngineTTL != time.Hour {
 		t.Errorf("defaults = %+v", c)
+	}
+}
+
+// TestDefaultConfig: DefaultConfig(role) is what the minimal --kv-transfer-config of that role
+// parses to (the seed guide's defaults, checked above), each with an engine id of its own.
+func TestDefaultConfig(t *testing.T) {
+	for _, role := range []Role{RoleProducer, RoleConsumer} {
+		parsed, err := ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"`+string(role)+`"}`), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c, other := DefaultConfig(role), DefaultConfig(role)
+		if c.EngineID == "" || c.EngineID == other.EngineID {
+			t.Errorf("%s: engine ids %q and %q, want two fresh ones", role, c.EngineID, other.EngineID)
+		}
+		c.EngineID = parsed.EngineID
+		if !reflect.DeepEqual(c, parsed) {
+			t.Errorf("%s: DefaultConfig = %+v, ParseConfig = %+v", role, c, parsed)
+		}
+		if !c.Enabled() {
+			t.Errorf("%s: DefaultConfig configures no connector", role)
+		}
 	}
 }
 

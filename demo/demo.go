@@ -2,12 +2,14 @@
 // on free loopback ports, runs the same multi-turn conversations one-way and then with
 // bidirectional KV transfer, and shows what the second saves — time to first token per turn,
 // the KV bytes moved, and that the answers are the same. With Serve it keeps a bidirectional
-// stack running for curl.
+// stack running for curl. It is built on packages stack (P, D and the proxies) and conversation
+// (the workload and its measurements), never on a benchmark. See docs/architecture.md.
 package demo
 
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,9 +17,10 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/kvbridge/kvbridge/bench/bidibench"
+	"github.com/kvbridge/kvbridge/conversation"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/plot"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // DefaultPlot is where the chart goes unless Options.PlotPath says otherwise.
@@ -28,8 +31,8 @@ type Options struct {
 	// Model is served by P and D (default kvbridge/small).
 	Model string
 	// Conversations (default 2) and Turns (default 8) size the workload; UserTokens and
-	// AnswerTokens are the lengths of each user message and answer (defaults of bidibench:
-	// the history passes 2,000 tokens by turn 8).
+	// AnswerTokens are the lengths of each user message and answer (the defaults of package
+	// conversation: the history passes 2,000 tokens by turn 8).
 	Conversations, Turns, UserTokens, AnswerTokens int
 	// PlotPath is the SVG chart's path (default kvbridge-demo.svg); JSONPath, if set, receives
 	// the Summary as JSON.
@@ -40,7 +43,7 @@ type Options struct {
 	Logger *slog.Logger
 
 	// started, if set, sees every stack the demo starts (tests check the pools after Run).
-	started func(*bidibench.Stack)
+	started func(*stack.Stack)
 }
 
 // Summary is what the demo measured; it is also the --json output.
@@ -85,28 +88,35 @@ func Run(ctx context.Context, opts Options) (*Summary, error) {
 	if opts.Out == nil {
 		opts.Out = io.Discard
 	}
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
-	progress("loading %s", opts.Model)
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	progress := stack.Printer(opts.Progress)
+	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("demo: %w", err)
 	}
 	defer m.Close()
-	wl := bidibench.Options{
-		OpenedModel: m, Conversations: opts.Conversations, Turns: opts.Turns, UserTokens: opts.UserTokens,
+	wl := conversation.Options{
+		Model: m, Conversations: opts.Conversations, Turns: opts.Turns, UserTokens: opts.UserTokens,
 		AnswerTokens: opts.AnswerTokens, Progress: opts.Progress, Logger: opts.Logger,
 	}
-	var runs []*bidibench.Run
-	for _, mode := range []bidibench.Mode{bidibench.ModeOneWay, bidibench.ModeBidirectional} {
-		run, err := runMode(ctx, mode, wl, progress, opts.started)
-		if err != nil {
-			return nil, err
+	// Each mode runs on its own fresh stack, one after the other; RunSideBySide closes it and
+	// checks that every KV block went back to its pool.
+	started := func(s *stack.Stack) {
+		proxyKind := "one-way proxy, bidirectional_kv_xfer off"
+		if s.Mode == stack.Bidirectional {
+			proxyKind = "multi-turn proxy, bidirectional_kv_xfer on P and D, conversation_id sent"
 		}
-		runs = append(runs, run)
+		progress("%s: P %s, D %s, proxy %s (%s; P's prefix caching off)", s.Mode, s.P.URL(), s.D.URL(), s.URL, proxyKind)
+		if opts.started != nil {
+			opts.started(s)
+		}
+	}
+	var runs []*conversation.Run
+	for _, mode := range []stack.Mode{stack.OneWay, stack.Bidirectional} {
+		run, err := conversation.RunSideBySide(ctx, wl, started, mode)
+		if err != nil {
+			return nil, fmt.Errorf("demo: %w", err)
+		}
+		runs = append(runs, run...)
 	}
 	s := summarize(runs[0], runs[1])
 	s.Plot = opts.PlotPath
@@ -118,51 +128,30 @@ func Run(ctx context.Context, opts Options) (*Summary, error) {
 		return s, err
 	}
 	if opts.JSONPath != "" {
-		if err := bidibench.WriteJSON(opts.JSONPath, s); err != nil {
+		if err := s.writeJSON(opts.JSONPath); err != nil {
 			return s, fmt.Errorf("demo: %w", err)
 		}
 	}
 	return s, nil
 }
 
-// runMode starts a stack for mode, runs the workload on it and closes it, checking that every
-// KV block went back to its pool.
-func runMode(ctx context.Context, mode bidibench.Mode, wl bidibench.Options, progress func(string, ...any), started func(*bidibench.Stack)) (_ *bidibench.Run, err error) {
-	s, err := bidibench.StartStack(ctx, wl.StackConfig(mode))
+// writeJSON writes the summary to path as indented JSON.
+func (s *Summary) writeJSON(path string) error {
+	b, err := json.MarshalIndent(s, "", "  ")
 	if err != nil {
-		return nil, fmt.Errorf("demo: %w", err)
+		return err
 	}
-	if started != nil {
-		started(s)
-	}
-	defer func() {
-		if cerr := s.Close(); cerr != nil && err == nil {
-			err = fmt.Errorf("demo: closing the %s stack: %w", mode, cerr)
-		}
-		if p, d := s.P.Pool, s.D.Pool; (p.NumFree() != p.NumBlocks() || d.NumFree() != d.NumBlocks()) && err == nil {
-			err = fmt.Errorf("demo: %s stack leaked KV blocks (P %d of %d free, D %d of %d)", mode, p.NumFree(), p.NumBlocks(), d.NumFree(), d.NumBlocks())
-		}
-	}()
-	proxyKind := "one-way proxy, bidirectional_kv_xfer off"
-	if mode == bidibench.ModeBidirectional {
-		proxyKind = "multi-turn proxy, bidirectional_kv_xfer on P and D, conversation_id sent"
-	}
-	progress("%s: P %s, D %s, proxy %s (%s; P's prefix caching off)", mode, s.P.URL, s.D.URL, s.URL, proxyKind)
-	run, err := bidibench.Drive(ctx, s, wl)
-	if err != nil {
-		return nil, fmt.Errorf("demo: %w", err)
-	}
-	return run, nil
+	return os.WriteFile(path, append(b, '\n'), 0o644)
 }
 
 // summarize compares the two runs turn by turn.
-func summarize(ow, bd *bidibench.Run) *Summary {
+func summarize(ow, bd *conversation.Run) *Summary {
 	s := &Summary{
 		Model: ow.Model, Conversations: ow.Conversations, Turns: ow.Turns,
 		TTFTOneWayMs: ow.TTFTPerTurn(), TTFTBidirectionalMs: bd.TTFTPerTurn(),
 		KVBytesOneWay: ow.BytesPerTurn(), KVBytesBidirectional: bd.BytesPerTurn(),
 	}
-	s.OutputsIdentical, _ = bidibench.SameAnswers(ow, bd)
+	s.OutputsIdentical, _ = conversation.SameAnswers(ow, bd)
 	s.Ratio = make([]float64, len(s.TTFTOneWayMs))
 	for i := range s.Ratio {
 		if s.TTFTOneWayMs[i] > 0 {
@@ -172,31 +161,18 @@ func summarize(ow, bd *bidibench.Run) *Summary {
 	if n := len(s.Ratio); n > 0 {
 		s.LastTurnRatio = s.Ratio[n-1]
 	}
-	s.PromptTokens = perTurn(bd, func(t bidibench.Turn) float64 { return float64(t.PromptTokens) })
-	s.PComputedOneWay = perTurn(ow, func(t bidibench.Turn) float64 { return float64(t.PComputedTokens) })
-	s.PComputedBidirectional = perTurn(bd, func(t bidibench.Turn) float64 { return float64(t.PComputedTokens) })
-	s.PPulledBidirectional = perTurn(bd, func(t bidibench.Turn) float64 { return float64(t.PPulledTokens) })
+	mean := func(run *conversation.Run, f func(conversation.Turn) int) []float64 {
+		return conversation.MeanPerTurn([]*conversation.Run{run}, func(t conversation.Turn) float64 { return float64(f(t)) })
+	}
+	s.PromptTokens = mean(bd, func(t conversation.Turn) int { return t.PromptTokens })
+	s.PComputedOneWay = mean(ow, func(t conversation.Turn) int { return t.PComputedTokens })
+	s.PComputedBidirectional = mean(bd, func(t conversation.Turn) int { return t.PComputedTokens })
+	s.PPulledBidirectional = mean(bd, func(t conversation.Turn) int { return t.PPulledTokens })
 	return s
 }
 
-// perTurn averages f over the conversations of each turn of run.
-func perTurn(run *bidibench.Run, f func(bidibench.Turn) float64) []float64 {
-	sum := make([]float64, run.Turns)
-	n := make([]int, run.Turns)
-	for _, t := range run.Rows {
-		sum[t.Turn-1] += f(t)
-		n[t.Turn-1]++
-	}
-	for i := range sum {
-		if n[i] > 0 {
-			sum[i] /= float64(n[i])
-		}
-	}
-	return sum
-}
-
 // writeTable prints the short table and the verdict.
-func writeTable(w io.Writer, s *Summary, bd *bidibench.Run) error {
+func writeTable(w io.Writer, s *Summary, bd *conversation.Run) error {
 	fmt.Fprintf(w, "\nkvbridge demo: %s, %d conversations × %d turns (user messages %d tokens, answers %d tokens, greedy); P's prefix caching off\n",
 		s.Model, s.Conversations, s.Turns, bd.UserTokens, bd.AnswerTokens)
 	fmt.Fprintln(w, "TTFT = time to the first streamed token through the proxy, mean over the conversations")

@@ -15,22 +15,17 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvbridge/kvbridge/bench/bidibench"
+	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/proxy"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // checkPools asserts that every block of the stack's engines is free (the stack is closed).
-func checkPools(t *testing.T, s *bidibench.Stack) {
+func checkPools(t *testing.T, s *stack.Stack) {
 	t.Helper()
-	for _, p := range []struct {
-		name string
-		free int
-		all  int
-	}{{"P", s.P.Pool.NumFree(), s.P.Pool.NumBlocks()}, {"D", s.D.Pool.NumFree(), s.D.Pool.NumBlocks()}} {
-		if p.free != p.all {
-			t.Errorf("%s stack, %s: %d of %d blocks free after close", s.Mode, p.name, p.free, p.all)
-		}
+	if err := s.CheckPools(); err != nil {
+		t.Error(err)
 	}
 }
 
@@ -38,12 +33,12 @@ func checkPools(t *testing.T, s *bidibench.Stack) {
 // well-formed SVG, the answers agree, and every engine is closed with its pool full.
 func TestRun(t *testing.T) {
 	dir := t.TempDir()
-	var stacks []*bidibench.Stack
+	var stacks []*stack.Stack
 	var out bytes.Buffer
 	sum, err := Run(t.Context(), Options{
 		Model: model.Tiny, Conversations: 2, Turns: 2, UserTokens: 96, AnswerTokens: 8,
 		PlotPath: filepath.Join(dir, "demo.svg"), JSONPath: filepath.Join(dir, "demo.json"), Out: &out,
-		started: func(s *bidibench.Stack) { stacks = append(stacks, s) },
+		started: func(s *stack.Stack) { stacks = append(stacks, s) },
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -119,12 +114,12 @@ func TestServe(t *testing.T) {
 	defer cancel()
 	var (
 		out     bytes.Buffer
-		stack   *bidibench.Stack
+		running *stack.Stack
 		checked bool
 	)
-	err := Serve(ctx, ServeOptions{Model: model.Tiny, Out: &out, ready: func(s *bidibench.Stack) {
+	err := Serve(ctx, ServeOptions{Model: model.Tiny, Out: &out, ready: func(s *stack.Stack) {
 		defer cancel()
-		stack = s
+		running = s
 		first := post(t, s.URL, firstTurn(model.Tiny))
 		if first.cache != "miss" {
 			t.Errorf("turn 1: cache %q", first.cache)
@@ -140,11 +135,11 @@ func TestServe(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !checked || stack == nil {
+	if !checked || running == nil {
 		t.Fatal("the stack never became ready")
 	}
-	checkPools(t, stack)
-	for _, want := range []string{"curl -i " + stack.URL + "/v1/chat/completions", `"conversation_id": "session-42"`, secondQuestion} {
+	checkPools(t, running)
+	for _, want := range []string{"curl -i " + running.URL + "/v1/chat/completions", `"conversation_id": "session-42"`, secondQuestion} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("the help lacks %q:\n%s", want, out.String())
 		}
@@ -158,33 +153,19 @@ type answer struct {
 
 func post(t *testing.T, base string, body chatBody) answer {
 	t.Helper()
-	data, err := json.Marshal(body)
-	if err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/chat/completions", bytes.NewReader(data))
-	if err != nil {
-		t.Fatal(err)
+	url := base + "/v1/chat/completions"
+	r, err := apiclient.Post(ctx, http.DefaultClient, url, body, nil)
+	if err == nil {
+		err = r.Check(url)
 	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
+	if err != nil || r.Role != "assistant" {
+		t.Fatalf("%v: %s", err, r.Raw)
 	}
-	defer resp.Body.Close()
-	var m struct {
-		Choices []struct {
-			Message struct{ Content string } `json:"message"`
-		} `json:"choices"`
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&m); err != nil || resp.StatusCode != 200 || len(m.Choices) != 1 {
-		t.Fatalf("status %d, %v", resp.StatusCode, err)
-	}
-	pulled, err := strconv.Atoi(resp.Header.Get(proxy.HeaderPulledTokens))
+	pulled, err := strconv.Atoi(r.Header.Get(proxy.HeaderPulledTokens))
 	if err != nil {
 		pulled = -1
 	}
-	return answer{text: m.Choices[0].Message.Content, cache: resp.Header.Get(proxy.HeaderCache), pulled: pulled}
+	return answer{text: r.Text, cache: r.Header.Get(proxy.HeaderCache), pulled: pulled}
 }

@@ -10,8 +10,10 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvbridge/kvbridge/bench/bidibench"
+	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/conversation"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // ServeOptions configure Serve.
@@ -28,7 +30,7 @@ type ServeOptions struct {
 	Logger *slog.Logger
 
 	// ready, if set, sees the running stack before Serve waits (tests drive it).
-	ready func(*bidibench.Stack)
+	ready func(*stack.Stack)
 }
 
 // The seed guide's ports.
@@ -67,17 +69,15 @@ func Serve(ctx context.Context, opts ServeOptions) (err error) {
 	if opts.Out == nil {
 		opts.Out = io.Discard
 	}
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	m, err := stack.OpenModel(ctx, opts.Model, nil)
 	if err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
 	defer m.Close()
-	wl := bidibench.Options{OpenedModel: m, Logger: opts.Logger}
-	cfg := wl.StackConfig(bidibench.ModeBidirectional)
-	cfg.ProxyPort, cfg.PrefillPort, cfg.DecodePort, cfg.FallbackToFreePorts = opts.ProxyPort, opts.PrefillPort, opts.DecodePort, true
+	cfg := conversation.Options{Model: m, Logger: opts.Logger}.StackConfig(stack.Bidirectional)
+	cfg.Proxy.Port, cfg.P.Port, cfg.D.Port, cfg.FallbackToFreePorts = opts.ProxyPort, opts.PrefillPort, opts.DecodePort, true
 	cfg.MaxModelLen, cfg.NumBlocks = 8192, 4096 // room for conversations of one's own
-	cfg.StatsInterval = 10 * time.Second
-	s, err := bidibench.StartStack(ctx, cfg)
+	s, err := stack.Start(ctx, cfg)
 	if err != nil {
 		return fmt.Errorf("demo: %w", err)
 	}
@@ -137,43 +137,26 @@ func secondTurn(modelName, answer string) chatBody {
 func firstAnswer(ctx context.Context, proxyURL, modelName string) (string, error) {
 	body := firstTurn(modelName)
 	body.ConversationID = warmupConversation
-	data, err := json.Marshal(body)
-	if err != nil {
-		return "", fmt.Errorf("demo: %w", err)
-	}
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, proxyURL+"/v1/chat/completions", strings.NewReader(string(data)))
-	if err != nil {
-		return "", fmt.Errorf("demo: %w", err)
+	url := proxyURL + "/v1/chat/completions"
+	r, err := apiclient.Post(ctx, http.DefaultClient, url, body, nil)
+	if err == nil {
+		err = r.Check(url)
 	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return "", fmt.Errorf("demo: asking the first turn: %w", err)
 	}
-	defer resp.Body.Close()
-	var out struct {
-		Choices []struct {
-			Message struct {
-				Content string `json:"content"`
-			} `json:"message"`
-		} `json:"choices"`
+	if r.Role != "assistant" {
+		return "", fmt.Errorf("demo: the first turn's answer is not a chat completion: %.300s", r.Raw)
 	}
-	if resp.StatusCode != http.StatusOK {
-		b, _ := io.ReadAll(io.LimitReader(resp.Body, 1024))
-		return "", fmt.Errorf("demo: the first turn answered %d: %s", resp.StatusCode, b)
-	}
-	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil || len(out.Choices) != 1 {
-		return "", fmt.Errorf("demo: the first turn's answer is not a chat completion: %v", err)
-	}
-	return out.Choices[0].Message.Content, nil
+	return r.Text, nil
 }
 
 // writeServeHelp prints the stack's addresses and the curl commands to try.
-func writeServeHelp(w io.Writer, s *bidibench.Stack, modelName, answer string) {
+func writeServeHelp(w io.Writer, s *stack.Stack, modelName, answer string) {
 	fmt.Fprintf(w, "kvbridge demo --serve: %s with bidirectional KV transfer (P's prefix caching off)\n", modelName)
-	fmt.Fprintf(w, "  prefill (kv_producer)  %s\n  decode  (kv_consumer)  %s\n  multi-turn proxy       %s\n", s.P.URL, s.D.URL, s.URL)
+	fmt.Fprintf(w, "  prefill (kv_producer)  %s\n  decode  (kv_consumer)  %s\n  multi-turn proxy       %s\n", s.P.URL(), s.D.URL(), s.URL)
 	fmt.Fprintln(w, "\nTry the seed guide's two-turn chat through the proxy (-i shows the X-KVBridge-* headers:")
 	fmt.Fprintln(w, "cache hit or miss, prompt tokens, tokens P pulled from D, tokens P computed). max_tokens keeps")
 	fmt.Fprintln(w, "the built-in model's answers short; turn 2 repeats turn 1's real answer, as a chat client would.")

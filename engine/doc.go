@@ -27,4 +27,6 @@
 // (MatchedExternal), is told the blocks allocated for them (AfterAlloc), and at finish may keep
 // the request's blocks allocated (Finished returns delayFree) until the engine's owner calls
 // ReleaseDelayed. Without a connector, NoConnector is used.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package engine

@@ -12,6 +12,8 @@
 //
 // A Proxy is owned by its creator: Close (idempotent) closes the listener and every link and
 // waits for every goroutine the proxy started.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package faultproxy
 
 import (

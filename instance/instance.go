@@ -1,6 +1,9 @@
 // Package instance assembles one running kvbridge engine: the model, the KV pool in a shared
 // transfer arena, the engine, the NixlConnector when configured, and the OpenAI HTTP server on a
-// listener. `kvbridge serve`, the demo, the benchmarks and the tests start engines through it.
+// listener. `kvbridge serve`, the stack package (and through it the demo, the benchmarks and the
+// fault suite) start engines through it. Config's defaults are applied in one place
+// (withDefaults); Stats is the narrow view of a running engine that benchmarks read. See
+// docs/architecture.md for where the package sits.
 package instance
 
 import (
@@ -30,7 +33,21 @@ import (
 // ErrConfig reports an instance configuration that cannot work.
 var ErrConfig = errors.New("instance: invalid configuration")
 
-// Config describes one engine. Zero values take the documented defaults.
+// Defaults of Config owned by the instance. The others live with the package that owns the
+// setting: kvcache.DefaultBlockSize, engine.DefaultMaxNumSeqs and
+// engine.DefaultMaxNumBatchedTokens, connector.DefaultSideChannelHost and
+// connector.DefaultSideChannelPort, openai.DefaultMaxConcurrentRequests.
+const (
+	// DefaultKVBytes is the memory of the KV pool when neither NumBlocks nor KVBytes is set
+	// (--kv-cache-memory-bytes).
+	DefaultKVBytes int64 = 1 << 30
+	// DefaultStatsInterval is the period of the "KV Transfer metrics" log line
+	// (VLLM_LOG_STATS_INTERVAL's default).
+	DefaultStatsInterval = 10 * time.Second
+)
+
+// Config describes one engine. Zero values take the documented defaults, applied by Start in
+// one place (withDefaults).
 type Config struct {
 	// Model is the model to open (a built-in name, a directory or a cached repo id), unless
 	// OpenedModel is set; OpenedModel is shared, not closed by the instance.
@@ -44,11 +61,12 @@ type Config struct {
 	// Host and Port are where the HTTP server listens; Port 0 picks a free port.
 	Host string
 	Port int
-	// BlockSize is tokens per KV block (default 16); Layout the block layout (default HND).
+	// BlockSize is tokens per KV block (default kvcache.DefaultBlockSize, at most
+	// kvcache.MaxBlockSize); Layout the block layout (default HND).
 	BlockSize int
 	Layout    kvcache.Layout
 	// NumBlocks sizes the KV pool; when 0, KVBytes does; when that is 0 too,
-	// MemoryUtilization does; else the pool gets 1 GiB.
+	// MemoryUtilization does; else the pool gets DefaultKVBytes.
 	NumBlocks int
 	KVBytes   int64
 	// MemoryUtilization, in (0, 1], sizes the KV pool as vLLM's --gpu-memory-utilization sizes
@@ -58,7 +76,9 @@ type Config struct {
 	// MaxModelLen defaults to the model's context (max_position_embeddings), shortened to what
 	// the KV pool holds when that is less (logged); an explicit length that does not fit is an
 	// ErrConfig error.
-	MaxModelLen         int
+	MaxModelLen int
+	// MaxNumSeqs and MaxNumBatchedTokens bound a step (defaults engine.DefaultMaxNumSeqs and
+	// engine.DefaultMaxNumBatchedTokens, applied by the engine).
 	MaxNumSeqs          int
 	MaxNumBatchedTokens int
 	PrefixCaching       bool
@@ -67,7 +87,8 @@ type Config struct {
 	ServedModelNames []string
 	// APIKey, if set, is required as a Bearer token on /v1 routes.
 	APIKey string
-	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit.
+	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit
+	// (`kvbridge serve` passes openai.DefaultMaxConcurrentRequests unless told otherwise).
 	MaxConcurrentRequests int
 	// MaxLogprobs is --max-logprobs (0: the OpenAI server's default, 20).
 	MaxLogprobs int
@@ -80,11 +101,12 @@ type Config struct {
 	// KVTransfer configures the NixlConnector; nil means none.
 	KVTransfer *connector.Config
 	// SideChannelHost and SideChannelPort place the connector's side channel
-	// (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); the defaults are localhost and 5600. Port -1 picks a
-	// free port.
+	// (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); the defaults are connector.DefaultSideChannelHost and
+	// connector.DefaultSideChannelPort. Port -1 picks a free port.
 	SideChannelHost string
 	SideChannelPort int
-	// StatsInterval is the period of the "KV Transfer metrics" log line (default 10 s).
+	// StatsInterval is the period of the "KV Transfer metrics" log line (default
+	// DefaultStatsInterval).
 	StatsInterval time.Duration
 	// DisableLogStats (--disable-log-stats) turns that log line off.
 	DisableLogStats bool
@@ -92,6 +114,49 @@ type Config struct {
 	Logger *slog.Logger
 	// Connector overrides test hooks of the connector (clock, tick, transfer settings).
 	ConnectorHooks func(*connector.Options)
+}
+
+// withDefaults returns cfg with every default applied for the opened model m, or an error
+// wrapping ErrConfig naming what cannot work. In the result, NumBlocks, MaxModelLen,
+// ServedModelNames and the side channel's host are set, and SideChannelPort is the port to
+// listen on (0: a free one).
+func (cfg Config) withDefaults(m *model.Model) (Config, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	if cfg.BlockSize == 0 {
+		cfg.BlockSize = kvcache.DefaultBlockSize
+	}
+	if cfg.BlockSize < 0 || cfg.BlockSize > kvcache.MaxBlockSize {
+		return cfg, fmt.Errorf("%w: block size %d must be between 1 and %d", ErrConfig, cfg.BlockSize, kvcache.MaxBlockSize)
+	}
+	blockBytes := engine.KVGeometry(m, cfg.BlockSize).BlockBytes()
+	var err error
+	if cfg.NumBlocks, err = kvBlocks(cfg, blockBytes); err != nil {
+		return cfg, err
+	}
+	if cfg.MaxModelLen, err = fitModelLen(cfg, m.Config().MaxPositionEmbeddings, blockBytes); err != nil {
+		return cfg, err
+	}
+	if len(cfg.ServedModelNames) == 0 {
+		cfg.ServedModelNames = []string{m.Name()}
+		if cfg.Model != "" {
+			cfg.ServedModelNames = []string{cfg.Model}
+		}
+	}
+	if cfg.SideChannelHost == "" {
+		cfg.SideChannelHost = connector.DefaultSideChannelHost
+	}
+	switch {
+	case cfg.SideChannelPort == 0:
+		cfg.SideChannelPort = connector.DefaultSideChannelPort
+	case cfg.SideChannelPort < 0:
+		cfg.SideChannelPort = 0
+	}
+	if cfg.StatsInterval <= 0 {
+		cfg.StatsInterval = DefaultStatsInterval
+	}
+	return cfg, nil
 }
 
 // Instance is a running engine with its HTTP server.
@@ -113,22 +178,13 @@ type Instance struct {
 	srv       *http.Server
 	served    chan error
 	cancelLog context.CancelFunc
+	logDone   chan struct{} // closed when the "KV Transfer metrics" logger has returned
 	closeOnce sync.Once
 	closeErr  error
 }
 
 // Start builds and starts an instance. On error everything it started is stopped.
 func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
-	log := cfg.Logger
-	if log == nil {
-		log = slog.New(slog.DiscardHandler)
-	}
-	if cfg.BlockSize == 0 {
-		cfg.BlockSize = 16
-	}
-	if cfg.BlockSize < 0 || cfg.BlockSize > 1024 {
-		return nil, fmt.Errorf("%w: block size %d must be between 1 and 1024", ErrConfig, cfg.BlockSize)
-	}
 	in := &Instance{served: make(chan error, 1)}
 	defer func() {
 		if err != nil {
@@ -144,51 +200,39 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		}
 		in.Model, in.ownModel = m, true
 	}
+	if cfg, err = cfg.withDefaults(in.Model); err != nil {
+		return nil, err
+	}
 	loaded := []any{"model", in.Model.String(), "dtype", in.Model.DType(), "kv_cache_dtype", in.Model.KVCacheDType(),
 		"weights_mb", math.Round(float64(in.Model.WeightBytes()) / 1e6), "kernel", kernel.Implementation()}
 	if in.Model.DType() == "bfloat16" {
 		loaded = append(loaded, "bf16_products", kernel.BF16Products())
 	}
-	log.Info("model loaded", loaded...)
-	mc := in.Model.Config()
+	cfg.Logger.Info("model loaded", loaded...)
+	log, names := cfg.Logger, cfg.ServedModelNames
 	geo := engine.KVGeometry(in.Model, cfg.BlockSize)
 	geo.Layout = cfg.Layout
-	numBlocks, err := kvBlocks(cfg, geo.BlockBytes(), log)
-	if err != nil {
-		return nil, err
-	}
-	maxLen, err := fitModelLen(cfg, mc.MaxPositionEmbeddings, numBlocks, geo.BlockBytes(), log)
-	if err != nil {
-		return nil, err
-	}
-	names := cfg.ServedModelNames
-	if len(names) == 0 {
-		names = []string{in.Model.Name()}
-		if cfg.Model != "" {
-			names = []string{cfg.Model}
-		}
-	}
 	in.Registry = metrics.NewRegistry()
 	in.Metrics = in.Registry.Engine(names[0], "0")
 
-	layout := connector.NewArenaLayout(geo.BlockBytes(), numBlocks)
+	layout := connector.NewArenaLayout(geo.BlockBytes(), cfg.NumBlocks)
 	if in.arena, err = transfer.NewArena("kvcache", layout.Size); err != nil {
 		return nil, fmt.Errorf("allocate the KV cache: %w", err)
 	}
 	in.Pool, err = kvcache.NewPool(in.arena.Bytes(), kvcache.PoolConfig{
-		Geometry: geo, NumBlocks: numBlocks, PrefixCaching: cfg.PrefixCaching,
+		Geometry: geo, NumBlocks: cfg.NumBlocks, PrefixCaching: cfg.PrefixCaching,
 		RecordTable: layout.RecordTable(in.arena.Bytes()),
 	})
 	if err != nil {
 		return nil, err
 	}
 	ecfg := engine.Config{
-		BlockSize: cfg.BlockSize, NumBlocks: numBlocks, MaxModelLen: maxLen,
+		BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks, MaxModelLen: cfg.MaxModelLen,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
 		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed,
 	}
 	if kv := cfg.KVTransfer; kv != nil {
-		if in.Connector, err = startConnector(cfg, kv, in, layout, log); err != nil {
+		if in.Connector, err = startConnector(cfg, kv, in, layout); err != nil {
 			return nil, err
 		}
 		labels := prometheus.Labels{metrics.LabelModelName: names[0], metrics.LabelEngine: "0"}
@@ -200,14 +244,13 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
 		}
 		logCtx, cancel := context.WithCancel(context.Background())
-		in.cancelLog = cancel
-		every := cfg.StatsInterval
-		if every <= 0 {
-			every = 10 * time.Second
-		}
-		if !cfg.DisableLogStats {
-			go in.Metrics.Nixl().LogEvery(logCtx, log, every)
-		}
+		in.cancelLog, in.logDone = cancel, make(chan struct{})
+		go func() {
+			defer close(in.logDone)
+			if !cfg.DisableLogStats {
+				in.Metrics.Nixl().LogEvery(logCtx, log, cfg.StatsInterval)
+			}
+		}()
 	}
 	if in.Engine, err = engine.New(in.Model, in.Pool, ecfg, log); err != nil {
 		return nil, err
@@ -216,7 +259,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		in.Connector.Start(in.Engine)
 	}
 	ocfg := openai.Config{
-		ServedModelNames: names, MaxModelLen: maxLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
+		ServedModelNames: names, MaxModelLen: cfg.MaxModelLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
 		MaxConcurrentRequests: cfg.MaxConcurrentRequests, MaxLogprobs: cfg.MaxLogprobs,
 		PromptTokensDetails: cfg.PromptTokensDetails, ForceIncludeUsage: cfg.ForceIncludeUsage,
 	}
@@ -236,7 +279,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	in.URL = "http://" + net.JoinHostPort(host, strconv.Itoa(in.Addr.Port))
 	in.srv = &http.Server{Handler: handler, ReadHeaderTimeout: 30 * time.Second}
 	go func() { in.served <- in.srv.Serve(ln) }()
-	attrs := []any{"model", names[0], "url", in.URL, "blocks", numBlocks, "block_size", cfg.BlockSize, "max_model_len", maxLen}
+	attrs := []any{"model", names[0], "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
 	if in.Connector != nil {
 		attrs = append(attrs, "engine_id", in.Connector.EngineID(), "role", string(cfg.KVTransfer.Role), "side_channel", in.Connector.SideChannelAddr())
 	}
@@ -244,8 +287,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	return in, nil
 }
 
-// kvBlocks returns the number of KV blocks of blockBytes bytes the configuration asks for.
-func kvBlocks(cfg Config, blockBytes int, log *slog.Logger) (int, error) {
+// kvBlocks returns the number of KV blocks of blockBytes bytes the configuration asks for;
+// cfg.Logger is set.
+func kvBlocks(cfg Config, blockBytes int) (int, error) {
 	switch {
 	case cfg.NumBlocks > 0:
 		return cfg.NumBlocks, nil
@@ -264,19 +308,19 @@ func kvBlocks(cfg Config, blockBytes int, log *slog.Logger) (int, error) {
 			return 0, fmt.Errorf("%w: memory utilization %g of %.2f GiB leaves no room for the KV cache after the model (%.2f GiB resident): raise it",
 				ErrConfig, cfg.MemoryUtilization, gib(total), gib(resident))
 		}
-		log.Info("KV cache sized by memory utilization", "utilization", cfg.MemoryUtilization,
+		cfg.Logger.Info("KV cache sized by memory utilization", "utilization", cfg.MemoryUtilization,
 			"memory_gib", round2(gib(total)), "resident_gib", round2(gib(resident)), "kv_cache_gib", round2(gib(kv)))
 		return int(kv / int64(blockBytes)), nil
 	}
-	return int((1 << 30) / int64(blockBytes)), nil
+	return int(DefaultKVBytes / int64(blockBytes)), nil
 }
 
 // fitModelLen returns the context length to serve: cfg.MaxModelLen, which must fit the pool
 // (vLLM's error, with the numbers, when not); or by default the model's context, shortened to
 // the pool's capacity (logged) when that is smaller.
-func fitModelLen(cfg Config, modelLen, numBlocks, blockBytes int, log *slog.Logger) (int, error) {
-	capacity := numBlocks * cfg.BlockSize
-	kvGiB := round2(gib(int64(numBlocks) * int64(blockBytes)))
+func fitModelLen(cfg Config, modelLen, blockBytes int) (int, error) {
+	capacity := cfg.NumBlocks * cfg.BlockSize
+	kvGiB := round2(gib(int64(cfg.NumBlocks) * int64(blockBytes)))
 	if capacity < cfg.BlockSize {
 		return 0, fmt.Errorf("%w: the KV cache (%.2f GiB) holds no block of %d bytes: give it more memory (--kv-cache-memory-bytes)", ErrConfig, kvGiB, blockBytes)
 	}
@@ -284,7 +328,7 @@ func fitModelLen(cfg Config, modelLen, numBlocks, blockBytes int, log *slog.Logg
 	if maxLen == 0 {
 		maxLen = modelLen
 		if capacity < maxLen {
-			log.Warn("the model's context does not fit the KV cache; serving the longest that fits (raise --kv-cache-memory-bytes or --gpu-memory-utilization for more)",
+			cfg.Logger.Warn("the model's context does not fit the KV cache; serving the longest that fits (raise --kv-cache-memory-bytes or --gpu-memory-utilization for more)",
 				"max_model_len", capacity, "model_context", modelLen, "kv_cache_gib", kvGiB)
 			maxLen = capacity
 		}
@@ -305,20 +349,9 @@ func fitModelLen(cfg Config, modelLen, numBlocks, blockBytes int, log *slog.Logg
 func gib(b int64) float64      { return float64(b) / (1 << 30) }
 func round2(x float64) float64 { return math.Round(x*100) / 100 }
 
-// startConnector starts the NixlConnector of in.
-func startConnector(cfg Config, kv *connector.Config, in *Instance, layout connector.ArenaLayout, log *slog.Logger) (*connector.Connector, error) {
-	host := cfg.SideChannelHost
-	if host == "" {
-		host = "localhost"
-	}
-	port := cfg.SideChannelPort
-	switch {
-	case port == 0:
-		port = 5600
-	case port < 0:
-		port = 0
-	}
-	listen := host
+// startConnector starts the NixlConnector of in; cfg has its defaults applied.
+func startConnector(cfg Config, kv *connector.Config, in *Instance, layout connector.ArenaLayout) (*connector.Connector, error) {
+	listen := cfg.SideChannelHost
 	if listen == "localhost" {
 		listen = "127.0.0.1"
 	}
@@ -329,9 +362,9 @@ func startConnector(cfg Config, kv *connector.Config, in *Instance, layout conne
 			Model: in.Model.Name(), DType: in.Model.DType(), NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
 			NumLayers: mc.NumLayers, CacheDType: in.Model.KVCacheDType(),
 		},
-		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(port)),
-		AdvertiseHost:   host,
-		Logger:          log,
+		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(cfg.SideChannelPort)),
+		AdvertiseHost:   cfg.SideChannelHost,
+		Logger:          cfg.Logger,
 		Metrics:         in.Metrics.Nixl(),
 		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, "0")},
 	}
@@ -352,7 +385,8 @@ func (in *Instance) Wait(ctx context.Context) error {
 }
 
 // Close stops the HTTP server (waiting up to 10 s for requests), the engine (releasing every
-// block it holds), the connector and the arena. It is idempotent.
+// block it holds), the connector, the "KV Transfer metrics" logger (waiting for it to return)
+// and the arena. It is idempotent.
 func (in *Instance) Close() error {
 	in.closeOnce.Do(func() {
 		var errs []error
@@ -369,6 +403,7 @@ func (in *Instance) Close() error {
 		}
 		if in.cancelLog != nil {
 			in.cancelLog()
+			<-in.logDone
 		}
 		if in.arena != nil {
 			errs = append(errs, in.arena.Close())

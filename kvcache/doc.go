@@ -23,4 +23,6 @@
 // (after a failed KV load) without touching their reference counts.
 //
 // The package does no I/O and starts no goroutines.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package kvcache

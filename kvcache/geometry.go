@@ -117,6 +117,13 @@ type Geometry struct {
 	DType      DType  // type of each channel (default Float32)
 }
 
+// Block sizes in tokens: the default of --block-size (vLLM's on CUDA) and the largest an engine
+// accepts.
+const (
+	DefaultBlockSize = 16
+	MaxBlockSize     = 1024
+)
+
 // maxBlockBytes bounds a block so that offsets of many blocks stay far from int overflow.
 const maxBlockBytes = 1 << 40
 

@@ -5,4 +5,6 @@
 // There is no package-level state: NewRegistry returns a Registry that holds its own
 // prometheus.Registry and collectors. Registry.Engine returns the per-engine view (labels
 // model_name and engine) that the HTTP layer, the engine and the connector record into.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package metrics

@@ -2,9 +2,10 @@ package metrics
 
 import (
 	"math"
-	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/kvbridge/kvbridge/stats"
 )
 
 // TransferInterval holds one logging interval's transfer statistics (vLLM's
@@ -63,9 +64,9 @@ func KVTransferLogLine(iv TransferInterval) string {
 		totalMB := pairwiseSum(mb)
 		totalTime := pairwiseSum(xfer)
 		put("Avg xfer time (ms)", pyRound(pairwiseSum(xfer)/float64(n)*1e3, 3))
-		put("P90 xfer time (ms)", pyRound(percentile(xfer, 90)*1e3, 3))
+		put("P90 xfer time (ms)", pyRound(stats.Quantile(xfer, 0.9)*1e3, 3))
 		put("Avg post time (ms)", pyRound(pairwiseSum(post)/float64(n)*1e3, 3))
-		put("P90 post time (ms)", pyRound(percentile(post, 90)*1e3, 3))
+		put("P90 post time (ms)", pyRound(stats.Quantile(post, 0.9)*1e3, 3))
 		put("Avg MB per transfer", pyRound(totalMB/float64(n), 3))
 		put("Throughput (MB/s)", pyRound(totalMB/totalTime, 3))
 		put("Avg number of descriptors", pyRound(pairwiseSum(descs)/float64(n), 1))
@@ -98,26 +99,6 @@ func pyRound(x float64, decimals int) string {
 		s += ".0"
 	}
 	return s
-}
-
-// percentile is numpy.percentile(a, q) with the default method "linear", including numpy's
-// two-sided lerp. a must be non-empty; it is not modified.
-func percentile(a []float64, q float64) float64 {
-	s := slices.Clone(a)
-	slices.Sort(s)
-	virtual := float64(len(s)-1) * (q / 100)
-	lo := math.Floor(virtual)
-	i := int(lo)
-	if i >= len(s)-1 {
-		return s[len(s)-1]
-	}
-	t := virtual - lo
-	x, y := s[i], s[i+1]
-	diff := y - x
-	if t >= 0.5 {
-		return y - diff*(1-t)
-	}
-	return x + diff*t
 }
 
 // pairwiseSum is numpy's float64 add.reduce: pairwise summation with an 8-way unrolled

@@ -73,24 +73,6 @@ func TestTransferIntervalEmpty(t *testing.T) {
 	}
 }
 
-func TestPercentileMatchesNumpy(t *testing.T) {
-	// numpy.percentile(..., 90), hand-computed with the linear method.
-	tests := []struct {
-		a    []float64
-		want float64
-	}{
-		{[]float64{5}, 5},
-		{[]float64{1, 2}, 1.9},          // virtual 0.9
-		{[]float64{4, 1, 3, 2, 5}, 4.6}, // virtual 3.6 → 4 + 0.6
-		{[]float64{10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110}, 100}, // virtual 9.0
-	}
-	for _, tt := range tests {
-		if got := percentile(tt.a, 90); !closeTo(got, tt.want) {
-			t.Errorf("percentile(%v, 90) = %v, want %v", tt.a, got, tt.want)
-		}
-	}
-}
-
 func TestPyRound(t *testing.T) {
 	tests := []struct {
 		x    float64
@@ -121,9 +103,4 @@ func TestPairwiseSumMatchesPlainSumOnExactValues(t *testing.T) {
 			t.Errorf("pairwiseSum(n=%d) = %v, want %v", n, got, w)
 		}
 	}
-}
-
-func closeTo(a, b float64) bool {
-	d := a - b
-	return d < 1e-9 && d > -1e-9
 }

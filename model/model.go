@@ -5,6 +5,8 @@
 // The forward pass is batch-invariant: a token's KV and logits are bit-identical whatever batch,
 // batch position or prefill chunking they are computed in. Disaggregated prefill/decode relies on
 // it to produce exactly the output of a single instance.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package model
 
 import (

@@ -6,4 +6,6 @@
 // vLLM uses. A streaming request that fails after its headers went out gets one SSE event carrying
 // that JSON, then "data: [DONE]". A client that goes away cancels its request context, which
 // aborts the engine request and frees its KV blocks.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package openai

@@ -96,6 +96,11 @@ type Config struct {
 // DefaultBodyReadTimeout is Config.BodyReadTimeout's default.
 const DefaultBodyReadTimeout = 30 * time.Second
 
+// DefaultMaxConcurrentRequests is the concurrency bound `kvbridge serve` applies unless
+// --max-concurrent-requests says otherwise: room for every sequence of a full batch many times
+// over, yet a bound. (Config.MaxConcurrentRequests itself means no limit when zero.)
+const DefaultMaxConcurrentRequests = 4096
+
 // Server serves the OpenAI-compatible API. Create it with NewServer; it is an http.Handler.
 type Server struct {
 	cfg     Config

@@ -11,6 +11,8 @@
 //		XLabel: "turn", YLabel: "TTFT (ms)",
 //		Series: []plot.Series{{Name: "one-way", Y: a}, {Name: "bidirectional", Y: b}},
 //	})
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package plot
 
 import (

@@ -19,7 +19,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/connector"
-	"github.com/kvbridge/kvbridge/instance"
+	kvstack "github.com/kvbridge/kvbridge/stack"
 )
 
 // childEnv names the environment variable that turns the test binary into an engine process:
@@ -66,27 +66,16 @@ func childMain(specJSON string) int {
 	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, os.Interrupt)
 	defer stop()
-	opts := spec.options()
-	if opts.advertiseTCP != "" {
-		if opts.listenTCP, err = freeAddr(); err != nil {
-			fmt.Fprintln(os.Stderr, "child:", err)
-			return 1
-		}
-	}
-	cfg, err := opts.instanceConfig(log)
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "child:", err)
-		return 2
-	}
-	in, err := instance.Start(ctx, cfg)
+	e, err := kvstack.StartEngine(ctx, spec.options().config("child", log))
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
 		return 1
 	}
-	defer in.Close()
+	defer e.Close()
+	in := e.Instance()
 	tcp, _ := in.Connector.Agent().Addrs()
-	if opts.listenTCP != "" {
-		tcp = opts.listenTCP
+	if l := e.TransferAddr(); l != "" {
+		tcp = l
 	}
 	log.Info(childReady, "url", in.URL, "side_channel", in.Connector.SideChannelAddr(), "transfer", tcp)
 	stdinClosed := make(chan struct{})

@@ -4,4 +4,6 @@
 // HTTP legs, the side channel and the transfer path. Each case asserts the client's outcome
 // (status and body), a bounded wait, full block pools on the survivors, no leaked goroutines
 // (in-process cases) and the failure in the metrics. docs/reliability.md lists the cases.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package reliability

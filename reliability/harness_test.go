@@ -1,17 +1,14 @@
 package reliability
 
 import (
-	"bufio"
 	"bytes"
+	"cmp"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
 	"maps"
-	"net"
 	"net/http"
-	"net/http/httptest"
 	"runtime/pprof"
 	"strconv"
 	"strings"
@@ -19,11 +16,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/faultproxy"
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/model"
-	"github.com/kvbridge/kvbridge/proxy"
+	kvstack "github.com/kvbridge/kvbridge/stack"
 )
 
 // The deadlines the suite states. Every wait in the suite has one of them.
@@ -105,161 +103,97 @@ type engineOptions struct {
 	clock         *fakeClock    // nil = real time
 	backends      []string      // kv_connector_extra_config.backends
 	advertiseTCP  string        // the transfer address published to peers (a fault proxy)
-	listenTCP     string        // the transfer listen address (set by start when advertiseTCP is)
-	sideChannel   int           // side-channel port; 0 = a free one
+	keepSidePort  bool          // restarts keep the side-channel port
 	prefix        bool
 	model         *model.Model
 	numBlocks     int      // KV pool size (default numBlocks)
 	allowedPeers  []string // kv_connector_extra_config.allowed_peers
+	faults        kvstack.FaultPaths
 }
 
-// engine is one in-process instance.
+// config returns the stack configuration of an engine with options o. Without an opened model,
+// each incarnation opens kvbridge/tiny for itself.
+func (o engineOptions) config(name string, log *slog.Logger) kvstack.EngineConfig {
+	blocks := cmp.Or(o.numBlocks, numBlocks)
+	c := kvstack.EngineConfig{
+		Name: name, Model: o.model, ModelName: model.Tiny, Role: o.role, Policy: o.policy, Bidirectional: o.bidirectional,
+		EngineID: o.engineID, Lease: o.lease, Backends: o.backends, AllowedPeers: o.allowedPeers, AdvertiseTransfer: o.advertiseTCP,
+		KeepSideChannelPort: o.keepSidePort, PrefixCaching: o.prefix, BlockSize: blockSize, NumBlocks: blocks,
+		MaxModelLen: min(maxModelLen, blocks*blockSize), Faults: o.faults, StatsInterval: time.Hour, Logger: log,
+	}
+	if o.clock != nil {
+		c.Now, c.Tick = o.clock.Now, o.clock.tick
+	}
+	return c
+}
+
+// engine is one in-process engine: the running incarnation of a stack engine, with its log and
+// clock.
 type engine struct {
 	*instance.Instance
+	se    *kvstack.Engine
 	name  string
-	opts  engineOptions
 	log   *syncLog
 	clock *fakeClock
 }
 
-// kvConfig renders o as a --kv-transfer-config document.
-func (o engineOptions) kvConfig() map[string]any {
-	extra := map[string]any{}
-	if o.bidirectional {
-		extra["bidirectional_kv_xfer"] = true
-	}
-	if o.lease > 0 {
-		extra["kv_lease_duration"] = o.lease.Seconds()
-	}
-	if len(o.backends) > 0 {
-		extra["backends"] = o.backends
-	}
-	if o.allowedPeers != nil {
-		extra["allowed_peers"] = o.allowedPeers
-	}
-	doc := map[string]any{"kv_connector": "NixlConnector", "kv_role": string(o.role), "kv_connector_extra_config": extra}
-	if o.policy != "" {
-		doc["kv_load_failure_policy"] = string(o.policy)
-	}
-	if o.engineID != "" {
-		doc["engine_id"] = o.engineID
-	}
-	return doc
+// newEngine wraps a started stack engine.
+func newEngine(se *kvstack.Engine, log *syncLog, clock *fakeClock) *engine {
+	return &engine{Instance: se.Instance(), se: se, name: se.Name, log: log, clock: clock}
 }
 
-// instanceConfig builds the instance configuration of o.
-func (o engineOptions) instanceConfig(log *slog.Logger) (instance.Config, error) {
-	blocks := numBlocks
-	if o.numBlocks > 0 {
-		blocks = o.numBlocks
-	}
-	cfg := instance.Config{
-		Model: model.Tiny, OpenedModel: o.model, Host: "127.0.0.1", NumBlocks: blocks, MaxModelLen: min(maxModelLen, blocks*blockSize),
-		BlockSize: blockSize, PrefixCaching: o.prefix, Logger: log, StatsInterval: time.Hour, SideChannelPort: -1,
-		PromptTokensDetails: true,
-	}
-	if o.sideChannel > 0 {
-		cfg.SideChannelPort = o.sideChannel
-	}
-	if o.role == "" {
-		return cfg, nil
-	}
-	doc, _ := json.Marshal(o.kvConfig())
-	kv, err := connector.ParseConfig(doc, log)
-	if err != nil {
-		return cfg, err
-	}
-	cfg.KVTransfer = kv
-	cfg.ConnectorHooks = func(co *connector.Options) {
-		if o.clock != nil {
-			co.Now, co.Tick = o.clock.Now, o.clock.tick
-		}
-		if o.advertiseTCP != "" {
-			co.Transfer.AdvertiseTCP = o.advertiseTCP
-		}
-		if o.listenTCP != "" {
-			co.Transfer.ListenTCP = o.listenTCP
-		}
-	}
-	return cfg, nil
+// engineLog returns a log sink and a logger writing to it, marked with the engine's name.
+func engineLog(name string) (*syncLog, *slog.Logger) {
+	sink := &syncLog{}
+	return sink, slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug})).With("engine", name)
 }
 
 // startEngine starts an in-process engine; at cleanup it is closed.
 func startEngine(t *testing.T, name string, o engineOptions) *engine {
 	t.Helper()
-	e := &engine{name: name, opts: o, log: &syncLog{}, clock: o.clock}
-	if err := e.start(t.Context()); err != nil {
+	sink, log := engineLog(name)
+	se, err := kvstack.StartEngine(t.Context(), o.config(name, log))
+	if err != nil {
 		t.Fatalf("start %s: %v", name, err)
 	}
-	t.Cleanup(func() {
-		if err := e.Close(); err != nil {
-			t.Errorf("%s: close: %v", name, err)
-		}
-		if t.Failed() {
-			t.Logf("%s's log:\n%s", name, e.log.String())
-		}
-	})
+	e := newEngine(se, sink, o.clock)
+	t.Cleanup(func() { e.close(t) })
 	return e
 }
 
-func (e *engine) start(ctx context.Context) error {
-	log := slog.New(slog.NewTextHandler(e.log, &slog.HandlerOptions{Level: slog.LevelDebug})).With("engine", e.name)
-	if e.opts.advertiseTCP != "" {
-		// The agent reports the advertised address, so the listener's is chosen here.
-		addr, err := freeAddr()
-		if err != nil {
-			return err
-		}
-		e.opts.listenTCP = addr
+// close closes the engine, showing its log if the test failed.
+func (e *engine) close(t *testing.T) {
+	if err := e.se.Close(); err != nil {
+		t.Errorf("%s: close: %v", e.name, err)
 	}
-	cfg, err := e.opts.instanceConfig(log)
-	if err != nil {
-		return err
+	if t.Failed() {
+		t.Logf("%s's log:\n%s", e.name, e.log.String())
 	}
-	in, err := instance.Start(ctx, cfg)
-	if err != nil {
-		return err
-	}
-	e.Instance = in
-	return nil
 }
 
 // restart closes e and starts a new incarnation with the same options (the same engine_id and,
-// when it was fixed, the same side-channel port).
+// with keepSidePort, the same side-channel port).
 func (e *engine) restart(t *testing.T) {
 	t.Helper()
-	if err := e.Close(); err != nil {
-		t.Fatalf("%s: close: %v", e.name, err)
-	}
-	if err := e.start(t.Context()); err != nil {
+	if err := e.se.Restart(t.Context()); err != nil {
 		t.Fatalf("%s: restart: %v", e.name, err)
 	}
+	e.Instance = e.se.Instance()
 }
 
 // sidePort returns the engine's side-channel port.
 func (e *engine) sidePort(t *testing.T) int {
 	t.Helper()
-	_, p, err := net.SplitHostPort(e.Connector.SideChannelAddr())
-	if err != nil {
-		t.Fatal(err)
+	n := e.se.SideChannelPort()
+	if n == 0 {
+		t.Fatalf("%s has no side channel", e.name)
 	}
-	n, _ := strconv.Atoi(p)
 	return n
 }
 
 // transferAddr returns the engine's transfer TCP listen address (set when the engine
 // advertises another one).
-func (e *engine) transferAddr() string { return e.opts.listenTCP }
-
-// freeAddr returns a loopback address with a port that was free a moment ago.
-func freeAddr() (string, error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	defer ln.Close()
-	return ln.Addr().String(), nil
-}
+func (e *engine) transferAddr() string { return e.se.TransferAddr() }
 
 // waitPoolFull waits (at most waitFor) until every block of e's pool is free.
 func (e *engine) waitPoolFull(t *testing.T) {
@@ -411,77 +345,30 @@ func postWithin(t *testing.T, hc *http.Client, d time.Duration, url string, body
 // tryPost sends body and parses the answer; the request is bounded by ctx and requestDeadline,
 // whichever ends first.
 func tryPost(ctx context.Context, hc *http.Client, url, reqID string, body map[string]any) (reply, error) {
-	data, _ := json.Marshal(body)
 	if _, ok := ctx.Deadline(); !ok {
 		var cancel context.CancelFunc
 		ctx, cancel = context.WithTimeout(ctx, requestDeadline)
 		defer cancel()
 	}
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(data))
-	req.Header.Set("Content-Type", "application/json")
+	var h http.Header
 	if reqID != "" {
-		req.Header.Set("X-Request-Id", reqID)
+		h = http.Header{"X-Request-Id": {reqID}}
 	}
-	start := time.Now()
-	resp, err := hc.Do(req)
-	if err != nil {
+	a, err := apiclient.Post(ctx, hc, url, body, h)
+	r := replyOf(a)
+	switch {
+	case err != nil && a.Status == 0:
 		return reply{}, err
+	case err != nil:
+		return r, fmt.Errorf("reading the body after %q: %w", r.raw, err)
 	}
-	defer resp.Body.Close()
-	raw, err := io.ReadAll(resp.Body)
-	r := reply{status: resp.StatusCode, header: resp.Header, raw: string(raw), elapsed: time.Since(start)}
-	if err != nil {
-		return r, fmt.Errorf("reading the body after %q: %w", raw, err)
-	}
-	parse(&r, raw, strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream"))
 	return r, nil
 }
 
-func parse(r *reply, raw []byte, sse bool) {
-	apply := func(m map[string]any) {
-		if e, ok := m["error"].(map[string]any); ok {
-			r.err = e
-		}
-		if kv, ok := m["kv_transfer_params"].(map[string]any); ok {
-			r.kv = kv
-		}
-		choices, _ := m["choices"].([]any)
-		for _, c := range choices {
-			ch, _ := c.(map[string]any)
-			if s, ok := ch["text"].(string); ok {
-				r.text += s
-			}
-			for _, k := range []string{"message", "delta"} {
-				if msg, ok := ch[k].(map[string]any); ok {
-					if s, ok := msg["content"].(string); ok {
-						r.text += s
-					}
-				}
-			}
-			if f, ok := ch["finish_reason"].(string); ok {
-				r.finish = f
-			}
-		}
-	}
-	if !sse {
-		var m map[string]any
-		if json.Unmarshal(raw, &m) == nil {
-			apply(m)
-		}
-		return
-	}
-	sc := bufio.NewScanner(bytes.NewReader(raw))
-	sc.Buffer(make([]byte, 1<<20), 1<<20)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
-		var m map[string]any
-		if json.Unmarshal([]byte(data), &m) == nil {
-			apply(m)
-		}
-	}
+// replyOf is what a client saw, as the suite's cases read it.
+func replyOf(a apiclient.Reply) reply {
+	return reply{status: a.Status, header: a.Header, raw: string(a.Raw), text: a.Text, finish: a.FinishReason, err: a.Error,
+		kv: a.KVTransferParams, elapsed: a.Latency}
 }
 
 // chat returns a chat request body.
@@ -546,78 +433,44 @@ type proxyOptions struct {
 	headerTimeout time.Duration // the wait for an engine's response headers (default 1 minute)
 }
 
+// config returns the stack configuration of a proxy with options o; the legs can always be
+// intercepted (runningProxy.setRewrite, beforeLeg).
+func (o proxyOptions) config() kvstack.ProxyConfig {
+	return kvstack.ProxyConfig{MultiTurn: o.multiTurn, RewritePorts: o.rewrite, InterceptLegs: true, IdleTimeout: o.idle,
+		HeaderTimeout: cmp.Or(o.headerTimeout, time.Minute)}
+}
+
 // runningProxy is a P/D proxy served on 127.0.0.1.
 type runningProxy struct {
-	URL string
-	mt  *proxy.MultiTurn
-	srv *httptest.Server
-	h   interface {
-		http.Handler
-		Close() error
-	}
-	legs      *faultproxy.PortRewriter
-	closeOnce sync.Once
+	*kvstack.Proxy
 }
 
 // startProxy starts the one-way or multi-turn proxy in front of the engines at pURL and dURL
-// (an engine's URL or a fault proxy's).
+// (an engine's URL or a fault proxy's); at cleanup it is closed.
 func startProxy(t *testing.T, pURL, dURL string, o proxyOptions) *runningProxy {
 	t.Helper()
-	inst := func(u string) proxy.Instance {
-		host, port, err := net.SplitHostPort(strings.TrimPrefix(u, "http://"))
-		if err != nil {
-			t.Fatal(err)
-		}
-		n, _ := strconv.Atoi(port)
-		in, err := proxy.NewInstance(host, n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return in
+	cfg := o.config()
+	cfg.Prefill, cfg.Decode = []string{hostPort(pURL)}, []string{hostPort(dURL)}
+	p, err := kvstack.StartProxy(cfg)
+	if err != nil {
+		t.Fatal(err)
 	}
-	header := o.headerTimeout
-	if header <= 0 {
-		header = time.Minute
-	}
-	tr := &http.Transport{MaxIdleConnsPerHost: 16, ResponseHeaderTimeout: header}
-	hook := faultproxy.NewPortRewriter(tr, o.rewrite)
-	cfg := proxy.Config{Prefill: []proxy.Instance{inst(pURL)}, Decode: []proxy.Instance{inst(dURL)}, Transport: hook, IdleTimeout: o.idle, HeaderTimeout: header}
-	rp := &runningProxy{legs: hook}
-	if o.multiTurn {
-		mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg})
-		if err != nil {
-			t.Fatal(err)
-		}
-		rp.mt, rp.h = mt, mt
-	} else {
-		ow, err := proxy.NewOneWay(cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		rp.h = ow
-	}
-	rp.srv = httptest.NewServer(rp.h)
-	rp.URL = rp.srv.URL
-	t.Cleanup(func() { rp.close(); tr.CloseIdleConnections() })
+	rp := &runningProxy{p}
+	t.Cleanup(rp.close)
 	return rp
 }
 
-func (rp *runningProxy) close() {
-	rp.closeOnce.Do(func() {
-		rp.srv.Close()
-		rp.h.Close()
-	})
-}
+func (rp *runningProxy) close() { rp.Close() }
 
 // setRewrite replaces the side-channel port map.
 func (rp *runningProxy) setRewrite(ports map[int]int) {
-	rp.legs.SetPorts(ports)
+	rp.Legs.SetPorts(ports)
 }
 
 // beforeLeg sets a function called before each engine leg leaves the proxy, with the leg's
 // host:port; nil removes it.
 func (rp *runningProxy) beforeLeg(f func(hostPort string)) {
-	rp.legs.SetBefore(f)
+	rp.Legs.SetBefore(f)
 }
 
 // newFaultProxy starts a fault proxy to target (may be ""), closed at cleanup.

@@ -1,10 +1,7 @@
 package reliability
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"regexp"
@@ -12,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/faultproxy"
 )
@@ -63,15 +61,12 @@ func startKillStack(t *testing.T, o killOptions) *killStack {
 	} else {
 		po := engineOptions{role: connector.RoleProducer, backends: backends, clock: newFakeClock()}
 		if o.pRestartable {
-			po.engineID = "prefill-0"
+			po.engineID, po.keepSidePort = "prefill-0", true
 		}
 		if k.xfer != nil {
 			po.advertiseTCP = k.xfer.Addr()
 		}
 		k.p = startEngine(t, "P", po)
-		if o.pRestartable {
-			k.p.opts.sideChannel = k.p.sidePort(t)
-		}
 		pURL, pSide, pTransfer = k.p.URL, k.p.Connector.SideChannelAddr(), k.p.transferAddr()
 		k.dc = startChild(t, "D", childSpec{Role: connector.RoleConsumer, Policy: o.policy, Backends: backends})
 		dURL = k.dc.URL
@@ -227,39 +222,17 @@ func TestProducerKilledAfterReadBeforeNotification(t *testing.T) {
 // arrives; it returns what the client saw and the error that ended the body, if any.
 func stream(t *testing.T, hc *http.Client, url string, body map[string]any, onFirst func()) (reply, error) {
 	t.Helper()
-	body = withBody(body, "stream", true)
-	data, _ := json.Marshal(body)
 	ctx, cancel := context.WithTimeout(t.Context(), requestDeadline)
 	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(data))
-	req.Header.Set("Content-Type", "application/json")
-	start := time.Now()
-	resp, err := hc.Do(req)
-	if err != nil {
-		t.Fatalf("stream: %v", err)
-	}
-	defer resp.Body.Close()
-	var raw bytes.Buffer
-	br := bufio.NewReader(resp.Body)
-	first := true
-	var rerr error
-	for {
-		line, err := br.ReadBytes('\n')
-		raw.Write(line)
-		if first && bytes.HasPrefix(line, []byte("data: {")) && bytes.Contains(line, []byte(`"choices":[{`)) {
-			first = false
+	a, err := apiclient.PostWatching(ctx, hc, url, withBody(body, "stream", true), nil, func(r apiclient.Reply) {
+		if r.Chunks == 1 {
 			onFirst()
 		}
-		if err != nil {
-			if err.Error() != "EOF" {
-				rerr = err
-			}
-			break
-		}
+	})
+	if err != nil && a.Status == 0 {
+		t.Fatalf("stream: %v", err)
 	}
-	r := reply{status: resp.StatusCode, header: resp.Header, raw: raw.String(), elapsed: time.Since(start)}
-	parse(&r, raw.Bytes(), true)
-	return r, rerr
+	return replyOf(a), err
 }
 
 // TestProducerKilledWhileDecodeStreams: D has P's KV and is streaming when P dies: the stream

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/faultproxy"
+	kvstack "github.com/kvbridge/kvbridge/stack"
 )
 
 // stackOptions describe an in-process P/D stack with fault proxies in its paths.
@@ -31,6 +32,7 @@ type stackOptions struct {
 
 // stack is P, D and a proxy, each engine behind a fault proxy on its HTTP port.
 type stack struct {
+	st        *kvstack.Stack
 	p, d      *engine
 	httpP     *faultproxy.Proxy // proxy ↔ P
 	httpD     *faultproxy.Proxy // proxy ↔ D
@@ -47,72 +49,79 @@ func startStack(t *testing.T, o stackOptions) *stack {
 	t.Helper()
 	s := &stack{opts: o, hc: client(t), ref: startReference(t)}
 	backends := o.backends
+	pFaults := kvstack.FaultHTTP
+	if o.sideProxy {
+		pFaults |= kvstack.FaultSideChannel
+	}
 	if o.transferProxy {
 		backends = []string{"TCP"}
-		s.xfer = newFaultProxy(t, "")
+		pFaults |= kvstack.FaultTransfer
 	}
-	po := engineOptions{role: connector.RoleProducer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.pEngineID, prefix: o.pPrefix}
-	do := engineOptions{role: connector.RoleConsumer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.dEngineID, prefix: true, numBlocks: o.dNumBlocks}
+	po := engineOptions{role: connector.RoleProducer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.pEngineID,
+		prefix: o.pPrefix, keepSidePort: o.fixedPorts, faults: pFaults}
+	do := engineOptions{role: connector.RoleConsumer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.dEngineID,
+		prefix: true, numBlocks: o.dNumBlocks, keepSidePort: o.fixedPorts, faults: kvstack.FaultHTTP}
 	if o.pClock {
 		po.clock = newFakeClock()
 	}
 	if o.dClock {
 		do.clock = newFakeClock()
 	}
-	if s.xfer != nil {
-		po.advertiseTCP = s.xfer.Addr()
-	}
-	s.p = startEngine(t, "P", po)
-	s.d = startEngine(t, "D", do)
-	if o.fixedPorts {
-		s.p.opts.sideChannel = s.p.sidePort(t)
-		s.d.opts.sideChannel = s.d.sidePort(t)
-	}
-	if s.xfer != nil {
-		s.xfer.SetTarget(s.p.transferAddr())
-	}
-	s.httpP = newFaultProxy(t, hostPort(s.p.URL))
-	s.httpD = newFaultProxy(t, hostPort(s.d.URL))
 	s.proxyOpts = proxyOptions{multiTurn: o.multiTurn || o.bidirectional, idle: o.idleTimeout, headerTimeout: o.headerTimeout}
-	if o.sideProxy {
-		s.side = newFaultProxy(t, s.p.Connector.SideChannelAddr())
-		s.proxyOpts.rewrite = map[int]int{s.p.sidePort(t): s.side.Port()}
+	pSink, pLog := engineLog("P")
+	dSink, dLog := engineLog("D")
+	st, err := kvstack.Start(t.Context(), kvstack.Config{P: po.config("P", pLog), D: do.config("D", dLog), Proxy: s.proxyOpts.config()})
+	if err != nil {
+		t.Fatal(err)
 	}
-	s.px = startProxy(t, s.httpP.URL(), s.httpD.URL(), s.proxyOpts)
+	s.st = st
+	s.p, s.d = newEngine(st.P, pSink, po.clock), newEngine(st.D, dSink, do.clock)
+	s.httpP, s.httpD, s.side, s.xfer = st.P.Faults.HTTP, st.D.Faults.HTTP, st.P.Faults.SideChannel, st.P.Faults.Transfer
+	s.px = &runningProxy{st.Proxy}
+	t.Cleanup(func() {
+		s.px.close() // a restarted proxy is not the stack's
+		if err := st.Close(); err != nil {
+			t.Errorf("close the stack: %v", err)
+		}
+		for _, e := range []*engine{s.d, s.p} {
+			if t.Failed() {
+				t.Logf("%s's log:\n%s", e.name, e.log.String())
+			}
+		}
+	})
 	return s
 }
 
 // restartP starts a new incarnation of P (same engine_id; same side-channel port with
-// fixedPorts) and points the fault proxies at it.
+// fixedPorts); the fault proxies and the proxy's port rewriting follow it.
 func (s *stack) restartP(t *testing.T) {
 	t.Helper()
-	s.p.restart(t)
-	s.retarget(t)
+	s.restart(t, s.p)
 }
 
 // restartD does the same for D.
 func (s *stack) restartD(t *testing.T) {
 	t.Helper()
-	s.d.restart(t)
-	s.httpD.SetTarget(hostPort(s.d.URL))
+	s.restart(t, s.d)
 }
 
-func (s *stack) retarget(t *testing.T) {
-	s.httpP.SetTarget(hostPort(s.p.URL))
-	if s.xfer != nil {
-		s.xfer.SetTarget(s.p.transferAddr())
+func (s *stack) restart(t *testing.T, e *engine) {
+	t.Helper()
+	if err := s.st.Restart(t.Context(), e.se); err != nil {
+		t.Fatalf("%s: restart: %v", e.name, err)
 	}
-	if s.side != nil {
-		s.side.SetTarget(s.p.Connector.SideChannelAddr())
-		s.px.setRewrite(map[int]int{s.p.sidePort(t): s.side.Port()})
-	}
+	e.Instance = e.se.Instance()
 }
 
 // restartProxy replaces the proxy with a new one (a multi-turn proxy loses its cache).
 func (s *stack) restartProxy(t *testing.T) {
 	t.Helper()
 	s.px.close()
-	s.px = startProxy(t, s.httpP.URL(), s.httpD.URL(), s.proxyOpts)
+	o := s.proxyOpts
+	if s.side != nil {
+		o.rewrite = map[int]int{s.p.sidePort(t): s.side.Port()}
+	}
+	s.px = startProxy(t, s.httpP.URL(), s.httpD.URL(), o)
 }
 
 // sampled is the sampling of every request whose output the suite compares: seeded sampling

@@ -79,4 +79,6 @@
 // has RequestTelemetry (post and transfer durations measured by the engine, bytes,
 // descriptors before and after merging, backend); Stats counts failures and refusals by
 // kind.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package transfer

@@ -1,3 +1,9 @@
+// Package bidibench is `kvbridge bench bidirectional`: the multi-turn workload of package
+// conversation driven one-way and bidirectional side by side, with P's prefix caching off and
+// on, Repeats times, against the floor of the bidirectional last turn (the KV moved at the
+// memcpy ceiling plus the prefill of the new tokens, both measured in the same run), with the
+// targets checked and the report, the JSON and the chart written. See docs/architecture.md for
+// where the package sits.
 package bidibench
 
 import (
@@ -7,21 +13,25 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"net/http"
-	"slices"
 	"time"
 
+	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/conversation"
 	"github.com/kvbridge/kvbridge/engine"
-	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/kernel"
+	"github.com/kvbridge/kvbridge/stack"
+	"github.com/kvbridge/kvbridge/stats"
 )
 
-// BenchOptions configure RunBench. Zero values take the workload defaults of Options.
+// BenchOptions configure RunBench. Zero values take the workload defaults of
+// conversation.Options.
 type BenchOptions struct {
 	// Model is the model of both engines (default kvbridge/small).
 	Model string
-	// Conversations, Turns, UserTokens, AnswerTokens and Seed shape the workload (see Options).
+	// Conversations, Turns, UserTokens, AnswerTokens and Seed shape the workload (see
+	// conversation.Options).
 	Conversations, Turns, UserTokens, AnswerTokens int
 	Seed                                           uint64
 	// Repeats is how many times each comparison runs, each time with new conversations (seed +
@@ -49,8 +59,8 @@ type Comparison struct {
 	// OutputsIdentical says every repetition's two runs gave the same answers.
 	OutputsIdentical bool `json:"outputs_identical"`
 	// OneWay and Bidirectional are the runs, one per repetition.
-	OneWay        []*Run `json:"one_way"`
-	Bidirectional []*Run `json:"bidirectional"`
+	OneWay        []*conversation.Run `json:"one_way"`
+	Bidirectional []*conversation.Run `json:"bidirectional"`
 }
 
 // LowerBound is the floor of the bidirectional last-turn TTFT with P's prefix caching off, as the
@@ -132,22 +142,16 @@ func RunBench(ctx context.Context, opts BenchOptions) (*Report, error) {
 	if opts.Repeats <= 0 {
 		opts.Repeats = 3
 	}
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
-	progress("loading %s", opts.Model)
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	progress := stack.Printer(opts.Progress)
+	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("bidibench: %w", err)
 	}
 	defer m.Close()
-	wl := Options{
-		OpenedModel: m, Conversations: opts.Conversations, Turns: opts.Turns, UserTokens: opts.UserTokens,
+	wl := conversation.Options{
+		Model: m, Conversations: opts.Conversations, Turns: opts.Turns, UserTokens: opts.UserTokens,
 		AnswerTokens: opts.AnswerTokens, Seed: opts.Seed, Progress: opts.Progress, Logger: opts.Logger,
-	}
-	wl.defaults()
+	}.WithDefaults()
 	rep := &Report{
 		Model: m.Name(), Conversations: wl.Conversations, Turns: wl.Turns, UserTokens: wl.UserTokens, AnswerTokens: wl.AnswerTokens,
 		Repeats: opts.Repeats, OutputsIdentical: true,
@@ -162,22 +166,22 @@ func RunBench(ctx context.Context, opts BenchOptions) (*Report, error) {
 	for r := range opts.Repeats {
 		o := wl
 		o.Seed = wl.Seed + uint64(r)
-		var answers []*Run
+		var answers []*conversation.Run
 		for _, c := range []*Comparison{&rep.PrefixOff, &rep.PrefixOn} {
 			progress("repetition %d of %d: one-way and bidirectional side by side, P's prefix caching %s, %d conversations × %d turns",
-				r+1, opts.Repeats, onOff(c.PrefixCaching), wl.Conversations, wl.Turns)
+				r+1, opts.Repeats, conversation.OnOff(c.PrefixCaching), wl.Conversations, wl.Turns)
 			o.PrefixCaching = c.PrefixCaching
-			o.after = nil
+			o.After = nil
 			if !c.PrefixCaching {
 				// The floor of each last bidirectional turn is sampled right after it.
-				o.after = func(ctx context.Context, s *Stack, t Turn) error {
-					if s.Mode != ModeBidirectional || t.Turn != wl.Turns {
+				o.After = func(ctx context.Context, s *stack.Stack, t conversation.Turn) error {
+					if s.Mode != stack.Bidirectional || t.Turn != wl.Turns {
 						return nil
 					}
 					return floor.sample(ctx, ref, t)
 				}
 			}
-			runs, err := RunSideBySide(ctx, o, ModeOneWay, ModeBidirectional)
+			runs, err := conversation.RunSideBySide(ctx, o, nil, stack.OneWay, stack.Bidirectional)
 			if err != nil {
 				return nil, err
 			}
@@ -185,16 +189,16 @@ func RunBench(ctx context.Context, opts BenchOptions) (*Report, error) {
 			answers = append(answers, runs...)
 		}
 		for _, run := range answers[1:] {
-			if same, diff := SameAnswers(answers[0], run); !same {
+			if same, diff := conversation.SameAnswers(answers[0], run); !same {
 				rep.OutputsIdentical = false
-				progress("answers differ (%s, P's prefix caching %s): %s", run.Mode, onOff(run.PrefixCaching), diff)
+				progress("answers differ (%s, P's prefix caching %s): %s", run.Mode, conversation.OnOff(run.PrefixCaching), diff)
 			}
 		}
 	}
 	rep.PrefixOff.fill()
 	rep.PrefixOn.fill()
 	rep.OutputsIdentical = rep.OutputsIdentical && rep.PrefixOff.OutputsIdentical && rep.PrefixOn.OutputsIdentical
-	rep.LastTurnPromptTokens = int(lastTurnMean(rep.PrefixOff.Bidirectional, func(t Turn) float64 { return float64(t.PromptTokens) }) + 0.5)
+	rep.LastTurnPromptTokens = int(lastTurnMean(rep.PrefixOff.Bidirectional, func(t conversation.Turn) float64 { return float64(t.PromptTokens) }) + 0.5)
 	rep.Bound = lowerBound(rep.PrefixOff, wl.Turns, floor)
 	rep.Targets = targets(rep)
 	rep.WallSeconds = time.Since(start).Seconds()
@@ -203,8 +207,8 @@ func RunBench(ctx context.Context, opts BenchOptions) (*Report, error) {
 
 // fill computes the comparison's figures from its runs.
 func (c *Comparison) fill() {
-	c.TTFTOneWayMs = medianPerTurn(c.OneWay, func(t Turn) float64 { return t.TTFTMs })
-	c.TTFTBidirectionalMs = medianPerTurn(c.Bidirectional, func(t Turn) float64 { return t.TTFTMs })
+	c.TTFTOneWayMs = conversation.MedianPerTurn(c.OneWay, ttft)
+	c.TTFTBidirectionalMs = conversation.MedianPerTurn(c.Bidirectional, ttft)
 	c.Ratio = make([]float64, len(c.TTFTOneWayMs))
 	for i := range c.Ratio {
 		if c.TTFTOneWayMs[i] > 0 {
@@ -217,71 +221,21 @@ func (c *Comparison) fill() {
 	}
 	c.OutputsIdentical = len(c.OneWay) == len(c.Bidirectional)
 	for i := range c.OneWay {
-		if same, _ := SameAnswers(c.OneWay[i], c.Bidirectional[i]); !same {
+		if same, _ := conversation.SameAnswers(c.OneWay[i], c.Bidirectional[i]); !same {
 			c.OutputsIdentical = false
 		}
 	}
 }
 
-// medianPerTurn returns, for each turn, the median of f over that turn's rows of every run.
-func medianPerTurn(runs []*Run, f func(Turn) float64) []float64 {
-	if len(runs) == 0 {
-		return nil
-	}
-	per := make([][]float64, runs[0].Turns)
-	for _, run := range runs {
-		for _, t := range run.Rows {
-			per[t.Turn-1] = append(per[t.Turn-1], f(t))
-		}
-	}
-	out := make([]float64, len(per))
-	for i, xs := range per {
-		out[i] = median(xs)
-	}
-	return out
-}
-
-// meanPerTurnOf averages f over the conversations and repetitions of each turn.
-func meanPerTurnOf(runs []*Run, f func(Turn) float64) []float64 {
-	if len(runs) == 0 {
-		return nil
-	}
-	sum := make([]float64, runs[0].Turns)
-	n := make([]int, len(sum))
-	for _, run := range runs {
-		for _, t := range run.Rows {
-			sum[t.Turn-1] += f(t)
-			n[t.Turn-1]++
-		}
-	}
-	for i := range sum {
-		if n[i] > 0 {
-			sum[i] /= float64(n[i])
-		}
-	}
-	return sum
-}
+// ttft is a turn's time to first token.
+func ttft(t conversation.Turn) float64 { return t.TTFTMs }
 
 // lastTurnMean averages f over the last turn's rows of runs.
-func lastTurnMean(runs []*Run, f func(Turn) float64) float64 {
+func lastTurnMean(runs []*conversation.Run, f func(conversation.Turn) float64) float64 {
 	if len(runs) == 0 {
 		return 0
 	}
-	return at(meanPerTurnOf(runs, f), runs[0].Turns)
-}
-
-// median returns the median of xs (the mean of the middle two for an even count); 0 when empty.
-func median(xs []float64) float64 {
-	if len(xs) == 0 {
-		return 0
-	}
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	n := len(s)
-	if n%2 == 1 {
-		return s[n/2]
-	}
-	return (s[n/2-1] + s[n/2]) / 2
+	return at(conversation.MeanPerTurn(runs, f), runs[0].Turns)
 }
 
 // floorSamples are the floor's timings, one set per measured last bidirectional turn.
@@ -291,7 +245,7 @@ type floorSamples struct {
 
 // sample times, right after the last turn t, the fresh prefill of its new tokens, the same
 // tokens over its history, and the one-token step at its end.
-func (f *floorSamples) sample(ctx context.Context, ref *reference, t Turn) error {
+func (f *floorSamples) sample(ctx context.Context, ref *reference, t conversation.Turn) error {
 	n := max(t.PComputedTokens, 1)
 	d, err := ref.ttft(ctx, n)
 	if err != nil {
@@ -315,13 +269,13 @@ func lowerBound(c Comparison, turn int, f floorSamples) LowerBound {
 	bidi := c.Bidirectional
 	b := LowerBound{
 		Turn:               turn,
-		PReadBytes:         int64(lastTurnMean(bidi, func(t Turn) float64 { return float64(t.PReadBytes) })),
-		DReadBytes:         int64(lastTurnMean(bidi, func(t Turn) float64 { return float64(t.DReadBytes) })),
-		MeasuredTransferMs: at(medianPerTurn(bidi, func(t Turn) float64 { return t.PReadMs + t.DReadMs }), turn),
-		NewTokens:          int(lastTurnMean(bidi, func(t Turn) float64 { return float64(t.PComputedTokens) }) + 0.5),
-		PrefillNewMs:       median(f.prefill),
-		ContextPrefillMs:   median(f.context),
-		DStepMs:            median(f.step),
+		PReadBytes:         int64(lastTurnMean(bidi, func(t conversation.Turn) float64 { return float64(t.PReadBytes) })),
+		DReadBytes:         int64(lastTurnMean(bidi, func(t conversation.Turn) float64 { return float64(t.DReadBytes) })),
+		MeasuredTransferMs: at(conversation.MedianPerTurn(bidi, func(t conversation.Turn) float64 { return t.PReadMs + t.DReadMs }), turn),
+		NewTokens:          int(lastTurnMean(bidi, func(t conversation.Turn) float64 { return float64(t.PComputedTokens) }) + 0.5),
+		PrefillNewMs:       stats.Median(f.prefill),
+		ContextPrefillMs:   stats.Median(f.context),
+		DStepMs:            stats.Median(f.step),
 		MeasuredMs:         at(c.TTFTBidirectionalMs, turn),
 	}
 	if moved := b.PReadBytes + b.DReadBytes; moved > 0 {
@@ -342,7 +296,7 @@ func lowerBound(c Comparison, turn int, f floorSamples) LowerBound {
 // reference is a fresh engine (no connector, no prefix caching) that times prefills of random
 // token-id prompts, and a KV pool of its own for timing bare forward steps.
 type reference struct {
-	in  *instance.Instance
+	e   *stack.Engine
 	m   *model.Model
 	tr  *http.Transport
 	hc  *http.Client
@@ -357,17 +311,17 @@ type reference struct {
 
 // startReference starts the reference engine, sized for prompts up to the workload's context,
 // and warms it up.
-func startReference(ctx context.Context, m *model.Model, wl Options) (*reference, error) {
-	maxLen := wl.maxModelLen()
-	in, err := instance.Start(ctx, instance.Config{
-		OpenedModel: m, Host: "127.0.0.1", BlockSize: wl.BlockSize, NumBlocks: maxLen/wl.BlockSize + 8, MaxModelLen: maxLen, Logger: wl.Logger,
+func startReference(ctx context.Context, m *model.Model, wl conversation.Options) (*reference, error) {
+	maxLen := wl.MaxModelLen()
+	e, err := stack.StartEngine(ctx, stack.EngineConfig{
+		Name: "reference", Model: m, BlockSize: wl.BlockSize, NumBlocks: maxLen/wl.BlockSize + 8, MaxModelLen: maxLen, Logger: wl.Logger,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("bidibench: start the reference engine: %w", err)
 	}
-	tr := newTransport()
+	tr := stack.NewTransport(16)
 	r := &reference{
-		in: in, m: m, tr: tr, hc: &http.Client{Transport: tr}, rng: rand.New(rand.NewPCG(wl.Seed, 0xb0d)),
+		e: e, m: m, tr: tr, hc: &http.Client{Transport: tr}, rng: rand.New(rand.NewPCG(wl.Seed, 0xb0d)),
 		bs: wl.BlockSize, logits: make([]float32, m.Config().VocabSize),
 	}
 	geo := engine.KVGeometry(m, wl.BlockSize)
@@ -400,13 +354,17 @@ func (r *reference) randomTokens(n int) []int32 {
 // ttft returns the time to first token, as a streaming client sees it, of a new random n-token
 // prompt with max_tokens 1.
 func (r *reference) ttft(ctx context.Context, n int) (float64, error) {
-	reply, err := streamChat(ctx, r.hc, r.in.URL+"/v1/completions", map[string]any{
+	url := r.e.URL() + "/v1/completions"
+	reply, err := apiclient.Post(ctx, r.hc, url, map[string]any{
 		"model": r.m.Name(), "prompt": r.randomTokens(n), "max_tokens": 1, "temperature": 0, "ignore_eos": true, "stream": true,
-	})
+	}, nil)
+	if err == nil {
+		err = reply.Check(url)
+	}
 	if err != nil {
 		return 0, fmt.Errorf("bidibench: reference prefill: %w", err)
 	}
-	return ms(reply.ttft), nil
+	return stats.Ms(reply.TTFT), nil
 }
 
 // forward times one bare forward step of n tokens at positions [start, start+n) over the
@@ -421,12 +379,12 @@ func (r *reference) forward(ctx context.Context, start, n int) (float64, error) 
 	if err := r.m.Forward(ctx, r.pool, r.bs, seq); err != nil {
 		return 0, fmt.Errorf("bidibench: reference forward: %w", err)
 	}
-	return ms(time.Since(t0)), nil
+	return stats.Ms(time.Since(t0)), nil
 }
 
 func (r *reference) close() {
 	r.tr.CloseIdleConnections()
-	r.in.Close()
+	r.e.Close()
 	if r.pool != nil && r.blocks != nil {
 		r.pool.Free(r.blocks...)
 	}
@@ -478,13 +436,6 @@ func at(xs []float64, turn int) float64 {
 		return 0
 	}
 	return xs[turn-1]
-}
-
-func onOff(b bool) string {
-	if b {
-		return "on"
-	}
-	return "off"
 }
 
 func yesNo(b bool) string {

@@ -8,6 +8,7 @@ import (
 	"os"
 	"text/tabwriter"
 
+	"github.com/kvbridge/kvbridge/conversation"
 	"github.com/kvbridge/kvbridge/plot"
 )
 
@@ -40,9 +41,9 @@ func WriteReport(w io.Writer, rep *Report) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "P prefix caching\tmode\tTTFT\tP engine\tP read\tD engine\tD read\tproxy+HTTP\t")
 	for _, c := range []Comparison{rep.PrefixOff, rep.PrefixOn} {
-		for _, runs := range [][]*Run{c.OneWay, c.Bidirectional} {
+		for _, runs := range [][]*conversation.Run{c.OneWay, c.Bidirectional} {
 			b := breakdownOf(runs)
-			fmt.Fprintf(tw, "%s\t%s\t%.1f\t%.1f\t%.2f\t%.1f\t%.2f\t%.1f\t\n", onOff(c.PrefixCaching), runs[0].Mode, b.ttft, b.pEngine, b.pRead, b.dEngine, b.dRead, b.rest)
+			fmt.Fprintf(tw, "%s\t%s\t%.1f\t%.1f\t%.2f\t%.1f\t%.2f\t%.1f\t\n", conversation.OnOff(c.PrefixCaching), runs[0].Mode, b.ttft, b.pEngine, b.pRead, b.dEngine, b.dRead, b.rest)
 		}
 	}
 	if err := tw.Flush(); err != nil {
@@ -68,11 +69,11 @@ func writeComparison(w io.Writer, c Comparison) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "turn\tprompt_tokens\tone-way P computed\tbidi P pulled\tbidi P computed\tone-way ms\tbidirectional ms\tratio\tbidi KV moved MB\t")
 	ow, bd := c.OneWay, c.Bidirectional
-	prompt := meanPerTurnOf(bd, func(t Turn) float64 { return float64(t.PromptTokens) })
-	owComputed := meanPerTurnOf(ow, func(t Turn) float64 { return float64(t.PComputedTokens) })
-	pulled := meanPerTurnOf(bd, func(t Turn) float64 { return float64(t.PPulledTokens) })
-	computed := meanPerTurnOf(bd, func(t Turn) float64 { return float64(t.PComputedTokens) })
-	moved := meanPerTurnOf(bd, func(t Turn) float64 { return float64(t.BytesMoved()) })
+	prompt := conversation.MeanPerTurn(bd, func(t conversation.Turn) float64 { return float64(t.PromptTokens) })
+	owComputed := conversation.MeanPerTurn(ow, func(t conversation.Turn) float64 { return float64(t.PComputedTokens) })
+	pulled := conversation.MeanPerTurn(bd, func(t conversation.Turn) float64 { return float64(t.PPulledTokens) })
+	computed := conversation.MeanPerTurn(bd, func(t conversation.Turn) float64 { return float64(t.PComputedTokens) })
+	moved := conversation.MeanPerTurn(bd, func(t conversation.Turn) float64 { return float64(t.BytesMoved()) })
 	for i := range c.Ratio {
 		fmt.Fprintf(tw, "%d\t%.0f\t%.0f\t%.0f\t%.0f\t%.1f\t%.1f\t%.3f\t%.1f\t\n", i+1, prompt[i], owComputed[i], pulled[i], computed[i],
 			c.TTFTOneWayMs[i], c.TTFTBidirectionalMs[i], c.Ratio[i], moved[i]/1e6)
@@ -123,16 +124,16 @@ type breakdown struct {
 	ttft, pEngine, pRead, dEngine, dRead, rest float64
 }
 
-func breakdownOf(runs []*Run) breakdown {
+func breakdownOf(runs []*conversation.Run) breakdown {
 	turn := runs[0].Turns
-	med := func(f func(Turn) float64) float64 { return at(medianPerTurn(runs, f), turn) }
+	med := func(f func(conversation.Turn) float64) float64 { return at(conversation.MedianPerTurn(runs, f), turn) }
 	return breakdown{
-		ttft:    med(func(t Turn) float64 { return t.TTFTMs }),
-		pEngine: med(func(t Turn) float64 { return t.PEngineMs }),
-		pRead:   med(func(t Turn) float64 { return t.PReadMs }),
-		dEngine: med(func(t Turn) float64 { return t.DEngineMs }),
-		dRead:   med(func(t Turn) float64 { return t.DReadMs }),
-		rest:    med(func(t Turn) float64 { return t.TTFTMs - t.PEngineMs - t.DEngineMs }),
+		ttft:    med(ttft),
+		pEngine: med(func(t conversation.Turn) float64 { return t.PEngineMs }),
+		pRead:   med(func(t conversation.Turn) float64 { return t.PReadMs }),
+		dEngine: med(func(t conversation.Turn) float64 { return t.DEngineMs }),
+		dRead:   med(func(t conversation.Turn) float64 { return t.DReadMs }),
+		rest:    med(func(t conversation.Turn) float64 { return t.TTFTMs - t.PEngineMs - t.DEngineMs }),
 	}
 }
 

@@ -2,6 +2,8 @@
 // GFLOP/s, decode tokens/s at several batch sizes — in float32 and bfloat16, against ceilings
 // measured in the same run: the machine's float32 FMA and VDPBF16PS peaks and its memory read
 // bandwidth. It backs `kvbridge bench engine`.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package enginebench
 
 import (
@@ -21,6 +23,7 @@ import (
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/kernel"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // Options configure a run. Zero values take the defaults noted on each field.
@@ -46,7 +49,7 @@ type Options struct {
 	DecodeContext int
 	// DecodeSteps is the number of timed steps of each batch size (default 16).
 	DecodeSteps int
-	// BlockSize is the KV block size in tokens (default 16).
+	// BlockSize is the KV block size in tokens (default kvcache.DefaultBlockSize).
 	BlockSize int
 	// PeakDuration is how long each compute peak is measured (default 1s).
 	PeakDuration time.Duration
@@ -84,7 +87,7 @@ func (o *Options) defaults() {
 		o.DecodeSteps = 16
 	}
 	if o.BlockSize <= 0 {
-		o.BlockSize = 16
+		o.BlockSize = kvcache.DefaultBlockSize
 	}
 	if o.PeakDuration <= 0 {
 		o.PeakDuration = time.Second
@@ -172,11 +175,7 @@ type BatchResult struct {
 // kvcache.Pool and decodes from it, then decodes batches of sequences.
 func Run(ctx context.Context, opts Options) (*Result, error) {
 	opts.defaults()
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
+	progress := stack.Printer(opts.Progress)
 	r := &Result{
 		Kernel: kernel.Implementation(), GOMAXPROCS: runtime.GOMAXPROCS(0), BF16Products: kernel.BF16Products(),
 		PromptLen: opts.PromptLen, PrefillChunk: opts.Chunk, DecodeTokens: opts.DecodeTokens, DecodeSteps: opts.DecodeSteps, Repeat: opts.Repeat,

@@ -8,6 +8,8 @@ import (
 	"math/rand/v2"
 	"strings"
 	"time"
+
+	"github.com/kvbridge/kvbridge/stats"
 )
 
 // clientConfig is what one client needs to know; a phase gives every client the same one.
@@ -211,8 +213,8 @@ func (c *client) sendTurn(ctx context.Context, conv *Conversation, cur int) (*Re
 		return nil, err
 	}
 	st := &RequestStats{
-		LatencyMs:      ms(r.latency),
-		StartTimeMs:    ms(r.start.Sub(c.cfg.origin)),
+		LatencyMs:      stats.Ms(r.latency),
+		StartTimeMs:    stats.Ms(r.start.Sub(c.cfg.origin)),
 		InputNumTurns:  len(msgs),
 		ConversationID: conv.ID,
 		ClientID:       c.id,
@@ -231,7 +233,7 @@ func (c *client) sendTurn(ctx context.Context, conv *Conversation, cur int) (*Re
 	st.OutputNumFirstChunkTokens = c.tc.Count(r.firstChunk)
 	st.OutputNumTokens = c.tc.Count(r.content)
 	st.OutputNumChunks = r.chunks
-	st.TTFTMs, st.TPOTMs = tokenTimings(ms(r.ttft), st.LatencyMs, st.OutputNumTokens, st.OutputNumFirstChunkTokens)
+	st.TTFTMs, st.TPOTMs = tokenTimings(stats.Ms(r.ttft), st.LatencyMs, st.OutputNumTokens, st.OutputNumFirstChunkTokens)
 
 	if c.cfg.content {
 		c.emit(ctx, clientEvent{content: fmt.Sprintf("\nResponse (%d tokens): %s\nResponse metrics: ttft_ms %.2f, tpot_ms %.2f, latency_ms %.2f, input_num_tokens %d, output_num_tokens %d\n%s\n",
@@ -320,6 +322,3 @@ func backoff(r *rand.Rand, attempt int) time.Duration {
 	d := float64(time.Second) * float64(int64(1)<<min(attempt, 20))
 	return time.Duration(d * (1 + (r.Float64()*2-1)*0.1))
 }
-
-// ms converts a duration to float milliseconds.
-func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

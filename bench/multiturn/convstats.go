@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"io"
 	"strings"
+
+	"github.com/kvbridge/kvbridge/stats"
 )
 
 // WriteConversationStats prints statistics of the conversations (the generator's print_stats):
@@ -25,8 +27,8 @@ func WriteConversationStats(w io.Writer, convs []Conversation, tc *TokenCounter)
 			}
 		}
 		turns = append(turns, float64(len(c.Messages)))
-		user = append(user, mean(u))
-		assistant = append(assistant, mean(a))
+		user = append(user, stats.Mean(u))
+		assistant = append(assistant, stats.Mean(a))
 	}
 	qs := []float64{0.25, 0.5, 0.75, 0.9, 0.99}
 	var b strings.Builder
@@ -41,16 +43,4 @@ func WriteConversationStats(w io.Writer, convs []Conversation, tc *TokenCounter)
 		return fmt.Errorf("writing conversation statistics: %w", err)
 	}
 	return nil
-}
-
-// mean returns the average of v (0 when empty).
-func mean(v []float64) float64 {
-	if len(v) == 0 {
-		return 0
-	}
-	s := 0.0
-	for _, x := range v {
-		s += x
-	}
-	return s / float64(len(v))
 }

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/kvbridge/kvbridge/stats"
 )
 
 // Percentile is one quantile of a Stat.
@@ -76,17 +78,9 @@ func Describe(vals []float64, qs []float64) Stat {
 	}
 	s.Min, s.Max = sorted[0], sorted[len(sorted)-1]
 	for _, q := range qs {
-		s.Percentiles = append(s.Percentiles, Percentile{Q: q, Value: quantile(sorted, q)})
+		s.Percentiles = append(s.Percentiles, Percentile{Q: q, Value: stats.Quantile(sorted, q)})
 	}
 	return s
-}
-
-// quantile interpolates linearly between the closest ranks of sorted (numpy "linear").
-func quantile(sorted []float64, q float64) float64 {
-	pos := q * float64(len(sorted)-1)
-	lo := int(math.Floor(pos))
-	hi := min(lo+1, len(sorted)-1)
-	return sorted[lo] + (sorted[hi]-sorted[lo])*(pos-float64(lo))
 }
 
 // Percentile returns the value of quantile q and whether it was computed.

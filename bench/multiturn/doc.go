@@ -22,4 +22,6 @@
 // edition, 1730), a public-domain work, taken from the Project Gutenberg copy in the Go source
 // tree (src/testdata/Isaac.Newton-Opticks.txt) with italics underscores and illustration markers
 // removed.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package multiturn

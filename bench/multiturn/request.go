@@ -1,16 +1,14 @@
 package multiturn
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/kvbridge/kvbridge/apiclient"
 )
 
 // chatPayload is the body of one /v1/chat/completions request. Field order is the order on the
@@ -31,17 +29,6 @@ type chatPayload struct {
 // streamOptions is the OpenAI stream_options object.
 type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
-}
-
-// chatResponse is the part of a response or stream chunk the benchmark reads.
-type chatResponse struct {
-	Choices []struct {
-		Delta   *Message `json:"delta"`
-		Message *Message `json:"message"`
-	} `json:"choices"`
-	Error *struct {
-		Message string `json:"message"`
-	} `json:"error"`
 }
 
 // serverResponse is one request's timings and text.
@@ -77,20 +64,16 @@ type requester struct {
 // send posts messages and reads the answer. It returns errRejected (wrapped) for an answer that
 // is not usable, another error when the request failed (timeout, connection).
 func (q *requester) send(ctx context.Context, convID string, messages []Message, minTokens, maxTokens *int) (serverResponse, error) {
-	p := chatPayload{Model: q.model, Messages: messages, MaxTokens: maxTokens, Seed: q.seed, Temperature: q.temperature}
+	body := chatPayload{Model: q.model, Messages: messages, MaxTokens: maxTokens, Seed: q.seed, Temperature: q.temperature}
 	if q.sendMinTokens {
-		p.MinTokens = minTokens
+		body.MinTokens = minTokens
 	}
 	if q.sendConv {
-		p.ConversationID = convID
+		body.ConversationID = convID
 	}
 	if q.stream {
-		p.Stream = true
-		p.StreamOptions = &streamOptions{IncludeUsage: false}
-	}
-	body, err := json.Marshal(p)
-	if err != nil {
-		return serverResponse{}, fmt.Errorf("encoding request: %w", err)
+		body.Stream = true
+		body.StreamOptions = &streamOptions{IncludeUsage: false}
 	}
 	timeout := q.timeout
 	if maxTokens != nil {
@@ -101,99 +84,34 @@ func (q *requester) send(ctx context.Context, convID string, messages []Message,
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, q.chatURL, bytes.NewReader(body))
-	if err != nil {
-		return serverResponse{}, fmt.Errorf("building request: %w", err)
-	}
-	req.Header.Set("Content-Type", "application/json")
+	header := http.Header{}
 	if q.sendConv {
-		req.Header.Set("X-Session-ID", convID)
+		header.Set("X-Session-ID", convID)
 	}
 	for k, vs := range q.header {
-		req.Header[k] = vs
+		header[k] = vs
 	}
-
-	r := serverResponse{start: time.Now()}
-	resp, err := q.http.Do(req)
+	start := time.Now()
+	a, err := apiclient.Post(ctx, q.http, q.chatURL, body, header)
+	r := serverResponse{start: start, ttft: a.TTFT, latency: a.Latency, firstChunk: a.FirstChunk, content: a.Text, chunks: max(a.Chunks-1, 0)}
 	if err != nil {
 		return r, timeoutErr(ctx, timeout, err)
 	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-		return r, fmt.Errorf("%w: HTTP %d: %s", errRejected, resp.StatusCode, strings.TrimSpace(string(msg)))
+	if a.Status != http.StatusOK {
+		return r, fmt.Errorf("%w: HTTP %d: %s", errRejected, a.Status, strings.TrimSpace(string(a.Raw[:min(len(a.Raw), 4096)])))
+	}
+	switch {
+	case a.Malformed != "":
+		return r, fmt.Errorf("%w: the answer is %s", errRejected, a.Malformed)
+	case a.Error != nil:
+		return r, fmt.Errorf("%w: error in the answer: %v", errRejected, a.Error["message"])
+	case !q.stream && a.Role != "assistant":
+		return r, fmt.Errorf("%w: response has no assistant message", errRejected)
+	case q.stream && a.Chunks == 0:
+		return r, fmt.Errorf("%w: the stream carried no content", errRejected)
 	}
 	if !q.stream {
-		data, err := io.ReadAll(resp.Body)
-		if err != nil {
-			return r, timeoutErr(ctx, timeout, err)
-		}
-		r.latency = time.Since(r.start)
-		r.ttft = r.latency
-		var cr chatResponse
-		if err := json.Unmarshal(data, &cr); err != nil {
-			return r, fmt.Errorf("%w: response is not JSON: %w", errRejected, err)
-		}
-		if cr.Error != nil {
-			return r, fmt.Errorf("%w: %s", errRejected, cr.Error.Message)
-		}
-		if len(cr.Choices) == 0 || cr.Choices[0].Message == nil || cr.Choices[0].Message.Role != "assistant" {
-			return r, fmt.Errorf("%w: response has no assistant message", errRejected)
-		}
-		r.content = cr.Choices[0].Message.Content
-		return r, nil
-	}
-
-	br := bufio.NewReaderSize(resp.Body, 64<<10)
-	var (
-		b        strings.Builder
-		gotFirst bool
-		done     bool
-	)
-	for !done {
-		line, err := br.ReadString('\n')
-		if err != nil && err != io.EOF {
-			return r, timeoutErr(ctx, timeout, err)
-		}
-		eof := err == io.EOF
-		now := time.Now()
-		line = strings.TrimSpace(line)
-		if data, ok := strings.CutPrefix(line, "data:"); ok {
-			data = strings.TrimSpace(data)
-			if data == "[DONE]" {
-				r.latency = now.Sub(r.start)
-				done = true
-				continue
-			}
-			var cr chatResponse
-			if err := json.Unmarshal([]byte(data), &cr); err != nil {
-				return r, fmt.Errorf("%w: bad stream chunk %q: %w", errRejected, shorten(data), err)
-			}
-			if cr.Error != nil {
-				return r, fmt.Errorf("%w: error in stream: %s", errRejected, cr.Error.Message)
-			}
-			if len(cr.Choices) > 0 && cr.Choices[0].Delta != nil && cr.Choices[0].Delta.Content != "" {
-				text := cr.Choices[0].Delta.Content
-				if !gotFirst {
-					gotFirst = true
-					r.ttft = now.Sub(r.start)
-					r.firstChunk = text
-				} else {
-					r.chunks++
-				}
-				b.WriteString(text)
-			}
-		}
-		if eof {
-			break
-		}
-	}
-	if r.latency == 0 {
-		r.latency = time.Since(r.start)
-	}
-	r.content = b.String()
-	if !gotFirst {
-		return r, fmt.Errorf("%w: the stream carried no content", errRejected)
+		r.chunks = 0
 	}
 	return r, nil
 }

@@ -19,5 +19,6 @@
 // adds at p50 and p99, and the CPU time per request both ways.
 //
 // Neither asserts anything about speed; the figures are printed next to ceilings measured in
-// the same run, as ratios.
+// the same run, as ratios. Both start their engines and proxy through package stack and read the
+// engines through instance.Stats. See docs/architecture.md for where the package sits.
 package pdbench

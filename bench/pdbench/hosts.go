@@ -123,7 +123,8 @@ func startHostStack(ctx context.Context, cfg hostStackConfig) (_ *hostStack, err
 	if err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
 	}
-	s.tracer = newTracer(s.clientH.Transport(), pi.String())
+	s.tracer = newTracer(s.clientH.Transport())
+	s.tracer.setPrefill(pi.String())
 	if s.proxy, err = proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}, Transport: s.tracer, Logger: cfg.log}); err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
 	}

@@ -2,7 +2,6 @@ package pdbench
 
 import (
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -12,9 +11,12 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/stack"
+	"github.com/kvbridge/kvbridge/stats"
 )
 
 // PDOptions configure RunPD. Zero values take the defaults noted on each field.
@@ -28,7 +30,7 @@ type PDOptions struct {
 	Iters int
 	// Backend is the transfer backend P and D are restricted to: "SHM" (default) or "TCP".
 	Backend string
-	// BlockSize is the KV block size in tokens (default 16).
+	// BlockSize is the KV block size in tokens (default kvcache.DefaultBlockSize).
 	BlockSize int
 	// Seed chooses the prompts (default 1).
 	Seed uint64
@@ -106,7 +108,7 @@ func (o *PDOptions) defaults() error {
 		return fmt.Errorf("pdbench: backend %s cannot cross hosts: use TCP", o.Backend)
 	}
 	if o.BlockSize <= 0 {
-		o.BlockSize = 16
+		o.BlockSize = kvcache.DefaultBlockSize
 	}
 	if o.Seed == 0 {
 		o.Seed = 1
@@ -204,13 +206,8 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	if err := opts.defaults(); err != nil {
 		return nil, err
 	}
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
-	progress("loading %s", opts.Model)
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	progress := stack.Printer(opts.Progress)
+	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
 	}
@@ -231,13 +228,13 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 		})
 	} else {
 		progress("starting a single engine, P and D (%s) and the proxy", opts.Backend)
-		st, err = startCluster(ctx, clusterConfig{
-			model: m, backend: opts.Backend, single: true, blockSize: bs, numBlocks: 2*blocksPerSeq + 8,
-			maxModelLen: maxLen, proxyTransport: newTransport(4), trace: true, log: opts.Logger,
+		st, err = startCluster(ctx, stack.Config{
+			Model: m, Backend: opts.Backend, BlockSize: bs, NumBlocks: 2*blocksPerSeq + 8,
+			MaxModelLen: maxLen, Logger: opts.Logger,
 		})
 	}
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("pdbench: %w", err)
 	}
 	defer st.Close()
 	hc := st.client()
@@ -282,23 +279,20 @@ func (b *pdBench) prompt(n int) []int32 {
 	return p
 }
 
-func (b *pdBench) body(prompt []int32) ([]byte, error) {
-	return json.Marshal(map[string]any{"model": b.m.Name(), "prompt": prompt, "max_tokens": 1, "temperature": 0})
+func (b *pdBench) body(prompt []int32) map[string]any {
+	return map[string]any{"model": b.m.Name(), "prompt": prompt, "max_tokens": 1, "temperature": 0}
 }
 
 // single times one request on the single engine: client-side and engine-side TTFT.
 func (b *pdBench) single(ctx context.Context, l int) (client, eng time.Duration, err error) {
-	body, err := b.body(b.prompt(l))
-	if err != nil {
-		return 0, 0, err
-	}
+	body := b.body(b.prompt(l))
 	single, _ := b.st.urls()
 	e0, _, _, err := b.st.engineTTFT(ctx)
 	if err != nil {
 		return 0, 0, err
 	}
 	t0 := time.Now()
-	if _, err := postJSON(ctx, b.hc, single+"/v1/completions", "", body); err != nil {
+	if err := post(ctx, b.hc, single+"/v1/completions", "", body); err != nil {
 		return 0, 0, err
 	}
 	client = time.Since(t0)
@@ -306,12 +300,26 @@ func (b *pdBench) single(ctx context.Context, l int) (client, eng time.Duration,
 	return client, e1 - e0, err
 }
 
+// post sends body to url (with X-Request-Id reqID unless empty) and checks that the answer is
+// a whole 200.
+func post(ctx context.Context, hc *http.Client, url, reqID string, body map[string]any) error {
+	var h http.Header
+	if reqID != "" {
+		h = http.Header{"X-Request-Id": {reqID}}
+	}
+	r, err := apiclient.Post(ctx, hc, url, body, h)
+	if err != nil {
+		return fmt.Errorf("pdbench: %w", err)
+	}
+	if err := r.Check(url); err != nil {
+		return fmt.Errorf("pdbench: %w", err)
+	}
+	return nil
+}
+
 // pd times one request through the proxy and collects its legs and D's transfer.
 func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
-	body, err := b.body(b.prompt(l))
-	if err != nil {
-		return pdSample{}, err
-	}
+	body := b.body(b.prompt(l))
 	id := fmt.Sprintf("pdbench-%d-%d", l, b.seq)
 	if _, err := b.st.takeTransfers(ctx); err != nil { // drop anything not of this request
 		return pdSample{}, err
@@ -322,7 +330,7 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 	}
 	_, proxyURL := b.st.urls()
 	s := pdSample{t0: time.Now()}
-	if _, err := postJSON(ctx, b.hc, proxyURL+"/v1/completions", id, body); err != nil {
+	if err := post(ctx, b.hc, proxyURL+"/v1/completions", id, body); err != nil {
 		return pdSample{}, err
 	}
 	s.t1 = time.Now()
@@ -391,29 +399,29 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		if err != nil {
 			return PDRow{}, err
 		}
-		recompute = append(recompute, ms(cold))
-		recomputeWarm = append(recomputeWarm, ms(warm))
+		recompute = append(recompute, stats.Ms(cold))
+		recomputeWarm = append(recomputeWarm, stats.Ms(warm))
 		pLeg := s.legs.pEnd.Sub(s.legs.pStart)
 		dLeg := s.legs.dEnd.Sub(s.legs.dStart)
-		added = append(added, ms(s.pd-pLeg))
+		added = append(added, stats.Ms(s.pd-pLeg))
 		addedShare = append(addedShare, float64(s.pd-pLeg)/float64(pLeg))
-		singleEng = append(singleEng, ms(s.singleEng))
-		pEng = append(pEng, ms(s.pEng))
-		dEng = append(dEng, ms(s.dEng))
-		dHTTP = append(dHTTP, ms(dLeg-s.dEng))
-		dSched = append(dSched, ms(s.dEng-s.transfer-cold))
-		single = append(single, ms(s.single))
-		pd = append(pd, ms(s.pd))
-		xfer = append(xfer, ms(s.transfer))
+		singleEng = append(singleEng, stats.Ms(s.singleEng))
+		pEng = append(pEng, stats.Ms(s.pEng))
+		dEng = append(dEng, stats.Ms(s.dEng))
+		dHTTP = append(dHTTP, stats.Ms(dLeg-s.dEng))
+		dSched = append(dSched, stats.Ms(s.dEng-s.transfer-cold))
+		single = append(single, stats.Ms(s.single))
+		pd = append(pd, stats.Ms(s.pd))
+		xfer = append(xfer, stats.Ms(s.transfer))
 		share = append(share, float64(s.transfer)/float64(s.pd))
 		gbps = append(gbps, float64(s.bytes)/s.transfer.Seconds()/1e9)
-		in = append(in, ms(s.legs.pStart.Sub(s.t0)))
-		pleg = append(pleg, ms(s.legs.pEnd.Sub(s.legs.pStart)))
-		mid = append(mid, ms(s.legs.dStart.Sub(s.legs.pEnd)))
-		dleg = append(dleg, ms(s.legs.dEnd.Sub(s.legs.dStart)))
-		out = append(out, ms(s.t1.Sub(s.legs.dEnd)))
-		dother = append(dother, ms(s.legs.dEnd.Sub(s.legs.dStart)-s.transfer))
-		pover = append(pover, ms(s.legs.pEnd.Sub(s.legs.pStart)-s.single))
+		in = append(in, stats.Ms(s.legs.pStart.Sub(s.t0)))
+		pleg = append(pleg, stats.Ms(s.legs.pEnd.Sub(s.legs.pStart)))
+		mid = append(mid, stats.Ms(s.legs.dStart.Sub(s.legs.pEnd)))
+		dleg = append(dleg, stats.Ms(s.legs.dEnd.Sub(s.legs.dStart)))
+		out = append(out, stats.Ms(s.t1.Sub(s.legs.dEnd)))
+		dother = append(dother, stats.Ms(s.legs.dEnd.Sub(s.legs.dStart)-s.transfer))
+		pover = append(pover, stats.Ms(s.legs.pEnd.Sub(s.legs.pStart)-s.single))
 		bytes = max(bytes, s.bytes)
 	}
 	kind := "memcpy"
@@ -421,19 +429,19 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		kind = "tcp_stream"
 	}
 	r := PDRow{
-		PromptLen: l, TTFTSingleMs: median(single), TTFTPDMs: median(pd),
-		TransferMs: median(xfer), TransferShare: median(share), TransferGBps: median(gbps),
-		CeilingGBps: median(ceilBest), Ceiling: kind, Hosts: b.opts.Hosts,
-		TCP1ConnGBps: median(ceilOne), TCP4ConnGBps: median(ceilMany),
+		PromptLen: l, TTFTSingleMs: stats.Median(single), TTFTPDMs: stats.Median(pd),
+		TransferMs: stats.Median(xfer), TransferShare: stats.Median(share), TransferGBps: stats.Median(gbps),
+		CeilingGBps: stats.Median(ceilBest), Ceiling: kind, Hosts: b.opts.Hosts,
+		TCP1ConnGBps: stats.Median(ceilOne), TCP4ConnGBps: stats.Median(ceilMany),
 		Backend: b.opts.Backend, Iters: b.opts.Iters, TransferBytes: bytes,
-		ProxyInMs: median(in), PLegMs: median(pleg), ProxyMidMs: median(mid), DLegMs: median(dleg),
-		ProxyOutMs: median(out), DOtherMs: median(dother), RecomputeMs: median(recompute), RecomputeWarmMs: median(recomputeWarm), PLegOverSingleMs: median(pover),
-		AddedMs: median(added), AddedShare: median(addedShare),
-		SingleEngineMs: median(singleEng), PEngineMs: median(pEng), DEngineMs: median(dEng),
-		DHTTPMs: median(dHTTP), DSchedMs: median(dSched),
+		ProxyInMs: stats.Median(in), PLegMs: stats.Median(pleg), ProxyMidMs: stats.Median(mid), DLegMs: stats.Median(dleg),
+		ProxyOutMs: stats.Median(out), DOtherMs: stats.Median(dother), RecomputeMs: stats.Median(recompute), RecomputeWarmMs: stats.Median(recomputeWarm), PLegOverSingleMs: stats.Median(pover),
+		AddedMs: stats.Median(added), AddedShare: stats.Median(addedShare),
+		SingleEngineMs: stats.Median(singleEng), PEngineMs: stats.Median(pEng), DEngineMs: stats.Median(dEng),
+		DHTTPMs: stats.Median(dHTTP), DSchedMs: stats.Median(dSched),
 	}
 	r.Overhead = r.TTFTPDMs/r.TTFTSingleMs - 1
-	r.Ratio = median(ratio)
+	r.Ratio = stats.Median(ratio)
 	return r, nil
 }
 
@@ -486,5 +494,5 @@ func (r *recomputer) time(ctx context.Context, l, reps int) (cold, warm time.Dur
 			}
 		}
 	}
-	return time.Duration(median(cs)), time.Duration(median(ws)), nil
+	return time.Duration(stats.Median(cs)), time.Duration(stats.Median(ws)), nil
 }

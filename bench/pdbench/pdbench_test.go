@@ -127,16 +127,3 @@ func TestOptionsRejectBadValues(t *testing.T) {
 		t.Error("RunProxy accepted 0 clients")
 	}
 }
-
-func TestPercentileAndMedian(t *testing.T) {
-	d := []time.Duration{1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
-	if p := percentile(d, 0.5); p != 5 {
-		t.Errorf("p50 = %v, want 5", p)
-	}
-	if p := percentile(d, 0.99); p != 10 {
-		t.Errorf("p99 = %v, want 10", p)
-	}
-	if m := median([]float64{3, 1, 2, 10}); m != 2.5 {
-		t.Errorf("median = %v, want 2.5", m)
-	}
-}

@@ -1,9 +1,7 @@
 package pdbench
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -16,7 +14,11 @@ import (
 	"github.com/google/uuid"
 	"golang.org/x/sync/errgroup"
 
+	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/stack"
+	"github.com/kvbridge/kvbridge/stats"
 )
 
 // ProxyOptions configure RunProxy. Zero values take the defaults noted on each field.
@@ -124,18 +126,13 @@ func RunProxy(ctx context.Context, opts ProxyOptions) ([]ProxyRow, error) {
 	if err := opts.defaults(); err != nil {
 		return nil, err
 	}
-	progress := func(format string, args ...any) {
-		if opts.Progress != nil {
-			fmt.Fprintf(opts.Progress, format+"\n", args...)
-		}
-	}
-	progress("loading %s", opts.Model)
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{})
+	progress := stack.Printer(opts.Progress)
+	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
 	}
 	defer m.Close()
-	const bs = 16
+	const bs = kvcache.DefaultBlockSize
 	maxTok := slices.Max(opts.MaxTokens)
 	maxLen := (opts.PromptLen+maxTok+bs-1)/bs*bs + bs
 	if mp := m.Config().MaxPositionEmbeddings; maxLen > mp {
@@ -143,17 +140,17 @@ func RunProxy(ctx context.Context, opts ProxyOptions) ([]ProxyRow, error) {
 	}
 	clients := slices.Max(opts.Clients)
 	// One transport for the clients and the proxy's legs, with idle connections for every client.
-	tr := newTransport(clients)
+	tr := stack.NewTransport(max(2*clients, 64))
 	defer tr.CloseIdleConnections()
 	// P holds each request's blocks until D has read them: room for every client's request on
 	// both engines several times over.
 	numBlocks := max(4*clients*(maxLen/bs), 2*maxLen/bs)
 	progress("starting P, D and the proxy")
-	c, err := startCluster(ctx, clusterConfig{
-		model: m, blockSize: bs, numBlocks: numBlocks, maxModelLen: maxLen, proxyTransport: tr, log: opts.Logger,
+	c, err := stack.Start(ctx, stack.Config{
+		Model: m, BlockSize: bs, NumBlocks: numBlocks, MaxModelLen: maxLen, Proxy: stack.ProxyConfig{Transport: tr}, Logger: opts.Logger,
 	})
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("pdbench: %w", err)
 	}
 	defer c.Close()
 	l := &loader{opts: opts, m: m, c: c, hc: &http.Client{Transport: tr}}
@@ -181,13 +178,11 @@ func RunProxy(ctx context.Context, opts ProxyOptions) ([]ProxyRow, error) {
 					ways[k].add(r)
 				}
 			}
-			slices.Sort(direct.lat)
-			slices.Sort(proxied.lat)
 			r := ProxyRow{
 				Clients: n, MaxTokens: mt,
 				DirectRPS: direct.rps(), ProxyRPS: proxied.rps(),
-				DirectP50Ms: ms(percentile(direct.lat, 0.5)), DirectP99Ms: ms(percentile(direct.lat, 0.99)),
-				ProxyP50Ms: ms(percentile(proxied.lat, 0.5)), ProxyP99Ms: ms(percentile(proxied.lat, 0.99)),
+				DirectP50Ms: stats.NearestRank(direct.lat, 0.5), DirectP99Ms: stats.NearestRank(direct.lat, 0.99),
+				ProxyP50Ms: stats.NearestRank(proxied.lat, 0.5), ProxyP99Ms: stats.NearestRank(proxied.lat, 0.99),
 				DirectCPUUs: direct.cpuPerReq(), ProxyCPUUs: proxied.cpuPerReq(),
 				DirectRequests: len(direct.lat), ProxyRequests: len(proxied.lat),
 				Model: m.Name(), PromptLen: opts.PromptLen, Duration: opts.Duration.String(), Rounds: opts.Rounds,
@@ -206,7 +201,7 @@ func RunProxy(ctx context.Context, opts ProxyOptions) ([]ProxyRow, error) {
 type loader struct {
 	opts ProxyOptions
 	m    *model.Model
-	c    *cluster
+	c    *stack.Stack
 	hc   *http.Client
 }
 
@@ -223,12 +218,7 @@ func (l *loader) clientBody(r request) map[string]any {
 
 // proxied sends one request through the proxy.
 func (l *loader) proxied(ctx context.Context, r request) error {
-	body, err := json.Marshal(l.clientBody(r))
-	if err != nil {
-		return err
-	}
-	_, err = postJSON(ctx, l.hc, l.c.proxyURL+"/v1/completions", "", body)
-	return err
+	return post(ctx, l.hc, l.c.URL+"/v1/completions", "", l.clientBody(r))
 }
 
 // direct makes the proxy's two legs itself: P with max_tokens 1 and do_remote_decode, then D
@@ -241,39 +231,28 @@ func (l *loader) direct(ctx context.Context, r request) error {
 		"do_remote_decode": true, "do_remote_prefill": false,
 		"remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil, "remote_port": nil,
 	}
-	body, err := json.Marshal(pb)
+	hdr := http.Header{"X-Request-Id": {id}}
+	url := l.c.P.URL() + "/v1/completions"
+	ans, err := apiclient.Post(ctx, l.hc, url, pb, hdr)
+	if err == nil {
+		err = ans.Check(url)
+	}
 	if err != nil {
-		return err
+		return fmt.Errorf("pdbench: %w", err)
 	}
-	ans, err := postJSON(ctx, l.hc, l.c.p.URL+"/v1/completions", id, body)
-	if err != nil {
-		return err
-	}
-	var pr struct {
-		KV map[string]any `json:"kv_transfer_params"`
-	}
-	dec := json.NewDecoder(bytes.NewReader(ans))
-	dec.UseNumber()
-	if err := dec.Decode(&pr); err != nil {
-		return fmt.Errorf("pdbench: P's answer: %w", err)
-	}
-	if pr.KV == nil {
-		return fmt.Errorf("pdbench: P returned no kv_transfer_params: %.300s", ans)
+	if ans.KVTransferParams == nil {
+		return fmt.Errorf("pdbench: P returned no kv_transfer_params: %.300s", ans.Raw)
 	}
 	db := l.clientBody(r)
-	db["kv_transfer_params"] = pr.KV
-	if body, err = json.Marshal(db); err != nil {
-		return err
-	}
-	_, err = postJSON(ctx, l.hc, l.c.d.URL+"/v1/completions", id, body)
-	return err
+	db["kv_transfer_params"] = ans.KVTransferParams
+	return post(ctx, l.hc, l.c.D.URL()+"/v1/completions", id, db)
 }
 
 // loopResult is the measured requests of one or more closed-loop windows.
 type loopResult struct {
-	lat     []time.Duration // latencies of the requests started in the measured windows
-	elapsed time.Duration   // total measured time
-	cpu     time.Duration   // this process's CPU time in the measured windows
+	lat     []float64     // latencies (ms) of the requests started in the measured windows
+	elapsed time.Duration // total measured time
+	cpu     time.Duration // this process's CPU time in the measured windows
 }
 
 func (r *loopResult) add(o loopResult) {
@@ -297,7 +276,7 @@ func (l *loader) closedLoop(ctx context.Context, n, maxTokens int, d time.Durati
 	deadline := start.Add(d)
 	var (
 		mu      sync.Mutex
-		lat     []time.Duration
+		lat     []float64
 		lastEnd time.Time
 	)
 	g, gctx := errgroup.WithContext(ctx)
@@ -323,7 +302,7 @@ func (l *loader) closedLoop(ctx context.Context, n, maxTokens int, d time.Durati
 			r.prompt[j] = int32(rng.IntN(vocab))
 		}
 		g.Go(func() error {
-			var mine []time.Duration
+			var mine []float64
 			var end time.Time
 			for {
 				t0 := time.Now()
@@ -335,7 +314,7 @@ func (l *loader) closedLoop(ctx context.Context, n, maxTokens int, d time.Durati
 				}
 				if !t0.Before(start) {
 					end = time.Now()
-					mine = append(mine, end.Sub(t0))
+					mine = append(mine, stats.Ms(end.Sub(t0)))
 				}
 			}
 			mu.Lock()

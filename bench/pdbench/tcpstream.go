@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/netns"
+	"github.com/kvbridge/kvbridge/stats"
 )
 
 // tcpStream is the ceiling of a KV read across hosts: warm TCP connections from a reader on D's
@@ -132,7 +133,7 @@ func (s *tcpStream) gbps(ctx context.Context, n int64, conns, rounds int) (float
 			rates = append(rates, float64(n)/el.Seconds()/1e9)
 		}
 	}
-	return median(rates), nil
+	return stats.Median(rates), nil
 }
 
 // Close closes the connections and the listener and waits for the senders. It is idempotent.

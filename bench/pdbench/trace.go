@@ -16,23 +16,32 @@ type legTimes struct {
 
 // tracer is an http.RoundTripper for the proxy's engine legs that records, per X-Request-Id,
 // when each leg started and when its response body was read to the end. It tells the legs
-// apart by the engine's host:port.
+// apart by the engine's host:port (setPrefill).
 type tracer struct {
-	next  http.RoundTripper
-	pHost string // P's host:port; any other host is D
+	next http.RoundTripper
 
-	mu   sync.Mutex
-	legs map[string]*legTimes
+	mu    sync.Mutex
+	pHost string // P's host:port; any other host is D
+	legs  map[string]*legTimes
 }
 
-func newTracer(next http.RoundTripper, pHost string) *tracer {
-	return &tracer{next: next, pHost: pHost, legs: make(map[string]*legTimes)}
+func newTracer(next http.RoundTripper) *tracer {
+	return &tracer{next: next, legs: make(map[string]*legTimes)}
+}
+
+// setPrefill names P's host:port (known once the stack runs).
+func (t *tracer) setPrefill(hostPort string) {
+	t.mu.Lock()
+	t.pHost = hostPort
+	t.mu.Unlock()
 }
 
 // RoundTrip implements http.RoundTripper.
 func (t *tracer) RoundTrip(r *http.Request) (*http.Response, error) {
 	id := r.Header.Get("X-Request-Id")
+	t.mu.Lock()
 	isP := r.URL.Host == t.pHost
+	t.mu.Unlock()
 	t.mark(id, isP, false)
 	resp, err := t.next.RoundTrip(r)
 	if err != nil {

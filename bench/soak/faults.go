@@ -8,20 +8,21 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/faultproxy"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // injector applies one fault after another, at seeded random times, until its context ends.
 // Faults with a duration are undone before the next one starts.
 type injector struct {
 	log   *slog.Logger
-	s     *stack
+	s     *rig
 	rep   *Report
 	rng   *rand.Rand
 	kinds []string
 	mean  time.Duration
 }
 
-func newInjector(s *stack, rep *Report, cfg Config) *injector {
+func newInjector(s *rig, rep *Report, cfg Config) *injector {
 	return &injector{log: cfg.Logger, s: s, rep: rep, rng: rand.New(rand.NewPCG(uint64(cfg.Seed), 0xfa017)), kinds: cfg.Faults, mean: cfg.FaultInterval}
 }
 
@@ -99,14 +100,14 @@ func (in *injector) inject(ctx context.Context) {
 		sleep(ctx, in.lasting())
 		p.fp.Refuse(false)
 	case FaultRestart:
-		m := []*member{in.s.p, in.s.d}[in.rng.IntN(2)]
-		label = fmt.Sprintf("%s %s", kind, m.name)
-		in.log.Warn("soak: fault", "kind", kind, "engine", m.name)
+		e := []*stack.Engine{in.s.P, in.s.D}[in.rng.IntN(2)]
+		label = fmt.Sprintf("%s %s", kind, e.Name)
+		in.log.Warn("soak: fault", "kind", kind, "engine", e.Name)
 		start := time.Now()
-		if err := m.restart(context.WithoutCancel(ctx)); err != nil {
+		if err := in.s.restart(context.WithoutCancel(ctx), e); err != nil {
 			in.rep.countError("restart failed: " + err.Error())
 		}
-		in.log.Warn("soak: restarted", "engine", m.name, "took", time.Since(start).String())
+		in.log.Warn("soak: restarted", "engine", e.Name, "took", time.Since(start).String())
 	}
 	in.rep.countFault(kind, label)
 }

@@ -7,6 +7,8 @@
 // single-instance engine given the same messages and sampling; the report counts requests,
 // errors by class and wrong outputs, and compares heap, goroutines and free KV blocks before
 // and after, once the stack has quiesced.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package soak
 
 import (
@@ -23,6 +25,7 @@ import (
 
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/stack"
 )
 
 // ErrConfig reports soak options that cannot work.
@@ -137,12 +140,12 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	if err := cfg.defaults(); err != nil {
 		return nil, err
 	}
-	m, err := model.Open(ctx, cfg.Model, model.OpenOptions{})
+	m, err := stack.OpenModel(ctx, cfg.Model, nil)
 	if err != nil {
 		return nil, err
 	}
 	defer m.Close()
-	s, err := startStack(ctx, m, cfg.Policy, cfg.Backend, cfg.Logger)
+	s, err := startRig(ctx, m, cfg.Policy, cfg.Backend, cfg.Logger)
 	if err != nil {
 		return nil, err
 	}
@@ -204,27 +207,19 @@ func Run(ctx context.Context, cfg Config) (*Report, error) {
 	s.resetFaults()
 	end, qerr := s.quiesce(ctx, quiesceDeadline)
 	rep.End = end
-	rep.Counters = map[string]map[string]float64{s.p.name: s.p.totals(), s.d.name: s.d.totals()}
+	rep.Counters = map[string]map[string]float64{s.P.Name: s.totals(s.P), s.D.Name: s.totals(s.D)}
 	rep.finish(qerr)
 	return rep, nil
 }
 
 // progress writes a status line every interval until ctx ends.
-func progress(ctx context.Context, w io.Writer, every time.Duration, s *stack, rep *Report, start time.Time) {
-	tk := time.NewTicker(every)
-	defer tk.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-tk.C:
-			c := rep.counts()
-			p, d := s.p.instance(), s.d.instance()
-			fmt.Fprintf(w, "soak %5.0fs: %d requests, %d served, %d errors, %d wrong outputs, %d faults, %d goroutines, free blocks P %d D %d\n",
-				time.Since(start).Seconds(), c.Requests, c.Served, c.Errors, c.WrongOutputs, c.faults, runtime.NumGoroutine(),
-				p.Pool.NumFree(), d.Pool.NumFree())
-		}
-	}
+func progress(ctx context.Context, w io.Writer, every time.Duration, s *rig, rep *Report, start time.Time) {
+	repeat(ctx, every, func() {
+		c := rep.counts()
+		fmt.Fprintf(w, "soak %5.0fs: %d requests, %d served, %d errors, %d wrong outputs, %d faults, %d goroutines, free blocks P %d D %d\n",
+			time.Since(start).Seconds(), c.Requests, c.Served, c.Errors, c.WrongOutputs, c.faults, runtime.NumGoroutine(),
+			stats(s.P).FreeBlocks, stats(s.D).FreeBlocks)
+	})
 }
 
 // healthEvery is how often the soak asks the proxy's /health, as a load balancer would. The
@@ -233,37 +228,30 @@ func progress(ctx context.Context, w io.Writer, every time.Duration, s *stack, r
 const healthEvery = 5 * time.Second
 
 // checkHealth polls the proxy's /health until ctx ends and records the conversations cached.
-func checkHealth(ctx context.Context, s *stack, rep *Report) {
-	tk := time.NewTicker(healthEvery)
-	defer tk.Stop()
-	for {
-		select {
-		case <-ctx.Done():
+func checkHealth(ctx context.Context, s *rig, rep *Report) {
+	repeat(ctx, healthEvery, func() {
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/health", nil)
+		if err != nil {
 			return
-		case <-tk.C:
-			req, err := http.NewRequestWithContext(ctx, http.MethodGet, s.URL+"/health", nil)
-			if err != nil {
-				continue
-			}
-			resp, err := s.client.Do(req)
-			if err != nil {
-				if ctx.Err() == nil { // not the end of the run cutting the request short
-					rep.countError("health check: " + transportClass(err))
-				}
-				continue
-			}
-			var h struct {
-				Cached int `json:"cached_conversations"`
-			}
-			err = json.NewDecoder(resp.Body).Decode(&h)
-			resp.Body.Close()
-			if err != nil || resp.StatusCode != http.StatusOK {
-				rep.countError(fmt.Sprintf("health check: %d", resp.StatusCode))
-				continue
-			}
-			rep.sampleCache(h.Cached)
 		}
-	}
+		resp, err := s.client.Do(req)
+		if err != nil {
+			if ctx.Err() == nil { // not the end of the run cutting the request short
+				rep.countError("health check: " + transportClass(err))
+			}
+			return
+		}
+		var h struct {
+			Cached int `json:"cached_conversations"`
+		}
+		err = json.NewDecoder(resp.Body).Decode(&h)
+		resp.Body.Close()
+		if err != nil || resp.StatusCode != http.StatusOK {
+			rep.countError(fmt.Sprintf("health check: %d", resp.StatusCode))
+			return
+		}
+		rep.sampleCache(h.Cached)
+	})
 }
 
 // watchEvery is the period of the pool samples.
@@ -271,19 +259,25 @@ const watchEvery = 100 * time.Millisecond
 
 // watch samples the engines until ctx ends: the fewest free blocks, the most requests waiting
 // and the most finished requests holding blocks.
-func watch(ctx context.Context, s *stack, rep *Report) {
-	tk := time.NewTicker(watchEvery)
+func watch(ctx context.Context, s *rig, rep *Report) {
+	repeat(ctx, watchEvery, func() {
+		for _, e := range []*stack.Engine{s.P, s.D} {
+			st := stats(e)
+			rep.sample(e.Name, st.FreeBlocks, st.Waiting, st.Held)
+		}
+	})
+}
+
+// repeat calls f every interval until ctx ends.
+func repeat(ctx context.Context, every time.Duration, f func()) {
+	tk := time.NewTicker(every)
 	defer tk.Stop()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tk.C:
-			for _, m := range []*member{s.p, s.d} {
-				in := m.instance()
-				st := in.Engine.Stats()
-				rep.sample(m.name, in.Pool.NumFree(), st.Waiting, st.Delayed)
-			}
+			f()
 		}
 	}
 }

@@ -1,20 +1,18 @@
 package soak
 
 import (
-	"bufio"
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
-	"net/http"
 	"strconv"
 	"strings"
 	"sync"
 	"time"
 
+	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/proxy"
 )
@@ -29,13 +27,13 @@ refraction colours prism thin plates of air water glass rings bubbles reflected 
 // engine's.
 type workload struct {
 	words       []string
-	s           *stack
+	s           *rig
 	rep         *Report
 	seed        int64
 	concurrency int
 }
 
-func newWorkload(s *stack, rep *Report, seed int64, concurrency int) *workload {
+func newWorkload(s *rig, rep *Report, seed int64, concurrency int) *workload {
 	return &workload{words: strings.Fields(vocabulary), s: s, rep: rep, seed: seed, concurrency: concurrency}
 }
 
@@ -144,63 +142,47 @@ func (w *workload) talk(ctx context.Context, rng *rand.Rand, id string, turns, f
 // turn sends one request through the proxy and its twin to the reference engine; it records
 // the outcome and returns the answer and whether it was served and right.
 func (w *workload) turn(ctx context.Context, body map[string]any, streaming bool) (string, bool) {
-	pb := clone(body)
+	pb := maps.Clone(body)
 	pb["stream"] = streaming
-	r := do(ctx, w.s.client, w.s.URL+"/v1/chat/completions", pb)
-	if ctx.Err() != nil && r.transport != nil {
+	r, err := apiclient.Post(ctx, w.s.client, w.s.URL+"/v1/chat/completions", pb, nil)
+	if ctx.Err() != nil && err != nil {
 		return "", false // the run ended under the request: not the stack's doing
 	}
-	pulled, _ := strconv.Atoi(r.header.Get(proxy.HeaderPulledTokens))
-	w.rep.countRequest(r.header.Get(proxy.HeaderCache), pulled)
-	if class := r.errorClass(); class != "" {
+	pulled, _ := strconv.Atoi(r.Header.Get(proxy.HeaderPulledTokens))
+	w.rep.countRequest(r.Header.Get(proxy.HeaderCache), pulled)
+	if class := errorClass(r, err, streaming); class != "" {
 		w.rep.countError(class)
 		return "", false
 	}
-	rb := clone(body)
+	rb := maps.Clone(body)
 	delete(rb, "conversation_id")
-	ref := do(context.WithoutCancel(ctx), w.s.refClient, w.s.ref.URL+"/v1/chat/completions", rb)
-	if ref.errorClass() != "" {
-		w.rep.countError("reference engine: " + ref.errorClass())
+	ref, err := apiclient.Post(context.WithoutCancel(ctx), w.s.refClient, w.s.Single.URL()+"/v1/chat/completions", rb, nil)
+	if class := errorClass(ref, err, false); class != "" {
+		w.rep.countError("reference engine: " + class)
 		return "", false
 	}
-	if r.text != ref.text {
+	if r.Text != ref.Text {
 		w.rep.countWrong(WrongOutput{ConversationID: fmt.Sprint(body["conversation_id"]), Turn: len(body["messages"].([]map[string]any)) / 2,
-			Cache: r.header.Get(proxy.HeaderCache), Streaming: streaming, Got: r.text, Want: ref.text})
+			Cache: r.Header.Get(proxy.HeaderCache), Streaming: streaming, Got: r.Text, Want: ref.Text})
 		return "", false
 	}
 	w.rep.countServed()
-	return r.text, true
+	return r.Text, true
 }
 
-func clone(m map[string]any) map[string]any {
-	out := make(map[string]any, len(m))
-	for k, v := range m {
-		out[k] = v
-	}
-	return out
-}
-
-// result is what a client saw.
-type result struct {
-	status    int
-	header    http.Header
-	text      string
-	err       map[string]any // an error object (JSON body or SSE error event)
-	transport error          // the request or the body failed
-	done      bool           // a stream ended with [DONE]
-	streaming bool
-}
-
-// errorClass names what went wrong, or "" for a good answer.
-func (r result) errorClass() string {
+// errorClass names what went wrong with a request sent (streaming or not), or "" for a good
+// answer.
+func errorClass(r apiclient.Reply, err error, streaming bool) string {
 	switch {
-	case r.transport != nil:
-		return "client: " + transportClass(r.transport)
-	case r.status != 200:
-		return fmt.Sprintf("%d %s", r.status, codeOf(r.err))
-	case r.err != nil:
-		return "200 stream error event: " + strings.SplitN(fmt.Sprint(r.err["message"]), ":", 2)[0]
-	case r.streaming && !r.done:
+	case err != nil:
+		return "client: " + transportClass(err)
+	case r.Status != 200:
+		return fmt.Sprintf("%d %s", r.Status, codeOf(r.Error))
+	case r.Error != nil:
+		return "200 stream error event: " + strings.SplitN(fmt.Sprint(r.Error["message"]), ":", 2)[0]
+	case r.Malformed != "":
+		return "200 answer that is not JSON"
+	case streaming && !r.Done:
 		return "200 stream ended without [DONE]"
 	}
 	return ""
@@ -229,85 +211,4 @@ func transportClass(err error) string {
 		return "connection reset"
 	}
 	return "other"
-}
-
-// do sends body and reads the answer, streaming or not.
-func do(ctx context.Context, hc *http.Client, url string, body map[string]any) result {
-	data, _ := json.Marshal(body)
-	streaming, _ := body["stream"].(bool)
-	res := result{streaming: streaming, header: http.Header{}}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(data))
-	if err != nil {
-		res.transport = err
-		return res
-	}
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := hc.Do(req)
-	if err != nil {
-		res.transport = err
-		return res
-	}
-	defer resp.Body.Close()
-	res.status, res.header = resp.StatusCode, resp.Header
-	if !strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream") {
-		raw, err := io.ReadAll(resp.Body)
-		if err != nil {
-			res.transport = err
-			return res
-		}
-		var m struct {
-			Choices []struct {
-				Message struct {
-					Content string `json:"content"`
-				} `json:"message"`
-			} `json:"choices"`
-			Error map[string]any `json:"error"`
-		}
-		if err := json.Unmarshal(raw, &m); err != nil {
-			res.err = map[string]any{"message": "not JSON: " + err.Error()}
-			if res.status == 200 {
-				res.status = 0
-			}
-			return res
-		}
-		res.err = m.Error
-		if len(m.Choices) > 0 {
-			res.text = m.Choices[0].Message.Content
-		}
-		return res
-	}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(make([]byte, 64<<10), 4<<20)
-	for sc.Scan() {
-		data, ok := strings.CutPrefix(sc.Text(), "data: ")
-		if !ok {
-			continue
-		}
-		if data == "[DONE]" {
-			res.done = true
-			continue
-		}
-		var ev struct {
-			Choices []struct {
-				Delta struct {
-					Content string `json:"content"`
-				} `json:"delta"`
-			} `json:"choices"`
-			Error map[string]any `json:"error"`
-		}
-		if err := json.Unmarshal([]byte(data), &ev); err != nil {
-			res.err = map[string]any{"message": "SSE event is not JSON"}
-			continue
-		}
-		if ev.Error != nil {
-			res.err = ev.Error
-		}
-		for _, c := range ev.Choices {
-			res.text += c.Delta.Content
-		}
-	}
-	if err := sc.Err(); err != nil {
-		res.transport = err
-	}
-	return res
 }

@@ -3,6 +3,8 @@
 // (block sizes × batch sizes, descriptors in scattered order, SHM and TCP backends), with the
 // ceilings measured in the same run — a single-thread memcpy of the same bytes for SHM and a
 // raw Go loopback TCP stream for TCP — so that results read as a ratio of the ceiling.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package xferbench
 
 import (
@@ -15,10 +17,10 @@ import (
 	"io"
 	"math/rand/v2"
 	"os/exec"
-	"slices"
 	"strings"
 	"time"
 
+	"github.com/kvbridge/kvbridge/stats"
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
@@ -365,31 +367,14 @@ func measure(ctx context.Context, o *Options, a *transfer.Agent, op transfer.Op,
 	return Row{
 		Op: op.String(), BlockBytes: block, Batch: len(lidx), Iters: n * o.Rounds,
 		GBps: best, CeilingGBps: bestCeil,
-		PostAvgUs: mean(posts), PostP99Us: pct(posts, 0.99),
-		XferAvgUs: mean(xfers), XferP50Us: pct(xfers, 0.50), XferP99Us: pct(xfers, 0.99),
+		PostAvgUs: stats.Mean(posts), PostP99Us: stats.NearestRank(posts, 0.99),
+		XferAvgUs: stats.Mean(xfers), XferP50Us: stats.NearestRank(xfers, 0.50), XferP99Us: stats.NearestRank(xfers, 0.99),
 		Descs: before, MergedDescs: after,
 	}, nil
 }
 
 // us converts a duration to microseconds.
 func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-
-// mean returns the average.
-func mean(v []float64) float64 {
-	s := 0.0
-	for _, x := range v {
-		s += x
-	}
-	return s / float64(len(v))
-}
-
-// pct returns the q-quantile (nearest rank).
-func pct(v []float64, q float64) float64 {
-	s := slices.Clone(v)
-	slices.Sort(s)
-	i := int(q*float64(len(s))+0.5) - 1
-	return s[min(max(i, 0), len(s)-1)]
-}
 
 // sizeName formats a byte count as 4K, 64K, 1M.
 func sizeName(n int64) string {

@@ -126,3 +126,14 @@ func FuzzNormalizeArgs(f *testing.F) {
 		}
 	})
 }
+
+// TestFormatBytes: the size flag's default is written as a user would type it, and reads back.
+func TestFormatBytes(t *testing.T) {
+	for n, want := range map[int64]string{1 << 30: "1G", 512 << 20: "512M", 3 << 10: "3K", 1000: "1000", 1 << 40: "1T"} {
+		got := formatBytes(n)
+		back, err := parseBytes(got)
+		if got != want || err != nil || back != n {
+			t.Errorf("formatBytes(%d) = %q, read back as %d (%v); want %q", n, got, back, err, want)
+		}
+	}
+}

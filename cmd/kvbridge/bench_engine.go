@@ -8,6 +8,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/kvbridge/kvbridge/bench/enginebench"
+	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 )
 
@@ -75,7 +76,7 @@ weight bytes. Ceilings are measured in the same run; quote ratios.`,
 	f.IntSliceVar(&opts.Batches, "batch", []int{1, 8, 32}, "batch sizes of the batched decode")
 	f.IntVar(&opts.DecodeContext, "decode-context", 128, "context of each sequence of the batched decode")
 	f.IntVar(&opts.DecodeSteps, "decode-steps", 16, "timed steps at each batch size")
-	f.IntVar(&opts.BlockSize, "block-size", 16, "KV block size in tokens")
+	f.IntVar(&opts.BlockSize, "block-size", kvcache.DefaultBlockSize, "KV block size in tokens")
 	f.IntVar(&opts.Repeat, "repeat", 3, "runs of each measurement; the fastest is reported")
 	f.DurationVar(&opts.PeakDuration, "peak-duration", 0, "how long to measure each compute peak (default 1s)")
 	f.StringVar(&jsonPath, "json", "", "also write the results as JSON to this file")

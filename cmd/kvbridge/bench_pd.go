@@ -10,6 +10,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/kvbridge/kvbridge/bench/pdbench"
+	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 )
 
@@ -72,7 +73,7 @@ connection, and four as the transfer engine opens), measured right after each re
 	f.StringVar(&promptLens, "prompt-lens", "512,1024,2048,4096", "prompt lengths in tokens, one row each")
 	f.IntVar(&opts.Iters, "iters", 3, "measured requests per prompt length and path (after one warm-up); rows are medians")
 	f.StringVar(&opts.Backend, "backend", "SHM", "transfer backend of P and D: SHM or TCP")
-	f.IntVar(&opts.BlockSize, "block-size", 16, "KV block size in tokens")
+	f.IntVar(&opts.BlockSize, "block-size", kvcache.DefaultBlockSize, "KV block size in tokens")
 	f.StringVar(&jsonP, "json", "", "also write the rows as JSON to this file")
 	f.BoolVar(&opts.Hosts, "hosts", false, "run the engines on hosts of their own (network namespaces; root) over TCP, against raw TCP streams between them")
 	return cmd

@@ -9,6 +9,7 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/kvbridge/kvbridge/bench/bidibench"
+	"github.com/kvbridge/kvbridge/conversation"
 	"github.com/kvbridge/kvbridge/demo"
 	"github.com/kvbridge/kvbridge/model"
 )
@@ -61,8 +62,8 @@ interrupted.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&opts.Model, "model", model.Small, "model of P and D: kvbridge/tiny, kvbridge/small, a local HF directory or a cached repo id")
-	f.IntVar(&opts.Turns, "turns", bidibench.DefaultTurns, "turns per conversation")
-	f.IntVar(&opts.Conversations, "conversations", bidibench.DefaultConversations, "conversations, interleaved turn by turn")
+	f.IntVar(&opts.Turns, "turns", conversation.DefaultTurns, "turns per conversation")
+	f.IntVar(&opts.Conversations, "conversations", conversation.DefaultConversations, "conversations, interleaved turn by turn")
 	f.StringVar(&opts.PlotPath, "plot", demo.DefaultPlot, "SVG chart of TTFT per turn")
 	f.StringVar(&opts.JSONPath, "json", "", "also write the summary as JSON to this file")
 	f.BoolVar(&serve, "serve", false, "keep a bidirectional stack running (proxy :8000, P :8100, D :8200 when free) and print curl commands")
@@ -125,10 +126,10 @@ same run); with prefix caching on, the gain; and identical answers in every mode
 	}
 	f := cmd.Flags()
 	f.StringVar(&opts.Model, "model", model.Small, "model of P and D")
-	f.IntVar(&opts.Conversations, "conversations", bidibench.DefaultConversations, "conversations, interleaved turn by turn")
-	f.IntVar(&opts.Turns, "turns", bidibench.DefaultTurns, "turns per conversation")
-	f.IntVar(&opts.UserTokens, "user-tokens", bidibench.DefaultUserTokens, "tokens in every user message")
-	f.IntVar(&opts.AnswerTokens, "answer-tokens", bidibench.DefaultAnswerTokens, "tokens in every answer (greedy, EOS ignored)")
+	f.IntVar(&opts.Conversations, "conversations", conversation.DefaultConversations, "conversations, interleaved turn by turn")
+	f.IntVar(&opts.Turns, "turns", conversation.DefaultTurns, "turns per conversation")
+	f.IntVar(&opts.UserTokens, "user-tokens", conversation.DefaultUserTokens, "tokens in every user message")
+	f.IntVar(&opts.AnswerTokens, "answer-tokens", conversation.DefaultAnswerTokens, "tokens in every answer (greedy, EOS ignored)")
 	f.IntVar(&opts.Repeats, "repeats", 3, "repetitions of each comparison with new conversations; each turn's TTFT is the median over conversations × repetitions")
 	f.StringVar(&jsonPath, "json", "", "also write the report as JSON to this file")
 	f.StringVar(&plotTo, "plot", "", "draw TTFT per turn of the four runs as SVG to this file")

@@ -1,6 +1,8 @@
 // Command kvbridge is a disaggregated prefill/decode LLM server with KV-cache transfer: an engine
 // with a NixlConnector-compatible connector (serve), the P/D proxies (proxy), benchmarks (bench)
 // and a one-command showcase (demo).
+//
+// See docs/architecture.md for the map of kvbridge's packages.
 package main
 
 import (

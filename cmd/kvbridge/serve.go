@@ -14,8 +14,10 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/openai"
 )
 
 // defaultModel is served when `kvbridge serve` gets no model argument.
@@ -128,10 +130,10 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.model, "model", "", "model to serve (prefer the positional argument)")
 	fl.StringVar(&f.host, "host", "", "address to listen on (default: all interfaces)")
 	fl.IntVar(&f.port, "port", 8000, "HTTP port (0 picks a free port)")
-	fl.IntVar(&f.blockSize, "block-size", 16, "tokens per KV cache block")
+	fl.IntVar(&f.blockSize, "block-size", kvcache.DefaultBlockSize, "tokens per KV cache block")
 	fl.IntVar(&f.maxModelLen, "max-model-len", 0, "context length: prompt plus output (default: the model's, at most 32768)")
-	fl.IntVar(&f.maxNumSeqs, "max-num-seqs", 256, "most sequences in one batch")
-	fl.IntVar(&f.maxNumBatchedTokens, "max-num-batched-tokens", 2048, "most tokens computed in one step (longer prompts are prefilled in chunks)")
+	fl.IntVar(&f.maxNumSeqs, "max-num-seqs", engine.DefaultMaxNumSeqs, "most sequences in one batch")
+	fl.IntVar(&f.maxNumBatchedTokens, "max-num-batched-tokens", engine.DefaultMaxNumBatchedTokens, "most tokens computed in one step (longer prompts are prefilled in chunks)")
 	fl.Int64Var(&f.seed, "seed", 0, "default sampling seed")
 	fl.StringSliceVar(&f.servedModelNames, "served-model-name", nil, "model name(s) the API answers to (default: MODEL)")
 	fl.BoolVar(&f.prefixCaching, "enable-prefix-caching", true, "reuse the KV of identical prompt prefixes")
@@ -141,12 +143,12 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.IntVarP(&f.tensorParallelSize, "tensor-parallel-size", "t", 1, "tensor parallelism; only 1 is supported")
 	fl.StringVar(&f.chatTemplate, "chat-template", "", "Jinja chat template file (default: the model's, else ChatML)")
 	fl.StringVar(&f.apiKey, "api-key", "", "require this Bearer token on the /v1 routes")
-	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", "1G", "memory for the KV cache pool (suffixes k, M, G; env VLLM_CPU_KVCACHE_SPACE in GiB)")
+	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", formatBytes(instance.DefaultKVBytes), "memory for the KV cache pool (suffixes k, M, G; env VLLM_CPU_KVCACHE_SPACE in GiB)")
 	fl.Float64Var(&f.memoryUtilization, "gpu-memory-utilization", 0, "size the KV cache to this fraction of the machine's memory less the loaded model (0 < x ≤ 1; instead of --kv-cache-memory-bytes)")
 	fl.StringVar(&f.tokenizer, "tokenizer", "", "directory or cached repo id to take the tokenizer and chat template from (default: the model's)")
 	fl.StringVar(&f.revision, "revision", "", "revision of a cached repo id: branch, tag or commit hash (default: refs/main)")
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
-	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", 4096, "completions served at once; one more is answered 429 (0: no limit)")
+	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", openai.DefaultMaxConcurrentRequests, "completions served at once; one more is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
 	fl.IntVar(&f.dataParallelSize, "data-parallel-size", 1, "data parallelism (-dp); only 1 for now")
 	fl.IntVar(&f.pipelineParallelSize, "pipeline-parallel-size", 1, "pipeline parallelism (-pp); only 1 is supported")
@@ -235,8 +237,8 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if f.port < 0 || f.port > 65535 {
 		return instance.Config{}, usageError("--port %d is not a port number", f.port)
 	}
-	if f.blockSize <= 0 || f.blockSize > 1024 {
-		return instance.Config{}, usageError("--block-size %d must be between 1 and 1024", f.blockSize)
+	if f.blockSize <= 0 || f.blockSize > kvcache.MaxBlockSize {
+		return instance.Config{}, usageError("--block-size %d must be between 1 and %d", f.blockSize, kvcache.MaxBlockSize)
 	}
 	if f.maxNumSeqs <= 0 || f.maxNumBatchedTokens <= 0 || f.maxModelLen < 0 || f.numBlocksOverride < 0 {
 		return instance.Config{}, usageError("--max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks-override must be positive")
@@ -337,12 +339,25 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	return cfg, nil
 }
 
-// statsInterval is VLLM_LOG_STATS_INTERVAL (seconds, default 10).
+// statsInterval is VLLM_LOG_STATS_INTERVAL (seconds); 0 (the instance's default) when unset.
 func statsInterval() time.Duration {
 	if v, err := strconv.ParseFloat(os.Getenv("VLLM_LOG_STATS_INTERVAL"), 64); err == nil && v > 0 {
 		return time.Duration(v * float64(time.Second))
 	}
-	return 10 * time.Second
+	return 0
+}
+
+// formatBytes writes n as parseBytes reads it: 1G, 512M, 64K or a plain byte count.
+func formatBytes(n int64) string {
+	for _, u := range []struct {
+		suffix string
+		shift  uint
+	}{{"T", 40}, {"G", 30}, {"M", 20}, {"K", 10}} {
+		if n > 0 && n%(1<<u.shift) == 0 {
+			return strconv.FormatInt(n>>u.shift, 10) + u.suffix
+		}
+	}
+	return strconv.FormatInt(n, 10)
 }
 
 // parseBytes reads sizes such as 1G, 512M, 64k or a plain byte count.

@@ -1,6 +1,8 @@
 // Package msgpackcheck verifies untrusted msgpack before it is decoded: every declared length
 // must fit in the input and nesting must stay shallow, so that a decoder never allocates more
 // than the input's size suggests (a 6-byte array32 header can otherwise ask for gigabytes).
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package msgpackcheck
 
 import (

@@ -48,4 +48,6 @@
 // so results are reproducible within a process and across processes on the same kind of
 // machine. Different implementations may differ in the last bits (the portable path does not
 // fuse multiply and add).
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package kernel

@@ -7,6 +7,8 @@
 // check them against ids it produced for real tokenizer files).
 //
 // A Tokenizer is immutable once built and safe for concurrent use.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package tokenizer
 
 import (

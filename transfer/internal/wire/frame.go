@@ -9,6 +9,8 @@
 // A connection starts with HELLO (dialer → listener). Without authentication the listener
 // answers HELLO_ACK or ERROR. With authentication it answers CHALLENGE (its nonce and its own
 // proof), the dialer sends AUTH (its proof), and the listener answers HELLO_ACK or ERROR.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package wire
 
 import (

@@ -1,4 +1,4 @@
-package bidibench
+package conversation
 
 import (
 	"fmt"
@@ -65,7 +65,7 @@ type conversationScript struct {
 func scripts(tok *tokenizer.Tokenizer, seed uint64, convs, turns, userTokens int) []conversationScript {
 	out := make([]conversationScript, convs)
 	for c := range out {
-		out[c].id = fmt.Sprintf("bidibench-%d-%d", seed, c+1)
+		out[c].id = fmt.Sprintf("conversation-%d-%d", seed, c+1)
 		for t := range turns {
 			out[c].users = append(out[c].users, userMessage(tok, seed, c, t, userTokens))
 		}
