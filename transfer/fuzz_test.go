@@ -31,7 +31,7 @@ func FuzzDecodeMetadata(f *testing.F) {
 		if err != nil {
 			return
 		}
-		b, err := msgpack.Marshal(&m.metaWire)
+		b, err := m.metaWire.encode()
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -84,7 +84,7 @@ func TestRunSmall(t *testing.T) {
 func TestOptions(t *testing.T) {
 	noPeer := func(context.Context) *exec.Cmd { t.Fatal("peer started"); return nil }
 	for _, o := range []Options{
-		{Backends: []string{"UCX"}, PeerCommand: noPeer},
+		{Backends: []string{"LIBFABRIC"}, PeerCommand: noPeer},
 		{Blocks: []int64{12}, PeerCommand: noPeer},
 		{Batches: []int{0}, PeerCommand: noPeer},
 		{Blocks: []int64{1 << 20}, Batches: []int{1024}, MaxBytes: 1 << 20, PeerCommand: noPeer},

@@ -20,7 +20,7 @@ func newBenchTransferCmd() *cobra.Command {
 	var (
 		backends, ops, blocks, batches string
 		iters, warmup, rounds, workers int
-		streams                        int
+		streams, ucxWorkers            int
 		maxBytes, jsonPath             string
 		notify, quiet, peer            bool
 	)
@@ -40,7 +40,7 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 			if peer {
 				return xferbench.RunPeer(ctx, os.Stdin, os.Stdout)
 			}
-			opts := xferbench.Options{Iters: iters, Warmup: warmup, Rounds: rounds, Workers: workers, Streams: streams, Notify: notify}
+			opts := xferbench.Options{Iters: iters, Warmup: warmup, Rounds: rounds, Workers: workers, Streams: streams, UCXWorkers: ucxWorkers, Notify: notify}
 			var err error
 			if opts.Backends, err = splitList(backends); err != nil {
 				return err
@@ -119,6 +119,7 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 	f.StringVar(&maxBytes, "max-bytes", "256M", "skip rows whose request (block × batch) is larger")
 	f.IntVar(&workers, "workers", 0, "SHM copy workers (0 = GOMAXPROCS)")
 	f.IntVar(&streams, "streams", 0, "TCP connections per peer (0 = engine default)")
+	f.IntVar(&ucxWorkers, "ucx-workers", 0, "UCX workers per agent (0 = engine default)")
 	f.BoolVar(&notify, "notify", false, "attach a notification to every post")
 	f.StringVar(&jsonPath, "json", "", "also write the rows as JSON to this file")
 	f.BoolVarP(&quiet, "quiet", "q", false, "no progress lines on stderr")
