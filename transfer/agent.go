@@ -34,10 +34,12 @@ type Config struct {
 	// strictly: a backend not listed is never used, and only listed backends are offered to
 	// peers (UCX is offered only when listed; it needs a binary built with -tags ucx).
 	Backends []string
-	// UCX configures the UCX backend: UCX settings by name without the UCX_ prefix (for
-	// example {"TLS": "tcp", "NET_DEVICES": "mlx5_0:1"}). The process environment's UCX_*
-	// variables (UCX_TLS, UCX_NET_DEVICES, …) are read by UCX as usual; entries here win
-	// over them, and both win over kvbridge's defaults (see the package doc, Backends).
+	// UCX configures the UCX backend: UCX settings as ucp_config_modify takes them, by name
+	// without the UCX_ prefix (for example {"TLS": "tcp", "NET_DEVICES": "mlx5_0:1"}; a
+	// transport's own settings by their name inside the transport, e.g. TCP's TX_SEG_SIZE).
+	// The process environment's UCX_* variables (UCX_TLS, UCX_NET_DEVICES, …) are read by UCX
+	// as usual; entries here win over them, and both win over kvbridge's defaults (larger TCP
+	// segments, shared-memory error handling, a 1 s keep-alive; see ucxDefaults).
 	UCX map[string]string
 	// UCXWorkers is the number of UCX workers, each with a progress goroutine on its own
 	// locked OS thread and an endpoint to every peer; large requests are spread over them.

@@ -277,7 +277,7 @@ func (p *peer) watchProcess() {
 func ucxSettings(cfg map[string]string, getenv func(string) string) ([][2]string, error) {
 	set := map[string]string{}
 	for k, v := range cfg {
-		name := strings.ToUpper(strings.TrimPrefix(strings.TrimSpace(k), "UCX_"))
+		name := strings.TrimPrefix(strings.ToUpper(strings.TrimSpace(k)), "UCX_")
 		if name == "" || strings.ContainsAny(name, "\x00= ") || strings.ContainsRune(v, 0) {
 			return nil, newErr("config", "", ErrInvalidParam, fmt.Sprintf("UCX setting %q=%q", k, v), nil)
 		}
