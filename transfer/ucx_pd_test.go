@@ -1,0 +1,193 @@
+//go:build ucx && cgo
+
+package transfer_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/instance"
+	"github.com/kvbridge/kvbridge/proxy"
+)
+
+// TestUCXAccuracyPD is the accuracy test of disaggregation with UCX forced: through the
+// one-way proxy, P prefills, D pulls the KV over UCX and decodes, and the greedy output is
+// token for token a single engine's; D's handshake reports backend=UCX, D loaded external
+// tokens, and every block returns to both pools. The connector's configuration parser does
+// not accept "UCX" yet, so the test sets kv_connector_extra_config.backends on the parsed
+// configuration, as the parser will once the connector takes its backend names from the
+// transfer package.
+func TestUCXAccuracyPD(t *testing.T) {
+	prompts := []any{"Hi", []int{5, 6, 7},
+		"The KV cache of this prompt is computed by one engine and read by another over UCX.",
+		strings.Repeat("many words make many blocks ", 30), strings.Repeat("x", 47)}
+	single := startEngine(t, nil, nil)
+	want := complete(t, single.URL, prompts)
+	for _, tls := range []string{"tcp", "sm"} {
+		t.Run(tls, func(t *testing.T) {
+			var dlog syncBuffer
+			p := startEngine(t, kvConfig(t, "kv_producer"), map[string]string{"TLS": tls})
+			d := startEngine(t, kvConfig(t, "kv_consumer"), map[string]string{"TLS": tls}, &dlog)
+			pi, _ := proxy.NewInstance("127.0.0.1", p.Addr.Port)
+			di, _ := proxy.NewInstance("127.0.0.1", d.Addr.Port)
+			h, err := proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			px := httptest.NewServer(h)
+			t.Cleanup(func() { px.Close(); h.Close() })
+			got := complete(t, px.URL, prompts)
+			for i := range prompts {
+				if got[i] != want[i] {
+					t.Errorf("prompt %d: P/D %q, single %q", i, got[i], want[i])
+				}
+			}
+			for _, l := range strings.Split(dlog.String(), "\n") {
+				if strings.Contains(l, "UCX link up") {
+					t.Log(l)
+				}
+			}
+			if !strings.Contains(dlog.String(), "backend=UCX") {
+				t.Errorf("D's handshake did not report UCX:\n%s", dlog.String())
+			}
+			if st := d.Engine.Stats(); st.ExternalHits == 0 {
+				t.Errorf("D loaded no external tokens: %+v", st)
+			}
+			for name, in := range map[string]*instance.Instance{"P": p, "D": d} {
+				waitPoolFull(t, name, in)
+			}
+		})
+	}
+}
+
+// kvConfig parses a NixlConnector configuration for role and forces UCX.
+func kvConfig(t *testing.T, role string) *connector.Config {
+	t.Helper()
+	cfg, err := connector.ParseConfig([]byte(fmt.Sprintf(`{"kv_connector":"NixlConnector","kv_role":%q}`, role)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Backends = []string{"UCX"}
+	return cfg
+}
+
+// startEngine starts the tiny model with kv (nil: no connector), UCX settings ucx for its
+// transfer agent, and its log written to logw (if any).
+func startEngine(t *testing.T, kv *connector.Config, ucx map[string]string, logw ...io.Writer) *instance.Instance {
+	t.Helper()
+	w := io.Discard
+	if len(logw) > 0 {
+		w = logw[0]
+	}
+	in, err := instance.Start(t.Context(), instance.Config{
+		Model: "kvbridge/tiny", Host: "127.0.0.1", NumBlocks: 512, MaxModelLen: 4096,
+		KVTransfer: kv, SideChannelHost: "127.0.0.1", SideChannelPort: -1,
+		Logger:         slog.New(slog.NewTextHandler(w, nil)),
+		ConnectorHooks: func(o *connector.Options) { o.Transfer.UCX = ucx },
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { in.Close() })
+	return in
+}
+
+// complete sends each prompt as a greedy completion (streaming every other one) and returns
+// the texts.
+func complete(t *testing.T, base string, prompts []any) []string {
+	t.Helper()
+	out := make([]string, len(prompts))
+	for i, p := range prompts {
+		body, _ := json.Marshal(map[string]any{"model": "kvbridge/tiny", "prompt": p, "max_tokens": 12, "temperature": 0, "stream": i%2 == 1})
+		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, base+"/v1/completions", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			cancel()
+			t.Fatal(err)
+		}
+		raw, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		cancel()
+		if err != nil || resp.StatusCode != http.StatusOK {
+			t.Fatalf("prompt %d: %d %s %v", i, resp.StatusCode, raw, err)
+		}
+		out[i] = completionText(t, raw, i%2 == 1)
+	}
+	return out
+}
+
+// completionText extracts the text of a completion, assembling an SSE stream.
+func completionText(t *testing.T, raw []byte, sse bool) string {
+	t.Helper()
+	type chunk struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	var text strings.Builder
+	add := func(b []byte) {
+		var c chunk
+		if err := json.Unmarshal(b, &c); err != nil {
+			t.Fatalf("decoding %q: %v", b, err)
+		}
+		for _, ch := range c.Choices {
+			text.WriteString(ch.Text)
+		}
+	}
+	if !sse {
+		add(raw)
+		return text.String()
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		data, ok := strings.CutPrefix(line, "data: ")
+		if ok && data != "[DONE]" {
+			add([]byte(data))
+		}
+	}
+	return text.String()
+}
+
+// waitPoolFull waits (bounded) until every KV block of in is free again.
+func waitPoolFull(t *testing.T, name string, in *instance.Instance) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	for in.Pool.NumFree() != in.Pool.NumBlocks() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s's pool holds %d of %d blocks", name, in.Pool.NumBlocks()-in.Pool.NumFree(), in.Pool.NumBlocks())
+		}
+		<-tick.C
+	}
+}
+
+// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
