@@ -16,28 +16,7 @@ func TestUCXWriteNotifAfterData(t *testing.T) {
 	for _, tls := range ucxTransports {
 		t.Run(tls, func(t *testing.T) {
 			p := newPair(t, ucxConfig(tls), ucxConfig(tls), 4<<20, PermReadWrite)
-			ll, rl := p.lists(t, 64<<10, nil)
-			req, err := p.ini.MakeRequest(Write, ll, seq(64), rl, seq(64), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer req.Release()
-			for i := range 5 {
-				fillPattern(p.arI.Bytes(), uint64(i+10))
-				if err := req.Post(testCtx(t), []byte("w")); err != nil {
-					t.Fatal(err)
-				}
-				if n := recvNotif(t, p.tgt); n.Peer != "initiator" || n.Incarnation != p.ini.Incarnation() || n.Seq != uint64(i+1) {
-					t.Fatalf("notification %+v", n)
-				}
-				// No Wait: the notification alone must imply the data.
-				if !bytes.Equal(p.arT.Bytes(), p.arI.Bytes()) {
-					t.Fatalf("post %d: notification before the data", i)
-				}
-				if err := req.Wait(testCtx(t)); err != nil {
-					t.Fatal(err)
-				}
-			}
+			req := writeNotifAfterData(t, p, nil)
 			if tel := req.Telemetry(); tel.Backend != BackendUCX || tel.Bytes != 4<<20 || tel.Err != nil {
 				t.Fatalf("telemetry %+v", tel)
 			}

@@ -11,8 +11,9 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -36,9 +37,13 @@ func TestUCXAccuracyPD(t *testing.T) {
 	want := complete(t, single.URL, prompts)
 	for _, tls := range []string{"tcp", "sm"} {
 		t.Run(tls, func(t *testing.T) {
-			var dlog syncBuffer
+			dlog, err := os.Create(filepath.Join(t.TempDir(), "d.log"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { dlog.Close() }) // after the engines (cleanups run last first)
 			p := startEngine(t, kvConfig(t, "kv_producer"), map[string]string{"TLS": tls})
-			d := startEngine(t, kvConfig(t, "kv_consumer"), map[string]string{"TLS": tls}, &dlog)
+			d := startEngine(t, kvConfig(t, "kv_consumer"), map[string]string{"TLS": tls}, dlog)
 			pi, _ := proxy.NewInstance("127.0.0.1", p.Addr.Port)
 			di, _ := proxy.NewInstance("127.0.0.1", d.Addr.Port)
 			h, err := proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}})
@@ -48,18 +53,22 @@ func TestUCXAccuracyPD(t *testing.T) {
 			px := httptest.NewServer(h)
 			t.Cleanup(func() { px.Close(); h.Close() })
 			got := complete(t, px.URL, prompts)
+			logged, err := os.ReadFile(dlog.Name())
+			if err != nil {
+				t.Fatal(err)
+			}
 			for i := range prompts {
 				if got[i] != want[i] {
 					t.Errorf("prompt %d: P/D %q, single %q", i, got[i], want[i])
 				}
 			}
-			for _, l := range strings.Split(dlog.String(), "\n") {
+			for _, l := range strings.Split(string(logged), "\n") {
 				if strings.Contains(l, "UCX link up") {
 					t.Log(l)
 				}
 			}
-			if !strings.Contains(dlog.String(), "backend=UCX") {
-				t.Errorf("D's handshake did not report UCX:\n%s", dlog.String())
+			if !strings.Contains(string(logged), "backend=UCX") {
+				t.Errorf("D's handshake did not report UCX:\n%s", logged)
 			}
 			if st := d.Engine.Stats(); st.ExternalHits == 0 {
 				t.Errorf("D loaded no external tokens: %+v", st)
@@ -172,22 +181,4 @@ func waitPoolFull(t *testing.T, name string, in *instance.Instance) {
 		}
 		<-tick.C
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger's concurrent writes.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }

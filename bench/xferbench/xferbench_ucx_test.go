@@ -2,12 +2,7 @@
 
 package xferbench
 
-import (
-	"context"
-	"os"
-	"os/exec"
-	"testing"
-)
+import "testing"
 
 // TestRunUCX runs a tiny matrix with UCX next to the backend it is compared with, over
 // UCX_TLS=tcp (TCP) and shared memory (SHM): UCX rows carry their ratio to that backend's
@@ -17,19 +12,14 @@ func TestRunUCX(t *testing.T) {
 		t.Run(tc.tls, func(t *testing.T) {
 			t.Setenv("UCX_TLS", tc.tls) // read by UCX in this process and the peer's
 			rows, err := Run(t.Context(), Options{
-				Backends: []string{tc.other, "UCX"},
-				Blocks:   []int64{64 << 10},
-				Batches:  []int{1, 8},
-				Iters:    3,
-				Rounds:   2,
-				Warmup:   1,
-				Notify:   true,
-				PeerCommand: func(ctx context.Context) *exec.Cmd {
-					c := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-					c.Env = append(os.Environ(), envPeer+"=1")
-					c.Stderr = os.Stderr
-					return c
-				},
+				Backends:    []string{tc.other, "UCX"},
+				Blocks:      []int64{64 << 10},
+				Batches:     []int{1, 8},
+				Iters:       3,
+				Rounds:      2,
+				Warmup:      1,
+				Notify:      true,
+				PeerCommand: testPeerCommand,
 			})
 			if err != nil {
 				t.Fatal(err)
