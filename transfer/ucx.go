@@ -339,14 +339,15 @@ func (d ucxDefault) applies(tls string) bool {
 // ucxDefaults are the UCX settings kvbridge applies unless the environment or Config.UCX sets
 // them (as NIXL overrides some UCX defaults):
 //   - UCX emulates RMA over TCP with active messages whose fragments are one TCP segment:
-//     UCX's 8 KiB default costs a 1 MiB READ 128 fragments through both workers.
+//     UCX's 8 KiB default costs a 1 MiB READ 128 fragments through both workers. 520 KiB
+//     carries a 512 KiB piece (ucxSplitMin) and its headers in one fragment.
 //   - The shared-memory transports (posix, sysv) are only eligible for endpoints with
 //     peer-failure detection, which this backend requires, when their error handling is on.
 //   - Keep-alive finds a dead peer on transports without a connection to break (shared
 //     memory): every second instead of UCX's 20 s.
 var ucxDefaults = []ucxDefault{
-	{name: "TX_SEG_SIZE", value: "512K", overrides: []string{"TCP_TX_SEG_SIZE", "TX_SEG_SIZE"}, transports: []string{"tcp"}},
-	{name: "RX_SEG_SIZE", value: "512K", overrides: []string{"TCP_RX_SEG_SIZE", "RX_SEG_SIZE"}, transports: []string{"tcp"}},
+	{name: "TX_SEG_SIZE", value: "520K", overrides: []string{"TCP_TX_SEG_SIZE", "TX_SEG_SIZE"}, transports: []string{"tcp"}},
+	{name: "RX_SEG_SIZE", value: "520K", overrides: []string{"TCP_RX_SEG_SIZE", "RX_SEG_SIZE"}, transports: []string{"tcp"}},
 	{name: "MM_ERROR_HANDLING", value: "y", overrides: []string{"MM_ERROR_HANDLING", "POSIX_ERROR_HANDLING", "SYSV_ERROR_HANDLING"},
 		transports: []string{"sm", "shm", "mm", "posix", "sysv"}},
 	{name: "KEEPALIVE_INTERVAL", value: "1s", overrides: []string{"KEEPALIVE_INTERVAL"}},

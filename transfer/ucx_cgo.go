@@ -31,6 +31,13 @@ const ucxBuilt = true
 // events (a quarter of kvbridge's default UCX keep-alive interval).
 const ucxKeepaliveTick = 250 * time.Millisecond
 
+// ucxBusyRetries is how many times in a row a worker re-progresses when UCX reports work it
+// cannot progress before it backs off for ucxBackoff.
+const (
+	ucxBusyRetries = 16
+	ucxBackoff     = 100 * time.Microsecond
+)
+
 // maxUCXInbound bounds the peers remembered for answering over UCX (see ucxInbound).
 const maxUCXInbound = 4096
 
@@ -414,6 +421,7 @@ type ucxWorker struct {
 	stopping bool
 	rkbuf    []C.ucp_rkey_h
 	events   [4]unix.EpollEvent
+	idleBusy int // arm said busy this many times in a row with nothing progressed
 	errbuf   [64]C.kvb_errev
 }
 
@@ -495,6 +503,7 @@ func (w *ucxWorker) loop() {
 			}
 		}
 		if busy || w.hasCommands() {
+			w.idleBusy = 0
 			continue
 		}
 		var timeout time.Duration
@@ -509,13 +518,26 @@ func (w *ucxWorker) loop() {
 		}
 		switch st := C.kvb_arm(w.kw); st {
 		case C.UCS_OK:
+			w.idleBusy = 0
 		case C.UCS_ERR_BUSY:
+			w.idleBusy++
+			if w.idleBusy >= ucxBusyRetries {
+				w.backoff()
+			}
 			continue
 		default:
 			timeout = time.Millisecond // cannot arm: poll gently rather than spin
 		}
 		w.wait(timeout)
 	}
+}
+
+// backoff parks the worker briefly while UCX reports work it cannot progress: the
+// shared-memory transports report busy while a peer's queue is full, and on a host with few
+// cores spinning would starve that very peer.
+func (w *ucxWorker) backoff() {
+	w.wait(ucxBackoff)
+	w.idleBusy = 0
 }
 
 // wait parks the worker goroutine until its epoll set has an event (or timeout, if not zero,

@@ -82,17 +82,17 @@ func TestUCXSettings(t *testing.T) {
 		return ""
 	}
 	s, err := ucxSettings(nil, env())
-	if err != nil || get(s, "TX_SEG_SIZE") != "512K" || get(s, "MM_ERROR_HANDLING") != "y" || get(s, "KEEPALIVE_INTERVAL") != "1s" {
+	if err != nil || get(s, "TX_SEG_SIZE") != "520K" || get(s, "MM_ERROR_HANDLING") != "y" || get(s, "KEEPALIVE_INTERVAL") != "1s" {
 		t.Fatalf("defaults %v %v", s, err)
 	}
 	// The environment wins (UCX reads it itself), including a transport's own prefixed name.
 	s, _ = ucxSettings(nil, env("UCX_TCP_TX_SEG_SIZE", "64K", "UCX_POSIX_ERROR_HANDLING", "n"))
-	if get(s, "TX_SEG_SIZE") != "" || get(s, "MM_ERROR_HANDLING") != "" || get(s, "RX_SEG_SIZE") != "512K" {
+	if get(s, "TX_SEG_SIZE") != "" || get(s, "MM_ERROR_HANDLING") != "" || get(s, "RX_SEG_SIZE") != "520K" {
 		t.Fatalf("with environment %v", s)
 	}
 	// UCX_TLS=tcp leaves the shared-memory settings out (UCX warns about unused ones).
 	s, _ = ucxSettings(nil, env("UCX_TLS", "tcp"))
-	if get(s, "MM_ERROR_HANDLING") != "" || get(s, "TX_SEG_SIZE") != "512K" {
+	if get(s, "MM_ERROR_HANDLING") != "" || get(s, "TX_SEG_SIZE") != "520K" {
 		t.Fatalf("with UCX_TLS=tcp %v", s)
 	}
 	// Config.UCX wins over both, with or without the UCX_ prefix, and its TLS decides.
