@@ -5,6 +5,7 @@ package transfer
 import (
 	"bytes"
 	"context"
+	"net"
 	"runtime"
 	"strings"
 	"testing"
@@ -173,5 +174,37 @@ func TestUCXGoPanicsRecover(t *testing.T) {
 	}()
 	if recovered == nil {
 		t.Fatal("no panic")
+	}
+}
+
+// TestUCXEnvironment: UCX_TLS and UCX_NET_DEVICES reach UCX (as with NIXL): forcing TCP on a
+// non-loopback interface puts every lane there.
+func TestUCXEnvironment(t *testing.T) {
+	dev := ""
+	ifs, _ := net.Interfaces()
+	for _, ifc := range ifs {
+		addrs, _ := ifc.Addrs()
+		for _, a := range addrs {
+			if ipn, ok := a.(*net.IPNet); ok && ipn.IP.To4() != nil && !ipn.IP.IsLoopback() && ifc.Flags&net.FlagUp != 0 && dev == "" {
+				dev = ifc.Name
+			}
+		}
+	}
+	if dev == "" {
+		t.Skip("no interface with an IPv4 address besides loopback")
+	}
+	t.Setenv("UCX_TLS", "tcp")
+	t.Setenv("UCX_NET_DEVICES", dev)
+	cfg := Config{Backends: []string{"UCX"}}
+	p := newPair(t, cfg, cfg, 1<<20, PermRead)
+	p.lists(t, 64<<10, nil)
+	info, _ := p.ini.Peer(p.peer)
+	if len(info.UCXLanes) == 0 {
+		t.Fatal("no lanes")
+	}
+	for _, l := range info.UCXLanes {
+		if !strings.HasPrefix(l, "tcp/"+dev) {
+			t.Fatalf("lanes %q with UCX_TLS=tcp UCX_NET_DEVICES=%s", info.UCXLanes, dev)
+		}
 	}
 }
