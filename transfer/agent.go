@@ -43,7 +43,7 @@ type Config struct {
 	UCX map[string]string
 	// UCXWorkers is the number of UCX workers, each with a progress goroutine on its own
 	// locked OS thread and an endpoint to every peer; large requests are spread over them.
-	// Default min(GOMAXPROCS, 4), at most 64.
+	// Default GOMAXPROCS/2, from 1 to 4; at most 64.
 	UCXWorkers int
 	// Workers is the number of SHM copy goroutines. Default GOMAXPROCS.
 	Workers int

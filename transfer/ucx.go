@@ -380,5 +380,8 @@ func parseUCXLanes(info string) []string {
 	return out
 }
 
-// defaultUCXWorkers is the UCX worker count when Config.UCXWorkers is zero.
-func defaultUCXWorkers() int { return min(runtime.GOMAXPROCS(0), 4) }
+// defaultUCXWorkers is the UCX worker count when Config.UCXWorkers is zero: half the
+// processors, from 1 to 4. Where UCX emulates gets and puts (TCP, shared memory) every byte
+// costs CPU on both sides, and more workers than that only make them compete; on RDMA the
+// NIC moves the bytes and a few workers keep it busy.
+func defaultUCXWorkers() int { return min(max(runtime.GOMAXPROCS(0)/2, 1), 4) }

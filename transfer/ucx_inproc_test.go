@@ -133,7 +133,9 @@ func TestUCXFallback(t *testing.T) {
 // TestUCXCloseInFlight: closing the agents while UCX transfers are in flight ends them, every
 // goroutine of the package exits, and Close stays idempotent.
 func TestUCXCloseInFlight(t *testing.T) {
-	p := newPair(t, ucxConfig("tcp"), ucxConfig("tcp"), 16<<20, PermReadWrite)
+	cfg := ucxConfig("tcp")
+	cfg.UCXWorkers = 3
+	p := newPair(t, cfg, cfg, 16<<20, PermReadWrite)
 	ll, rl := p.lists(t, 1<<20, nil)
 	var reqs []*Request
 	for _, op := range []Op{Read, Write} {

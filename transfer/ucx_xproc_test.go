@@ -34,7 +34,9 @@ func TestUCXCrossProcess(t *testing.T) {
 		t.Run(tls, func(t *testing.T) {
 			const size = 8 << 20
 			peer := startUCXPeer(t, "xpeer", 0x33, size, tls)
-			x := newCrossProcess(t, peer, ucxConfig(tls), size)
+			cfg := ucxConfig(tls)
+			cfg.UCXWorkers = 3 // large requests spread over three endpoints to the peer's one worker
+			x := newCrossProcess(t, peer, cfg, size)
 			x.readWrite(t, "UCX", 101)
 			x.readWrite(t, "UCX", 102) // the second round reuses the link
 			info, _ := x.ini.Peer(x.name)
