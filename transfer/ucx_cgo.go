@@ -435,7 +435,7 @@ func (w *ucxWorker) run(ready chan<- error) {
 	var addr unsafe.Pointer
 	var alen C.size_t
 	if st := C.kvb_worker_create(w.e.ctx, &w.kw, &efd, &addr, &alen); st != C.UCS_OK {
-		ready <- ucsErr("agent", st, "creating a UCX worker (UCP_FEATURE_WAKEUP needs transports with event support)")
+		ready <- ucsErr("agent", st, "creating a UCX worker")
 		return
 	}
 	w.addr = C.GoBytes(addr, C.int(alen))
