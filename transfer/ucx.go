@@ -145,7 +145,8 @@ func (u *ucxUnit) resolve(gen uint64, err error) {
 }
 
 // abandon resolves the unit of a failed post gen at once if its worker has not started it;
-// a unit in flight is interrupted by closing the link (its flush then completes, canceled).
+// a unit in flight is interrupted by closing the link, which gives what is in flight
+// ucxCloseGrace to complete and then cancels it.
 func (u *ucxUnit) abandon(gen uint64, why string) {
 	if u.state.CompareAndSwap(gen<<2|chunkQueued, gen<<2|chunkDone) {
 		u.r.unitDone()
@@ -153,7 +154,10 @@ func (u *ucxUnit) abandon(gen uint64, why string) {
 	}
 	if u.state.Load() == gen<<2|chunkBusy {
 		if l := u.r.ucxLink.Load(); l != nil {
-			l.abort("request abandoned in flight: " + why)
+			// The unit resolves when its flush completes or the endpoint closes, so local
+			// memory is not touched after Done; draining rather than aborting spares the
+			// peer an endpoint failing under its emulated puts and gets (ucxLink.drain).
+			l.drain("request abandoned in flight: " + why)
 		}
 	}
 }
@@ -199,7 +203,8 @@ func (l *PreparedList) resolveUCX(m *remoteMeta) error {
 }
 
 // teardownUCX closes link if it is still the peer's and fails the UCX requests in flight on
-// it; SHM and TCP requests are not affected. The next UCX post reconnects.
+// it; SHM and TCP requests are not affected. The next UCX post reconnects. It is the second
+// half of ucxLink.abort, which marks the link so that its endpoints close at once.
 func (p *peer) teardownUCX(link *ucxLink, why string) {
 	p.mu.Lock()
 	if p.ux != link {
@@ -264,7 +269,7 @@ func (p *peer) watchProcess() {
 		l := p.ux
 		p.mu.Unlock()
 		if l != nil {
-			p.teardownUCX(l, fmt.Sprintf("peer process %d exited", m.PID))
+			l.abort(fmt.Sprintf("peer process %d exited", m.PID))
 		}
 	}) {
 		f.Close()
@@ -343,14 +348,14 @@ func (d ucxDefault) applies(tls string) bool {
 //     carries a 512 KiB piece (ucxSplitMin) and its headers in one fragment.
 //   - The shared-memory transports (posix, sysv) are only eligible for endpoints with
 //     peer-failure detection, which this backend requires, when their error handling is on.
-//   - Keep-alive finds a dead peer on transports without a connection to break (shared
-//     memory): every second instead of UCX's 20 s.
+//
+// UCX's keep-alive interval stays UCX's (20 s): a shorter one declares peers whose workers are
+// merely parked or slow dead; a peer on this host is watched through a pidfd instead.
 var ucxDefaults = []ucxDefault{
 	{name: "TX_SEG_SIZE", value: "520K", overrides: []string{"TCP_TX_SEG_SIZE", "TX_SEG_SIZE"}, transports: []string{"tcp"}},
 	{name: "RX_SEG_SIZE", value: "520K", overrides: []string{"TCP_RX_SEG_SIZE", "RX_SEG_SIZE"}, transports: []string{"tcp"}},
 	{name: "MM_ERROR_HANDLING", value: "y", overrides: []string{"MM_ERROR_HANDLING", "POSIX_ERROR_HANDLING", "SYSV_ERROR_HANDLING"},
 		transports: []string{"sm", "shm", "mm", "posix", "sysv"}},
-	{name: "KEEPALIVE_INTERVAL", value: "1s", overrides: []string{"KEEPALIVE_INTERVAL"}},
 }
 
 // parseUCXLanes extracts the lanes from ucp_ep_print_info's report, as "transport/device:

@@ -27,9 +27,12 @@ import (
 // ucxBuilt reports whether this binary has the UCX backend.
 const ucxBuilt = true
 
-// ucxKeepaliveTick is how often a worker with operations in flight progresses even without
-// events (a quarter of kvbridge's default UCX keep-alive interval).
-const ucxKeepaliveTick = 250 * time.Millisecond
+// ucxProgressTick is how often a worker with operations in flight progresses even without
+// events, so that UCX's timers (keep-alive among them) run.
+const ucxProgressTick = 250 * time.Millisecond
+
+// ucxCloseGrace bounds how long closing a healthy link waits for its operations in flight.
+const ucxCloseGrace = time.Second
 
 // ucxBusyRetries is how many times in a row a worker re-progresses when UCX reports work it
 // cannot progress before it backs off for ucxBackoff.
@@ -181,7 +184,7 @@ func (e *ucxEngine) unmapArena(m *ucxMapping) {
 
 // newLink returns a link to agent name (p nil: an answer route to an inbound peer).
 func (e *ucxEngine) newLink(name string, p *peer) *ucxLink {
-	return &ucxLink{e: e, id: e.nextID.Add(1), peer: name, p: p, eps: make([]*ucxEP, len(e.workers))}
+	return &ucxLink{e: e, id: e.nextID.Add(1), peer: name, p: p, eps: make([]*ucxEP, len(e.workers)), acked: make(chan struct{}, len(e.workers))}
 }
 
 // connect opens an endpoint on every worker to the peer's workers and waits until UCX has
@@ -193,13 +196,15 @@ func (e *ucxEngine) connect(ctx context.Context, p *peer) (*ucxLink, error) {
 	if err := e.open(ctx, l, len(e.workers), func(i int) []byte { return m.UCXWorkers[i%len(m.UCXWorkers)] }); err != nil {
 		return nil, err
 	}
-	// Tell the peer how to answer: the hello goes first on worker 0, before any notification.
-	w := e.workers[0]
-	w.submit(func() { w.sendAM(l, C.KVB_AM_HELLO, e.addrs[0], func(error) {}) })
 	return l, nil
 }
 
-// open opens the endpoints of workers [0, n) of l (worker i to addr(i)) and waits for them.
+// open opens the endpoints of workers [0, n) of l (worker i to addr(i)), then says hello on
+// each — on worker 0 first on the link, before any notification — and waits for the peer's
+// acknowledgements: the hello tells the peer how to answer, and an acknowledgement, sent
+// after the peer's own wire-up messages on that endpoint, means none of them is still
+// pending there (UCX 1.13 aborts a process whose endpoint fails with one pending, as when
+// this agent closes the link abruptly).
 func (e *ucxEngine) open(ctx context.Context, l *ucxLink, n int, addr func(int) []byte) error {
 	results := make(chan error, n)
 	for i := range n {
@@ -232,6 +237,30 @@ func (e *ucxEngine) open(ctx context.Context, l *ucxLink, n int, addr func(int) 
 	if first != nil {
 		l.close()
 		return first
+	}
+	sent := make(chan error, n)
+	for i := range n {
+		w := e.workers[i]
+		if !w.submit(func() { w.sendAM(l, C.KVB_AM_HELLO, e.addrs[0], func(err error) { sent <- err }) }) {
+			sent <- newErr("connect", l.peer, ErrClosed, "agent closed", nil)
+		}
+	}
+	for acked := 0; acked < n; {
+		select {
+		case err := <-sent:
+			if err != nil {
+				l.close()
+				return err
+			}
+		case <-l.acked:
+			acked++
+		case <-ctx.Done():
+			l.close()
+			return newErr("connect", l.peer, ErrCanceled, "UCX connection", ctx.Err())
+		case <-timer.C:
+			l.close()
+			return newErr("connect", l.peer, ErrRemoteDisconnect, fmt.Sprintf("the peer did not acknowledge the UCX hello within %v", d), nil)
+		}
 	}
 	return nil
 }
@@ -318,11 +347,17 @@ type ucxLink struct {
 	e      *ucxEngine
 	id     uint64
 	peer   string
-	p      *peer    // nil for an answer route to an inbound peer
-	eps    []*ucxEP // eps[i] is touched only by worker i's goroutine
-	seq    uint64   // notifications sent (worker 0's goroutine only)
-	lanes  []string // worker 0's endpoint's lanes, set before the link is in use
+	p      *peer         // nil for an answer route to an inbound peer
+	eps    []*ucxEP      // eps[i] is touched only by worker i's goroutine
+	seq    uint64        // notifications sent (worker 0's goroutine only)
+	lanes  []string      // worker 0's endpoint's lanes, set before the link is in use
+	acked  chan struct{} // one value per endpoint whose hello the peer acknowledged
 	closed atomic.Bool
+	// aborted: the link failed or a request was abandoned in flight: close its endpoints at
+	// once, canceling what is in flight. Otherwise closing lets what is in flight finish first
+	// (bounded by ucxCloseGrace), so that the peer never sees its endpoint fail under an
+	// emulated put or get (UCX 1.13 aborts the process on some of those paths).
+	aborted atomic.Bool
 }
 
 // transports returns the UCX lanes of the link (transport/device: use).
@@ -330,25 +365,37 @@ func (l *ucxLink) transports() []string { return l.lanes }
 
 // ucxEP is one endpoint of a link.
 type ucxEP struct {
-	ep    *C.kvb_ep
-	rkeys map[uint32]C.ucp_rkey_h // peer arena id → remote key unpacked on this endpoint
-	open  bool
+	ep       *C.kvb_ep
+	rkeys    map[uint32]C.ucp_rkey_h // peer arena id → remote key unpacked on this endpoint
+	open     bool
+	flushing bool // closing: flushed before it is closed
+	acked    bool // the peer acknowledged the hello
 }
 
 // close closes every endpoint of the link (forcibly: operations in flight complete,
 // canceled). Idempotent.
 func (l *ucxLink) close() {
-	if !l.closed.CompareAndSwap(false, true) {
+	if !l.closed.CompareAndSwap(false, true) && !l.aborted.Load() {
 		return
 	}
+	// Again after an abort: endpoints still being flushed are closed at once.
 	for _, w := range l.e.workers {
 		w.submit(func() { w.closeEP(l) })
 	}
 }
 
 // abort tears the link down after a failure: the peer's UCX requests in flight fail
-// (ErrRemoteDisconnect) and the next UCX post reconnects.
+// (ErrRemoteDisconnect), the endpoints close at once, canceling what is in flight, and the
+// next UCX post reconnects.
 func (l *ucxLink) abort(why string) {
+	l.aborted.Store(true)
+	l.drain(why)
+}
+
+// drain tears the link down like abort, but lets the operations in flight finish before the
+// endpoints close (bounded by ucxCloseGrace): the peer then never has its endpoint fail under
+// an emulated put, which UCX 1.13 answers by aborting the peer's process.
+func (l *ucxLink) drain(why string) {
 	if l.p != nil {
 		l.p.teardownUCX(l, why)
 		return
@@ -511,10 +558,9 @@ func (w *ucxWorker) loop() {
 		case w.stopping:
 			timeout = 10 * time.Millisecond
 		case len(w.pend) > 0:
-			// UCX runs keep-alive (which finds a dead peer on transports without a
-			// connection to break, such as shared memory) only inside worker progress:
+			// UCX runs its timers (keep-alive among them) only inside worker progress:
 			// while operations are in flight, progress at least this often.
-			timeout = ucxKeepaliveTick
+			timeout = ucxProgressTick
 		}
 		switch st := C.kvb_arm(w.kw); st {
 		case C.UCS_OK:
@@ -695,6 +741,15 @@ func (w *ucxWorker) receive(m *C.kvb_msg) {
 		return
 	}
 	hdr = *(*C.kvb_am_hdr)(base)
+	if hdr.kind == C.KVB_AM_HELLO_ACK {
+		if l := w.links[uint64(hdr.seq)]; l != nil && m.dlen == 0 {
+			if ue := l.eps[w.idx]; ue != nil && !ue.acked {
+				ue.acked = true
+				l.acked <- struct{}{} // room for one per endpoint
+			}
+		}
+		return
+	}
 	data := unsafe.Slice((*byte)(unsafe.Add(base, uintptr(m.hlen))), int(m.dlen))
 	nl := int(hdr.namelen)
 	if nl == 0 || nl > maxNameLen || nl > len(data) || hdr.inc == 0 {
@@ -749,11 +804,30 @@ func (w *ucxWorker) openEP(l *ucxLink, addr []byte, done func(error)) {
 	})
 }
 
-// closeEP closes the worker's endpoint of l; its remote keys are destroyed once the close
-// completed (the operations using them have then completed too).
+// closeEP closes the worker's endpoint of l. An aborted link's endpoint is closed at once;
+// otherwise it is flushed first (the operations in flight complete), and closed when the flush
+// completes or ucxCloseGrace passed, whichever is first. Its remote keys are destroyed once the
+// close completed (the operations using them have then completed too).
 func (w *ucxWorker) closeEP(l *ucxLink) {
 	ue := l.eps[w.idx]
 	if ue == nil || !ue.open {
+		return
+	}
+	if l.aborted.Load() {
+		w.forceClose(l, ue)
+		return
+	}
+	if ue.flushing {
+		return
+	}
+	ue.flushing = true
+	w.watch(C.kvb_flush(ue.ep), nil, func(C.ucs_status_t) { w.forceClose(l, ue) })
+	time.AfterFunc(ucxCloseGrace, func() { w.submit(func() { w.forceClose(l, ue) }) })
+}
+
+// forceClose closes ue (once), canceling what is still in flight on it.
+func (w *ucxWorker) forceClose(l *ucxLink, ue *ucxEP) {
+	if !ue.open {
 		return
 	}
 	ue.open = false
@@ -832,13 +906,16 @@ func (w *ucxWorker) sendAM(l *ucxLink, kind C.uint32_t, data []byte, done func(e
 	}
 	a := w.e.a
 	hdr := C.kvb_am_hdr{inc: C.uint64_t(a.inc), kind: kind, namelen: C.uint32_t(len(a.name))}
+	reply := C.int(0)
 	if kind == C.KVB_AM_MSG {
 		l.seq++
 		hdr.seq = C.uint64_t(l.seq)
+	} else {
+		hdr.seq, reply = C.uint64_t(l.id), 1 // acknowledged with the link id, on the reply endpoint
 	}
 	var buf unsafe.Pointer
 	req := C.kvb_am_send(ue.ep, &hdr, (*C.char)(unsafe.Pointer(unsafe.StringData(a.name))),
-		unsafe.Pointer(unsafe.SliceData(data)), C.size_t(len(data)), &buf)
+		unsafe.Pointer(unsafe.SliceData(data)), C.size_t(len(data)), reply, &buf)
 	w.watch(req, buf, func(st C.ucs_status_t) {
 		if st != C.UCS_OK {
 			done(ucsErr("notify", st, "sending a UCX active message").withPeer(l.peer))

@@ -34,6 +34,7 @@ func (*ucxEngine) sendInbound(context.Context, string, []byte, time.Time) (bool,
 func (*ucxLink) transports() []string                              { return nil }
 func (*ucxLink) close()                                            {}
 func (*ucxLink) abort(string)                                      {}
+func (*ucxLink) drain(string)                                      {}
 func (*ucxLink) send([]byte, time.Time) error                      { return errNoUCX() }
 func (*ucxLink) sendAsync(_ []byte, _ time.Time, done func(error)) { done(errNoUCX()) }
 

@@ -51,10 +51,47 @@ void kvb_version(unsigned *major, unsigned *minor, unsigned *release)
 // kvb_am_cb queues a received notification on its worker. Eager data is copied at once; a
 // rendezvous message is received into the queued buffer and stays pending until done, so the
 // queue keeps arrival order.
+// kvb_ack_done frees an acknowledgement once sent.
+static void kvb_ack_done(void *request, ucs_status_t status, void *user_data)
+{
+    (void)status;
+    free(user_data);
+    ucp_request_free(request);
+}
+
+// kvb_ack answers a hello on the endpoint it arrived on. It leaves after the wire-up messages
+// of that endpoint, so that once the sender has it, an abrupt close of the sender's endpoint
+// no longer finds a wire-up message of ours pending (UCX 1.13 asserts on that).
+static void kvb_ack(const kvb_am_hdr *hello, const ucp_am_recv_param_t *param)
+{
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) || param->reply_ep == NULL) {
+        return;
+    }
+    kvb_am_hdr *ack = calloc(1, sizeof(*ack));
+    if (ack == NULL) {
+        return;
+    }
+    ack->kind = KVB_AM_HELLO_ACK;
+    ack->seq = hello->seq;
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.flags = UCP_AM_SEND_FLAG_EAGER;
+    p.cb.send = kvb_ack_done;
+    p.user_data = ack;
+    void *r = ucp_am_send_nbx(param->reply_ep, KVB_AM_NOTIF, ack, sizeof(*ack), NULL, 0, &p);
+    if (r == NULL || UCS_PTR_IS_ERR(r)) {
+        free(ack); // completed (or failed) at once: the callback does not run
+    }
+}
+
 static ucs_status_t kvb_am_cb(void *arg, const void *header, size_t hlen, void *data, size_t dlen,
                               const ucp_am_recv_param_t *param)
 {
     kvb_worker *kw = arg;
+    if (hlen == sizeof(kvb_am_hdr) && ((const kvb_am_hdr *)header)->kind == KVB_AM_HELLO) {
+        kvb_ack(header, param);
+    }
     kvb_msg *m = malloc(sizeof(*m) + hlen + dlen);
     if (m == NULL) {
         return UCS_OK; // dropped; the sender's message is lost as if the queue overflowed
@@ -273,7 +310,7 @@ void *kvb_post(kvb_ep *e, int write, const kvb_piece *pc, size_t n, const ucp_rk
 // eagerly. Header and data are copied into one malloc'd buffer, returned in *buf, which the
 // caller frees once the returned request completes (NULL buf: nothing to free): UCX reads
 // both until the send completes.
-void *kvb_am_send(kvb_ep *e, const kvb_am_hdr *h, const char *name, const void *data, size_t dlen, void **buf)
+void *kvb_am_send(kvb_ep *e, const kvb_am_hdr *h, const char *name, const void *data, size_t dlen, int reply, void **buf)
 {
     size_t total = sizeof(*h) + h->namelen + dlen;
     char *b = malloc(total);
@@ -289,7 +326,7 @@ void *kvb_am_send(kvb_ep *e, const kvb_am_hdr *h, const char *name, const void *
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = UCP_AM_SEND_FLAG_EAGER;
+    p.flags = UCP_AM_SEND_FLAG_EAGER | (reply ? UCP_AM_SEND_FLAG_REPLY : 0);
     void *r = ucp_am_send_nbx(e->ep, KVB_AM_NOTIF, b, sizeof(*h), b + sizeof(*h), total - sizeof(*h), &p);
     if (r == NULL || UCS_PTR_IS_ERR(r)) {
         free(b);

@@ -24,7 +24,9 @@
 #define KVB_AM_NOTIF 0x6b76 // "kv": a notification (header kvb_am_hdr, data = message)
 
 // kvb_am_hdr heads every notification. kind 1 is a hello (data: the sender's worker address,
-// so that the receiver can answer), kind 2 a notification (data: the message).
+// so that the receiver can answer; seq: the sender's link id), kind 2 a notification (data:
+// the message), kind 3 the receiver's acknowledgement of a hello (seq echoed; no name, no
+// data), sent from the AM callback on the reply endpoint.
 typedef struct kvb_am_hdr {
     uint64_t inc;     // sender incarnation
     uint64_t seq;     // per-link sequence number (notifications)
@@ -34,6 +36,7 @@ typedef struct kvb_am_hdr {
 
 #define KVB_AM_HELLO 1
 #define KVB_AM_MSG 2
+#define KVB_AM_HELLO_ACK 3
 
 // kvb_piece is one RMA operation: len bytes between local address laddr and remote address
 // raddr, with rkeys[rkey].
@@ -107,7 +110,7 @@ void *kvb_flush(kvb_ep *e);
 ucs_status_t kvb_rkey_unpack(kvb_ep *e, const void *buf, ucp_rkey_h *out);
 void kvb_rkey_destroy(ucp_rkey_h rkey);
 void *kvb_post(kvb_ep *e, int write, const kvb_piece *p, size_t n, const ucp_rkey_h *rkeys, ucs_status_t *first);
-void *kvb_am_send(kvb_ep *e, const kvb_am_hdr *h, const char *name, const void *data, size_t dlen, void **buf);
+void *kvb_am_send(kvb_ep *e, const kvb_am_hdr *h, const char *name, const void *data, size_t dlen, int reply, void **buf);
 
 int kvb_is_err(void *req);
 ucs_status_t kvb_ptr_status(void *req);
