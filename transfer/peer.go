@@ -372,7 +372,13 @@ func (p *peer) connectUCX(ctx context.Context) error {
 	watch := p.procWait == nil && p.sameHost()
 	p.mu.Unlock()
 	p.a.stats.connects.Add(1)
-	p.a.log.Info("transfer UCX link up", "peer", p.name, "lanes", strings.Join(l.transports(), "; "))
+	lanes := l.transports()
+	p.a.log.Info("transfer UCX link up", "peer", p.name, "lanes", strings.Join(lanes, "; "))
+	if !ucxHasRMALane(lanes) {
+		p.a.log.Warn("UCX emulates gets and puts to this peer with active messages (no RMA lane): slower than the SHM and TCP backends, "+
+			"and UCX 1.13 can abort or stall the agent answering them when the other side dies mid-transfer; UCX is meant for RDMA networks",
+			"peer", p.name, "lanes", strings.Join(lanes, "; "))
+	}
 	if watch {
 		p.watchProcess()
 	}

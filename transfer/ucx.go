@@ -385,6 +385,17 @@ func parseUCXLanes(info string) []string {
 	return out
 }
 
+// ucxHasRMALane reports whether UCX chose a lane for remote memory access (rma_bw), so that
+// gets and puts are one-sided rather than emulated with active messages.
+func ucxHasRMALane(lanes []string) bool {
+	for _, l := range lanes {
+		if strings.Contains(l, "rma_bw") {
+			return true
+		}
+	}
+	return false
+}
+
 // defaultUCXWorkers is the UCX worker count when Config.UCXWorkers is zero: half the
 // processors, from 1 to 4. Where UCX emulates gets and puts (TCP, shared memory) every byte
 // costs CPU on both sides, and more workers than that only make them compete; on RDMA the

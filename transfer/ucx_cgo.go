@@ -39,6 +39,7 @@ const ucxCloseGrace = time.Second
 const (
 	ucxBusyRetries = 16
 	ucxBackoff     = 100 * time.Microsecond
+	ucxBackoffMax  = 5 * time.Millisecond
 )
 
 // maxUCXInbound bounds the peers remembered for answering over UCX (see ucxInbound).
@@ -468,7 +469,8 @@ type ucxWorker struct {
 	stopping bool
 	rkbuf    []C.ucp_rkey_h
 	events   [4]unix.EpollEvent
-	idleBusy int // arm said busy this many times in a row with nothing progressed
+	idleBusy int           // arm said busy this many times in a row with nothing progressed
+	pause    time.Duration // the last backoff's
 	errbuf   [64]C.kvb_errev
 }
 
@@ -550,7 +552,7 @@ func (w *ucxWorker) loop() {
 			}
 		}
 		if busy || w.hasCommands() {
-			w.idleBusy = 0
+			w.idleBusy, w.pause = 0, 0
 			continue
 		}
 		var timeout time.Duration
@@ -564,7 +566,7 @@ func (w *ucxWorker) loop() {
 		}
 		switch st := C.kvb_arm(w.kw); st {
 		case C.UCS_OK:
-			w.idleBusy = 0
+			w.idleBusy, w.pause = 0, 0
 		case C.UCS_ERR_BUSY:
 			w.idleBusy++
 			if w.idleBusy >= ucxBusyRetries {
@@ -578,11 +580,13 @@ func (w *ucxWorker) loop() {
 	}
 }
 
-// backoff parks the worker briefly while UCX reports work it cannot progress: the
-// shared-memory transports report busy while a peer's queue is full, and on a host with few
-// cores spinning would starve that very peer.
+// backoff parks the worker briefly while UCX reports work it cannot progress, longer each time
+// in a row (up to ucxBackoffMax): the shared-memory transports report busy while a peer's
+// queue is full — for good if the peer died — and on a host with few cores spinning would
+// starve that very peer.
 func (w *ucxWorker) backoff() {
-	w.wait(ucxBackoff)
+	w.pause = min(max(2*w.pause, ucxBackoff), ucxBackoffMax)
+	w.wait(w.pause)
 	w.idleBusy = 0
 }
 

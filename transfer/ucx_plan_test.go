@@ -122,6 +122,9 @@ func TestParseUCXLanes(t *testing.T) {
 	if !slices.Equal(got, want) {
 		t.Fatalf("lanes %q, want %q", got, want)
 	}
+	if !ucxHasRMALane(got) || ucxHasRMALane(got[:2]) {
+		t.Fatalf("RMA lane detection wrong on %q", got)
+	}
 }
 
 // TestPlanUCX: a request's bytes are cut into pieces of at most ucxPieceMax and spread over

@@ -3,7 +3,10 @@
 package transfer
 
 import (
+	"bytes"
+	"encoding/base64"
 	"fmt"
+	"os"
 	"testing"
 	"time"
 )
@@ -187,6 +190,45 @@ func TestUCXNotifOrder(t *testing.T) {
 				if nt := recvNotif(t, x.ini); string(nt.Msg) != fmt.Sprintf("ECHO:%d", i) {
 					t.Fatalf("echo %d: %q", i, nt.Msg)
 				}
+			}
+		})
+	}
+}
+
+// TestUCXInitiatorKilledMidTransfer: a peer process READing from this agent in a loop is
+// killed; this agent (the target, answering the emulated gets) should keep running and serve
+// the next initiator. With UCX 1.13 it does not reliably: over TCP, UCX sometimes aborts the
+// target (ucp_get_req_handler answers a get whose reader is gone: "Fatal: unexpected error:
+// Endpoint timeout"), and over shared memory its worker can spin on the dead reader's full
+// queue and stop answering. Both are inside UCX's emulation of gets with active messages,
+// which RDMA transports do not use; the test reproduces them on demand
+// (KVBRIDGE_UCX_REPRO=1) and stays out of the suite until kvbridge emulates gets itself.
+func TestUCXInitiatorKilledMidTransfer(t *testing.T) {
+	if os.Getenv("KVBRIDGE_UCX_REPRO") == "" {
+		t.Skip("reproduces a UCX 1.13 fault; set KVBRIDGE_UCX_REPRO=1 to run it")
+	}
+	for _, tls := range ucxTransports {
+		t.Run(tls, func(t *testing.T) {
+			const size = 8 << 20
+			tgt := newTestAgent(t, "xtarget", ucxConfig(tls))
+			ar := newTestArena(t, size)
+			fillPattern(ar.Bytes(), 0x44)
+			mustRegister(t, tgt, ar, PermRead)
+			reader := startUCXPeer(t, "xreader", 1, size, tls)
+			if got := reader.call("pull " + base64.StdEncoding.EncodeToString(tgt.LocalMetadata())); got != "PULLING" {
+				t.Fatalf("reader said %q", got)
+			}
+			reader.kill()
+			peer := &testPeer{meta: tgt.LocalMetadata()}
+			_, local, req := peerRead(t, peer, ucxConfig(tls), size, time.Minute)
+			if err := postWait(t, req, nil); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(local.Bytes(), ar.Bytes()) {
+				t.Fatal("READ after the killed reader brought other bytes")
+			}
+			if st := tgt.Stats(); st.Refused.Total() != 0 {
+				t.Fatalf("target refused %+v", st.Refused)
 			}
 		})
 	}

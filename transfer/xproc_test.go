@@ -65,7 +65,8 @@ func runTestPeer(name string) error {
 		return err
 	}
 	fillPattern(ar.Bytes(), seed)
-	if _, err := a.Register(ar, 0, size, PermReadWrite); err != nil {
+	reg, err := a.Register(ar, 0, size, PermReadWrite)
+	if err != nil {
 		return err
 	}
 	go func() {
@@ -95,12 +96,48 @@ func runTestPeer(name string) error {
 			s, _ := strconv.ParseUint(f[1], 10, 64)
 			fillPattern(ar.Bytes(), s)
 			fmt.Fprintln(out, "OK")
+		case "pull":
+			// pull <base64 metadata>: READ the whole of that agent's region 1 into this arena
+			// until killed; "PULLING" after the first READ completed.
+			if err := pull(a, reg, f[1], out); err != nil {
+				return err
+			}
 		case "quit":
 			return nil
 		}
 		out.Flush()
 	}
 	return nil
+}
+
+// pull is the peer's "pull" command.
+func pull(a *Agent, reg *Region, meta string, out *bufio.Writer) error {
+	blob, err := base64.StdEncoding.DecodeString(meta)
+	if err != nil {
+		return err
+	}
+	name, err := a.LoadRemote(blob)
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	n := int(reg.Len() >> 20)
+	req, err := a.CreateRequest(ctx, Read, BlockDescs(reg.ID(), 0, 1<<20, n), name, BlockDescs(1, 0, 1<<20, n), nil)
+	if err != nil {
+		return err
+	}
+	for i := 0; ; i++ {
+		if err := req.Post(ctx, nil); err != nil {
+			return err
+		}
+		if err := req.Wait(ctx); err != nil {
+			return err
+		}
+		if i == 0 {
+			fmt.Fprintln(out, "PULLING")
+			out.Flush()
+		}
+	}
 }
 
 // testPeer is a running peer process.
