@@ -48,8 +48,12 @@
 // the requests in flight with ErrRemoteDisconnect; a peer on this host is also watched
 // through a pidfd. UCX 1.13 selects only transports with peer-failure support for such
 // endpoints, which on TCP and shared memory means UCX emulates gets and puts with active
-// messages (PeerInfo.UCXLanes shows the lanes in use): UCX pays off on RDMA networks. Only
-// arena memory can be the local side of a UCX request.
+// messages (PeerInfo.UCXLanes shows the lanes in use; the agent warns when a link has no RMA
+// lane). That emulation is slower than the SHM and TCP backends, and in UCX 1.13 it is not
+// robust against a reader that dies mid-transfer: the target, which answers the emulated
+// gets, can be aborted by UCX (TCP) or have its worker stall on the dead reader's queue
+// (shared memory). UCX pays off, and is meant for, RDMA networks. Only arena memory can be
+// the local side of a UCX request.
 //
 // Selection is automatic (SHM when usable, else TCP) or restricted by an ordered backend list
 // as in NIXL ("SHM", "TCP", "UCX"; UCX without -tags ucx and the other NIXL plugins are
