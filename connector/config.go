@@ -18,12 +18,13 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/kvbridge/kvbridge/transfer"
 )
 
 // ErrConfig reports an invalid --kv-transfer-config; the message names the offending key.
@@ -108,12 +109,6 @@ func (c *Config) Threshold() int {
 
 // Enabled reports whether a connector is configured.
 func (c *Config) Enabled() bool { return c != nil && c.Connector != "" }
-
-// Known backends and those that name real NIXL plugins this build does not have.
-var (
-	availableBackends   = []string{"SHM", "TCP"}
-	unavailableBackends = []string{"UCX", "LIBFABRIC", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "UCCL", "HF3FS", "AZURE_BLOB"}
-)
 
 // ParseConfig decodes a --kv-transfer-config JSON document. Unknown keys are logged as warnings on
 // log (when non-nil); a value of the wrong type is an error naming the key. Defaults follow the
@@ -256,14 +251,14 @@ func (c *Config) validate(log *slog.Logger) error {
 	default:
 		return fmt.Errorf("%w: kv_load_failure_policy %q must be \"fail\" or \"recompute\"", ErrConfig, c.LoadFailurePolicy)
 	}
-	for _, b := range c.Backends {
-		switch {
-		case slices.Contains(availableBackends, b):
-		case slices.Contains(unavailableBackends, b):
-			return fmt.Errorf("%w: kv_connector_extra_config.backends: %q is not available in this build (available: SHM, TCP)", ErrConfig, b)
-		default:
-			return fmt.Errorf("%w: kv_connector_extra_config.backends: unknown backend %q (available: SHM, TCP)", ErrConfig, b)
+	// The transfer engine owns the list of backends (and knows whether this binary was built
+	// with UCX).
+	if _, err := transfer.ParseBackends(c.Backends); err != nil {
+		detail := err.Error()
+		if te, ok := errors.AsType[*transfer.Error](err); ok {
+			detail = te.Detail
 		}
+		return fmt.Errorf("%w: kv_connector_extra_config.backends: %s", ErrConfig, detail)
 	}
 	if _, err := newPeerFilter(c.AllowedPeers); err != nil {
 		return fmt.Errorf("%w: kv_connector_extra_config.allowed_peers: %v", ErrConfig, err)

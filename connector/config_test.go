@@ -68,6 +68,7 @@ func TestParseConfigErrors(t *testing.T) {
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":"soon"}}`:   "kv_lease_duration",
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["LIBFABRIC"]}}`:     "not available in this build",
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["RDMA"]}}`:          "unknown backend",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":["TCP","tcp"]}}`:     "listed twice",
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"backends":"x y"}}`:             "",
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"bidirectional_kv_xfer":3}}`:    "bidirectional_kv_xfer",
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":[]}`:                             "kv_connector_extra_config",

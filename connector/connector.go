@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -149,6 +151,10 @@ func New(opts Options) (*Connector, error) {
 		getenv = os.Getenv
 	}
 	if token, source := resolveAuthToken(cfg, getenv); token != "" {
+		if slices.ContainsFunc(cfg.Backends, func(b string) bool { return strings.EqualFold(b, "UCX") }) {
+			return nil, fmt.Errorf("%w: kv_connector_extra_config.backends lists UCX and an auth token is set (%s): "+
+				"UCX's transports do not authenticate peers; leave UCX out of the backends or run without the token", ErrConfig, source)
+		}
 		ta, err := transfer.NewHMACAuth([]byte(token))
 		if err != nil {
 			return nil, fmt.Errorf("connector: auth token: %w", err)

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvbridge/kvbridge/kvcache"
@@ -112,6 +114,11 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 		return
 	}
 	info, _ := c.agent.Peer(peer)
+	if !offersAllowed(info.Offers, c.cfg.Backends) {
+		fail(fmt.Errorf("%w: engine %s offers the transfer backends %v, none of which kv_connector_extra_config.backends %v allows",
+			ErrIncompatible, r.id, info.Offers, c.cfg.Backends))
+		return
+	}
 	kv, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.KVRegion, 0, int64(m.BlockLen), m.NumBlocks), nil)
 	if err != nil {
 		fail(c.transferAuthHint(r, err))
@@ -177,4 +184,18 @@ func (c *Connector) localList(ratio int) (*transfer.PreparedList, error) {
 	}
 	c.localLists[ratio] = l
 	return l, nil
+}
+
+// offersAllowed reports whether a peer offering offers has a backend the configured list
+// allows (any, when the list is empty).
+func offersAllowed(offers []transfer.Backend, allowed []string) bool {
+	if len(allowed) == 0 {
+		return true
+	}
+	for _, o := range offers {
+		if slices.ContainsFunc(allowed, func(a string) bool { return strings.EqualFold(a, o.String()) }) {
+			return true
+		}
+	}
+	return false
 }

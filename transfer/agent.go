@@ -30,9 +30,21 @@ type Config struct {
 	// socket file (removed by Close). "none" disables SHM towards this agent.
 	UnixSocket string
 	// Backends is the default ordered backend preference for PrepareRemote, by NIXL name
-	// ("SHM", "TCP"). Default: SHM when usable, else TCP. An explicit list is honoured
-	// strictly: a backend not listed is never used.
+	// ("SHM", "TCP", "UCX"). Default: SHM when usable, else TCP. An explicit list is honoured
+	// strictly: a backend not listed is never used, and only listed backends are offered to
+	// peers (UCX is offered only when listed; it needs a binary built with -tags ucx).
 	Backends []string
+	// UCX configures the UCX backend: UCX settings as ucp_config_modify takes them, by name
+	// without the UCX_ prefix (for example {"TLS": "tcp", "NET_DEVICES": "mlx5_0:1"}; a
+	// transport's own settings by their name inside the transport, e.g. TCP's TX_SEG_SIZE).
+	// The process environment's UCX_* variables (UCX_TLS, UCX_NET_DEVICES, …) are read by UCX
+	// as usual; entries here win over them, and both win over kvbridge's defaults (larger TCP
+	// segments, shared-memory error handling, a 1 s keep-alive; see ucxDefaults).
+	UCX map[string]string
+	// UCXWorkers is the number of UCX workers, each with a progress goroutine on its own
+	// locked OS thread and an endpoint to every peer; large requests are spread over them.
+	// Default GOMAXPROCS/2, from 1 to 4; at most 64.
+	UCXWorkers int
 	// Workers is the number of SHM copy goroutines. Default GOMAXPROCS.
 	Workers int
 	// TCPStreams is the number of TCP data connections per peer. Default 4.
@@ -110,6 +122,12 @@ func (c Config) withDefaults() (Config, error) {
 	if c.TCPStreams <= 0 {
 		c.TCPStreams = defaultTCPStreams
 	}
+	if c.UCXWorkers <= 0 {
+		c.UCXWorkers = defaultUCXWorkers()
+	}
+	if c.UCXWorkers > maxUCXWorkers {
+		return c, newErr("config", "", ErrInvalidParam, fmt.Sprintf("UCXWorkers %d > %d", c.UCXWorkers, maxUCXWorkers), nil)
+	}
 	if c.TCPStreams > 64 {
 		return c, newErr("config", "", ErrInvalidParam, fmt.Sprintf("TCPStreams %d > 64", c.TCPStreams), nil)
 	}
@@ -166,6 +184,8 @@ type Agent struct {
 	backends []Backend // default preference order
 	explicit bool      // cfg.Backends was set
 	log      *slog.Logger
+
+	ucx *ucxEngine // nil unless UCX is among the backends
 
 	tcpLn    net.Listener
 	tcpAddr  string
@@ -239,10 +259,23 @@ func NewAgent(name string, cfg Config) (*Agent, error) {
 		}
 		a.backends, a.explicit = bs, true
 	}
+	if a.enabled(BackendUCX) {
+		if cfg.Auth != nil {
+			return nil, newErr("agent", "", ErrNotSupported, "backend UCX cannot be combined with authentication: "+
+				"UCX's transports do not authenticate peers, and any process that can reach a UCX worker can read and write "+
+				"registered memory (see the package doc, Trust); leave UCX out of the backends or run without a shared secret", nil)
+		}
+		if a.ucx, err = newUCXEngine(a); err != nil {
+			return nil, err
+		}
+	}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	if err := a.listen(); err != nil {
 		a.cancel()
 		a.closeListeners()
+		if a.ucx != nil {
+			a.ucx.close()
+		}
 		return nil, err
 	}
 	for range cfg.Workers {
@@ -359,6 +392,11 @@ func (a *Agent) Close() error {
 		}
 		a.connMu.Unlock()
 
+		if a.ucx != nil {
+			// Stops the UCX workers once they have closed every endpoint and resolved the
+			// operations in flight (canceled).
+			a.ucx.close()
+		}
 		a.postMu.Lock()
 		close(a.work)
 		a.postMu.Unlock()

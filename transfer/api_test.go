@@ -14,27 +14,41 @@ func TestWriteNotifAfterData(t *testing.T) {
 	for _, be := range []string{"SHM", "TCP"} {
 		t.Run(be, func(t *testing.T) {
 			p := newPair(t, Config{}, Config{}, 4<<20, PermReadWrite)
-			ll, rl := p.lists(t, 64<<10, &PrepareOptions{Backends: []string{be}})
-			req, err := p.ini.MakeRequest(Write, ll, seq(64), rl, seq(64), nil)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer req.Release()
-			for i := range 5 {
-				fillPattern(p.arI.Bytes(), uint64(i+10))
-				if err := req.Post(testCtx(t), []byte("w")); err != nil {
-					t.Fatal(err)
-				}
-				recvNotif(t, p.tgt) // no Wait: the notification alone must imply the data
-				if !bytes.Equal(p.arT.Bytes(), p.arI.Bytes()) {
-					t.Fatalf("post %d: notification before the data", i)
-				}
-				if err := req.Wait(testCtx(t)); err != nil {
-					t.Fatal(err)
-				}
-			}
+			writeNotifAfterData(t, p, &PrepareOptions{Backends: []string{be}})
 		})
 	}
+}
+
+// writeNotifAfterData posts a WRITE of the whole arena five times, each time checking that
+// the target's notification alone implies the data (no Wait before the check), and that the
+// notifications carry the initiator's identity and sequence numbers in order.
+func writeNotifAfterData(t *testing.T, p *pair, opts *PrepareOptions) *Request {
+	t.Helper()
+	ll, rl := p.lists(t, 64<<10, opts)
+	req, err := p.ini.MakeRequest(Write, ll, seq(64), rl, seq(64), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(req.Release)
+	var last uint64
+	for i := range 5 {
+		fillPattern(p.arI.Bytes(), uint64(i+10))
+		if err := req.Post(testCtx(t), []byte("w")); err != nil {
+			t.Fatal(err)
+		}
+		n := recvNotif(t, p.tgt)
+		if n.Peer != "initiator" || n.Incarnation != p.ini.Incarnation() || n.Seq <= last {
+			t.Fatalf("notification %+v after seq %d", n, last)
+		}
+		last = n.Seq
+		if !bytes.Equal(p.arT.Bytes(), p.arI.Bytes()) {
+			t.Fatalf("post %d: notification before the data", i)
+		}
+		if err := req.Wait(testCtx(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return req
 }
 
 // TestCancelAndRelease: a canceled context or Release ends an active post with ErrCanceled.

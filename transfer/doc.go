@@ -36,9 +36,28 @@
 // permissions (and READs against Config.AuthorizeRead) and refuses anything else (counted in
 // Stats.Refused).
 //
+// UCX (binaries built with -tags ucx, cgo against libucx, UCX 1.12 or newer; offered only
+// when listed in Config.Backends): one-sided ucp_get_nbx / ucp_put_nbx on whatever transport
+// UCX selects — RDMA verbs on InfiniBand or RoCE, TCP, shared memory — configured by the
+// usual UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, …) and Config.UCX. The agent
+// registers each arena once (ucp_mem_map) and publishes its remote key and the worker
+// addresses in the metadata (format 2). Workers are driven by goroutines of their own that
+// park in the network poller when there is nothing to do; a request's pieces are posted back
+// to back with one endpoint flush per worker, and its notification is an active message sent
+// after the flush completed. Endpoints use UCX's peer error handling, so a dead peer fails
+// the requests in flight with ErrRemoteDisconnect; a peer on this host is also watched
+// through a pidfd. UCX 1.13 selects only transports with peer-failure support for such
+// endpoints, which on TCP and shared memory means UCX emulates gets and puts with active
+// messages (PeerInfo.UCXLanes shows the lanes in use; the agent warns when a link has no RMA
+// lane). That emulation is slower than the SHM and TCP backends, and in UCX 1.13 it is not
+// robust against a reader that dies mid-transfer: the target, which answers the emulated
+// gets, can be aborted by UCX (TCP) or have its worker stall on the dead reader's queue
+// (shared memory). UCX pays off, and is meant for, RDMA networks. Only arena memory can be
+// the local side of a UCX request.
+//
 // Selection is automatic (SHM when usable, else TCP) or restricted by an ordered backend list
-// as in NIXL ("SHM", "TCP"; NIXL plugin names such as "UCX" are reported as not available in
-// this build). The backend used is always reported (PreparedList.Backend, Request.Backend),
+// as in NIXL ("SHM", "TCP", "UCX"; UCX without -tags ucx and the other NIXL plugins are
+// reported as not available in this build). The backend used is always reported (PreparedList.Backend, Request.Backend),
 // a fallback is explained (PreparedList.FallbackReason) and counted, and a list that allows no
 // usable backend is an error — never a silent fallback.
 //
@@ -70,6 +89,13 @@
 // writable; per-region bounds and permissions are then enforced by the initiator.
 // Deregistering a region does not revoke an existing SHM mapping. Where per-read enforcement
 // matters between same-user processes, restrict the backends to TCP.
+//
+// UCX has no authentication and no per-read check at all: a peer holding an arena's remote
+// key reads (and, if the arena is writable, writes) it directly, and UCX's emulated gets and
+// puts over TCP and shared memory act on whatever address the peer names. An agent with UCX
+// among its backends therefore refuses Config.Auth, and the initiator enforces region bounds
+// and permissions itself. Run UCX only between trusted hosts, and restrict UCX_NET_DEVICES to
+// the fabric meant to carry the KV.
 //
 // # Errors and telemetry
 //

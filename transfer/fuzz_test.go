@@ -31,7 +31,7 @@ func FuzzDecodeMetadata(f *testing.F) {
 		if err != nil {
 			return
 		}
-		b, err := msgpack.Marshal(&m.metaWire)
+		b, err := m.metaWire.encode()
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -232,8 +232,20 @@ func metadataSeeds(tb testing.TB) [][]byte {
 	a.Deregister(r2)
 	a.Deregister(heap)
 	v2 := bytes.Clone(blob)
-	v2[1] = 2 // the version is the first array element (a positive fixint)
-	return [][]byte{blob, blob[:len(blob)/2], v2, {0x90}, {0xdd, 0xff, 0xff, 0xff, 0xff}, {0xdb, 0x7f, 0xff, 0xff, 0xff}}
+	v2[1] = 2 // the version is the first array element (a positive fixint); format 1's fields under format 2
+	m, err := decodeMetadata(blob)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	m.Version = metadataVersionUCX // format 2, as an agent offering UCX publishes it
+	m.UCXWorkers = [][]byte{bytes.Repeat([]byte{7}, 40)}
+	m.UCXArenas = []metaUCXArena{{ID: m.Arenas[0].ID, Base: 1 << 40, Rkey: []byte{1, 2, 3, 4}}}
+	m.ProcStart = 12345
+	ucx, err := m.metaWire.encode()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return [][]byte{blob, blob[:len(blob)/2], v2, ucx, ucx[:len(ucx)-3], {0x90}, {0xdd, 0xff, 0xff, 0xff, 0xff}, {0xdb, 0x7f, 0xff, 0xff, 0xff}}
 }
 
 // serveSeeds returns connection transcripts: valid hellos followed by valid and invalid

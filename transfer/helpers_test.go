@@ -180,7 +180,7 @@ func rewriteMeta(t *testing.T, blob []byte, fn func(*metaWire)) []byte {
 		t.Fatal(err)
 	}
 	fn(&m.metaWire)
-	b, err := msgpack.Marshal(&m.metaWire)
+	b, err := m.metaWire.encode()
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -166,7 +166,18 @@ func TestBackendSelection(t *testing.T) {
 	if auto.Backend() != BackendSHM || auto.FallbackReason() != "" {
 		t.Fatalf("auto chose %v (%q), want SHM", auto.Backend(), auto.FallbackReason())
 	}
+	// UCX: a build without -tags ucx names the tag; with it, an agent that did not list UCX
+	// does not have it.
 	_, err = p.ini.PrepareRemote(ctx, p.peer, d, &PrepareOptions{Backends: []string{"UCX"}})
+	wantKind(t, err, ErrNotSupported)
+	want := "built with `-tags ucx`"
+	if ucxBuilt {
+		want = "UCX is not among this agent's backends"
+	}
+	if !strings.Contains(err.Error(), want) {
+		t.Fatalf("error %q lacks %q", err, want)
+	}
+	_, err = p.ini.PrepareRemote(ctx, p.peer, d, &PrepareOptions{Backends: []string{"LIBFABRIC"}})
 	wantKind(t, err, ErrNotSupported)
 	if !strings.Contains(err.Error(), "not available in this build") {
 		t.Fatalf("error %q", err)
@@ -682,8 +693,8 @@ func TestMetadata(t *testing.T) {
 			t.Fatalf("truncated blob of %d bytes accepted", i)
 		}
 	}
-	v2 := rewriteMeta(t, blob, func(m *metaWire) { m.Version = 2 })
-	_, err = p.ini.LoadRemote(v2)
+	v3 := rewriteMeta(t, blob, func(m *metaWire) { m.Version = 3 })
+	_, err = p.ini.LoadRemote(v3)
 	wantKind(t, err, ErrNotSupported)
 	for _, fn := range []func(*metaWire){
 		func(m *metaWire) { m.Name = "" },

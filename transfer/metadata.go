@@ -5,15 +5,20 @@ import (
 	"fmt"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 
 	"github.com/vmihailenco/msgpack/v5"
 )
 
-// metadataVersion is the format version of the metadata blob. A blob of another version is
-// refused with ErrNotSupported.
-const metadataVersion = 1
+// Format versions of the metadata blob. An agent that offers UCX publishes version 2 (version
+// 1 plus UCX worker addresses and arena keys); any other agent publishes version 1, which
+// every kvbridge reads. A blob of another version is refused with ErrNotSupported.
+const (
+	metadataVersion    = 1
+	metadataVersionUCX = 2
+)
 
 // Limits on metadata accepted from peers.
 const (
@@ -22,11 +27,23 @@ const (
 	maxAddrs         = 16
 	maxArenas        = 4096
 	maxRegions       = 1 << 20
+	maxUCXWorkers    = 64
+	maxUCXBlob       = 64 << 10 // one UCX worker address or packed remote key
 )
 
 // metaWire is the metadata blob: a msgpack array (compact, field order is the format).
-// Regions are published, never blocks: peers compute block descriptors themselves.
+// Format 1 is metaCore alone; format 2 appends the UCX fields.
 type metaWire struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	metaCore
+	UCXWorkers [][]byte       // packed UCX worker addresses, one per worker
+	UCXArenas  []metaUCXArena // UCX keys of the shared arenas
+	ProcStart  uint64         // process start time (clock ticks after boot), with BootID and PID naming the process
+}
+
+// metaCore is format 1 of the metadata blob. Regions are published, never blocks: peers
+// compute block descriptors themselves.
+type metaCore struct {
 	_msgpack    struct{} `msgpack:",as_array"`
 	Version     uint8
 	Name        string
@@ -47,6 +64,15 @@ type metaArena struct {
 	Size     uint64
 }
 
+// metaUCXArena is what a UCX peer needs to reach an arena: its address in the owner's address
+// space and the packed remote key of its registration (ucp_mem_map).
+type metaUCXArena struct {
+	_msgpack struct{} `msgpack:",as_array"`
+	ID       uint32
+	Base     uint64
+	Rkey     []byte
+}
+
 // metaRegion describes one region peers may access.
 type metaRegion struct {
 	_msgpack struct{} `msgpack:",as_array"`
@@ -61,7 +87,7 @@ type metaRegion struct {
 // boot id, backend connection info, and the table of regions registered with a non-zero
 // permission. Hand it to peers through any side channel; they pass it to LoadRemote.
 func (a *Agent) LocalMetadata() []byte {
-	m := metaWire{
+	m := metaWire{metaCore: metaCore{
 		Version:     metadataVersion,
 		Name:        a.name,
 		Incarnation: a.inc,
@@ -69,9 +95,14 @@ func (a *Agent) LocalMetadata() []byte {
 		PID:         int64(os.Getpid()),
 		UnixAddr:    a.unixAddr,
 		TCPStreams:  uint16(a.cfg.TCPStreams),
-	}
+	}}
 	if a.tcpAddr != "" {
 		m.TCPAddrs = []string{a.tcpAddr}
+	}
+	if a.ucx != nil {
+		m.Version = metadataVersionUCX
+		m.UCXWorkers = a.ucx.workerAddrs()
+		m.ProcStart, _ = procStart(os.Getpid())
 	}
 	a.regMu.Lock()
 	t := a.regions.Load()
@@ -84,22 +115,35 @@ func (a *Agent) LocalMetadata() []byte {
 	for _, ex := range a.arenaByID {
 		if ex.readers+ex.writers > 0 {
 			m.Arenas = append(m.Arenas, metaArena{ID: ex.id, Size: uint64(ex.a.Size())})
+			if ex.ucx != nil {
+				m.UCXArenas = append(m.UCXArenas, metaUCXArena{ID: ex.id, Base: ex.ucx.base, Rkey: ex.ucx.rkey})
+			}
 		}
 	}
 	a.regMu.Unlock()
 	sort.Slice(m.Arenas, func(i, j int) bool { return m.Arenas[i].ID < m.Arenas[j].ID })
-	b, err := msgpack.Marshal(&m)
+	sort.Slice(m.UCXArenas, func(i, j int) bool { return m.UCXArenas[i].ID < m.UCXArenas[j].ID })
+	b, err := m.encode()
 	if err != nil {
-		// Encoding plain structs of strings and integers cannot fail.
+		// Encoding plain structs of strings, integers and bytes cannot fail.
 		panic(fmt.Sprintf("transfer: encoding metadata: %v", err))
 	}
 	return b
+}
+
+// encode returns the blob in m's format version: format 1 carries metaCore alone.
+func (m *metaWire) encode() ([]byte, error) {
+	if m.Version == metadataVersion {
+		return msgpack.Marshal(&m.metaCore)
+	}
+	return msgpack.Marshal(m)
 }
 
 // remoteMeta is a validated metadata blob of a peer.
 type remoteMeta struct {
 	metaWire
 	arenaSize map[uint32]uint64
+	ucxArena  map[uint32]*metaUCXArena
 }
 
 // region returns the remote region with id (binary search; Regions are sorted), or nil.
@@ -141,11 +185,16 @@ func decodeMetadata(b []byte) (*remoteMeta, error) {
 	if err != nil {
 		return bad("version: %v", err)
 	}
-	if v != metadataVersion {
-		return nil, newErr("load", "", ErrNotSupported, fmt.Sprintf("metadata format version %d (this build reads %d)", v, metadataVersion), nil)
-	}
 	m := &remoteMeta{}
-	if err := msgpack.Unmarshal(b, &m.metaWire); err != nil {
+	switch v {
+	case metadataVersion:
+		err = msgpack.Unmarshal(b, &m.metaCore)
+	case metadataVersionUCX:
+		err = msgpack.Unmarshal(b, &m.metaWire)
+	default:
+		return nil, newErr("load", "", ErrNotSupported, fmt.Sprintf("metadata format version %d (this build reads %d and %d)", v, metadataVersion, metadataVersionUCX), nil)
+	}
+	if err != nil {
 		return bad("%v", err)
 	}
 	if m.Name == "" || len(m.Name) > maxNameLen || !utf8.ValidString(m.Name) || strings.ContainsAny(m.Name, "\x00\n") {
@@ -203,5 +252,52 @@ func decodeMetadata(b []byte) (*remoteMeta, error) {
 			return bad("region %d has an arena offset but no arena", r.ID)
 		}
 	}
+	if len(m.UCXWorkers) > maxUCXWorkers {
+		return bad("%d UCX workers", len(m.UCXWorkers))
+	}
+	for i, w := range m.UCXWorkers {
+		if len(w) == 0 || len(w) > maxUCXBlob {
+			return bad("UCX worker address %d of %d bytes", i, len(w))
+		}
+	}
+	if len(m.UCXArenas) > 0 && len(m.UCXWorkers) == 0 {
+		return bad("UCX arena keys without a UCX worker")
+	}
+	m.ucxArena = make(map[uint32]*metaUCXArena, len(m.UCXArenas))
+	for i := range m.UCXArenas {
+		ua := &m.UCXArenas[i]
+		if _, ok := m.arenaSize[ua.ID]; !ok {
+			return bad("UCX key for unknown arena %d", ua.ID)
+		}
+		if m.ucxArena[ua.ID] != nil {
+			return bad("UCX key for arena %d listed twice", ua.ID)
+		}
+		if len(ua.Rkey) == 0 || len(ua.Rkey) > maxUCXBlob {
+			return bad("UCX key of arena %d has %d bytes", ua.ID, len(ua.Rkey))
+		}
+		if ua.Base > 1<<63-1-m.arenaSize[ua.ID] {
+			return bad("UCX arena %d at %#x overflows", ua.ID, ua.Base)
+		}
+		m.ucxArena[ua.ID] = ua
+	}
 	return m, nil
+}
+
+// procStart returns the start time of process pid (field 22 of /proc/PID/stat, clock ticks
+// after boot): with the boot id and the pid it names one process for the life of the host.
+func procStart(pid int) (uint64, error) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, err
+	}
+	// The command name (field 2) is parenthesised and may contain spaces: count after it.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	f := strings.Fields(string(b[i+1:]))
+	if len(f) < 20 {
+		return 0, fmt.Errorf("malformed /proc/%d/stat", pid)
+	}
+	return strconv.ParseUint(f[19], 10, 64) // field 22 is the 20th after the name
 }

@@ -57,10 +57,11 @@ func (a *Agent) deliver(n Notif) {
 	}
 }
 
-// SendNotif sends msg to peer. It travels on the peer's control connection (the Unix socket
-// when SHM is up, else TCP), after any request notification sent before it, so one peer
-// receives an agent's messages in order. peer is either an agent whose metadata was loaded
-// (a connection is made if needed) or one currently connected to this agent.
+// SendNotif sends msg to peer. It travels on the peer's notification route (a UCX link when
+// one is up, else the Unix socket when SHM is up, else TCP), after any request notification
+// sent before it, so one peer receives an agent's messages in order. peer is either an agent
+// whose metadata was loaded (a connection is made if needed) or one currently connected to
+// this agent.
 func (a *Agent) SendNotif(ctx context.Context, peer string, msg []byte) error {
 	if a.closed.Load() {
 		return newErr("notify", peer, ErrClosed, "agent closed", nil)
@@ -73,12 +74,14 @@ func (a *Agent) SendNotif(ctx context.Context, peer string, msg []byte) error {
 		deadline = d
 	}
 	if p := a.lookupPeer(peer); p != nil {
-		cc, err := p.ctrl(ctx, 0)
+		rt, err := p.route(ctx, 0)
 		if err != nil {
 			return err
 		}
-		if err := cc.send(msg, deadline); err != nil {
-			p.teardown(ErrRemoteDisconnect, "sending notification failed")
+		if err := rt.send(msg, deadline); err != nil {
+			if cc, ok := rt.(*ctrlConn); ok {
+				p.teardownConn(cc, nil, "sending notification failed")
+			} // a UCX link tears itself down when a send fails
 			return newErr("notify", peer, ErrRemoteDisconnect, "", err)
 		}
 		return nil
@@ -87,6 +90,14 @@ func (a *Agent) SendNotif(ctx context.Context, peer string, msg []byte) error {
 	cc := a.inCtrl[peer]
 	a.connMu.Unlock()
 	if cc == nil {
+		if a.ucx != nil {
+			if ok, err := a.ucx.sendInbound(ctx, peer, msg, deadline); ok {
+				if err != nil {
+					return newErr("notify", peer, ErrRemoteDisconnect, "", err)
+				}
+				return nil
+			}
+		}
 		return newErr("notify", peer, ErrNotFound, "no metadata loaded and no connection from this peer", nil)
 	}
 	if err := cc.send(msg, deadline); err != nil {

@@ -3,6 +3,8 @@ package transfer
 import (
 	"context"
 	"fmt"
+	"os"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -19,7 +21,12 @@ type PeerInfo struct {
 	UnixAddr    string // "" if the peer offers no SHM
 	TCPAddrs    []string
 	Regions     int
+	Offers      []Backend // backends the peer's metadata offers
 	Backends    []Backend // backends currently connected
+	// UCXLanes lists the lanes UCX chose towards the peer ("transport/device: uses", e.g.
+	// "tcp/eth0: am am_bw#0 rma_bw#0") while a UCX link is up: the way to see whether UCX
+	// runs over RDMA, shared memory or TCP.
+	UCXLanes []string
 }
 
 // peer is the state for one incarnation of a remote agent. A new incarnation gets a new peer;
@@ -37,6 +44,8 @@ type peer struct {
 	uconn    *ctrlConn
 	tconn    *ctrlConn
 	data     []*dataConn
+	ux       *ucxLink // UCX endpoints (one per worker), nil until connected
+	procWait *os.File // pidfd of the peer process while watched (same host, UCX)
 	budget   *semaphore.Weighted
 	maps     map[uint32]*mapping // arena id → mapping of the peer's arena
 	inflight map[*Request]uint64 // active requests and their post generation
@@ -119,12 +128,25 @@ func (a *Agent) Peer(name string) (PeerInfo, bool) {
 	m := p.meta.Load()
 	info := PeerInfo{Name: p.name, Incarnation: p.inc, SameHost: a.bootID != "" && m.BootID == a.bootID,
 		UnixAddr: m.UnixAddr, TCPAddrs: append([]string(nil), m.TCPAddrs...), Regions: len(m.Regions)}
+	if m.UnixAddr != "" {
+		info.Offers = append(info.Offers, BackendSHM)
+	}
+	if len(m.TCPAddrs) > 0 {
+		info.Offers = append(info.Offers, BackendTCP)
+	}
+	if len(m.UCXWorkers) > 0 {
+		info.Offers = append(info.Offers, BackendUCX)
+	}
 	p.mu.Lock()
 	if p.uconn != nil {
 		info.Backends = append(info.Backends, BackendSHM)
 	}
 	if p.data != nil {
 		info.Backends = append(info.Backends, BackendTCP)
+	}
+	if p.ux != nil {
+		info.Backends = append(info.Backends, BackendUCX)
+		info.UCXLanes = p.ux.transports()
 	}
 	p.mu.Unlock()
 	return info, true
@@ -204,6 +226,8 @@ func (p *peer) choose(ctx context.Context, prefs []Backend, explicit bool, descs
 			why = p.shmUsable(descs)
 		case BackendTCP:
 			why = p.tcpUsable()
+		case BackendUCX:
+			why = p.ucxUsable(descs)
 		}
 		if why == "" {
 			err := p.ensure(ctx, b)
@@ -255,7 +279,7 @@ func (p *peer) ensure(ctx context.Context, b Backend) error {
 		p.mu.Unlock()
 		return err
 	}
-	up := (b == BackendSHM && p.uconn != nil) || (b == BackendTCP && p.data != nil)
+	up := (b == BackendSHM && p.uconn != nil) || (b == BackendTCP && p.data != nil) || (b == BackendUCX && p.ux != nil)
 	p.mu.Unlock()
 	if up {
 		return nil
@@ -265,34 +289,48 @@ func (p *peer) ensure(ctx context.Context, b Backend) error {
 		return p.connectSHM(ctx)
 	case BackendTCP:
 		return p.connectTCP(ctx)
+	case BackendUCX:
+		return p.connectUCX(ctx)
 	}
 	return newErr("connect", p.name, ErrInvalidParam, "unknown backend", nil)
 }
 
-// ctrl returns the connection notifications to this peer travel on, connecting one if
-// needed: the Unix socket when SHM is up, else a TCP control connection. With no connection
-// yet, prefer decides which one is dialed (SHM only if usable; 0 = the agent's preference).
-func (p *peer) ctrl(ctx context.Context, prefer Backend) (*ctrlConn, error) {
-	get := func() (*ctrlConn, error) {
+// notifRoute carries notifications to one peer: a control connection (Unix or TCP) or a UCX
+// link.
+type notifRoute interface {
+	send(msg []byte, deadline time.Time) error
+}
+
+// route returns the route notifications to this peer travel on, connecting one if needed:
+// the UCX link when one is up, else the Unix socket when SHM is up, else a TCP control
+// connection. With no route yet, prefer decides which one is made (SHM or UCX only if
+// usable; 0 = the agent's preference).
+func (p *peer) route(ctx context.Context, prefer Backend) (notifRoute, error) {
+	get := func() (notifRoute, error) {
 		p.mu.Lock()
 		defer p.mu.Unlock()
 		if p.gone != nil {
 			return nil, p.goneErrLocked("notify")
 		}
-		return p.ctrlLocked(), nil
+		return p.routeLocked(), nil
 	}
-	if cc, err := get(); cc != nil || err != nil {
-		return cc, err
+	if rt, err := get(); rt != nil || err != nil {
+		return rt, err
 	}
 	p.dialMu.Lock()
 	defer p.dialMu.Unlock()
-	if cc, err := get(); cc != nil || err != nil {
-		return cc, err
+	if rt, err := get(); rt != nil || err != nil {
+		return rt, err
 	}
 	if prefer == 0 {
 		prefer = p.a.backends[0]
 	}
 	var firstErr error
+	if prefer == BackendUCX && p.ucxUsable(nil) == "" {
+		if firstErr = p.connectUCX(ctx); firstErr == nil {
+			return get()
+		}
+	}
 	if prefer == BackendSHM && p.a.enabled(BackendSHM) && p.shmUsable(nil) == "" {
 		if firstErr = p.connectSHM(ctx); firstErr == nil {
 			return get()
@@ -304,18 +342,63 @@ func (p *peer) ctrl(ctx context.Context, prefer Backend) (*ctrlConn, error) {
 		}
 		return get()
 	}
+	if prefer != BackendUCX && p.ucxUsable(nil) == "" {
+		err := p.connectUCX(ctx)
+		if err == nil {
+			return get()
+		}
+		if firstErr == nil {
+			firstErr = err
+		}
+	}
 	if firstErr != nil {
 		return nil, firstErr
 	}
 	return nil, newErr("notify", p.name, ErrNotSupported, "peer offers no usable control connection", nil)
 }
 
-// ctrlLocked returns the current notification route, or nil (callers hold p.mu).
-func (p *peer) ctrlLocked() *ctrlConn {
-	if p.uconn != nil {
+// routeLocked returns the current notification route, or nil (callers hold p.mu). All
+// notifications to a peer take the same route, so they arrive in the order they were sent.
+func (p *peer) routeLocked() notifRoute {
+	switch {
+	case p.ux != nil:
+		return p.ux
+	case p.uconn != nil:
 		return p.uconn
+	case p.tconn != nil:
+		return p.tconn
 	}
-	return p.tconn
+	return nil
+}
+
+// connectUCX connects the UCX link. Callers hold dialMu.
+func (p *peer) connectUCX(ctx context.Context) error {
+	l, err := p.a.ucx.connect(ctx, p)
+	if err != nil {
+		return err
+	}
+	p.mu.Lock()
+	if p.gone != nil {
+		err = p.goneErrLocked("connect")
+		p.mu.Unlock()
+		l.close()
+		return err
+	}
+	p.ux = l
+	watch := p.procWait == nil && p.sameHost()
+	p.mu.Unlock()
+	p.a.stats.connects.Add(1)
+	lanes := l.transports()
+	p.a.log.Info("transfer UCX link up", "peer", p.name, "lanes", strings.Join(lanes, "; "))
+	if !ucxHasRMALane(lanes) {
+		p.a.log.Warn("UCX emulates gets and puts to this peer with active messages (no RMA lane): slower than the SHM and TCP backends, "+
+			"and UCX 1.13 can abort or stall the agent answering them when the other side dies mid-transfer; UCX is meant for RDMA networks",
+			"peer", p.name, "lanes", strings.Join(lanes, "; "))
+	}
+	if watch {
+		p.watchProcess()
+	}
+	return nil
 }
 
 // connectSHM dials the peer's Unix socket, receives the fds of the shared arenas not mapped
@@ -541,13 +624,7 @@ func (p *peer) teardownData(why string) {
 	p.mu.Lock()
 	data := p.data
 	p.data, p.budget = nil, nil
-	reqs := map[*Request]uint64{}
-	for r, gen := range p.inflight {
-		if r.backend == BackendTCP {
-			reqs[r] = gen
-			delete(p.inflight, r)
-		}
-	}
+	reqs := p.takeInflightLocked(BackendTCP)
 	p.mu.Unlock()
 	if len(data) > 0 {
 		p.a.stats.disconnects.Add(1)
@@ -566,9 +643,9 @@ func (p *peer) teardownData(why string) {
 func (p *peer) teardown(kind error, why string) {
 	p.mu.Lock()
 	conns := p.takeConnsLocked()
-	reqs := p.takeInflightLocked()
+	reqs := p.takeInflightLocked(0)
 	p.mu.Unlock()
-	if len(conns.data) > 0 || conns.u != nil || conns.t != nil {
+	if len(conns.data) > 0 || conns.u != nil || conns.t != nil || conns.ux != nil {
 		p.a.stats.disconnects.Add(1)
 		p.a.log.Info("transfer peer disconnected", "peer", p.name, "why", why)
 	}
@@ -587,8 +664,11 @@ func (p *peer) retire(kind error, why string) []*Request {
 		return nil
 	}
 	p.gone, p.goneWhy = kind, why
+	if p.procWait != nil {
+		p.procWait.Close() // ends watchProcess
+	}
 	conns := p.takeConnsLocked()
-	reqs := p.takeInflightLocked()
+	reqs := p.takeInflightLocked(0)
 	unmap := p.lists == 0
 	p.mu.Unlock()
 	conns.close()
@@ -608,10 +688,14 @@ func (p *peer) retire(kind error, why string) []*Request {
 type linkConns struct {
 	u, t *ctrlConn
 	data []*dataConn
+	ux   *ucxLink
 }
 
 // close closes all of them.
 func (l linkConns) close() {
+	if l.ux != nil {
+		l.ux.close()
+	}
 	if l.u != nil {
 		l.u.close()
 	}
@@ -625,15 +709,25 @@ func (l linkConns) close() {
 
 // takeConnsLocked detaches the connections from the peer.
 func (p *peer) takeConnsLocked() linkConns {
-	l := linkConns{u: p.uconn, t: p.tconn, data: p.data}
-	p.uconn, p.tconn, p.data, p.budget = nil, nil, nil, nil
+	l := linkConns{u: p.uconn, t: p.tconn, data: p.data, ux: p.ux}
+	p.uconn, p.tconn, p.data, p.budget, p.ux = nil, nil, nil, nil, nil
 	return l
 }
 
-// takeInflightLocked detaches the active requests.
-func (p *peer) takeInflightLocked() map[*Request]uint64 {
-	reqs := p.inflight
-	p.inflight = map[*Request]uint64{}
+// takeInflightLocked detaches the active requests on backend b (0: all of them).
+func (p *peer) takeInflightLocked(b Backend) map[*Request]uint64 {
+	if b == 0 {
+		reqs := p.inflight
+		p.inflight = map[*Request]uint64{}
+		return reqs
+	}
+	reqs := map[*Request]uint64{}
+	for r, gen := range p.inflight {
+		if r.backend == b {
+			reqs[r] = gen
+			delete(p.inflight, r)
+		}
+	}
 	return reqs
 }
 

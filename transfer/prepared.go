@@ -23,7 +23,9 @@ type PreparedList struct {
 	backend     Backend
 	fallback    string
 	descs       []Desc
-	bufs        [][]byte  // local memory, or the peer's mapped memory for SHM; nil for TCP
+	bufs        [][]byte  // local memory, or the peer's mapped memory for SHM; nil for TCP and UCX
+	raddrs      []uint64  // UCX: each descriptor's address in the peer's address space
+	rarenas     []uint32  // UCX: each descriptor's peer arena
 	regions     []*Region // local: distinct regions pinned
 	allPerm     Perm      // remote: permissions every descriptor's region grants
 	shmWritable bool      // remote SHM: every mapping used is writable
@@ -71,7 +73,8 @@ func (a *Agent) PrepareLocal(descs []Desc) (*PreparedList, error) {
 
 // PrepareRemote validates descs against the loaded metadata of peer, chooses the backend
 // (SHM when the peer is on this host and its arenas could be mapped, else TCP, unless
-// restricted by opts or the agent config) and establishes the connections it needs. The
+// restricted by opts or the agent config; UCX only when listed) and establishes the
+// connections it needs. The
 // choice is final for the list and reported by Backend (and FallbackReason).
 func (a *Agent) PrepareRemote(ctx context.Context, peerName string, descs []Desc, opts *PrepareOptions) (*PreparedList, error) {
 	if a.closed.Load() {
@@ -109,8 +112,13 @@ func (a *Agent) PrepareRemote(ctx context.Context, peerName string, descs []Desc
 		return nil, err
 	}
 	l := &PreparedList{a: a, peer: p, backend: b, fallback: fallback, descs: append([]Desc(nil), descs...), allPerm: allPerm}
-	if b == BackendSHM {
+	switch b {
+	case BackendSHM:
 		if err := l.resolveSHM(ctx, m); err != nil {
+			return nil, err
+		}
+	case BackendUCX:
+		if err := l.resolveUCX(m); err != nil {
 			return nil, err
 		}
 	}

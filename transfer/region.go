@@ -52,9 +52,10 @@ func (t *regionTable) get(id uint32) *Region {
 type arenaExport struct {
 	a       *Arena
 	id      uint32
-	regions int // regions registered in it
-	readers int // regions granting PermRead
-	writers int // regions granting PermWrite
+	regions int         // regions registered in it
+	readers int         // regions granting PermRead
+	writers int         // regions granting PermWrite
+	ucx     *ucxMapping // the arena's UCX registration (agents with the UCX backend)
 }
 
 // Register registers length bytes at off in arena with the permission perm granted to peers.
@@ -104,8 +105,17 @@ func (a *Agent) register(mem []byte, ar *Arena, off int64, perm Perm) (*Region, 
 	if ar != nil {
 		ex := a.arenas[ar]
 		if ex == nil {
+			var um *ucxMapping
+			if a.ucx != nil {
+				// Registering the whole arena once lets UCX peers reach any region in it.
+				var err error
+				if um, err = a.ucx.mapArena(ar); err != nil {
+					a.nextRegion--
+					return nil, err
+				}
+			}
 			a.nextArena++
-			ex = &arenaExport{a: ar, id: a.nextArena}
+			ex = &arenaExport{a: ar, id: a.nextArena, ucx: um}
 			a.arenas[ar] = ex
 			a.arenaByID[ex.id] = ex
 		}
@@ -164,6 +174,9 @@ func (a *Agent) Deregister(r *Region) error {
 		if ex.regions == 0 {
 			delete(a.arenas, r.arena)
 			delete(a.arenaByID, ex.id)
+			if ex.ucx != nil {
+				a.ucx.unmapArena(ex.ucx)
+			}
 		}
 		r.arena.unpin()
 	}

@@ -55,9 +55,11 @@ type RequestOptions struct {
 // run is one merged descriptor pair: len(local) bytes.
 type run struct {
 	local  []byte
-	remote []byte // the peer's mapped memory (SHM); nil for TCP
+	remote []byte // the peer's mapped memory (SHM); nil for TCP and UCX
 	region uint32 // remote region (TCP)
 	off    int64  // remote offset (TCP)
+	raddr  uint64 // remote address (UCX)
+	rarena uint32 // remote arena (UCX)
 }
 
 // Request is a transfer between local memory and one peer, made from prepared lists. It can
@@ -78,6 +80,9 @@ type Request struct {
 	runs    []run
 	chunks  []shmChunk // SHM plan
 	stripes []stripe   // TCP plan
+	ucx     *ucxPlan   // UCX plan
+
+	ucxLink atomic.Pointer[ucxLink] // the UCX link of the current post
 
 	pending atomic.Int64 // units of the current post not yet resolved
 	failed  atomic.Bool  // the current post has failed (units skip work)
@@ -126,6 +131,10 @@ func (a *Agent) MakeRequest(op Op, local *PreparedList, localIdx []int, remote *
 	if !remote.allPerm.allows(op) {
 		meta = remote.peer.meta.Load()
 	}
+	var regions *regionTable
+	if remote.backend == BackendUCX {
+		regions = a.regions.Load()
+	}
 	r := &Request{a: a, id: a.reqSeq.Add(1), op: op, peer: remote.peer, local: local, remote: remote,
 		backend: remote.backend, timeout: a.cfg.RequestTimeout, descs: len(localIdx), done: make(chan struct{})}
 	close(r.done) // never posted: Done is already closed
@@ -161,6 +170,13 @@ func (a *Agent) MakeRequest(op Op, local *PreparedList, localIdx []int, remote *
 				return nil, descErr("make", peerName, k, ErrPermission, "peer region %d does not grant %v", rd.Region, op)
 			}
 		}
+		if regions != nil {
+			// UCX reads and writes local memory after Post returns: only arena memory (off
+			// the Go heap) may be handed to it.
+			if reg := regions.get(ld.Region); reg == nil || reg.arena == nil {
+				return nil, descErr("make", peerName, k, ErrNotSupported, "local region %d is not in an arena: UCX moves arena memory only", ld.Region)
+			}
+		}
 		r.bytes += ld.Length
 		if len(runs) > 0 && ld.Region == lReg && ld.Offset == lEnd && rd.Region == rReg && rd.Offset == rEnd {
 			last := &runs[len(runs)-1]
@@ -172,6 +188,9 @@ func (a *Agent) MakeRequest(op Op, local *PreparedList, localIdx []int, remote *
 			rn := run{local: local.bufs[li], region: rd.Region, off: rd.Offset}
 			if remote.bufs != nil {
 				rn.remote = remote.bufs[ri]
+			}
+			if remote.raddrs != nil {
+				rn.raddr, rn.rarena = remote.raddrs[ri], remote.rarenas[ri]
 			}
 			runs = append(runs, rn)
 		}
@@ -186,6 +205,8 @@ func (a *Agent) MakeRequest(op Op, local *PreparedList, localIdx []int, remote *
 		r.planChunks()
 	case BackendTCP:
 		r.planStripes()
+	case BackendUCX:
+		r.planUCX(a.ucx.numWorkers())
 	}
 	return r, nil
 }
@@ -289,6 +310,7 @@ func (r *Request) Post(ctx context.Context, notif []byte) error {
 
 	p := r.peer
 	var conns []*dataConn
+	var link *ucxLink
 	var rr int
 	for attempt := 0; ; attempt++ {
 		p.mu.Lock()
@@ -298,14 +320,23 @@ func (r *Request) Post(ctx context.Context, notif []byte) error {
 			r.finishEarly(gen, err)
 			return r.Err()
 		}
-		up := p.uconn != nil
-		if r.backend == BackendTCP {
+		var up bool
+		switch r.backend {
+		case BackendSHM:
+			up = p.uconn != nil
+		case BackendTCP:
 			up = p.data != nil
+		case BackendUCX:
+			up = p.ux != nil // which also carries the notification
 		}
-		if up && (r.notif == nil || p.ctrlLocked() != nil) {
+		if up && (r.notif == nil || r.backend == BackendUCX || p.routeLocked() != nil) {
 			// Arm every unit before the request becomes visible to failure paths.
 			r.arm(gen)
 			conns = p.data
+			link = p.ux
+			if r.backend == BackendUCX {
+				r.ucxLink.Store(link)
+			}
 			rr = p.rr
 			p.rr++
 			p.inflight[r] = gen
@@ -321,8 +352,8 @@ func (r *Request) Post(ctx context.Context, notif []byte) error {
 		// bounded by the request's deadline; the only case where Post waits for the network.
 		cctx, cancel := context.WithDeadline(ctx, r.deadline)
 		err := p.ensure(cctx, r.backend)
-		if err == nil && r.notif != nil {
-			_, err = p.ctrl(cctx, r.backend)
+		if err == nil && r.notif != nil && r.backend != BackendUCX {
+			_, err = p.route(cctx, r.backend)
 		}
 		cancel()
 		if err != nil {
@@ -350,18 +381,24 @@ func (r *Request) Post(ctx context.Context, notif []byte) error {
 	}
 	r.mu.Unlock()
 
-	if r.backend == BackendSHM {
+	switch r.backend {
+	case BackendSHM, BackendUCX:
+		// Under postMu, Close waits until the work is handed over before stopping workers.
 		a.postMu.RLock()
-		if a.closed.Load() {
+		switch {
+		case a.closed.Load():
 			a.postMu.RUnlock()
 			r.fail(gen, ErrClosed, "agent closed", nil)
-		} else {
+		case r.backend == BackendSHM:
 			for i := range r.chunks {
 				a.work <- shmWork{c: &r.chunks[i], gen: gen}
 			}
 			a.postMu.RUnlock()
+		default:
+			a.ucx.dispatch(link, r, gen)
+			a.postMu.RUnlock()
 		}
-	} else {
+	default:
 		// Stripe i goes to connection (rr+i) mod k: one lock and one wake-up per connection.
 		for j := range min(len(conns), len(r.stripes)) {
 			conns[(rr+j)%len(conns)].enqueue(r.stripes, j, len(conns), gen)
@@ -372,11 +409,18 @@ func (r *Request) Post(ctx context.Context, notif []byte) error {
 
 // arm resets the units of the plan for post gen.
 func (r *Request) arm(gen uint64) {
-	if r.backend == BackendSHM {
+	switch r.backend {
+	case BackendSHM:
 		for i := range r.chunks {
 			r.chunks[i].state.Store(gen << 2)
 		}
 		r.pending.Store(int64(len(r.chunks)))
+		return
+	case BackendUCX:
+		for i := range r.ucx.units {
+			r.ucx.units[i].arm(gen)
+		}
+		r.pending.Store(int64(len(r.ucx.units)))
 		return
 	}
 	for i := range r.stripes {
@@ -422,11 +466,16 @@ func (r *Request) fail(gen uint64, kind error, detail string, cause error) {
 	r.err = &Error{Op: r.op.String(), Peer: r.peer.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: kind, Detail: detail, Cause: cause}
 	r.mu.Unlock()
 	r.failed.Store(true)
-	if r.backend == BackendSHM {
+	switch r.backend {
+	case BackendSHM:
 		for i := range r.chunks {
 			r.chunks[i].abandon(gen)
 		}
-	} else {
+	case BackendUCX:
+		for i := range r.ucx.units {
+			r.ucx.units[i].abandon(gen, detail)
+		}
+	default:
 		// A peer's refusal of one stripe says nothing against the connections carrying the
 		// others: their payloads are read to the end rather than cut.
 		abort := !errors.Is(kind, ErrPermission) && !errors.Is(kind, ErrInvalidDescriptor)
@@ -454,7 +503,8 @@ func (r *Request) finishEarly(gen uint64, err error) {
 }
 
 // finish completes the current post: it sends the notification (if the data is complete),
-// records telemetry and closes Done.
+// records telemetry and closes Done. A UCX notification is sent by worker 0 and the post
+// completes when UCX has taken it.
 func (r *Request) finish() {
 	r.mu.Lock()
 	if r.finished == r.gen {
@@ -462,7 +512,7 @@ func (r *Request) finish() {
 		return // already finished (defensive: finish runs once per post)
 	}
 	r.finished = r.gen
-	err, notif, dl, gen := r.err, r.notif, r.deadline, r.gen
+	err, notif, dl := r.err, r.notif, r.deadline
 	if r.timer != nil {
 		r.timer.Stop()
 	}
@@ -473,17 +523,38 @@ func (r *Request) finish() {
 	r.mu.Unlock()
 	p := r.peer
 	if err == nil && notif != nil {
+		if r.backend == BackendUCX {
+			// finish may run on a UCX worker's goroutine: it must not wait for worker 0.
+			r.ucxLink.Load().sendAsync(notif, notifDeadline(dl), func(e error) {
+				if e != nil {
+					e = &Error{Op: r.op.String(), Peer: p.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: ErrRemoteDisconnect, Detail: "sending the notification", Cause: e}
+				}
+				r.complete(e)
+			})
+			return
+		}
 		p.mu.Lock()
-		cc := p.ctrlLocked()
+		rt := p.routeLocked()
 		p.mu.Unlock()
-		if cc == nil {
+		if rt == nil {
 			err = r.errf(r.op.String(), ErrRemoteDisconnect, "control connection lost before the notification")
-		} else if e := cc.send(notif, notifDeadline(dl)); e != nil {
+		} else if e := rt.send(notif, notifDeadline(dl)); e != nil {
 			err = &Error{Op: r.op.String(), Peer: p.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: ErrRemoteDisconnect, Detail: "sending the notification", Cause: e}
-			p.teardownConn(cc, nil, "notification write failed")
+			if cc, ok := rt.(*ctrlConn); ok {
+				p.teardownConn(cc, nil, "notification write failed")
+			}
 		}
 	}
+	r.complete(err)
+}
+
+// complete records the outcome of the current post, telemetry, and closes Done.
+func (r *Request) complete(err error) {
 	end := time.Now()
+	p := r.peer
+	r.mu.Lock()
+	gen := r.gen
+	r.mu.Unlock()
 	p.mu.Lock()
 	if p.inflight[r] == gen {
 		delete(p.inflight, r)

@@ -67,15 +67,20 @@ const (
 	BackendSHM Backend = 1
 	// BackendTCP streams over several TCP connections (any host).
 	BackendTCP Backend = 2
+	// BackendUCX moves bytes with UCX one-sided gets and puts over whatever transport UCX
+	// selects (RDMA verbs, TCP, shared memory). Only binaries built with -tags ucx have it.
+	BackendUCX Backend = 3
 )
 
-// String returns the NIXL-style backend name ("SHM", "TCP").
+// String returns the NIXL-style backend name ("SHM", "TCP", "UCX").
 func (b Backend) String() string {
 	switch b {
 	case BackendSHM:
 		return "SHM"
 	case BackendTCP:
 		return "TCP"
+	case BackendUCX:
+		return "UCX"
 	case 0:
 		return "NONE"
 	}
@@ -83,8 +88,9 @@ func (b Backend) String() string {
 }
 
 // ParseBackends turns an ordered list of backend names (as in NIXL's `backends`, case
-// insensitive) into backends. "UCX", "LIBFABRIC" and other NIXL plugins are reported as not
-// available in this build (ErrNotSupported); unknown names are ErrInvalidParam.
+// insensitive) into backends. "UCX" needs a binary built with -tags ucx (ErrNotSupported,
+// naming the tag, otherwise); "LIBFABRIC" and the other NIXL plugins are not available
+// (ErrNotSupported); unknown names are ErrInvalidParam.
 func ParseBackends(names []string) ([]Backend, error) {
 	out := make([]Backend, 0, len(names))
 	for _, n := range names {
@@ -94,11 +100,17 @@ func ParseBackends(names []string) ([]Backend, error) {
 			b = BackendSHM
 		case "TCP":
 			b = BackendTCP
-		case "UCX", "LIBFABRIC", "UCCL", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "GPUNETIO", "HF3FS":
+		case "UCX":
+			if !ucxBuilt {
+				return nil, newErr("backends", "", ErrNotSupported, fmt.Sprintf("backend %q is not available in this build: "+
+					"it needs a binary built with `-tags ucx` (cgo and libucx-dev, UCX %s or newer) (available: %s)", n, ucxMinVersion, availableBackends()), nil)
+			}
+			b = BackendUCX
+		case "LIBFABRIC", "UCCL", "GDS", "GDS_MT", "POSIX", "OBJ", "MOONCAKE", "GPUNETIO", "HF3FS", "AZURE_BLOB":
 			return nil, newErr("backends", "", ErrNotSupported,
-				fmt.Sprintf("backend %q is not available in this build (available: SHM, TCP)", n), nil)
+				fmt.Sprintf("backend %q is not available in this build (available: %s)", n, availableBackends()), nil)
 		default:
-			return nil, newErr("backends", "", ErrInvalidParam, fmt.Sprintf("unknown backend %q (available: SHM, TCP)", n), nil)
+			return nil, newErr("backends", "", ErrInvalidParam, fmt.Sprintf("unknown backend %q (available: %s)", n, availableBackends()), nil)
 		}
 		for _, o := range out {
 			if o == b {
@@ -108,6 +120,14 @@ func ParseBackends(names []string) ([]Backend, error) {
 		out = append(out, b)
 	}
 	return out, nil
+}
+
+// availableBackends lists the backend names this build accepts.
+func availableBackends() string {
+	if ucxBuilt {
+		return "SHM, TCP, UCX"
+	}
+	return "SHM, TCP"
 }
 
 // Desc names Length bytes at Offset in a registered region. Local descriptors use the local

@@ -21,6 +21,7 @@ const (
 	envPeer     = "KVBRIDGE_TRANSFER_TEST_PEER" // agent name; set = run as the peer
 	envPeerSize = "KVBRIDGE_TRANSFER_TEST_SIZE"
 	envPeerSeed = "KVBRIDGE_TRANSFER_TEST_SEED"
+	envPeerBE   = "KVBRIDGE_TRANSFER_TEST_BACKENDS" // comma-separated Config.Backends (default: automatic)
 )
 
 func TestMain(m *testing.M) {
@@ -50,7 +51,11 @@ func runTestPeer(name string) error {
 	if err != nil {
 		return err
 	}
-	a, err := NewAgent(name, Config{})
+	var cfg Config
+	if be := os.Getenv(envPeerBE); be != "" {
+		cfg.Backends = strings.Split(be, ",")
+	}
+	a, err := NewAgent(name, cfg)
 	if err != nil {
 		return err
 	}
@@ -60,7 +65,8 @@ func runTestPeer(name string) error {
 		return err
 	}
 	fillPattern(ar.Bytes(), seed)
-	if _, err := a.Register(ar, 0, size, PermReadWrite); err != nil {
+	reg, err := a.Register(ar, 0, size, PermReadWrite)
+	if err != nil {
 		return err
 	}
 	go func() {
@@ -90,12 +96,48 @@ func runTestPeer(name string) error {
 			s, _ := strconv.ParseUint(f[1], 10, 64)
 			fillPattern(ar.Bytes(), s)
 			fmt.Fprintln(out, "OK")
+		case "pull":
+			// pull <base64 metadata>: READ the whole of that agent's region 1 into this arena
+			// until killed; "PULLING" after the first READ completed.
+			if err := pull(a, reg, f[1], out); err != nil {
+				return err
+			}
 		case "quit":
 			return nil
 		}
 		out.Flush()
 	}
 	return nil
+}
+
+// pull is the peer's "pull" command.
+func pull(a *Agent, reg *Region, meta string, out *bufio.Writer) error {
+	blob, err := base64.StdEncoding.DecodeString(meta)
+	if err != nil {
+		return err
+	}
+	name, err := a.LoadRemote(blob)
+	if err != nil {
+		return err
+	}
+	ctx := context.Background()
+	n := int(reg.Len() >> 20)
+	req, err := a.CreateRequest(ctx, Read, BlockDescs(reg.ID(), 0, 1<<20, n), name, BlockDescs(1, 0, 1<<20, n), nil)
+	if err != nil {
+		return err
+	}
+	for i := 0; ; i++ {
+		if err := req.Post(ctx, nil); err != nil {
+			return err
+		}
+		if err := req.Wait(ctx); err != nil {
+			return err
+		}
+		if i == 0 {
+			fmt.Fprintln(out, "PULLING")
+			out.Flush()
+		}
+	}
 }
 
 // testPeer is a running peer process.
@@ -108,11 +150,13 @@ type testPeer struct {
 	done chan struct{}
 }
 
-// startTestPeer runs the peer named name with an arena of size bytes and pattern seed.
-func startTestPeer(t *testing.T, name string, seed uint64, size int64) *testPeer {
+// startTestPeer runs the peer named name with an arena of size bytes and pattern seed; env
+// adds environment variables (KEY=VALUE) to the peer's.
+func startTestPeer(t *testing.T, name string, seed uint64, size int64, env ...string) *testPeer {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), envPeer+"="+name, fmt.Sprintf("%s=%d", envPeerSize, size), fmt.Sprintf("%s=%d", envPeerSeed, seed))
+	cmd.Env = append(cmd.Env, env...)
 	cmd.Stderr = os.Stderr
 	in, err := cmd.StdinPipe()
 	if err != nil {
@@ -251,86 +295,114 @@ func expectedSums(size int64, seed uint64, block int) []uint32 {
 // TestCrossProcess: READ and WRITE against a peer process on both backends, checksum of
 // every block, notifications in both directions.
 func TestCrossProcess(t *testing.T) {
-	const size, block = 8 << 20, 64 << 10
+	const size = 8 << 20
 	peer := startTestPeer(t, "xpeer", 0x33, size)
-	ini := newTestAgent(t, "xinit", Config{})
-	ar := newTestArena(t, size)
-	reg := mustRegister(t, ini, ar, 0)
-	name, err := ini.LoadRemote(peer.meta)
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := size / block
-	ll, err := ini.PrepareLocal(BlockDescs(reg.ID(), 0, block, n))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ll.Release()
-	rng := rand.New(rand.NewPCG(3, 4))
+	x := newCrossProcess(t, peer, Config{}, size)
 	for bi, be := range []string{"SHM", "TCP"} {
-		rl, err := ini.PrepareRemote(testCtx(t), name, BlockDescs(1, 0, block, n), &PrepareOptions{Backends: []string{be}})
-		if err != nil {
-			t.Fatal(err)
-		}
-		if rl.Backend().String() != be {
-			t.Fatalf("backend %v", rl.Backend())
-		}
-		seed := uint64(100 + bi)
-		if peer.call(fmt.Sprintf("fill %d", seed)) != "OK" {
-			t.Fatal("fill")
-		}
-		want := expectedSums(size, seed, block)
+		x.readWrite(t, be, uint64(100+bi))
+	}
+}
 
-		// READ scattered blocks, with a notification the peer echoes back.
-		lidx, ridx := rng.Perm(n)[:n/2], rng.Perm(n)[:n/2]
-		rd, err := ini.MakeRequest(Read, ll, lidx, rl, ridx, nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		tag := fmt.Sprintf("req-%s:1", be)
-		if err := postWait(t, rd, []byte(tag)); err != nil {
-			t.Fatal(err)
-		}
-		got := blockSums(ar.Bytes(), block)
-		for k := range lidx {
-			if got[lidx[k]] != want[ridx[k]] {
-				t.Fatalf("%s READ: block %d (local %d, remote %d) checksum mismatch", be, k, lidx[k], ridx[k])
-			}
-		}
-		if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:"+tag || nt.Peer != name {
-			t.Fatalf("echo %+v", nt)
-		}
-		rd.Release()
+// crossProcess is an initiator agent with an arena and a local block list, facing a peer
+// process whose metadata it loaded.
+type crossProcess struct {
+	peer  *testPeer
+	ini   *Agent
+	ar    *Arena
+	name  string
+	ll    *PreparedList
+	size  int64
+	block int64
+	n     int
+	rng   *rand.Rand
+}
 
-		// WRITE other scattered blocks and compare with the peer's own checksums.
-		fillPattern(ar.Bytes(), seed+50)
-		local := blockSums(ar.Bytes(), block)
-		lidx, ridx = rng.Perm(n)[:n/2], rng.Perm(n)[:n/2]
-		wr, err := ini.MakeRequest(Write, ll, lidx, rl, ridx, nil)
-		if err != nil {
-			t.Fatal(err)
+// newCrossProcess sets up the initiator side against peer (64 KiB blocks).
+func newCrossProcess(t *testing.T, peer *testPeer, cfg Config, size int64) *crossProcess {
+	t.Helper()
+	x := &crossProcess{peer: peer, size: size, block: 64 << 10, rng: rand.New(rand.NewPCG(3, 4))}
+	x.ini = newTestAgent(t, "xinit", cfg)
+	x.ar = newTestArena(t, size)
+	reg := mustRegister(t, x.ini, x.ar, 0)
+	var err error
+	if x.name, err = x.ini.LoadRemote(peer.meta); err != nil {
+		t.Fatal(err)
+	}
+	x.n = int(size / x.block)
+	if x.ll, err = x.ini.PrepareLocal(BlockDescs(reg.ID(), 0, x.block, x.n)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(x.ll.Release)
+	return x
+}
+
+// readWrite READs half the peer's blocks in scattered order (checking every checksum and the
+// echo of the notification), then WRITEs other scattered blocks and compares them with the
+// peer's own checksums, over backend be; the peer's arena holds seed's pattern at first.
+func (x *crossProcess) readWrite(t *testing.T, be string, seed uint64) {
+	t.Helper()
+	ini, peer, block, n := x.ini, x.peer, int(x.block), x.n
+	rl, err := ini.PrepareRemote(testCtx(t), x.name, BlockDescs(1, 0, x.block, n), &PrepareOptions{Backends: []string{be}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rl.Release()
+	if rl.Backend().String() != be {
+		t.Fatalf("backend %v", rl.Backend())
+	}
+	if peer.call(fmt.Sprintf("fill %d", seed)) != "OK" {
+		t.Fatal("fill")
+	}
+	want := expectedSums(x.size, seed, block)
+
+	// READ scattered blocks, with a notification the peer echoes back.
+	lidx, ridx := x.rng.Perm(n)[:n/2], x.rng.Perm(n)[:n/2]
+	rd, err := ini.MakeRequest(Read, x.ll, lidx, rl, ridx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rd.Release()
+	tag := fmt.Sprintf("req-%s:1", be)
+	if err := postWait(t, rd, []byte(tag)); err != nil {
+		t.Fatal(err)
+	}
+	got := blockSums(x.ar.Bytes(), block)
+	for k := range lidx {
+		if got[lidx[k]] != want[ridx[k]] {
+			t.Fatalf("%s READ: block %d (local %d, remote %d) checksum mismatch", be, k, lidx[k], ridx[k])
 		}
-		if err := postWait(t, wr, []byte("w")); err != nil {
-			t.Fatal(err)
+	}
+	if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:"+tag || nt.Peer != x.name {
+		t.Fatalf("echo %+v", nt)
+	}
+
+	// WRITE other scattered blocks and compare with the peer's own checksums.
+	fillPattern(x.ar.Bytes(), seed+50)
+	local := blockSums(x.ar.Bytes(), block)
+	lidx, ridx = x.rng.Perm(n)[:n/2], x.rng.Perm(n)[:n/2]
+	wr, err := ini.MakeRequest(Write, x.ll, lidx, rl, ridx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer wr.Release()
+	if err := postWait(t, wr, []byte("w")); err != nil {
+		t.Fatal(err)
+	}
+	remote := peer.sums(block)
+	written := map[int]bool{}
+	for k := range lidx {
+		written[ridx[k]] = true
+		if remote[ridx[k]] != local[lidx[k]] {
+			t.Fatalf("%s WRITE: block %d (local %d, remote %d) checksum mismatch", be, k, lidx[k], ridx[k])
 		}
-		remote := peer.sums(block)
-		written := map[int]bool{}
-		for k := range lidx {
-			written[ridx[k]] = true
-			if remote[ridx[k]] != local[lidx[k]] {
-				t.Fatalf("%s WRITE: block %d (local %d, remote %d) checksum mismatch", be, k, lidx[k], ridx[k])
-			}
+	}
+	for i := range n {
+		if !written[i] && remote[i] != want[i] {
+			t.Fatalf("%s WRITE: untouched block %d changed", be, i)
 		}
-		for i := range n {
-			if !written[i] && remote[i] != want[i] {
-				t.Fatalf("%s WRITE: untouched block %d changed", be, i)
-			}
-		}
-		if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:w" {
-			t.Fatalf("echo %+v", nt)
-		}
-		wr.Release()
-		rl.Release()
+	}
+	if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:w" {
+		t.Fatalf("echo %+v", nt)
 	}
 }
 
@@ -491,21 +563,17 @@ func TestPeerRestart(t *testing.T) {
 // TestStalledPeerTimeout: a stopped peer makes a TCP READ end in ErrTimeout; once it runs
 // again the same request succeeds (late answers to the timed-out post are discarded).
 func TestStalledPeerTimeout(t *testing.T) {
+	peer := startTestPeer(t, "xstall", 5, 4<<20)
+	stalledPeerTimeout(t, peer, Config{Backends: []string{"TCP"}})
+}
+
+// stalledPeerTimeout READs 4 MiB from a stopped peer with a 300 ms deadline (ErrTimeout),
+// resumes the peer and posts the same request again, which must bring the peer's pattern
+// (seed 5). It returns the initiator.
+func stalledPeerTimeout(t *testing.T, peer *testPeer, cfg Config) *Agent {
+	t.Helper()
 	const size = 4 << 20
-	peer := startTestPeer(t, "xstall", 5, size)
-	ini := newTestAgent(t, "xinit", Config{})
-	ar := newTestArena(t, size)
-	reg := mustRegister(t, ini, ar, 0)
-	name, err := ini.LoadRemote(peer.meta)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req, err := ini.CreateRequest(testCtx(t), Read, BlockDescs(reg.ID(), 0, 1<<20, 4), name, BlockDescs(1, 0, 1<<20, 4),
-		&RequestOptions{Timeout: 300 * time.Millisecond, Backends: []string{"TCP"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer req.Release()
+	ini, ar, req := peerRead(t, peer, cfg, size, 300*time.Millisecond)
 	peer.stop()
 	wantKind(t, postWait(t, req, nil), ErrTimeout)
 	peer.signal(syscall.SIGCONT)
@@ -519,4 +587,26 @@ func TestStalledPeerTimeout(t *testing.T) {
 			t.Fatalf("block %d", i)
 		}
 	}
+	return ini
+}
+
+// peerRead starts an initiator with cfg and makes a request that READs the first size bytes
+// of peer's arena in 1 MiB blocks, with the given deadline.
+func peerRead(t *testing.T, peer *testPeer, cfg Config, size int64, timeout time.Duration) (*Agent, *Arena, *Request) {
+	t.Helper()
+	ini := newTestAgent(t, "xinit", cfg)
+	ar := newTestArena(t, size)
+	reg := mustRegister(t, ini, ar, 0)
+	name, err := ini.LoadRemote(peer.meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := int(size >> 20)
+	req, err := ini.CreateRequest(testCtx(t), Read, BlockDescs(reg.ID(), 0, 1<<20, n), name, BlockDescs(1, 0, 1<<20, n),
+		&RequestOptions{Timeout: timeout})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(req.Release)
+	return ini, ar, req
 }

@@ -1,8 +1,11 @@
 // Package xferbench is the `kvbridge bench transfer` benchmark: a nixlbench-like matrix of
 // READ and WRITE transfers between this process and a peer process on the same machine
-// (block sizes × batch sizes, descriptors in scattered order, SHM and TCP backends), with the
-// ceilings measured in the same run — a single-thread memcpy of the same bytes for SHM and a
-// raw Go loopback TCP stream for TCP — so that results read as a ratio of the ceiling.
+// (block sizes × batch sizes, descriptors in scattered order, SHM, TCP and UCX backends),
+// with the ceilings measured in the same run — a single-thread memcpy of the same bytes for
+// SHM (and UCX over shared memory) and a raw Go loopback TCP stream for TCP (and UCX over
+// TCP) — so that results read as a ratio of the ceiling. The backends of one row are measured
+// in interleaved rounds, and UCX rows also report their ratio to the TCP and SHM rows of the
+// same run (the UCX transports are the environment's: UCX_TLS, UCX_NET_DEVICES).
 //
 // See docs/architecture.md for where the package sits among kvbridge's packages.
 package xferbench
@@ -17,6 +20,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"os/exec"
+	"slices"
 	"strings"
 	"time"
 
@@ -26,19 +30,20 @@ import (
 
 // Options selects the matrix and how it runs.
 type Options struct {
-	Backends []string      // "SHM", "TCP" (default both)
-	Ops      []transfer.Op // default READ and WRITE
-	Blocks   []int64       // block sizes in bytes (default 4 KiB … 4 MiB in powers of 4)
-	Batches  []int         // descriptors per request (default 1, 4, 16, 64, 256, 1024)
-	Iters    int           // timed posts per round; 0 = automatic (by bytes moved)
-	Rounds   int           // rounds per row, each preceded by a ceiling run; the best is kept (default 3)
-	Warmup   int           // untimed posts per row (default 3)
-	MaxBytes int64         // largest request (block × batch); bigger rows are skipped (default 256 MiB)
-	Workers  int           // SHM copy workers (0 = GOMAXPROCS)
-	Streams  int           // TCP connections per peer (0 = default)
-	Seed     uint64        // shuffling seed
-	Notify   bool          // attach a notification to every post (as nixlbench does)
-	Log      io.Writer     // progress lines (nil = none)
+	Backends   []string      // "SHM", "TCP", "UCX" (default SHM and TCP; UCX needs -tags ucx)
+	Ops        []transfer.Op // default READ and WRITE
+	Blocks     []int64       // block sizes in bytes (default 4 KiB … 4 MiB in powers of 4)
+	Batches    []int         // descriptors per request (default 1, 4, 16, 64, 256, 1024)
+	Iters      int           // timed posts per round; 0 = automatic (by bytes moved)
+	Rounds     int           // rounds per row, each preceded by a ceiling run; the best is kept (default 3)
+	Warmup     int           // untimed posts per row (default 3)
+	MaxBytes   int64         // largest request (block × batch); bigger rows are skipped (default 256 MiB)
+	Workers    int           // SHM copy workers (0 = GOMAXPROCS)
+	Streams    int           // TCP connections per peer (0 = default)
+	UCXWorkers int           // UCX workers per agent, both sides (0 = default)
+	Seed       uint64        // shuffling seed
+	Notify     bool          // attach a notification to every post (as nixlbench does)
+	Log        io.Writer     // progress lines (nil = none)
 	// PeerCommand returns the command that runs the peer side (RunPeer) in another process,
 	// with its stdin and stdout left for the benchmark to connect.
 	PeerCommand func(ctx context.Context) *exec.Cmd
@@ -72,12 +77,16 @@ type Row struct {
 	Descs       int     `json:"descs"`
 	MergedDescs int     `json:"merged_descs"`
 	Fallback    string  `json:"fallback,omitempty"`
+	VsTCP       float64 `json:"vs_tcp,omitempty"` // UCX rows: GB/s over the TCP backend's in the same run and row
+	VsSHM       float64 `json:"vs_shm,omitempty"` // UCX rows: GB/s over the SHM backend's in the same run and row
 }
 
 // peerHello is the first line the benchmark writes to the peer's stdin.
 type peerHello struct {
-	ArenaBytes int64  `json:"arena_bytes"`
-	Seed       uint64 `json:"seed"`
+	ArenaBytes int64    `json:"arena_bytes"`
+	Seed       uint64   `json:"seed"`
+	Backends   []string `json:"backends"` // the backends the peer offers
+	UCXWorkers int      `json:"ucx_workers"`
 }
 
 // peerReady is the peer's answer on stdout.
@@ -170,7 +179,7 @@ func Run(ctx context.Context, opts Options) ([]Row, error) {
 	}
 	defer peer.stop()
 
-	agent, err := transfer.NewAgent("xferbench-initiator", transfer.Config{Workers: o.Workers, TCPStreams: o.Streams})
+	agent, err := transfer.NewAgent("xferbench-initiator", transfer.Config{Workers: o.Workers, TCPStreams: o.Streams, Backends: o.Backends, UCXWorkers: o.UCXWorkers})
 	if err != nil {
 		return nil, err
 	}
@@ -205,75 +214,135 @@ func Run(ctx context.Context, opts Options) ([]Row, error) {
 	tcpCeil := map[int64]float64{}
 	var rows []Row
 	rng := rand.New(rand.NewPCG(o.Seed, 7))
-	for _, be := range o.Backends {
-		for _, block := range o.Blocks {
-			slots := int(size / block)
-			ldescs := transfer.BlockDescs(lreg.ID(), 0, block, slots)
-			rdescs := transfer.BlockDescs(remoteRegion, 0, block, slots)
-			ll, err := agent.PrepareLocal(ldescs)
-			if err != nil {
-				return rows, err
+	var lanes []string
+	for _, block := range o.Blocks {
+		slots := int(size / block)
+		ll, err := agent.PrepareLocal(transfer.BlockDescs(lreg.ID(), 0, block, slots))
+		if err != nil {
+			return rows, err
+		}
+		rls := make([]*transfer.PreparedList, 0, len(o.Backends))
+		release := func() {
+			ll.Release()
+			for _, rl := range rls {
+				rl.Release()
 			}
-			rl, err := agent.PrepareRemote(ctx, peerName, rdescs, &transfer.PrepareOptions{Backends: []string{be}})
+		}
+		for _, be := range o.Backends {
+			rl, err := agent.PrepareRemote(ctx, peerName, transfer.BlockDescs(remoteRegion, 0, block, slots), &transfer.PrepareOptions{Backends: []string{be}})
 			if err != nil {
-				ll.Release()
+				release()
 				return rows, fmt.Errorf("xferbench: backend %s: %w", be, err)
 			}
-			if be == "TCP" {
-				if _, ok := tcpCeil[block]; !ok {
-					g, err := tcpStreamGBps(ctx, block)
-					if err != nil {
-						return rows, err
-					}
-					tcpCeil[block] = g
-					o.logf("raw loopback TCP stream of one hot %s buffer: %.2f GB/s", sizeName(block), g)
-				}
+			rls = append(rls, rl)
+			if be == "UCX" && lanes == nil {
+				info, _ := agent.Peer(peerName)
+				lanes = info.UCXLanes
+				o.logf("UCX lanes: %s", strings.Join(lanes, "; "))
 			}
-			for _, op := range o.Ops {
-				for _, batch := range o.Batches {
-					if block*int64(batch) > o.MaxBytes {
-						continue
-					}
-					lidx := rng.Perm(slots)[:batch]
-					ridx := rng.Perm(slots)[:batch]
-					var ceil func() float64
-					if be == "SHM" {
-						ceil = func() float64 {
-							return memcpyGBps(local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.iters(block*int64(batch), true))
-						}
-					} else {
-						ceil = func() float64 {
-							g, err := tcpSameBytesGBps(ctx, local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.tcpIters(block*int64(batch)))
-							if err != nil {
-								o.logf("tcp ceiling: %v", err)
-							}
-							return g
-						}
-					}
-					row, err := measure(ctx, &o, agent, op, ll, lidx, rl, ridx, block, local.Bytes(), mirror.Bytes(), ceil)
+		}
+		if slices.Contains(o.Backends, "TCP") {
+			if _, ok := tcpCeil[block]; !ok {
+				g, err := tcpStreamGBps(ctx, block)
+				if err != nil {
+					release()
+					return rows, err
+				}
+				tcpCeil[block] = g
+				o.logf("raw loopback TCP stream of one hot %s buffer: %.2f GB/s", sizeName(block), g)
+			}
+		}
+		for _, op := range o.Ops {
+			for _, batch := range o.Batches {
+				if block*int64(batch) > o.MaxBytes {
+					continue
+				}
+				lidx := rng.Perm(slots)[:batch]
+				ridx := rng.Perm(slots)[:batch]
+				memcpyCeil := func() float64 {
+					return memcpyGBps(local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.iters(block*int64(batch), true))
+				}
+				tcpCeilFn := func() float64 {
+					g, err := tcpSameBytesGBps(ctx, local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.tcpIters(block*int64(batch)))
 					if err != nil {
-						ll.Release()
-						rl.Release()
+						o.logf("tcp ceiling: %v", err)
+					}
+					return g
+				}
+				cells := make([]*cell, 0, len(rls))
+				for i, rl := range rls {
+					c := &cell{backend: o.Backends[i], rl: rl, ceil: memcpyCeil, ceiling: "memcpy"}
+					if c.backend == "TCP" || (c.backend == "UCX" && ucxOverTCP(lanes)) {
+						c.ceil, c.ceiling = tcpCeilFn, "tcp_stream"
+					}
+					if err := c.prepare(ctx, &o, agent, op, ll, lidx, ridx, block, local.Bytes(), mirror.Bytes()); err != nil {
+						for _, c := range cells {
+							c.req.Release()
+						}
+						release()
 						return rows, err
 					}
-					row.Backend, row.Fallback = rl.Backend().String(), rl.FallbackReason()
-					if be == "SHM" {
-						row.Ceiling = "memcpy"
-					} else {
-						row.Ceiling, row.TCPHotGBps = "tcp_stream", tcpCeil[block]
+					cells = append(cells, c)
+				}
+				// Rounds interleave the backends (each round after its own ceiling run), so
+				// that every backend meets the same machine and ratios between them mean
+				// something on a shared, noisy host.
+				for range o.Rounds {
+					for _, c := range cells {
+						if err := c.round(ctx); err != nil {
+							for _, c := range cells {
+								c.req.Release()
+							}
+							release()
+							return rows, err
+						}
 					}
-					if row.CeilingGBps > 0 {
-						row.Ratio = row.GBps / row.CeilingGBps
+				}
+				byBackend := map[string]float64{}
+				for _, c := range cells {
+					byBackend[c.backend] = c.best
+				}
+				for _, c := range cells {
+					row := c.row(op, block, len(lidx))
+					if row.Backend == "TCP" {
+						row.TCPHotGBps = tcpCeil[block]
+					}
+					if row.Backend == "UCX" {
+						if g := byBackend["TCP"]; g > 0 {
+							row.VsTCP = row.GBps / g
+						}
+						if g := byBackend["SHM"]; g > 0 {
+							row.VsSHM = row.GBps / g
+						}
 					}
 					o.logf("%-3s %-5s %7s x %-4d %7.2f GB/s  ceiling %6.2f  ratio %.2f", row.Backend, row.Op, sizeName(block), batch, row.GBps, row.CeilingGBps, row.Ratio)
 					rows = append(rows, row)
+					c.req.Release()
 				}
 			}
-			ll.Release()
-			rl.Release()
+		}
+		release()
+	}
+	// Report in backend, op, block, batch order.
+	rank := func(r Row) [4]int {
+		return [4]int{slices.Index(o.Backends, r.Backend), slices.IndexFunc(o.Ops, func(op transfer.Op) bool { return op.String() == r.Op }),
+			slices.Index(o.Blocks, r.BlockBytes), slices.Index(o.Batches, r.Batch)}
+	}
+	slices.SortStableFunc(rows, func(a, b Row) int {
+		ra, rb := rank(a), rank(b)
+		return slices.Compare(ra[:], rb[:])
+	})
+	return rows, nil
+}
+
+// ucxOverTCP reports whether UCX moves data over TCP (then the TCP stream is its ceiling).
+func ucxOverTCP(lanes []string) bool {
+	for _, l := range lanes {
+		if strings.HasPrefix(l, "tcp/") {
+			return true
 		}
 	}
-	return rows, nil
+	return false
 }
 
 // firstRegion returns the id of the peer's (only) region: the benchmark target registers
@@ -302,38 +371,44 @@ func (o *Options) iters(n int64, memcpy bool) int {
 // tcpIters returns the repetitions of the TCP ceiling for a request of n bytes (~32 MiB).
 func (o *Options) tcpIters(n int64) int { return int(min(max((32<<20)/n, 2), 500)) }
 
-// measure runs one row: warmup and a data check, then o.Rounds rounds of timed posts one
-// after another, each preceded by a run of the ceiling (if ceil is not nil). The best round
-// of each is reported, which keeps the ratio meaningful on a shared, noisy machine.
-func measure(ctx context.Context, o *Options, a *transfer.Agent, op transfer.Op, ll *transfer.PreparedList, lidx []int,
-	rl *transfer.PreparedList, ridx []int, block int64, local, mirror []byte, ceil func() float64) (Row, error) {
-	req, err := a.MakeRequest(op, ll, lidx, rl, ridx, &transfer.RequestOptions{Timeout: time.Minute})
+// cell is one backend's measurement of one row of the matrix.
+type cell struct {
+	backend string
+	rl      *transfer.PreparedList
+	ceil    func() float64
+	ceiling string
+
+	req      *transfer.Request
+	notif    []byte
+	n        int
+	posts    []float64
+	xfers    []float64
+	best     float64
+	bestCeil float64
+}
+
+// prepare makes the cell's request, runs the warmup posts and checks READ data.
+func (c *cell) prepare(ctx context.Context, o *Options, a *transfer.Agent, op transfer.Op, ll *transfer.PreparedList, lidx, ridx []int,
+	block int64, local, mirror []byte) error {
+	req, err := a.MakeRequest(op, ll, lidx, c.rl, ridx, &transfer.RequestOptions{Timeout: time.Minute})
 	if err != nil {
-		return Row{}, err
+		return err
 	}
-	defer req.Release()
-	var notif []byte
+	c.req = req
 	if o.Notify {
-		notif = []byte("0xBEEF")
+		c.notif = []byte("0xBEEF")
 	}
 	if op == transfer.Write {
 		// Write the peer's own pattern back, so its arena keeps matching mirror.
 		for k, li := range lidx {
 			copy(local[int64(li)*block:int64(li+1)*block], mirror[int64(ridx[k])*block:int64(ridx[k]+1)*block])
 		}
-	}
-	bytes := req.Bytes()
-	post := func() (time.Duration, error) {
-		t0 := time.Now()
-		if err := req.Post(ctx, notif); err != nil {
-			return 0, err
-		}
-		d := time.Since(t0)
-		return d, req.Wait(ctx)
+	} else {
+		clear(local) // the check below must see this backend's bytes
 	}
 	for i := 0; i < o.Warmup; i++ {
-		if _, err := post(); err != nil {
-			return Row{}, err
+		if _, err := c.post(ctx); err != nil {
+			return err
 		}
 	}
 	if op == transfer.Read {
@@ -341,36 +416,55 @@ func measure(ctx context.Context, o *Options, a *transfer.Agent, op transfer.Op,
 			l := local[int64(li)*block : int64(li+1)*block]
 			m := mirror[int64(ridx[k])*block : int64(ridx[k]+1)*block]
 			if string(l) != string(m) {
-				return Row{}, fmt.Errorf("xferbench: READ %s x %d: block %d differs from the peer's pattern", sizeName(block), len(lidx), k)
+				return fmt.Errorf("xferbench: %s READ %s x %d: block %d differs from the peer's pattern", c.backend, sizeName(block), len(lidx), k)
 			}
 		}
 	}
-	n := o.iters(bytes, false)
-	var posts, xfers []float64
-	best, bestCeil := 0.0, 0.0
-	for range o.Rounds {
-		if ceil != nil {
-			bestCeil = max(bestCeil, ceil())
-		}
-		start := time.Now()
-		for range n {
-			pd, err := post()
-			if err != nil {
-				return Row{}, err
-			}
-			posts = append(posts, us(pd))
-			xfers = append(xfers, us(req.Telemetry().TransferDuration))
-		}
-		best = max(best, float64(bytes)*float64(n)/time.Since(start).Seconds()/1e9)
+	c.n = o.iters(req.Bytes(), false)
+	return nil
+}
+
+// post posts the request once and waits for it; it returns the time spent in Post.
+func (c *cell) post(ctx context.Context) (time.Duration, error) {
+	t0 := time.Now()
+	if err := c.req.Post(ctx, c.notif); err != nil {
+		return 0, err
 	}
-	before, after := req.Descs()
-	return Row{
-		Op: op.String(), BlockBytes: block, Batch: len(lidx), Iters: n * o.Rounds,
-		GBps: best, CeilingGBps: bestCeil,
-		PostAvgUs: stats.Mean(posts), PostP99Us: stats.NearestRank(posts, 0.99),
-		XferAvgUs: stats.Mean(xfers), XferP50Us: stats.NearestRank(xfers, 0.50), XferP99Us: stats.NearestRank(xfers, 0.99),
+	d := time.Since(t0)
+	return d, c.req.Wait(ctx)
+}
+
+// round runs the ceiling once, then the cell's timed posts.
+func (c *cell) round(ctx context.Context) error {
+	c.bestCeil = max(c.bestCeil, c.ceil())
+	start := time.Now()
+	for range c.n {
+		pd, err := c.post(ctx)
+		if err != nil {
+			return err
+		}
+		c.posts = append(c.posts, us(pd))
+		c.xfers = append(c.xfers, us(c.req.Telemetry().TransferDuration))
+	}
+	c.best = max(c.best, float64(c.req.Bytes())*float64(c.n)/time.Since(start).Seconds()/1e9)
+	return nil
+}
+
+// row reports the cell.
+func (c *cell) row(op transfer.Op, block int64, batch int) Row {
+	before, after := c.req.Descs()
+	r := Row{
+		Backend: c.rl.Backend().String(), Fallback: c.rl.FallbackReason(),
+		Op: op.String(), BlockBytes: block, Batch: batch, Iters: len(c.posts),
+		GBps: c.best, CeilingGBps: c.bestCeil, Ceiling: c.ceiling,
+		PostAvgUs: stats.Mean(c.posts), PostP99Us: stats.NearestRank(c.posts, 0.99),
+		XferAvgUs: stats.Mean(c.xfers), XferP50Us: stats.NearestRank(c.xfers, 0.50), XferP99Us: stats.NearestRank(c.xfers, 0.99),
 		Descs: before, MergedDescs: after,
-	}, nil
+	}
+	if r.CeilingGBps > 0 {
+		r.Ratio = r.GBps / r.CeilingGBps
+	}
+	return r
 }
 
 // us converts a duration to microseconds.
@@ -409,7 +503,7 @@ func startPeer(ctx context.Context, o *Options, size int64) (*peerProc, error) {
 		return nil, fmt.Errorf("xferbench: starting the peer: %w", err)
 	}
 	p := &peerProc{cmd: cmd, stdin: stdin}
-	hello, _ := json.Marshal(peerHello{ArenaBytes: size, Seed: o.Seed})
+	hello, _ := json.Marshal(peerHello{ArenaBytes: size, Seed: o.Seed, Backends: o.Backends, UCXWorkers: o.UCXWorkers})
 	if _, err := fmt.Fprintf(stdin, "%s\n", hello); err != nil {
 		p.stop()
 		return nil, fmt.Errorf("xferbench: peer: %w", err)
@@ -470,7 +564,7 @@ func RunPeer(ctx context.Context, in io.Reader, out io.Writer) error {
 		fmt.Fprintf(out, "%s\n", b)
 		return err
 	}
-	a, err := transfer.NewAgent("xferbench-target", transfer.Config{})
+	a, err := transfer.NewAgent("xferbench-target", transfer.Config{Backends: h.Backends, UCXWorkers: h.UCXWorkers})
 	if err != nil {
 		return fail(err)
 	}

@@ -23,22 +23,25 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
+// testPeerCommand re-executes the test binary as the benchmark's peer.
+func testPeerCommand(ctx context.Context) *exec.Cmd {
+	c := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	c.Env = append(os.Environ(), envPeer+"=1")
+	c.Stderr = os.Stderr
+	return c
+}
+
 // TestRunSmall runs a tiny matrix end to end (peer process, both backends, both ops, data
 // check) and checks the table and the JSON fields. It asserts no timing.
 func TestRunSmall(t *testing.T) {
 	ctx := t.Context()
 	rows, err := Run(ctx, Options{
-		Blocks:  []int64{4 << 10, 64 << 10},
-		Batches: []int{1, 8},
-		Iters:   3,
-		Warmup:  1,
-		Notify:  true,
-		PeerCommand: func(ctx context.Context) *exec.Cmd {
-			c := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
-			c.Env = append(os.Environ(), envPeer+"=1")
-			c.Stderr = os.Stderr
-			return c
-		},
+		Blocks:      []int64{4 << 10, 64 << 10},
+		Batches:     []int{1, 8},
+		Iters:       3,
+		Warmup:      1,
+		Notify:      true,
+		PeerCommand: testPeerCommand,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -84,7 +87,7 @@ func TestRunSmall(t *testing.T) {
 func TestOptions(t *testing.T) {
 	noPeer := func(context.Context) *exec.Cmd { t.Fatal("peer started"); return nil }
 	for _, o := range []Options{
-		{Backends: []string{"UCX"}, PeerCommand: noPeer},
+		{Backends: []string{"LIBFABRIC"}, PeerCommand: noPeer},
 		{Blocks: []int64{12}, PeerCommand: noPeer},
 		{Batches: []int{0}, PeerCommand: noPeer},
 		{Blocks: []int64{1 << 20}, Batches: []int{1024}, MaxBytes: 1 << 20, PeerCommand: noPeer},

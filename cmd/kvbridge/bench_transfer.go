@@ -20,17 +20,19 @@ func newBenchTransferCmd() *cobra.Command {
 	var (
 		backends, ops, blocks, batches string
 		iters, warmup, rounds, workers int
-		streams                        int
+		streams, ucxWorkers            int
 		maxBytes, jsonPath             string
 		notify, quiet, peer            bool
 	)
 	cmd := &cobra.Command{
 		Use:   "transfer",
-		Short: "Benchmark the KV transfer engine (SHM and TCP) against memcpy and raw TCP ceilings",
+		Short: "Benchmark the KV transfer engine (SHM, TCP, UCX) against memcpy and raw TCP ceilings",
 		Long: `Runs READ and WRITE transfers between this process and a peer process on this machine:
-block sizes × batch sizes, descriptors in scattered order, on the SHM and TCP backends. The
+block sizes × batch sizes, descriptors in scattered order, on the SHM and TCP backends (and UCX
+in a binary built with -tags ucx; UCX_TLS and UCX_NET_DEVICES pick its transports). The
 ceilings are measured in the same run (a single-thread memcpy of the same bytes, a raw Go
-loopback TCP stream) and every row reports its ratio to the ceiling.`,
+loopback TCP stream) and every row reports its ratio to the ceiling; the backends of a row are
+measured in interleaved rounds, and UCX rows also report their ratio to the TCP and SHM rows.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			ctx := cmd.Context()
@@ -40,14 +42,17 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 			if peer {
 				return xferbench.RunPeer(ctx, os.Stdin, os.Stdout)
 			}
-			opts := xferbench.Options{Iters: iters, Warmup: warmup, Rounds: rounds, Workers: workers, Streams: streams, Notify: notify}
+			opts := xferbench.Options{Iters: iters, Warmup: warmup, Rounds: rounds, Workers: workers, Streams: streams, UCXWorkers: ucxWorkers, Notify: notify}
 			var err error
 			if opts.Backends, err = splitList(backends); err != nil {
-				return err
+				return usageError("--backends: %v", err)
+			}
+			if _, err := transfer.ParseBackends(opts.Backends); err != nil {
+				return usageError("--backends: %v", err)
 			}
 			opNames, err := splitList(ops)
 			if err != nil {
-				return err
+				return usageError("--ops: %v", err)
 			}
 			for _, o := range opNames {
 				switch strings.ToUpper(o) {
@@ -56,27 +61,27 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 				case "WRITE":
 					opts.Ops = append(opts.Ops, transfer.Write)
 				default:
-					return fmt.Errorf("--ops: unknown op %q (READ, WRITE)", o)
+					return usageError("--ops: unknown op %q (READ, WRITE)", o)
 				}
 			}
 			if opts.Blocks, err = parseSizes(blocks); err != nil {
-				return fmt.Errorf("--blocks: %w", err)
+				return usageError("--blocks: %v", err)
 			}
 			bs, err := splitList(batches)
 			if err != nil {
-				return err
+				return usageError("--batches: %v", err)
 			}
 			for _, b := range bs {
 				n, err := strconv.Atoi(b)
 				if err != nil || n <= 0 {
-					return fmt.Errorf("--batches: invalid batch %q", b)
+					return usageError("--batches: invalid batch %q", b)
 				}
 				opts.Batches = append(opts.Batches, n)
 			}
 			if maxBytes != "" {
 				mb, err := parseSizes(maxBytes)
 				if err != nil || len(mb) != 1 {
-					return fmt.Errorf("--max-bytes: invalid size %q", maxBytes)
+					return usageError("--max-bytes: invalid size %q", maxBytes)
 				}
 				opts.MaxBytes = mb[0]
 			}
@@ -109,7 +114,7 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&backends, "backends", "SHM,TCP", "backends to measure, in order (SHM, TCP)")
+	f.StringVar(&backends, "backends", "SHM,TCP", "backends to measure, in order (SHM, TCP, UCX)")
 	f.StringVar(&ops, "ops", "READ,WRITE", "operations to measure")
 	f.StringVar(&blocks, "blocks", "4K,16K,64K,256K,1M,4M", "block sizes (K, M suffixes = KiB, MiB)")
 	f.StringVar(&batches, "batches", "1,4,16,64,256,1024", "descriptors per request")
@@ -119,6 +124,7 @@ loopback TCP stream) and every row reports its ratio to the ceiling.`,
 	f.StringVar(&maxBytes, "max-bytes", "256M", "skip rows whose request (block × batch) is larger")
 	f.IntVar(&workers, "workers", 0, "SHM copy workers (0 = GOMAXPROCS)")
 	f.IntVar(&streams, "streams", 0, "TCP connections per peer (0 = engine default)")
+	f.IntVar(&ucxWorkers, "ucx-workers", 0, "UCX workers per agent (0 = engine default)")
 	f.BoolVar(&notify, "notify", false, "attach a notification to every post")
 	f.StringVar(&jsonPath, "json", "", "also write the rows as JSON to this file")
 	f.BoolVarP(&quiet, "quiet", "q", false, "no progress lines on stderr")

@@ -142,6 +142,8 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"proxy", "--prefiller-hosts", "a", "b", "--prefiller-ports", "1"}, "2 prefiller hosts but 1"},
 		{[]string{"bench"}, "subcommand"},
 		{[]string{"bench", "pd", "--hosts", "--backend", "SHM"}, "--backend SHM cannot cross hosts"},
+		{[]string{"bench", "transfer", "--backends", "TCP,RDMA"}, "--backends"},
+		{[]string{"bench", "transfer", "--ops", "SEND"}, "--ops"},
 	} {
 		cmd := exec.Command(os.Args[0], tc.args...)
 		cmd.Env = append(os.Environ(), "KVBRIDGE_TEST_MAIN=1")
