@@ -15,10 +15,9 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
-
-	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/engine"
@@ -26,8 +25,6 @@ import (
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/kernel"
-	"github.com/kvbridge/kvbridge/openai"
-	"github.com/kvbridge/kvbridge/transfer"
 )
 
 // ErrConfig reports an instance configuration that cannot work.
@@ -112,8 +109,16 @@ type Config struct {
 	DisableLogStats bool
 	// Logger receives the instance's logs; nil discards.
 	Logger *slog.Logger
-	// Connector overrides test hooks of the connector (clock, tick, transfer settings).
+	// DataParallelSize is --data-parallel-size: the number of ranks (default 1), each a whole
+	// engine with its own KV pool (NumBlocks, KVBytes and MaxNumSeqs are per rank, as vLLM's
+	// are per GPU; MemoryUtilization's share is split between them) and connector, behind the
+	// one HTTP port (see Rank).
+	DataParallelSize int
+	// Connector overrides test hooks of the connector (clock, tick, transfer settings); it is
+	// called for every rank.
 	ConnectorHooks func(*connector.Options)
+
+	dpRank int // the rank a Config made by rank describes
 }
 
 // withDefaults returns cfg with every default applied for the opened model m, or an error
@@ -126,6 +131,12 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 	}
 	if cfg.BlockSize == 0 {
 		cfg.BlockSize = kvcache.DefaultBlockSize
+	}
+	if cfg.DataParallelSize == 0 {
+		cfg.DataParallelSize = 1
+	}
+	if cfg.DataParallelSize < 0 {
+		return cfg, fmt.Errorf("%w: data parallel size %d must be at least 1", ErrConfig, cfg.DataParallelSize)
 	}
 	if cfg.BlockSize < 0 || cfg.BlockSize > kvcache.MaxBlockSize {
 		return cfg, fmt.Errorf("%w: block size %d must be between 1 and %d", ErrConfig, cfg.BlockSize, kvcache.MaxBlockSize)
@@ -153,32 +164,41 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 	case cfg.SideChannelPort < 0:
 		cfg.SideChannelPort = 0
 	}
+	if last := cfg.SideChannelPort + cfg.DataParallelSize - 1; cfg.SideChannelPort > 0 && last > 65535 {
+		return cfg, fmt.Errorf("%w: side channel ports %d to %d (VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank) run past 65535",
+			ErrConfig, cfg.SideChannelPort, last)
+	}
 	if cfg.StatsInterval <= 0 {
 		cfg.StatsInterval = DefaultStatsInterval
 	}
 	return cfg, nil
 }
 
-// Instance is a running engine with its HTTP server.
+// Instance is a running engine with its HTTP server: one or, with data parallelism, several
+// ranks behind one port.
 type Instance struct {
 	// URL is the HTTP base URL, e.g. http://127.0.0.1:8000.
 	URL string
 	// Addr is the HTTP listener's address.
 	Addr *net.TCPAddr
 
-	Model     *model.Model
+	Model *model.Model
+	// Ranks are the engine's data-parallel ranks (Config.DataParallelSize of them), rank i at
+	// index i.
+	Ranks []*Rank
+	// Engine, Connector, Pool and Metrics are rank 0's: the whole engine's unless
+	// DataParallelSize > 1.
 	Engine    *engine.Engine
 	Connector *connector.Connector // nil without KVTransfer
 	Pool      *kvcache.Pool
 	Metrics   *metrics.EngineMetrics
-	Registry  *metrics.Registry
+	// Registry holds every rank's metrics (the "engine" label is the rank) and is what
+	// /metrics serves.
+	Registry *metrics.Registry
 
-	arena     *transfer.Arena
 	ownModel  bool
 	srv       *http.Server
 	served    chan error
-	cancelLog context.CancelFunc
-	logDone   chan struct{} // closed when the "KV Transfer metrics" logger has returned
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -209,64 +229,25 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		loaded = append(loaded, "bf16_products", kernel.BF16Products())
 	}
 	cfg.Logger.Info("model loaded", loaded...)
-	log, names := cfg.Logger, cfg.ServedModelNames
-	geo := engine.KVGeometry(in.Model, cfg.BlockSize)
-	geo.Layout = cfg.Layout
 	in.Registry = metrics.NewRegistry()
-	in.Metrics = in.Registry.Engine(names[0], "0")
-
-	layout := connector.NewArenaLayout(geo.BlockBytes(), cfg.NumBlocks)
-	if in.arena, err = transfer.NewArena("kvcache", layout.Size); err != nil {
-		return nil, fmt.Errorf("allocate the KV cache: %w", err)
-	}
-	in.Pool, err = kvcache.NewPool(in.arena.Bytes(), kvcache.PoolConfig{
-		Geometry: geo, NumBlocks: cfg.NumBlocks, PrefixCaching: cfg.PrefixCaching,
-		RecordTable: layout.RecordTable(in.arena.Bytes()),
-	})
-	if err != nil {
-		return nil, err
-	}
-	ecfg := engine.Config{
-		BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks, MaxModelLen: cfg.MaxModelLen,
-		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
-		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed,
-	}
-	if kv := cfg.KVTransfer; kv != nil {
-		if in.Connector, err = startConnector(cfg, kv, in, layout); err != nil {
+	for i := range cfg.DataParallelSize {
+		rk, err := startRank(cfg.rank(i), in.Model, in.Registry)
+		if rk != nil {
+			in.Ranks = append(in.Ranks, rk)
+		}
+		if err != nil {
+			if cfg.DataParallelSize > 1 {
+				err = fmt.Errorf("data-parallel rank %d: %w", i, err)
+			}
 			return nil, err
 		}
-		labels := prometheus.Labels{metrics.LabelModelName: names[0], metrics.LabelEngine: "0"}
-		if err := in.Registry.Prometheus().Register(in.Connector.AuthRefusalsCollector(labels)); err != nil {
-			return nil, fmt.Errorf("register the KV auth refusal counter: %w", err)
-		}
-		ecfg.Connector = in.Connector
-		if kv.LoadFailurePolicy == connector.PolicyRecompute {
-			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
-		}
-		logCtx, cancel := context.WithCancel(context.Background())
-		in.cancelLog, in.logDone = cancel, make(chan struct{})
-		go func() {
-			defer close(in.logDone)
-			if !cfg.DisableLogStats {
-				in.Metrics.Nixl().LogEvery(logCtx, log, cfg.StatsInterval)
-			}
-		}()
 	}
-	if in.Engine, err = engine.New(in.Model, in.Pool, ecfg, log); err != nil {
-		return nil, err
+	r0 := in.Ranks[0]
+	in.Engine, in.Connector, in.Pool, in.Metrics = r0.Engine, r0.Connector, r0.Pool, r0.Metrics
+	var handler http.Handler = r0.server
+	if len(in.Ranks) > 1 {
+		handler = &dispatcher{ranks: in.Ranks}
 	}
-	if in.Connector != nil {
-		in.Connector.Start(in.Engine)
-	}
-	ocfg := openai.Config{
-		ServedModelNames: names, MaxModelLen: cfg.MaxModelLen, Logger: log, Metrics: in.Registry, APIKey: cfg.APIKey,
-		MaxConcurrentRequests: cfg.MaxConcurrentRequests, MaxLogprobs: cfg.MaxLogprobs,
-		PromptTokensDetails: cfg.PromptTokensDetails, ForceIncludeUsage: cfg.ForceIncludeUsage,
-	}
-	if in.Connector != nil {
-		ocfg.DeclineKV = in.Connector.Decline
-	}
-	handler := openai.NewServer(ocfg, in.Engine, in.Model)
 	ln, err := net.Listen("tcp", net.JoinHostPort(cfg.Host, strconv.Itoa(cfg.Port)))
 	if err != nil {
 		return nil, fmt.Errorf("listen on port %d: %w (is another server using it? pick another port)", cfg.Port, err)
@@ -279,11 +260,18 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	in.URL = "http://" + net.JoinHostPort(host, strconv.Itoa(in.Addr.Port))
 	in.srv = &http.Server{Handler: handler, ReadHeaderTimeout: 30 * time.Second}
 	go func() { in.served <- in.srv.Serve(ln) }()
-	attrs := []any{"model", names[0], "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
-	if in.Connector != nil {
-		attrs = append(attrs, "engine_id", in.Connector.EngineID(), "role", string(cfg.KVTransfer.Role), "side_channel", in.Connector.SideChannelAddr())
+	attrs := []any{"model", cfg.ServedModelNames[0], "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
+	if cfg.DataParallelSize > 1 {
+		attrs = append(attrs, "data_parallel_size", cfg.DataParallelSize)
 	}
-	log.Info("kvbridge serving", attrs...)
+	if in.Connector != nil {
+		var ids, sides []string
+		for _, rk := range in.Ranks {
+			ids, sides = append(ids, rk.Connector.EngineID()), append(sides, rk.Connector.SideChannelAddr())
+		}
+		attrs = append(attrs, "engine_id", strings.Join(ids, ","), "role", string(cfg.KVTransfer.Role), "side_channel", strings.Join(sides, ","))
+	}
+	cfg.Logger.Info("kvbridge serving", attrs...)
 	return in, nil
 }
 
@@ -303,7 +291,7 @@ func kvBlocks(cfg Config, blockBytes int) (int, error) {
 		if !(cfg.MemoryUtilization > 0 && cfg.MemoryUtilization <= 1) {
 			return 0, fmt.Errorf("%w: memory utilization %g must be in (0, 1]", ErrConfig, cfg.MemoryUtilization)
 		}
-		kv := int64(cfg.MemoryUtilization*float64(total)) - resident
+		kv := (int64(cfg.MemoryUtilization*float64(total)) - resident) / int64(cfg.DataParallelSize)
 		if kv < int64(blockBytes) {
 			return 0, fmt.Errorf("%w: memory utilization %g of %.2f GiB leaves no room for the KV cache after the model (%.2f GiB resident): raise it",
 				ErrConfig, cfg.MemoryUtilization, gib(total), gib(resident))
@@ -349,31 +337,6 @@ func fitModelLen(cfg Config, modelLen, blockBytes int) (int, error) {
 func gib(b int64) float64      { return float64(b) / (1 << 30) }
 func round2(x float64) float64 { return math.Round(x*100) / 100 }
 
-// startConnector starts the NixlConnector of in; cfg has its defaults applied.
-func startConnector(cfg Config, kv *connector.Config, in *Instance, layout connector.ArenaLayout) (*connector.Connector, error) {
-	listen := cfg.SideChannelHost
-	if listen == "localhost" {
-		listen = "127.0.0.1"
-	}
-	mc := in.Model.Config()
-	opts := connector.Options{
-		Config: kv, Pool: in.Pool, Arena: in.arena, Layout: layout,
-		Compat: connector.CompatFactors{
-			Model: in.Model.Name(), DType: in.Model.DType(), NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
-			NumLayers: mc.NumLayers, CacheDType: in.Model.KVCacheDType(),
-		},
-		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(cfg.SideChannelPort)),
-		AdvertiseHost:   cfg.SideChannelHost,
-		Logger:          cfg.Logger,
-		Metrics:         in.Metrics.Nixl(),
-		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, "0")},
-	}
-	if cfg.ConnectorHooks != nil {
-		cfg.ConnectorHooks(&opts)
-	}
-	return connector.New(opts)
-}
-
 // Wait blocks until the HTTP server stops on its own (an error) or ctx ends.
 func (in *Instance) Wait(ctx context.Context) error {
 	select {
@@ -384,9 +347,8 @@ func (in *Instance) Wait(ctx context.Context) error {
 	}
 }
 
-// Close stops the HTTP server (waiting up to 10 s for requests), the engine (releasing every
-// block it holds), the connector, the "KV Transfer metrics" logger (waiting for it to return)
-// and the arena. It is idempotent.
+// Close stops the HTTP server (waiting up to 10 s for requests), then every rank (see
+// Rank.close) and the model it opened. It is idempotent.
 func (in *Instance) Close() error {
 	in.closeOnce.Do(func() {
 		var errs []error
@@ -395,18 +357,8 @@ func (in *Instance) Close() error {
 			errs = append(errs, in.srv.Shutdown(ctx))
 			cancel()
 		}
-		if in.Engine != nil {
-			errs = append(errs, in.Engine.Close())
-		}
-		if in.Connector != nil {
-			errs = append(errs, in.Connector.Close())
-		}
-		if in.cancelLog != nil {
-			in.cancelLog()
-			<-in.logDone
-		}
-		if in.arena != nil {
-			errs = append(errs, in.arena.Close())
+		for _, rk := range in.Ranks {
+			errs = append(errs, rk.close())
 		}
 		if in.ownModel && in.Model != nil {
 			errs = append(errs, in.Model.Close())

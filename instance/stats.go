@@ -36,13 +36,20 @@ type Stats struct {
 	FailedTransfers, FailedNotifications, ExpiredRequests, NotificationsAfterExpiry int64
 }
 
-// Stats returns a snapshot of the engine. It may be called after Close (the counters then stay
-// as they were, and every block is free).
+// Stats returns a snapshot of the engine, summed over its data-parallel ranks. It may be called
+// after Close (the counters then stay as they were, and every block is free).
 func (in *Instance) Stats() (Stats, error) {
-	es := in.Engine.Stats()
-	st := Stats{
-		Running: es.Running, Waiting: es.Waiting, Held: es.Delayed, FreeBlocks: es.FreeBlocks, NumBlocks: es.NumBlocks,
-		PromptTokens: es.PromptTokens, PrefixHitTokens: es.PrefixHits, PulledTokens: es.ExternalHits,
+	var st Stats
+	for _, rk := range in.Ranks {
+		es := rk.Engine.Stats()
+		st.Running += es.Running
+		st.Waiting += es.Waiting
+		st.Held += es.Delayed
+		st.FreeBlocks += es.FreeBlocks
+		st.NumBlocks += es.NumBlocks
+		st.PromptTokens += es.PromptTokens
+		st.PrefixHitTokens += es.PrefixHits
+		st.PulledTokens += es.ExternalHits
 	}
 	families, err := in.Registry.Prometheus().Gather()
 	if err != nil {

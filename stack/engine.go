@@ -57,7 +57,11 @@ type EngineConfig struct {
 	AllowedPeers  []string
 	// PrefixCaching turns the engine's prefix cache on.
 	PrefixCaching bool
-	// BlockSize, NumBlocks and MaxModelLen size the engine (defaults the instance's).
+	// DataParallelSize is the engine's number of data-parallel ranks (default 1; see
+	// instance.Rank). Fault proxies in the side channel or transfer paths, and
+	// AdvertiseTransfer, need a single rank.
+	DataParallelSize int
+	// BlockSize, NumBlocks and MaxModelLen size the engine, each rank (defaults the instance's).
 	BlockSize, NumBlocks, MaxModelLen int
 	// Host is where the engine listens (default 127.0.0.1); Port its HTTP port (0: a free one).
 	// With FallbackToFreePort a Port that is taken is replaced by a free one.
@@ -123,6 +127,9 @@ func StartEngine(ctx context.Context, cfg EngineConfig) (_ *Engine, err error) {
 	if cfg.Role != "" && cfg.EngineID == "" {
 		cfg.EngineID = connector.DefaultConfig(cfg.Role).EngineID // kept across restarts
 	}
+	if cfg.DataParallelSize > 1 && (cfg.Faults&(FaultSideChannel|FaultTransfer) != 0 || cfg.AdvertiseTransfer != "") {
+		return nil, fmt.Errorf("stack: %w: engine %q: fault proxies in the side channel or transfer paths need a single data-parallel rank", instance.ErrConfig, cfg.Name)
+	}
 	e := &Engine{Name: cfg.Name, cfg: cfg}
 	defer func() {
 		if err != nil {
@@ -154,7 +161,7 @@ func (cfg EngineConfig) instanceConfig() instance.Config {
 	ic := instance.Config{
 		Model: cfg.ModelName, OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
-		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true,
+		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true, DataParallelSize: cfg.DataParallelSize,
 	}
 	if ic.SideChannelPort == 0 {
 		ic.SideChannelPort = -1 // a free port, not the default 5600

@@ -150,7 +150,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
 	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", openai.DefaultMaxConcurrentRequests, "completions served at once; one more is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
-	fl.IntVar(&f.dataParallelSize, "data-parallel-size", 1, "data parallelism (-dp); only 1 for now")
+	fl.IntVar(&f.dataParallelSize, "data-parallel-size", 1, "data-parallel ranks (-dp) behind the one port, each with its own KV cache and side channel (VLLM_NIXL_SIDE_CHANNEL_PORT + rank)")
 	fl.IntVar(&f.pipelineParallelSize, "pipeline-parallel-size", 1, "pipeline parallelism (-pp); only 1 is supported")
 	fl.IntVar(&f.maxLogprobs, "max-logprobs", 20, "most logprobs a request may ask for per position (-1: the vocabulary)")
 	fl.BoolVar(&f.disableLogStats, "disable-log-stats", false, "no periodic KV Transfer metrics log line")
@@ -181,8 +181,6 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 		return usageError("--pipeline-parallel-size %d: kvbridge runs one rank per engine; only 1 is supported", f.pipelineParallelSize)
 	case f.dataParallelSize < 1:
 		return usageError("--data-parallel-size %d must be at least 1", f.dataParallelSize)
-	case f.dataParallelSize > 1:
-		return usageError("--data-parallel-size %d: data parallelism (several engine replicas behind one port) is not available yet; run one kvbridge serve per replica, each with its own --port and VLLM_NIXL_SIDE_CHANNEL_PORT", f.dataParallelSize)
 	case f.maxLogprobs < -1 || f.maxLogprobs == 0:
 		return usageError("--max-logprobs %d must be -1 (the vocabulary) or at least 1", f.maxLogprobs)
 	case f.quantization != "":
@@ -335,6 +333,7 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		Revision:              f.revision,
 		DType:                 f.dtype,
 		KVCacheDType:          f.kvCacheDType,
+		DataParallelSize:      f.dataParallelSize,
 	}
 	return cfg, nil
 }

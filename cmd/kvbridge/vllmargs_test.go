@@ -119,7 +119,7 @@ func TestServeVLLMFlags(t *testing.T) {
 		flag string
 	}{
 		{[]string{"-tp", "2"}, "--tensor-parallel-size 2"},
-		{[]string{"-dp", "2"}, "--data-parallel-size 2"},
+		{[]string{"-dp", "0"}, "--data-parallel-size 0"},
 		{[]string{"-pp", "2"}, "--pipeline-parallel-size 2"},
 		{[]string{"-q", "awq"}, "--quantization awq"},
 		{[]string{"--dtype", "float16"}, `--dtype "float16"`},
@@ -135,8 +135,8 @@ func TestServeVLLMFlags(t *testing.T) {
 		}
 	}
 	// Through the whole command line: exit status 2 and the flag named.
-	if code := run([]string{"serve", "kvbridge/tiny", "-dp", "2"}); code != 2 {
-		t.Errorf("kvbridge serve -dp 2 exited %d, want 2", code)
+	if code := run([]string{"serve", "kvbridge/tiny", "-tp", "2"}); code != 2 {
+		t.Errorf("kvbridge serve -tp 2 exited %d, want 2", code)
 	}
 }
 

@@ -1,0 +1,170 @@
+package instance
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/metrics"
+	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/openai"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// Rank is one data-parallel rank of an instance, as a DP rank of vLLM is one engine core: its KV
+// pool in a transfer arena of its own, its engine, its NixlConnector (engine id
+// "<engine_id>_dp<rank>" and side channel on VLLM_NIXL_SIDE_CHANNEL_PORT + rank when the
+// instance has several ranks) and the OpenAI server over them. The ranks share the model's
+// weights and the metrics registry.
+type Rank struct {
+	// Index is the rank, from 0.
+	Index     int
+	Engine    *engine.Engine
+	Connector *connector.Connector // nil without KVTransfer
+	Pool      *kvcache.Pool
+	Metrics   *metrics.EngineMetrics
+
+	server    *openai.Server
+	arena     *transfer.Arena
+	cancelLog context.CancelFunc
+	logDone   chan struct{} // closed when the "KV Transfer metrics" logger has returned
+	inFlight  atomic.Int64  // completions the dispatcher handed this rank and not yet answered
+}
+
+// rank returns the configuration of rank i of an instance configured by cfg (defaults
+// applied). With one rank it is cfg itself.
+func (cfg Config) rank(i int) Config {
+	cfg.dpRank = i
+	if cfg.DataParallelSize <= 1 {
+		return cfg
+	}
+	cfg.Logger = cfg.Logger.With("dp_rank", i)
+	if cfg.SideChannelPort != 0 { // 0: a free port for each rank
+		cfg.SideChannelPort += i
+	}
+	if cfg.KVTransfer != nil {
+		kv := *cfg.KVTransfer
+		kv.EngineID = fmt.Sprintf("%s_dp%d", kv.EngineID, i)
+		cfg.KVTransfer = &kv
+	}
+	if cfg.MaxConcurrentRequests > 0 { // the bound is the instance's: each rank takes its share
+		cfg.MaxConcurrentRequests = (cfg.MaxConcurrentRequests + cfg.DataParallelSize - 1) / cfg.DataParallelSize
+	}
+	return cfg
+}
+
+// startRank builds rank cfg.dpRank over the opened model m, recording into reg. On error it
+// returns what it started (to be closed) with the error.
+func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err error) {
+	label := strconv.Itoa(cfg.dpRank)
+	name := cfg.ServedModelNames[0]
+	rk := &Rank{Index: cfg.dpRank, Metrics: reg.Engine(name, label)}
+	geo := engine.KVGeometry(m, cfg.BlockSize)
+	geo.Layout = cfg.Layout
+	layout := connector.NewArenaLayout(geo.BlockBytes(), cfg.NumBlocks)
+	if rk.arena, err = transfer.NewArena("kvcache", layout.Size); err != nil {
+		return nil, fmt.Errorf("allocate the KV cache: %w", err)
+	}
+	rk.Pool, err = kvcache.NewPool(rk.arena.Bytes(), kvcache.PoolConfig{
+		Geometry: geo, NumBlocks: cfg.NumBlocks, PrefixCaching: cfg.PrefixCaching,
+		RecordTable: layout.RecordTable(rk.arena.Bytes()),
+	})
+	if err != nil {
+		return rk, err
+	}
+	ecfg := engine.Config{
+		BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks, MaxModelLen: cfg.MaxModelLen,
+		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
+		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed,
+	}
+	if kv := cfg.KVTransfer; kv != nil {
+		if rk.Connector, err = startConnector(cfg, m, rk, layout); err != nil {
+			return rk, err
+		}
+		labels := prometheus.Labels{metrics.LabelModelName: name, metrics.LabelEngine: label}
+		if err := reg.Prometheus().Register(rk.Connector.AuthRefusalsCollector(labels)); err != nil {
+			return rk, fmt.Errorf("register the KV auth refusal counter: %w", err)
+		}
+		ecfg.Connector = rk.Connector
+		if kv.LoadFailurePolicy == connector.PolicyRecompute {
+			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
+		}
+		logCtx, cancel := context.WithCancel(context.Background())
+		rk.cancelLog, rk.logDone = cancel, make(chan struct{})
+		go func() {
+			defer close(rk.logDone)
+			if !cfg.DisableLogStats {
+				rk.Metrics.Nixl().LogEvery(logCtx, cfg.Logger, cfg.StatsInterval)
+			}
+		}()
+	}
+	if rk.Engine, err = engine.New(m, rk.Pool, ecfg, cfg.Logger); err != nil {
+		return rk, err
+	}
+	if rk.Connector != nil {
+		rk.Connector.Start(rk.Engine)
+	}
+	ocfg := openai.Config{
+		ServedModelNames: cfg.ServedModelNames, MaxModelLen: cfg.MaxModelLen, Logger: cfg.Logger, Metrics: reg,
+		EngineLabel: label, APIKey: cfg.APIKey, MaxConcurrentRequests: cfg.MaxConcurrentRequests, MaxLogprobs: cfg.MaxLogprobs,
+		PromptTokensDetails: cfg.PromptTokensDetails, ForceIncludeUsage: cfg.ForceIncludeUsage,
+	}
+	if rk.Connector != nil {
+		ocfg.DeclineKV = rk.Connector.Decline
+	}
+	rk.server = openai.NewServer(ocfg, rk.Engine, m)
+	return rk, nil
+}
+
+// startConnector starts the NixlConnector of rk; cfg is the rank's, with its defaults applied.
+func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.ArenaLayout) (*connector.Connector, error) {
+	listen := cfg.SideChannelHost
+	if listen == "localhost" {
+		listen = "127.0.0.1"
+	}
+	mc := m.Config()
+	opts := connector.Options{
+		Config: cfg.KVTransfer, Pool: rk.Pool, Arena: rk.arena, Layout: layout,
+		Compat: connector.CompatFactors{
+			Model: m.Name(), DType: m.DType(), NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
+			NumLayers: mc.NumLayers, CacheDType: m.KVCacheDType(),
+		},
+		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(cfg.SideChannelPort)),
+		AdvertiseHost:   cfg.SideChannelHost,
+		Logger:          cfg.Logger,
+		Metrics:         rk.Metrics.Nixl(),
+		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, "0")},
+	}
+	if cfg.ConnectorHooks != nil {
+		cfg.ConnectorHooks(&opts)
+	}
+	return connector.New(opts)
+}
+
+// close stops the engine (releasing every block it holds), the connector, the "KV Transfer
+// metrics" logger (waiting for it to return) and the arena.
+func (rk *Rank) close() error {
+	var errs []error
+	if rk.Engine != nil {
+		errs = append(errs, rk.Engine.Close())
+	}
+	if rk.Connector != nil {
+		errs = append(errs, rk.Connector.Close())
+	}
+	if rk.cancelLog != nil {
+		rk.cancelLog()
+		<-rk.logDone
+	}
+	if rk.arena != nil {
+		errs = append(errs, rk.arena.Close())
+	}
+	return errors.Join(errs...)
+}
