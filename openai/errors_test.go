@@ -69,6 +69,7 @@ func TestErrors(t *testing.T) {
 		{"logit_bias key", "/v1/completions", `{"prompt":"x","logit_bias":{"a":1}}`, 400, "BadRequestError", "not an integer"},
 		{"logit_bias out of vocab", "/v1/completions", `{"prompt":"x","logit_bias":{"99999999":1,"5":2}}`, 400, "BadRequestError", "token_id(s) [99999999] in logit_bias contain out-of-vocab token ids"},
 		{"allowed_token_ids empty", "/v1/completions", `{"prompt":"x","allowed_token_ids":[]}`, 400, "BadRequestError", "allowed_token_ids is not None and empty!"},
+		{"stream_options without stream", "/v1/completions", `{"prompt":"x","stream_options":{"include_usage":true}}`, 400, "BadRequestError", "Stream options can only be defined when `stream=True`."},
 		{"allowed_token_ids out of vocab", "/v1/completions", `{"prompt":"x","allowed_token_ids":[3,99999999]}`, 400, "BadRequestError", "allowed_token_ids contains out-of-vocab token id!"},
 	}
 	for _, tt := range tests {
@@ -153,4 +154,19 @@ func intsJSON(a []int) string {
 	}
 	b.WriteByte(']')
 	return b.String()
+}
+
+// TestEmptyStreamOptionsWithoutStream: vLLM refuses stream_options without stream only when
+// the object sets something ({} is falsy in Python); so does kvbridge.
+func TestEmptyStreamOptionsWithoutStream(t *testing.T) {
+	e := newEnv(t)
+	for body, want := range map[string]int{
+		`{"prompt":"x","max_tokens":2,"stream_options":{}}`:                                              http.StatusOK,
+		`{"prompt":"x","max_tokens":2,"stream_options":null}`:                                            http.StatusOK,
+		`{"prompt":"x","max_tokens":2,"stream":false,"stream_options":{"continuous_usage_stats":false}}`: http.StatusBadRequest,
+	} {
+		if resp, b := e.post(t, "/v1/completions", body, nil); resp.StatusCode != want {
+			t.Errorf("%s: status %d, want %d: %s", body, resp.StatusCode, want, b)
+		}
+	}
 }

@@ -221,6 +221,11 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 	p.ignoreEOS = c.IgnoreEOS != nil && *c.IgnoreEOS
 
 	p.stream = c.Stream != nil && *c.Stream
+	// As vLLM's validate_stream_options: stream_options with a field set needs stream (an
+	// empty object is falsy in Python, so {} passes).
+	if so := c.StreamOptions; !p.stream && so != nil && (so.IncludeUsage != nil || so.ContinuousUsageStats != nil) {
+		return p, badRequest("stream_options", "Stream options can only be defined when `stream=True`.")
+	}
 	if p.stream && c.StreamOptions != nil {
 		p.streamOptions = true
 		// As in vLLM, include_usage defaults to true once stream_options is given: {} asks for usage.
