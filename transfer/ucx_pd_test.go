@@ -42,15 +42,7 @@ func TestUCXAccuracyPD(t *testing.T) {
 			t.Cleanup(func() { dlog.Close() }) // after the engines (cleanups run last first)
 			p := startEngine(t, kvConfig(t, "kv_producer"), map[string]string{"TLS": tls})
 			d := startEngine(t, kvConfig(t, "kv_consumer"), map[string]string{"TLS": tls}, dlog)
-			pi, _ := proxy.NewInstance("127.0.0.1", p.Addr.Port)
-			di, _ := proxy.NewInstance("127.0.0.1", d.Addr.Port)
-			h, err := proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}})
-			if err != nil {
-				t.Fatal(err)
-			}
-			px := httptest.NewServer(h)
-			t.Cleanup(func() { px.Close(); h.Close() })
-			got := complete(t, px.URL, prompts)
+			got := complete(t, oneWayProxy(t, p, d), prompts)
 			logged, err := os.ReadFile(dlog.Name())
 			if err != nil {
 				t.Fatal(err)
@@ -93,16 +85,9 @@ func TestUCXBackendMismatch(t *testing.T) {
 	}
 	p := startEngine(t, pcfg, nil)
 	d := startEngine(t, kvConfig(t, "kv_consumer"), nil, dlog)
-	pi, _ := proxy.NewInstance("127.0.0.1", p.Addr.Port)
-	di, _ := proxy.NewInstance("127.0.0.1", d.Addr.Port)
-	h, err := proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	px := httptest.NewServer(h)
-	t.Cleanup(func() { px.Close(); h.Close() })
+	url := oneWayProxy(t, p, d)
 	body, _ := json.Marshal(map[string]any{"model": "kvbridge/tiny", "prompt": strings.Repeat("blocks ", 40), "max_tokens": 4, "temperature": 0})
-	resp, err := http.Post(px.URL+"/v1/completions", "application/json", bytes.NewReader(body))
+	resp, err := http.Post(url+"/v1/completions", "application/json", bytes.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -130,6 +115,20 @@ func TestUCXRefusesAuthToken(t *testing.T) {
 	if !errors.Is(err, connector.ErrConfig) || !strings.Contains(err.Error(), "do not authenticate peers") {
 		t.Fatalf("UCX with an auth token: %v; want connector.ErrConfig saying UCX does not authenticate", err)
 	}
+}
+
+// oneWayProxy serves the one-way proxy in front of p and d for the test and returns its URL.
+func oneWayProxy(t *testing.T, p, d *instance.Instance) string {
+	t.Helper()
+	pi, _ := proxy.NewInstance("127.0.0.1", p.Addr.Port)
+	di, _ := proxy.NewInstance("127.0.0.1", d.Addr.Port)
+	h, err := proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	px := httptest.NewServer(h)
+	t.Cleanup(func() { px.Close(); h.Close() })
+	return px.URL
 }
 
 // kvConfig parses a NixlConnector configuration for role that forces UCX.
