@@ -14,6 +14,8 @@
 // process's id and a random token; Close removes them and kills what still runs in them, and New
 // first removes the namespaces of runs whose process has died (a test binary killed by its
 // timeout cannot clean up after itself).
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package netns
 
 import (

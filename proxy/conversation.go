@@ -87,6 +87,9 @@ const (
 	DefaultMaxConversations = 10000
 	// DefaultMaxConversationBytes bounds the bytes of the cached conversations.
 	DefaultMaxConversationBytes = 64 << 20
+	// DefaultConversationTTL is how long a conversation's D params stay usable: below the
+	// decoder's decoder_kv_blocks_ttl (480 s) less the 5 s within which P declines a pull.
+	DefaultConversationTTL = 450 * time.Second
 	// entryOverhead is what an entry costs beside its id and params (digests, list and map).
 	entryOverhead = 256
 )

@@ -19,8 +19,8 @@ import (
 // MultiTurnConfig configures the multi-turn proxy.
 type MultiTurnConfig struct {
 	Config
-	// CacheTTL is how long a conversation's D params stay usable (default 450 s, below the
-	// decoder's 480 s decoder_kv_blocks_ttl).
+	// CacheTTL is how long a conversation's D params stay usable (default
+	// DefaultConversationTTL).
 	CacheTTL time.Duration
 	// MaxConversations and MaxConversationBytes bound the cache (defaults
 	// DefaultMaxConversations and DefaultMaxConversationBytes); the least recently stored go
@@ -86,7 +86,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		return nil, err
 	}
 	if cfg.CacheTTL <= 0 {
-		cfg.CacheTTL = 450 * time.Second
+		cfg.CacheTTL = DefaultConversationTTL
 	}
 	mt := &MultiTurn{
 		legs:      legs{cfg: cfg.Config, client: &http.Client{Transport: cfg.Transport}},

@@ -56,8 +56,8 @@ func newProxyCmd() *cobra.Command {
 	fl.DurationVar(&f.idleTimeout, "idle-timeout", 2*time.Minute, "longest silence of an engine's response stream")
 	fl.BoolVar(&f.multiTurn, "multi-turn", false, "cache D's kv_transfer_params per conversation_id so that P pulls earlier turns' KV from D (bidirectional transfer)")
 	fl.BoolVar(&f.requireConversationID, "require-conversation-id", false, "with --multi-turn: answer 400 to requests without a conversation_id")
-	fl.DurationVar(&f.cacheTTL, "conversation-ttl", 450*time.Second, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
-	fl.IntVar(&f.maxConversations, "max-conversations", 10000, "with --multi-turn: most conversations cached (least recently used dropped first)")
+	fl.DurationVar(&f.cacheTTL, "conversation-ttl", proxy.DefaultConversationTTL, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
+	fl.IntVar(&f.maxConversations, "max-conversations", proxy.DefaultMaxConversations, "with --multi-turn: most conversations cached (least recently used dropped first)")
 	fl.StringVar(&f.conversationStore, "conversation-store", "memory", "with --multi-turn: where conversations are kept between turns: memory, or redis://HOST:PORT/DB shared by the replicas of a proxy tier")
 	return cmd
 }

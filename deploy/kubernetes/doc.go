@@ -4,4 +4,6 @@
 // every overlay builds with kustomize, and what the manifests tell kvbridge (arguments,
 // environment, ports, probes, the proxy's host lists, the Redis store) agrees with itself and
 // with what kvbridge accepts.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package kubernetes

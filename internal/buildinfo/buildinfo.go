@@ -1,5 +1,7 @@
 // Package buildinfo reports the version of the running kvbridge binary from the module and VCS
 // information the Go toolchain embeds in it.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package buildinfo
 
 import (

@@ -1,4 +1,6 @@
 // Package procmem reads memory figures of the machine and of this process from Linux's /proc.
+//
+// See docs/architecture.md for where the package sits among kvbridge's packages.
 package procmem
 
 import (
