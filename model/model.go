@@ -1,6 +1,8 @@
-// Package model is kvbridge's transformer: a Qwen3/Qwen2/Llama-family decoder computed in float32
-// over a paged KV store, its weights (Hugging Face safetensors directories or built-in random
-// models), its tokenizer and chat template, and token sampling.
+// Package model is kvbridge's transformer: a Qwen3/Qwen2/Llama-family decoder over a paged KV
+// store, its weights (Hugging Face safetensors directories or built-in random models) kept in
+// float32 or in the checkpoint's bfloat16 (OpenOptions.DType: products then take bfloat16
+// inputs and sum in float32; norms, softmax and RoPE stay float32; the KV store holds float32 or,
+// with OpenOptions.KVCacheDType, bfloat16), its tokenizer and chat template, and token sampling.
 //
 // The forward pass is batch-invariant: a token's KV and logits are bit-identical whatever batch,
 // batch position or prefill chunking they are computed in. Disaggregated prefill/decode relies on
