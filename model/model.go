@@ -122,9 +122,12 @@ type Model struct {
 	// head on: tileTokens+1; tests change it).
 	prefillMin int
 	// inPlace: work items that pack their own chunks (decode) instead compute scores and value
-	// sums straight from the KV store's rows with kernel.RowDots and kernel.AccumulateRows, when
-	// the kernel has them for HeadDim (tests change it).
+	// sums straight from the KV store's rows with kernel.RowDots and kernel.AccumulateRows (or
+	// their bfloat16 forms), when the kernel has them for HeadDim (tests change it).
 	inPlace bool
+	// itemHeads, if positive, caps the KV heads of an in-place work item (tests change it; 0:
+	// as many as headSpan allows).
+	itemHeads int
 	// weightBytes is the weight bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
 	// checkpointBytes is the size of the safetensors files loaded (0 for built-in models).

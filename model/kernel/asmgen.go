@@ -910,9 +910,16 @@ func transpose256() {
 // continuing from the accumulators in c instead of zero: c[m][j] = c[m][j] + Σ_k a[m][k]·w[k][j]
 // as one VFMADD231PS chain per element, k ascending, after loading c[m][j]. Columns ≥ 64 − the
 // zero bits of mask are neither read (w, c) nor written.
-func tileAcc512(mr, unroll int) {
-	name := fmt.Sprintf("tileAcc512x%d", mr)
-	text(name+"(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)", "$0-64")
+//
+// With bf16 set (tileAccBF16x512), w holds bfloat16 values (ldw of them apart), each widened
+// exactly before its FMA (zero-extended and shifted into the upper half of a float32), so the
+// chains are those of the same values widened beforehand.
+func tileAcc512(bf16 bool, mr, unroll int) {
+	name, wt, esz := fmt.Sprintf("tileAcc512x%d", mr), "float32", 4
+	if bf16 {
+		name, wt, esz = fmt.Sprintf("tileAccBF16x512x%d", mr), "uint16", 2
+	}
+	text(name+"(a *float32, lda int, w *"+wt+", ldw int, k int, c *float32, ldc int, mask uint64)", "$0-64")
 	p("MOVQ mask+56(FP), AX")
 	for v := range 4 {
 		p("KMOVW AX, K%d", v+1)
@@ -937,10 +944,15 @@ func tileAcc512(mr, unroll int) {
 	p("LEAQ (DI)(R8*4), SI")
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ ldw+24(FP), R10")
-	p("SHLQ $2, R10")
+	p("SHLQ $%d, R10", esz/2)
 	p("MOVQ k+32(FP), CX")
 	step := func(j int) {
 		for v := range 4 {
+			if bf16 {
+				p("VPMOVZXWD.Z %d(BX), K%d, Z%d", v*32, v+1, 24+v)
+				p("VPSLLD $16, Z%d, Z%d", 24+v, 24+v)
+				continue
+			}
 			p("VMOVUPS.Z %d(BX), K%d, Z%d", v*64, v+1, 24+v)
 		}
 		for m := range mr {
@@ -993,14 +1005,23 @@ func tileAcc512(mr, unroll int) {
 // the 16 keys are loaded and transposed in registers (as in transpose512), so lane j of Z(d)
 // holds key_j[d]; each row's 16 lanes then take one FMA per d, the query element broadcast from
 // memory. The rows' running sums live in tmp (rows·16 floats) between dimension blocks.
-func rowDots512() {
-	text("rowDots512(dst *float32, ldd int, q *float32, ldq int, rows int, k *float32, ldk int, nk int, dim int, tmp *float32)", "$0-80")
+//
+// With bf16 set (rowDotsBF16x512), the keys are bfloat16 values (ldk of them apart), each widened
+// exactly as it is loaded (zero-extended and shifted into the upper half of a float32), so the
+// chains are those of the same keys widened beforehand. R8 then walks the keys' bytes (half of
+// AX, which walks the queries').
+func rowDots512(bf16 bool) {
+	name, kt, ksh := "rowDots512", "float32", 2
+	if bf16 {
+		name, kt, ksh = "rowDotsBF16x512", "uint16", 1
+	}
+	text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *"+kt+", ldk int, nk int, dim int, tmp *float32)", "$0-80")
 	p("MOVQ q+16(FP), BX")
 	p("MOVQ ldq+24(FP), R11")
 	p("SHLQ $2, R11")
 	p("MOVQ k+40(FP), SI")
 	p("MOVQ ldk+48(FP), R9")
-	p("SHLQ $2, R9")
+	p("SHLQ $%d, R9", ksh)
 	p("MOVQ nk+56(FP), R12")
 	p("MOVQ dim+64(FP), DX")
 	p("SHLQ $2, DX")
@@ -1009,16 +1030,24 @@ func rowDots512() {
 	p("VPXORD Z16, Z16, Z16")
 	p("MOVQ R13, R14")
 	p("MOVQ rows+32(FP), CX")
-	label("rowDots512_zero")
+	label(name + "_zero")
 	p("VMOVUPS Z16, (R14)")
 	p("ADDQ $64, R14")
 	p("DECQ CX")
-	p("JNZ rowDots512_zero")
+	p("JNZ " + name + "_zero")
 	p("XORQ AX, AX")
-	label("rowDots512_block")
+	if bf16 {
+		p("XORQ R8, R8")
+	}
+	label(name + "_block")
 	p("MOVQ SI, R10")
 	for i := range 16 {
-		p("VMOVUPS (R10)(AX*1), Z%d", i)
+		if bf16 {
+			p("VPMOVZXWD (R10)(R8*1), Z%d", i)
+			p("VPSLLD $16, Z%d, Z%d", i, i)
+		} else {
+			p("VMOVUPS (R10)(AX*1), Z%d", i)
+		}
 		if i < 15 {
 			p("LEAQ (R10)(R9*1), R14")
 			p("CMPQ R12, $%d", i+1)
@@ -1053,8 +1082,8 @@ func rowDots512() {
 	p("MOVQ R13, R14")
 	p("MOVQ rows+32(FP), CX")
 	p("CMPQ CX, $2")
-	p("JLT rowDots512_row1")
-	label("rowDots512_row2")
+	p("JLT " + name + "_row1")
+	label(name + "_row2")
 	p("VMOVUPS (R14), Z16")
 	p("VMOVUPS 64(R14), Z17")
 	for d := range 16 {
@@ -1067,19 +1096,22 @@ func rowDots512() {
 	p("LEAQ (R15)(R11*2), R15")
 	p("SUBQ $2, CX")
 	p("CMPQ CX, $2")
-	p("JGE rowDots512_row2")
-	label("rowDots512_row1")
+	p("JGE " + name + "_row2")
+	label(name + "_row1")
 	p("TESTQ CX, CX")
-	p("JEQ rowDots512_next")
+	p("JEQ " + name + "_next")
 	p("VMOVUPS (R14), Z16")
 	for d := range 16 {
 		p("VFMADD231PS.BCST %d(R15), Z%d, Z16", 4*d, d)
 	}
 	p("VMOVUPS Z16, (R14)")
-	label("rowDots512_next")
+	label(name + "_next")
 	p("ADDQ $64, AX")
+	if bf16 {
+		p("ADDQ $32, R8")
+	}
 	p("CMPQ AX, DX")
-	p("JLT rowDots512_block")
+	p("JLT " + name + "_block")
 	// Store the nk valid lanes of every row.
 	p("MOVQ $1, AX")
 	p("MOVQ R12, CX")
@@ -1090,23 +1122,23 @@ func rowDots512() {
 	p("MOVQ ldd+8(FP), R8")
 	p("SHLQ $2, R8")
 	p("MOVQ rows+32(FP), CX")
-	label("rowDots512_store")
+	label(name + "_store")
 	p("VMOVUPS (R13), Z16")
 	p("VMOVUPS Z16, K1, (DI)")
 	p("ADDQ $64, R13")
 	p("ADDQ R8, DI")
 	p("DECQ CX")
-	p("JNZ rowDots512_store")
+	p("JNZ " + name + "_store")
 	p("VZEROUPPER")
 	p("RET")
 }
 
-// prefetchLines asks for the cache lines of n floats from x (PREFETCHT0, one per 64 bytes).
+// prefetchLines asks for the cache lines of n bytes from x (PREFETCHT0, one per 64 bytes).
 func prefetchLines() {
-	text("prefetchLines(x *float32, n int)", "$0-16")
+	text("prefetchLines(x unsafe.Pointer, n int)", "$0-16")
 	p("MOVQ x+0(FP), SI")
 	p("MOVQ n+8(FP), CX")
-	p("LEAQ (SI)(CX*4), DX")
+	p("LEAQ (SI)(CX*1), DX")
 	p("CMPQ SI, DX")
 	p("JGE prefetchLines_done")
 	label("prefetchLines_loop")
@@ -1376,8 +1408,10 @@ func main() {
 	for mr := 1; mr <= maxRows; mr++ {
 		tile256(mr, 4)
 	}
-	for mr := 1; mr <= maxRows; mr++ {
-		tileAcc512(mr, 4)
+	for _, bf16 := range []bool{false, true} {
+		for mr := 1; mr <= maxRows; mr++ {
+			tileAcc512(bf16, mr, 4)
+		}
 	}
 	out.WriteString("\n")
 	expData()
@@ -1399,7 +1433,8 @@ func main() {
 	expShift256()
 	transpose512()
 	transpose256()
-	rowDots512()
+	rowDots512(false)
+	rowDots512(true)
 	prefetchLines()
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4)

@@ -1,5 +1,7 @@
 package kernel
 
+import "unsafe"
+
 // impl is one complete set of kernels. Exactly one (defaultImpl) is chosen at program start and
 // used for every shape, which is what makes results reproducible within a process.
 type impl struct {
@@ -45,8 +47,12 @@ type impl struct {
 	rowDots func(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int)
 	accRows func(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int)
 	rowDim  int
-	// prefetch asks for x's cache lines ahead of use (nil: no-op).
-	prefetch func(x []float32)
+	// rowDotsBF16 and accRowsBF16 are rowDots and accRows for bfloat16 keys and values, widened
+	// exactly on the way ([RowDotsBF16], [AccumulateRowsBF16]; nil: portable Go).
+	rowDotsBF16 func(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int)
+	accRowsBF16 func(acc []float32, ldacc int, p []float32, ldp, rows int, v []uint16, ldv, n, dim int)
+	// prefetch asks for the cache lines of the n bytes at p ahead of use (nil: no-op).
+	prefetch func(p unsafe.Pointer, n int)
 
 	fmaLoop func(n int) float64       // n iterations of independent FMAs; returns FLOPs per iteration
 	readSum func(x []float32) float32 // reads all of x

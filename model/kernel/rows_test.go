@@ -9,7 +9,8 @@ import (
 
 // TestRowKernelsMatchPackedLinear checks RowDots and AccumulateRows (the latter split over
 // several calls, as over the blocks of a paged store) against Linears packed with SetRows and
-// SetColumns from the same strided rows, bit for bit, for every implementation that has them.
+// SetColumns from the same strided rows, bit for bit, for every implementation that has them;
+// and their bfloat16 forms against them on the same values widened.
 func TestRowKernelsMatchPackedLinear(t *testing.T) {
 	r := rand.New(rand.NewPCG(31, 32))
 	for _, im := range candidateImpls() {
@@ -59,6 +60,28 @@ func TestRowKernelsMatchPackedLinear(t *testing.T) {
 						}
 						if !slices.Equal(bits(gotV), bits(wantV)) {
 							t.Fatal("accRows differs from SetColumns + ApplyStrided")
+						}
+
+						// Bfloat16 keys and values (a bfloat16 KV cache): the same chains on
+						// the widened values.
+						keys16, keysW := to16(keys, BF16)
+						vals16, valsW := to16(vals, BF16)
+						want = randSlice(r, rows*(n+ld))
+						got = slices.Clone(want)
+						im.rowDots(want, n+ld, q, dim+ld, rows, keysW, ldk, n, dim)
+						im.rowDotsBF16(got, n+ld, q, dim+ld, rows, keys16, ldk, n, dim)
+						if !slices.Equal(bits(got), bits(want)) {
+							t.Fatal("rowDotsBF16 differs from rowDots on the widened keys")
+						}
+						wantV = randSlice(r, rows*(dim+ld))
+						gotV = slices.Clone(wantV)
+						for j0 := 0; j0 < n; j0 += 5 {
+							j1 := min(n, j0+5)
+							im.accRows(wantV, dim+ld, p[j0:], n+ld, rows, valsW[j0*ldk:], ldk, j1-j0, dim)
+							im.accRowsBF16(gotV, dim+ld, p[j0:], n+ld, rows, vals16[j0*ldk:], ldk, j1-j0, dim)
+						}
+						if !slices.Equal(bits(gotV), bits(wantV)) {
+							t.Fatal("accRowsBF16 differs from accRows on the widened values")
 						}
 					})
 				}
