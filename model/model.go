@@ -284,6 +284,23 @@ func (m *Model) FLOPsPerToken(contextLen int) float64 {
 	return 2 * (c.matmulMACs() + c.attentionMACs(contextLen) + float64(c.VocabSize*c.HiddenSize))
 }
 
+// AttentionFLOPsPerToken returns the part of FLOPsPerToken(contextLen) that attention computes
+// (scores and weighted values, in float32 whatever DType is); the rest are matrix products.
+func (m *Model) AttentionFLOPsPerToken(contextLen int) float64 {
+	return 2 * m.cfg.attentionMACs(contextLen)
+}
+
+// KVBytesPerToken returns the bytes of one token's keys and values in the KV cache, all layers
+// (KVCacheDType's size each): what attention reads per position of a context at every step.
+func (m *Model) KVBytesPerToken() int64 {
+	c := m.cfg
+	size := 4
+	if m.kvBF16 {
+		size = 2
+	}
+	return int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * size)
+}
+
 // PrefillFLOPs returns the floating-point operations of prefilling promptLen tokens from position
 // 0 with logits for the last token only (what a prefill step computes), counted as FLOPsPerToken.
 func (m *Model) PrefillFLOPs(promptLen int) float64 {
