@@ -53,6 +53,11 @@ const (
 	attnChunk = 64
 	// tileRows is the number of query rows (tokens × heads of a KV group) per work item.
 	tileRows = 64
+	// touchAheadBytes is the most keys and values of an in-place work item whose values are
+	// read ahead with its keys (a core's L2 on the machines measured: 1 MB on Zen 4). At a
+	// 128-token context that is a bfloat16 item of 8 heads (528 KB, 7% faster), not a float32
+	// one (1.06 MB, no faster).
+	touchAheadBytes = 1 << 20
 )
 
 // seqAttn is one sequence's attention state for one step.
@@ -272,11 +277,14 @@ func (it *positionIter) next() (k, v []float32) {
 // stretches calls fn for each stretch of the positions [lo, lo+n) of sa that lies in one block,
 // in position order, and in each for the KV heads [g0,g1) in order: j0 is the stretch's offset
 // from lo, cnt its length, view the head's view of the block and o the offset in it of the
-// stretch's first key (value). Before the heads of a stretch are computed, the keys (values) of
-// all of them are prefetched at once: the kernels' strided reads then find them arriving
-// together, which measured faster than prefetching further ahead (prefetches that wait for
-// the memory stall the computation behind them either way).
-func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo, n int, values bool, fn func(g, j0, cnt int, view *headView, o int)) {
+// stretch's first key (value). Before the heads of a stretch are computed, the stretch's rows
+// of all of them are read in address order (kernel.Touch) — the keys in the scores pass (and,
+// with ahead, the values as well: adjacent in the block, read next), the values in the values
+// pass unless read ahead. The kernels' strided reads then find them in the caches, and the
+// sequential reads let the hardware prefetchers stream the next rows meanwhile; prefetching the
+// same rows instead (a burst that waits for miss buffers) measured 20% slower, reading nothing
+// ahead 40% slower.
+func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo, n int, values, ahead bool, fn func(g, j0, cnt int, view *headView, o int)) {
 	s := seqs[sa.seq]
 	nb := (s.Start + len(s.Tokens) + blockSize - 1) / blockSize
 	base := w.viewBase[sa.seq]
@@ -285,8 +293,15 @@ func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo
 		p := lo + j0
 		b, slot := p/blockSize, p%blockSize
 		cnt := min(n-j0, blockSize-slot)
-		for g := g0; g < g1; g++ {
-			views[g*nb+b].prefetch(slot, cnt, values)
+		if !values || !ahead {
+			for g := g0; g < g1; g++ {
+				views[g*nb+b].touch(slot, cnt, values)
+			}
+		}
+		if !values && ahead {
+			for g := g0; g < g1; g++ {
+				views[g*nb+b].touch(slot, cnt, true)
+			}
 		}
 		for g := g0; g < g1; g++ {
 			view := &views[g*nb+b]
@@ -296,22 +311,22 @@ func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo
 	}
 }
 
-// prefetch prefetches the keys (or values) of rows slots from slot on.
-func (v *headView) prefetch(slot, rows int, values bool) {
+// touch reads the keys (or values) of rows slots from slot on in address order.
+func (v *headView) touch(slot, rows int, values bool) {
 	o := slot * v.stride
 	if v.k16 != nil {
 		x := v.k16
 		if values {
 			x = v.v16
 		}
-		kernel.Prefetch(x[o:min(len(x), o+rows*v.stride)])
+		kernel.Touch(x[o:min(len(x), o+rows*v.stride)])
 		return
 	}
 	x := v.k
 	if values {
 		x = v.v
 	}
-	kernel.Prefetch(x[o:min(len(x), o+rows*v.stride)])
+	kernel.Touch(x[o:min(len(x), o+rows*v.stride)])
 }
 
 // gatherQueries copies the query vectors of tokens [t0,t1) of sa, heads of KV group g, into
@@ -390,7 +405,8 @@ func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 // kernel.AccumulateRows, or their bfloat16 forms) with the chains of attend's packed Linears:
 // one FMA chain over d per score; per value element one chain over the chunk's keys, carried
 // from block to block. Block by block, it reads the keys of all its heads (adjacent in a block)
-// for the scores, then, after the softmax, their values, prefetching ahead of use.
+// for the scores, then, after the softmax, their values, reading each block in address order
+// just before use (see stretches).
 func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 	c := m.cfg
 	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
@@ -404,11 +420,18 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 	firstRow := it.firstRow(group)
 	chunkLen := func(ch int) int { return min(attnChunk, maxPos+1-ch*attnChunk) }
 
+	// The values are read with the keys when the item's keys and values fit a core's L2 (so they
+	// are still there for the values pass), else just before use.
+	size := 4
+	if m.kvBF16 {
+		size = 2
+	}
+	ahead := (it.g1-it.g0)*(maxPos+1)*hd*2*size <= touchAheadBytes
 	// Scores, chunk by chunk, for the rows that reach the chunk (up to the tile's last position,
 	// as a packed chunk holds), straight into the score rows.
 	for ch := range nch {
 		r0, lo := firstRow(ch), ch*attnChunk
-		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, func(g, j0, n int, v *headView, o int) {
+		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, ahead, func(g, j0, n int, v *headView, o int) {
 			r := (g-it.g0)*rows + r0
 			dst, q := scores[r*stride+lo+j0:], xq[r*hd:]
 			if v.k16 != nil {
@@ -438,7 +461,7 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		for g := range it.g1 - it.g0 {
 			clear(dst[g*rows*hd : (g*rows+nr)*hd])
 		}
-		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), true, func(g, j0, n int, v *headView, o int) {
+		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), true, ahead, func(g, j0, n int, v *headView, o int) {
 			gi := g - it.g0
 			d, p := dst[gi*rows*hd:], scores[(gi*rows+r0)*stride+lo+j0:]
 			if v.v16 != nil {

@@ -1133,20 +1133,22 @@ func rowDots512(bf16 bool) {
 	p("RET")
 }
 
-// prefetchLines asks for the cache lines of n bytes from x (PREFETCHT0, one per 64 bytes).
-func prefetchLines() {
-	text("prefetchLines(x unsafe.Pointer, n int)", "$0-16")
+// touchLines reads one byte of each cache line of the n bytes from x, in order: demand loads
+// that the hardware prefetchers follow ahead, unlike a burst of prefetches, which waits for free
+// miss buffers and stalls the work behind it.
+func touchLines() {
+	text("touchLines(x unsafe.Pointer, n int)", "$0-16")
 	p("MOVQ x+0(FP), SI")
 	p("MOVQ n+8(FP), CX")
 	p("LEAQ (SI)(CX*1), DX")
 	p("CMPQ SI, DX")
-	p("JGE prefetchLines_done")
-	label("prefetchLines_loop")
-	p("PREFETCHT0 (SI)")
+	p("JGE touchLines_done")
+	label("touchLines_loop")
+	p("MOVBLZX (SI), AX")
 	p("ADDQ $64, SI")
 	p("CMPQ SI, DX")
-	p("JLT prefetchLines_loop")
-	label("prefetchLines_done")
+	p("JLT touchLines_loop")
+	label("touchLines_done")
 	p("RET")
 }
 
@@ -1218,9 +1220,39 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 // k also prefetches 64 bytes from pf on (the caller points pf at the share of the next panel this
 // tile brings into the cache, so the next panel streams from memory while this one is computed
 // from the cache).
+//
+// With cont nonzero the accumulators start from c's values instead of zero (under the column
+// mask), continuing chains that an earlier call over the preceding pairs of k stored there: a
+// float32 goes through memory unchanged, so splitting k into blocks this way changes no bit.
 func tileDot512(mr, unroll int) {
 	name := fmt.Sprintf("tileDot512x%d", mr)
-	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)", "$0-64")
+	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)", "$0-72")
+	p("MOVQ cont+64(FP), AX")
+	p("TESTQ AX, AX")
+	p("JNZ %s_cont", name)
+	for i := 0; i < 4*mr; i++ {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("JMP %s_start", name)
+	label(name + "_cont")
+	p("MOVQ mask+48(FP), AX")
+	for v := range 4 {
+		p("KMOVW AX, K%d", v+1)
+		if v < 3 {
+			p("SHRQ $16, AX")
+		}
+	}
+	p("MOVQ c+32(FP), DI")
+	p("MOVQ ldc+40(FP), R8")
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+	for m := range mr {
+		for v := range 4 {
+			p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
+		}
+	}
+	label(name + "_start")
 	p("MOVQ pf+56(FP), R10")
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
@@ -1229,9 +1261,6 @@ func tileDot512(mr, unroll int) {
 	p("LEAQ (DI)(R8*4), SI")
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ kp+24(FP), CX")
-	for i := 0; i < 4*mr; i++ {
-		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
-	}
 	step := func(j int) {
 		for v := range 4 {
 			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
@@ -1435,7 +1464,7 @@ func main() {
 	transpose256()
 	rowDots512(false)
 	rowDots512(true)
-	prefetchLines()
+	touchLines()
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4)
 	}

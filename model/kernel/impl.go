@@ -17,9 +17,10 @@ type impl struct {
 	tile16 func(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int)
 
 	// tileDot is tile for bfloat16 products (see bf16.go): a holds activation pairs, lda pairs
-	// apart, w a BF16 panel of kp pairs; toPairs rounds floats to pairs. nil: portable Go.
-	// pf is memory to prefetch on the way (a share of the next panel; nil: none).
-	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16)
+	// apart, w kp pairs of a BF16 panel; toPairs rounds floats to pairs. nil: portable Go.
+	// pf is memory to prefetch on the way (a share of the next panel; nil: none). cont: the
+	// chains continue from the values in c (an earlier call computed the preceding pairs).
+	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool)
 	toPairs func(dst []uint32, src []float32)
 	// dpLoop is fmaLoop for bfloat16 products (nil without them).
 	dpLoop func(n int) float64
@@ -51,8 +52,8 @@ type impl struct {
 	// exactly on the way ([RowDotsBF16], [AccumulateRowsBF16]; nil: portable Go).
 	rowDotsBF16 func(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int)
 	accRowsBF16 func(acc []float32, ldacc int, p []float32, ldp, rows int, v []uint16, ldv, n, dim int)
-	// prefetch asks for the cache lines of the n bytes at p ahead of use (nil: no-op).
-	prefetch func(p unsafe.Pointer, n int)
+	// touch reads the cache lines of the n bytes at p in order (nil: no-op).
+	touch func(p unsafe.Pointer, n int)
 
 	fmaLoop func(n int) float64       // n iterations of independent FMAs; returns FLOPs per iteration
 	readSum func(x []float32) float32 // reads all of x

@@ -31,7 +31,7 @@ var avx512Impl = &impl{
 	rowDots:   rowDotsWith(rowDots512),
 	accRows:   accRowsWith(&tileAcc512Kernels),
 	rowDim:    16,
-	prefetch:  prefetchLines,
+	touch:     touchLines,
 
 	rowDotsBF16: rowDotsWith(rowDotsBF16x512),
 	accRowsBF16: accRowsWith(&tileAccBF16x512Kernels),
@@ -54,7 +54,7 @@ var avx2Impl = &impl{
 	transpose: transpose256,
 	tgroup:    8,
 	readSum:   readSumAVX,
-	prefetch:  prefetchLines,
+	touch:     touchLines,
 }
 
 // avx512BF16Impl is avx512Impl with AVX512_BF16's bfloat16 products (VDPBF16PS).
@@ -98,14 +98,14 @@ func candidateImpls() []*impl {
 }
 
 // tileDotKernels are the bfloat16-product tile kernels by rows − 1.
-var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16){
+var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int){
 	tileDot512x1, tileDot512x2, tileDot512x3, tileDot512x4, tileDot512x5, tileDot512x6,
 }
 
 // tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
 // masked off at the store. pf (kp×32 values, else the tile's own panel) is prefetched on the
-// way.
-func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16) {
+// way. With cont the chains continue from c.
+func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool) {
 	_ = a[(mr-1)*lda+kp-1]
 	_ = w[kp*2*panelWidth-1]
 	_ = c[(mr-1)*ldc+ncols-1]
@@ -115,7 +115,11 @@ func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr
 	if len(pf) < kp*32 {
 		pf = w
 	}
-	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0])
+	var cn int
+	if cont {
+		cn = 1
+	}
+	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], cn)
 }
 
 // toPairsAVX512 rounds src to bfloat16 pairs with VCVTNE2PS2BF16.
@@ -191,7 +195,7 @@ func tileAcc512x5(a *float32, lda int, w *float32, ldw int, k int, c *float32, l
 func tileAcc512x6(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
 
 //go:noescape
-func prefetchLines(x unsafe.Pointer, n int)
+func touchLines(x unsafe.Pointer, n int)
 
 //go:noescape
 func rowDots512(dst *float32, ldd int, q *float32, ldq int, rows int, k *float32, ldk int, nk int, dim int, tmp *float32)
@@ -315,12 +319,12 @@ func accRowsWith[T float32 | uint16](kernels *[maxTileRows]func(a *float32, lda 
 	}
 }
 
-func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 
 //go:noescape
 func toBF16Pairs512(dst *uint32, src *float32, n int)

@@ -8526,23 +8526,50 @@ rowDotsBF16x512_store:
 	VZEROUPPER
 	RET
 
-// func prefetchLines(x unsafe.Pointer, n int)
-TEXT ·prefetchLines(SB), NOSPLIT, $0-16
+// func touchLines(x unsafe.Pointer, n int)
+TEXT ·touchLines(SB), NOSPLIT, $0-16
 	MOVQ x+0(FP), SI
 	MOVQ n+8(FP), CX
 	LEAQ (SI)(CX*1), DX
 	CMPQ SI, DX
-	JGE prefetchLines_done
-prefetchLines_loop:
-	PREFETCHT0 (SI)
+	JGE touchLines_done
+touchLines_loop:
+	MOVBLZX (SI), AX
 	ADDQ $64, SI
 	CMPQ SI, DX
-	JLT prefetchLines_loop
-prefetchLines_done:
+	JLT touchLines_loop
+touchLines_done:
 	RET
 
-// func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-TEXT ·tileDot512x1(SB), NOSPLIT, $0-64
+// func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+TEXT ·tileDot512x1(SB), NOSPLIT, $0-72
+	MOVQ cont+64(FP), AX
+	TESTQ AX, AX
+	JNZ tileDot512x1_cont
+	VPXORD Z0, Z0, Z0
+	VPXORD Z1, Z1, Z1
+	VPXORD Z2, Z2, Z2
+	VPXORD Z3, Z3, Z3
+	JMP tileDot512x1_start
+tileDot512x1_cont:
+	MOVQ mask+48(FP), AX
+	KMOVW AX, K1
+	SHRQ $16, AX
+	KMOVW AX, K2
+	SHRQ $16, AX
+	KMOVW AX, K3
+	SHRQ $16, AX
+	KMOVW AX, K4
+	MOVQ c+32(FP), DI
+	MOVQ ldc+40(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	VMOVUPS.Z (DI), K1, Z0
+	VMOVUPS.Z 64(DI), K2, Z1
+	VMOVUPS.Z 128(DI), K3, Z2
+	VMOVUPS.Z 192(DI), K4, Z3
+tileDot512x1_start:
 	MOVQ pf+56(FP), R10
 	MOVQ a+0(FP), DI
 	MOVQ lda+8(FP), R8
@@ -8551,10 +8578,6 @@ TEXT ·tileDot512x1(SB), NOSPLIT, $0-64
 	LEAQ (DI)(R8*4), SI
 	MOVQ w+16(FP), BX
 	MOVQ kp+24(FP), CX
-	VPXORD Z0, Z0, Z0
-	VPXORD Z1, Z1, Z1
-	VPXORD Z2, Z2, Z2
-	VPXORD Z3, Z3, Z3
 	CMPQ CX, $4
 	JLT tileDot512x1_tail
 tileDot512x1_loop:
@@ -8640,16 +8663,11 @@ tileDot512x1_store:
 	VZEROUPPER
 	RET
 
-// func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-TEXT ·tileDot512x2(SB), NOSPLIT, $0-64
-	MOVQ pf+56(FP), R10
-	MOVQ a+0(FP), DI
-	MOVQ lda+8(FP), R8
-	SHLQ $2, R8
-	LEAQ (R8)(R8*2), R9
-	LEAQ (DI)(R8*4), SI
-	MOVQ w+16(FP), BX
-	MOVQ kp+24(FP), CX
+// func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+TEXT ·tileDot512x2(SB), NOSPLIT, $0-72
+	MOVQ cont+64(FP), AX
+	TESTQ AX, AX
+	JNZ tileDot512x2_cont
 	VPXORD Z0, Z0, Z0
 	VPXORD Z1, Z1, Z1
 	VPXORD Z2, Z2, Z2
@@ -8658,6 +8676,38 @@ TEXT ·tileDot512x2(SB), NOSPLIT, $0-64
 	VPXORD Z5, Z5, Z5
 	VPXORD Z6, Z6, Z6
 	VPXORD Z7, Z7, Z7
+	JMP tileDot512x2_start
+tileDot512x2_cont:
+	MOVQ mask+48(FP), AX
+	KMOVW AX, K1
+	SHRQ $16, AX
+	KMOVW AX, K2
+	SHRQ $16, AX
+	KMOVW AX, K3
+	SHRQ $16, AX
+	KMOVW AX, K4
+	MOVQ c+32(FP), DI
+	MOVQ ldc+40(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	VMOVUPS.Z (DI), K1, Z0
+	VMOVUPS.Z 64(DI), K2, Z1
+	VMOVUPS.Z 128(DI), K3, Z2
+	VMOVUPS.Z 192(DI), K4, Z3
+	VMOVUPS.Z (DI)(R8*1), K1, Z4
+	VMOVUPS.Z 64(DI)(R8*1), K2, Z5
+	VMOVUPS.Z 128(DI)(R8*1), K3, Z6
+	VMOVUPS.Z 192(DI)(R8*1), K4, Z7
+tileDot512x2_start:
+	MOVQ pf+56(FP), R10
+	MOVQ a+0(FP), DI
+	MOVQ lda+8(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	MOVQ w+16(FP), BX
+	MOVQ kp+24(FP), CX
 	CMPQ CX, $4
 	JLT tileDot512x2_tail
 tileDot512x2_loop:
@@ -8767,16 +8817,11 @@ tileDot512x2_store:
 	VZEROUPPER
 	RET
 
-// func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-TEXT ·tileDot512x3(SB), NOSPLIT, $0-64
-	MOVQ pf+56(FP), R10
-	MOVQ a+0(FP), DI
-	MOVQ lda+8(FP), R8
-	SHLQ $2, R8
-	LEAQ (R8)(R8*2), R9
-	LEAQ (DI)(R8*4), SI
-	MOVQ w+16(FP), BX
-	MOVQ kp+24(FP), CX
+// func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+TEXT ·tileDot512x3(SB), NOSPLIT, $0-72
+	MOVQ cont+64(FP), AX
+	TESTQ AX, AX
+	JNZ tileDot512x3_cont
 	VPXORD Z0, Z0, Z0
 	VPXORD Z1, Z1, Z1
 	VPXORD Z2, Z2, Z2
@@ -8789,6 +8834,42 @@ TEXT ·tileDot512x3(SB), NOSPLIT, $0-64
 	VPXORD Z9, Z9, Z9
 	VPXORD Z10, Z10, Z10
 	VPXORD Z11, Z11, Z11
+	JMP tileDot512x3_start
+tileDot512x3_cont:
+	MOVQ mask+48(FP), AX
+	KMOVW AX, K1
+	SHRQ $16, AX
+	KMOVW AX, K2
+	SHRQ $16, AX
+	KMOVW AX, K3
+	SHRQ $16, AX
+	KMOVW AX, K4
+	MOVQ c+32(FP), DI
+	MOVQ ldc+40(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	VMOVUPS.Z (DI), K1, Z0
+	VMOVUPS.Z 64(DI), K2, Z1
+	VMOVUPS.Z 128(DI), K3, Z2
+	VMOVUPS.Z 192(DI), K4, Z3
+	VMOVUPS.Z (DI)(R8*1), K1, Z4
+	VMOVUPS.Z 64(DI)(R8*1), K2, Z5
+	VMOVUPS.Z 128(DI)(R8*1), K3, Z6
+	VMOVUPS.Z 192(DI)(R8*1), K4, Z7
+	VMOVUPS.Z (DI)(R8*2), K1, Z8
+	VMOVUPS.Z 64(DI)(R8*2), K2, Z9
+	VMOVUPS.Z 128(DI)(R8*2), K3, Z10
+	VMOVUPS.Z 192(DI)(R8*2), K4, Z11
+tileDot512x3_start:
+	MOVQ pf+56(FP), R10
+	MOVQ a+0(FP), DI
+	MOVQ lda+8(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	MOVQ w+16(FP), BX
+	MOVQ kp+24(FP), CX
 	CMPQ CX, $4
 	JLT tileDot512x3_tail
 tileDot512x3_loop:
@@ -8922,16 +9003,11 @@ tileDot512x3_store:
 	VZEROUPPER
 	RET
 
-// func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-TEXT ·tileDot512x4(SB), NOSPLIT, $0-64
-	MOVQ pf+56(FP), R10
-	MOVQ a+0(FP), DI
-	MOVQ lda+8(FP), R8
-	SHLQ $2, R8
-	LEAQ (R8)(R8*2), R9
-	LEAQ (DI)(R8*4), SI
-	MOVQ w+16(FP), BX
-	MOVQ kp+24(FP), CX
+// func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+TEXT ·tileDot512x4(SB), NOSPLIT, $0-72
+	MOVQ cont+64(FP), AX
+	TESTQ AX, AX
+	JNZ tileDot512x4_cont
 	VPXORD Z0, Z0, Z0
 	VPXORD Z1, Z1, Z1
 	VPXORD Z2, Z2, Z2
@@ -8948,6 +9024,46 @@ TEXT ·tileDot512x4(SB), NOSPLIT, $0-64
 	VPXORD Z13, Z13, Z13
 	VPXORD Z14, Z14, Z14
 	VPXORD Z15, Z15, Z15
+	JMP tileDot512x4_start
+tileDot512x4_cont:
+	MOVQ mask+48(FP), AX
+	KMOVW AX, K1
+	SHRQ $16, AX
+	KMOVW AX, K2
+	SHRQ $16, AX
+	KMOVW AX, K3
+	SHRQ $16, AX
+	KMOVW AX, K4
+	MOVQ c+32(FP), DI
+	MOVQ ldc+40(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	VMOVUPS.Z (DI), K1, Z0
+	VMOVUPS.Z 64(DI), K2, Z1
+	VMOVUPS.Z 128(DI), K3, Z2
+	VMOVUPS.Z 192(DI), K4, Z3
+	VMOVUPS.Z (DI)(R8*1), K1, Z4
+	VMOVUPS.Z 64(DI)(R8*1), K2, Z5
+	VMOVUPS.Z 128(DI)(R8*1), K3, Z6
+	VMOVUPS.Z 192(DI)(R8*1), K4, Z7
+	VMOVUPS.Z (DI)(R8*2), K1, Z8
+	VMOVUPS.Z 64(DI)(R8*2), K2, Z9
+	VMOVUPS.Z 128(DI)(R8*2), K3, Z10
+	VMOVUPS.Z 192(DI)(R8*2), K4, Z11
+	VMOVUPS.Z (DI)(R9*1), K1, Z12
+	VMOVUPS.Z 64(DI)(R9*1), K2, Z13
+	VMOVUPS.Z 128(DI)(R9*1), K3, Z14
+	VMOVUPS.Z 192(DI)(R9*1), K4, Z15
+tileDot512x4_start:
+	MOVQ pf+56(FP), R10
+	MOVQ a+0(FP), DI
+	MOVQ lda+8(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	MOVQ w+16(FP), BX
+	MOVQ kp+24(FP), CX
 	CMPQ CX, $4
 	JLT tileDot512x4_tail
 tileDot512x4_loop:
@@ -9105,16 +9221,11 @@ tileDot512x4_store:
 	VZEROUPPER
 	RET
 
-// func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-TEXT ·tileDot512x5(SB), NOSPLIT, $0-64
-	MOVQ pf+56(FP), R10
-	MOVQ a+0(FP), DI
-	MOVQ lda+8(FP), R8
-	SHLQ $2, R8
-	LEAQ (R8)(R8*2), R9
-	LEAQ (DI)(R8*4), SI
-	MOVQ w+16(FP), BX
-	MOVQ kp+24(FP), CX
+// func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+TEXT ·tileDot512x5(SB), NOSPLIT, $0-72
+	MOVQ cont+64(FP), AX
+	TESTQ AX, AX
+	JNZ tileDot512x5_cont
 	VPXORD Z0, Z0, Z0
 	VPXORD Z1, Z1, Z1
 	VPXORD Z2, Z2, Z2
@@ -9135,6 +9246,50 @@ TEXT ·tileDot512x5(SB), NOSPLIT, $0-64
 	VPXORD Z17, Z17, Z17
 	VPXORD Z18, Z18, Z18
 	VPXORD Z19, Z19, Z19
+	JMP tileDot512x5_start
+tileDot512x5_cont:
+	MOVQ mask+48(FP), AX
+	KMOVW AX, K1
+	SHRQ $16, AX
+	KMOVW AX, K2
+	SHRQ $16, AX
+	KMOVW AX, K3
+	SHRQ $16, AX
+	KMOVW AX, K4
+	MOVQ c+32(FP), DI
+	MOVQ ldc+40(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	VMOVUPS.Z (DI), K1, Z0
+	VMOVUPS.Z 64(DI), K2, Z1
+	VMOVUPS.Z 128(DI), K3, Z2
+	VMOVUPS.Z 192(DI), K4, Z3
+	VMOVUPS.Z (DI)(R8*1), K1, Z4
+	VMOVUPS.Z 64(DI)(R8*1), K2, Z5
+	VMOVUPS.Z 128(DI)(R8*1), K3, Z6
+	VMOVUPS.Z 192(DI)(R8*1), K4, Z7
+	VMOVUPS.Z (DI)(R8*2), K1, Z8
+	VMOVUPS.Z 64(DI)(R8*2), K2, Z9
+	VMOVUPS.Z 128(DI)(R8*2), K3, Z10
+	VMOVUPS.Z 192(DI)(R8*2), K4, Z11
+	VMOVUPS.Z (DI)(R9*1), K1, Z12
+	VMOVUPS.Z 64(DI)(R9*1), K2, Z13
+	VMOVUPS.Z 128(DI)(R9*1), K3, Z14
+	VMOVUPS.Z 192(DI)(R9*1), K4, Z15
+	VMOVUPS.Z (SI), K1, Z16
+	VMOVUPS.Z 64(SI), K2, Z17
+	VMOVUPS.Z 128(SI), K3, Z18
+	VMOVUPS.Z 192(SI), K4, Z19
+tileDot512x5_start:
+	MOVQ pf+56(FP), R10
+	MOVQ a+0(FP), DI
+	MOVQ lda+8(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	MOVQ w+16(FP), BX
+	MOVQ kp+24(FP), CX
 	CMPQ CX, $4
 	JLT tileDot512x5_tail
 tileDot512x5_loop:
@@ -9316,16 +9471,11 @@ tileDot512x5_store:
 	VZEROUPPER
 	RET
 
-// func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-TEXT ·tileDot512x6(SB), NOSPLIT, $0-64
-	MOVQ pf+56(FP), R10
-	MOVQ a+0(FP), DI
-	MOVQ lda+8(FP), R8
-	SHLQ $2, R8
-	LEAQ (R8)(R8*2), R9
-	LEAQ (DI)(R8*4), SI
-	MOVQ w+16(FP), BX
-	MOVQ kp+24(FP), CX
+// func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+TEXT ·tileDot512x6(SB), NOSPLIT, $0-72
+	MOVQ cont+64(FP), AX
+	TESTQ AX, AX
+	JNZ tileDot512x6_cont
 	VPXORD Z0, Z0, Z0
 	VPXORD Z1, Z1, Z1
 	VPXORD Z2, Z2, Z2
@@ -9350,6 +9500,54 @@ TEXT ·tileDot512x6(SB), NOSPLIT, $0-64
 	VPXORD Z21, Z21, Z21
 	VPXORD Z22, Z22, Z22
 	VPXORD Z23, Z23, Z23
+	JMP tileDot512x6_start
+tileDot512x6_cont:
+	MOVQ mask+48(FP), AX
+	KMOVW AX, K1
+	SHRQ $16, AX
+	KMOVW AX, K2
+	SHRQ $16, AX
+	KMOVW AX, K3
+	SHRQ $16, AX
+	KMOVW AX, K4
+	MOVQ c+32(FP), DI
+	MOVQ ldc+40(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	VMOVUPS.Z (DI), K1, Z0
+	VMOVUPS.Z 64(DI), K2, Z1
+	VMOVUPS.Z 128(DI), K3, Z2
+	VMOVUPS.Z 192(DI), K4, Z3
+	VMOVUPS.Z (DI)(R8*1), K1, Z4
+	VMOVUPS.Z 64(DI)(R8*1), K2, Z5
+	VMOVUPS.Z 128(DI)(R8*1), K3, Z6
+	VMOVUPS.Z 192(DI)(R8*1), K4, Z7
+	VMOVUPS.Z (DI)(R8*2), K1, Z8
+	VMOVUPS.Z 64(DI)(R8*2), K2, Z9
+	VMOVUPS.Z 128(DI)(R8*2), K3, Z10
+	VMOVUPS.Z 192(DI)(R8*2), K4, Z11
+	VMOVUPS.Z (DI)(R9*1), K1, Z12
+	VMOVUPS.Z 64(DI)(R9*1), K2, Z13
+	VMOVUPS.Z 128(DI)(R9*1), K3, Z14
+	VMOVUPS.Z 192(DI)(R9*1), K4, Z15
+	VMOVUPS.Z (SI), K1, Z16
+	VMOVUPS.Z 64(SI), K2, Z17
+	VMOVUPS.Z 128(SI), K3, Z18
+	VMOVUPS.Z 192(SI), K4, Z19
+	VMOVUPS.Z (SI)(R8*1), K1, Z20
+	VMOVUPS.Z 64(SI)(R8*1), K2, Z21
+	VMOVUPS.Z 128(SI)(R8*1), K3, Z22
+	VMOVUPS.Z 192(SI)(R8*1), K4, Z23
+tileDot512x6_start:
+	MOVQ pf+56(FP), R10
+	MOVQ a+0(FP), DI
+	MOVQ lda+8(FP), R8
+	SHLQ $2, R8
+	LEAQ (R8)(R8*2), R9
+	LEAQ (DI)(R8*4), SI
+	MOVQ w+16(FP), BX
+	MOVQ kp+24(FP), CX
 	CMPQ CX, $4
 	JLT tileDot512x6_tail
 tileDot512x6_loop:

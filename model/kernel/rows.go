@@ -73,15 +73,6 @@ func checkAccRows(op string, acc []float32, ldacc int, p []float32, ldp, rows, n
 	return true
 }
 
-// Prefetch hints that x is about to be read (attention's next block of keys or values, float32
-// or bfloat16 bits), so its cache lines start loading while the current ones are worked on. It
-// changes no data and no result; in the portable build it does nothing.
-func Prefetch[T float32 | uint16](x []T) {
-	if defaultImpl.prefetch != nil && len(x) > 0 {
-		defaultImpl.prefetch(unsafe.Pointer(unsafe.SliceData(x)), len(x)*int(unsafe.Sizeof(x[0])))
-	}
-}
-
 // RowDotsBF16 is [RowDots] for keys stored as bfloat16 (the values' bits): each key element is
 // widened to float32 — exactly — as it is read, so the results are bit-identical to RowDots on
 // the widened keys. It panics if [RowKernels](dim) is false or a slice is too short.
@@ -98,5 +89,17 @@ func RowDotsBF16(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16,
 func AccumulateRowsBF16(acc []float32, ldacc int, p []float32, ldp, rows int, v []uint16, ldv, n, dim int) {
 	if checkAccRows("AccumulateRowsBF16", acc, ldacc, p, ldp, rows, len(v), ldv, n, dim) {
 		defaultImpl.accRowsBF16(acc, ldacc, p, ldp, rows, v, ldv, n, dim)
+	}
+}
+
+// Touch reads every cache line of x in order, discarding what it reads, so that x is in the
+// caches when the row kernels read it in another order (attention's next keys or values, float32
+// or bfloat16 bits). Demand loads in address order let the hardware prefetchers run ahead of
+// them, which streams from memory faster than a burst of prefetches, whose requests wait for
+// free miss buffers and stall the work behind them. It changes no data and no result; in the
+// portable build it does nothing.
+func Touch[T float32 | uint16](x []T) {
+	if defaultImpl.touch != nil && len(x) > 0 {
+		defaultImpl.touch(unsafe.Pointer(unsafe.SliceData(x)), len(x)*int(unsafe.Sizeof(x[0])))
 	}
 }

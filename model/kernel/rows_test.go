@@ -4,7 +4,9 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"syscall"
 	"testing"
+	"unsafe"
 )
 
 // TestRowKernelsMatchPackedLinear checks RowDots and AccumulateRows (the latter split over
@@ -87,5 +89,24 @@ func TestRowKernelsMatchPackedLinear(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// TestTouchReadsOnlyItsSlice: Touch reads nothing past its slice, for every length of float32
+// and bfloat16 slices that end at the last byte of a page followed by an unmapped one.
+func TestTouchReadsOnlyItsSlice(t *testing.T) {
+	page := syscall.Getpagesize()
+	mem, err := syscall.Mmap(-1, 0, 2*page, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Skip(err)
+	}
+	defer syscall.Munmap(mem)
+	if err := syscall.Mprotect(mem[page:], syscall.PROT_NONE); err != nil {
+		t.Skip(err)
+	}
+	for n := range 300 {
+		end := unsafe.Pointer(&mem[page-1])
+		Touch(unsafe.Slice((*uint16)(unsafe.Add(end, 1-2*n)), n))
+		Touch(unsafe.Slice((*float32)(unsafe.Add(end, 1-4*n)), n))
 	}
 }
