@@ -155,25 +155,42 @@ func tile512(wk, mr, unroll int) {
 		step(0, true)
 	}
 	label(name + "_store")
-	p("MOVQ mask+48(FP), AX")
+	columnMasks("mask+48(FP)")
+	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// columnMasks loads the column mask argument at maskArg ("mask+48(FP)") into K1..K4, 16
+// columns each.
+func columnMasks(maskArg string) {
+	p("MOVQ %s, AX", maskArg)
 	for v := range 4 {
 		p("KMOVW AX, K%d", v+1)
 		if v < 3 {
 			p("SHRQ $16, AX")
 		}
 	}
-	p("MOVQ c+32(FP), DI")
-	p("MOVQ ldc+40(FP), R8")
+}
+
+// cTile loads (load) or stores the accumulators Z(4m+v) of an mr × 64 tile of c, the pointer
+// argument at cArg with row stride (floats) at ldcArg, under the column masks K1..K4: a masked
+// load zeroes the columns it skips. It uses DI, SI, R8 and R9.
+func cTile(mr int, cArg, ldcArg string, load bool) {
+	p("MOVQ %s, DI", cArg)
+	p("MOVQ %s, R8", ldcArg)
 	p("SHLQ $2, R8")
 	p("LEAQ (R8)(R8*2), R9")
 	p("LEAQ (DI)(R8*4), SI")
 	for m := range mr {
 		for v := range 4 {
-			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+			if load {
+				p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
+			} else {
+				p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+			}
 		}
 	}
-	p("VZEROUPPER")
-	p("RET")
 }
 
 // hi16Data is the mask that keeps the upper 16 bits of a dword (the odd bf16 of a pair).
@@ -920,23 +937,8 @@ func tileAcc512(bf16 bool, mr, unroll int) {
 		name, wt, esz = fmt.Sprintf("tileAccBF16x512x%d", mr), "uint16", 2
 	}
 	text(name+"(a *float32, lda int, w *"+wt+", ldw int, k int, c *float32, ldc int, mask uint64)", "$0-64")
-	p("MOVQ mask+56(FP), AX")
-	for v := range 4 {
-		p("KMOVW AX, K%d", v+1)
-		if v < 3 {
-			p("SHRQ $16, AX")
-		}
-	}
-	p("MOVQ c+40(FP), DI")
-	p("MOVQ ldc+48(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
-	for m := range mr {
-		for v := range 4 {
-			p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
-		}
-	}
+	columnMasks("mask+56(FP)")
+	cTile(mr, "c+40(FP)", "ldc+48(FP)", true)
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
@@ -984,16 +986,7 @@ func tileAcc512(bf16 bool, mr, unroll int) {
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
-	p("MOVQ c+40(FP), DI")
-	p("MOVQ ldc+48(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
-	for m := range mr {
-		for v := range 4 {
-			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
-		}
-	}
+	cTile(mr, "c+40(FP)", "ldc+48(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -1235,23 +1228,8 @@ func tileDot512(mr, unroll int) {
 	}
 	p("JMP %s_start", name)
 	label(name + "_cont")
-	p("MOVQ mask+48(FP), AX")
-	for v := range 4 {
-		p("KMOVW AX, K%d", v+1)
-		if v < 3 {
-			p("SHRQ $16, AX")
-		}
-	}
-	p("MOVQ c+32(FP), DI")
-	p("MOVQ ldc+40(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
-	for m := range mr {
-		for v := range 4 {
-			p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
-		}
-	}
+	columnMasks("mask+48(FP)")
+	cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
 	label(name + "_start")
 	p("MOVQ pf+56(FP), R10")
 	p("MOVQ a+0(FP), DI")
@@ -1296,23 +1274,8 @@ func tileDot512(mr, unroll int) {
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
-	p("MOVQ mask+48(FP), AX")
-	for v := range 4 {
-		p("KMOVW AX, K%d", v+1)
-		if v < 3 {
-			p("SHRQ $16, AX")
-		}
-	}
-	p("MOVQ c+32(FP), DI")
-	p("MOVQ ldc+40(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
-	for m := range mr {
-		for v := range 4 {
-			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
-		}
-	}
+	columnMasks("mask+48(FP)")
+	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
