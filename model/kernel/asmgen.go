@@ -418,6 +418,108 @@ func add512() {
 		func(k string) { p("VMOVUPS Z0%s, (DI)", k) })
 }
 
+// normScale512: dst[i] = (x[i]·inv rounded)·w[i] rounded (RMSNorm's scaling; two VMULPS, as
+// the portable loop's two rounded products).
+func normScale512() {
+	text("normScale512(dst, x, w *float32, inv float32, n int)", "$0-40")
+	p("VBROADCASTSS inv+24(FP), Z16")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ x+8(FP), SI")
+	p("MOVQ w+16(FP), R8")
+	p("MOVQ n+32(FP), DX")
+	elementwise("normScale512", "DX", []string{"DI", "SI", "R8"},
+		func(z string) {
+			p("VMOVUPS%s (SI)%s, Z0", z, mask(z))
+			p("VMOVUPS%s (R8)%s, Z1", z, mask(z))
+		},
+		func() {
+			p("VMULPS Z16, Z0, Z0")
+			p("VMULPS Z1, Z0, Z0")
+		},
+		func(k string) { p("VMOVUPS Z0%s, (DI)", k) })
+}
+
+// rope512 rotates the pairs (x1[i], x2[i]) by the angles whose cosines and sines are c[i], s[i]:
+// x1 = x1·c − x2·s, x2 = x2·c + x1·s, each product and sum rounded (no FMA), as the portable
+// loop computes them.
+func rope512() {
+	text("rope512(x1, x2, c, s *float32, n int)", "$0-40")
+	p("MOVQ x1+0(FP), DI")
+	p("MOVQ x2+8(FP), SI")
+	p("MOVQ c+16(FP), R8")
+	p("MOVQ s+24(FP), R9")
+	p("MOVQ n+32(FP), DX")
+	elementwise("rope512", "DX", []string{"DI", "SI", "R8", "R9"},
+		func(z string) {
+			p("VMOVUPS%s (DI)%s, Z0", z, mask(z))
+			p("VMOVUPS%s (SI)%s, Z1", z, mask(z))
+			p("VMOVUPS%s (R8)%s, Z2", z, mask(z))
+			p("VMOVUPS%s (R9)%s, Z3", z, mask(z))
+		},
+		func() {
+			p("VMULPS Z2, Z0, Z4") // a·c
+			p("VMULPS Z3, Z1, Z5") // b·s
+			p("VSUBPS Z5, Z4, Z4") // a·c − b·s
+			p("VMULPS Z2, Z1, Z6") // b·c
+			p("VMULPS Z3, Z0, Z7") // a·s
+			p("VADDPS Z7, Z6, Z6") // b·c + a·s
+		},
+		func(k string) {
+			p("VMOVUPS Z4%s, (DI)", k)
+			p("VMOVUPS Z6%s, (SI)", k)
+		})
+}
+
+// narrowBF16x512 rounds n floats to bfloat16 as F32ToBF16 does — to nearest even, keeping
+// denormals, a NaN made quiet (its top bits with 0x40 set) — 16 at a time, the tail under a mask.
+func narrowBF16x512() {
+	text("narrowBF16x512(dst *uint16, src *float32, n int)", "$0-24")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ src+8(FP), SI")
+	p("MOVQ n+16(FP), DX")
+	p("MOVL $0x7fff, AX")
+	p("VPBROADCASTD AX, Z16")
+	p("MOVL $1, AX")
+	p("VPBROADCASTD AX, Z17")
+	p("MOVL $0x7fffffff, AX")
+	p("VPBROADCASTD AX, Z18")
+	p("MOVL $0x7f800000, AX")
+	p("VPBROADCASTD AX, Z19")
+	p("MOVL $0x40, AX")
+	p("VPBROADCASTD AX, Z20")
+	p("MOVQ DX, BX")
+	p("SHRQ $4, BX")
+	p("JZ narrowBF16x512_tail")
+	body := func() {
+		p("VPSRLD $16, Z0, Z1")      // b>>16
+		p("VPANDD Z17, Z1, Z2")      // (b>>16)&1
+		p("VPADDD Z16, Z0, Z3")      // b + 0x7fff
+		p("VPADDD Z2, Z3, Z3")       // + lsb
+		p("VPSRLD $16, Z3, Z3")      // rounded
+		p("VPANDD Z18, Z0, Z4")      // |b|
+		p("VPCMPUD $6, Z19, Z4, K2") // |b| > 0x7f800000: NaN
+		p("VPORD Z20, Z1, K2, Z3")   // NaN: b>>16 | 0x40
+	}
+	label("narrowBF16x512_loop")
+	p("VMOVUPS (SI), Z0")
+	body()
+	p("VPMOVDW Z3, (DI)")
+	p("ADDQ $64, SI")
+	p("ADDQ $32, DI")
+	p("DECQ BX")
+	p("JNZ narrowBF16x512_loop")
+	label("narrowBF16x512_tail")
+	tailMask("DX")
+	p("KORTESTW K1, K1")
+	p("JZ narrowBF16x512_done")
+	p("VMOVUPS.Z (SI), K1, Z0")
+	body()
+	p("VPMOVDW Z3, K1, (DI)")
+	label("narrowBF16x512_done")
+	p("VZEROUPPER")
+	p("RET")
+}
+
 // expConsts loads the exp constants into Z16..Z27.
 func expConsts() {
 	for i := range 12 {
@@ -1411,6 +1513,9 @@ func main() {
 	axpy512()
 	scale512()
 	add512()
+	normScale512()
+	rope512()
+	narrowBF16x512()
 	siluMul512()
 	expShift512()
 	max512()

@@ -36,6 +36,12 @@ type impl struct {
 	expShift func(x []float32, shift float32) float32 // x[i] = exp(x[i]-shift); returns Σ x[i] in a fixed order
 	max      func(x []float32) float32
 
+	// normScale, rope and narrowBF16 are RMSNorm's scaling, Rope and NarrowBF16 (nil: the
+	// portable loops, which compute the same bits).
+	normScale  func(dst, x, w []float32, inv float32)
+	rope       func(x1, x2, cos, sin []float32)
+	narrowBF16 func(dst []uint16, src []float32)
+
 	// transpose copies square blocks of tgroup rows × tgroup columns transposed: for each of
 	// blocks column blocks b, columns [b·tgroup, (b+1)·tgroup) of source rows rows[0..tgroup)
 	// become rows [b·tgroup, (b+1)·tgroup) of dst, ldd floats apart. nil (tgroup 0): the

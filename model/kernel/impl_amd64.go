@@ -22,6 +22,11 @@ var avx512Impl = &impl{
 	scale:     scaleAVX512,
 	add:       addAVX512,
 	siluMul:   siluMulAVX512,
+
+	normScale:  normScaleAVX512,
+	rope:       ropeAVX512,
+	narrowBF16: narrowBF16AVX512,
+
 	expShift:  expShiftAVX512,
 	max:       maxAVX512,
 	fmaLoop:   fmaLoopAVX512,
