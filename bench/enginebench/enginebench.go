@@ -319,18 +319,22 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType strin
 	if err := m.Forward(ctx, pool, opts.BlockSize, seqs); err != nil {
 		return nil, err
 	}
+	// The repetitions take turns across the batch sizes, so that every batch size sees the
+	// machine in each state a shared machine passes through: their ratios compare like with like.
 	for _, context := range opts.DecodeContexts {
-		for _, b := range opts.Batches {
-			var best float64
-			for rep := range opts.Repeat {
+		best := make([]float64, len(opts.Batches))
+		for rep := range opts.Repeat {
+			for i, b := range opts.Batches {
 				progress("%s run %d/%d: decoding %d steps at batch %d (context %d)", d.name(), rep+1, opts.Repeat, opts.DecodeSteps, b, context)
 				sec, err := decodeBatch(ctx, m, pool, opts, seqs[:b], context)
 				if err != nil {
 					return nil, err
 				}
-				best = max(best, float64(b*opts.DecodeSteps)/sec)
+				best[i] = max(best[i], float64(b*opts.DecodeSteps)/sec)
 			}
-			br := BatchResult{Batch: b, Context: context, TokensPerS: best}
+		}
+		for i, b := range opts.Batches {
+			br := BatchResult{Batch: b, Context: context, TokensPerS: best[i]}
 			for s := range opts.DecodeSteps {
 				n := context + s + 1 // positions attended to
 				br.productFLOPs += float64(b) * (m.FLOPsPerToken(n) - m.AttentionFLOPsPerToken(n))
@@ -339,7 +343,7 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType strin
 			}
 			steps := float64(opts.DecodeSteps)
 			br.productFLOPs, br.attnFLOPs, br.kvBytes = br.productFLOPs/steps, br.attnFLOPs/steps, br.kvBytes/steps
-			br.GFLOPS = (br.productFLOPs + br.attnFLOPs) * best / float64(b) / 1e9
+			br.GFLOPS = (br.productFLOPs + br.attnFLOPs) * best[i] / float64(b) / 1e9
 			d.Batched = append(d.Batched, br)
 		}
 	}
