@@ -34,9 +34,14 @@ import (
 // scratch Linears just before use, while it stays in L1 — or, where the kernel has
 // kernel.RowDots and kernel.AccumulateRows for HeadDim (AVX-512, portable Go; Model.inPlace), not
 // packed at all: the item computes its scores and value sums straight from the blocks' key and
-// value rows with the packed Linears' chains (one FMA chain over d per score; per value element
-// one chain over the chunk's keys, carried from block to block), prefetching the blocks ahead of
-// use. Packing only moves data — kernel.Linear.SetRows transposes the keys with SIMD shuffles,
+// value rows (float32, or bfloat16 widened inside the kernels' loads: kernel.RowDotsBF16,
+// kernel.AccumulateRowsBF16) with the packed Linears' chains (one FMA chain over d per score;
+// per value element one chain over the chunk's keys, carried from block to block). Such an item
+// of a sequence whose tokens fit one tile (decode) covers several KV heads, up to all of them:
+// a block holds a layer's keys of all heads side by side (then their values), so the item reads
+// each block's keys, then values, as one stretch of memory — what the hardware streams fastest
+// (reading one head's 8 KB per block, as one item per head did, ran at half the bandwidth).
+// Packing only moves data — kernel.Linear.SetRows transposes the keys with SIMD shuffles,
 // SetColumns copies the values — into reused memory, so a context that arrived by transfer costs
 // what one the model computed costs, and no packed copy outlives the step to go stale (a cache of
 // packed chunks across steps, removed earlier, cost a full re-pack after every transfer; reading
@@ -48,9 +53,11 @@ const (
 	attnChunk = 64
 	// tileRows is the number of query rows (tokens × heads of a KV group) per work item.
 	tileRows = 64
-	// prefetchAhead is how many positions ahead of the ones being read attention prefetches
-	// keys and values when it reads them in place.
-	prefetchAhead = 32
+	// touchAheadBytes is the most keys and values of an in-place work item whose values are
+	// read ahead with its keys (a core's L2 on the machines measured: 1 MB on Zen 4). At a
+	// 128-token context that is a bfloat16 item of 8 heads (528 KB, 7% faster), not a float32
+	// one (1.06 MB, no faster).
+	touchAheadBytes = 1 << 20
 )
 
 // seqAttn is one sequence's attention state for one step.
@@ -71,10 +78,11 @@ func (sa *seqAttn) chunk(w *workspace, g, ch int) (k, v *kernel.Linear) {
 	return w.packs[i], w.packs[i+1]
 }
 
-// attnItem is one unit of attention work: a tile [t0,t1) of the tokens of a (sequence, KV head).
+// attnItem is one unit of attention work: a tile [t0,t1) of the tokens of a sequence, for its
+// KV heads [g0,g1) (one head unless the item reads its keys and values in place).
 type attnItem struct {
 	sa     *seqAttn
-	g      int
+	g0, g1 int
 	t0, t1 int
 	cost   int
 }
@@ -147,20 +155,54 @@ func (m *Model) attention(w *workspace, seqs []Seq, blockSize int) {
 		m.packValues(v, w, seqs, blockSize, b.sa, b.g, lo, n)
 	})
 
-	// Attention work items, the most expensive first.
+	// Attention work items, the most expensive first. A sequence read in place whose tokens
+	// fit one tile (decode) has several KV heads per item, so that the item walks each block's
+	// keys (then values) of those heads — adjacent in the block — in one stretch of memory.
 	w.items = w.items[:0]
 	tile := c.tileTokens()
+	span := m.headSpan(w)
 	for i := range w.seqAttn {
 		sa := &w.seqAttn[i]
-		for g := range c.NumKVHeads {
+		heads := 1
+		if m.inPlace && sa.packs < 0 && sa.n <= tile {
+			heads = max(1, min(span, tileRows/(sa.n*group)))
+		}
+		for g0 := 0; g0 < c.NumKVHeads; g0 += heads {
+			g1 := min(c.NumKVHeads, g0+heads)
 			for t0 := 0; t0 < sa.n; t0 += tile {
 				t1 := min(sa.n, t0+tile)
-				w.items = append(w.items, attnItem{sa: sa, g: g, t0: t0, t1: t1, cost: (t1 - t0) * group * (sa.start + t1)})
+				w.items = append(w.items, attnItem{sa: sa, g0: g0, g1: g1, t0: t0, t1: t1, cost: (g1 - g0) * (t1 - t0) * group * (sa.start + t1)})
 			}
 		}
 	}
 	slices.SortStableFunc(w.items, func(a, b attnItem) int { return cmp.Compare(b.cost, a.cost) })
-	m.pool.Parallel(len(w.items), func(i int) { m.attend(w, seqs, blockSize, w.items[i]) })
+	m.pool.Parallel(len(w.items), func(i int) {
+		if it := w.items[i]; it.sa.packs < 0 && m.inPlace {
+			m.attendInPlace(w, seqs, blockSize, it)
+		} else {
+			m.attend(w, seqs, blockSize, it)
+		}
+	})
+}
+
+// headSpan returns how many KV heads an item of a one-tile sequence read in place covers: all of
+// them, unless there are too few such sequences to give every worker two items.
+func (m *Model) headSpan(w *workspace) int {
+	nkv := m.cfg.NumKVHeads
+	n := 0
+	for i := range w.seqAttn {
+		if w.seqAttn[i].packs < 0 && w.seqAttn[i].n <= m.cfg.tileTokens() {
+			n++
+		}
+	}
+	span := nkv
+	for span > 1 && n*((nkv+span-1)/span) < 2*m.pool.Workers() {
+		span = (span + 1) / 2
+	}
+	if m.itemHeads > 0 {
+		span = min(span, m.itemHeads)
+	}
+	return span
 }
 
 // getScratch returns a scratch set from the model's pool.
@@ -232,81 +274,91 @@ func (it *positionIter) next() (k, v []float32) {
 	return k, v
 }
 
-// stretches calls fn for each stretch of the positions [lo, lo+n) of sa, KV head g, that lies
-// in one block, in position order: j0 is the stretch's offset from lo, cnt its length, and k, v
-// start at the key and value of its first position, the positions' rows ld floats apart. Before
-// each stretch it prefetches the keys (values) prefetchAhead positions further on; past position
-// end (exclusive), the keys' prefetches run on into the first values, which are read next.
-func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g, lo, n, end int, values bool, fn func(j0, cnt int, k, v []float32, ld int)) {
+// stretches calls fn for each stretch of the positions [lo, lo+n) of sa that lies in one block,
+// in position order, and in each for the KV heads [g0,g1) in order: j0 is the stretch's offset
+// from lo, cnt its length, view the head's view of the block and o the offset in it of the
+// stretch's first key (value). Before the heads of a stretch are computed, the stretch's rows
+// of all of them are read in address order (kernel.Touch) — the keys in the scores pass (and,
+// with ahead, the values as well: adjacent in the block, read next), the values in the values
+// pass unless read ahead. The kernels' strided reads then find them in the caches, and the
+// sequential reads let the hardware prefetchers stream the next rows meanwhile; prefetching the
+// same rows instead (a burst that waits for miss buffers) measured 20% slower, reading nothing
+// ahead 40% slower.
+func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo, n int, values, ahead bool, fn func(g, j0, cnt int, view *headView, o int)) {
 	s := seqs[sa.seq]
 	nb := (s.Start + len(s.Tokens) + blockSize - 1) / blockSize
-	views := w.views[w.viewBase[sa.seq]+g*nb : w.viewBase[sa.seq]+(g+1)*nb]
+	base := w.viewBase[sa.seq]
+	views := w.views[base : base+g1*nb]
 	for j0 := 0; j0 < n; {
 		p := lo + j0
 		b, slot := p/blockSize, p%blockSize
 		cnt := min(n-j0, blockSize-slot)
-		if q, vq := p+prefetchAhead, values; q < end || !vq {
-			if q >= end {
-				q, vq = q-end, true
-			}
-			if q < end {
-				pv := views[q/blockSize]
-				o := q % blockSize * pv.stride
-				rows := pv.k
-				if vq {
-					rows = pv.v
-				}
-				kernel.Prefetch(rows[o:min(len(rows), o+min(cnt, end-q)*pv.stride)])
+		if !values || !ahead {
+			for g := g0; g < g1; g++ {
+				views[g*nb+b].touch(slot, cnt, values)
 			}
 		}
-		view := views[b]
-		o := slot * view.stride
-		fn(j0, cnt, view.k[o:], view.v[o:], view.stride)
+		if !values && ahead {
+			for g := g0; g < g1; g++ {
+				views[g*nb+b].touch(slot, cnt, true)
+			}
+		}
+		for g := g0; g < g1; g++ {
+			view := &views[g*nb+b]
+			fn(g, j0, cnt, view, slot*view.stride)
+		}
 		j0 += cnt
 	}
 }
 
+// touch reads the keys (or values) of rows slots from slot on in address order.
+func (v *headView) touch(slot, rows int, values bool) {
+	o := slot * v.stride
+	if v.k16 != nil {
+		x := v.k16
+		if values {
+			x = v.v16
+		}
+		kernel.Touch(x[o:min(len(x), o+rows*v.stride)])
+		return
+	}
+	x := v.k
+	if values {
+		x = v.v
+	}
+	kernel.Touch(x[o:min(len(x), o+rows*v.stride)])
+}
+
 // gatherQueries copies the query vectors of tokens [t0,t1) of sa, heads of KV group g, into
-// rows (token-major, then head) of hd floats.
-func (m *Model) gatherQueries(dst []float32, w *workspace, sa *seqAttn, g, t0, t1 int) []float32 {
+// rows (token-major, then head) of hd floats at the start of dst.
+func (m *Model) gatherQueries(dst []float32, w *workspace, sa *seqAttn, g, t0, t1 int) {
 	c := m.cfg
 	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
 	width := (c.NumHeads + 2*c.NumKVHeads) * hd
-	dst = grow(dst, (t1-t0)*group*hd)
 	for t := t0; t < t1; t++ {
 		src := w.qkv[(sa.row0+t)*width+g*group*hd : (sa.row0+t)*width+(g+1)*group*hd]
 		copy(dst[(t-t0)*group*hd:], src)
 	}
-	return dst
 }
 
-// attend computes attention for one tile of query tokens of a (sequence, KV head).
+// attend computes attention for one tile of query tokens of a (sequence, KV head), from keys
+// and values packed into Linears: the step's, or the item's own.
 func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 	c := m.cfg
 	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
-	sa := it.sa
+	sa, g := it.sa, it.g0
 	sc := m.getScratch()
 	defer m.scratch.Put(sc)
 
-	rows := (it.t1 - it.t0) * group
-	xq := m.gatherQueries(sc.xq, w, sa, it.g, it.t0, it.t1)
-	sc.xq = xq
-	maxPos := sa.start + it.t1 - 1
-	nch := maxPos/attnChunk + 1
-	stride := nch * attnChunk
-	scores := grow(sc.scores, rows*stride)
-	sc.scores = scores
-	// firstRow returns the first row whose position reaches chunk ch (rows are position-ordered).
-	firstRow := func(ch int) int {
-		t := max(it.t0, ch*attnChunk-sa.start)
-		return (t - it.t0) * group
-	}
+	rows, maxPos, nch, stride := m.itemRows(sc, w, it)
+	xq, scores := sc.xq, sc.scores
+	firstRow := it.firstRow(group)
 
 	// packed returns the keys (or values) of chunk ch: packed for the step, or packed now into
 	// the scratch Linears up to the tile's last position.
 	packed := func(ch int, values bool) *kernel.Linear {
 		if sa.packs >= 0 {
-			k, v := sa.chunk(w, it.g, ch)
+			k, v := sa.chunk(w, g, ch)
 			if values {
 				return v
 			}
@@ -314,38 +366,19 @@ func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 		}
 		lo, n := ch*attnChunk, min(attnChunk, maxPos+1-ch*attnChunk)
 		if values {
-			m.packValues(&sc.vl, w, seqs, blockSize, sa, it.g, lo, n)
+			m.packValues(&sc.vl, w, seqs, blockSize, sa, g, lo, n)
 			return &sc.vl
 		}
-		m.packKeys(&sc.kl, w, seqs, blockSize, sa, it.g, lo, n)
+		m.packKeys(&sc.kl, w, seqs, blockSize, sa, g, lo, n)
 		return &sc.kl
 	}
-
-	// inPlace: the work item reads its chunks' keys and values where they are stored instead of
-	// packing them (see Model.inPlace), up to the tile's last position as a packed chunk holds.
-	inPlace := sa.packs < 0 && m.inPlace
-	chunkLen := func(ch int) int { return min(attnChunk, maxPos+1-ch*attnChunk) }
 
 	// Scores, chunk by chunk, for the rows that reach the chunk, straight into the score rows.
 	for ch := range nch {
 		r0 := firstRow(ch)
-		if inPlace {
-			lo := ch * attnChunk
-			w.stretches(seqs, blockSize, sa, it.g, lo, chunkLen(ch), maxPos+1, false, func(j0, n int, k, _ []float32, ldk int) {
-				kernel.RowDots(scores[r0*stride+lo+j0:], stride, xq[r0*hd:], hd, rows-r0, k, ldk, n, hd)
-			})
-			continue
-		}
-		lin := packed(ch, false)
-		lin.ApplyStrided(scores[r0*stride+ch*attnChunk:], stride, xq[r0*hd:], hd, rows-r0)
+		packed(ch, false).ApplyStrided(scores[r0*stride+ch*attnChunk:], stride, xq[r0*hd:], hd, rows-r0)
 	}
-	// Softmax over 0..p; zero the rest of p's chunk so the value chain adds exact zeros there.
-	for r := range rows {
-		p := sa.start + it.t0 + r/group
-		s := scores[r*stride : (r+1)*stride]
-		kernel.Softmax(s[:p+1])
-		clear(s[p+1 : min(stride, (p/attnChunk+1)*attnChunk)])
-	}
+	m.softmaxRows(scores, stride, rows, sa.start+it.t0, group)
 	// Values, chunk by chunk: each chunk's partial sums (one FMA chain over its keys) from the
 	// probability rows, added to the rows' accumulators in chunk order.
 	acc := grow(sc.acc, rows*hd)
@@ -359,21 +392,144 @@ func (m *Model) attend(w *workspace, seqs []Seq, blockSize int, it attnItem) {
 		if ch == 0 {
 			dst = acc
 		}
-		if inPlace {
-			lo := ch * attnChunk
-			clear(dst[:nr*hd]) // the chains start from zero, as in a packed Linear
-			w.stretches(seqs, blockSize, sa, it.g, lo, chunkLen(ch), maxPos+1, true, func(j0, n int, _, v []float32, ldv int) {
-				kernel.AccumulateRows(dst, hd, scores[r0*stride+lo+j0:], stride, nr, v, ldv, n, hd)
-			})
-		} else {
-			packed(ch, true).ApplyStrided(dst, hd, scores[r0*stride+ch*attnChunk:], stride, nr)
-		}
+		packed(ch, true).ApplyStrided(dst, hd, scores[r0*stride+ch*attnChunk:], stride, nr)
 		if ch > 0 {
 			kernel.Add(acc[r0*hd:rows*hd], acc[r0*hd:rows*hd], part[:nr*hd])
 		}
 	}
+	m.scatterOutputs(w, sa, g, it.t0, it.t1, acc)
+}
+
+// attendInPlace computes attention for one tile of query tokens of a sequence and its KV heads
+// [g0,g1), reading the keys and values where the store holds them (kernel.RowDots and
+// kernel.AccumulateRows, or their bfloat16 forms) with the chains of attend's packed Linears:
+// one FMA chain over d per score; per value element one chain over the chunk's keys, carried
+// from block to block. Block by block, it reads the keys of all its heads (adjacent in a block)
+// for the scores, then, after the softmax, their values, reading each block in address order
+// just before use (see stretches).
+func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnItem) {
+	c := m.cfg
+	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
+	sa := it.sa
+	sc := m.getScratch()
+	defer m.scratch.Put(sc)
+
+	rows, maxPos, nch, stride := m.itemRows(sc, w, it)
+	xq, scores := sc.xq, sc.scores
+	all := (it.g1 - it.g0) * rows
+	firstRow := it.firstRow(group)
+	chunkLen := func(ch int) int { return min(attnChunk, maxPos+1-ch*attnChunk) }
+
+	// The values are read with the keys when the item's keys and values fit a core's L2 (so they
+	// are still there for the values pass), else just before use.
+	size := 4
+	if m.kvBF16 {
+		size = 2
+	}
+	ahead := (it.g1-it.g0)*(maxPos+1)*hd*2*size <= touchAheadBytes
+	// Scores, chunk by chunk, for the rows that reach the chunk (up to the tile's last position,
+	// as a packed chunk holds), straight into the score rows.
+	for ch := range nch {
+		r0, lo := firstRow(ch), ch*attnChunk
+		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, ahead, func(g, j0, n int, v *headView, o int) {
+			r := (g-it.g0)*rows + r0
+			dst, q := scores[r*stride+lo+j0:], xq[r*hd:]
+			if v.k16 != nil {
+				kernel.RowDotsBF16(dst, stride, q, hd, rows-r0, v.k16[o:], v.stride, n, hd)
+			} else {
+				kernel.RowDots(dst, stride, q, hd, rows-r0, v.k[o:], v.stride, n, hd)
+			}
+		})
+	}
+	for g := range it.g1 - it.g0 {
+		m.softmaxRows(scores[g*rows*stride:], stride, rows, sa.start+it.t0, group)
+	}
+	// Values, chunk by chunk: each chunk's partial sums from the probability rows, added to the
+	// rows' accumulators in chunk order.
+	acc := grow(sc.acc, all*hd)
+	sc.acc = acc
+	part := grow(sc.part, all*hd)
+	sc.part = part
+	for ch := range nch {
+		r0, lo := firstRow(ch), ch*attnChunk
+		nr := rows - r0
+		dst := part // every row reaches chunk 0: its sums go straight to acc
+		if ch == 0 {
+			dst = acc
+		}
+		// The chains start from zero, as in a packed Linear.
+		for g := range it.g1 - it.g0 {
+			clear(dst[g*rows*hd : (g*rows+nr)*hd])
+		}
+		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), true, ahead, func(g, j0, n int, v *headView, o int) {
+			gi := g - it.g0
+			d, p := dst[gi*rows*hd:], scores[(gi*rows+r0)*stride+lo+j0:]
+			if v.v16 != nil {
+				kernel.AccumulateRowsBF16(d, hd, p, stride, nr, v.v16[o:], v.stride, n, hd)
+			} else {
+				kernel.AccumulateRows(d, hd, p, stride, nr, v.v[o:], v.stride, n, hd)
+			}
+		})
+		if ch > 0 {
+			for g := range it.g1 - it.g0 {
+				a := acc[(g*rows+r0)*hd : (g+1)*rows*hd]
+				kernel.Add(a, a, part[g*rows*hd:(g*rows+nr)*hd])
+			}
+		}
+	}
+	for g := it.g0; g < it.g1; g++ {
+		m.scatterOutputs(w, sa, g, it.t0, it.t1, acc[(g-it.g0)*rows*hd:])
+	}
+}
+
+// itemRows gathers the query rows of item it into sc.xq — per KV head its group's query heads ×
+// the tile's tokens (token-major), head after head — and sizes sc.scores for their score rows.
+// It returns the rows per KV head, the tile's last position, the chunks attended over and the
+// score rows' stride (whole chunks).
+func (m *Model) itemRows(sc *attnScratch, w *workspace, it attnItem) (rows, maxPos, nch, stride int) {
+	c := m.cfg
+	hd := c.HeadDim
+	rows = (it.t1 - it.t0) * (c.NumHeads / c.NumKVHeads)
+	all := (it.g1 - it.g0) * rows
+	sc.xq = grow(sc.xq, all*hd)
+	for g := it.g0; g < it.g1; g++ {
+		m.gatherQueries(sc.xq[(g-it.g0)*rows*hd:], w, it.sa, g, it.t0, it.t1)
+	}
+	maxPos = it.sa.start + it.t1 - 1
+	nch = maxPos/attnChunk + 1
+	stride = nch * attnChunk
+	sc.scores = grow(sc.scores, all*stride)
+	return rows, maxPos, nch, stride
+}
+
+// firstRow returns, for each chunk ch, the first of the item's rows (per KV head: token-major,
+// then query head) whose position reaches the chunk (rows are position-ordered).
+func (it attnItem) firstRow(group int) func(ch int) int {
+	return func(ch int) int {
+		t := max(it.t0, ch*attnChunk-it.sa.start)
+		return (t - it.t0) * group
+	}
+}
+
+// softmaxRows turns rows score rows (stride apart; row r holds the scores of the token at
+// position start + r/group) into probabilities over positions 0..p, and zeroes the rest of p's
+// chunk so the value chains add exact zeros there.
+func (m *Model) softmaxRows(scores []float32, stride, rows, start, group int) {
 	for r := range rows {
-		t, head := it.t0+r/group, it.g*group+r%group
+		p := start + r/group
+		s := scores[r*stride : (r+1)*stride]
+		kernel.Softmax(s[:p+1])
+		clear(s[p+1 : min(stride, (p/attnChunk+1)*attnChunk)])
+	}
+}
+
+// scatterOutputs copies the attention outputs of tokens [t0,t1) of sa, KV head g (acc: rows
+// token-major, then query head of the group) into the workspace's attention rows.
+func (m *Model) scatterOutputs(w *workspace, sa *seqAttn, g, t0, t1 int, acc []float32) {
+	c := m.cfg
+	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
+	for r := range (t1 - t0) * group {
+		t, head := t0+r/group, g*group+r%group
 		o := (sa.row0+t)*c.NumHeads*hd + head*hd
 		copy(w.attn[o:o+hd], acc[r*hd:(r+1)*hd])
 	}

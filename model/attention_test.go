@@ -229,3 +229,64 @@ func TestAttentionReadsTheStoreAfresh(t *testing.T) {
 	requireSameBits(t, "second store", wantA, decodeOne(other))
 	requireSameBits(t, "first store again", wantB, decodeOne(kv))
 }
+
+func TestAttentionHeadSpans(t *testing.T) {
+	// Decoding sequences read in place get work items covering several KV heads (each block's
+	// keys, then values, of those heads in one stretch). However many heads an item covers — all
+	// of them, 2, or 3 of 4 (an uneven split) — every sequence decodes the bits it decodes alone
+	// (one sequence: one head per item), in every precision, in both layouts, with contexts
+	// ending inside, at and past 64-key chunks and blocks that split them.
+	spec := builtinSpec{seed: 0x5e9, hidden: 64, layers: 2, heads: 8, kvHeads: 4, headDim: 16, intermediate: 96}
+	lens := []int{3, 63, 64, 65, 130}
+	const steps = 3
+	for _, p := range testPrecisions {
+		t.Run(p.name, func(t *testing.T) {
+			m, err := newBuiltin("test/heads8-kv4", spec, p.prec)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer m.Close()
+			if !m.inPlace {
+				t.Skip("this kernel implementation packs every chunk")
+			}
+			c := m.cfg
+			for _, blockSize := range []int{16, 7} {
+				for _, nhd := range []bool{false, true} {
+					per := (lens[len(lens)-1] + steps + blockSize - 1) / blockSize
+					prompts := make([][]int32, len(lens))
+					want := make([][][]float32, len(lens))
+					for i, n := range lens {
+						prompts[i] = randomTokens(n, c.VocabSize, uint64(300+i))
+						kv := newTestKVFor(m, blockSize, per, nhd)
+						want[i] = decodeRun(t, m, kv, blockSize, blockRange(0, per), prompts[i], n, steps)
+					}
+					for _, heads := range []int{0, 2, 3} {
+						name := fmt.Sprintf("block%d/nhd%v/itemHeads%d", blockSize, nhd, heads)
+						m.itemHeads = heads
+						kv := newTestKVFor(m, blockSize, per*len(lens), nhd)
+						seqs := make([]Seq, len(lens))
+						for i, n := range lens {
+							blocks := blockRange(i*per, per)
+							got := prefillChunked(t, m, kv, blockSize, blocks, prompts[i], n)
+							requireSameBits(t, fmt.Sprintf("%s: seq %d prompt", name, i), want[i][0], got)
+							seqs[i] = Seq{Tokens: []int32{Argmax(got)}, Start: n, Blocks: blocks, Logits: got}
+						}
+						for s := 1; s <= steps; s++ {
+							for i := range seqs {
+								seqs[i].Logits = make([]float32, c.VocabSize)
+							}
+							if err := m.Forward(t.Context(), kv, blockSize, seqs); err != nil {
+								t.Fatal(err)
+							}
+							for i := range seqs {
+								requireSameBits(t, fmt.Sprintf("%s: seq %d step %d", name, i, s), want[i][s], seqs[i].Logits)
+								seqs[i].Tokens, seqs[i].Start = []int32{Argmax(seqs[i].Logits)}, seqs[i].Start+1
+							}
+						}
+					}
+					m.itemHeads = 0
+				}
+			}
+		})
+	}
+}

@@ -240,14 +240,17 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		}
 		m.head.Apply(logits, w.h, len(rows))
 		for k, r := range rows {
-			s, lg := seqs[r.seq], logits[k*v:(k+1)*v]
-			if s.RowLogits != nil {
-				s.RowLogits(r.tok, lg)
-			}
-			if s.Logits != nil && r.tok == len(s.Tokens)-1 {
-				copy(s.Logits, lg)
+			if s := seqs[r.seq]; s.RowLogits != nil {
+				s.RowLogits(r.tok, logits[k*v:(k+1)*v])
 			}
 		}
+		// The last rows' logits to their sequences, on every worker (a batch of 32 is 19 MB
+		// for a 152K vocabulary).
+		m.pool.Parallel(len(rows), func(k int) {
+			if r, s := rows[k], seqs[rows[k].seq]; s.Logits != nil && r.tok == len(s.Tokens)-1 {
+				copy(s.Logits, logits[k*v:(k+1)*v])
+			}
+		})
 	}
 	return nil
 }
@@ -313,7 +316,7 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 	cos, sin := w.rope[r*hd:r*hd+hd/2], w.rope[r*hd+hd/2:(r+1)*hd]
 	pos := int(w.tokPos[r])
 	for hh := range c.NumHeads + c.NumKVHeads {
-		applyRope(row[hh*hd:(hh+1)*hd], cos, sin)
+		kernel.Rope(row[hh*hd:(hh+1)*hd], cos, sin)
 	}
 	kernel.Scale(m.qScale, row[:qd])
 	si := int(w.tokSeq[r])
@@ -322,12 +325,8 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 		v := w.view(seqs, blockSize, si, g, b)
 		o := slot * v.stride
 		if m.kvBF16 {
-			for i, x := range row[qd+g*hd : qd+(g+1)*hd] {
-				v.k16[o+i] = kernel.F32ToBF16(x)
-			}
-			for i, x := range row[qd+kd+g*hd : qd+kd+(g+1)*hd] {
-				v.v16[o+i] = kernel.F32ToBF16(x)
-			}
+			kernel.NarrowBF16(v.k16[o:o+hd], row[qd+g*hd:qd+(g+1)*hd])
+			kernel.NarrowBF16(v.v16[o:o+hd], row[qd+kd+g*hd:qd+kd+(g+1)*hd])
 			continue
 		}
 		copy(v.k[o:o+hd], row[qd+g*hd:qd+(g+1)*hd])

@@ -126,9 +126,12 @@ type Model struct {
 	// head on: tileTokens+1; tests change it).
 	prefillMin int
 	// inPlace: work items that pack their own chunks (decode) instead compute scores and value
-	// sums straight from the KV store's rows with kernel.RowDots and kernel.AccumulateRows, when
-	// the kernel has them for HeadDim (tests change it).
+	// sums straight from the KV store's rows with kernel.RowDots and kernel.AccumulateRows (or
+	// their bfloat16 forms), when the kernel has them for HeadDim (tests change it).
 	inPlace bool
+	// itemHeads, if positive, caps the KV heads of an in-place work item (tests change it; 0:
+	// as many as headSpan allows).
+	itemHeads int
 	// weightBytes is the weight bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
 	// checkpointBytes is the size of the safetensors files loaded (0 for built-in models).
@@ -283,6 +286,23 @@ func (c Config) attentionMACs(contextLen int) float64 {
 func (m *Model) FLOPsPerToken(contextLen int) float64 {
 	c := m.cfg
 	return 2 * (c.matmulMACs() + c.attentionMACs(contextLen) + float64(c.VocabSize*c.HiddenSize))
+}
+
+// AttentionFLOPsPerToken returns the part of FLOPsPerToken(contextLen) that attention computes
+// (scores and weighted values, in float32 whatever DType is); the rest are matrix products.
+func (m *Model) AttentionFLOPsPerToken(contextLen int) float64 {
+	return 2 * m.cfg.attentionMACs(contextLen)
+}
+
+// KVBytesPerToken returns the bytes of one token's keys and values in the KV cache, all layers
+// (KVCacheDType's size each): what attention reads per position of a context at every step.
+func (m *Model) KVBytesPerToken() int64 {
+	c := m.cfg
+	size := 4
+	if m.kvBF16 {
+		size = 2
+	}
+	return int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * size)
 }
 
 // PrefillFLOPs returns the floating-point operations of prefilling promptLen tokens from position

@@ -107,15 +107,3 @@ func (r rope) angles(pos int, cos, sin []float32) {
 		cos[i], sin[i] = float32(c*r.scale), float32(s*r.scale)
 	}
 }
-
-// applyRope rotates one head vector x in place with the Hugging Face "rotate_half" convention:
-// x[i] and x[i+half] form the pair rotated by angle i.
-func applyRope(x, cos, sin []float32) {
-	half := len(cos)
-	x1, x2 := x[:half], x[half:2*half]
-	for i := range half {
-		a, b := x1[i], x2[i]
-		x1[i] = a*cos[i] - b*sin[i]
-		x2[i] = b*cos[i] + a*sin[i]
-	}
-}

@@ -209,7 +209,7 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 		serial:     kernel.NewPool(1),
 		qScale:     float32(1 / math.Sqrt(float64(hd))),
 		prefillMin: cfg.tileTokens() + 1,
-		inPlace:    kernel.RowKernels(cfg.HeadDim) && !prec.kvBF16,
+		inPlace:    kernel.RowKernels(cfg.HeadDim),
 		bf16:       prec.bf16,
 		kvBF16:     prec.kvBF16,
 	}

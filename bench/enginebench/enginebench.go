@@ -33,6 +33,9 @@ type Options struct {
 	// DTypes are the --dtype values measured, one after the other (default float32 and
 	// bfloat16).
 	DTypes []string
+	// KVCacheDTypes are the --kv-cache-dtype values each dtype is measured with (default auto:
+	// float32 keys and values).
+	KVCacheDTypes []string
 	// PromptLen is the number of prompt tokens prefilled (default 1024).
 	PromptLen int
 	// Chunk is the prefill chunk size in tokens; 0 prefills the whole prompt in one step.
@@ -41,12 +44,12 @@ type Options struct {
 	// (0: 32; negative: none).
 	DecodeTokens int
 	// Batches are the batch sizes of the batched decode (default 1, 8, 32): that many
-	// sequences of DecodeContext tokens each decode DecodeSteps steps together, one Forward
-	// call (one pass over the weights) per step.
+	// sequences with a context of each of DecodeContexts tokens decode DecodeSteps steps
+	// together, one Forward call (one pass over the weights) per step.
 	Batches []int
-	// DecodeContext is each batched sequence's context before decoding (default 128, so that
-	// the weights, not the KV cache, are what a step reads).
-	DecodeContext int
+	// DecodeContexts are the contexts of the batched sequences before decoding (default 128,
+	// so that the weights, more than the KV cache, are what a step reads).
+	DecodeContexts []int
 	// DecodeSteps is the number of timed steps of each batch size (default 16).
 	DecodeSteps int
 	// BlockSize is the KV block size in tokens (default kvcache.DefaultBlockSize).
@@ -69,6 +72,9 @@ func (o *Options) defaults() {
 	if len(o.DTypes) == 0 {
 		o.DTypes = []string{"float32", "bfloat16"}
 	}
+	if len(o.KVCacheDTypes) == 0 {
+		o.KVCacheDTypes = []string{"auto"}
+	}
 	if o.PromptLen <= 0 {
 		o.PromptLen = 1024
 	}
@@ -80,8 +86,8 @@ func (o *Options) defaults() {
 	if len(o.Batches) == 0 {
 		o.Batches = []int{1, 8, 32}
 	}
-	if o.DecodeContext <= 0 {
-		o.DecodeContext = 128
+	if len(o.DecodeContexts) == 0 {
+		o.DecodeContexts = []int{128}
 	}
 	if o.DecodeSteps <= 0 {
 		o.DecodeSteps = 16
@@ -127,9 +133,10 @@ type Result struct {
 	Runs []DTypeResult `json:"runs"`
 }
 
-// DTypeResult is one dtype's figures.
+// DTypeResult is one dtype's figures (with one KV cache dtype).
 type DTypeResult struct {
 	DType         string `json:"dtype"`
+	KVCacheDType  string `json:"kv_cache_dtype"`
 	WeightBytes   int64  `json:"weight_bytes"`
 	KVBytesPerTok int64  `json:"kv_bytes_per_token"`
 	// ResidentAfterLoad is the process's resident memory right after loading the model (before
@@ -164,11 +171,26 @@ type BatchResult struct {
 	BoundRatio      float64 `json:"bound_ratio"`
 	// BoundWithKVTokensPerS also counts reading every sequence's context KV at each step.
 	BoundWithKVTokensPerS float64 `json:"bound_with_kv_tokens_per_s"`
+	// StepBoundTokensPerS counts weights, KV reads and compute: a step is at least its matrix
+	// products, max(weight bytes ÷ bandwidth, their FLOPs ÷ the dtype's peak), plus its
+	// attention, max(KV bytes ÷ bandwidth, its FLOPs ÷ the float32 peak) — the two alternate,
+	// each layer's attention needing its products' queries and its next products attention's
+	// output. StepBoundRatio is TokensPerS ÷ it.
+	StepBoundTokensPerS float64 `json:"step_bound_tokens_per_s"`
+	StepBoundRatio      float64 `json:"step_bound_ratio"`
+	// RooflineTokensPerS is the looser bound of a step whose memory traffic and compute overlap
+	// completely: max((weights + KV) ÷ bandwidth, all FLOPs ÷ peak).
+	RooflineTokensPerS float64 `json:"roofline_tokens_per_s"`
 	// GFLOPS is the products' FLOPs per second; PeakRatio against the dtype's peak.
 	GFLOPS    float64 `json:"gflops"`
 	PeakRatio float64 `json:"peak_ratio"`
-	// OverBatch1 is TokensPerS ÷ batch 1's.
-	OverBatch1 float64 `json:"over_batch1"`
+	// OverBatch1 is TokensPerS ÷ batch 1's at the same context; StepBoundOverBatch1 is
+	// StepBoundTokensPerS ÷ batch 1's measured tokens/s: the most OverBatch1 can be.
+	OverBatch1          float64 `json:"over_batch1"`
+	StepBoundOverBatch1 float64 `json:"step_bound_over_batch1"`
+	// productFLOPs and attnFLOPs are one step's FLOPs (averaged over the steps), kvBytes its
+	// KV reads.
+	productFLOPs, attnFLOPs, kvBytes float64
 }
 
 // Run loads the model in each dtype, measures the ceilings, prefills a random prompt into a
@@ -186,11 +208,13 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	progress("measuring ceilings (float32 and bfloat16 peaks for %v each, memory bandwidth)", opts.PeakDuration/2)
 	r.measureCeilings(opts.PeakDuration / 2)
 	for _, dt := range opts.DTypes {
-		d, err := runDType(ctx, opts, r, dt, progress)
-		if err != nil {
-			return nil, err
+		for _, kvdt := range opts.KVCacheDTypes {
+			d, err := runDType(ctx, opts, r, dt, kvdt, progress)
+			if err != nil {
+				return nil, err
+			}
+			r.Runs = append(r.Runs, *d)
 		}
-		r.Runs = append(r.Runs, *d)
 	}
 	progress("measuring ceilings again")
 	r.measureCeilings(opts.PeakDuration / 2)
@@ -200,15 +224,15 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	return r, nil
 }
 
-// runDType measures one dtype.
-func runDType(ctx context.Context, opts Options, r *Result, dtype string, progress func(string, ...any)) (*DTypeResult, error) {
-	progress("loading %s (dtype %s)", opts.Model, dtype)
+// runDType measures one dtype with one KV cache dtype.
+func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType string, progress func(string, ...any)) (*DTypeResult, error) {
+	progress("loading %s (dtype %s, KV cache %s)", opts.Model, dtype, kvDType)
 	// Return the previous dtype's model and pool to the OS, so the resident figure is this
 	// one's: the first collection empties the sync.Pools still holding the closed model's
 	// scratch, the second frees what they held.
 	debug.FreeOSMemory()
 	debug.FreeOSMemory()
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{DType: dtype})
+	m, err := model.Open(ctx, opts.Model, model.OpenOptions{DType: dtype, KVCacheDType: kvDType})
 	if err != nil {
 		return nil, err
 	}
@@ -219,22 +243,26 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype string, progre
 	}
 	r.Model, r.CheckpointBytes = m.Name(), m.CheckpointBytes()
 	c := m.Config()
-	if total := opts.PromptLen + opts.DecodeTokens; total > c.MaxPositionEmbeddings {
-		return nil, fmt.Errorf("enginebench: prompt %d + decode %d tokens exceed the model's %d positions",
-			opts.PromptLen, opts.DecodeTokens, c.MaxPositionEmbeddings)
+	maxContext := slices.Max(opts.DecodeContexts)
+	if total := max(opts.PromptLen+opts.DecodeTokens, maxContext+opts.DecodeSteps); total > c.MaxPositionEmbeddings {
+		return nil, fmt.Errorf("enginebench: %d positions (prompt %d + decode %d, or decode context %d + steps %d) exceed the model's %d",
+			total, opts.PromptLen, opts.DecodeTokens, maxContext, opts.DecodeSteps, c.MaxPositionEmbeddings)
 	}
 	d := &DTypeResult{
-		DType: m.DType(), WeightBytes: m.WeightBytes(), ResidentAfterLoad: resident,
-		KVBytesPerTok: int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * 4),
+		DType: m.DType(), KVCacheDType: m.KVCacheDType(), WeightBytes: m.WeightBytes(), ResidentAfterLoad: resident,
+		KVBytesPerTok: m.KVBytesPerToken(),
 	}
 
-	// One pool for the prompt and for every batch (not at once).
-	geo := kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: opts.BlockSize}
-	perSeq := func(n int) int { return (n + opts.BlockSize - 1) / opts.BlockSize }
-	nblocks := perSeq(opts.PromptLen + opts.DecodeTokens)
-	for _, b := range opts.Batches {
-		nblocks = max(nblocks, b*perSeq(opts.DecodeContext+opts.DecodeSteps))
+	// One pool for the prompt and for the batches (not at once): the largest batch's sequences
+	// hold the longest context, and every batch decodes the first of them.
+	kvType, err := kvcache.ParseDType(m.KVCacheDType())
+	if err != nil {
+		return nil, fmt.Errorf("enginebench: %w", err)
 	}
+	geo := kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: opts.BlockSize, DType: kvType}
+	perSeq := (maxContext + opts.DecodeSteps + opts.BlockSize - 1) / opts.BlockSize
+	nseq := slices.Max(opts.Batches)
+	nblocks := max((opts.PromptLen+opts.DecodeTokens+opts.BlockSize-1)/opts.BlockSize, nseq*perSeq)
 	pool, err := kvcache.NewPool(kvcache.AlignedMemory(nblocks*geo.BlockBytes()), kvcache.PoolConfig{Geometry: geo, NumBlocks: nblocks})
 	if err != nil {
 		return nil, fmt.Errorf("enginebench: %w", err)
@@ -263,7 +291,7 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype string, progre
 		return nil, err
 	}
 	for rep := range opts.Repeat {
-		progress("%s run %d/%d: prefilling %d tokens (chunks of %d), decoding %d", dtype, rep+1, opts.Repeat, opts.PromptLen, r.PrefillChunk, opts.DecodeTokens)
+		progress("%s run %d/%d: prefilling %d tokens (chunks of %d), decoding %d", d.name(), rep+1, opts.Repeat, opts.PromptLen, r.PrefillChunk, opts.DecodeTokens)
 		prefill, decode, err := runOnce(ctx, m, pool, opts, r.PrefillChunk, blocks, prompt, logits)
 		if err != nil {
 			return nil, err
@@ -280,32 +308,53 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype string, progre
 	d.PrefillTokensPerS = float64(opts.PromptLen) / d.PrefillSeconds
 	d.PrefillGFLOPS = d.PrefillFLOPs / d.PrefillSeconds / 1e9
 
-	for _, b := range opts.Batches {
-		seqs := make([]model.Seq, b)
-		for i := range seqs {
-			seqs[i] = model.Seq{Tokens: random(opts.DecodeContext), Blocks: blocks[i*perSeq(opts.DecodeContext+opts.DecodeSteps):][:perSeq(opts.DecodeContext+opts.DecodeSteps)],
-				Logits: make([]float32, c.VocabSize)}
-		}
-		if err := m.Forward(ctx, pool, opts.BlockSize, seqs); err != nil { // the contexts, in one batched prefill
-			return nil, err
-		}
-		var best float64
+	// The batched sequences' longest context, in one batched prefill (a step's cost does not
+	// depend on what the KV holds, so a shorter context decodes over the first positions).
+	seqs := make([]model.Seq, nseq)
+	for i := range seqs {
+		seqs[i] = model.Seq{Tokens: random(maxContext), Blocks: blocks[i*perSeq : (i+1)*perSeq], Logits: make([]float32, c.VocabSize)}
+	}
+	progress("%s: prefilling %d sequences of %d tokens", d.name(), nseq, maxContext)
+	if err := m.Forward(ctx, pool, opts.BlockSize, seqs); err != nil {
+		return nil, err
+	}
+	// The repetitions take turns across the batch sizes, so that every batch size sees the
+	// machine in each state a shared machine passes through: their ratios compare like with like.
+	for _, context := range opts.DecodeContexts {
+		best := make([]float64, len(opts.Batches))
 		for rep := range opts.Repeat {
-			progress("%s run %d/%d: decoding %d steps at batch %d (context %d)", dtype, rep+1, opts.Repeat, opts.DecodeSteps, b, opts.DecodeContext)
-			sec, err := decodeBatch(ctx, m, pool, opts, seqs)
-			if err != nil {
-				return nil, err
+			for i, b := range opts.Batches {
+				progress("%s run %d/%d: decoding %d steps at batch %d (context %d)", d.name(), rep+1, opts.Repeat, opts.DecodeSteps, b, context)
+				sec, err := decodeBatch(ctx, m, pool, opts, seqs[:b], context)
+				if err != nil {
+					return nil, err
+				}
+				best[i] = max(best[i], float64(b*opts.DecodeSteps)/sec)
 			}
-			best = max(best, float64(b*opts.DecodeSteps)/sec)
 		}
-		var flops float64
-		for s := range opts.DecodeSteps {
-			flops += float64(b) * m.FLOPsPerToken(opts.DecodeContext+s+1)
+		for i, b := range opts.Batches {
+			br := BatchResult{Batch: b, Context: context, TokensPerS: best[i]}
+			for s := range opts.DecodeSteps {
+				n := context + s + 1 // positions attended to
+				br.productFLOPs += float64(b) * (m.FLOPsPerToken(n) - m.AttentionFLOPsPerToken(n))
+				br.attnFLOPs += float64(b) * m.AttentionFLOPsPerToken(n)
+				br.kvBytes += float64(b) * float64(n) * float64(d.KVBytesPerTok)
+			}
+			steps := float64(opts.DecodeSteps)
+			br.productFLOPs, br.attnFLOPs, br.kvBytes = br.productFLOPs/steps, br.attnFLOPs/steps, br.kvBytes/steps
+			br.GFLOPS = (br.productFLOPs + br.attnFLOPs) * best[i] / float64(b) / 1e9
+			d.Batched = append(d.Batched, br)
 		}
-		d.Batched = append(d.Batched, BatchResult{Batch: b, Context: opts.DecodeContext, TokensPerS: best,
-			GFLOPS: flops / (float64(b*opts.DecodeSteps) / best) / 1e9})
 	}
 	return d, nil
+}
+
+// name names the run: its dtype, and its KV cache dtype where that is not float32.
+func (d *DTypeResult) name() string {
+	if d.KVCacheDType == "float32" {
+		return d.DType
+	}
+	return d.DType + ", KV " + d.KVCacheDType
 }
 
 // ratios fills the figures that depend on the ceilings.
@@ -314,22 +363,30 @@ func (d *DTypeResult) ratios(r *Result) {
 	if d.DType == "bfloat16" && r.PeakBF16GFLOPS > 0 {
 		peak = r.PeakBF16GFLOPS
 	}
+	bw, w := r.ReadGBps*1e9, float64(d.WeightBytes)
 	d.PrefillPeakRatio = d.PrefillGFLOPS / peak
 	meanCtx := float64(r.PromptLen) + float64(r.DecodeTokens)/2
-	d.DecodeBoundWithKVTokensPerS = r.ReadGBps * 1e9 / (float64(d.WeightBytes) + meanCtx*float64(d.KVBytesPerTok))
-	var one float64
+	d.DecodeBoundWithKVTokensPerS = bw / (w + meanCtx*float64(d.KVBytesPerTok))
+	one := map[int]float64{} // batch 1's tokens/s by context
+	for _, b := range d.Batched {
+		if b.Batch == 1 {
+			one[b.Context] = b.TokensPerS
+		}
+	}
 	for i := range d.Batched {
 		b := &d.Batched[i]
-		b.BoundTokensPerS = float64(b.Batch) * r.ReadGBps * 1e9 / float64(d.WeightBytes)
+		n := float64(b.Batch)
+		b.BoundTokensPerS = n * bw / w
 		b.BoundRatio = b.TokensPerS / b.BoundTokensPerS
-		kv := float64(b.Batch) * (float64(b.Context) + float64(r.DecodeSteps)/2) * float64(d.KVBytesPerTok)
-		b.BoundWithKVTokensPerS = float64(b.Batch) * r.ReadGBps * 1e9 / (float64(d.WeightBytes) + kv)
+		b.BoundWithKVTokensPerS = n * bw / (w + b.kvBytes)
+		step := max(w/bw, b.productFLOPs/(peak*1e9)) + max(b.kvBytes/bw, b.attnFLOPs/(r.PeakGFLOPS*1e9))
+		b.StepBoundTokensPerS = n / step
+		b.StepBoundRatio = b.TokensPerS / b.StepBoundTokensPerS
+		b.RooflineTokensPerS = n / max((w+b.kvBytes)/bw, b.productFLOPs/(peak*1e9)+b.attnFLOPs/(r.PeakGFLOPS*1e9))
 		b.PeakRatio = b.GFLOPS / peak
-		if b.Batch == 1 {
-			one = b.TokensPerS
-		}
-		if one > 0 {
-			b.OverBatch1 = b.TokensPerS / one
+		if o := one[b.Context]; o > 0 {
+			b.OverBatch1 = b.TokensPerS / o
+			b.StepBoundOverBatch1 = b.StepBoundTokensPerS / o
 		}
 	}
 }
@@ -369,10 +426,11 @@ func runOnce(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Optio
 	return prefill, time.Since(t0).Seconds(), nil
 }
 
-// decodeBatch decodes DecodeSteps greedy steps of every sequence of seqs together (whose
-// contexts are in the pool and whose Logits hold their last logits) and returns the seconds.
-// The sequences are left as they were, so every repetition decodes the same steps.
-func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Options, seqs []model.Seq) (float64, error) {
+// decodeBatch decodes DecodeSteps greedy steps of every sequence of seqs together from
+// position context on (their KV holds at least context positions; their Logits hold logits
+// to sample the first tokens from) and returns the seconds. The sequences are left as they
+// were, so every repetition decodes the same steps.
+func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Options, seqs []model.Seq, context int) (float64, error) {
 	step := make([]model.Seq, len(seqs))
 	toks := make([]int32, len(seqs))
 	last := make([][]float32, len(seqs))
@@ -384,7 +442,7 @@ func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts O
 	for k := range opts.DecodeSteps {
 		kernel.Parallel(len(step), func(i int) { // greedy sampling of every sequence, on every core
 			toks[i] = model.Argmax(last[i])
-			step[i].Tokens, step[i].Start = toks[i:i+1], len(seqs[i].Tokens)+k
+			step[i].Tokens, step[i].Start = toks[i:i+1], context+k
 		})
 		if err := m.Forward(ctx, pool, opts.BlockSize, step); err != nil {
 			return 0, err
@@ -408,22 +466,26 @@ func (r *Result) WriteTable(w io.Writer) error {
 		if d.DType == "bfloat16" {
 			peakName = "bf16 peak"
 		}
-		fmt.Fprintf(tw, "weights\t%s\t%.1f MB\t\t\t\n", d.DType, float64(d.WeightBytes)/1e6)
+		name := d.name()
+		fmt.Fprintf(tw, "weights\t%s\t%.1f MB\t\t\t\n", name, float64(d.WeightBytes)/1e6)
 		if r.CheckpointBytes > 0 && d.ResidentAfterLoad > 0 {
 			fmt.Fprintf(tw, "resident memory after load\t%s\t%.1f MB\t%.1f MB safetensors\t%.2f\t\n",
-				d.DType, float64(d.ResidentAfterLoad)/1e6, float64(r.CheckpointBytes)/1e6, float64(d.ResidentAfterLoad)/float64(r.CheckpointBytes))
+				name, float64(d.ResidentAfterLoad)/1e6, float64(r.CheckpointBytes)/1e6, float64(d.ResidentAfterLoad)/float64(r.CheckpointBytes))
 		}
-		fmt.Fprintf(tw, "prefill %d tokens (chunk %d)\t%s\t%.0f tok/s (%.2f s)\t\t\t\n", r.PromptLen, r.PrefillChunk, d.DType, d.PrefillTokensPerS, d.PrefillSeconds)
-		fmt.Fprintf(tw, "prefill compute\t%s\t%.1f GFLOP/s\t%s\t%.2f\t\n", d.DType, d.PrefillGFLOPS, peakName, d.PrefillPeakRatio)
+		fmt.Fprintf(tw, "prefill %d tokens (chunk %d)\t%s\t%.0f tok/s (%.2f s)\t\t\t\n", r.PromptLen, r.PrefillChunk, name, d.PrefillTokensPerS, d.PrefillSeconds)
+		fmt.Fprintf(tw, "prefill compute\t%s\t%.1f GFLOP/s\t%s\t%.2f\t\n", name, d.PrefillGFLOPS, peakName, d.PrefillPeakRatio)
 		if r.DecodeTokens > 0 {
 			fmt.Fprintf(tw, "decode after the prompt (context %d+)\t%s\t%.1f tok/s\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n",
-				r.PromptLen, d.DType, d.DecodeTokensPerS, d.DecodeBoundWithKVTokensPerS, d.DecodeTokensPerS/d.DecodeBoundWithKVTokensPerS)
+				r.PromptLen, name, d.DecodeTokensPerS, d.DecodeBoundWithKVTokensPerS, d.DecodeTokensPerS/d.DecodeBoundWithKVTokensPerS)
 		}
 		for _, b := range d.Batched {
 			fmt.Fprintf(tw, "decode batch %d (context %d)\t%s\t%.1f tok/s (%.1f× batch 1)\t%.1f tok/s weights÷bandwidth\t%.2f\t\n",
-				b.Batch, b.Context, d.DType, b.TokensPerS, b.OverBatch1, b.BoundTokensPerS, b.BoundRatio)
-			fmt.Fprintf(tw, "  incl. KV reads\t%s\t\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n", d.DType, b.BoundWithKVTokensPerS, b.TokensPerS/b.BoundWithKVTokensPerS)
-			fmt.Fprintf(tw, "  its compute\t%s\t%.1f GFLOP/s\t%s\t%.2f\t\n", d.DType, b.GFLOPS, peakName, b.PeakRatio)
+				b.Batch, b.Context, name, b.TokensPerS, b.OverBatch1, b.BoundTokensPerS, b.BoundRatio)
+			fmt.Fprintf(tw, "  incl. KV reads\t%s\t\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n", name, b.BoundWithKVTokensPerS, b.TokensPerS/b.BoundWithKVTokensPerS)
+			fmt.Fprintf(tw, "  its compute\t%s\t%.1f GFLOP/s\t%s\t%.2f\t\n", name, b.GFLOPS, peakName, b.PeakRatio)
+			fmt.Fprintf(tw, "  weights, KV and compute\t%s\t\t%.1f tok/s step bound (%.1f× batch 1)\t%.2f\t\n",
+				name, b.StepBoundTokensPerS, b.StepBoundOverBatch1, b.StepBoundRatio)
+			fmt.Fprintf(tw, "  all overlapped\t%s\t\t%.1f tok/s roofline\t%.2f\t\n", name, b.RooflineTokensPerS, b.TokensPerS/b.RooflineTokensPerS)
 		}
 	}
 	if err := tw.Flush(); err != nil {
@@ -431,7 +493,10 @@ func (r *Result) WriteTable(w io.Writer) error {
 	}
 	_, err := fmt.Fprintf(w, "peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2) or VDPBF16PS (× lanes × 4)\n"+
 		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step and sequence\n"+
-		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch\n",
+		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch\n"+
+		"step bound = batch ÷ (max(weight bytes ÷ bandwidth, product FLOPs ÷ dtype peak) + max(KV bytes ÷ bandwidth, attention FLOPs ÷ float32 peak)):\n"+
+		"  each layer's attention waits for its products and its next products for attention; × batch 1 = the step bound ÷ batch 1's measured tok/s\n"+
+		"roofline = batch ÷ max((weight + KV bytes) ÷ bandwidth, all FLOPs ÷ peak): memory and compute fully overlapped\n",
 		r.GOMAXPROCS, vectorWord(r.Kernel))
 	return err
 }

@@ -27,8 +27,10 @@ func newBenchEngineCmd() *cobra.Command {
 		Long: `Prefills a random prompt into a paged KV pool and decodes greedily from it, then decodes
 batches of sequences (one pass over the weights per step for the whole batch), for each --dtype.
 Prints prefill tokens/s and GFLOP/s against the measured float32 FMA or VDPBF16PS peak, and
-decode tokens/s at each batch size against the bound set by batch × memory read bandwidth ÷
-weight bytes. Ceilings are measured in the same run; quote ratios.`,
+decode tokens/s at each batch size and context against the bound set by batch × memory read
+bandwidth ÷ weight bytes, the one that adds the context's KV reads, and the step bound that
+counts weights, KV reads and compute (each layer's products, then its attention), with what
+that bound allows over batch 1. Ceilings are measured in the same run; quote ratios.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			opts.Progress = cmd.ErrOrStderr()
@@ -38,6 +40,16 @@ weight bytes. Ceilings are measured in the same run; quote ratios.`,
 			for _, b := range opts.Batches {
 				if b <= 0 {
 					return usageError("--batch %d: batch sizes must be positive", b)
+				}
+			}
+			for _, c := range opts.DecodeContexts {
+				if c <= 0 {
+					return usageError("--decode-context %d: contexts must be positive", c)
+				}
+			}
+			for _, d := range opts.KVCacheDTypes {
+				if _, err := kvcache.ParseDType(d); err != nil {
+					return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", d)
 				}
 			}
 			if cpuProfile != "" {
@@ -74,7 +86,8 @@ weight bytes. Ceilings are measured in the same run; quote ratios.`,
 	f.IntVar(&opts.DecodeTokens, "decode-tokens", 32, "tokens to decode after the prompt (0: none)")
 	f.IntVar(&opts.Chunk, "chunk", 0, "prefill chunk size in tokens (0: the whole prompt in one step)")
 	f.IntSliceVar(&opts.Batches, "batch", []int{1, 8, 32}, "batch sizes of the batched decode")
-	f.IntVar(&opts.DecodeContext, "decode-context", 128, "context of each sequence of the batched decode")
+	f.StringSliceVar(&opts.KVCacheDTypes, "kv-cache-dtype", []string{"auto"}, "KV cache dtypes each dtype is measured with (auto = float32, float32, bfloat16)")
+	f.IntSliceVar(&opts.DecodeContexts, "decode-context", []int{128}, "contexts of the sequences of the batched decode")
 	f.IntVar(&opts.DecodeSteps, "decode-steps", 16, "timed steps at each batch size")
 	f.IntVar(&opts.BlockSize, "block-size", kvcache.DefaultBlockSize, "KV block size in tokens")
 	f.IntVar(&opts.Repeat, "repeat", 3, "runs of each measurement; the fastest is reported")

@@ -155,25 +155,42 @@ func tile512(wk, mr, unroll int) {
 		step(0, true)
 	}
 	label(name + "_store")
-	p("MOVQ mask+48(FP), AX")
+	columnMasks("mask+48(FP)")
+	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// columnMasks loads the column mask argument at maskArg ("mask+48(FP)") into K1..K4, 16
+// columns each.
+func columnMasks(maskArg string) {
+	p("MOVQ %s, AX", maskArg)
 	for v := range 4 {
 		p("KMOVW AX, K%d", v+1)
 		if v < 3 {
 			p("SHRQ $16, AX")
 		}
 	}
-	p("MOVQ c+32(FP), DI")
-	p("MOVQ ldc+40(FP), R8")
+}
+
+// cTile loads (load) or stores the accumulators Z(4m+v) of an mr × 64 tile of c, the pointer
+// argument at cArg with row stride (floats) at ldcArg, under the column masks K1..K4: a masked
+// load zeroes the columns it skips. It uses DI, SI, R8 and R9.
+func cTile(mr int, cArg, ldcArg string, load bool) {
+	p("MOVQ %s, DI", cArg)
+	p("MOVQ %s, R8", ldcArg)
 	p("SHLQ $2, R8")
 	p("LEAQ (R8)(R8*2), R9")
 	p("LEAQ (DI)(R8*4), SI")
 	for m := range mr {
 		for v := range 4 {
-			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+			if load {
+				p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
+			} else {
+				p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+			}
 		}
 	}
-	p("VZEROUPPER")
-	p("RET")
 }
 
 // hi16Data is the mask that keeps the upper 16 bits of a dword (the odd bf16 of a pair).
@@ -399,6 +416,108 @@ func add512() {
 		},
 		func() { p("VADDPS Z1, Z0, Z0") },
 		func(k string) { p("VMOVUPS Z0%s, (DI)", k) })
+}
+
+// normScale512: dst[i] = (x[i]·inv rounded)·w[i] rounded (RMSNorm's scaling; two VMULPS, as
+// the portable loop's two rounded products).
+func normScale512() {
+	text("normScale512(dst, x, w *float32, inv float32, n int)", "$0-40")
+	p("VBROADCASTSS inv+24(FP), Z16")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ x+8(FP), SI")
+	p("MOVQ w+16(FP), R8")
+	p("MOVQ n+32(FP), DX")
+	elementwise("normScale512", "DX", []string{"DI", "SI", "R8"},
+		func(z string) {
+			p("VMOVUPS%s (SI)%s, Z0", z, mask(z))
+			p("VMOVUPS%s (R8)%s, Z1", z, mask(z))
+		},
+		func() {
+			p("VMULPS Z16, Z0, Z0")
+			p("VMULPS Z1, Z0, Z0")
+		},
+		func(k string) { p("VMOVUPS Z0%s, (DI)", k) })
+}
+
+// rope512 rotates the pairs (x1[i], x2[i]) by the angles whose cosines and sines are c[i], s[i]:
+// x1 = x1·c − x2·s, x2 = x2·c + x1·s, each product and sum rounded (no FMA), as the portable
+// loop computes them.
+func rope512() {
+	text("rope512(x1, x2, c, s *float32, n int)", "$0-40")
+	p("MOVQ x1+0(FP), DI")
+	p("MOVQ x2+8(FP), SI")
+	p("MOVQ c+16(FP), R8")
+	p("MOVQ s+24(FP), R9")
+	p("MOVQ n+32(FP), DX")
+	elementwise("rope512", "DX", []string{"DI", "SI", "R8", "R9"},
+		func(z string) {
+			p("VMOVUPS%s (DI)%s, Z0", z, mask(z))
+			p("VMOVUPS%s (SI)%s, Z1", z, mask(z))
+			p("VMOVUPS%s (R8)%s, Z2", z, mask(z))
+			p("VMOVUPS%s (R9)%s, Z3", z, mask(z))
+		},
+		func() {
+			p("VMULPS Z2, Z0, Z4") // a·c
+			p("VMULPS Z3, Z1, Z5") // b·s
+			p("VSUBPS Z5, Z4, Z4") // a·c − b·s
+			p("VMULPS Z2, Z1, Z6") // b·c
+			p("VMULPS Z3, Z0, Z7") // a·s
+			p("VADDPS Z7, Z6, Z6") // b·c + a·s
+		},
+		func(k string) {
+			p("VMOVUPS Z4%s, (DI)", k)
+			p("VMOVUPS Z6%s, (SI)", k)
+		})
+}
+
+// narrowBF16x512 rounds n floats to bfloat16 as F32ToBF16 does — to nearest even, keeping
+// denormals, a NaN made quiet (its top bits with 0x40 set) — 16 at a time, the tail under a mask.
+func narrowBF16x512() {
+	text("narrowBF16x512(dst *uint16, src *float32, n int)", "$0-24")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ src+8(FP), SI")
+	p("MOVQ n+16(FP), DX")
+	p("MOVL $0x7fff, AX")
+	p("VPBROADCASTD AX, Z16")
+	p("MOVL $1, AX")
+	p("VPBROADCASTD AX, Z17")
+	p("MOVL $0x7fffffff, AX")
+	p("VPBROADCASTD AX, Z18")
+	p("MOVL $0x7f800000, AX")
+	p("VPBROADCASTD AX, Z19")
+	p("MOVL $0x40, AX")
+	p("VPBROADCASTD AX, Z20")
+	p("MOVQ DX, BX")
+	p("SHRQ $4, BX")
+	p("JZ narrowBF16x512_tail")
+	body := func() {
+		p("VPSRLD $16, Z0, Z1")      // b>>16
+		p("VPANDD Z17, Z1, Z2")      // (b>>16)&1
+		p("VPADDD Z16, Z0, Z3")      // b + 0x7fff
+		p("VPADDD Z2, Z3, Z3")       // + lsb
+		p("VPSRLD $16, Z3, Z3")      // rounded
+		p("VPANDD Z18, Z0, Z4")      // |b|
+		p("VPCMPUD $6, Z19, Z4, K2") // |b| > 0x7f800000: NaN
+		p("VPORD Z20, Z1, K2, Z3")   // NaN: b>>16 | 0x40
+	}
+	label("narrowBF16x512_loop")
+	p("VMOVUPS (SI), Z0")
+	body()
+	p("VPMOVDW Z3, (DI)")
+	p("ADDQ $64, SI")
+	p("ADDQ $32, DI")
+	p("DECQ BX")
+	p("JNZ narrowBF16x512_loop")
+	label("narrowBF16x512_tail")
+	tailMask("DX")
+	p("KORTESTW K1, K1")
+	p("JZ narrowBF16x512_done")
+	p("VMOVUPS.Z (SI), K1, Z0")
+	body()
+	p("VPMOVDW Z3, K1, (DI)")
+	label("narrowBF16x512_done")
+	p("VZEROUPPER")
+	p("RET")
 }
 
 // expConsts loads the exp constants into Z16..Z27.
@@ -910,26 +1029,18 @@ func transpose256() {
 // continuing from the accumulators in c instead of zero: c[m][j] = c[m][j] + Σ_k a[m][k]·w[k][j]
 // as one VFMADD231PS chain per element, k ascending, after loading c[m][j]. Columns ≥ 64 − the
 // zero bits of mask are neither read (w, c) nor written.
-func tileAcc512(mr, unroll int) {
-	name := fmt.Sprintf("tileAcc512x%d", mr)
-	text(name+"(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)", "$0-64")
-	p("MOVQ mask+56(FP), AX")
-	for v := range 4 {
-		p("KMOVW AX, K%d", v+1)
-		if v < 3 {
-			p("SHRQ $16, AX")
-		}
+//
+// With bf16 set (tileAccBF16x512), w holds bfloat16 values (ldw of them apart), each widened
+// exactly before its FMA (zero-extended and shifted into the upper half of a float32), so the
+// chains are those of the same values widened beforehand.
+func tileAcc512(bf16 bool, mr, unroll int) {
+	name, wt, esz := fmt.Sprintf("tileAcc512x%d", mr), "float32", 4
+	if bf16 {
+		name, wt, esz = fmt.Sprintf("tileAccBF16x512x%d", mr), "uint16", 2
 	}
-	p("MOVQ c+40(FP), DI")
-	p("MOVQ ldc+48(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
-	for m := range mr {
-		for v := range 4 {
-			p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
-		}
-	}
+	text(name+"(a *float32, lda int, w *"+wt+", ldw int, k int, c *float32, ldc int, mask uint64)", "$0-64")
+	columnMasks("mask+56(FP)")
+	cTile(mr, "c+40(FP)", "ldc+48(FP)", true)
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
@@ -937,10 +1048,15 @@ func tileAcc512(mr, unroll int) {
 	p("LEAQ (DI)(R8*4), SI")
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ ldw+24(FP), R10")
-	p("SHLQ $2, R10")
+	p("SHLQ $%d, R10", esz/2)
 	p("MOVQ k+32(FP), CX")
 	step := func(j int) {
 		for v := range 4 {
+			if bf16 {
+				p("VPMOVZXWD.Z %d(BX), K%d, Z%d", v*32, v+1, 24+v)
+				p("VPSLLD $16, Z%d, Z%d", 24+v, 24+v)
+				continue
+			}
 			p("VMOVUPS.Z %d(BX), K%d, Z%d", v*64, v+1, 24+v)
 		}
 		for m := range mr {
@@ -972,16 +1088,7 @@ func tileAcc512(mr, unroll int) {
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
-	p("MOVQ c+40(FP), DI")
-	p("MOVQ ldc+48(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
-	for m := range mr {
-		for v := range 4 {
-			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
-		}
-	}
+	cTile(mr, "c+40(FP)", "ldc+48(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -993,14 +1100,23 @@ func tileAcc512(mr, unroll int) {
 // the 16 keys are loaded and transposed in registers (as in transpose512), so lane j of Z(d)
 // holds key_j[d]; each row's 16 lanes then take one FMA per d, the query element broadcast from
 // memory. The rows' running sums live in tmp (rows·16 floats) between dimension blocks.
-func rowDots512() {
-	text("rowDots512(dst *float32, ldd int, q *float32, ldq int, rows int, k *float32, ldk int, nk int, dim int, tmp *float32)", "$0-80")
+//
+// With bf16 set (rowDotsBF16x512), the keys are bfloat16 values (ldk of them apart), each widened
+// exactly as it is loaded (zero-extended and shifted into the upper half of a float32), so the
+// chains are those of the same keys widened beforehand. R8 then walks the keys' bytes (half of
+// AX, which walks the queries').
+func rowDots512(bf16 bool) {
+	name, kt, ksh := "rowDots512", "float32", 2
+	if bf16 {
+		name, kt, ksh = "rowDotsBF16x512", "uint16", 1
+	}
+	text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *"+kt+", ldk int, nk int, dim int, tmp *float32)", "$0-80")
 	p("MOVQ q+16(FP), BX")
 	p("MOVQ ldq+24(FP), R11")
 	p("SHLQ $2, R11")
 	p("MOVQ k+40(FP), SI")
 	p("MOVQ ldk+48(FP), R9")
-	p("SHLQ $2, R9")
+	p("SHLQ $%d, R9", ksh)
 	p("MOVQ nk+56(FP), R12")
 	p("MOVQ dim+64(FP), DX")
 	p("SHLQ $2, DX")
@@ -1009,16 +1125,24 @@ func rowDots512() {
 	p("VPXORD Z16, Z16, Z16")
 	p("MOVQ R13, R14")
 	p("MOVQ rows+32(FP), CX")
-	label("rowDots512_zero")
+	label(name + "_zero")
 	p("VMOVUPS Z16, (R14)")
 	p("ADDQ $64, R14")
 	p("DECQ CX")
-	p("JNZ rowDots512_zero")
+	p("JNZ " + name + "_zero")
 	p("XORQ AX, AX")
-	label("rowDots512_block")
+	if bf16 {
+		p("XORQ R8, R8")
+	}
+	label(name + "_block")
 	p("MOVQ SI, R10")
 	for i := range 16 {
-		p("VMOVUPS (R10)(AX*1), Z%d", i)
+		if bf16 {
+			p("VPMOVZXWD (R10)(R8*1), Z%d", i)
+			p("VPSLLD $16, Z%d, Z%d", i, i)
+		} else {
+			p("VMOVUPS (R10)(AX*1), Z%d", i)
+		}
 		if i < 15 {
 			p("LEAQ (R10)(R9*1), R14")
 			p("CMPQ R12, $%d", i+1)
@@ -1053,8 +1177,8 @@ func rowDots512() {
 	p("MOVQ R13, R14")
 	p("MOVQ rows+32(FP), CX")
 	p("CMPQ CX, $2")
-	p("JLT rowDots512_row1")
-	label("rowDots512_row2")
+	p("JLT " + name + "_row1")
+	label(name + "_row2")
 	p("VMOVUPS (R14), Z16")
 	p("VMOVUPS 64(R14), Z17")
 	for d := range 16 {
@@ -1067,19 +1191,22 @@ func rowDots512() {
 	p("LEAQ (R15)(R11*2), R15")
 	p("SUBQ $2, CX")
 	p("CMPQ CX, $2")
-	p("JGE rowDots512_row2")
-	label("rowDots512_row1")
+	p("JGE " + name + "_row2")
+	label(name + "_row1")
 	p("TESTQ CX, CX")
-	p("JEQ rowDots512_next")
+	p("JEQ " + name + "_next")
 	p("VMOVUPS (R14), Z16")
 	for d := range 16 {
 		p("VFMADD231PS.BCST %d(R15), Z%d, Z16", 4*d, d)
 	}
 	p("VMOVUPS Z16, (R14)")
-	label("rowDots512_next")
+	label(name + "_next")
 	p("ADDQ $64, AX")
+	if bf16 {
+		p("ADDQ $32, R8")
+	}
 	p("CMPQ AX, DX")
-	p("JLT rowDots512_block")
+	p("JLT " + name + "_block")
 	// Store the nk valid lanes of every row.
 	p("MOVQ $1, AX")
 	p("MOVQ R12, CX")
@@ -1090,31 +1217,33 @@ func rowDots512() {
 	p("MOVQ ldd+8(FP), R8")
 	p("SHLQ $2, R8")
 	p("MOVQ rows+32(FP), CX")
-	label("rowDots512_store")
+	label(name + "_store")
 	p("VMOVUPS (R13), Z16")
 	p("VMOVUPS Z16, K1, (DI)")
 	p("ADDQ $64, R13")
 	p("ADDQ R8, DI")
 	p("DECQ CX")
-	p("JNZ rowDots512_store")
+	p("JNZ " + name + "_store")
 	p("VZEROUPPER")
 	p("RET")
 }
 
-// prefetchLines asks for the cache lines of n floats from x (PREFETCHT0, one per 64 bytes).
-func prefetchLines() {
-	text("prefetchLines(x *float32, n int)", "$0-16")
+// touchLines reads one byte of each cache line of the n bytes from x, in order: demand loads
+// that the hardware prefetchers follow ahead, unlike a burst of prefetches, which waits for free
+// miss buffers and stalls the work behind it.
+func touchLines() {
+	text("touchLines(x unsafe.Pointer, n int)", "$0-16")
 	p("MOVQ x+0(FP), SI")
 	p("MOVQ n+8(FP), CX")
-	p("LEAQ (SI)(CX*4), DX")
+	p("LEAQ (SI)(CX*1), DX")
 	p("CMPQ SI, DX")
-	p("JGE prefetchLines_done")
-	label("prefetchLines_loop")
-	p("PREFETCHT0 (SI)")
+	p("JGE touchLines_done")
+	label("touchLines_loop")
+	p("MOVBLZX (SI), AX")
 	p("ADDQ $64, SI")
 	p("CMPQ SI, DX")
-	p("JLT prefetchLines_loop")
-	label("prefetchLines_done")
+	p("JLT touchLines_loop")
+	label("touchLines_done")
 	p("RET")
 }
 
@@ -1186,9 +1315,24 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 // k also prefetches 64 bytes from pf on (the caller points pf at the share of the next panel this
 // tile brings into the cache, so the next panel streams from memory while this one is computed
 // from the cache).
+//
+// With cont nonzero the accumulators start from c's values instead of zero (under the column
+// mask), continuing chains that an earlier call over the preceding pairs of k stored there: a
+// float32 goes through memory unchanged, so splitting k into blocks this way changes no bit.
 func tileDot512(mr, unroll int) {
 	name := fmt.Sprintf("tileDot512x%d", mr)
-	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)", "$0-64")
+	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)", "$0-72")
+	p("MOVQ cont+64(FP), AX")
+	p("TESTQ AX, AX")
+	p("JNZ %s_cont", name)
+	for i := 0; i < 4*mr; i++ {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("JMP %s_start", name)
+	label(name + "_cont")
+	columnMasks("mask+48(FP)")
+	cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
+	label(name + "_start")
 	p("MOVQ pf+56(FP), R10")
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
@@ -1197,9 +1341,6 @@ func tileDot512(mr, unroll int) {
 	p("LEAQ (DI)(R8*4), SI")
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ kp+24(FP), CX")
-	for i := 0; i < 4*mr; i++ {
-		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
-	}
 	step := func(j int) {
 		for v := range 4 {
 			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
@@ -1235,23 +1376,8 @@ func tileDot512(mr, unroll int) {
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
-	p("MOVQ mask+48(FP), AX")
-	for v := range 4 {
-		p("KMOVW AX, K%d", v+1)
-		if v < 3 {
-			p("SHRQ $16, AX")
-		}
-	}
-	p("MOVQ c+32(FP), DI")
-	p("MOVQ ldc+40(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
-	for m := range mr {
-		for v := range 4 {
-			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
-		}
-	}
+	columnMasks("mask+48(FP)")
+	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -1376,8 +1502,10 @@ func main() {
 	for mr := 1; mr <= maxRows; mr++ {
 		tile256(mr, 4)
 	}
-	for mr := 1; mr <= maxRows; mr++ {
-		tileAcc512(mr, 4)
+	for _, bf16 := range []bool{false, true} {
+		for mr := 1; mr <= maxRows; mr++ {
+			tileAcc512(bf16, mr, 4)
+		}
 	}
 	out.WriteString("\n")
 	expData()
@@ -1385,6 +1513,9 @@ func main() {
 	axpy512()
 	scale512()
 	add512()
+	normScale512()
+	rope512()
+	narrowBF16x512()
 	siluMul512()
 	expShift512()
 	max512()
@@ -1399,8 +1530,9 @@ func main() {
 	expShift256()
 	transpose512()
 	transpose256()
-	rowDots512()
-	prefetchLines()
+	rowDots512(false)
+	rowDots512(true)
+	touchLines()
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4)
 	}

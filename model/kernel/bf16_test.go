@@ -89,13 +89,14 @@ func dotChainRef(x, w []float32) float32 {
 
 // TestLinearBF16DotMatchesChain: every implementation computes each output of a
 // bfloat16-product Linear as the specified chain (rows of all tile heights, odd and even widths,
-// partial panels), and the result is batch-invariant.
+// partial panels, k long enough for several blocks of pairs when several row tiles share a
+// panel), and the result is batch-invariant.
 func TestLinearBF16DotMatchesChain(t *testing.T) {
 	r := rand.New(rand.NewPCG(43, 44))
 	pool := NewPool(2)
 	defer pool.Close()
 	for _, im := range candidateImpls() {
-		for _, sh := range [][2]int{{1, 1}, {3, 5}, {17, 33}, {64, 64}, {65, 129}, {130, 96}, {193, 31}} {
+		for _, sh := range [][2]int{{1, 1}, {3, 5}, {17, 33}, {64, 64}, {65, 129}, {130, 96}, {193, 31}, {384, 2*(2*kBlock+1) + 45}} {
 			out, in := sh[0], sh[1]
 			w := randSlice(r, out*in)
 			h, _ := to16(w, BF16)
@@ -110,7 +111,7 @@ func TestLinearBF16DotMatchesChain(t *testing.T) {
 						t.Fatalf("col %d: %v, chain %v", n, alone[n], want)
 					}
 				}
-				for _, rows := range []int{2, 6, 7, 13} {
+				for _, rows := range []int{2, 6, 7, 13, 32} {
 					x := randSlice(r, rows*in)
 					at := r.IntN(rows)
 					copy(x[at*in:], row)

@@ -2,10 +2,10 @@
 // behind every linear layer and attention's two products ([Linear]; [Linear.ApplyStrided] for
 // rows at a stride, [Linear.SetRows] and [Linear.SetColumns] to re-pack a scratch Linear in place
 // from rows or columns held elsewhere, such as the keys and values of a paged KV store; or,
-// without packing, [RowDots] and [AccumulateRows] on rows read in place, with [Prefetch]), the
-// vector helpers attention and the MLP need ([Dot], [Axpy], [Scale], [Add], [Softmax],
-// [RMSNorm], [SiLUMul]), a small worker pool ([Pool], [Parallel]) and the machine ceilings the
-// benchmarks quote ([PeakGFLOPS], [MemcpyGBps], [ReadGBps]).
+// without packing, [RowDots] and [AccumulateRows] (and their bfloat16 forms) on rows read in
+// place, with [Touch]), the vector helpers attention and the MLP need ([Dot], [Axpy], [Scale],
+// [Add], [Softmax], [RMSNorm], [SiLUMul]), a small worker pool ([Pool], [Parallel]) and the
+// machine ceilings the benchmarks quote ([PeakGFLOPS], [MemcpyGBps], [ReadGBps]).
 //
 // # Batch invariance
 //

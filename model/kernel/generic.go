@@ -21,6 +21,9 @@ var genericImpl = &impl{
 	rowDots:  rowDotsGeneric,
 	accRows:  accRowsGeneric,
 	rowDim:   1,
+
+	rowDotsBF16: rowDotsBF16Generic,
+	accRowsBF16: accRowsBF16Generic,
 }
 
 func tileGeneric(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int) {
@@ -104,27 +107,49 @@ func maxGeneric(x []float32) float32 {
 
 // rowDotsGeneric is tileGeneric's chain for each (query row, key) pair.
 func rowDotsGeneric(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
+	rowDotsPortable(dst, ldd, q, ldq, rows, k, ldk, n, dim, func(x float32) float32 { return x })
+}
+
+// accRowsGeneric continues tileGeneric's chains from the values in acc.
+func accRowsGeneric(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int) {
+	accRowsPortable(acc, ldacc, p, ldp, rows, v, ldv, n, dim, func(x float32) float32 { return x })
+}
+
+// rowDotsBF16Generic is rowDotsGeneric with each key element widened from bfloat16.
+func rowDotsBF16Generic(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
+	rowDotsPortable(dst, ldd, q, ldq, rows, k, ldk, n, dim, BF16ToF32)
+}
+
+// accRowsBF16Generic is accRowsGeneric with each value element widened from bfloat16.
+func accRowsBF16Generic(acc []float32, ldacc int, p []float32, ldp, rows int, v []uint16, ldv, n, dim int) {
+	accRowsPortable(acc, ldacc, p, ldp, rows, v, ldv, n, dim, BF16ToF32)
+}
+
+// rowDotsPortable is tileGeneric's chain for each (query row, key) pair, each key element
+// widened to float32 by widen (exactly).
+func rowDotsPortable[T float32 | uint16](dst []float32, ldd int, q []float32, ldq, rows int, k []T, ldk, n, dim int, widen func(T) float32) {
 	for r := range rows {
 		qr := q[r*ldq : r*ldq+dim]
 		for j := range n {
 			kj := k[j*ldk : j*ldk+dim]
 			var acc float32
 			for d, x := range qr {
-				acc = acc + float32(x*kj[d])
+				acc = acc + float32(x*widen(kj[d]))
 			}
 			dst[r*ldd+j] = acc
 		}
 	}
 }
 
-// accRowsGeneric continues tileGeneric's chains from the values in acc.
-func accRowsGeneric(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int) {
+// accRowsPortable continues tileGeneric's chains from the values in acc, each value element
+// widened to float32 by widen (exactly).
+func accRowsPortable[T float32 | uint16](acc []float32, ldacc int, p []float32, ldp, rows int, v []T, ldv, n, dim int, widen func(T) float32) {
 	for r := range rows {
 		ar := acc[r*ldacc : r*ldacc+dim]
 		for j, pj := range p[r*ldp : r*ldp+n] {
 			vj := v[j*ldv : j*ldv+dim]
 			for d := range ar {
-				ar[d] = ar[d] + float32(pj*vj[d])
+				ar[d] = ar[d] + float32(pj*widen(vj[d]))
 			}
 		}
 	}

@@ -1,5 +1,7 @@
 package kernel
 
+import "unsafe"
+
 // impl is one complete set of kernels. Exactly one (defaultImpl) is chosen at program start and
 // used for every shape, which is what makes results reproducible within a process.
 type impl struct {
@@ -15,9 +17,10 @@ type impl struct {
 	tile16 func(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int)
 
 	// tileDot is tile for bfloat16 products (see bf16.go): a holds activation pairs, lda pairs
-	// apart, w a BF16 panel of kp pairs; toPairs rounds floats to pairs. nil: portable Go.
-	// pf is memory to prefetch on the way (a share of the next panel; nil: none).
-	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16)
+	// apart, w kp pairs of a BF16 panel; toPairs rounds floats to pairs. nil: portable Go.
+	// pf is memory to prefetch on the way (a share of the next panel; nil: none). cont: the
+	// chains continue from the values in c (an earlier call computed the preceding pairs).
+	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool)
 	toPairs func(dst []uint32, src []float32)
 	// dpLoop is fmaLoop for bfloat16 products (nil without them).
 	dpLoop func(n int) float64
@@ -33,6 +36,12 @@ type impl struct {
 	expShift func(x []float32, shift float32) float32 // x[i] = exp(x[i]-shift); returns Σ x[i] in a fixed order
 	max      func(x []float32) float32
 
+	// normScale, rope and narrowBF16 are RMSNorm's scaling, Rope and NarrowBF16 (nil: the
+	// portable loops, which compute the same bits).
+	normScale  func(dst, x, w []float32, inv float32)
+	rope       func(x1, x2, cos, sin []float32)
+	narrowBF16 func(dst []uint16, src []float32)
+
 	// transpose copies square blocks of tgroup rows × tgroup columns transposed: for each of
 	// blocks column blocks b, columns [b·tgroup, (b+1)·tgroup) of source rows rows[0..tgroup)
 	// become rows [b·tgroup, (b+1)·tgroup) of dst, ldd floats apart. nil (tgroup 0): the
@@ -45,8 +54,12 @@ type impl struct {
 	rowDots func(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int)
 	accRows func(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int)
 	rowDim  int
-	// prefetch asks for x's cache lines ahead of use (nil: no-op).
-	prefetch func(x []float32)
+	// rowDotsBF16 and accRowsBF16 are rowDots and accRows for bfloat16 keys and values, widened
+	// exactly on the way ([RowDotsBF16], [AccumulateRowsBF16]; nil: portable Go).
+	rowDotsBF16 func(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int)
+	accRowsBF16 func(acc []float32, ldacc int, p []float32, ldp, rows int, v []uint16, ldv, n, dim int)
+	// touch reads the cache lines of the n bytes at p in order (nil: no-op).
+	touch func(p unsafe.Pointer, n int)
 
 	fmaLoop func(n int) float64       // n iterations of independent FMAs; returns FLOPs per iteration
 	readSum func(x []float32) float32 // reads all of x

@@ -2,7 +2,11 @@
 
 package kernel
 
-import "golang.org/x/sys/cpu"
+import (
+	"unsafe"
+
+	"golang.org/x/sys/cpu"
+)
 
 //go:generate go run asmgen.go
 
@@ -18,16 +22,24 @@ var avx512Impl = &impl{
 	scale:     scaleAVX512,
 	add:       addAVX512,
 	siluMul:   siluMulAVX512,
+
+	normScale:  normScaleAVX512,
+	rope:       ropeAVX512,
+	narrowBF16: narrowBF16AVX512,
+
 	expShift:  expShiftAVX512,
 	max:       maxAVX512,
 	fmaLoop:   fmaLoopAVX512,
 	transpose: transpose512,
 	tgroup:    16,
 	readSum:   readSumAVX512,
-	rowDots:   rowDotsAVX512,
-	accRows:   accRowsAVX512,
+	rowDots:   rowDotsWith(rowDots512),
+	accRows:   accRowsWith(&tileAcc512Kernels),
 	rowDim:    16,
-	prefetch:  prefetchAMD64,
+	touch:     touchLines,
+
+	rowDotsBF16: rowDotsWith(rowDotsBF16x512),
+	accRowsBF16: accRowsWith(&tileAccBF16x512Kernels),
 }
 
 // avx2Impl uses ymm registers: 6×16 Linear tiles (12 accumulators), four per panel. Scale, Add
@@ -47,7 +59,7 @@ var avx2Impl = &impl{
 	transpose: transpose256,
 	tgroup:    8,
 	readSum:   readSumAVX,
-	prefetch:  prefetchAMD64,
+	touch:     touchLines,
 }
 
 // avx512BF16Impl is avx512Impl with AVX512_BF16's bfloat16 products (VDPBF16PS).
@@ -91,14 +103,14 @@ func candidateImpls() []*impl {
 }
 
 // tileDotKernels are the bfloat16-product tile kernels by rows − 1.
-var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16){
+var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int){
 	tileDot512x1, tileDot512x2, tileDot512x3, tileDot512x4, tileDot512x5, tileDot512x6,
 }
 
 // tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
 // masked off at the store. pf (kp×32 values, else the tile's own panel) is prefetched on the
-// way.
-func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16) {
+// way. With cont the chains continue from c.
+func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool) {
 	_ = a[(mr-1)*lda+kp-1]
 	_ = w[kp*2*panelWidth-1]
 	_ = c[(mr-1)*ldc+ncols-1]
@@ -108,7 +120,11 @@ func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr
 	if len(pf) < kp*32 {
 		pf = w
 	}
-	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0])
+	var cn int
+	if cont {
+		cn = 1
+	}
+	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], cn)
 }
 
 // toPairsAVX512 rounds src to bfloat16 pairs with VCVTNE2PS2BF16.
@@ -169,6 +185,13 @@ func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []u
 	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask)
 }
 
+func tileAccBF16x512x1(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAccBF16x512x2(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAccBF16x512x3(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAccBF16x512x4(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAccBF16x512x5(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
+func tileAccBF16x512x6(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
+
 func tileAcc512x1(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
 func tileAcc512x2(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
 func tileAcc512x3(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
@@ -177,17 +200,13 @@ func tileAcc512x5(a *float32, lda int, w *float32, ldw int, k int, c *float32, l
 func tileAcc512x6(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64)
 
 //go:noescape
-func prefetchLines(x *float32, n int)
-
-// prefetchAMD64 prefetches x's cache lines into all cache levels.
-func prefetchAMD64(x []float32) {
-	if len(x) > 0 {
-		prefetchLines(&x[0], len(x))
-	}
-}
+func touchLines(x unsafe.Pointer, n int)
 
 //go:noescape
 func rowDots512(dst *float32, ldd int, q *float32, ldq int, rows int, k *float32, ldk int, nk int, dim int, tmp *float32)
+
+//go:noescape
+func rowDotsBF16x512(dst *float32, ldd int, q *float32, ldq int, rows int, k *uint16, ldk int, nk int, dim int, tmp *float32)
 
 func tile256x1(a *float32, lda int, w *float32, k int, c *float32, ldc int)
 func tile256x2(a *float32, lda int, w *float32, k int, c *float32, ldc int)
@@ -263,51 +282,54 @@ func tile256(mr int, a *float32, lda int, w *float32, k int, c *float32, ldc int
 	}
 }
 
-// rowDotsAVX512 runs rowDots512 on groups of 16 keys, at most rowDotsRows query rows at a time
-// (the size of its stack buffer of running sums). Arguments are checked by RowDots.
-func rowDotsAVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
-	const rowDotsRows = 32
-	var tmp [rowDotsRows * 16]float32
-	for r0 := 0; r0 < rows; r0 += rowDotsRows {
-		nr := min(rowDotsRows, rows-r0)
-		for j := 0; j < n; j += 16 {
-			rowDots512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
-		}
-	}
-}
-
-// accRowsAVX512 runs the tileAcc512 kernels on tiles of up to 6 rows × 64 columns, each over
-// all n rows of v. Arguments are checked by AccumulateRows.
-func accRowsAVX512(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int) {
-	for m0 := 0; m0 < rows; m0 += maxTileRows {
-		mr := min(maxTileRows, rows-m0)
-		for c0 := 0; c0 < dim; c0 += panelWidth {
-			mask := ^uint64(0) >> (panelWidth - min(panelWidth, dim-c0))
-			a, w, c := &p[m0*ldp], &v[c0], &acc[m0*ldacc+c0]
-			switch mr {
-			case 1:
-				tileAcc512x1(a, ldp, w, ldv, n, c, ldacc, mask)
-			case 2:
-				tileAcc512x2(a, ldp, w, ldv, n, c, ldacc, mask)
-			case 3:
-				tileAcc512x3(a, ldp, w, ldv, n, c, ldacc, mask)
-			case 4:
-				tileAcc512x4(a, ldp, w, ldv, n, c, ldacc, mask)
-			case 5:
-				tileAcc512x5(a, ldp, w, ldv, n, c, ldacc, mask)
-			case 6:
-				tileAcc512x6(a, ldp, w, ldv, n, c, ldacc, mask)
+// rowDotsWith returns the strided-row dot products of the keys of type T (float32, or bfloat16
+// bits widened by the kernel): kernel runs on groups of 16 keys, at most rowDotsRows query rows
+// at a time (the size of its stack buffer of running sums). Arguments are checked by RowDots.
+func rowDotsWith[T float32 | uint16](kernel func(dst *float32, ldd int, q *float32, ldq int, rows int, k *T, ldk int, nk int, dim int, tmp *float32)) func(dst []float32, ldd int, q []float32, ldq, rows int, k []T, ldk, n, dim int) {
+	return func(dst []float32, ldd int, q []float32, ldq, rows int, k []T, ldk, n, dim int) {
+		const rowDotsRows = 32
+		var tmp [rowDotsRows * 16]float32
+		for r0 := 0; r0 < rows; r0 += rowDotsRows {
+			nr := min(rowDotsRows, rows-r0)
+			for j := 0; j < n; j += 16 {
+				kernel(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
 			}
 		}
 	}
 }
 
-func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
-func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16)
+// tileAcc512Kernels and tileAccBF16x512Kernels are the accumulating tile kernels for float32
+// and bfloat16 value rows, by rows − 1.
+var (
+	tileAcc512Kernels = [maxTileRows]func(a *float32, lda int, w *float32, ldw int, k int, c *float32, ldc int, mask uint64){
+		tileAcc512x1, tileAcc512x2, tileAcc512x3, tileAcc512x4, tileAcc512x5, tileAcc512x6,
+	}
+	tileAccBF16x512Kernels = [maxTileRows]func(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64){
+		tileAccBF16x512x1, tileAccBF16x512x2, tileAccBF16x512x3, tileAccBF16x512x4, tileAccBF16x512x5, tileAccBF16x512x6,
+	}
+)
+
+// accRowsWith returns the strided-row accumulation of value rows of type T (float32, or
+// bfloat16 bits widened by the kernels): the kernels run on tiles of up to 6 rows × 64
+// columns, each over all n rows of v. Arguments are checked by AccumulateRows.
+func accRowsWith[T float32 | uint16](kernels *[maxTileRows]func(a *float32, lda int, w *T, ldw int, k int, c *float32, ldc int, mask uint64)) func(acc []float32, ldacc int, p []float32, ldp, rows int, v []T, ldv, n, dim int) {
+	return func(acc []float32, ldacc int, p []float32, ldp, rows int, v []T, ldv, n, dim int) {
+		for m0 := 0; m0 < rows; m0 += maxTileRows {
+			mr := min(maxTileRows, rows-m0)
+			for c0 := 0; c0 < dim; c0 += panelWidth {
+				mask := ^uint64(0) >> (panelWidth - min(panelWidth, dim-c0))
+				kernels[mr-1](&p[m0*ldp], ldp, &v[c0], ldv, n, &acc[m0*ldacc+c0], ldacc, mask)
+			}
+		}
+	}
+}
+
+func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 
 //go:noescape
 func toBF16Pairs512(dst *uint32, src *float32, n int)

@@ -1,8 +1,12 @@
 package kernel
 
-import "fmt"
+import (
+	"fmt"
+	"unsafe"
+)
 
-// RowKernels reports whether [RowDots] and [AccumulateRows] are available for vectors of dim
+// RowKernels reports whether [RowDots] and [AccumulateRows] (and [RowDotsBF16] and
+// [AccumulateRowsBF16]) are available for vectors of dim
 // floats in this process's implementation (AVX-512 for dim a multiple of 16, and the portable
 // build; not AVX2). Callers without them pack the rows into a [Linear] instead.
 func RowKernels(dim int) bool {
@@ -19,15 +23,9 @@ func RowKernels(dim int) bool {
 // ascending from zero. Other elements of dst are not written. It panics if [RowKernels](dim) is
 // false or a slice is too short.
 func RowDots(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
-	if rows <= 0 || n <= 0 {
-		return
+	if checkRowDots("RowDots", dst, ldd, q, ldq, rows, len(k), ldk, n, dim) {
+		defaultImpl.rowDots(dst, ldd, q, ldq, rows, k, ldk, n, dim)
 	}
-	if !RowKernels(dim) || ldq < dim || ldk < dim || ldd < n || len(q) < (rows-1)*ldq+dim ||
-		len(k) < (n-1)*ldk+dim || len(dst) < (rows-1)*ldd+n {
-		panic(fmt.Sprintf("kernel.RowDots: rows=%d, n=%d, dim=%d, ldq=%d, ldk=%d, ldd=%d, len(q)=%d, len(k)=%d, len(dst)=%d (implementation %s)",
-			rows, n, dim, ldq, ldk, ldd, len(q), len(k), len(dst), defaultImpl.name))
-	}
-	defaultImpl.rowDots(dst, ldd, q, ldq, rows, k, ldk, n, dim)
 }
 
 // AccumulateRows adds to each of rows accumulator rows acc[r*ldacc : r*ldacc+dim] the weighted
@@ -42,22 +40,66 @@ func RowDots(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ld
 // (inputs = value rows) applied to the weight rows computes. It panics if [RowKernels](dim) is
 // false or a slice is too short.
 func AccumulateRows(acc []float32, ldacc int, p []float32, ldp, rows int, v []float32, ldv, n, dim int) {
-	if rows <= 0 || n <= 0 {
-		return
+	if checkAccRows("AccumulateRows", acc, ldacc, p, ldp, rows, len(v), ldv, n, dim) {
+		defaultImpl.accRows(acc, ldacc, p, ldp, rows, v, ldv, n, dim)
 	}
-	if !RowKernels(dim) || ldacc < dim || ldv < dim || ldp < n || len(acc) < (rows-1)*ldacc+dim ||
-		len(v) < (n-1)*ldv+dim || len(p) < (rows-1)*ldp+n {
-		panic(fmt.Sprintf("kernel.AccumulateRows: rows=%d, n=%d, dim=%d, ldacc=%d, ldv=%d, ldp=%d, len(acc)=%d, len(v)=%d, len(p)=%d (implementation %s)",
-			rows, n, dim, ldacc, ldv, ldp, len(acc), len(v), len(p), defaultImpl.name))
-	}
-	defaultImpl.accRows(acc, ldacc, p, ldp, rows, v, ldv, n, dim)
 }
 
-// Prefetch hints that x is about to be read (attention's next block of keys or values), so its
-// cache lines start loading while the current ones are worked on. It changes no data and no
-// result; in the portable build it does nothing.
-func Prefetch(x []float32) {
-	if defaultImpl.prefetch != nil {
-		defaultImpl.prefetch(x)
+// checkRowDots reports whether a RowDots call (op) has work, and panics if its arguments do not
+// fit (nk is the length of its keys).
+func checkRowDots(op string, dst []float32, ldd int, q []float32, ldq, rows, nk, ldk, n, dim int) bool {
+	if rows <= 0 || n <= 0 {
+		return false
+	}
+	if !RowKernels(dim) || ldq < dim || ldk < dim || ldd < n || len(q) < (rows-1)*ldq+dim ||
+		nk < (n-1)*ldk+dim || len(dst) < (rows-1)*ldd+n {
+		panic(fmt.Sprintf("kernel.%s: rows=%d, n=%d, dim=%d, ldq=%d, ldk=%d, ldd=%d, len(q)=%d, len(k)=%d, len(dst)=%d (implementation %s)",
+			op, rows, n, dim, ldq, ldk, ldd, len(q), nk, len(dst), defaultImpl.name))
+	}
+	return true
+}
+
+// checkAccRows reports whether an AccumulateRows call (op) has work, and panics if its
+// arguments do not fit (nv is the length of its values).
+func checkAccRows(op string, acc []float32, ldacc int, p []float32, ldp, rows, nv, ldv, n, dim int) bool {
+	if rows <= 0 || n <= 0 {
+		return false
+	}
+	if !RowKernels(dim) || ldacc < dim || ldv < dim || ldp < n || len(acc) < (rows-1)*ldacc+dim ||
+		nv < (n-1)*ldv+dim || len(p) < (rows-1)*ldp+n {
+		panic(fmt.Sprintf("kernel.%s: rows=%d, n=%d, dim=%d, ldacc=%d, ldv=%d, ldp=%d, len(acc)=%d, len(v)=%d, len(p)=%d (implementation %s)",
+			op, rows, n, dim, ldacc, ldv, ldp, len(acc), nv, len(p), defaultImpl.name))
+	}
+	return true
+}
+
+// RowDotsBF16 is [RowDots] for keys stored as bfloat16 (the values' bits): each key element is
+// widened to float32 — exactly — as it is read, so the results are bit-identical to RowDots on
+// the widened keys. It panics if [RowKernels](dim) is false or a slice is too short.
+func RowDotsBF16(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
+	if checkRowDots("RowDotsBF16", dst, ldd, q, ldq, rows, len(k), ldk, n, dim) {
+		defaultImpl.rowDotsBF16(dst, ldd, q, ldq, rows, k, ldk, n, dim)
+	}
+}
+
+// AccumulateRowsBF16 is [AccumulateRows] for value rows stored as bfloat16 (the values' bits):
+// each value element is widened to float32 — exactly — as it is read, so the results are
+// bit-identical to AccumulateRows on the widened values. It panics if [RowKernels](dim) is false
+// or a slice is too short.
+func AccumulateRowsBF16(acc []float32, ldacc int, p []float32, ldp, rows int, v []uint16, ldv, n, dim int) {
+	if checkAccRows("AccumulateRowsBF16", acc, ldacc, p, ldp, rows, len(v), ldv, n, dim) {
+		defaultImpl.accRowsBF16(acc, ldacc, p, ldp, rows, v, ldv, n, dim)
+	}
+}
+
+// Touch reads every cache line of x in order, discarding what it reads, so that x is in the
+// caches when the row kernels read it in another order (attention's next keys or values, float32
+// or bfloat16 bits). Demand loads in address order let the hardware prefetchers run ahead of
+// them, which streams from memory faster than a burst of prefetches, whose requests wait for
+// free miss buffers and stall the work behind them. It changes no data and no result; in the
+// portable build it does nothing.
+func Touch[T float32 | uint16](x []T) {
+	if defaultImpl.touch != nil && len(x) > 0 {
+		defaultImpl.touch(unsafe.Pointer(unsafe.SliceData(x)), len(x)*int(unsafe.Sizeof(x[0])))
 	}
 }

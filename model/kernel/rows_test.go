@@ -4,12 +4,15 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"syscall"
 	"testing"
+	"unsafe"
 )
 
 // TestRowKernelsMatchPackedLinear checks RowDots and AccumulateRows (the latter split over
 // several calls, as over the blocks of a paged store) against Linears packed with SetRows and
-// SetColumns from the same strided rows, bit for bit, for every implementation that has them.
+// SetColumns from the same strided rows, bit for bit, for every implementation that has them;
+// and their bfloat16 forms against them on the same values widened.
 func TestRowKernelsMatchPackedLinear(t *testing.T) {
 	r := rand.New(rand.NewPCG(31, 32))
 	for _, im := range candidateImpls() {
@@ -60,9 +63,50 @@ func TestRowKernelsMatchPackedLinear(t *testing.T) {
 						if !slices.Equal(bits(gotV), bits(wantV)) {
 							t.Fatal("accRows differs from SetColumns + ApplyStrided")
 						}
+
+						// Bfloat16 keys and values (a bfloat16 KV cache): the same chains on
+						// the widened values.
+						keys16, keysW := to16(keys, BF16)
+						vals16, valsW := to16(vals, BF16)
+						want = randSlice(r, rows*(n+ld))
+						got = slices.Clone(want)
+						im.rowDots(want, n+ld, q, dim+ld, rows, keysW, ldk, n, dim)
+						im.rowDotsBF16(got, n+ld, q, dim+ld, rows, keys16, ldk, n, dim)
+						if !slices.Equal(bits(got), bits(want)) {
+							t.Fatal("rowDotsBF16 differs from rowDots on the widened keys")
+						}
+						wantV = randSlice(r, rows*(dim+ld))
+						gotV = slices.Clone(wantV)
+						for j0 := 0; j0 < n; j0 += 5 {
+							j1 := min(n, j0+5)
+							im.accRows(wantV, dim+ld, p[j0:], n+ld, rows, valsW[j0*ldk:], ldk, j1-j0, dim)
+							im.accRowsBF16(gotV, dim+ld, p[j0:], n+ld, rows, vals16[j0*ldk:], ldk, j1-j0, dim)
+						}
+						if !slices.Equal(bits(gotV), bits(wantV)) {
+							t.Fatal("accRowsBF16 differs from accRows on the widened values")
+						}
 					})
 				}
 			}
 		}
+	}
+}
+
+// TestTouchReadsOnlyItsSlice: Touch reads nothing past its slice, for every length of float32
+// and bfloat16 slices that end at the last byte of a page followed by an unmapped one.
+func TestTouchReadsOnlyItsSlice(t *testing.T) {
+	page := syscall.Getpagesize()
+	mem, err := syscall.Mmap(-1, 0, 2*page, syscall.PROT_READ|syscall.PROT_WRITE, syscall.MAP_ANON|syscall.MAP_PRIVATE)
+	if err != nil {
+		t.Skip(err)
+	}
+	defer syscall.Munmap(mem)
+	if err := syscall.Mprotect(mem[page:], syscall.PROT_NONE); err != nil {
+		t.Skip(err)
+	}
+	for n := range 300 {
+		end := unsafe.Pointer(&mem[page-1])
+		Touch(unsafe.Slice((*uint16)(unsafe.Add(end, 1-2*n)), n))
+		Touch(unsafe.Slice((*float32)(unsafe.Add(end, 1-4*n)), n))
 	}
 }

@@ -80,12 +80,74 @@ func rmsNorm(im *impl, dst, x, weight []float32, eps float32) {
 	if n == 0 || len(x)%n != 0 || len(dst) < len(x) {
 		panic(fmt.Sprintf("kernel.RMSNorm: len(x) = %d, len(weight) = %d, len(dst) = %d", len(x), n, len(dst)))
 	}
+	scale := im.normScale
+	if scale == nil {
+		scale = normScaleGeneric
+	}
 	for r := 0; r < len(x); r += n {
 		xr, dr := x[r:r+n], dst[r:r+n]
 		ss := im.dot(xr, xr)
 		inv := float32(1 / math.Sqrt(float64(ss/float32(n)+eps)))
-		for i, v := range xr {
-			dr[i] = float32(v*inv) * weight[i]
-		}
+		scale(dr, xr, weight, inv)
+	}
+}
+
+// normScaleGeneric is RMSNorm's scaling of one row: dst[i] = (x[i]·inv)·w[i], each product
+// rounded.
+func normScaleGeneric(dst, x, w []float32, inv float32) {
+	w = w[:len(x)]
+	for i, v := range x {
+		dst[i] = float32(v*inv) * w[i]
+	}
+}
+
+// Rope rotates the halves of x (len 2·len(cos)) by the angles whose cosines and sines are cos
+// and sin (Hugging Face's "rotate_half"): with a = x[i], b = x[i+half],
+//
+//	x[i] = a·cos[i] − b·sin[i],  x[i+half] = b·cos[i] + a·sin[i]
+//
+// each product and sum rounded to float32 on its own (never fused). It panics if x is not twice
+// as long as cos or sin is shorter than cos.
+func Rope(x, cos, sin []float32) {
+	half := len(cos)
+	if len(x) != 2*half || len(sin) < half {
+		panic(fmt.Sprintf("kernel.Rope: len(x) = %d, len(cos) = %d, len(sin) = %d", len(x), half, len(sin)))
+	}
+	rope(defaultImpl, x[:half], x[half:], cos, sin[:half])
+}
+
+func rope(im *impl, x1, x2, cos, sin []float32) {
+	if im.rope != nil {
+		im.rope(x1, x2, cos, sin)
+		return
+	}
+	ropeGeneric(x1, x2, cos, sin)
+}
+
+func ropeGeneric(x1, x2, cos, sin []float32) {
+	x2, sin = x2[:len(x1)], sin[:len(x1)]
+	for i, c := range cos[:len(x1)] {
+		a, b := x1[i], x2[i]
+		x1[i] = float32(a*c) - float32(b*sin[i])
+		x2[i] = float32(b*c) + float32(a*sin[i])
+	}
+}
+
+// NarrowBF16 rounds src to bfloat16 into dst (len ≥ len(src)) exactly as F32ToBF16 rounds each
+// value, with vector instructions where the CPU has them.
+func NarrowBF16(dst []uint16, src []float32) {
+	if len(dst) < len(src) {
+		panic(fmt.Sprintf("kernel.NarrowBF16: len(dst) = %d < len(src) = %d", len(dst), len(src)))
+	}
+	narrowBF16(defaultImpl, dst[:len(src)], src)
+}
+
+func narrowBF16(im *impl, dst []uint16, src []float32) {
+	if im.narrowBF16 != nil {
+		im.narrowBF16(dst, src)
+		return
+	}
+	for i, v := range src {
+		dst[i] = F32ToBF16(v)
 	}
 }

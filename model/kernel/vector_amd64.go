@@ -11,6 +11,9 @@ func dot512(a, b *float32, n int) float32
 func axpy512(alpha float32, x, y *float32, n int)
 func scale512(alpha float32, x *float32, n int)
 func add512(dst, a, b *float32, n int)
+func normScale512(dst, x, w *float32, inv float32, n int)
+func rope512(x1, x2, c, s *float32, n int)
+func narrowBF16x512(dst *uint16, src *float32, n int)
 func siluMul512(dst, gate, up *float32, n int)
 func expShift512(x *float32, n int, shift float32) float32
 func max512(x *float32, n int) float32
@@ -54,6 +57,30 @@ func addAVX512(dst, a, b []float32) {
 	}
 	a, b = a[:len(dst)], b[:len(dst)]
 	add512(&dst[0], &a[0], &b[0], len(dst))
+}
+
+func normScaleAVX512(dst, x, w []float32, inv float32) {
+	if len(x) == 0 {
+		return
+	}
+	dst, w = dst[:len(x)], w[:len(x)]
+	normScale512(&dst[0], &x[0], &w[0], inv, len(x))
+}
+
+func ropeAVX512(x1, x2, cos, sin []float32) {
+	if len(x1) == 0 {
+		return
+	}
+	x2, cos, sin = x2[:len(x1)], cos[:len(x1)], sin[:len(x1)]
+	rope512(&x1[0], &x2[0], &cos[0], &sin[0], len(x1))
+}
+
+func narrowBF16AVX512(dst []uint16, src []float32) {
+	if len(src) == 0 {
+		return
+	}
+	dst = dst[:len(src)]
+	narrowBF16x512(&dst[0], &src[0], len(src))
 }
 
 func siluMulAVX512(dst, gate, up []float32) {

@@ -233,3 +233,73 @@ func TestPublicVectorFuncs(t *testing.T) {
 		t.Fatal("no implementation name")
 	}
 }
+
+// TestRopeAndNormScale: every implementation rotates each pair and scales each RMSNorm element
+// with the rounded products and sums the definitions spell out (float32 expressions evaluated
+// one rounding at a time), for every length, tails included.
+func TestRopeAndNormScale(t *testing.T) {
+	eachImpl(t, func(t *testing.T, im *impl) {
+		r := rand.New(rand.NewPCG(21, 22))
+		for _, n := range vecLens {
+			x1, x2, c, s := randSlice(r, n), randSlice(r, n), randSlice(r, n), randSlice(r, n)
+			y1, y2 := append([]float32(nil), x1...), append([]float32(nil), x2...)
+			rope(im, y1, y2, c, s)
+			for i := range n {
+				// Explicit conversions round each product (the compiler may not fuse them).
+				ac, bs := float32(x1[i]*c[i]), float32(x2[i]*s[i])
+				bc, as := float32(x2[i]*c[i]), float32(x1[i]*s[i])
+				if w1, w2 := ac-bs, bc+as; math.Float32bits(y1[i]) != math.Float32bits(w1) || math.Float32bits(y2[i]) != math.Float32bits(w2) {
+					t.Fatalf("rope n=%d i=%d: got %v, %v want %v, %v", n, i, y1[i], y2[i], w1, w2)
+				}
+			}
+			scale := im.normScale
+			if scale == nil {
+				scale = normScaleGeneric
+			}
+			dst := make([]float32, n)
+			scale(dst, x1, c, 0.731)
+			for i := range n {
+				if want := float32(x1[i]*0.731) * c[i]; math.Float32bits(dst[i]) != math.Float32bits(want) {
+					t.Fatalf("normScale n=%d i=%d: got %v want %v", n, i, dst[i], want)
+				}
+			}
+		}
+	})
+	x := []float32{1, 2, 3, 4}
+	Rope(x, []float32{0, 1}, []float32{1, 0})
+	if x[0] != -3 || x[1] != 2 || x[2] != 1 || x[3] != 4 {
+		t.Fatalf("Rope by 90° and 0° = %v, want [-3 2 1 4]", x)
+	}
+}
+
+// TestNarrowBF16: every implementation rounds like F32ToBF16 — ties to even, denormals kept,
+// NaNs quiet with their sign and top payload bits, infinities and overflow to infinity — at
+// every position of every length.
+func TestNarrowBF16(t *testing.T) {
+	special := []uint32{0, 0x80000000, 1, 0x80000001, 0x007fffff, 0x00008000, 0x00018000, 0x3f808000, 0x3f818000,
+		0x3f807fff, 0x7f7fffff, 0xff7fffff, 0x7f800000, 0xff800000, 0x7f800001, 0xff800001, 0x7fc00000, 0x7fffffff, 0x7f7f8000}
+	eachImpl(t, func(t *testing.T, im *impl) {
+		r := rand.New(rand.NewPCG(23, 24))
+		for _, n := range vecLens {
+			src := make([]float32, n)
+			for i := range src {
+				b := r.Uint32()
+				if i%3 == 0 {
+					b = special[r.IntN(len(special))]
+				}
+				src[i] = math.Float32frombits(b)
+			}
+			dst := make([]uint16, n+1)
+			dst[n] = 0xbeef
+			narrowBF16(im, dst[:n], src)
+			for i, v := range src {
+				if want := F32ToBF16(v); dst[i] != want {
+					t.Fatalf("n=%d i=%d: %08x -> %04x, want %04x", n, i, math.Float32bits(v), dst[i], want)
+				}
+			}
+			if dst[n] != 0xbeef {
+				t.Fatalf("n=%d: wrote past the end", n)
+			}
+		}
+	})
+}
