@@ -21,6 +21,7 @@ type proxyFlags struct {
 	multiTurn, requireConversationID  bool
 	cacheTTL                          time.Duration
 	maxConversations                  int
+	maxConversationBytes              string
 	conversationStore                 string
 	host                              string
 	port                              int
@@ -58,6 +59,7 @@ func newProxyCmd() *cobra.Command {
 	fl.BoolVar(&f.requireConversationID, "require-conversation-id", false, "with --multi-turn: answer 400 to requests without a conversation_id")
 	fl.DurationVar(&f.cacheTTL, "conversation-ttl", proxy.DefaultConversationTTL, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
 	fl.IntVar(&f.maxConversations, "max-conversations", proxy.DefaultMaxConversations, "with --multi-turn: most conversations cached (least recently used dropped first)")
+	fl.StringVar(&f.maxConversationBytes, "max-conversation-bytes", formatBytes(proxy.DefaultMaxConversationBytes), "with --multi-turn and the memory store: most bytes of cached conversations (least recently used dropped first), e.g. 64M")
 	fl.StringVar(&f.conversationStore, "conversation-store", "memory", "with --multi-turn: where conversations are kept between turns: memory, or redis://HOST:PORT/DB shared by the replicas of a proxy tier")
 	return cmd
 }
@@ -95,6 +97,10 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if !f.multiTurn && f.conversationStore != "memory" {
 		return usageError("--conversation-store needs --multi-turn")
 	}
+	maxBytes, err := parseBytes(f.maxConversationBytes)
+	if err != nil {
+		return usageError("--max-conversation-bytes: %v", err)
+	}
 	cfg := proxy.Config{
 		Prefill: pre, Decode: dec, APIKey: os.Getenv("OPENAI_API_KEY"), Logger: log,
 		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout,
@@ -105,7 +111,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	}
 	if f.multiTurn {
 		h, err = proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg, CacheTTL: f.cacheTTL, MaxConversations: f.maxConversations,
-			RequireConversationID: f.requireConversationID, Store: f.conversationStore})
+			MaxConversationBytes: maxBytes, RequireConversationID: f.requireConversationID, Store: f.conversationStore})
 	} else {
 		h, err = proxy.NewOneWay(cfg)
 	}

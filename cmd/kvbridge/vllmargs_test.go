@@ -140,6 +140,15 @@ func TestServeVLLMFlags(t *testing.T) {
 	}
 }
 
+// TestProxyBadMaxConversationBytes: a size the proxy cannot read stops it with exit status 2.
+func TestProxyBadMaxConversationBytes(t *testing.T) {
+	for _, v := range []string{"0", "-1", "lots"} {
+		if code := run([]string{"proxy", "--multi-turn", "--port", "0", "--max-conversation-bytes", v}); code != 2 {
+			t.Errorf("kvbridge proxy --max-conversation-bytes %s exited %d, want 2", v, code)
+		}
+	}
+}
+
 // TestBenchMultiTurnFlags: the vLLM script's -v, --print-content, -e and --version parse, and
 // --version prints the script's version line and exits 0.
 func TestBenchMultiTurnFlags(t *testing.T) {
