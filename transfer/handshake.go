@@ -368,11 +368,26 @@ func readWithFDs(uc *net.UnixConn, buf []byte) ([]int, error) {
 	return fds, nil
 }
 
-// tuneTCP applies the socket options used on every transfer TCP connection.
+// deadLinkTimeout is how long a transfer TCP connection's peer may stay silent — no ACK for
+// data sent, no answer to keepalive probes — before the kernel drops the connection and every
+// request on it fails. Without it a link that goes down without a reset (a cable, a host that
+// vanished) holds a reader until its request's deadline: the peer's ACKs and probes stop, but the
+// kernel's defaults keep retransmitting for minutes. A live peer answers probes from its kernel
+// whatever its process is doing, so a busy or stopped process is not taken for dead.
+const deadLinkTimeout = 12 * time.Second
+
+// tuneTCP applies the socket options used on every transfer TCP connection: no Nagle delay, and
+// dead-link detection within about deadLinkTimeout in both directions — keepalive probes for the
+// side that waits for data (idle 5 s, then 3 probes 2 s apart) and TCP_USER_TIMEOUT for the side
+// whose data goes unacknowledged.
 func tuneTCP(c *net.TCPConn) {
 	_ = c.SetNoDelay(true)
-	_ = c.SetKeepAlive(true)
-	_ = c.SetKeepAlivePeriod(15 * time.Second)
+	_ = c.SetKeepAliveConfig(net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3})
+	if rc, err := c.SyscallConn(); err == nil {
+		_ = rc.Control(func(fd uintptr) {
+			_ = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(deadLinkTimeout/time.Millisecond))
+		})
+	}
 }
 
 // FetchRemote fetches the metadata of the agent listening on the TCP address addr and loads

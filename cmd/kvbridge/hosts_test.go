@@ -626,9 +626,11 @@ func TestHostsFaults(t *testing.T) {
 		t.Parallel()
 		s := newFaultStack(t, kvConfig("kv_producer", lease), kvConfig("kv_consumer", nil))
 		p := s.hosts["p"]
-		// Nothing tells D that P's link went down: its read waits for the connector's 60 s load
-		// deadline, then the request fails under policy fail.
-		a := s.sendDuringTransfer(t, 60*time.Second+15*time.Second, func() {
+		// Nothing tells D that P's link went down but silence: the transfer connections' dead-link
+		// detection (keepalive probes, TCP_USER_TIMEOUT: about 12 s) drops them, the retry's
+		// handshake cannot reach P (10 s), and the request fails under policy fail — well before
+		// the connector's 60 s load deadline, which is what the deadline here tells apart.
+		a := s.sendDuringTransfer(t, 45*time.Second, func() {
 			if err := p.SetLink(t.Context(), false); err != nil {
 				t.Error(err)
 			}
