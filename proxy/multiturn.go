@@ -45,7 +45,9 @@ const (
 	// HeaderCache is "hit" (P pulled the conversation's KV from D), "miss" or "off" (no id).
 	HeaderCache = "X-KVBridge-Cache"
 	// HeaderPromptTokens, HeaderPulledTokens and HeaderComputedTokens describe P's prefill: the
-	// prompt length, the tokens pulled from D, and the tokens P computed itself.
+	// prompt length, the tokens pulled from D, and the tokens P computed itself. The last two
+	// come from P's usage.prompt_tokens_details and are left out when P does not report it (P
+	// started without --enable-prompt-tokens-details): the split is then unknown, not zero.
 	HeaderPromptTokens   = "X-KVBridge-Prefill-Prompt-Tokens"
 	HeaderPulledTokens   = "X-KVBridge-Prefill-Pulled-Tokens"
 	HeaderComputedTokens = "X-KVBridge-Prefill-Computed-Tokens"
@@ -417,9 +419,12 @@ func setUsageHeaders(h http.Header, usage map[string]any) {
 		return
 	}
 	prompt := num(usage, "prompt_tokens")
-	details, _ := usage["prompt_tokens_details"].(map[string]any)
-	cached := num(details, "cached_tokens")
 	h.Set(HeaderPromptTokens, strconv.Itoa(prompt))
+	details, ok := usage["prompt_tokens_details"].(map[string]any)
+	if !ok {
+		return
+	}
+	cached := num(details, "cached_tokens")
 	h.Set(HeaderPulledTokens, strconv.Itoa(num(details, "external_cached_tokens")))
 	h.Set(HeaderComputedTokens, strconv.Itoa(prompt-cached))
 }
