@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 // kvConfig returns a --kv-transfer-config for role with the given extra keys (JSON, may be
@@ -52,7 +53,7 @@ func TestAuthTokenMismatch(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			var plog, dlog syncLog
+			var plog, dlog fixture.LogBuffer
 			p := startNode(t, "P", nodeOptions{kvConfig: kvConfig("kv_producer", tc.pExtra), logw: &plog})
 			d := startNode(t, "D", nodeOptions{kvConfig: kvConfig("kv_consumer", tc.dExtra), logw: &dlog})
 			prompt := tokens(40, 21)
@@ -92,7 +93,7 @@ func TestAuthTokenMismatch(t *testing.T) {
 // so P (environment) and D (config key) with the same token exchange KV.
 func TestAuthTokenFromEnvironmentPD(t *testing.T) {
 	t.Setenv(connector.EnvAuthToken, "tok-from-the-environment")
-	var plog syncLog
+	var plog fixture.LogBuffer
 	p := startNode(t, "P", nodeOptions{kvConfig: kvConfig("kv_producer", `"backends":["TCP"]`), logw: &plog})
 	d := startNode(t, "D", nodeOptions{kvConfig: kvConfig("kv_consumer", `"backends":["TCP"],"auth_token":"tok-from-the-environment"`)})
 	prompt := tokens(40, 22)
@@ -113,7 +114,7 @@ func TestReadAfterTheLeaseIsRefused(t *testing.T) {
 		t.Run(extra, func(t *testing.T) {
 			p := startNode(t, "P", nodeOptions{kvConfig: kvConfig("kv_producer", extra)})
 			d1 := startNode(t, "D1", nodeOptions{kvConfig: kvConfig("kv_consumer", extra)})
-			var dlog syncLog
+			var dlog fixture.LogBuffer
 			d2 := startNode(t, "D2", nodeOptions{kvConfig: kvConfig("kv_consumer", extra), logw: &dlog})
 			prompt := tokens(40, 23)
 			kv := prefill(t, p, prompt)

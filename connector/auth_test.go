@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/transfer"
 )
@@ -37,7 +38,7 @@ func startProducer(t *testing.T, kvConfig string, getenv func(string) string) *C
 		t.Fatal(err)
 	}
 	c, err := New(Options{Config: cfg, Pool: pool, Arena: arena, Layout: layout, Compat: CompatFactors{Model: "m"},
-		SideChannelAddr: "127.0.0.1:0", Logger: testLogger(&lockedBuffer{}), Getenv: getenv})
+		SideChannelAddr: "127.0.0.1:0", Logger: testLogger(&fixture.LogBuffer{}), Getenv: getenv})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 const (
@@ -102,7 +103,7 @@ func TestLeaseExpiryAndReuseDetected(t *testing.T) {
 		t.Run(policy, func(t *testing.T) {
 			clock := newFakeClock()
 			tick := make(chan time.Time)
-			var plog syncLog
+			var plog fixture.LogBuffer
 			p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, now: clock.Now, tick: tick, numBlocks: 8, logw: &plog})
 			d := startNode(t, "D", nodeOptions{kvConfig: `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"` + policy + `"}`})
 			single := startNode(t, "single", nodeOptions{})
@@ -147,7 +148,7 @@ func TestHeartbeatsKeepTheLease(t *testing.T) {
 	pclock, dclock := newFakeClock(), newFakeClock()
 	ptick, dtick := make(chan time.Time), make(chan time.Time)
 	p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, now: pclock.Now, tick: ptick})
-	var dlog syncLog
+	var dlog fixture.LogBuffer
 	d := startNode(t, "D", nodeOptions{kvConfig: consumerCfg, now: dclock.Now, tick: dtick, maxSeqs: 1, logw: &dlog})
 	defer func() {
 		if t.Failed() {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 )
 
@@ -30,7 +31,7 @@ func singleOutput(t *testing.T, prompt []int, maxTokens int) string {
 // TestConsumerIgnoresIncompleteParams covers item 8: params without a remote host are logged
 // and ignored; D computes the prompt itself.
 func TestConsumerIgnoresIncompleteParams(t *testing.T) {
-	var log syncLog
+	var log fixture.LogBuffer
 	d := startNode(t, "D", nodeOptions{kvConfig: consumerCfg, logw: &log})
 	prompt := tokens(20, 7)
 	kv := map[string]any{"do_remote_prefill": true, "remote_block_ids": []int{1, 2}, "remote_engine_id": "e", "remote_request_id": "r"}
@@ -144,7 +145,7 @@ func TestHandshakeRefusals(t *testing.T) {
 	p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, compat: func(f *connector.CompatFactors) { f.Model = "another-model" }})
 	prompt := tokens(30, 13)
 	t.Run("hash mismatch", func(t *testing.T) {
-		var log syncLog
+		var log fixture.LogBuffer
 		d := startNode(t, "D", nodeOptions{kvConfig: consumerCfg, logw: &log})
 		status, r := decode(t, d, prompt, prefill(t, p, prompt), 4)
 		if status != 500 || r.Error == nil {
@@ -162,7 +163,7 @@ func TestHandshakeRefusals(t *testing.T) {
 		}
 	})
 	t.Run("engine id mismatch", func(t *testing.T) {
-		var log syncLog
+		var log fixture.LogBuffer
 		d := startNode(t, "D", nodeOptions{kvConfig: `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"enforce_handshake_compat":false}}`, logw: &log})
 		kv := maps.Clone(prefill(t, p, prompt))
 		kv["remote_engine_id"] = "not-" + p.conn.EngineID()

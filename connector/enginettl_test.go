@@ -4,6 +4,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 // TestIdleRemoteEngineEvicted covers item 45: a remote engine idle longer than engine_ttl is
@@ -11,7 +13,7 @@ import (
 func TestIdleRemoteEngineEvicted(t *testing.T) {
 	clock := newFakeClock()
 	tick := make(chan time.Time)
-	var log syncLog
+	var log fixture.LogBuffer
 	p := startNode(t, "P", nodeOptions{kvConfig: producerCfg})
 	d := startNode(t, "D", nodeOptions{kvConfig: `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"engine_ttl":60}}`,
 		now: clock.Now, tick: tick, logw: &log})

@@ -337,21 +337,3 @@ func eventually(t *testing.T, what string, cond func() bool) {
 		}
 	}
 }
-
-// syncLog is a log sink safe for concurrent writers.
-type syncLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *syncLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *syncLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}

@@ -6,11 +6,12 @@ import (
 	"errors"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 func testPayload(t testing.TB, engine string) handshakePayload {
@@ -105,7 +106,7 @@ func FuzzSideChannelFrames(f *testing.F) {
 // that refused.
 func TestSideChannelAuth(t *testing.T) {
 	clock := func() float64 { return 1 }
-	var log lockedBuffer
+	var log fixture.LogBuffer
 	srv, err := listenSideChannel("127.0.0.1:0", testPayload(t, "E"), clock, testLogger(&log), newSideAuth("tok"))
 	if err != nil {
 		t.Fatal(err)
@@ -219,22 +220,4 @@ func TestSideChannelAuthReplay(t *testing.T) {
 	if n := srv.refusals.Load(); n != 1 {
 		t.Fatalf("the server counted %d refusals, want 1", n)
 	}
-}
-
-// lockedBuffer is a log sink safe for concurrent writers.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

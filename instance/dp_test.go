@@ -8,11 +8,11 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 
 	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/stack"
 )
@@ -32,7 +32,7 @@ func TestDataParallelThroughBothProxies(t *testing.T) {
 	defer m.Close()
 	for _, mode := range []stack.Mode{stack.OneWay, stack.Bidirectional} {
 		t.Run(string(mode), func(t *testing.T) {
-			logs := &lockedBuffer{}
+			logs := &fixture.LogBuffer{}
 			s, pBase, dBase := startDP(t, m, mode, slog.New(slog.NewTextHandler(logs, nil)))
 			defer func() {
 				if err := s.Close(); err != nil {
@@ -78,7 +78,7 @@ func TestDataParallelThroughBothProxies(t *testing.T) {
 
 // oneWay sends completions through the one-way proxy, shifting P's turn halfway with a direct
 // request so that D's ranks also pull from the other P rank.
-func oneWay(t *testing.T, s *stack.Stack, hc *http.Client, logs *lockedBuffer) {
+func oneWay(t *testing.T, s *stack.Stack, hc *http.Client, logs *fixture.LogBuffer) {
 	t.Helper()
 	ask := func(url string, i int) string {
 		body := map[string]any{"model": model.Tiny, "prompt": fmt.Sprintf("Request %d of the data-parallel test reads its KV from a rank.", i),
@@ -115,7 +115,7 @@ func oneWay(t *testing.T, s *stack.Stack, hc *http.Client, logs *lockedBuffer) {
 	// Each D rank handshook with both P ranks: the params named the rank that held the KV.
 	for d := range 2 {
 		for p := range 2 {
-			if !logs.hasLine("NIXL handshake done", "engine=D", fmt.Sprintf("dp_rank=%d", d), fmt.Sprintf("remote_engine_id=P-dp_dp%d", p)) {
+			if !logs.HasLine("NIXL handshake done", "engine=D", fmt.Sprintf("dp_rank=%d", d), fmt.Sprintf("remote_engine_id=P-dp_dp%d", p)) {
 				t.Errorf("D rank %d never handshook with P rank %d:\n%s", d, p, logs)
 			}
 		}
@@ -223,36 +223,4 @@ func mustAtoi(t *testing.T, s string) int {
 		t.Fatal(err)
 	}
 	return n
-}
-
-// lockedBuffer is a log sink safe for concurrent writers.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-// hasLine reports whether one logged line contains every part.
-func (l *lockedBuffer) hasLine(parts ...string) bool {
-	for _, line := range strings.Split(l.String(), "\n") {
-		all := true
-		for _, p := range parts {
-			all = all && strings.Contains(line, p)
-		}
-		if all {
-			return true
-		}
-	}
-	return false
 }

@@ -9,36 +9,18 @@ import (
 	"net/http"
 	"runtime/pprof"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
 )
 
-// syncBuffer is a bytes.Buffer safe for the logger's concurrent writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // start starts an instance of kvbridge/tiny on loopback with cfg's sizing, logging into a buffer.
-func start(t *testing.T, cfg Config) (*Instance, *syncBuffer, error) {
+func start(t *testing.T, cfg Config) (*Instance, *fixture.LogBuffer, error) {
 	t.Helper()
-	logs := new(syncBuffer)
+	logs := new(fixture.LogBuffer)
 	cfg.Model, cfg.Host = model.Tiny, "127.0.0.1"
 	cfg.Logger = slog.New(slog.NewTextHandler(logs, nil))
 	in, err := Start(t.Context(), cfg)

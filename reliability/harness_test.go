@@ -20,6 +20,7 @@ import (
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/faultproxy"
 	"github.com/kvbridge/kvbridge/instance"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
 	kvstack "github.com/kvbridge/kvbridge/stack"
 )
@@ -41,24 +42,6 @@ const (
 	numBlocks   = 256
 	maxModelLen = 2048
 )
-
-// syncLog is a log sink safe for concurrent writers.
-type syncLog struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *syncLog) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *syncLog) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
 
 // fakeClock is a connector clock the test moves; tick runs the connector's sweep (lease
 // expiry, heartbeats).
@@ -133,18 +116,18 @@ type engine struct {
 	*instance.Instance
 	se    *kvstack.Engine
 	name  string
-	log   *syncLog
+	log   *fixture.LogBuffer
 	clock *fakeClock
 }
 
 // newEngine wraps a started stack engine.
-func newEngine(se *kvstack.Engine, log *syncLog, clock *fakeClock) *engine {
+func newEngine(se *kvstack.Engine, log *fixture.LogBuffer, clock *fakeClock) *engine {
 	return &engine{Instance: se.Instance(), se: se, name: se.Name, log: log, clock: clock}
 }
 
 // engineLog returns a log sink and a logger writing to it, marked with the engine's name.
-func engineLog(name string) (*syncLog, *slog.Logger) {
-	sink := &syncLog{}
+func engineLog(name string) (*fixture.LogBuffer, *slog.Logger) {
+	sink := &fixture.LogBuffer{}
 	return sink, slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug})).With("engine", name)
 }
 
