@@ -4,6 +4,8 @@ import (
 	"math"
 	"slices"
 	"testing"
+
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 // TestRowLogitsMatchPrefixLogits: the logits RowLogits reports for token j of a 50-token prefill
@@ -30,26 +32,9 @@ func TestRowLogitsMatchPrefixLogits(t *testing.T) {
 	}
 }
 
-// refLogSoftmax is the test's own float64 log-softmax.
-func refLogSoftmax(logits []float32) []float64 {
-	m := math.Inf(-1)
-	for _, v := range logits {
-		m = math.Max(m, float64(v))
-	}
-	sum := 0.0
-	for _, v := range logits {
-		sum += math.Exp(float64(v) - m)
-	}
-	out := make([]float64, len(logits))
-	for i, v := range logits {
-		out[i] = float64(v) - m - math.Log(sum)
-	}
-	return out
-}
-
 func TestLogprobs(t *testing.T) {
 	logits := []float32{1, 3, 3, -2, float32(math.Inf(-1)), 0.5, 2}
-	ref := refLogSoftmax(logits)
+	ref := fixture.LogSoftmax(logits)
 	got := Logprobs(logits, 6, 3)
 	// Token 6 (logit 2) has two better tokens (3, 3): rank 3.
 	if got.Token.ID != 6 || got.Token.Rank != 3 || math.Abs(got.Token.Logprob-ref[6]) > 1e-12 {

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/tokenizer"
@@ -32,19 +33,7 @@ func refLogprobs(t *testing.T, m *model.Model, tokens []int32) [][]float64 {
 	}
 	out := make([][]float64, len(tokens))
 	seq := model.Seq{Tokens: tokens, Blocks: blocks, RowLogits: func(i int, lg []float32) {
-		mx := math.Inf(-1)
-		for _, v := range lg {
-			mx = math.Max(mx, float64(v))
-		}
-		sum := 0.0
-		for _, v := range lg {
-			sum += math.Exp(float64(v) - mx)
-		}
-		row := make([]float64, len(lg))
-		for k, v := range lg {
-			row[k] = float64(v) - mx - math.Log(sum)
-		}
-		out[i] = row
+		out[i] = fixture.LogSoftmax(lg)
 	}}
 	if err := m.Forward(t.Context(), pool, testBlockSize, []model.Seq{seq}); err != nil {
 		t.Fatal(err)
