@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
+	"slices"
 	"strconv"
 	"sync/atomic"
 )
@@ -59,6 +60,9 @@ type roundRobin struct {
 	list []Instance
 	next atomic.Uint64
 }
+
+// has reports whether inst is one of the instances the proxy was configured with.
+func (r *roundRobin) has(inst Instance) bool { return slices.Contains(r.list, inst) }
 
 func (r *roundRobin) pick() Instance {
 	n := r.next.Add(1) - 1

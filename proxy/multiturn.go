@@ -300,7 +300,10 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	pparams, cacheState := prefillTemplate(), "off"
 	if conv != "" {
 		cacheState = "miss"
-		if t, found := mt.takeTurn(r.Context(), conv); found && t.continues(b) {
+		// A turn is reused only when the history continues and its decoder is one of ours: an
+		// entry from a shared store (Redis) naming another host is not trusted with the
+		// client's request (nor with its Authorization header), whoever wrote it.
+		if t, found := mt.takeTurn(r.Context(), conv); found && t.continues(b) && mt.d.has(t.decoder) {
 			cacheState = "hit"
 			pparams = maps.Clone(t.params)
 			pparams["do_remote_decode"] = true

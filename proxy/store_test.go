@@ -162,6 +162,30 @@ func TestRedisTierSharesConversations(t *testing.T) {
 	}
 }
 
+// TestRedisTierIgnoresUnknownDecoder: a conversation in the shared store names the decoder
+// that holds its KV. A replica whose decode instances do not include it (here the same engine
+// under another name, as a stale or forged entry would name any host) does not send the turn,
+// nor the client's headers, there: the turn is a miss, answered right, and the conversation
+// hits again from the next turn on that replica.
+func TestRedisTierIgnoresUnknownDecoder(t *testing.T) {
+	rs := startRedis(t, 0)
+	single := startEngine(t, "", 8192)
+	p, d := startBidirectional(t, "kv_producer", false), startBidirectional(t, "kv_consumer", true)
+	if !strings.Contains(d.URL, "127.0.0.1") {
+		t.Fatalf("decoder URL %s: want a 127.0.0.1 address", d.URL)
+	}
+	a, _ := replica(t, p.URL, d.URL, rs.url())
+	b, _ := replica(t, p.URL, strings.Replace(d.URL, "127.0.0.1", "localhost", 1), rs.url())
+	c := &dialogue{id: "unknown-decoder", msgs: []map[string]any{{"role": "system", "content": strings.Repeat("Shared system prompt. ", 8)}}}
+	c.next(t, a.URL, single.URL, "turn 1")
+	if got := c.next(t, b.URL, single.URL, "turn 2"); got != "miss" {
+		t.Errorf("turn 2 on a replica that does not know the stored decoder: %s, want miss", got)
+	}
+	if got := c.next(t, b.URL, single.URL, "turn 3"); got != "hit" {
+		t.Errorf("turn 3 on the same replica: %s, want hit", got)
+	}
+}
+
 // TestRedisTierClaimIsAtomic: two replicas racing for one conversation's turn: exactly one
 // claims it (a hit), the other computes it (a miss); both answers are right.
 func TestRedisTierClaimIsAtomic(t *testing.T) {
