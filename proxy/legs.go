@@ -35,21 +35,33 @@ type Config struct {
 	Transport http.RoundTripper
 }
 
+// Defaults of Config, applied where a field is zero.
+const (
+	// DefaultHeaderTimeout bounds the wait for an engine's response headers.
+	DefaultHeaderTimeout = 5 * time.Minute
+	// DefaultIdleTimeout bounds the silence between two reads of a response body.
+	DefaultIdleTimeout = 2 * time.Minute
+	// DefaultMaxBodyBytes limits a client's request body.
+	DefaultMaxBodyBytes = 32 << 20
+	// DefaultBodyReadTimeout bounds the reading of a client's request body.
+	DefaultBodyReadTimeout = 30 * time.Second
+)
+
 func (c *Config) defaults() error {
 	if len(c.Prefill) == 0 || len(c.Decode) == 0 {
 		return errors.New("proxy: at least one prefill and one decode instance are needed")
 	}
 	if c.HeaderTimeout <= 0 {
-		c.HeaderTimeout = 5 * time.Minute
+		c.HeaderTimeout = DefaultHeaderTimeout
 	}
 	if c.IdleTimeout <= 0 {
-		c.IdleTimeout = 2 * time.Minute
+		c.IdleTimeout = DefaultIdleTimeout
 	}
 	if c.MaxBodyBytes <= 0 {
-		c.MaxBodyBytes = 32 << 20
+		c.MaxBodyBytes = DefaultMaxBodyBytes
 	}
 	if c.BodyReadTimeout <= 0 {
-		c.BodyReadTimeout = 30 * time.Second
+		c.BodyReadTimeout = DefaultBodyReadTimeout
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)

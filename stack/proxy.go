@@ -26,7 +26,8 @@ type ProxyConfig struct {
 	MultiTurn bool
 	// CacheTTL is the multi-turn proxy's conversation TTL (default the proxy's).
 	CacheTTL time.Duration
-	// HeaderTimeout and IdleTimeout bound the engine legs (defaults the proxy's).
+	// HeaderTimeout and IdleTimeout bound the engine legs (default proxy.DefaultHeaderTimeout and
+	// proxy.DefaultIdleTimeout).
 	HeaderTimeout, IdleTimeout time.Duration
 	// Transport carries the engine legs (default NewTransport(16) with HeaderTimeout as its
 	// response header timeout). Close closes its idle connections.
@@ -69,6 +70,9 @@ type Proxy struct {
 func StartProxy(cfg ProxyConfig) (*Proxy, error) {
 	if cfg.Host == "" {
 		cfg.Host = "127.0.0.1"
+	}
+	if cfg.HeaderTimeout <= 0 {
+		cfg.HeaderTimeout = proxy.DefaultHeaderTimeout // the transport below enforces it
 	}
 	if cfg.Transport == nil {
 		tr := NewTransport(16)
