@@ -229,6 +229,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		loaded = append(loaded, "bf16_products", kernel.BF16Products())
 	}
 	cfg.Logger.Info("model loaded", loaded...)
+	if in.Model.DType() == "bfloat16" && kernel.BF16Products() != "VDPBF16PS" {
+		cfg.Logger.Warn("this CPU has no VDPBF16PS: bfloat16 products run in portable Go, exact but many times slower than float32; --dtype float32 is faster here (P and D must then both use it)")
+	}
 	in.Registry = metrics.NewRegistry()
 	for i := range cfg.DataParallelSize {
 		rk, err := startRank(cfg.rank(i), in.Model, in.Registry)
