@@ -441,3 +441,57 @@ func (m *bpeModel) byteSymbols(s string) []int32 {
 	}
 	return ids
 }
+
+// Post-processor token ids outside the vocabulary (negative, past maxTokenID, or past the
+// vocabulary) are rejected with an error, never an index panic; Bert/RobertaProcessing's name
+// the key holding the id.
+func TestLoadPostProcessorIDRange(t *testing.T) {
+	good := testTokenizerJSON(t, PatternQwen2, false, false, nil)
+	with := func(pp map[string]any) []byte {
+		var doc map[string]any
+		if err := json.Unmarshal(good, &doc); err != nil {
+			t.Fatal(err)
+		}
+		doc["post_processor"] = pp
+		b, _ := json.Marshal(doc)
+		return b
+	}
+	bert := func(typ string, cls, sep int64) map[string]any {
+		return map[string]any{"type": typ, "cls": []any{"a", cls}, "sep": []any{"b", sep}}
+	}
+	template := func(id int64) map[string]any {
+		return map[string]any{"type": "TemplateProcessing",
+			"single":         []any{map[string]any{"SpecialToken": map[string]any{"id": "<s>"}}, map[string]any{"Sequence": map[string]any{"id": "A"}}},
+			"special_tokens": map[string]any{"<s>": map[string]any{"id": "<s>", "ids": []int64{id}}}}
+	}
+	// The test vocabulary holds ids 0…testThink.
+	cases := []struct {
+		name string
+		pp   map[string]any
+		key  string // in the error, if set
+	}{
+		{"bert negative cls", bert("BertProcessing", -1, 0), "cls"},
+		{"roberta negative sep", bert("RobertaProcessing", 0, -2), "sep"},
+		{"bert huge cls", bert("BertProcessing", 1<<30, 0), "cls"},
+		{"bert cls past vocabulary", bert("BertProcessing", testThink+1, 0), ""},
+		{"roberta sep past vocabulary", bert("RobertaProcessing", 0, 5000), ""},
+		{"template past vocabulary", template(5000), ""},
+		{"sequence of bert negative", map[string]any{"type": "Sequence", "processors": []any{bert("BertProcessing", -1, 0)}}, "cls"},
+	}
+	for _, c := range cases {
+		for _, cfg := range []string{"", testConfigJSON} {
+			_, err := Load(with(c.pp), []byte(cfg))
+			if !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), c.key) {
+				t.Errorf("%s (config %t): err = %v, want ErrMalformed naming %q", c.name, cfg != "", err, c.key)
+			}
+		}
+	}
+	// In range: accepted, and EncodeSpecial adds cls before and sep after.
+	tok, err := Load(with(bert("RobertaProcessing", testEndOfText, testIMEnd)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := tok.EncodeSpecial("he"), []int32{testEndOfText, 257, testIMEnd}; !slices.Equal(got, want) {
+		t.Errorf("EncodeSpecial = %v, want %v", got, want)
+	}
+}
