@@ -481,6 +481,10 @@ func (t *Tokenizer) loadSpecialConfig(cfg *configFile) error {
 	if id, ok := t.TokenID(t.eosToken); ok && t.eosToken != "" {
 		t.eosID = id
 	}
+	// Either key rebuilds the template from both, a missing one counting as false: transformers
+	// 5's TokenizersBackend reads kwargs.get("add_bos_token", False) and likewise for EOS, and
+	// rebuilds the post-processor when either is given (transformers 4 instead used per-class
+	// defaults, such as LlamaTokenizerFast's add_bos_token=True).
 	if cfg.AddBOSToken != nil || cfg.AddEOSToken != nil {
 		t.special = template{}
 		if cfg.AddBOSToken != nil && *cfg.AddBOSToken && t.bosID >= 0 {

@@ -495,3 +495,34 @@ func TestLoadPostProcessorIDRange(t *testing.T) {
 		t.Errorf("EncodeSpecial = %v, want %v", got, want)
 	}
 }
+
+// add_bos_token or add_eos_token alone rebuilds the template with the other one off, as
+// transformers 5's TokenizersBackend does (kwargs.get("add_bos_token", False), likewise for EOS,
+// then update_post_processor), whatever the post-processor added.
+func TestLoadAddBOSEOSAlone(t *testing.T) {
+	var doc map[string]any
+	if err := json.Unmarshal(testTokenizerJSON(t, PatternQwen2, false, false, nil), &doc); err != nil {
+		t.Fatal(err)
+	}
+	// The post-processor adds <|im_start|> before and <|endoftext|> after.
+	doc["post_processor"] = map[string]any{"type": "BertProcessing", "cls": []any{"<|im_start|>", testIMStart}, "sep": []any{"<|endoftext|>", testEndOfText}}
+	tj, _ := json.Marshal(doc)
+	he := int32(257)
+	for _, c := range []struct {
+		cfg  string
+		want []int32
+	}{
+		{`{}`, []int32{testIMStart, he, testEndOfText}},
+		{`{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_eos_token": true}`, []int32{he, testIMEnd}},
+		{`{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": true}`, []int32{testIMStart, he}},
+		{`{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": true, "add_eos_token": true}`, []int32{testIMStart, he, testIMEnd}},
+	} {
+		tok, err := Load(tj, []byte(c.cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := tok.EncodeSpecial("he"); !slices.Equal(got, c.want) {
+			t.Errorf("config %s: EncodeSpecial = %v, want %v", c.cfg, got, c.want)
+		}
+	}
+}
