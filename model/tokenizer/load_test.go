@@ -526,3 +526,39 @@ func TestLoadAddBOSEOSAlone(t *testing.T) {
 		}
 	}
 }
+
+// A Sequence of post-processors applies them in order, each wrapping the encoding the earlier
+// ones produced (tokenizers' Sequence::process_encodings): before2 before1 A after1 after2.
+func TestLoadPostProcessorSequenceOrder(t *testing.T) {
+	var doc map[string]any
+	if err := json.Unmarshal(testTokenizerJSON(t, PatternQwen2, false, false, nil), &doc); err != nil {
+		t.Fatal(err)
+	}
+	tmpl := func(before, after int) map[string]any {
+		return map[string]any{"type": "TemplateProcessing",
+			"single": []any{
+				map[string]any{"SpecialToken": map[string]any{"id": "b"}},
+				map[string]any{"Sequence": map[string]any{"id": "A"}},
+				map[string]any{"SpecialToken": map[string]any{"id": "a"}},
+			},
+			"special_tokens": map[string]any{"b": map[string]any{"id": "b", "ids": []int{before}}, "a": map[string]any{"id": "a", "ids": []int{after}}}}
+	}
+	doc["post_processor"] = map[string]any{"type": "Sequence", "processors": []any{
+		tmpl(testIMStart, testIMEnd),
+		map[string]any{"type": "ByteLevel"},
+		map[string]any{"type": "Sequence", "processors": []any{
+			tmpl(testEndOfText, testThink),
+			map[string]any{"type": "RobertaProcessing", "cls": []any{"x", 0}, "sep": []any{"y", 1}},
+		}},
+	}}
+	tj, _ := json.Marshal(doc)
+	tok, err := Load(tj, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 0 and 1 are the byte tokens "!" and "\"", 257 is "he".
+	want := []int32{0, testEndOfText, testIMStart, 257, testIMEnd, testThink, 1}
+	if got := tok.EncodeSpecial("he"); !slices.Equal(got, want) {
+		t.Errorf("EncodeSpecial = %v, want %v", got, want)
+	}
+}

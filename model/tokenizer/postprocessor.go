@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 )
 
 // template is what a post-processor adds around a single sequence when special tokens are
@@ -46,8 +47,10 @@ func parsePostProcessor(raw json.RawMessage) (template, error) {
 			if err != nil {
 				return tp, err
 			}
-			tp.before = append(tp.before, t.before...)
-			tp.after = append(t.after, tp.after...)
+			// Each processor wraps what the earlier ones produced, as Hugging Face's Sequence
+			// applies them in order: before2 before1 A after1 after2.
+			tp.before = slices.Concat(t.before, tp.before)
+			tp.after = slices.Concat(tp.after, t.after)
 		}
 		return tp, nil
 	case "TemplateProcessing":
