@@ -47,6 +47,11 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 					return usageError("--decode-context %d: contexts must be positive", c)
 				}
 			}
+			for _, d := range opts.DTypes {
+				if _, err := model.ParseDType(d); err != nil {
+					return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", d)
+				}
+			}
 			for _, d := range opts.KVCacheDTypes {
 				if _, err := kvcache.ParseDType(d); err != nil {
 					return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", d)

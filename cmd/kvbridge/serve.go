@@ -8,7 +8,6 @@ import (
 	"os"
 	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -17,6 +16,7 @@ import (
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/openai"
 )
 
@@ -186,9 +186,7 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 	case f.quantization != "":
 		return usageError("--quantization %s: kvbridge runs the checkpoint's weights (bfloat16 or float32); quantization is not supported", f.quantization)
 	}
-	switch strings.ToLower(f.dtype) {
-	case "auto", "bfloat16", "bf16", "float32", "float", "fp32":
-	default:
+	if _, err := model.ParseDType(f.dtype); err != nil {
 		return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", f.dtype)
 	}
 	if _, err := kvcache.ParseDType(f.kvCacheDType); err != nil {
