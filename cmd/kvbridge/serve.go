@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"slices"
 	"strconv"
 	"time"
 
@@ -59,9 +58,6 @@ type serveFlags struct {
 	dtype                string
 	kvCacheDType         string
 	quantization         string
-	// internals are vLLM flags that only tune its Python process (no effect on results).
-	internals map[string]*string
-	internalB map[string]*bool
 	// changed reports whether a flag was given (set when the command runs).
 	changed func(name string) bool
 }
@@ -159,13 +155,13 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
 	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (float32), float32 or bfloat16")
 	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
-	f.internals, f.internalB = map[string]*string{}, map[string]*bool{}
+	// Only whether they were given matters (checkVLLMFlags), so their values are not kept.
 	for _, name := range pythonOnlyFlags {
-		f.internals[name] = fl.String(name, "", "accepted for vLLM compatibility; tunes only vLLM's Python internals")
+		fl.String(name, "", "accepted for vLLM compatibility; tunes only vLLM's Python internals")
 		_ = fl.MarkHidden(name)
 	}
 	for _, name := range pythonOnlyBools {
-		f.internalB[name] = fl.Bool(name, false, "accepted for vLLM compatibility; tunes only vLLM's Python internals")
+		fl.Bool(name, false, "accepted for vLLM compatibility; tunes only vLLM's Python internals")
 		_ = fl.MarkHidden(name)
 	}
 	return cmd
@@ -192,9 +188,11 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 	if _, err := kvcache.ParseDType(f.kvCacheDType); err != nil {
 		return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", f.kvCacheDType)
 	}
-	for _, name := range append(slices.Clone(pythonOnlyFlags), pythonOnlyBools...) {
-		if changed(name) {
-			log.Debug("accepted for vLLM compatibility; it only tunes vLLM's Python internals and has no effect here", "flag", "--"+name)
+	for _, names := range [][]string{pythonOnlyFlags, pythonOnlyBools} {
+		for _, name := range names {
+			if changed(name) {
+				log.Debug("accepted for vLLM compatibility; it only tunes vLLM's Python internals and has no effect here", "flag", "--"+name)
+			}
 		}
 	}
 	return nil
