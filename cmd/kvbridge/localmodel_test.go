@@ -111,6 +111,11 @@ func TestServeSizingFlagErrors(t *testing.T) {
 		{"", []string{"--gpu-memory-utilization", "1.5"}, "--gpu-memory-utilization"},
 		{"", []string{"--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "1G"}, "give one"},
 		{"VLLM_CPU_KVCACHE_SPACE=lots", nil, "VLLM_CPU_KVCACHE_SPACE"},
+		// Infinite, or beyond int64 bytes (1e10 GiB ≈ 1.07e19 > 2^63 ≈ 9.22e18): no overflow.
+		{"VLLM_CPU_KVCACHE_SPACE=inf", nil, "VLLM_CPU_KVCACHE_SPACE"},
+		{"VLLM_CPU_KVCACHE_SPACE=1e10", nil, "VLLM_CPU_KVCACHE_SPACE"},
+		{"VLLM_CPU_KVCACHE_SPACE=8589934592", nil, "VLLM_CPU_KVCACHE_SPACE"}, // 2^33 GiB = 2^63 bytes
+		{"VLLM_CPU_KVCACHE_SPACE=NaN", nil, "VLLM_CPU_KVCACHE_SPACE"},
 		{"", []string{"--dtype", "half"}, "--dtype"},
 		{"", []string{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype"},
 	} {

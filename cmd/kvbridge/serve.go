@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
 	"strconv"
 	"time"
@@ -262,8 +263,10 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		}
 	case os.Getenv("VLLM_CPU_KVCACHE_SPACE") != "":
 		gib, err := strconv.ParseFloat(os.Getenv("VLLM_CPU_KVCACHE_SPACE"), 64)
-		if err != nil || !(gib > 0) {
-			return instance.Config{}, usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive number of GiB", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
+		// inf, or more than 2^33 GiB, would overflow int64 bytes (and a negative size would
+		// silently mean the default).
+		if err != nil || !(gib > 0) || !(gib*(1<<30) < math.Ldexp(1, 63)) {
+			return instance.Config{}, usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive, finite number of GiB below 2^33", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
 		}
 		kvMem = int64(gib * (1 << 30))
 	}
