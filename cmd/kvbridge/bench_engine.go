@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"os"
-	"runtime/pprof"
 
 	"github.com/spf13/cobra"
 
@@ -58,15 +57,15 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 				}
 			}
 			if cpuProfile != "" {
-				f, err := os.Create(cpuProfile)
+				// Go runs one CPU profile at a time.
+				if os.Getenv(cpuProfileEnv) != "" {
+					return usageError("--cpuprofile and %s both ask for a CPU profile of the run: give one", cpuProfileEnv)
+				}
+				stop, err := startCPUProfile(cpuProfile)
 				if err != nil {
 					return usageError("--cpuprofile: %v", err)
 				}
-				defer f.Close()
-				if err := pprof.StartCPUProfile(f); err != nil {
-					return err
-				}
-				defer pprof.StopCPUProfile()
+				defer stop()
 			}
 			r, err := enginebench.Run(cmd.Context(), opts)
 			if err != nil {
