@@ -11,25 +11,21 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvbridge/kvbridge/internal/procmem"
 	"github.com/kvbridge/kvbridge/model"
 )
 
 // residentBytes reads VmRSS of process pid.
 func residentBytes(t *testing.T, pid int) int64 {
 	t.Helper()
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
+	if _, err := os.Stat("/proc/self/status"); err != nil {
 		t.Skipf("no /proc on this system: %v", err)
 	}
-	for line := range strings.Lines(string(data)) {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			var kib int64
-			fmt.Sscanf(strings.TrimSpace(rest), "%d", &kib)
-			return kib << 10
-		}
+	n, err := procmem.ResidentOf(pid)
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Fatalf("no VmRSS in /proc/%d/status", pid)
-	return 0
+	return n
 }
 
 // TestServeLocalCheckpointMemory serves a Qwen3-shaped bf16 checkpoint directory (random weights,
