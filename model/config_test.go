@@ -357,3 +357,30 @@ func TestRopeFrequencies(t *testing.T) {
 	c.RopeScaling = &RopeScaling{Type: "dynamic", Factor: 2, OriginalMaxPositionEmbeddings: 4096}
 	near(t, "dynamic inv_freq[3]", newRope(c).invFreq[3], math.Pow(10000*math.Pow(3, 16.0/14), -6.0/16))
 }
+
+// ParseDType takes vLLM's --dtype spellings (auto, bfloat16, float32 and float; float16 and half
+// refused on the CPU) and the short bf16 and fp32; ParseWeightDType names safetensors dtypes.
+func TestParseDType(t *testing.T) {
+	for in, want := range map[string]string{"": "auto", "auto": "auto", "AUTO": "auto", "bfloat16": "bfloat16", "BF16": "bfloat16",
+		"float32": "float32", "float": "float32", "fp32": "float32"} {
+		if got, err := ParseDType(in); err != nil || got != want {
+			t.Errorf("ParseDType(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"float16", "half", "fp16", "fp8", "bogus", "f32"} {
+		if got, err := ParseDType(in); !errors.Is(err, ErrUnsupported) {
+			t.Errorf("ParseDType(%q) = %q, %v; want ErrUnsupported", in, got, err)
+		}
+	}
+	for in, want := range map[string]string{"bfloat16": "BF16", "BF16": "BF16", "float16": "F16", "half": "F16", "F16": "F16",
+		"fp16": "F16", "float32": "F32", "float": "F32", "fp32": "F32", "F32": "F32"} {
+		if got, err := ParseWeightDType(in); err != nil || got != want {
+			t.Errorf("ParseWeightDType(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "auto", "fp8", "int8"} {
+		if got, err := ParseWeightDType(in); !errors.Is(err, ErrUnsupported) {
+			t.Errorf("ParseWeightDType(%q) = %q, %v; want ErrUnsupported", in, got, err)
+		}
+	}
+}

@@ -74,20 +74,37 @@ type precision struct {
 	bf16, kvBF16 bool
 }
 
+// ParseDType checks a compute dtype (OpenOptions.DType, vLLM's --dtype), case-insensitively,
+// and returns its canonical name: "auto" for "" and "auto", "bfloat16" for "bfloat16" and
+// "bf16", "float32" for "float32", "float" and "fp32". Anything else, float16 included, is an
+// error wrapping ErrUnsupported.
+func ParseDType(s string) (string, error) {
+	switch strings.ToLower(s) {
+	case "", "auto":
+		return "auto", nil
+	case "bfloat16", "bf16":
+		return "bfloat16", nil
+	case "float32", "float", "fp32":
+		return "float32", nil
+	case "float16", "half", "fp16":
+		return "", fmt.Errorf("%w: dtype %q: float16 is not supported on the CPU; use bfloat16 or float32", ErrUnsupported, s)
+	}
+	return "", fmt.Errorf("%w: dtype %q (want auto, bfloat16 or float32)", ErrUnsupported, s)
+}
+
 // parsePrecision resolves OpenOptions' dtypes for a checkpoint of dtype ckpt ("" for a built-in
 // model).
 func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 	var p precision
-	switch strings.ToLower(opts.DType) {
-	case "", "auto":
+	dt, err := ParseDType(opts.DType)
+	if err != nil {
+		return p, err
+	}
+	switch dt {
+	case "auto":
 		p.bf16 = ckpt == "bfloat16" || ckpt == "float16"
-	case "bfloat16", "bf16":
+	case "bfloat16":
 		p.bf16 = true
-	case "float32", "float", "fp32":
-	case "float16", "half", "fp16":
-		return p, fmt.Errorf("%w: dtype %q: float16 is not supported on the CPU; use bfloat16 or float32", ErrUnsupported, opts.DType)
-	default:
-		return p, fmt.Errorf("%w: dtype %q (want auto, bfloat16 or float32)", ErrUnsupported, opts.DType)
 	}
 	switch strings.ToLower(opts.KVCacheDType) {
 	case "", "auto", "float32", "fp32", "float":
@@ -164,6 +181,9 @@ const (
 	Small = "kvbridge/small"
 )
 
+// newBuiltinModel is newBuiltin; tests replace it to make a built-in model fail to build.
+var newBuiltinModel = newBuiltin
+
 // Open loads a model: a built-in name (kvbridge/tiny, kvbridge/small), a local Hugging Face model
 // directory, or a repo id ("Qwen/Qwen3-0.6B") looked up in the local Hugging Face cache. It never
 // uses the network.
@@ -179,11 +199,11 @@ func Open(ctx context.Context, nameOrPath string, opts OpenOptions) (*Model, err
 		if opts.Tokenizer != "" || opts.Revision != "" {
 			return nil, fmt.Errorf("%w: the built-in model %s has its own tokenizer and no revisions", ErrBadConfig, nameOrPath)
 		}
-		prec, err := parsePrecision(opts, "")
-		if err != nil {
-			return nil, err
+		var prec precision
+		prec, err = parsePrecision(opts, "")
+		if err == nil {
+			m, err = newBuiltinModel(nameOrPath, spec, prec)
 		}
-		m, err = newBuiltin(nameOrPath, spec, prec)
 	} else {
 		var dir string
 		dir, err = resolveModelDir(nameOrPath, opts.HubCache, opts.Revision)

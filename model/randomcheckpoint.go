@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 
 	"github.com/kvbridge/kvbridge/model/kernel"
 	"github.com/kvbridge/kvbridge/model/tokenizer"
@@ -32,10 +33,26 @@ func Qwen3_0_6B() Config {
 type RandomCheckpoint struct {
 	// Config is the architecture and shape (Qwen3, Qwen2 or Llama).
 	Config Config
-	// DType is the safetensors dtype of the weights: "BF16" (default), "F16" or "F32".
+	// DType is the dtype of the weights: "BF16" (default), "F16" or "F32", or any name
+	// ParseWeightDType accepts.
 	DType string
 	// Seed chooses the weights (default 1).
 	Seed uint64
+}
+
+// ParseWeightDType returns the safetensors dtype ("BF16", "F16" or "F32") of a weight dtype
+// name, case-insensitively: bfloat16 or bf16; float16, half, fp16 or f16; float32, float, fp32 or
+// f32. Anything else is an error wrapping ErrUnsupported.
+func ParseWeightDType(s string) (string, error) {
+	switch strings.ToLower(s) {
+	case "bfloat16", "bf16":
+		return "BF16", nil
+	case "float16", "half", "fp16", "f16":
+		return "F16", nil
+	case "float32", "float", "fp32", "f32":
+		return "F32", nil
+	}
+	return "", fmt.Errorf("%w: weight dtype %q (want bfloat16, float16 or float32)", ErrUnsupported, s)
 }
 
 // WriteRandomCheckpoint writes a model directory into dir (created if missing): config.json as
@@ -52,10 +69,12 @@ func WriteRandomCheckpoint(dir string, rc RandomCheckpoint) (int64, error) {
 	if rc.Seed == 0 {
 		rc.Seed = 1
 	}
-	size, ok := dtypeSize(rc.DType)
-	if !ok {
-		return 0, fmt.Errorf("%w: random checkpoint dtype %q (BF16, F16 or F32)", ErrUnsupported, rc.DType)
+	dt, err := ParseWeightDType(rc.DType)
+	if err != nil {
+		return 0, fmt.Errorf("random checkpoint: %w", err)
 	}
+	rc.DType = dt
+	size, _ := dtypeSize(rc.DType)
 	c.DType = map[string]string{"BF16": "bfloat16", "F16": "float16", "F32": "float32"}[rc.DType]
 	if err := c.validate(); err != nil {
 		return 0, err

@@ -16,7 +16,8 @@ type SamplingParams struct {
 	// TopK keeps the TopK most likely tokens; ≤ 0 = off.
 	TopK int
 	// MinP drops tokens whose probability (after temperature) is below MinP times the most
-	// likely token's; 0 = off. Like top-k and top-p it does not apply to greedy decoding.
+	// likely token's; 0 = off, and values above 1 count as 1. Like top-k and top-p it does not
+	// apply to greedy decoding.
 	MinP float64
 	// Seed seeds the request's random stream: the same seed gives the same draws.
 	Seed int64
@@ -104,14 +105,17 @@ func (s *Sampler) Sample(logits []float32) int32 {
 		for _, x := range c {
 			maxL = max(maxL, float64(x.logit))
 		}
-		cut := math.Log(s.p.MinP)
+		// A MinP above 1 counts as 1 (only the most likely tokens), so the list never empties.
+		cut := min(math.Log(s.p.MinP), 0)
 		kept := c[:0]
 		for _, x := range c {
 			if float64(x.logit)-maxL >= cut {
 				kept = append(kept, x)
 			}
 		}
-		c = kept
+		if len(kept) > 0 { // empty only if a logit is +Inf (+Inf − +Inf is NaN): keep them all
+			c = kept
+		}
 	}
 	byLogit := func(a, b candidate) int {
 		if x := cmp.Compare(b.logit, a.logit); x != 0 {

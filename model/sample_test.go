@@ -134,3 +134,25 @@ func TestSampleTopKTopP(t *testing.T) {
 		}
 	}
 }
+
+// MinP above 1 (which the exported Sampler must not panic on) keeps only the most likely tokens,
+// as MinP 1 does: here the tied best ids 1 and 2, and both.
+func TestSampleMinPAboveOne(t *testing.T) {
+	logits := []float32{1, 3, 3, 2}
+	for _, minP := range []float64{1, 1.5, 2, math.Inf(1)} {
+		seen := map[int32]int{}
+		for _, id := range draws(SamplingParams{Temperature: 1, MinP: minP, Seed: 5}, logits, 200) {
+			seen[id]++
+		}
+		if len(seen) != 2 || seen[1] == 0 || seen[2] == 0 {
+			t.Errorf("min-p %g drew %v, want ids 1 and 2", minP, seen)
+		}
+	}
+	// A +Inf logit makes every logit − max NaN or −Inf, so min-p keeps nothing: no panic either.
+	inf := []float32{0, float32(math.Inf(1)), 1}
+	for _, id := range draws(SamplingParams{Temperature: 1, MinP: 0.5, Seed: 5}, inf, 20) {
+		if id < 0 || id > 2 {
+			t.Fatalf("min-p with a +Inf logit drew %d", id)
+		}
+	}
+}

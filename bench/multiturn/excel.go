@@ -88,39 +88,39 @@ func WriteExcel(path string, s *Summary, samples []RequestStats, verbose bool) e
 		start += 1 + len(names) + 3
 	}
 
-	sorted := slices.Clone(samples)
+	// The rows are ordered through index permutations; samples itself is only read.
 	header := []any{"ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
 		"output_num_tokens", "output_num_chunks", "output_num_first_chunk_tokens", "approx_cached_percent",
 		"conversation_id", "client_id"}
 	between := map[int]float64{}
 	if verbose {
 		header = append(header, "time_between_user_turns_sec")
-		idx := make([]int, len(sorted))
+		idx := make([]int, len(samples))
 		for i := range idx {
 			idx[i] = i
 		}
 		slices.SortStableFunc(idx, func(a, b int) int {
-			if c := cmp.Compare(sorted[a].ConversationID, sorted[b].ConversationID); c != 0 {
+			if c := cmp.Compare(samples[a].ConversationID, samples[b].ConversationID); c != 0 {
 				return c
 			}
-			return cmpFloat(sorted[a].StartTimeMs, sorted[b].StartTimeMs)
+			return cmpFloat(samples[a].StartTimeMs, samples[b].StartTimeMs)
 		})
 		for k := 1; k < len(idx); k++ {
-			a, b := sorted[idx[k-1]], sorted[idx[k]]
+			a, b := samples[idx[k-1]], samples[idx[k]]
 			if a.ConversationID == b.ConversationID {
 				between[idx[k]] = (b.StartTimeMs - a.StartTimeMs) / 1000
 			}
 		}
 	}
 	header = append(header, "end_time_ms")
-	order := make([]int, len(sorted))
+	order := make([]int, len(samples))
 	for i := range order {
 		order[i] = i
 	}
-	slices.SortStableFunc(order, func(a, b int) int { return cmpFloat(sorted[a].StartTimeMs, sorted[b].StartTimeMs) })
+	slices.SortStableFunc(order, func(a, b int) int { return cmpFloat(samples[a].StartTimeMs, samples[b].StartTimeMs) })
 	row(raw, 0, header...)
 	for k, i := range order {
-		r := sorted[i]
+		r := samples[i]
 		line := []any{r.TTFTMs, r.TPOTMs, r.LatencyMs, r.StartTimeMs, r.InputNumTurns, r.InputNumTokens, r.OutputNumTokens,
 			r.OutputNumChunks, r.OutputNumFirstChunkTokens, r.ApproxCachedPercent, r.ConversationID, r.ClientID}
 		if verbose {

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"os"
-	"runtime/pprof"
 
 	"github.com/spf13/cobra"
 
@@ -47,21 +46,26 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 					return usageError("--decode-context %d: contexts must be positive", c)
 				}
 			}
+			for _, d := range opts.DTypes {
+				if _, err := model.ParseDType(d); err != nil {
+					return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", d)
+				}
+			}
 			for _, d := range opts.KVCacheDTypes {
 				if _, err := kvcache.ParseDType(d); err != nil {
 					return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", d)
 				}
 			}
 			if cpuProfile != "" {
-				f, err := os.Create(cpuProfile)
+				// Go runs one CPU profile at a time.
+				if os.Getenv(cpuProfileEnv) != "" {
+					return usageError("--cpuprofile and %s both ask for a CPU profile of the run: give one", cpuProfileEnv)
+				}
+				stop, err := startCPUProfile(cpuProfile)
 				if err != nil {
 					return usageError("--cpuprofile: %v", err)
 				}
-				defer f.Close()
-				if err := pprof.StartCPUProfile(f); err != nil {
-					return err
-				}
-				defer pprof.StopCPUProfile()
+				defer stop()
 			}
 			r, err := enginebench.Run(cmd.Context(), opts)
 			if err != nil {

@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"strings"
 
 	"github.com/spf13/cobra"
 
@@ -48,16 +47,8 @@ streamed to disk. Serve or benchmark it like a downloaded checkpoint.`,
 			if !ok {
 				return usageError("--shape %q: known shapes are qwen3-0.6b", shape)
 			}
-			dt := strings.ToUpper(dtype)
-			switch dt {
-			case "BFLOAT16":
-				dt = "BF16"
-			case "FLOAT16":
-				dt = "F16"
-			case "FLOAT32":
-				dt = "F32"
-			}
-			if dt != "BF16" && dt != "F16" && dt != "F32" {
+			dt, err := model.ParseWeightDType(dtype)
+			if err != nil {
 				return usageError("--dtype %q: want bfloat16, float16 or float32", dtype)
 			}
 			c := cfg()

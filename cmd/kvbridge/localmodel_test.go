@@ -11,25 +11,21 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvbridge/kvbridge/internal/procmem"
 	"github.com/kvbridge/kvbridge/model"
 )
 
 // residentBytes reads VmRSS of process pid.
 func residentBytes(t *testing.T, pid int) int64 {
 	t.Helper()
-	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
+	if _, err := os.Stat("/proc/self/status"); err != nil {
 		t.Skipf("no /proc on this system: %v", err)
 	}
-	for line := range strings.Lines(string(data)) {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
-			var kib int64
-			fmt.Sscanf(strings.TrimSpace(rest), "%d", &kib)
-			return kib << 10
-		}
+	n, err := procmem.ResidentOf(pid)
+	if err != nil {
+		t.Fatal(err)
 	}
-	t.Fatalf("no VmRSS in /proc/%d/status", pid)
-	return 0
+	return n
 }
 
 // TestServeLocalCheckpointMemory serves a Qwen3-shaped bf16 checkpoint directory (random weights,
@@ -111,6 +107,11 @@ func TestServeSizingFlagErrors(t *testing.T) {
 		{"", []string{"--gpu-memory-utilization", "1.5"}, "--gpu-memory-utilization"},
 		{"", []string{"--gpu-memory-utilization", "0.5", "--kv-cache-memory-bytes", "1G"}, "give one"},
 		{"VLLM_CPU_KVCACHE_SPACE=lots", nil, "VLLM_CPU_KVCACHE_SPACE"},
+		// Infinite, or beyond int64 bytes (1e10 GiB ≈ 1.07e19 > 2^63 ≈ 9.22e18): no overflow.
+		{"VLLM_CPU_KVCACHE_SPACE=inf", nil, "VLLM_CPU_KVCACHE_SPACE"},
+		{"VLLM_CPU_KVCACHE_SPACE=1e10", nil, "VLLM_CPU_KVCACHE_SPACE"},
+		{"VLLM_CPU_KVCACHE_SPACE=8589934592", nil, "VLLM_CPU_KVCACHE_SPACE"}, // 2^33 GiB = 2^63 bytes
+		{"VLLM_CPU_KVCACHE_SPACE=NaN", nil, "VLLM_CPU_KVCACHE_SPACE"},
 		{"", []string{"--dtype", "half"}, "--dtype"},
 		{"", []string{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype"},
 	} {

@@ -26,12 +26,18 @@ func main() {
 func run(args []string) int {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	if path := os.Getenv("KVBRIDGE_CPUPROFILE"); path != "" {
+	if path := os.Getenv(cpuProfileEnv); path != "" {
 		// A CPU profile of the whole process (e.g. `kvbridge serve` until SIGTERM), for go tool
-		// pprof.
-		if f, err := os.Create(path); err == nil && pprof.StartCPUProfile(f) == nil {
-			defer f.Close()
-			defer pprof.StopCPUProfile()
+		// pprof. If it cannot start the command still runs, without one.
+		stopProfile, err := startCPUProfile(path)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "kvbridge: %s: %v\n", cpuProfileEnv, err)
+		} else {
+			defer func() {
+				if err := stopProfile(); err != nil {
+					fmt.Fprintf(os.Stderr, "kvbridge: %s: %v\n", cpuProfileEnv, err)
+				}
+			}()
 		}
 	}
 	args, err := normalizeArgs(args)
@@ -48,6 +54,26 @@ func run(args []string) int {
 		return 2
 	}
 	return 1
+}
+
+// cpuProfileEnv names a file to write a CPU profile of the whole process to.
+const cpuProfileEnv = "KVBRIDGE_CPUPROFILE"
+
+// startCPUProfile starts the process's CPU profile into a new file at path; stop ends it and
+// closes the file. On error no file is left open.
+func startCPUProfile(path string) (stop func() error, err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() error {
+		pprof.StopCPUProfile()
+		return f.Close()
+	}, nil
 }
 
 func newRootCmd() *cobra.Command {

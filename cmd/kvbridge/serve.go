@@ -5,10 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"os"
-	"slices"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -17,6 +16,7 @@ import (
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/openai"
 )
 
@@ -59,9 +59,6 @@ type serveFlags struct {
 	dtype                string
 	kvCacheDType         string
 	quantization         string
-	// internals are vLLM flags that only tune its Python process (no effect on results).
-	internals map[string]*string
-	internalB map[string]*bool
 	// changed reports whether a flag was given (set when the command runs).
 	changed func(name string) bool
 }
@@ -159,13 +156,13 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
 	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (float32), float32 or bfloat16")
 	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
-	f.internals, f.internalB = map[string]*string{}, map[string]*bool{}
+	// Only whether they were given matters (checkVLLMFlags), so their values are not kept.
 	for _, name := range pythonOnlyFlags {
-		f.internals[name] = fl.String(name, "", "accepted for vLLM compatibility; tunes only vLLM's Python internals")
+		fl.String(name, "", "accepted for vLLM compatibility; tunes only vLLM's Python internals")
 		_ = fl.MarkHidden(name)
 	}
 	for _, name := range pythonOnlyBools {
-		f.internalB[name] = fl.Bool(name, false, "accepted for vLLM compatibility; tunes only vLLM's Python internals")
+		fl.Bool(name, false, "accepted for vLLM compatibility; tunes only vLLM's Python internals")
 		_ = fl.MarkHidden(name)
 	}
 	return cmd
@@ -186,17 +183,17 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 	case f.quantization != "":
 		return usageError("--quantization %s: kvbridge runs the checkpoint's weights (bfloat16 or float32); quantization is not supported", f.quantization)
 	}
-	switch strings.ToLower(f.dtype) {
-	case "auto", "bfloat16", "bf16", "float32", "float", "fp32":
-	default:
+	if _, err := model.ParseDType(f.dtype); err != nil {
 		return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", f.dtype)
 	}
 	if _, err := kvcache.ParseDType(f.kvCacheDType); err != nil {
 		return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", f.kvCacheDType)
 	}
-	for _, name := range append(slices.Clone(pythonOnlyFlags), pythonOnlyBools...) {
-		if changed(name) {
-			log.Debug("accepted for vLLM compatibility; it only tunes vLLM's Python internals and has no effect here", "flag", "--"+name)
+	for _, names := range [][]string{pythonOnlyFlags, pythonOnlyBools} {
+		for _, name := range names {
+			if changed(name) {
+				log.Debug("accepted for vLLM compatibility; it only tunes vLLM's Python internals and has no effect here", "flag", "--"+name)
+			}
 		}
 	}
 	return nil
@@ -266,8 +263,10 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		}
 	case os.Getenv("VLLM_CPU_KVCACHE_SPACE") != "":
 		gib, err := strconv.ParseFloat(os.Getenv("VLLM_CPU_KVCACHE_SPACE"), 64)
-		if err != nil || !(gib > 0) {
-			return instance.Config{}, usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive number of GiB", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
+		// inf, or more than 2^33 GiB, would overflow int64 bytes (and a negative size would
+		// silently mean the default).
+		if err != nil || !(gib > 0) || !(gib*(1<<30) < math.Ldexp(1, 63)) {
+			return instance.Config{}, usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive, finite number of GiB below 2^33", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
 		}
 		kvMem = int64(gib * (1 << 30))
 	}

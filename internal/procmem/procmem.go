@@ -17,6 +17,11 @@ func Total() (int64, error) { return kib("/proc/meminfo", "MemTotal:") }
 // Resident returns this process's resident set (VmRSS in /proc/self/status), in bytes.
 func Resident() (int64, error) { return kib("/proc/self/status", "VmRSS:") }
 
+// ResidentOf returns the resident set of process pid (VmRSS in /proc/PID/status), in bytes.
+func ResidentOf(pid int) (int64, error) {
+	return kib(fmt.Sprintf("/proc/%d/status", pid), "VmRSS:")
+}
+
 // kib reads the "key: N kB" line of a /proc file, in bytes.
 func kib(path, key string) (int64, error) {
 	f, err := os.Open(path)

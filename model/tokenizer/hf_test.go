@@ -102,3 +102,64 @@ func TestMatchesHuggingFaceTokenizers(t *testing.T) {
 		})
 	}
 }
+
+// TestTokenStringsMatchVocab: TokenStrings spells every id as convert_ids_to_tokens does: its
+// key in the tokenizer.json's vocab, or an added token's content, read here straight from the
+// real Llama 2 (SentencePiece: ▁ and <0xXX>) and Qwen3 (byte-level: Ġ, Ċ) files.
+func TestTokenStringsMatchVocab(t *testing.T) {
+	for _, c := range []struct {
+		base string
+		ids  []int32
+		want []string // spellings taken from the file's vocab
+	}{
+		{"llama2", []int32{1, 22557, 1526, 13, 493, 231}, []string{"<s>", "▁Hello", "▁world", "<0x0A>", "ok", "<0xE4>"}},
+		{"qwen3", []int32{9707, 1879, 198, 562, 21927, 151645}, []string{"Hello", "Ġworld", "Ċ", "ok", "ĠHello", "<|im_end|>"}},
+	} {
+		t.Run(c.base, func(t *testing.T) {
+			raw := hfTokenizerJSON(t, c.base, nil)
+			var doc struct {
+				AddedTokens []struct {
+					ID      int32  `json:"id"`
+					Content string `json:"content"`
+				} `json:"added_tokens"`
+				Model struct {
+					Vocab map[string]int32 `json:"vocab"`
+				} `json:"model"`
+			}
+			if err := json.Unmarshal(raw, &doc); err != nil {
+				t.Fatal(err)
+			}
+			spelling := map[int32]string{}
+			for s, id := range doc.Model.Vocab {
+				spelling[id] = s
+			}
+			for _, a := range doc.AddedTokens {
+				spelling[a.ID] = a.Content // added tokens take precedence, as in transformers
+			}
+			tok, err := Load(raw, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := tok.TokenStrings(c.ids); !slices.Equal(got, c.want) {
+				t.Errorf("TokenStrings(%v) = %q, want %q", c.ids, got, c.want)
+			}
+			var ids []int32
+			for id := range spelling {
+				ids = append(ids, id)
+			}
+			slices.Sort(ids)
+			got := tok.TokenStrings(append(ids, -1, 1<<30))
+			bad := 0
+			for i, id := range ids {
+				if got[i] != spelling[id] {
+					if bad++; bad <= 5 {
+						t.Errorf("TokenStrings(%d) = %q, the file spells it %q", id, got[i], spelling[id])
+					}
+				}
+			}
+			if got[len(ids)] != "" || got[len(ids)+1] != "" {
+				t.Errorf("unknown ids spelled %q, %q", got[len(ids)], got[len(ids)+1])
+			}
+		})
+	}
+}

@@ -466,6 +466,12 @@ func (t *Tokenizer) loadSpecialConfig(cfg *configFile) error {
 	if t.chatTemplate, err = chatTemplateSource(cfg.ChatTemplate); err != nil {
 		return fmt.Errorf("%w: tokenizer_config.json chat_template: %w", ErrMalformed, err)
 	}
+	// Checked before the template's first id names the BOS token below.
+	for _, id := range append(append([]int32(nil), t.special.before...), t.special.after...) {
+		if id < 0 || int(id) >= len(t.tokens) || !t.tokens[id].ok {
+			return fmt.Errorf("%w: post_processor adds token id %d, which is not in the vocabulary", ErrMalformed, id)
+		}
+	}
 	if t.bosToken == "" && len(t.special.before) > 0 {
 		t.bosToken = t.tokens[t.special.before[0]].piece // the template's first special token
 	}
@@ -475,11 +481,10 @@ func (t *Tokenizer) loadSpecialConfig(cfg *configFile) error {
 	if id, ok := t.TokenID(t.eosToken); ok && t.eosToken != "" {
 		t.eosID = id
 	}
-	for _, id := range append(append([]int32(nil), t.special.before...), t.special.after...) {
-		if int(id) >= len(t.tokens) || !t.tokens[id].ok {
-			return fmt.Errorf("%w: post_processor adds token id %d, which has no token", ErrMalformed, id)
-		}
-	}
+	// Either key rebuilds the template from both, a missing one counting as false: transformers
+	// 5's TokenizersBackend reads kwargs.get("add_bos_token", False) and likewise for EOS, and
+	// rebuilds the post-processor when either is given (transformers 4 instead used per-class
+	// defaults, such as LlamaTokenizerFast's add_bos_token=True).
 	if cfg.AddBOSToken != nil || cfg.AddEOSToken != nil {
 		t.special = template{}
 		if cfg.AddBOSToken != nil && *cfg.AddBOSToken && t.bosID >= 0 {

@@ -441,3 +441,124 @@ func (m *bpeModel) byteSymbols(s string) []int32 {
 	}
 	return ids
 }
+
+// Post-processor token ids outside the vocabulary (negative, past maxTokenID, or past the
+// vocabulary) are rejected with an error, never an index panic; Bert/RobertaProcessing's name
+// the key holding the id.
+func TestLoadPostProcessorIDRange(t *testing.T) {
+	good := testTokenizerJSON(t, PatternQwen2, false, false, nil)
+	with := func(pp map[string]any) []byte {
+		var doc map[string]any
+		if err := json.Unmarshal(good, &doc); err != nil {
+			t.Fatal(err)
+		}
+		doc["post_processor"] = pp
+		b, _ := json.Marshal(doc)
+		return b
+	}
+	bert := func(typ string, cls, sep int64) map[string]any {
+		return map[string]any{"type": typ, "cls": []any{"a", cls}, "sep": []any{"b", sep}}
+	}
+	template := func(id int64) map[string]any {
+		return map[string]any{"type": "TemplateProcessing",
+			"single":         []any{map[string]any{"SpecialToken": map[string]any{"id": "<s>"}}, map[string]any{"Sequence": map[string]any{"id": "A"}}},
+			"special_tokens": map[string]any{"<s>": map[string]any{"id": "<s>", "ids": []int64{id}}}}
+	}
+	// The test vocabulary holds ids 0…testThink.
+	cases := []struct {
+		name string
+		pp   map[string]any
+		key  string // in the error, if set
+	}{
+		{"bert negative cls", bert("BertProcessing", -1, 0), "cls"},
+		{"roberta negative sep", bert("RobertaProcessing", 0, -2), "sep"},
+		{"bert huge cls", bert("BertProcessing", 1<<30, 0), "cls"},
+		{"bert cls past vocabulary", bert("BertProcessing", testThink+1, 0), ""},
+		{"roberta sep past vocabulary", bert("RobertaProcessing", 0, 5000), ""},
+		{"template past vocabulary", template(5000), ""},
+		{"sequence of bert negative", map[string]any{"type": "Sequence", "processors": []any{bert("BertProcessing", -1, 0)}}, "cls"},
+	}
+	for _, c := range cases {
+		for _, cfg := range []string{"", testConfigJSON} {
+			_, err := Load(with(c.pp), []byte(cfg))
+			if !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), c.key) {
+				t.Errorf("%s (config %t): err = %v, want ErrMalformed naming %q", c.name, cfg != "", err, c.key)
+			}
+		}
+	}
+	// In range: accepted, and EncodeSpecial adds cls before and sep after.
+	tok, err := Load(with(bert("RobertaProcessing", testEndOfText, testIMEnd)), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := tok.EncodeSpecial("he"), []int32{testEndOfText, 257, testIMEnd}; !slices.Equal(got, want) {
+		t.Errorf("EncodeSpecial = %v, want %v", got, want)
+	}
+}
+
+// add_bos_token or add_eos_token alone rebuilds the template with the other one off, as
+// transformers 5's TokenizersBackend does (kwargs.get("add_bos_token", False), likewise for EOS,
+// then update_post_processor), whatever the post-processor added.
+func TestLoadAddBOSEOSAlone(t *testing.T) {
+	var doc map[string]any
+	if err := json.Unmarshal(testTokenizerJSON(t, PatternQwen2, false, false, nil), &doc); err != nil {
+		t.Fatal(err)
+	}
+	// The post-processor adds <|im_start|> before and <|endoftext|> after.
+	doc["post_processor"] = map[string]any{"type": "BertProcessing", "cls": []any{"<|im_start|>", testIMStart}, "sep": []any{"<|endoftext|>", testEndOfText}}
+	tj, _ := json.Marshal(doc)
+	he := int32(257)
+	for _, c := range []struct {
+		cfg  string
+		want []int32
+	}{
+		{`{}`, []int32{testIMStart, he, testEndOfText}},
+		{`{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_eos_token": true}`, []int32{he, testIMEnd}},
+		{`{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": true}`, []int32{testIMStart, he}},
+		{`{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": true, "add_eos_token": true}`, []int32{testIMStart, he, testIMEnd}},
+	} {
+		tok, err := Load(tj, []byte(c.cfg))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := tok.EncodeSpecial("he"); !slices.Equal(got, c.want) {
+			t.Errorf("config %s: EncodeSpecial = %v, want %v", c.cfg, got, c.want)
+		}
+	}
+}
+
+// A Sequence of post-processors applies them in order, each wrapping the encoding the earlier
+// ones produced (tokenizers' Sequence::process_encodings): before2 before1 A after1 after2.
+func TestLoadPostProcessorSequenceOrder(t *testing.T) {
+	var doc map[string]any
+	if err := json.Unmarshal(testTokenizerJSON(t, PatternQwen2, false, false, nil), &doc); err != nil {
+		t.Fatal(err)
+	}
+	tmpl := func(before, after int) map[string]any {
+		return map[string]any{"type": "TemplateProcessing",
+			"single": []any{
+				map[string]any{"SpecialToken": map[string]any{"id": "b"}},
+				map[string]any{"Sequence": map[string]any{"id": "A"}},
+				map[string]any{"SpecialToken": map[string]any{"id": "a"}},
+			},
+			"special_tokens": map[string]any{"b": map[string]any{"id": "b", "ids": []int{before}}, "a": map[string]any{"id": "a", "ids": []int{after}}}}
+	}
+	doc["post_processor"] = map[string]any{"type": "Sequence", "processors": []any{
+		tmpl(testIMStart, testIMEnd),
+		map[string]any{"type": "ByteLevel"},
+		map[string]any{"type": "Sequence", "processors": []any{
+			tmpl(testEndOfText, testThink),
+			map[string]any{"type": "RobertaProcessing", "cls": []any{"x", 0}, "sep": []any{"y", 1}},
+		}},
+	}}
+	tj, _ := json.Marshal(doc)
+	tok, err := Load(tj, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 0 and 1 are the byte tokens "!" and "\"", 257 is "he".
+	want := []int32{0, testEndOfText, testIMStart, 257, testIMEnd, testThink, 1}
+	if got := tok.EncodeSpecial("he"); !slices.Equal(got, want) {
+		t.Errorf("EncodeSpecial = %v, want %v", got, want)
+	}
+}

@@ -3,6 +3,7 @@ package tokenizer
 import (
 	"encoding/json"
 	"fmt"
+	"slices"
 )
 
 // template is what a post-processor adds around a single sequence when special tokens are
@@ -46,8 +47,10 @@ func parsePostProcessor(raw json.RawMessage) (template, error) {
 			if err != nil {
 				return tp, err
 			}
-			tp.before = append(tp.before, t.before...)
-			tp.after = append(t.after, tp.after...)
+			// Each processor wraps what the earlier ones produced, as Hugging Face's Sequence
+			// applies them in order: before2 before1 A after1 after2.
+			tp.before = slices.Concat(t.before, tp.before)
+			tp.after = slices.Concat(tp.after, t.after)
 		}
 		return tp, nil
 	case "TemplateProcessing":
@@ -82,11 +85,19 @@ func parsePostProcessor(raw json.RawMessage) (template, error) {
 			Sep [2]json.RawMessage `json:"sep"`
 			Cls [2]json.RawMessage `json:"cls"`
 		}
-		var sep, cls int32
+		var sep, cls int64
 		if err := json.Unmarshal(raw, &q); err != nil || json.Unmarshal(q.Sep[1], &sep) != nil || json.Unmarshal(q.Cls[1], &cls) != nil {
 			return tp, fmt.Errorf("%w: post_processor %s: sep and cls must be [token, id]", ErrMalformed, p.Type)
 		}
-		return template{before: []int32{cls}, after: []int32{sep}}, nil
+		for _, k := range []struct {
+			key string
+			id  int64
+		}{{"cls", cls}, {"sep", sep}} {
+			if k.id < 0 || k.id >= maxTokenID {
+				return tp, fmt.Errorf("%w: post_processor %s: %s token id %d", ErrMalformed, p.Type, k.key, k.id)
+			}
+		}
+		return template{before: []int32{int32(cls)}, after: []int32{int32(sep)}}, nil
 	}
 	return tp, fmt.Errorf("%w: post_processor %q (supported: TemplateProcessing, ByteLevel, BertProcessing, RobertaProcessing, Sequence)", ErrUnsupported, p.Type)
 }
