@@ -1,7 +1,6 @@
 package model
 
 import (
-	"errors"
 	"math"
 	"slices"
 	"strings"
@@ -100,18 +99,5 @@ func TestOpenOptions(t *testing.T) {
 	}
 	if _, err := Open(t.Context(), Tiny, OpenOptions{ChatTemplate: "{% for %}"}); err == nil {
 		t.Error("bad template accepted")
-	}
-}
-
-// A built-in model that fails to build makes Open return the error, never (nil, nil).
-func TestOpenBuiltinError(t *testing.T) {
-	want := errors.New("build failed")
-	defer func(f func(string, builtinSpec, precision) (*Model, error)) { newBuiltinModel = f }(newBuiltinModel)
-	newBuiltinModel = func(string, builtinSpec, precision) (*Model, error) { return nil, want }
-	for _, opts := range []OpenOptions{{}, {ChatTemplate: "{{ messages }}"}} {
-		m, err := Open(t.Context(), Tiny, opts)
-		if !errors.Is(err, want) || m != nil {
-			t.Errorf("Open with a failing build (%+v): %v, %v; want nil, %v", opts, m, err, want)
-		}
 	}
 }

@@ -181,9 +181,6 @@ const (
 	Small = "kvbridge/small"
 )
 
-// newBuiltinModel is newBuiltin; tests replace it to make a built-in model fail to build.
-var newBuiltinModel = newBuiltin
-
 // Open loads a model: a built-in name (kvbridge/tiny, kvbridge/small), a local Hugging Face model
 // directory, or a repo id ("Qwen/Qwen3-0.6B") looked up in the local Hugging Face cache. It never
 // uses the network.
@@ -202,7 +199,7 @@ func Open(ctx context.Context, nameOrPath string, opts OpenOptions) (*Model, err
 		var prec precision
 		prec, err = parsePrecision(opts, "")
 		if err == nil {
-			m, err = newBuiltinModel(nameOrPath, spec, prec)
+			m, err = newBuiltin(nameOrPath, spec, prec)
 		}
 	} else {
 		var dir string
