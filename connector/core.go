@@ -563,6 +563,11 @@ func (k *core) tick(now time.Time) {
 // loadFinished reports a load to the engine: the blocks of a request that finished meanwhile
 // are freed; a bidirectional pull whose decoder hold is gone is a miss (computed locally
 // whatever the policy); other failures follow the policy.
+//
+// A decoder's hold is a cache that expires or is evicted by design, so a hold that is gone is
+// neither a failed NIXL transfer nor a verification refusal: it is logged at debug level and
+// counted nowhere (D counts its evictions). A producer's lease that is gone before its reader
+// read (P→D) still is both: over SHM its slot is the only check of the params' lease token.
 func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now time.Time) {
 	st := k.reqs[j.id]
 	finished := st == nil || st.finished
@@ -573,7 +578,12 @@ func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now 
 			delete(k.reqs, j.id)
 		}
 	}
-	if err != nil && !quiet {
+	holdGone := err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission))
+	if holdGone && !quiet {
+		k.log.Debug("the decoder's hold is gone (expired or evicted); computing the prompt here", "request_id", j.id,
+			"remote_engine_id", j.params.RemoteEngineID, "remote_request_id", j.params.RemoteRequestID, "error", err)
+	}
+	if err != nil && !holdGone && !quiet {
 		k.log.Error("NIXL transfer failure: transfer_failed", "request_id", j.id, "remote_engine_id", j.params.RemoteEngineID,
 			"remote_request_id", j.params.RemoteRequestID, "remote_host", j.params.RemoteHost, "remote_port", j.params.RemotePort,
 			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "error", err)
@@ -587,7 +597,7 @@ func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now 
 	switch {
 	case finished:
 		k.out.release = append(k.out.release, j.id)
-	case err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission)):
+	case holdGone:
 		// A decoder's hold is a cache: one that expired or was evicted was not there to pull.
 		// Nothing was used; the prompt is computed here, whatever the failure policy.
 		k.out.missed = append(k.out.missed, j.id)
