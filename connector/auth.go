@@ -189,7 +189,7 @@ func authenticateClient(c net.Conn, r *bufio.Reader, auth *sideAuth) error {
 	return nil
 }
 
-// clip shortens an untrusted string for messages.
+// clip shortens an untrusted string for messages and logs.
 func clip(s string) string {
 	if len(s) > 80 {
 		return s[:80] + "…"

@@ -499,7 +499,7 @@ func (k *core) notification(peer, msg string, now time.Time) {
 	id, readers, token, err := ParseRelease(msg)
 	if err != nil {
 		if ok, suppressed := k.quiet.allow("malformed", now); ok {
-			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", truncateMsg(msg), "error", err, "similar_suppressed", suppressed)
+			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "error", err, "similar_suppressed", suppressed)
 		}
 		return
 	}
@@ -513,23 +513,15 @@ func (k *core) notification(peer, msg string, now time.Time) {
 			k.metrics.CountNotificationAfterExpiry()
 		}
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
-			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", truncateMsg(id)),
+			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(id)),
 				"peer", peer, "similar_suppressed", suppressed)
 		}
 	case NotifyRefused:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("refused", now); ok {
-			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", truncateMsg(id), "peer", peer, "similar_suppressed", suppressed)
+			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(id), "peer", peer, "similar_suppressed", suppressed)
 		}
 	}
-}
-
-// truncateMsg shortens an untrusted message for logs.
-func truncateMsg(s string) string {
-	if len(s) > 80 {
-		return s[:80] + "…"
-	}
-	return s
 }
 
 // tick releases expired leases (every entry, not only the earliest: vllm#58222), sends due
