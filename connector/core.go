@@ -387,7 +387,8 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		k.log.Error("no lease slot left; the blocks are freed", "request_id", seq.ID(), "leases", k.leases.Len())
 		return nil
 	}
-	if err := k.pool.PublishChain(blocks, seq.Tokens()[:computed]); err != nil {
+	chain, err := k.pool.PublishChain(blocks, seq.Tokens()[:computed])
+	if err != nil {
 		k.leases.Release(seq.ID())
 		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "error", err)
 		return nil
@@ -418,9 +419,8 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		p.RemoteBlocksExpiryTime = &exp
 		// Hints for the next turn's prefiller, which sizes its pull with them before reading;
 		// what it reads is checked against the records published above, not against these.
-		hashes := kvcache.ChainHashes(seq.Tokens()[:computed], k.geo.BlockSize)
-		p.BlockHashes = make([]string, len(hashes))
-		for i, h := range hashes {
+		p.BlockHashes = make([]string, len(chain))
+		for i, h := range chain {
 			p.BlockHashes[i] = h.String()
 		}
 	}
