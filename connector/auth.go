@@ -189,7 +189,7 @@ func authenticateClient(c net.Conn, r *bufio.Reader, auth *sideAuth) error {
 	return nil
 }
 
-// clip shortens an untrusted string for messages.
+// clip shortens an untrusted string for messages and logs.
 func clip(s string) string {
 	if len(s) > 80 {
 		return s[:80] + "…"
@@ -214,7 +214,8 @@ type AuthRefusals struct {
 	// lease's token.
 	Notifications int64
 	// Verification counts loads whose blocks did not match what their owner published (its
-	// lease slot or block records): the KV was not used.
+	// lease slot or block records): the KV was not used. A decoder's hold that expired or was
+	// evicted is a cache miss, not counted here.
 	Verification int64
 }
 

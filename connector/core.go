@@ -387,7 +387,8 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		k.log.Error("no lease slot left; the blocks are freed", "request_id", seq.ID(), "leases", k.leases.Len())
 		return nil
 	}
-	if err := k.pool.PublishChain(blocks, seq.Tokens()[:computed]); err != nil {
+	chain, err := k.pool.PublishChain(blocks, seq.Tokens()[:computed])
+	if err != nil {
 		k.leases.Release(seq.ID())
 		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "error", err)
 		return nil
@@ -418,9 +419,8 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		p.RemoteBlocksExpiryTime = &exp
 		// Hints for the next turn's prefiller, which sizes its pull with them before reading;
 		// what it reads is checked against the records published above, not against these.
-		hashes := kvcache.ChainHashes(seq.Tokens()[:computed], k.geo.BlockSize)
-		p.BlockHashes = make([]string, len(hashes))
-		for i, h := range hashes {
+		p.BlockHashes = make([]string, len(chain))
+		for i, h := range chain {
 			p.BlockHashes[i] = h.String()
 		}
 	}
@@ -499,7 +499,7 @@ func (k *core) notification(peer, msg string, now time.Time) {
 	id, readers, token, err := ParseRelease(msg)
 	if err != nil {
 		if ok, suppressed := k.quiet.allow("malformed", now); ok {
-			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", truncateMsg(msg), "error", err, "similar_suppressed", suppressed)
+			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "error", err, "similar_suppressed", suppressed)
 		}
 		return
 	}
@@ -513,23 +513,15 @@ func (k *core) notification(peer, msg string, now time.Time) {
 			k.metrics.CountNotificationAfterExpiry()
 		}
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
-			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", truncateMsg(id)),
+			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(id)),
 				"peer", peer, "similar_suppressed", suppressed)
 		}
 	case NotifyRefused:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("refused", now); ok {
-			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", truncateMsg(id), "peer", peer, "similar_suppressed", suppressed)
+			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(id), "peer", peer, "similar_suppressed", suppressed)
 		}
 	}
-}
-
-// truncateMsg shortens an untrusted message for logs.
-func truncateMsg(s string) string {
-	if len(s) > 80 {
-		return s[:80] + "…"
-	}
-	return s
 }
 
 // tick releases expired leases (every entry, not only the earliest: vllm#58222), sends due
@@ -563,6 +555,11 @@ func (k *core) tick(now time.Time) {
 // loadFinished reports a load to the engine: the blocks of a request that finished meanwhile
 // are freed; a bidirectional pull whose decoder hold is gone is a miss (computed locally
 // whatever the policy); other failures follow the policy.
+//
+// A decoder's hold is a cache that expires or is evicted by design, so a hold that is gone is
+// neither a failed NIXL transfer nor a verification refusal: it is logged at debug level and
+// counted nowhere (D counts its evictions). A producer's lease that is gone before its reader
+// read (P→D) still is both: over SHM its slot is the only check of the params' lease token.
 func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now time.Time) {
 	st := k.reqs[j.id]
 	finished := st == nil || st.finished
@@ -573,7 +570,12 @@ func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now 
 			delete(k.reqs, j.id)
 		}
 	}
-	if err != nil && !quiet {
+	holdGone := err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission))
+	if holdGone && !quiet {
+		k.log.Debug("the decoder's hold is gone (expired or evicted); computing the prompt here", "request_id", j.id,
+			"remote_engine_id", j.params.RemoteEngineID, "remote_request_id", j.params.RemoteRequestID, "error", err)
+	}
+	if err != nil && !holdGone && !quiet {
 		k.log.Error("NIXL transfer failure: transfer_failed", "request_id", j.id, "remote_engine_id", j.params.RemoteEngineID,
 			"remote_request_id", j.params.RemoteRequestID, "remote_host", j.params.RemoteHost, "remote_port", j.params.RemotePort,
 			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "error", err)
@@ -587,7 +589,7 @@ func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now 
 	switch {
 	case finished:
 		k.out.release = append(k.out.release, j.id)
-	case err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission)):
+	case holdGone:
 		// A decoder's hold is a cache: one that expired or was evicted was not there to pull.
 		// Nothing was used; the prompt is computed here, whatever the failure policy.
 		k.out.missed = append(k.out.missed, j.id)

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/transfer"
@@ -349,6 +350,59 @@ func TestCoreLoadFinished(t *testing.T) {
 			}
 			if got != tc.want {
 				t.Errorf("got %q (%+v), want %q", got, a, tc.want)
+			}
+		})
+	}
+}
+
+// TestCoreHoldGoneIsAMiss: a decoder's hold that expired or was evicted (its slot cleared, as
+// verifyRead reports it, or its READ refused over TCP) is a cache miss: recomputed, not a
+// verification refusal, not a failed transfer, not an error in the log. A producer's lease gone
+// before D read is still all three.
+func TestCoreHoldGoneIsAMiss(t *testing.T) {
+	p := &Params{RemoteBlockIDs: [][]int32{{7}}, RemoteNumTokens: 4, BlockGenerations: []uint64{1}, Lease: LeaseToken{9}}
+	plan := readPlan{localIndex: []int{0}, remoteIndex: []int{0}, scratch: []int{0}}
+	_, cleared := verifyRead(loadJob{id: "r", params: p, prompt: ids(4)}, "D", coreBlockSize, plan, nil, make([]byte, 16))
+	if !errors.Is(cleared, errLeaseGone) {
+		t.Fatalf("a cleared slot: %v", cleared)
+	}
+	for _, tc := range []struct {
+		name         string
+		fromD        bool
+		err          error
+		want         string
+		verification int64
+		failed       int
+	}{
+		{"evicted hold", true, cleared, "missed", 0, 0},
+		{"hold refused over TCP", true, transfer.ErrPermission, "missed", 0, 0},
+		{"lease gone on P", false, cleared, "failed", 1, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+			var log fixture.LogBuffer
+			h.k.log = testLogger(&log)
+			h.k.reqs["r"] = &reqState{loading: true}
+			h.k.loadFinished(loadJob{id: "r", params: p, fromD: tc.fromD}, 0, tc.err, false, h.now)
+			a := h.takeActs()
+			switch tc.want {
+			case "missed":
+				if len(a.missed) != 1 || a.failed != nil {
+					t.Errorf("actions %+v, want a miss", a)
+				}
+			case "failed":
+				if _, ok := a.failed["r"]; !ok || len(a.missed) != 0 {
+					t.Errorf("actions %+v, want a failure", a)
+				}
+			}
+			if got := h.k.counts.verification.Load(); got != tc.verification {
+				t.Errorf("%d verification refusals, want %d", got, tc.verification)
+			}
+			if got := h.nixl.TakeInterval().FailedTransfers; got != tc.failed {
+				t.Errorf("%d failed transfers, want %d", got, tc.failed)
+			}
+			if logged := strings.Contains(log.String(), "level=ERROR"); logged != (tc.failed > 0) {
+				t.Errorf("error logged %v, want %v: %s", logged, tc.failed > 0, log.String())
 			}
 		})
 	}

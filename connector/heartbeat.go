@@ -6,48 +6,49 @@ import (
 )
 
 // HeartbeatTracker is the decoder's list of remote leases whose blocks it has yet to read (by
-// their tokens, in hex), grouped by remote engine; it says when a heartbeat batch is due (every
-// lease/6, spec §4.4).
+// their tokens, in hex), grouped by producer incarnation (heartbeatKey: engine id and
+// instance); it says when a heartbeat batch is due (every lease/6, spec §4.4).
 // A pure state machine: the caller passes the time and sends the batches. Not safe for
 // concurrent use.
 type HeartbeatTracker struct {
-	// Interval is the time between two batches to one engine (kv_lease_duration // 6).
+	// Interval is the time between two batches to one producer (kv_lease_duration // 6).
 	Interval time.Duration
-	engines  map[string]*heartbeatEngine
+	engines  map[string]*heartbeatEngine // by heartbeatKey
 }
 
 type heartbeatEngine struct {
-	ids      map[string]struct{}
+	ids      map[string]struct{} // lease tokens (hex)
 	lastSent time.Time
 }
 
-// Track starts heartbeats for remote request id on engine, from the request's arrival on.
-func (h *HeartbeatTracker) Track(engine, id string) {
+// Track starts heartbeats for the lease token (hex) held by the producer incarnation key
+// (heartbeatKey), from the request's arrival on.
+func (h *HeartbeatTracker) Track(key, token string) {
 	if h.engines == nil {
 		h.engines = make(map[string]*heartbeatEngine)
 	}
-	e := h.engines[engine]
+	e := h.engines[key]
 	if e == nil {
 		e = &heartbeatEngine{ids: make(map[string]struct{})}
-		h.engines[engine] = e
+		h.engines[key] = e
 	}
-	e.ids[id] = struct{}{}
+	e.ids[token] = struct{}{}
 }
 
-// Untrack stops heartbeats for id (its read finished, or the request ended); an engine with no
-// request left is forgotten.
-func (h *HeartbeatTracker) Untrack(engine, id string) {
-	e := h.engines[engine]
+// Untrack stops heartbeats for the lease token (its read finished, or the request ended); a
+// producer incarnation with no lease left is forgotten.
+func (h *HeartbeatTracker) Untrack(key, token string) {
+	e := h.engines[key]
 	if e == nil {
 		return
 	}
-	delete(e.ids, id)
+	delete(e.ids, token)
 	if len(e.ids) == 0 {
-		delete(h.engines, engine)
+		delete(h.engines, key)
 	}
 }
 
-// Len returns the number of tracked requests.
+// Len returns the number of tracked leases.
 func (h *HeartbeatTracker) Len() int {
 	n := 0
 	for _, e := range h.engines {
@@ -56,13 +57,14 @@ func (h *HeartbeatTracker) Len() int {
 	return n
 }
 
-// HeartbeatBatch is one heartbeat message due for one remote engine.
+// HeartbeatBatch is one heartbeat message due for one producer incarnation.
 type HeartbeatBatch struct {
-	Engine string
-	IDs    []string
+	Engine string   // the producer incarnation's key (heartbeatKey: engine id and instance)
+	IDs    []string // the lease tokens (hex), sorted
 }
 
-// Due returns the batches due at now and marks them sent. An engine's first batch is due at once.
+// Due returns the batches due at now and marks them sent. A producer's first batch is due at
+// once.
 func (h *HeartbeatTracker) Due(now time.Time) []HeartbeatBatch {
 	var out []HeartbeatBatch
 	for name, e := range h.engines {

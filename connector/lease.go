@@ -160,7 +160,8 @@ func (t *LeaseTable) Get(id string) *Lease { return t.leases[id] }
 // ByToken returns the lease whose token is token, or nil.
 func (t *LeaseTable) ByToken(token LeaseToken) *Lease { return t.byToken[token] }
 
-// Notify records one read notification "<id>:<expected>" presenting token, and returns the lease
+// Notify records one release notification for request id presenting token (the message
+// "<id>:<readers>:<token>", see ParseRelease; expected is its readers), and returns the lease
 // once all expected readers have reported; the lease then leaves the table. A notification
 // whose token is not the lease's is refused and changes nothing.
 func (t *LeaseTable) Notify(id string, token LeaseToken, expected int) (*Lease, NotifyResult) {

@@ -31,7 +31,9 @@ const (
 	KeyMAC = "kvbridge_params_mac"
 )
 
-// maxRemoteBlocks bounds remote_block_ids (2^20 blocks of 16 tokens: 16M tokens).
+// maxRemoteBlocks bounds remote_block_ids (2^20 blocks of 16 tokens: 16M tokens), and the
+// num_blocks a producer publishes over the side channel, which sizes a consumer's descriptor
+// lists for that producer.
 const maxRemoteBlocks = 1 << 20
 
 // Params is kv_transfer_params (spec §2.1): what one engine tells the next about KV it holds.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"slices"
 	"strconv"
@@ -99,9 +100,17 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 		fail(fmt.Errorf("%w with engine %s: %w", ErrIncompatible, r.id, err))
 		return
 	}
-	if ratio > maxBlockRatio || m.BlockLen != remoteGeo.BlockBytes() || m.NumBlocks <= 0 {
+	if ratio > maxBlockRatio || m.BlockLen <= 0 || m.BlockLen != remoteGeo.BlockBytes() || m.NumBlocks <= 0 {
 		fail(fmt.Errorf("%w: engine %s publishes %d blocks of %d bytes for block size %d (ratio %d, at most %d)",
 			ErrIncompatible, r.id, m.NumBlocks, m.BlockLen, m.BlockSize, ratio, maxBlockRatio))
+		return
+	}
+	// NumBlocks comes from the peer and sizes the descriptor lists below (NumBlocks and
+	// 2·NumBlocks descriptors): bound it before anything is allocated. Whether the blocks lie
+	// within the regions the peer's transfer metadata advertises is checked by PrepareRemote.
+	if m.NumBlocks > maxRemoteBlocks || int64(m.NumBlocks) > math.MaxInt64/int64(m.BlockLen) {
+		fail(fmt.Errorf("%w: engine %s publishes %d blocks of %d bytes; at most %d blocks are accepted from a peer",
+			ErrIncompatible, r.id, m.NumBlocks, m.BlockLen, maxRemoteBlocks))
 		return
 	}
 	if err := c.replaceOlder(ctx, r); err != nil {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"math"
 	"net"
 	"strings"
 	"testing"
@@ -219,5 +220,56 @@ func TestSideChannelAuthReplay(t *testing.T) {
 	}
 	if n := srv.refusals.Load(); n != 1 {
 		t.Fatalf("the server counted %d refusals, want 1", n)
+	}
+}
+
+// TestHandshakeBoundsNumBlocks: num_blocks in a producer's handshake answer sizes the
+// consumer's descriptor lists for that producer. A count beyond the bound — up to one whose
+// descriptor count overflows — is refused with a clear error before anything is allocated (it
+// used to exhaust memory or panic on the handshake goroutine), one beyond the regions the
+// producer's transfer metadata advertises is refused by the region check, and the producer's
+// true count is then accepted.
+func TestHandshakeBoundsNumBlocks(t *testing.T) {
+	p := startProducer(t, `{"kv_connector":"NixlConnector","kv_role":"kv_producer"}`, nil)
+	d := startProducer(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`, nil)
+	var meta AgentMetadata
+	if err := msgpack.Unmarshal(p.side.payload.AgentMetadataBytes, &meta); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	for _, tc := range []struct {
+		n    int
+		want string // in the error; "" for success
+	}{
+		{math.MaxInt, "at most 1048576 blocks are accepted from a peer"},
+		{math.MaxInt/2 + 1, "at most 1048576 blocks are accepted from a peer"},
+		{maxRemoteBlocks + 1, "at most 1048576 blocks are accepted from a peer"},
+		{meta.NumBlocks * 1000, "outside peer region"},
+		{meta.NumBlocks, ""},
+	} {
+		m := meta
+		m.NumBlocks = tc.n
+		payload, err := encodeMetadata(p.hash, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv, err := listenSideChannel("127.0.0.1:0", payload, p.clockSeconds, testLogger(&bytes.Buffer{}), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		params := &Params{RemoteEngineID: m.EngineID, Instance: m.Instance, RemoteHost: "127.0.0.1", RemotePort: srv.addr().(*net.TCPAddr).Port}
+		r, err := d.remote(ctx, params)
+		switch {
+		case tc.want == "" && err != nil:
+			t.Errorf("num_blocks %d: %v", tc.n, err)
+		case tc.want == "" && r.kv.Len() != tc.n:
+			t.Errorf("num_blocks %d: %d descriptors prepared", tc.n, r.kv.Len())
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("num_blocks %d: %v, want an error with %q", tc.n, err, tc.want)
+		}
+		if err := srv.close(); err != nil {
+			t.Error(err)
+		}
 	}
 }

@@ -202,6 +202,10 @@ func TestDecoderHoldsEvictedUnderPressure(t *testing.T) {
 	if want := reference(t, convs[0]); status != 200 || r.Text != want || external(r) != 0 {
 		t.Fatalf("turn 2 after its hold was evicted: %d %s, want %q computed by P", status, r.Raw, want)
 	}
+	// An evicted hold is a miss by design: not a verification refusal on P.
+	if got := p.conn.AuthRefusals().Verification; got != 0 {
+		t.Errorf("P counted %d verification refusals for an evicted hold, want 0", got)
+	}
 }
 
 // evicted returns D's kvbridge:kv_decoder_holds_evicted_total.

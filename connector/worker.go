@@ -37,10 +37,16 @@ func (c *Connector) worker() {
 }
 
 // performLocked takes the core's actions, unlocks c.mu (held by the caller) and performs them.
+// The goroutines it starts are counted in c.wg before c.mu is released: Close sets c.closed under
+// c.mu and then waits on c.wg, so a goroutine is either counted before Close waits or never
+// started (its instead runs).
 func (c *Connector) performLocked() {
 	a := c.core.take()
 	closed := c.closed
 	sched := c.sched
+	if n := len(a.handshakes) + len(a.loads) + len(a.notifies); !closed && n > 0 {
+		c.wg.Add(n)
+	}
 	c.mu.Unlock()
 	for _, r := range a.drops {
 		_ = c.agent.InvalidateIncarnation(r.peer, r.peerInc)
@@ -89,7 +95,8 @@ func (c *Connector) event(f func(*core)) {
 }
 
 // spawn runs fn on a goroutine the connector owns, or, once the connector is closing, runs
-// instead (when not nil) on the caller's goroutine.
+// instead (when not nil) on the caller's goroutine. When not closed, the caller has already
+// counted the goroutine in c.wg while holding c.mu (see performLocked).
 func (c *Connector) spawn(closed bool, fn, instead func()) {
 	if closed {
 		if instead != nil {
@@ -97,7 +104,6 @@ func (c *Connector) spawn(closed bool, fn, instead func()) {
 		}
 		return
 	}
-	c.wg.Add(1)
 	go func() {
 		defer c.wg.Done()
 		fn()

@@ -662,6 +662,7 @@ func (s *Scheduler) recompute(q *Sequence, first int) {
 	affected := max(0, q.numComputed-first*s.blockSize)
 	q.numComputed = min(q.numComputed, first*s.blockSize)
 	q.cachedTokens = min(q.cachedTokens, q.numComputed)
+	q.externalCached = max(0, q.cachedTokens-q.localHit) // what was pulled before first, if any
 	q.external = max(0, q.numComputed-q.localHit)
 	s.stats.RecomputedTokens += int64(affected)
 	q.status = StatusWaiting

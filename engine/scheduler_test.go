@@ -565,6 +565,52 @@ func TestSchedulerLoadFailurePolicyRecompute(t *testing.T) {
 	}
 }
 
+// TestSchedulerRecomputeClampsExternalCached: a load that missed, or failed under policy
+// recompute, keeps only what was really pulled in ExternalCachedTokens (usage's
+// external_cached_tokens), however large the local prefix-cache hit.
+func TestSchedulerRecomputeClampsExternalCached(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		bad      int // block-table index of the first bad block; -1: the load missed
+		cached   int
+		external int
+	}{
+		{"missed", -1, 8, 0},
+		{"failed at block 3", 3, 12, 4},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			conn := newTestConnector()
+			pool := newTestPool(t, 16, 4, true)
+			h := newHarness(t, pool, SchedulerConfig{Connector: conn, LoadFailurePolicy: FailurePolicyRecompute})
+			a := h.add("a", seqTokens(0, 9), 1)
+			h.run(10)
+			conn.external["d"] = -1
+			d := h.add("d", append(slices.Clone(a.Prompt()[:8]), seqTokens(50, 8)...), 3) // 8 local + 8 remote
+			h.step()
+			if d.Status() != StatusWaitingForRemoteKVs || d.CachedTokens() != 15 || d.ExternalCachedTokens() != 7 {
+				t.Fatalf("parked: %v, cached %d, external %d", d.Status(), d.CachedTokens(), d.ExternalCachedTokens())
+			}
+			if tc.bad < 0 {
+				h.s.LoadsMissed([]string{"d"})
+			} else {
+				transfer(h.sim, d, conn.allocs["d"], tc.bad)
+				if ev := h.s.LoadsDone(h.now, nil, map[string]int{"d": tc.bad}); len(ev) != 0 {
+					t.Fatalf("events %+v", ev)
+				}
+			}
+			if d.Status() != StatusWaiting || d.CachedTokens() != tc.cached || d.ExternalCachedTokens() != tc.external {
+				t.Fatalf("after the load: %v, cached %d, external %d; want cached %d, external %d",
+					d.Status(), d.CachedTokens(), d.ExternalCachedTokens(), tc.cached, tc.external)
+			}
+			h.run(10)
+			ref := reference(t, 4, map[string][]int32{"d": d.Prompt()}, 3)
+			if !slices.Equal(ref["d"], d.Output()) || d.CachedTokens() != tc.cached || d.ExternalCachedTokens() != tc.external {
+				t.Fatalf("finished: output %v (want %v), cached %d, external %d", d.Output(), ref["d"], d.CachedTokens(), d.ExternalCachedTokens())
+			}
+		})
+	}
+}
+
 func TestSchedulerSyncExternal(t *testing.T) {
 	conn := newTestConnector()
 	pool := newTestPool(t, 16, 4, true)

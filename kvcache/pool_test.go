@@ -357,8 +357,12 @@ func TestRecordTablePublishesRecords(t *testing.T) {
 	}
 	// Three tokens in blocks of two: one full block, one partial block of one token.
 	toks := []int32{5, 6, 7}
-	if err := p.PublishChain(ids, toks); err != nil {
+	chain, err := p.PublishChain(ids, toks)
+	if err != nil {
 		t.Fatal(err)
+	}
+	if want := ChainHashes(toks, g.BlockSize); !slices.Equal(chain, want) {
+		t.Errorf("PublishChain returned the chain %v, ChainHashes says %v", chain, want)
 	}
 	// Independent derivation: SHA-256(parent ‖ tokens as uint32 LE), first 16 bytes.
 	h := func(parent BlockHash, tokens ...int32) BlockHash {

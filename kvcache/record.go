@@ -96,19 +96,27 @@ func (p *Pool) Publish(id int32, count int, hash BlockHash) error {
 
 // PublishChain publishes the records of the blocks holding tokens, in order: every full block
 // with its chain hash and a trailing partial block with the hash of the tokens it holds. blocks
-// must cover the tokens and be referenced by the caller, their KV final.
-func (p *Pool) PublishChain(blocks []int32, tokens []int32) error {
+// must cover the tokens and be referenced by the caller, their KV final. It returns the chain
+// hashes of the full blocks, as ChainHashes(tokens, block size) would.
+func (p *Pool) PublishChain(blocks []int32, tokens []int32) ([]BlockHash, error) {
 	bs := p.geo.BlockSize
+	var chain []BlockHash
+	if n := len(tokens) / bs; n > 0 {
+		chain = make([]BlockHash, 0, n)
+	}
 	var parent BlockHash
 	for i := 0; i*bs < len(tokens); i++ {
 		if i >= len(blocks) {
-			return fmt.Errorf("kvcache: %d tokens need %d blocks, %d given: %w", len(tokens), (len(tokens)+bs-1)/bs, len(blocks), ErrBadBlock)
+			return nil, fmt.Errorf("kvcache: %d tokens need %d blocks, %d given: %w", len(tokens), (len(tokens)+bs-1)/bs, len(blocks), ErrBadBlock)
 		}
 		part := tokens[i*bs : min((i+1)*bs, len(tokens))]
 		parent = NextHash(parent, part)
 		if err := p.Publish(blocks[i], len(part), parent); err != nil {
-			return err
+			return nil, err
+		}
+		if len(part) == bs {
+			chain = append(chain, parent)
 		}
 	}
-	return nil
+	return chain, nil
 }
