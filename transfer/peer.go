@@ -92,25 +92,30 @@ func (a *Agent) LoadRemote(blob []byte) (string, error) {
 // InvalidateRemote forgets a peer: its connections close, its requests in flight fail with
 // ErrNotFound, and lists prepared against it can no longer be posted.
 func (a *Agent) InvalidateRemote(name string) error {
-	a.peersMu.Lock()
-	p := a.peers[name]
-	delete(a.peers, name)
-	a.peersMu.Unlock()
-	if p == nil {
-		return newErr("invalidate", name, ErrNotFound, "no metadata loaded", nil)
-	}
-	p.retire(ErrNotFound, "peer metadata invalidated")
-	return nil
+	return a.invalidate(name, 0)
 }
 
 // InvalidateIncarnation is InvalidateRemote for one incarnation of a peer: it does nothing (and
 // returns an ErrNotFound error) when the peer now loaded under name is another incarnation, so
 // that forgetting a dead incarnation never drops the one that replaced it.
 func (a *Agent) InvalidateIncarnation(name string, inc uint64) error {
+	if inc == 0 {
+		// 0 would match any incarnation below; no peer is loaded with incarnation 0.
+		return newErr("invalidate", name, ErrNotFound, fmt.Sprintf("incarnation %016x is not loaded", inc), nil)
+	}
+	return a.invalidate(name, inc)
+}
+
+// invalidate forgets the peer loaded under name if its incarnation is inc (0: any
+// incarnation) and retires it.
+func (a *Agent) invalidate(name string, inc uint64) error {
 	a.peersMu.Lock()
 	p := a.peers[name]
-	if p == nil || p.inc != inc {
+	if p == nil || (inc != 0 && p.inc != inc) {
 		a.peersMu.Unlock()
+		if inc == 0 {
+			return newErr("invalidate", name, ErrNotFound, "no metadata loaded", nil)
+		}
 		return newErr("invalidate", name, ErrNotFound, fmt.Sprintf("incarnation %016x is not loaded", inc), nil)
 	}
 	delete(a.peers, name)
