@@ -585,21 +585,31 @@ func (p *peer) connectTCPCtrl(ctx context.Context) error {
 }
 
 // watch reads a control connection we dialed: notifications from the peer are delivered,
-// and its end (EOF when the peer process exits) tears the link down at once.
+// and its end (EOF when the peer process exits) tears the link down at once. OnPeerLost is
+// called only when the connection that ended was still the peer's current one: the end of a
+// connection this agent had already replaced or closed itself (a teardown followed by a
+// reconnect, a retired peer) says nothing about the peer, and reporting it would make the
+// owner drop a live, reconnected peer.
 func (p *peer) watch(cc *ctrlConn) {
 	err := cc.readLoop()
 	p.a.untrack(cc.c)
 	if p.a.closed.Load() {
 		return
 	}
-	p.teardownConn(cc, nil, fmt.Sprintf("control connection lost: %v", err))
-	if f := p.a.cfg.OnPeerLost; f != nil {
+	if !p.teardownConn(cc, nil, fmt.Sprintf("control connection lost: %v", err)) {
+		return
+	}
+	p.mu.Lock()
+	gone := p.gone != nil
+	p.mu.Unlock()
+	if f := p.a.cfg.OnPeerLost; f != nil && !gone {
 		f(p.name, p.inc)
 	}
 }
 
-// teardownConn tears the link down if cc (or dc) is still part of it.
-func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) {
+// teardownConn tears the link down if cc (or dc) is still part of it, and reports whether it
+// was; a connection no longer part of the link is just closed.
+func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) bool {
 	p.mu.Lock()
 	current := false
 	if cc != nil && (p.uconn == cc || p.tconn == cc) {
@@ -621,6 +631,7 @@ func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) {
 	case cc != nil:
 		cc.close()
 	}
+	return current
 }
 
 // teardownData closes the TCP data connections and fails the TCP requests in flight; SHM
