@@ -86,9 +86,10 @@ type Config struct {
 	OnComplete func(RequestTelemetry)
 	// OnPeerLost, if set, is called when the control connection this agent dialed to a peer
 	// ends (the peer's process exited, closed its agent, or the link broke), with the peer's
-	// name and incarnation. The peer stays loaded; its owner decides whether to forget it
-	// (InvalidateRemote and releasing its lists unmaps its arenas). It runs on the connection's
-	// goroutine and must not block.
+	// name and incarnation; not for a connection this agent had already closed or replaced
+	// itself, nor for a peer already invalidated. The peer stays loaded; its owner decides
+	// whether to forget it (InvalidateRemote and releasing its lists unmaps its arenas). It
+	// runs on the connection's goroutine and must not block.
 	OnPeerLost func(name string, incarnation uint64)
 	// Logger receives connection-level events. Default: discard.
 	Logger *slog.Logger

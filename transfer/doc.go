@@ -41,7 +41,7 @@
 // UCX selects — RDMA verbs on InfiniBand or RoCE, TCP, shared memory — configured by the
 // usual UCX_* environment variables (UCX_TLS, UCX_NET_DEVICES, …) and Config.UCX. The agent
 // registers each arena once (ucp_mem_map) and publishes its remote key and the worker
-// addresses in the metadata (format 2). Workers are driven by goroutines of their own that
+// addresses in the metadata (format 3). Workers are driven by goroutines of their own that
 // park in the network poller when there is nothing to do; a request's pieces are posted back
 // to back with one endpoint flush per worker, and its notification is an active message sent
 // after the flush completed. Endpoints use UCX's peer error handling, so a dead peer fails

@@ -232,12 +232,12 @@ func metadataSeeds(tb testing.TB) [][]byte {
 	a.Deregister(r2)
 	a.Deregister(heap)
 	v2 := bytes.Clone(blob)
-	v2[1] = 2 // the version is the first array element (a positive fixint); format 1's fields under format 2
+	v2[1] = metadataVersionUCX // the version is the first array element (a positive fixint); format 1's fields under the UCX format
 	m, err := decodeMetadata(blob)
 	if err != nil {
 		tb.Fatal(err)
 	}
-	m.Version = metadataVersionUCX // format 2, as an agent offering UCX publishes it
+	m.Version = metadataVersionUCX // the UCX format, as an agent offering UCX publishes it
 	m.UCXWorkers = [][]byte{bytes.Repeat([]byte{7}, 40)}
 	m.UCXArenas = []metaUCXArena{{ID: m.Arenas[0].ID, Base: 1 << 40, Rkey: []byte{1, 2, 3, 4}}}
 	m.ProcStart = 12345

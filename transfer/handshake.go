@@ -372,14 +372,19 @@ func readWithFDs(uc *net.UnixConn, buf []byte) ([]int, error) {
 // data sent, no answer to keepalive probes — before the kernel drops the connection and every
 // request on it fails. Without it a link that goes down without a reset (a cable, a host that
 // vanished) holds a reader until its request's deadline: the peer's ACKs and probes stop, but the
-// kernel's defaults keep retransmitting for minutes. A live peer answers probes from its kernel
-// whatever its process is doing, so a busy or stopped process is not taken for dead.
+// kernel's defaults keep retransmitting for minutes. Keepalive probes are answered by the peer's
+// kernel whatever its process is doing, so a side that merely waits for data never drops a peer
+// whose process is busy or stopped. The side that sends is stricter: when the peer's process
+// stops reading, its receive window closes, and (Linux 5.x and later) TCP_USER_TIMEOUT also
+// bounds the zero-window probes that then go without the window reopening, so a reader stopped
+// or frozen for more than about deadLinkTimeout has its connection dropped and the transfer fails
+// (ErrRemoteDisconnect) rather than hanging until the request's deadline.
 const deadLinkTimeout = 12 * time.Second
 
 // tuneTCP applies the socket options used on every transfer TCP connection: no Nagle delay, and
 // dead-link detection within about deadLinkTimeout in both directions — keepalive probes for the
 // side that waits for data (idle 5 s, then 3 probes 2 s apart) and TCP_USER_TIMEOUT for the side
-// whose data goes unacknowledged.
+// whose data goes unacknowledged or, facing a zero window, unread (see deadLinkTimeout).
 func tuneTCP(c *net.TCPConn) {
 	_ = c.SetNoDelay(true)
 	_ = c.SetKeepAliveConfig(net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 2 * time.Second, Count: 3})

@@ -693,9 +693,17 @@ func TestMetadata(t *testing.T) {
 			t.Fatalf("truncated blob of %d bytes accepted", i)
 		}
 	}
-	v3 := rewriteMeta(t, blob, func(m *metaWire) { m.Version = 3 })
-	_, err = p.ini.LoadRemote(v3)
+	future := rewriteMeta(t, blob, func(m *metaWire) { m.Version = metadataVersionUCX + 1 })
+	_, err = p.ini.LoadRemote(future)
 	wantKind(t, err, ErrNotSupported)
+	// Format 2 is the UCX format of builds without the UCX hello: refused at load, saying why,
+	// rather than loaded to fail every UCX connect by timeout.
+	old := rewriteMeta(t, blob, func(m *metaWire) { m.Version = metadataVersionUCXOld })
+	_, err = p.ini.LoadRemote(old)
+	wantKind(t, err, ErrNotSupported)
+	if !strings.Contains(err.Error(), "older kvbridge") {
+		t.Fatalf("format 2 refused with %v", err)
+	}
 	for _, fn := range []func(*metaWire){
 		func(m *metaWire) { m.Name = "" },
 		func(m *metaWire) { m.Incarnation = 0 },

@@ -12,12 +12,18 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 )
 
-// Format versions of the metadata blob. An agent that offers UCX publishes version 2 (version
+// Format versions of the metadata blob. An agent that offers UCX publishes version 3 (version
 // 1 plus UCX worker addresses and arena keys); any other agent publishes version 1, which
 // every kvbridge reads. A blob of another version is refused with ErrNotSupported.
+//
+// The UCX version names the UCX wire protocol as well as the blob's layout: version 2 had the
+// same layout, but its agents do not answer the HELLO that opens every UCX link, so a peer of
+// the two could load each other and then fail every connect by timeout. Version 2 is refused
+// at LoadRemote, with an error that says so.
 const (
-	metadataVersion    = 1
-	metadataVersionUCX = 2
+	metadataVersion       = 1
+	metadataVersionUCX    = 3
+	metadataVersionUCXOld = 2 // UCX without the HELLO/HELLO_ACK wire-up; refused
 )
 
 // Limits on metadata accepted from peers.
@@ -32,7 +38,7 @@ const (
 )
 
 // metaWire is the metadata blob: a msgpack array (compact, field order is the format).
-// Format 1 is metaCore alone; format 2 appends the UCX fields.
+// Format 1 is metaCore alone; format 3 (metadataVersionUCX) appends the UCX fields.
 type metaWire struct {
 	_msgpack struct{} `msgpack:",as_array"`
 	metaCore
@@ -191,6 +197,8 @@ func decodeMetadata(b []byte) (*remoteMeta, error) {
 		err = msgpack.Unmarshal(b, &m.metaCore)
 	case metadataVersionUCX:
 		err = msgpack.Unmarshal(b, &m.metaWire)
+	case metadataVersionUCXOld:
+		return nil, newErr("load", "", ErrNotSupported, fmt.Sprintf("metadata format version %d: the peer is an older kvbridge whose UCX wire-up (without HELLO) this build does not speak; upgrade it (this build reads %d and %d)", v, metadataVersion, metadataVersionUCX), nil)
 	default:
 		return nil, newErr("load", "", ErrNotSupported, fmt.Sprintf("metadata format version %d (this build reads %d and %d)", v, metadataVersion, metadataVersionUCX), nil)
 	}

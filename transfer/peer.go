@@ -92,25 +92,30 @@ func (a *Agent) LoadRemote(blob []byte) (string, error) {
 // InvalidateRemote forgets a peer: its connections close, its requests in flight fail with
 // ErrNotFound, and lists prepared against it can no longer be posted.
 func (a *Agent) InvalidateRemote(name string) error {
-	a.peersMu.Lock()
-	p := a.peers[name]
-	delete(a.peers, name)
-	a.peersMu.Unlock()
-	if p == nil {
-		return newErr("invalidate", name, ErrNotFound, "no metadata loaded", nil)
-	}
-	p.retire(ErrNotFound, "peer metadata invalidated")
-	return nil
+	return a.invalidate(name, 0)
 }
 
 // InvalidateIncarnation is InvalidateRemote for one incarnation of a peer: it does nothing (and
 // returns an ErrNotFound error) when the peer now loaded under name is another incarnation, so
 // that forgetting a dead incarnation never drops the one that replaced it.
 func (a *Agent) InvalidateIncarnation(name string, inc uint64) error {
+	if inc == 0 {
+		// 0 would match any incarnation below; no peer is loaded with incarnation 0.
+		return newErr("invalidate", name, ErrNotFound, fmt.Sprintf("incarnation %016x is not loaded", inc), nil)
+	}
+	return a.invalidate(name, inc)
+}
+
+// invalidate forgets the peer loaded under name if its incarnation is inc (0: any
+// incarnation) and retires it.
+func (a *Agent) invalidate(name string, inc uint64) error {
 	a.peersMu.Lock()
 	p := a.peers[name]
-	if p == nil || p.inc != inc {
+	if p == nil || (inc != 0 && p.inc != inc) {
 		a.peersMu.Unlock()
+		if inc == 0 {
+			return newErr("invalidate", name, ErrNotFound, "no metadata loaded", nil)
+		}
 		return newErr("invalidate", name, ErrNotFound, fmt.Sprintf("incarnation %016x is not loaded", inc), nil)
 	}
 	delete(a.peers, name)
@@ -580,21 +585,31 @@ func (p *peer) connectTCPCtrl(ctx context.Context) error {
 }
 
 // watch reads a control connection we dialed: notifications from the peer are delivered,
-// and its end (EOF when the peer process exits) tears the link down at once.
+// and its end (EOF when the peer process exits) tears the link down at once. OnPeerLost is
+// called only when the connection that ended was still the peer's current one: the end of a
+// connection this agent had already replaced or closed itself (a teardown followed by a
+// reconnect, a retired peer) says nothing about the peer, and reporting it would make the
+// owner drop a live, reconnected peer.
 func (p *peer) watch(cc *ctrlConn) {
 	err := cc.readLoop()
 	p.a.untrack(cc.c)
 	if p.a.closed.Load() {
 		return
 	}
-	p.teardownConn(cc, nil, fmt.Sprintf("control connection lost: %v", err))
-	if f := p.a.cfg.OnPeerLost; f != nil {
+	if !p.teardownConn(cc, nil, fmt.Sprintf("control connection lost: %v", err)) {
+		return
+	}
+	p.mu.Lock()
+	gone := p.gone != nil
+	p.mu.Unlock()
+	if f := p.a.cfg.OnPeerLost; f != nil && !gone {
 		f(p.name, p.inc)
 	}
 }
 
-// teardownConn tears the link down if cc (or dc) is still part of it.
-func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) {
+// teardownConn tears the link down if cc (or dc) is still part of it, and reports whether it
+// was; a connection no longer part of the link is just closed.
+func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) bool {
 	p.mu.Lock()
 	current := false
 	if cc != nil && (p.uconn == cc || p.tconn == cc) {
@@ -616,6 +631,7 @@ func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) {
 	case cc != nil:
 		cc.close()
 	}
+	return current
 }
 
 // teardownData closes the TCP data connections and fails the TCP requests in flight; SHM

@@ -457,10 +457,23 @@ func (r *Request) onDeadline() {
 // fail records the first error of post gen and abandons its units: queued work is dropped at
 // once; work touching local memory is interrupted (its connection closed) and resolves
 // promptly. Done closes when every unit has resolved.
+//
+// A TCP peer's refusal of one stripe (ErrPermission, ErrInvalidDescriptor) leaves the busy
+// stripes on other connections to finish reading; any later failure of the same post (its
+// deadline, a canceled context, Release, a broken connection) still aborts them, though the
+// first error is the one reported, so the deadline holds even if the peer stalls then.
 func (r *Request) fail(gen uint64, kind error, detail string, cause error) {
+	abort := !errors.Is(kind, ErrPermission) && !errors.Is(kind, ErrInvalidDescriptor)
 	r.mu.Lock()
-	if r.gen != gen || r.state != StatusInProgress || r.err != nil {
+	if r.gen != gen || r.state != StatusInProgress {
 		r.mu.Unlock()
+		return
+	}
+	if r.err != nil {
+		r.mu.Unlock()
+		if abort && r.backend == BackendTCP {
+			r.abortStripes(gen)
+		}
 		return
 	}
 	r.err = &Error{Op: r.op.String(), Peer: r.peer.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: kind, Detail: detail, Cause: cause}
@@ -478,10 +491,17 @@ func (r *Request) fail(gen uint64, kind error, detail string, cause error) {
 	default:
 		// A peer's refusal of one stripe says nothing against the connections carrying the
 		// others: their payloads are read to the end rather than cut.
-		abort := !errors.Is(kind, ErrPermission) && !errors.Is(kind, ErrInvalidDescriptor)
 		for i := range r.stripes {
 			r.stripes[i].abandon(gen, abort)
 		}
+	}
+}
+
+// abortStripes aborts the stripes of failed post gen still touching local memory (closing
+// their connections), after a refusal had let them run on.
+func (r *Request) abortStripes(gen uint64) {
+	for i := range r.stripes {
+		r.stripes[i].abandon(gen, true)
 	}
 }
 

@@ -44,6 +44,7 @@ type stripe struct {
 	gen       uint64
 	st        uint8
 	abandoned bool // the request failed while the stripe was busy
+	aborted   bool // ... and its connection was closed to interrupt it
 	acked     bool // WRITE: the response arrived before the writer finished
 	ackErr    error
 	conn      *dataConn
@@ -118,7 +119,7 @@ func (r *Request) planStripes() {
 // arm resets the stripe for post gen.
 func (s *stripe) arm(gen uint64) {
 	s.mu.Lock()
-	s.gen, s.st, s.abandoned, s.acked, s.ackErr, s.conn = gen, stQueued, false, false, nil, nil
+	s.gen, s.st, s.abandoned, s.aborted, s.acked, s.ackErr, s.conn = gen, stQueued, false, false, false, nil, nil
 	s.mu.Unlock()
 }
 
@@ -220,7 +221,9 @@ func (s *stripe) finishRead(gen uint64, err error) {
 // memory; otherwise, when abort is set, by closing its connection so the I/O in progress ends
 // promptly, and when it is not (the peer refused another stripe: this connection is healthy
 // and the payload is flowing) when the payload has been read. Closing a healthy connection
-// would fail every other request in flight on the link.
+// would fail every other request in flight on the link. A stripe left to finish may be
+// abandoned again with abort (a later failure of the same post: see Request.fail); its
+// connection is closed once.
 func (s *stripe) abandon(gen uint64, abort bool) {
 	s.mu.Lock()
 	if s.gen != gen || s.st == stDone {
@@ -229,10 +232,13 @@ func (s *stripe) abandon(gen uint64, abort bool) {
 	}
 	if s.st == stBusy {
 		c := s.conn
-		first := !s.abandoned
 		s.abandoned = true
+		closeConn := abort && !s.aborted && c != nil
+		if closeConn {
+			s.aborted = true
+		}
 		s.mu.Unlock()
-		if abort && first && c != nil {
+		if closeConn {
 			c.abort()
 		}
 		return

@@ -125,8 +125,9 @@ func (e *ucxEngine) workerAddrs() [][]byte { return e.addrs }
 // numWorkers returns the number of workers.
 func (e *ucxEngine) numWorkers() int { return len(e.workers) }
 
-// close stops the workers (closing every endpoint; operations in flight complete, canceled),
-// unregisters the arenas and releases the context. Idempotent.
+// close stops the workers, all at once (each closes every endpoint: flushed for at most
+// ucxCloseGrace, then forcibly, canceling what is still in flight), unregisters the arenas and
+// releases the context. Idempotent.
 func (e *ucxEngine) close() {
 	e.closeOnce.Do(func() {
 		e.inMu.Lock()
@@ -137,6 +138,9 @@ func (e *ucxEngine) close() {
 		}
 		e.inbound = map[string]*ucxInbound{}
 		e.inMu.Unlock()
+		for _, w := range e.workers {
+			w.beginStop()
+		}
 		for _, w := range e.workers {
 			w.stop()
 		}
@@ -373,8 +377,11 @@ type ucxEP struct {
 	acked    bool // the peer acknowledged the hello
 }
 
-// close closes every endpoint of the link (forcibly: operations in flight complete,
-// canceled). Idempotent.
+// close closes every endpoint of the link. Unless the link was aborted, an endpoint is flushed
+// first (the operations in flight complete) and closed forcibly when the flush completes or
+// ucxCloseGrace passed (see closeEP); an aborted link's endpoints close at once, canceling
+// what is in flight. Calling it again does nothing, except after an abort, when endpoints
+// still being flushed are closed at once.
 func (l *ucxLink) close() {
 	if !l.closed.CompareAndSwap(false, true) && !l.aborted.Load() {
 		return
@@ -527,9 +534,10 @@ func (w *ucxWorker) run(ready chan<- error) {
 
 // loop runs commands and progresses the worker; when there is nothing to do it arms the
 // worker and sleeps until UCX or a command needs it. Stopping, it drains what is in flight
-// (bounded) before returning.
+// (bounded) before returning: endpoints still open after ucxCloseGrace are closed forcibly.
 func (w *ucxWorker) loop() {
-	var stopDeadline time.Time
+	var stopDeadline, graceEnd time.Time
+	forced := false
 	for {
 		w.runCommands()
 		busy := false
@@ -541,10 +549,16 @@ func (w *ucxWorker) loop() {
 		}
 		w.harvest()
 		if w.stopping {
+			now := time.Now()
 			if stopDeadline.IsZero() {
-				stopDeadline = time.Now().Add(5 * time.Second)
+				stopDeadline, graceEnd = now.Add(5*time.Second), now.Add(ucxCloseGrace)
 			}
-			if (len(w.pend) == 0 && !w.hasCommands()) || time.Now().After(stopDeadline) {
+			if !forced && now.After(graceEnd) {
+				forced = true
+				w.forceCloseAll()
+				continue // progress the closes
+			}
+			if (len(w.pend) == 0 && !w.hasCommands()) || now.After(stopDeadline) {
 				if len(w.pend) > 0 {
 					w.e.a.log.Warn("UCX worker stopped with operations still pending", "worker", w.idx, "pending", len(w.pend))
 				}
@@ -651,13 +665,21 @@ func (w *ucxWorker) runCommands() {
 	}
 }
 
-// stop makes the worker close every endpoint, drain and exit, and waits for it. No command
-// is accepted afterwards.
+// stop makes the worker close every endpoint, drain and exit (beginStop), and waits for it.
 func (w *ucxWorker) stop() {
+	w.beginStop()
+	<-w.done
+}
+
+// beginStop makes the worker close every endpoint, drain and exit, without waiting. No
+// command is accepted afterwards. Endpoints are flushed for at most ucxCloseGrace and then
+// closed forcibly by the stopping loop itself (closeEP's timer cannot submit to a stopped
+// worker), so a stalled or dead peer never leaves an endpoint open when the worker is
+// destroyed.
+func (w *ucxWorker) beginStop() {
 	w.mu.Lock()
 	if w.stopped {
 		w.mu.Unlock()
-		<-w.done
 		return
 	}
 	w.mu.Unlock()
@@ -671,7 +693,15 @@ func (w *ucxWorker) stop() {
 	w.mu.Lock()
 	w.stopped = true
 	w.mu.Unlock()
-	<-w.done
+}
+
+// forceCloseAll closes every endpoint of the worker still open, canceling what is in flight.
+func (w *ucxWorker) forceCloseAll() {
+	for _, l := range w.links {
+		if ue := l.eps[w.idx]; ue != nil {
+			w.forceClose(l, ue)
+		}
+	}
 }
 
 // harvest handles what the last progress produced: endpoint errors, received messages and
@@ -810,8 +840,9 @@ func (w *ucxWorker) openEP(l *ucxLink, addr []byte, done func(error)) {
 
 // closeEP closes the worker's endpoint of l. An aborted link's endpoint is closed at once;
 // otherwise it is flushed first (the operations in flight complete), and closed when the flush
-// completes or ucxCloseGrace passed, whichever is first. Its remote keys are destroyed once the
-// close completed (the operations using them have then completed too).
+// completes or ucxCloseGrace passed, whichever is first (on a stopping worker the loop enforces
+// the grace: see beginStop). Its remote keys are destroyed once the close completed (the
+// operations using them have then completed too).
 func (w *ucxWorker) closeEP(l *ucxLink) {
 	ue := l.eps[w.idx]
 	if ue == nil || !ue.open {

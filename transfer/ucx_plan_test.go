@@ -23,7 +23,7 @@ func TestParseBackendsUCX(t *testing.T) {
 	}
 }
 
-// TestMetadataUCXFormat: format 2 carries UCX worker addresses and arena keys, round-trips,
+// TestMetadataUCXFormat: format 3 carries UCX worker addresses and arena keys, round-trips,
 // and every inconsistency in it is ErrProtocol.
 func TestMetadataUCXFormat(t *testing.T) {
 	p := newPair(t, Config{}, Config{}, 1<<16, PermRead)

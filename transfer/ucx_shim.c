@@ -48,9 +48,6 @@ void kvb_version(unsigned *major, unsigned *minor, unsigned *release)
     ucp_get_version(major, minor, release);
 }
 
-// kvb_am_cb queues a received notification on its worker. Eager data is copied at once; a
-// rendezvous message is received into the queued buffer and stays pending until done, so the
-// queue keeps arrival order.
 // kvb_ack_done frees an acknowledgement once sent.
 static void kvb_ack_done(void *request, ucs_status_t status, void *user_data)
 {
@@ -85,6 +82,9 @@ static void kvb_ack(const kvb_am_hdr *hello, const ucp_am_recv_param_t *param)
     }
 }
 
+// kvb_am_cb queues a received notification on its worker. Eager data is copied at once; a
+// rendezvous message is received into the queued buffer and stays pending until done, so the
+// queue keeps arrival order. A hello is answered (kvb_ack) before it is queued.
 static ucs_status_t kvb_am_cb(void *arg, const void *header, size_t hlen, void *data, size_t dlen,
                               const ucp_am_recv_param_t *param)
 {
