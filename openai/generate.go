@@ -57,7 +57,6 @@ type seqResult struct {
 	cached     int
 	external   int
 	started    bool // its first output arrived
-	finished   bool
 	last       time.Time
 	sentRunes  int  // characters streamed so far (completions text_offset)
 	echoed     bool // the streamed echo went out
@@ -271,7 +270,6 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 				}
 				continue
 			}
-			r.finished = true
 			finished++
 			rn.s.metrics.ObserveFinished(o.FinishReason, time.Since(rn.start))
 			switch o.FinishReason {
@@ -543,7 +541,7 @@ func (s *Server) stream(w http.ResponseWriter, j *job, rn *runner) {
 		if j.p.logprobs {
 			c.Logprobs = newCompletionLogprobs(tok, toks, pos, j.p.topLogprobs, r.sentRunes)
 		}
-		r.sentRunes += runeCount(text)
+		r.sentRunes += utf8.RuneCountInString(text) // Python's len(): characters
 		sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
 			Choices: []completionChunkChoice{c}, Usage: usageFor(r), KVTransferParams: o.KVTransfer})
 	}
@@ -581,6 +579,3 @@ type usageChunk struct {
 	Choices []struct{} `json:"choices"`
 	Usage   *usageInfo `json:"usage"`
 }
-
-// runeCount is Python's len() of a string: its characters.
-func runeCount(s string) int { return utf8.RuneCountInString(s) }

@@ -61,11 +61,11 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 	p.bestOf = p.n
 	if c.BestOf != nil {
 		switch b := *c.BestOf; {
-		case b < int64ToJSON(p.n):
+		case b < jsonInt(p.n):
 			return p, badRequest("best_of", "best_of must be greater than or equal to n, got n=%d and best_of=%d.", p.n, b)
 		case b > maxChoices:
 			return p, badRequest("best_of", "best_of must be at most %d, got %d.", maxChoices, b)
-		case b > int64ToJSON(p.n) && c.Stream != nil && *c.Stream:
+		case b > jsonInt(p.n) && c.Stream != nil && *c.Stream:
 			return p, badRequest("best_of", "best_of must equal n to stream, got n=%d and best_of=%d.", p.n, b)
 		}
 		p.bestOf = int(*c.BestOf)
@@ -282,9 +282,6 @@ func (s *Server) chatLogprobs(on *bool, top *jsonInt, vocab int, p *genParams) *
 	p.logprobs, p.topLogprobs = true, int(k)
 	return nil
 }
-
-// int64ToJSON converts a count for comparison with a request integer.
-func int64ToJSON(n int) jsonInt { return jsonInt(n) }
 
 // checkNumLogprobs checks a logprobs count against --max-logprobs (−1 means the vocabulary).
 func (s *Server) checkNumLogprobs(param, kind string, k jsonInt, vocab int) *APIError {

@@ -24,8 +24,6 @@ import (
 
 // decodeOptions adapt the decode leg to a proxy.
 type decodeOptions struct {
-	// streaming says whether the client asked for a stream.
-	streaming bool
 	// usage says whether a usage-only chunk from D is forwarded to a streaming client.
 	usage bool
 	// first, if set, is called when the first content reaches the client (TTFT).

@@ -350,7 +350,6 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	}
 	dstart := time.Now()
 	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
-		streaming:   b.streaming(),
 		usage:       wantUsage,
 		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
 		unreachable: func() { mt.markUnhealthy(dInst) },
