@@ -21,7 +21,8 @@ const explicitSeedZero = math.MinInt64
 // per position.
 const DefaultMaxLogprobs = 20
 
-// maxChoices bounds n and best_of: one request may not queue more sequences than this.
+// maxChoices bounds n and best_of: one request may not queue more sequences than this (each
+// also takes a MaxConcurrentRequests slot, at most the whole limit).
 const maxChoices = 256
 
 // genParams are a request's validated generation parameters, before the prompt is known.
