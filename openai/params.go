@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"strconv"
@@ -24,6 +25,17 @@ const DefaultMaxLogprobs = 20
 // maxChoices bounds n and best_of: one request may not queue more sequences than this (each
 // also takes a MaxConcurrentRequests slot, at most the whole limit).
 const maxChoices = 256
+
+// maxBadWords and maxBadWordTokens bound bad_words: the words, and the tokens of their
+// encodings (with the leading-space variants), since the sampler checks every one of them at
+// every step of every sequence of the shared step loop.
+const (
+	maxBadWords      = 1024
+	maxBadWordTokens = 16384
+)
+
+// maxListedIDs bounds the out-of-vocabulary ids an error message lists.
+const maxListedIDs = 16
 
 // genParams are a request's validated generation parameters, before the prompt is known.
 type genParams struct {
@@ -132,7 +144,12 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 		}
 		if len(bad) > 0 {
 			slices.Sort(bad)
-			return p, badRequest("logit_bias", "token_id(s) %v in logit_bias contain out-of-vocab token ids. Vocabulary size: %d", bad, vocab)
+			more := ""
+			if len(bad) > maxListedIDs {
+				more = fmt.Sprintf(" (and %d more)", len(bad)-maxListedIDs)
+				bad = bad[:maxListedIDs]
+			}
+			return p, badRequest("logit_bias", "token_id(s) %v%s in logit_bias contain out-of-vocab token ids. Vocabulary size: %d", bad, more, vocab)
 		}
 	}
 	if c.AllowedTokenIDs != nil {
@@ -146,7 +163,9 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 			p.sampling.AllowedTokenIDs = append(p.sampling.AllowedTokenIDs, int32(id))
 		}
 	}
-	p.sampling.BadWords = s.badWords(c.BadWords)
+	if p.sampling.BadWords, apiErr = s.badWords(c.BadWords); apiErr != nil {
+		return p, apiErr
+	}
 	if c.ResponseFormat != nil && c.ResponseFormat.Type != "" && c.ResponseFormat.Type != "text" {
 		return p, unsupported("response_format", "response_format "+c.ResponseFormat.Type)
 	}
@@ -302,10 +321,15 @@ func (s *Server) checkNumLogprobs(param, kind string, k jsonInt, vocab int) *API
 
 // badWords tokenizes bad_words as vLLM does: each word as written (leading spaces stripped)
 // and, when that makes a different first token of the same length, with a leading space, so
-// that it is banned at the start of the text and after a space.
-func (s *Server) badWords(words []string) [][]int32 {
+// that it is banned at the start of the text and after a space. More than maxBadWords words, or
+// encodings of more than maxBadWordTokens tokens in all, are refused.
+func (s *Server) badWords(words []string) ([][]int32, *APIError) {
+	if len(words) > maxBadWords {
+		return nil, badRequest("bad_words", "bad_words may hold at most %d words, got %d.", maxBadWords, len(words))
+	}
 	tok := s.model.Tokenizer()
 	var out [][]int32
+	total := 0
 	for _, w := range words {
 		w = strings.TrimLeftFunc(w, unicode.IsSpace)
 		plain := tok.Encode(w)
@@ -313,11 +337,16 @@ func (s *Server) badWords(words []string) [][]int32 {
 			continue
 		}
 		out = append(out, plain)
+		total += len(plain)
 		if spaced := tok.Encode(" " + w); len(spaced) == len(plain) && spaced[0] != plain[0] {
 			out = append(out, spaced)
+			total += len(spaced)
+		}
+		if total > maxBadWordTokens {
+			return nil, badRequest("bad_words", "bad_words may encode to at most %d tokens in all (leading-space variants included).", maxBadWordTokens)
 		}
 	}
-	return out
+	return out, nil
 }
 
 // fitPrompt checks the prompt length against max_model_len and settles max_tokens (default:
