@@ -354,7 +354,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
 		unreachable: func() { mt.markUnhealthy(dInst) },
 		// The turn is stored when D's stream ends, before the client sees [DONE].
-		done: func(ans answer) {
+		done: func(ans *answer) {
 			if conv != "" {
 				mt.remember(r.Context(), conv, chat, b, dInst, ans)
 			}
@@ -364,9 +364,9 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 }
 
 // remember stores the turn a finished answer completes, when it can be reused.
-func (mt *MultiTurn) remember(ctx context.Context, conv string, chat bool, b body, dInst Instance, ans answer) {
+func (mt *MultiTurn) remember(ctx context.Context, conv string, chat bool, b body, dInst Instance, ans *answer) {
 	switch {
-	case ans.err != nil:
+	case ans.failed:
 		return
 	case ans.params == nil:
 		mt.warnNoParams(dInst)
@@ -382,9 +382,9 @@ func (mt *MultiTurn) remember(ctx context.Context, conv string, chat bool, b bod
 		if !ok {
 			return
 		}
-		t = newChatTurn(ans.params, dInst, msgs, ans.text)
+		t = newChatTurn(ans.params, dInst, msgs, ans.text.String())
 	} else if p, ok := b["prompt"].(string); ok {
-		t = newCompletionTurn(ans.params, dInst, p, ans.text)
+		t = newCompletionTurn(ans.params, dInst, p, ans.text.String())
 	} else {
 		return // token-id prompts cannot be checked for continuation
 	}
