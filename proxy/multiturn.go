@@ -344,9 +344,19 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		v, set := so["include_usage"]
 		wantUsage = !set || v == true
 	}
-	dbody := maps.Clone(decodeRequest(b, dparams)) // never the client's own body
+	dbody := decodeRequest(b, dparams) // a copy: never the client's own body
 	if b.streaming() {
-		dbody["stream_options"] = map[string]any{"include_usage": true}
+		// The client's stream_options (continuous_usage_stats, …) with include_usage on; per-chunk
+		// usage only if the client asked for usage, as vLLM gives it only with include_usage.
+		so := map[string]any{}
+		if c, ok := b["stream_options"].(map[string]any); ok {
+			so = maps.Clone(c)
+		}
+		so["include_usage"] = true
+		if !wantUsage {
+			delete(so, "continuous_usage_stats")
+		}
+		dbody["stream_options"] = so
 	}
 	dstart := time.Now()
 	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
