@@ -36,10 +36,11 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	if apiErr != nil {
 		return nil, apiErr
 	}
-	prompt := tok.Encode(text)
+	encode := tok.Encode
 	if req.AddSpecialTokens != nil && *req.AddSpecialTokens {
-		prompt = tok.EncodeSpecial(text)
+		encode = tok.EncodeSpecial
 	}
+	prompt := encode(text)
 	if apiErr := s.fitPrompt(&p, len(prompt), "messages"); apiErr != nil {
 		return nil, apiErr
 	}

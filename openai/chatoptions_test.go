@@ -16,12 +16,22 @@ import (
 // post-processor adds <|begin_of_text|>), from the tokenizer package's test fixtures.
 func realTokenizerModel(t *testing.T, tok string) string {
 	t.Helper()
+	return realTokenizerModelWith(t, tok, "")
+}
+
+// realTokenizerModelWith is realTokenizerModel with tokConfig, if not empty, as its
+// tokenizer_config.json.
+func realTokenizerModelWith(t *testing.T, tok, tokConfigOverride string) string {
+	t.Helper()
 	cfg := model.Qwen3_0_6B()
 	cfg.NumLayers, cfg.HiddenSize, cfg.IntermediateSize, cfg.NumHeads, cfg.NumKVHeads, cfg.HeadDim = 1, 32, 64, 2, 1, 16
 	tokConfig := `{"bos_token": null, "eos_token": "<|im_end|>", "chat_template": ` + jsonString(t, "../model/tokenizer/testdata/qwen3_chat_template.jinja") + `}`
 	if tok == "llama3_1" {
 		cfg.VocabSize = 128256
 		tokConfig = `{"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}`
+	}
+	if tokConfigOverride != "" {
+		tokConfig = tokConfigOverride
 	}
 	dir := t.TempDir()
 	if _, err := model.WriteRandomCheckpoint(dir, model.RandomCheckpoint{Config: cfg}); err != nil {

@@ -151,3 +151,61 @@ func TestBodyReadDeadline(t *testing.T) {
 		t.Errorf("408 body: %s", b.String())
 	}
 }
+
+// failLaterAdds is an Engine whose Adds after the first fail as a closing engine's do. It has
+// no Config method, so the server adds every sequence at once (no prefix-cache sharing).
+type failLaterAdds struct {
+	eng  *engine.Engine
+	mu   sync.Mutex
+	adds int
+}
+
+func (f *failLaterAdds) Add(ctx context.Context, r *engine.Request) (*engine.Stream, error) {
+	f.mu.Lock()
+	f.adds++
+	n := f.adds
+	f.mu.Unlock()
+	if n > 1 {
+		return nil, engine.ErrClosed
+	}
+	return f.eng.Add(ctx, r)
+}
+
+func (f *failLaterAdds) Stats() engine.Stats { return f.eng.Stats() }
+
+// TestPartlyAddedNotDeclined: when the engine takes a request's first sequence (the one with
+// the kv_transfer_params) and refuses a later one, the request fails, and its params are not
+// handed to DeclineKV: the aborted first sequence tells the producer through the connector,
+// and a second notice would reach a producer that already freed the blocks.
+func TestPartlyAddedNotDeclined(t *testing.T) {
+	var d declined
+	e := newEnv(t)
+	fe := &failLaterAdds{eng: e.engine}
+	e.server = NewServer(Config{ServedModelNames: []string{testModelName}, MaxModelLen: testMaxModelLen,
+		DeclineKV: d.record}, fe, e.model)
+	resp, raw := e.post(t, "/v1/completions", map[string]any{"prompt": "hello", "max_tokens": 2, "n": 2,
+		"kv_transfer_params": map[string]any{"id": "partly"}}, nil)
+	if resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("status %d %s, want 503", resp.StatusCode, raw)
+	}
+	fe.mu.Lock()
+	adds := fe.adds
+	fe.mu.Unlock()
+	if adds != 2 {
+		t.Fatalf("%d adds, want 2 (the first taken, the second refused)", adds)
+	}
+	if got := d.ids(); len(got) != 0 {
+		t.Errorf("declined %v after the engine took the first sequence", got)
+	}
+	// The single-sequence refusal is still declined.
+	fe.mu.Lock()
+	fe.adds = 1
+	fe.mu.Unlock()
+	if resp, raw := e.post(t, "/v1/completions", map[string]any{"prompt": "hello", "max_tokens": 2,
+		"kv_transfer_params": map[string]any{"id": "refused"}}, nil); resp.StatusCode != http.StatusServiceUnavailable {
+		t.Fatalf("refused: %d %s", resp.StatusCode, raw)
+	}
+	if got := fmt.Sprint(d.ids()); got != "[refused]" {
+		t.Errorf("declined %s, want [refused]", got)
+	}
+}

@@ -170,3 +170,56 @@ func TestEmptyStreamOptionsWithoutStream(t *testing.T) {
 		}
 	}
 }
+
+// TestBadWordsAndLogitBiasBounds: bad_words is bounded in words and in tokens (400 naming
+// bad_words beyond either bound), and a logit_bias error lists at most maxListedIDs of its
+// out-of-vocabulary ids.
+func TestBadWordsAndLogitBiasBounds(t *testing.T) {
+	e := newEnv(t)
+	tok := e.model.Tokenizer()
+	refused := func(name string, body map[string]any, param, contains string) {
+		t.Helper()
+		resp, b := e.post(t, "/v1/completions", body, nil)
+		if resp.StatusCode != http.StatusBadRequest {
+			t.Fatalf("%s: status %d, want 400: %.300s", name, resp.StatusCode, b)
+		}
+		eo := errorOf(t, b, http.StatusBadRequest)
+		if eo["param"] != param || !strings.Contains(eo["message"].(string), contains) {
+			t.Errorf("%s: error %v, want param %s and %q", name, eo, param, contains)
+		}
+		if len(b) > 2000 {
+			t.Errorf("%s: a %d-byte error", name, len(b))
+		}
+	}
+	words := func(n int, w string) []string {
+		out := make([]string, n)
+		for i := range out {
+			out[i] = w
+		}
+		return out
+	}
+	refused("too many words", map[string]any{"prompt": "x", "max_tokens": 1, "bad_words": words(maxBadWords+1, "a")},
+		"bad_words", fmt.Sprint(maxBadWords))
+	long := strings.Repeat("zebra crossing ", 40)
+	per := len(tok.Encode(long))
+	if n := maxBadWordTokens/per + 1; n > maxBadWords {
+		t.Fatalf("%d tokens a word: the token bound cannot be reached within %d words", per, maxBadWords)
+	}
+	refused("too many tokens", map[string]any{"prompt": "x", "max_tokens": 1, "bad_words": words(maxBadWordTokens/per+1, long)},
+		"bad_words", fmt.Sprint(maxBadWordTokens))
+	if resp, b := e.post(t, "/v1/completions", map[string]any{"prompt": "x", "max_tokens": 1, "bad_words": words(maxBadWords, "a")}, nil); resp.StatusCode != http.StatusOK {
+		t.Errorf("%d one-token words: %d %.300s", maxBadWords, resp.StatusCode, b)
+	}
+
+	bias := map[string]any{}
+	const badIDs = 40
+	for i := range badIDs {
+		bias[fmt.Sprint(100000000+i)] = 1
+	}
+	refused("logit_bias", map[string]any{"prompt": "x", "logit_bias": bias}, "logit_bias",
+		fmt.Sprintf("(and %d more)", badIDs-maxListedIDs))
+	resp, b := e.post(t, "/v1/completions", map[string]any{"prompt": "x", "logit_bias": bias}, nil)
+	if msg := errorOf(t, b, resp.StatusCode)["message"].(string); strings.Contains(msg, fmt.Sprint(100000000+maxListedIDs)) {
+		t.Errorf("logit_bias error lists more than %d ids: %s", maxListedIDs, msg)
+	}
+}

@@ -57,7 +57,6 @@ type seqResult struct {
 	cached     int
 	external   int
 	started    bool // its first output arrived
-	finished   bool
 	last       time.Time
 	sentRunes  int  // characters streamed so far (completions text_offset)
 	echoed     bool // the streamed echo went out
@@ -145,10 +144,12 @@ type runner struct {
 	gotToken bool
 }
 
-// startJob adds the job's first sequence (and, unless they wait for it, the others). An error
-// means the engine took nothing.
-func (s *Server) startJob(ctx context.Context, j *job) (*runner, *APIError) {
-	rn := &runner{s: s, j: j, client: ctx, events: make(chan seqEvent), stop: make(chan struct{}),
+// startJob adds the job's first sequence (and, unless they wait for it, the others). On an
+// error, taken reports whether the engine took a sequence before it: that sequence, aborted,
+// carried the kv_transfer_params, so the engine's connector tells the producer itself and the
+// request must not be declined as well.
+func (s *Server) startJob(ctx context.Context, j *job) (rn *runner, taken bool, apiErr *APIError) {
+	rn = &runner{s: s, j: j, client: ctx, events: make(chan seqEvent), stop: make(chan struct{}),
 		res: make([]*seqResult, len(j.reqs)), start: time.Now()}
 	rn.ctx, rn.cancel = context.WithCancel(ctx)
 	for i := range rn.res {
@@ -156,16 +157,16 @@ func (s *Server) startJob(ctx context.Context, j *job) (*runner, *APIError) {
 	}
 	if apiErr := rn.add(); apiErr != nil {
 		rn.close()
-		return nil, apiErr
+		return nil, false, apiErr
 	}
 	rn.share = len(j.reqs) > 1 && !j.p.promptLogprobs && s.prefixCaching()
 	if !rn.share {
 		if apiErr := rn.addRest(); apiErr != nil {
-			rn.close()
-			return nil, apiErr
+			rn.close() // aborts sequence 0, which the engine took
+			return nil, true, apiErr
 		}
 	}
-	return rn, nil
+	return rn, true, nil
 }
 
 // prefixCaching reports whether the engine caches prefixes (when it says).
@@ -271,7 +272,6 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 				}
 				continue
 			}
-			r.finished = true
 			finished++
 			rn.s.metrics.ObserveFinished(o.FinishReason, time.Since(rn.start))
 			switch o.FinishReason {
@@ -414,10 +414,10 @@ func (j *job) completionText(r *seqResult, text string, tokens []int32, lps []mo
 // the request (from then on the engine and its connector own its kv_transfer_params).
 func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) bool {
 	ctx := r.Context()
-	rn, apiErr := s.startJob(ctx, j)
+	rn, taken, apiErr := s.startJob(ctx, j)
 	if apiErr != nil {
 		writeError(w, apiErr)
-		return false
+		return taken
 	}
 	defer rn.close()
 	if j.p.stream {
@@ -543,7 +543,7 @@ func (s *Server) stream(w http.ResponseWriter, j *job, rn *runner) {
 		if j.p.logprobs {
 			c.Logprobs = newCompletionLogprobs(tok, toks, pos, j.p.topLogprobs, r.sentRunes)
 		}
-		r.sentRunes += runeCount(text)
+		r.sentRunes += utf8.RuneCountInString(text) // Python's len(): characters
 		sse.event(completionChunk{ID: j.id, Object: "text_completion", Created: j.created, Model: j.model,
 			Choices: []completionChunkChoice{c}, Usage: usageFor(r), KVTransferParams: o.KVTransfer})
 	}
@@ -581,6 +581,3 @@ type usageChunk struct {
 	Choices []struct{} `json:"choices"`
 	Usage   *usageInfo `json:"usage"`
 }
-
-// runeCount is Python's len() of a string: its characters.
-func runeCount(s string) int { return utf8.RuneCountInString(s) }

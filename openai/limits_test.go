@@ -4,9 +4,11 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvbridge/kvbridge/engine"
 )
@@ -69,5 +71,66 @@ func TestDefaultMaxTokensFromGenerationConfig(t *testing.T) {
 	u := decode(t, body)["usage"].(map[string]any)
 	if got, want := int(u["completion_tokens"].(float64)), e.model.Generation().MaxNewTokens; got != want {
 		t.Errorf("completion_tokens = %d, want the model's max_new_tokens %d", got, want)
+	}
+}
+
+// TestConcurrencyLimitCountsSequences: MaxConcurrentRequests counts sequences, max(n, best_of)
+// per request: a request with n=4 in flight fills a limit of 4 (one more n=1 request gets
+// 429); with n=3 in flight an n=2 request gets 429 and an n=1 request is served; a request with
+// more sequences than the whole limit is served when it is alone.
+func TestConcurrencyLimitCountsSequences(t *testing.T) {
+	conn := newTestConnector()
+	e := newEnv(t, func(c *Config) { c.MaxConcurrentRequests = 4 },
+		envEngineOption(func(c *engine.Config) { c.Connector = conn }))
+	// park starts a request with n sequences whose load never completes, so that it holds its
+	// slots until the returned stop is called; stop waits for its handler.
+	park := func(n int) (stop func()) {
+		ctx, cancel := context.WithCancel(t.Context())
+		parked := make(chan struct{})
+		go func() {
+			defer close(parked)
+			body := fmt.Sprintf(`{"prompt":"park","max_tokens":2,"n":%d,"kv_transfer_params":{"test_park_load":true}}`, n)
+			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, e.http.URL+"/v1/completions", strings.NewReader(body))
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+			}
+		}()
+		select {
+		case <-conn.parking:
+		case <-time.After(testWait):
+			t.Fatal("the request never parked")
+		}
+		return func() { cancel(); <-parked }
+	}
+	status := func(n int) int {
+		resp, raw := e.post(t, "/v1/completions", map[string]any{"prompt": "hello", "max_tokens": 2, "n": n}, nil)
+		if resp.StatusCode == http.StatusTooManyRequests {
+			var body struct{ Error struct{ Type string } }
+			if err := json.Unmarshal(raw, &body); err != nil || body.Error.Type != "RateLimitError" || resp.Header.Get("Retry-After") == "" {
+				t.Errorf("429 %s (Retry-After %q)", raw, resp.Header.Get("Retry-After"))
+			}
+		}
+		return resp.StatusCode
+	}
+
+	stop := park(4)
+	if got := status(1); got != http.StatusTooManyRequests {
+		t.Errorf("n=1 beside n=4 in flight: %d, want 429", got)
+	}
+	stop()
+	waitHandlers(t, e, 2)
+
+	stop = park(3)
+	if got := status(2); got != http.StatusTooManyRequests {
+		t.Errorf("n=2 beside n=3 in flight: %d, want 429", got)
+	}
+	if got := status(1); got != http.StatusOK {
+		t.Errorf("n=1 beside n=3 in flight: %d, want 200", got)
+	}
+	stop()
+	waitHandlers(t, e, 3)
+
+	if got := status(6); got != http.StatusOK {
+		t.Errorf("n=6 alone under a limit of 4: %d, want 200", got)
 	}
 }

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"strconv"
@@ -21,8 +22,20 @@ const explicitSeedZero = math.MinInt64
 // per position.
 const DefaultMaxLogprobs = 20
 
-// maxChoices bounds n and best_of: one request may not queue more sequences than this.
+// maxChoices bounds n and best_of: one request may not queue more sequences than this (each
+// also takes a MaxConcurrentRequests slot, at most the whole limit).
 const maxChoices = 256
+
+// maxBadWords and maxBadWordTokens bound bad_words: the words, and the tokens of their
+// encodings (with the leading-space variants), since the sampler checks every one of them at
+// every step of every sequence of the shared step loop.
+const (
+	maxBadWords      = 1024
+	maxBadWordTokens = 16384
+)
+
+// maxListedIDs bounds the out-of-vocabulary ids an error message lists.
+const maxListedIDs = 16
 
 // genParams are a request's validated generation parameters, before the prompt is known.
 type genParams struct {
@@ -61,11 +74,11 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 	p.bestOf = p.n
 	if c.BestOf != nil {
 		switch b := *c.BestOf; {
-		case b < int64ToJSON(p.n):
+		case b < jsonInt(p.n):
 			return p, badRequest("best_of", "best_of must be greater than or equal to n, got n=%d and best_of=%d.", p.n, b)
 		case b > maxChoices:
 			return p, badRequest("best_of", "best_of must be at most %d, got %d.", maxChoices, b)
-		case b > int64ToJSON(p.n) && c.Stream != nil && *c.Stream:
+		case b > jsonInt(p.n) && c.Stream != nil && *c.Stream:
 			return p, badRequest("best_of", "best_of must equal n to stream, got n=%d and best_of=%d.", p.n, b)
 		}
 		p.bestOf = int(*c.BestOf)
@@ -131,7 +144,12 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 		}
 		if len(bad) > 0 {
 			slices.Sort(bad)
-			return p, badRequest("logit_bias", "token_id(s) %v in logit_bias contain out-of-vocab token ids. Vocabulary size: %d", bad, vocab)
+			more := ""
+			if len(bad) > maxListedIDs {
+				more = fmt.Sprintf(" (and %d more)", len(bad)-maxListedIDs)
+				bad = bad[:maxListedIDs]
+			}
+			return p, badRequest("logit_bias", "token_id(s) %v%s in logit_bias contain out-of-vocab token ids. Vocabulary size: %d", bad, more, vocab)
 		}
 	}
 	if c.AllowedTokenIDs != nil {
@@ -145,7 +163,9 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 			p.sampling.AllowedTokenIDs = append(p.sampling.AllowedTokenIDs, int32(id))
 		}
 	}
-	p.sampling.BadWords = s.badWords(c.BadWords)
+	if p.sampling.BadWords, apiErr = s.badWords(c.BadWords); apiErr != nil {
+		return p, apiErr
+	}
 	if c.ResponseFormat != nil && c.ResponseFormat.Type != "" && c.ResponseFormat.Type != "text" {
 		return p, unsupported("response_format", "response_format "+c.ResponseFormat.Type)
 	}
@@ -283,9 +303,6 @@ func (s *Server) chatLogprobs(on *bool, top *jsonInt, vocab int, p *genParams) *
 	return nil
 }
 
-// int64ToJSON converts a count for comparison with a request integer.
-func int64ToJSON(n int) jsonInt { return jsonInt(n) }
-
 // checkNumLogprobs checks a logprobs count against --max-logprobs (−1 means the vocabulary).
 func (s *Server) checkNumLogprobs(param, kind string, k jsonInt, vocab int) *APIError {
 	n := int64(k)
@@ -304,10 +321,15 @@ func (s *Server) checkNumLogprobs(param, kind string, k jsonInt, vocab int) *API
 
 // badWords tokenizes bad_words as vLLM does: each word as written (leading spaces stripped)
 // and, when that makes a different first token of the same length, with a leading space, so
-// that it is banned at the start of the text and after a space.
-func (s *Server) badWords(words []string) [][]int32 {
+// that it is banned at the start of the text and after a space. More than maxBadWords words, or
+// encodings of more than maxBadWordTokens tokens in all, are refused.
+func (s *Server) badWords(words []string) ([][]int32, *APIError) {
+	if len(words) > maxBadWords {
+		return nil, badRequest("bad_words", "bad_words may hold at most %d words, got %d.", maxBadWords, len(words))
+	}
 	tok := s.model.Tokenizer()
 	var out [][]int32
+	total := 0
 	for _, w := range words {
 		w = strings.TrimLeftFunc(w, unicode.IsSpace)
 		plain := tok.Encode(w)
@@ -315,11 +337,16 @@ func (s *Server) badWords(words []string) [][]int32 {
 			continue
 		}
 		out = append(out, plain)
+		total += len(plain)
 		if spaced := tok.Encode(" " + w); len(spaced) == len(plain) && spaced[0] != plain[0] {
 			out = append(out, spaced)
+			total += len(spaced)
+		}
+		if total > maxBadWordTokens {
+			return nil, badRequest("bad_words", "bad_words may encode to at most %d tokens in all (leading-space variants included).", maxBadWordTokens)
 		}
 	}
-	return out
+	return out, nil
 }
 
 // fitPrompt checks the prompt length against max_model_len and settles max_tokens (default:

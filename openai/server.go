@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"golang.org/x/sync/semaphore"
 
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/buildinfo"
@@ -70,9 +71,13 @@ type Config struct {
 	// Version is reported by GET /version. Default: the binary's module version and VCS
 	// revision (buildinfo.Version).
 	Version string
-	// MaxConcurrentRequests bounds the completions being served at once; one more is answered
-	// at once with 429 (RateLimitError) instead of queueing without bound. Zero means no limit.
-	// A request takes its slot only once its body has been read.
+	// MaxConcurrentRequests bounds the engine sequences of the completions being served at
+	// once: a request takes one slot per sequence it runs, max(n, best_of), so that n and
+	// best_of cannot multiply the work the bound admits. A request that finds too few slots free
+	// is answered at once with 429 (RateLimitError) instead of queueing without bound. A request
+	// with more sequences than the whole limit takes all of it: it runs, alone. Zero means no
+	// limit. A request takes its first slot only once its body has been read, the rest once
+	// the body has been validated.
 	MaxConcurrentRequests int
 	// BodyReadTimeout bounds the reading of a request body (408 beyond it), so that a client
 	// trickling its body holds nothing for long. Default DefaultBodyReadTimeout.
@@ -112,7 +117,7 @@ type Server struct {
 	mux     *http.ServeMux
 	created int64
 	handler http.Handler
-	slots   chan struct{} // MaxConcurrentRequests tokens, nil without a limit
+	slots   *semaphore.Weighted // MaxConcurrentRequests sequence slots, nil without a limit
 }
 
 // NewServer returns a Server over eng and mdl. It installs eng.Stats as the source of the
@@ -168,7 +173,7 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		}
 	})
 	if cfg.MaxConcurrentRequests > 0 {
-		s.slots = make(chan struct{}, cfg.MaxConcurrentRequests)
+		s.slots = semaphore.NewWeighted(int64(cfg.MaxConcurrentRequests))
 	}
 	s.route("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, s.completionJob) })
 	s.route("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, s.chatJob) })
@@ -247,8 +252,9 @@ func baseRequestID(w http.ResponseWriter, r *http.Request, bodyID *string) strin
 }
 
 // generate serves a completions route: it reads the body (bounded in size and time), takes a
-// concurrency slot (429 when none is free), builds the job and serves it. A request refused on
-// the way has its producer told at once (Config.DeclineKV).
+// concurrency slot (429 when none is free), builds the job, takes a slot for each of its other
+// sequences (429 when too few are free) and serves it. A request refused on the way has its
+// producer told at once (Config.DeclineKV).
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(http.ResponseWriter, *http.Request, []byte) (*job, *APIError)) {
 	body, apiErr := s.readBody(w, r)
 	if apiErr != nil {
@@ -261,7 +267,7 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(htt
 			s.decline(body)
 		}
 	}()
-	release, apiErr := s.acquire()
+	release, apiErr := s.acquire(1)
 	if apiErr != nil {
 		writeError(w, apiErr)
 		return
@@ -272,22 +278,30 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(htt
 		writeError(w, apiErr)
 		return
 	}
+	// One slot per sequence, at most the whole limit: a request larger than the limit is not
+	// refused (n and best_of are valid up to maxChoices whatever the limit) but runs alone.
+	if more := min(len(j.reqs), s.cfg.MaxConcurrentRequests) - 1; s.slots != nil && more > 0 {
+		releaseMore, apiErr := s.acquire(more)
+		if apiErr != nil {
+			writeError(w, apiErr)
+			return
+		}
+		defer releaseMore()
+	}
 	taken = s.serve(w, r, j)
 }
 
-// acquire takes a concurrency slot; it answers 429 when MaxConcurrentRequests completions are
-// already being served. release gives the slot back.
-func (s *Server) acquire() (release func(), apiErr *APIError) {
+// acquire takes n concurrency slots without waiting; it answers 429 when fewer are free (the
+// sequences of MaxConcurrentRequests are already running). release gives them back.
+func (s *Server) acquire(n int) (release func(), apiErr *APIError) {
 	if s.slots == nil {
 		return func() {}, nil
 	}
-	select {
-	case s.slots <- struct{}{}:
-		return func() { <-s.slots }, nil
-	default:
+	if !s.slots.TryAcquire(int64(n)) {
 		return nil, &APIError{Status: http.StatusTooManyRequests, Type: "RateLimitError", RetryAfter: 1,
-			Message: fmt.Sprintf("The server is already serving %d requests (its limit); retry later.", cap(s.slots))}
+			Message: fmt.Sprintf("The server is already running its limit of %d concurrent sequences (a request runs max(n, best_of) of them); retry later.", s.cfg.MaxConcurrentRequests)}
 	}
+	return func() { s.slots.Release(int64(n)) }, nil
 }
 
 // decline hands the kv_transfer_params of a refused request body, if it has any, to DeclineKV.

@@ -31,9 +31,11 @@ type detokenizeRequest struct {
 	Tokens []jsonInt `json:"tokens"`
 }
 
-// handleTokenize serves POST /tokenize: a prompt is encoded as a completion prompt (the BOS
-// token first when add_special_tokens, the default, and the tokenizer adds one); messages are
-// rendered with the chat template as a chat request is (add_special_tokens defaults to false).
+// handleTokenize serves POST /tokenize: a prompt is encoded as a completion prompt (with the
+// tokenizer's special tokens — its post-processor's BOS, EOS or separators — when
+// add_special_tokens, the default); messages are rendered with the chat template and encoded as
+// a chat request's are (add_special_tokens defaults to false). Either way the count is the
+// request's prompt_tokens.
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	var req tokenizeRequest
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
@@ -59,10 +61,11 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		writeError(w, badRequest("prompt", "Either prompt or messages must be given."))
 		return
 	}
-	ids := tok.Encode(text)
-	if bos, ok := tok.BOSTokenID(); addSpecial && ok && tok.AddBOS() {
-		ids = append([]int32{bos}, ids...)
+	encode := tok.Encode
+	if addSpecial {
+		encode = tok.EncodeSpecial // as completionPrompt and chatJob encode
 	}
+	ids := encode(text)
 	resp := tokenizeResponse{Count: len(ids), MaxModelLen: s.cfg.MaxModelLen, Tokens: ids}
 	if req.ReturnTokenStrs {
 		resp.TokenStrs = tok.TokenStrings(ids)

@@ -93,3 +93,47 @@ func TestPingVersionModels(t *testing.T) {
 		t.Errorf("model card %v", card)
 	}
 }
+
+// TestTokenizeSpecialTokens: /tokenize with add_special_tokens adds every special token the
+// tokenizer adds (here BOS and, by add_eos_token, EOS), as the completions and chat routes do,
+// so its count is their prompt_tokens.
+func TestTokenizeSpecialTokens(t *testing.T) {
+	e := newEnv(t, envModel(realTokenizerModelWith(t, "llama3_1",
+		`{"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": true, "add_eos_token": true}`)))
+	tok := e.model.Tokenizer()
+	bos, _ := tok.BOSTokenID()
+	eos, _ := tok.EOSTokenID()
+	tokenize := func(body map[string]any) []int32 {
+		resp, b := e.post(t, "/tokenize", body, nil)
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("/tokenize %v: %d %s", body, resp.StatusCode, b)
+		}
+		var got struct {
+			Count  int     `json:"count"`
+			Tokens []int32 `json:"tokens"`
+		}
+		if err := json.Unmarshal(b, &got); err != nil || got.Count != len(got.Tokens) {
+			t.Fatalf("/tokenize %v: %s", body, b)
+		}
+		return got.Tokens
+	}
+	text := "Hello world"
+	ids := tokenize(map[string]any{"prompt": text})
+	if want := tok.EncodeSpecial(text); !slices.Equal(ids, want) || ids[0] != bos || ids[len(ids)-1] != eos {
+		t.Errorf("tokenize %v, want %v (BOS … EOS)", ids, want)
+	}
+	if n, _ := promptTokens(t, e, "/v1/completions", map[string]any{"prompt": text}); n != len(ids) {
+		t.Errorf("completion prompt_tokens %d, /tokenize count %d", n, len(ids))
+	}
+	if plain := tokenize(map[string]any{"prompt": text, "add_special_tokens": false}); !slices.Equal(plain, tok.Encode(text)) {
+		t.Errorf("add_special_tokens false: %v", plain)
+	}
+	msgs := []any{map[string]any{"role": "user", "content": "count my tokens"}}
+	chat := tokenize(map[string]any{"messages": msgs, "add_special_tokens": true})
+	if chat[len(chat)-1] != eos {
+		t.Errorf("chat tokenize with add_special_tokens: %v, want EOS last", chat)
+	}
+	if n, _ := promptTokens(t, e, "/v1/chat/completions", map[string]any{"messages": msgs, "add_special_tokens": true}); n != len(chat) {
+		t.Errorf("chat prompt_tokens %d, /tokenize count %d", n, len(chat))
+	}
+}

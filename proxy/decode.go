@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"strings"
 )
 
 // The decode leg, shared by both proxies. D's answer is relayed without D's
@@ -24,15 +25,13 @@ import (
 
 // decodeOptions adapt the decode leg to a proxy.
 type decodeOptions struct {
-	// streaming says whether the client asked for a stream.
-	streaming bool
 	// usage says whether a usage-only chunk from D is forwarded to a streaming client.
 	usage bool
 	// first, if set, is called when the first content reaches the client (TTFT).
 	first func()
 	// done, if set, sees the answer once D's successful answer has ended, before the client
-	// gets its end.
-	done func(answer)
+	// gets its end. Without it the answer is not tracked at all.
+	done func(*answer)
 	// unreachable, if set, is called when D could not be reached (no answer at all).
 	unreachable func()
 }
@@ -86,7 +85,10 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 	ir := newIdleReader(resp.Body, l.cfg.IdleTimeout, cancel)
 	defer ir.close()
 	events := newEventReader(ir)
-	var ans answer
+	var ans *answer // nil: nobody reads it, so nothing is tracked
+	if o.done != nil {
+		ans = &answer{}
+	}
 	for {
 		data, err := events.next()
 		if errors.Is(err, io.EOF) || bytes.Equal(data, doneData) {
@@ -104,8 +106,8 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 			_ = out.rc.Flush()
 			return err
 		}
-		data, forward := ans.event(data)
-		if forward || (o.usage && isUsageChunk(data)) {
+		data, forward, usage := ans.event(data)
+		if forward || (o.usage && usage) {
 			if o.first != nil {
 				o.first()
 				o.first = nil
@@ -127,61 +129,59 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 	return nil
 }
 
-// answer is what D's stream said.
+// answer is what D's answer said, as far as the multi-turn proxy needs it to store the turn.
 type answer struct {
-	text       string
-	finish     string
+	text       strings.Builder // the first choice's text
 	params     map[string]any
-	usage      map[string]any
-	id, model  string
-	created    any
-	err        map[string]any
+	failed     bool // D's answer was an error
 	uncachable bool
 }
 
-// isUsageChunk reports whether an SSE payload is the usage-only chunk.
-func isUsageChunk(data []byte) bool {
-	var m struct {
-		Choices []any `json:"choices"`
-		Usage   any   `json:"usage"`
-	}
-	return json.Unmarshal(data, &m) == nil && len(m.Choices) == 0 && m.Usage != nil
-}
-
-// event records one SSE payload of D's stream. It returns the payload without D's
-// kv_transfer_params and whether a streaming client should see it: every event with a choice
-// (D puts its params on the one with finish_reason), errors and what the proxy cannot parse;
-// not the usage chunk (the caller decides) nor an older engine's chunk that only carried params.
-func (a *answer) event(data []byte) ([]byte, bool) {
+// event reads one SSE payload of D's stream, recording what it says in a unless a is nil. It
+// returns the payload without D's kv_transfer_params; whether a streaming client should see it:
+// every event with a choice (D puts its params on the one with finish_reason), errors and what
+// the proxy cannot parse, not the usage chunk (the caller decides) nor an older engine's chunk
+// that only carried params; and whether it is the usage-only chunk (no choices, a usage).
+func (a *answer) event(data []byte) (out []byte, forward, usage bool) {
 	data, params := withoutParams(data)
-	if params != nil {
+	if a != nil && params != nil {
 		a.params = params
 	}
 	dec := json.NewDecoder(bytes.NewReader(data))
-	dec.UseNumber()
-	var m map[string]any
+	var m map[string]json.RawMessage
 	if dec.Decode(&m) != nil {
-		return data, true // not ours to judge
+		return data, true, false // not ours to judge
 	}
-	if e, ok := m["error"].(map[string]any); ok {
-		a.err = e
-		return data, true
+	if e := m["error"]; len(e) > 0 && e[0] == '{' {
+		if a != nil {
+			a.failed = true
+		}
+		return data, true, false
 	}
-	if id, ok := m["id"].(string); ok {
-		a.id = id
+	n := 0 // choices
+	raw := m["choices"]
+	isList := len(raw) > 0 && raw[0] == '['
+	switch {
+	case isList && a != nil:
+		var choices []any
+		d := json.NewDecoder(bytes.NewReader(raw))
+		d.UseNumber()
+		_ = d.Decode(&choices)
+		n = len(choices)
+		a.choices(choices, "delta")
+	case isList:
+		var choices []json.RawMessage
+		_ = json.Unmarshal(raw, &choices)
+		n = len(choices)
 	}
-	if s, ok := m["model"].(string); ok {
-		a.model = s
+	if n > 0 {
+		return data, true, false
 	}
-	if c, ok := m["created"]; ok {
-		a.created = c
-	}
-	choices, _ := m["choices"].([]any)
-	a.choices(choices, "delta")
-	if u, ok := m["usage"].(map[string]any); ok {
-		a.usage = u
-	}
-	return data, len(choices) > 0
+	// The usage chunk: choices absent, null or [], a usage, and nothing after the object.
+	_, err := dec.Token()
+	u := m["usage"]
+	usage = err == io.EOF && (len(raw) == 0 || isList || string(raw) == "null") && len(u) > 0 && string(u) != "null"
+	return data, false, usage
 }
 
 // choices records what the first choice (index 0: the one a next turn continues) says, in a
@@ -193,11 +193,11 @@ func (a *answer) choices(choices []any, key string) {
 			continue
 		}
 		if s, ok := ch["text"].(string); ok {
-			a.text += s
+			a.text.WriteString(s)
 		}
 		if d, ok := ch[key].(map[string]any); ok {
 			if s, ok := d["content"].(string); ok {
-				a.text += s
+				a.text.WriteString(s)
 			}
 			for _, k := range []string{"reasoning", "reasoning_content", "tool_calls", "function_call"} {
 				if v, ok := d[k]; ok && v != nil && !isEmptyList(v) {
@@ -205,29 +205,23 @@ func (a *answer) choices(choices []any, key string) {
 				}
 			}
 		}
-		if f, ok := ch["finish_reason"].(string); ok {
-			a.finish = f
-		}
 	}
 }
 
 // answerOf reads a whole (non-streaming) JSON answer, without its params.
-func answerOf(data []byte) answer {
-	var a answer
+func answerOf(data []byte) *answer {
+	a := &answer{}
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	var m map[string]any
 	if dec.Decode(&m) != nil {
 		return a
 	}
-	if e, ok := m["error"].(map[string]any); ok {
-		a.err = e
+	if _, ok := m["error"].(map[string]any); ok {
+		a.failed = true
 	}
 	choices, _ := m["choices"].([]any)
 	a.choices(choices, "message")
-	if u, ok := m["usage"].(map[string]any); ok {
-		a.usage = u
-	}
 	return a
 }
 

@@ -20,10 +20,13 @@ func FuzzSSEParse(f *testing.F) {
 			if err != nil {
 				break
 			}
-			out, _ := a.event(data)
-			isUsageChunk(out)
+			out, _, _ := a.event(data)
 			if _, params := withoutParams(out); params != nil {
 				t.Fatalf("params survived in %q", out)
+			}
+			untracked, _, _ := (*answer)(nil).event(data) // the one-way proxy tracks nothing
+			if _, params := withoutParams(untracked); params != nil {
+				t.Fatalf("params survived in %q", untracked)
 			}
 		}
 	})

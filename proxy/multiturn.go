@@ -344,18 +344,27 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		v, set := so["include_usage"]
 		wantUsage = !set || v == true
 	}
-	dbody := maps.Clone(decodeRequest(b, dparams)) // never the client's own body
+	dbody := decodeRequest(b, dparams) // a copy: never the client's own body
 	if b.streaming() {
-		dbody["stream_options"] = map[string]any{"include_usage": true}
+		// The client's stream_options (continuous_usage_stats, …) with include_usage on; per-chunk
+		// usage only if the client asked for usage, as vLLM gives it only with include_usage.
+		so := map[string]any{}
+		if c, ok := b["stream_options"].(map[string]any); ok {
+			so = maps.Clone(c)
+		}
+		so["include_usage"] = true
+		if !wantUsage {
+			delete(so, "continuous_usage_stats")
+		}
+		dbody["stream_options"] = so
 	}
 	dstart := time.Now()
 	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
-		streaming:   b.streaming(),
 		usage:       wantUsage,
 		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
 		unreachable: func() { mt.markUnhealthy(dInst) },
 		// The turn is stored when D's stream ends, before the client sees [DONE].
-		done: func(ans answer) {
+		done: func(ans *answer) {
 			if conv != "" {
 				mt.remember(r.Context(), conv, chat, b, dInst, ans)
 			}
@@ -365,9 +374,9 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 }
 
 // remember stores the turn a finished answer completes, when it can be reused.
-func (mt *MultiTurn) remember(ctx context.Context, conv string, chat bool, b body, dInst Instance, ans answer) {
+func (mt *MultiTurn) remember(ctx context.Context, conv string, chat bool, b body, dInst Instance, ans *answer) {
 	switch {
-	case ans.err != nil:
+	case ans.failed:
 		return
 	case ans.params == nil:
 		mt.warnNoParams(dInst)
@@ -383,9 +392,9 @@ func (mt *MultiTurn) remember(ctx context.Context, conv string, chat bool, b bod
 		if !ok {
 			return
 		}
-		t = newChatTurn(ans.params, dInst, msgs, ans.text)
+		t = newChatTurn(ans.params, dInst, msgs, ans.text.String())
 	} else if p, ok := b["prompt"].(string); ok {
-		t = newCompletionTurn(ans.params, dInst, p, ans.text)
+		t = newCompletionTurn(ans.params, dInst, p, ans.text.String())
 	} else {
 		return // token-id prompts cannot be checked for continuation
 	}

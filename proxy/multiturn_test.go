@@ -251,3 +251,67 @@ func TestMultiTurnConversationID(t *testing.T) {
 		t.Errorf("strict proxy without an id: %d %s", r.status, r.raw)
 	}
 }
+
+// TestMultiTurnKeepsStreamOptions: the multi-turn proxy asks D for usage on a stream but keeps
+// the client's other stream_options: with continuous_usage_stats every chunk with a choice
+// after the role chunk carries usage, as from the engine itself; a client that asked for no
+// usage gets none (and D is not asked for per-chunk usage).
+func TestMultiTurnKeepsStreamOptions(t *testing.T) {
+	p, d := startBidirectional(t, "kv_producer", false), startBidirectional(t, "kv_consumer", true)
+	rec := record(t, d.URL)
+	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: proxy.Config{
+		Prefill: []proxy.Instance{instanceOf(t, p.URL)}, Decode: []proxy.Instance{instanceOf(t, rec.srv.URL)}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mt)
+	t.Cleanup(func() { srv.Close(); mt.Close() })
+	for i, tc := range []struct {
+		options   map[string]any
+		toD       string
+		usageEach bool
+	}{
+		{map[string]any{"include_usage": true, "continuous_usage_stats": true}, `{"continuous_usage_stats":true,"include_usage":true}`, true},
+		{map[string]any{"include_usage": false, "continuous_usage_stats": true}, `{"include_usage":true}`, false},
+	} {
+		resp, raw := do(t, http.MethodPost, srv.URL+"/v1/chat/completions", map[string]any{
+			"model": "kvbridge/tiny", "messages": []map[string]any{{"role": "user", "content": "hi"}}, "max_tokens": 4,
+			"temperature": 0, "ignore_eos": true, "stream": true, "stream_options": tc.options, "conversation_id": fmt.Sprint("opts-", i)})
+		if resp.StatusCode != http.StatusOK {
+			t.Fatalf("%v: status %d %s", tc.options, resp.StatusCode, raw)
+		}
+		rec.mu.Lock()
+		got, _ := json.Marshal(rec.bodies[len(rec.bodies)-1]["stream_options"])
+		rec.mu.Unlock()
+		if string(got) != tc.toD {
+			t.Errorf("%v: D was asked for stream_options %s, want %s", tc.options, got, tc.toD)
+		}
+		chunks, withUsage := 0, 0
+		for _, line := range strings.Split(string(raw), "\n") {
+			data, ok := strings.CutPrefix(line, "data: ")
+			if !ok || data == "[DONE]" {
+				continue
+			}
+			var m struct {
+				Choices []struct {
+					Delta struct{ Role string } `json:"delta"`
+				} `json:"choices"`
+				Usage any `json:"usage"`
+			}
+			if err := json.Unmarshal([]byte(data), &m); err != nil {
+				t.Fatalf("bad event %q", data)
+			}
+			if len(m.Choices) > 0 && m.Choices[0].Delta.Role == "" {
+				chunks++
+				if m.Usage != nil {
+					withUsage++
+				}
+			} else if m.Usage != nil && !tc.usageEach {
+				t.Errorf("%v: a usage chunk the client did not ask for: %s", tc.options, data)
+			}
+		}
+		if chunks == 0 || (tc.usageEach && withUsage != chunks) || (!tc.usageEach && withUsage != 0) {
+			t.Errorf("%v: %d of %d chunks with usage\n%s", tc.options, withUsage, chunks, raw)
+		}
+	}
+}

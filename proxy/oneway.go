@@ -137,5 +137,5 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 	}
 	// The client's body goes to D unchanged (conformance item 2): D streams only if the client
 	// asked, and its usage chunk is the client's.
-	_ = o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params), decodeOptions{streaming: b.streaming(), usage: true})
+	_ = o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params), decodeOptions{usage: true})
 }

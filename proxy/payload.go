@@ -70,14 +70,14 @@ func prefillRequest(b body, params map[string]any) body {
 	return p
 }
 
-// decodeRequest is the client's body with P's params substituted and nothing else changed
-// (conformance item 2). Without params from P, the body goes unchanged and D prefills locally.
+// decodeRequest is a shallow copy of the client's body with P's params substituted and nothing
+// else changed (conformance item 2). Without params from P, the copy is the body unchanged and
+// D prefills locally. Being a copy, it may be changed without touching the client's body.
 func decodeRequest(b body, params map[string]any) body {
-	if len(params) == 0 {
-		return b
-	}
 	d := maps.Clone(b)
-	d["kv_transfer_params"] = params
+	if len(params) > 0 {
+		d["kv_transfer_params"] = params
+	}
 	return d
 }
 

@@ -88,18 +88,3 @@ func copyHeaders(w http.ResponseWriter, resp *http.Response, reqID string) {
 	}
 	w.Header().Set("X-Request-Id", reqID)
 }
-
-// relayJSON answers the client with an engine's whole (non-streaming) response, less the
-// engine's kv_transfer_params: they name blocks a client has no use for.
-func relayJSON(w http.ResponseWriter, resp *http.Response, reqID string, idle time.Duration, cancel context.CancelCauseFunc) error {
-	data, err := readAllIdle(resp.Body, idle, cancel)
-	if err != nil {
-		return err
-	}
-	data, _ = withoutParams(data)
-	copyHeaders(w, resp, reqID)
-	w.Header().Del("Content-Length")
-	w.WriteHeader(resp.StatusCode)
-	_, err = w.Write(data)
-	return err
-}
