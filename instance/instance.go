@@ -84,7 +84,8 @@ type Config struct {
 	ServedModelNames []string
 	// APIKey, if set, is required as a Bearer token on /v1 routes.
 	APIKey string
-	// MaxConcurrentRequests bounds the completions served at once (429 beyond); 0 = no limit
+	// MaxConcurrentRequests bounds the sequences served at once (a request takes max(n, best_of);
+	// 429 beyond); 0 = no limit
 	// (`kvbridge serve` passes openai.DefaultMaxConcurrentRequests unless told otherwise).
 	MaxConcurrentRequests int
 	// MaxLogprobs is --max-logprobs (0: the OpenAI server's default, 20).

@@ -145,7 +145,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.tokenizer, "tokenizer", "", "directory or cached repo id to take the tokenizer and chat template from (default: the model's)")
 	fl.StringVar(&f.revision, "revision", "", "revision of a cached repo id: branch, tag or commit hash (default: refs/main)")
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
-	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", openai.DefaultMaxConcurrentRequests, "completions served at once; one more is answered 429 (0: no limit)")
+	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", openai.DefaultMaxConcurrentRequests, "sequences served at once (a request counts max(n, best_of)); a request beyond is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
 	fl.IntVar(&f.dataParallelSize, "data-parallel-size", 1, "data-parallel ranks (-dp) behind the one port, each with its own KV cache and side channel (VLLM_NIXL_SIDE_CHANNEL_PORT + rank)")
 	fl.IntVar(&f.pipelineParallelSize, "pipeline-parallel-size", 1, "pipeline parallelism (-pp); only 1 is supported")
