@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"context"
 	"net/http"
 	"strings"
 	"sync"
@@ -191,4 +192,28 @@ func TestEngineErrorIs500(t *testing.T) {
 	if after := e.scrape(t); after["vllm:request_success_total"] != 3 {
 		t.Errorf("request_success_total = %v, want 3 (finished_reason=error)", after["vllm:request_success_total"])
 	}
+}
+
+// park starts a completion with body, whose kv_transfer_params must hold test_park_load, so that
+// its load never completes and it holds its concurrency slots; it returns once the request has
+// parked (at most testWait). stop cancels the request and waits for its client to finish.
+func park(t *testing.T, e *env, conn *testConnector, body string) (stop func()) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(t.Context())
+	parked := make(chan struct{})
+	go func() {
+		defer close(parked)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, e.http.URL+"/v1/completions", strings.NewReader(body))
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	select {
+	case <-conn.parking:
+	case <-time.After(testWait):
+		cancel()
+		<-parked
+		t.Fatal("the request never parked")
+	}
+	return func() { cancel(); <-parked }
 }

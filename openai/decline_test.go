@@ -45,21 +45,7 @@ func TestRefusedRequestsDecline(t *testing.T) {
 	e := newEnv(t, func(c *Config) { c.MaxConcurrentRequests = 1; c.DeclineKV = d.record },
 		envEngineOption(func(c *engine.Config) { c.Connector = conn }))
 	// A request parked for good (its load never completes) holds the only slot.
-	ctx, cancel := context.WithCancel(t.Context())
-	parked := make(chan struct{})
-	go func() {
-		defer close(parked)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, e.http.URL+"/v1/completions",
-			strings.NewReader(`{"prompt":"park","max_tokens":2,"kv_transfer_params":{"test_park_load":true,"id":"parked"}}`))
-		if resp, err := http.DefaultClient.Do(req); err == nil {
-			resp.Body.Close()
-		}
-	}()
-	select {
-	case <-conn.parking:
-	case <-time.After(testWait):
-		t.Fatal("the request never parked")
-	}
+	stop := park(t, e, conn, `{"prompt":"park","max_tokens":2,"kv_transfer_params":{"test_park_load":true,"id":"parked"}}`)
 	body := func(id string, extra string) map[string]any {
 		m := map[string]any{"prompt": "hello", "max_tokens": 2, "kv_transfer_params": map[string]any{"id": id}}
 		if extra != "" {
@@ -75,8 +61,7 @@ func TestRefusedRequestsDecline(t *testing.T) {
 	if resp, _ := e.post(t, "/v1/completions", body("busy", ""), nil); resp.StatusCode != http.StatusTooManyRequests {
 		t.Fatalf("over capacity: %d", resp.StatusCode)
 	}
-	cancel()
-	<-parked
+	stop()
 	waitHandlers(t, e, 2) // the refused one and the parked one
 	for _, tc := range []struct {
 		id, extra string

@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/kvbridge/kvbridge/engine"
 )
@@ -82,25 +81,8 @@ func TestConcurrencyLimitCountsSequences(t *testing.T) {
 	conn := newTestConnector()
 	e := newEnv(t, func(c *Config) { c.MaxConcurrentRequests = 4 },
 		envEngineOption(func(c *engine.Config) { c.Connector = conn }))
-	// park starts a request with n sequences whose load never completes, so that it holds its
-	// slots until the returned stop is called; stop waits for its handler.
-	park := func(n int) (stop func()) {
-		ctx, cancel := context.WithCancel(t.Context())
-		parked := make(chan struct{})
-		go func() {
-			defer close(parked)
-			body := fmt.Sprintf(`{"prompt":"park","max_tokens":2,"n":%d,"kv_transfer_params":{"test_park_load":true}}`, n)
-			req, _ := http.NewRequestWithContext(ctx, http.MethodPost, e.http.URL+"/v1/completions", strings.NewReader(body))
-			if resp, err := http.DefaultClient.Do(req); err == nil {
-				resp.Body.Close()
-			}
-		}()
-		select {
-		case <-conn.parking:
-		case <-time.After(testWait):
-			t.Fatal("the request never parked")
-		}
-		return func() { cancel(); <-parked }
+	parkN := func(n int) (stop func()) {
+		return park(t, e, conn, fmt.Sprintf(`{"prompt":"park","max_tokens":2,"n":%d,"kv_transfer_params":{"test_park_load":true}}`, n))
 	}
 	status := func(n int) int {
 		resp, raw := e.post(t, "/v1/completions", map[string]any{"prompt": "hello", "max_tokens": 2, "n": n}, nil)
@@ -113,14 +95,14 @@ func TestConcurrencyLimitCountsSequences(t *testing.T) {
 		return resp.StatusCode
 	}
 
-	stop := park(4)
+	stop := parkN(4)
 	if got := status(1); got != http.StatusTooManyRequests {
 		t.Errorf("n=1 beside n=4 in flight: %d, want 429", got)
 	}
 	stop()
 	waitHandlers(t, e, 2)
 
-	stop = park(3)
+	stop = parkN(3)
 	if got := status(2); got != http.StatusTooManyRequests {
 		t.Errorf("n=2 beside n=3 in flight: %d, want 429", got)
 	}
