@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"slices"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvbridge/kvbridge/model/tokenizer"
 )
 
@@ -57,7 +59,10 @@ func loadDir(ctx context.Context, name, dir, tokDir string, opts OpenOptions) (*
 		files.close() // the packed model holds its own copy of everything
 		return m, err
 	}
-	// An untied embedding is read from the mapping: the model keeps the files open.
+	// An untied embedding is read from the mapping: the model keeps the files open, but gives
+	// back the pages that packing faulted in, so that resident memory is the packed weights and
+	// the embedding rows in use, not a second copy of the checkpoint.
+	files.release()
 	m.files = files
 	return m, nil
 }
@@ -160,6 +165,14 @@ type safetensorsIndex struct {
 
 // mappedFiles are the safetensors files a load has open.
 type mappedFiles map[string]*safetensors
+
+// release drops the files' pages from this process's resident memory; the mappings stay valid
+// (read-only and file-backed: a later read faults its page back in from the page cache).
+func (fs mappedFiles) release() {
+	for _, f := range fs {
+		_ = unix.Madvise(f.mapped, unix.MADV_DONTNEED) // advisory: on failure the pages only stay resident
+	}
+}
 
 // close unmaps every file.
 func (fs mappedFiles) close() {
