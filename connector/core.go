@@ -99,6 +99,12 @@ type reqState struct {
 	finished  bool // the engine finished the request while it was loading
 	tracked   bool // heartbeats are being sent for it
 	pullFromD bool // a bidirectional turn: P pulls D's blocks
+
+	// handshake is the record whose handshake the request's arrival started (nil when it
+	// started none). Its load waits for that handshake and fails with it: a failed record is
+	// forgotten at once, and a load that asked anew would start a second handshake whose
+	// outcome depends on when the load happened to start.
+	handshake *remoteEngine
 }
 
 // loadJob is one request's pull of remote KV into its own blocks.
@@ -110,6 +116,8 @@ type loadJob struct {
 	localHit int     // tokens already in the leading blocks (a multiple of the block size)
 	count    int     // tokens to load after them
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
+
+	handshake *remoteEngine // the handshake the request's arrival started, or nil (reqState.handshake)
 }
 
 // remoteKey names one incarnation of a remote engine: its engine id and its instance (random per
@@ -240,7 +248,7 @@ func (k *core) track(st *reqState, now time.Time) {
 	}
 	k.heartbeats.Track(heartbeatKey(st.params), st.params.Lease.String())
 	st.tracked = true
-	_, _ = k.entry(st.params, now)
+	st.handshake, _ = k.entry(st.params, now) // vLLM's proactive handshake; the load waits for it
 }
 
 // untrack stops heartbeats for a consumer request.
@@ -324,6 +332,8 @@ func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int,
 		localHit: seq.NumLocalHitTokens(),
 		count:    numExternal,
 		fromD:    st.pullFromD,
+
+		handshake: st.handshake,
 	}
 	if k.closed {
 		k.loadFinished(j, j.localHit/k.geo.BlockSize, transfer.ErrClosed, true, now)

@@ -300,7 +300,7 @@ func TestCoreConsumerHeartbeats(t *testing.T) {
 		t.Fatalf("the request ran before its load: %+v", plan)
 	}
 	a = h.takeActs()
-	if len(a.loads) != 1 || a.loads[0].count != 8 {
+	if len(a.loads) != 1 || a.loads[0].count != 8 || a.loads[0].handshake != r {
 		t.Fatalf("admission: %+v", a)
 	}
 	h.k.loadFinished(a.loads[0], 0, nil, false, h.now)
@@ -311,6 +311,42 @@ func TestCoreConsumerHeartbeats(t *testing.T) {
 	h.k.tick(h.now)
 	if a := h.takeActs(); len(a.beats) != 0 {
 		t.Errorf("beats after the load ended: %+v", a.beats)
+	}
+}
+
+// TestLoadFailsWithArrivalHandshake: a request whose arrival started a handshake that failed
+// (and was forgotten) fails with that handshake's error when its load starts, however much later:
+// it does not start a second handshake, whose outcome would depend on when the load began.
+func TestLoadFailsWithArrivalHandshake(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+	kv := viaJSON(t, (&Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1, 2}}, RemoteEngineID: "P", RemoteRequestID: "p1",
+		RemoteHost: "h", RemotePort: 1, TPSize: 1, RemoteNumTokens: 8, BlockGenerations: []uint64{1, 1}, Instance: "i",
+		Lease: LeaseToken{9}, HasLease: true, LeaseSlot: 0}).Map())
+	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
+		t.Fatal(err)
+	}
+	a := h.takeActs()
+	if len(a.handshakes) != 1 {
+		t.Fatalf("arrival: %+v", a)
+	}
+	r := a.handshakes[0]
+	cut := fmt.Errorf("%w with h:1: unexpected EOF", ErrHandshake)
+	r.err = cut
+	close(r.ready)
+	h.k.handshakeEnded(r)
+	if h.k.remotes[r.key] != nil {
+		t.Fatal("the failed record stayed")
+	}
+	h.sched.Schedule(h.now) // admission: the load starts after the handshake failed
+	a = h.takeActs()
+	if len(a.loads) != 1 || len(a.handshakes) != 0 {
+		t.Fatalf("admission: %+v", a)
+	}
+	// The worker's side of the load: with no connector around it (no side channel, no agent),
+	// anything beyond the failed handshake would panic.
+	c := &Connector{geo: h.k.geo}
+	if bad, err := c.load(t.Context(), a.loads[0]); !errors.Is(err, cut) || bad != 0 {
+		t.Fatalf("load: first bad block %d, error %v; want block 0 and %v", bad, err, cut)
 	}
 }
 

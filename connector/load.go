@@ -50,6 +50,15 @@ func (r *remoteEngine) releaseLists() {
 // first block that could not be loaded.
 func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 	first := j.localHit / c.geo.BlockSize
+	if j.handshake != nil {
+		// The request fails with the handshake its arrival started (as in vLLM), not with a
+		// second one: a failed record is forgotten at once, so asking anew would start another
+		// handshake whose outcome depends on when this load began. A handshake that succeeded
+		// is not used directly: remote returns the current record.
+		if err := j.handshake.wait(ctx); err != nil {
+			return first, err
+		}
+	}
 	for attempt := 0; ; attempt++ {
 		r, err := c.remote(ctx, j.params)
 		if err != nil {

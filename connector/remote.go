@@ -30,15 +30,20 @@ func (c *Connector) remote(ctx context.Context, p *Params) (*remoteEngine, error
 	if err != nil {
 		return nil, err
 	}
-	select {
-	case <-r.ready:
-	case <-ctx.Done():
-		return nil, fmt.Errorf("%w: waiting for the handshake with %s: %w", ErrHandshake, r.addr, ctx.Err())
-	}
-	if r.err != nil {
-		return nil, r.err
+	if err := r.wait(ctx); err != nil {
+		return nil, err
 	}
 	return r, nil
+}
+
+// wait waits for r's handshake to end and returns its error.
+func (r *remoteEngine) wait(ctx context.Context) error {
+	select {
+	case <-r.ready:
+		return r.err
+	case <-ctx.Done():
+		return fmt.Errorf("%w: waiting for the handshake with %s: %w", ErrHandshake, r.addr, ctx.Err())
+	}
 }
 
 // runHandshake runs r's handshake and tells the core it ended.
