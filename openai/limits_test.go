@@ -2,7 +2,6 @@ package openai
 
 import (
 	"bufio"
-	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -15,19 +14,13 @@ import (
 // TestConcurrencyLimit: with MaxConcurrentRequests busy, one more request gets 429 in OpenAI's
 // error shape at once, and rejections are counted in /metrics.
 func TestConcurrencyLimit(t *testing.T) {
-	h := newEnv(t, func(c *Config) { c.MaxConcurrentRequests = 1 })
-	ctx, cancel := context.WithCancel(t.Context())
-	defer cancel()
-	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, h.http.URL+"/v1/completions",
-		strings.NewReader(`{"prompt":"x","max_tokens":200,"ignore_eos":true,"stream":true}`))
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
-		t.Fatal(err)
-	}
+	// The busy request is parked in its load (it holds its slot until stop): a streamed one that
+	// is merely read slowly may have finished, and freed its slot, before the second is sent.
+	conn := newTestConnector()
+	h := newEnv(t, func(c *Config) { c.MaxConcurrentRequests = 1 },
+		envEngineOption(func(c *engine.Config) { c.Connector = conn }))
+	stop := park(t, h, conn, `{"prompt":"x","max_tokens":2,"kv_transfer_params":{"test_park_load":true}}`)
+	defer stop()
 	resp2, err := http.Post(h.http.URL+"/v1/completions", "application/json", strings.NewReader(`{"prompt":"y","max_tokens":2}`))
 	if err != nil {
 		t.Fatal(err)
@@ -58,7 +51,6 @@ func TestConcurrencyLimit(t *testing.T) {
 	if !found {
 		t.Error("the 429 was not counted in kvbridge:requests_rejected_total")
 	}
-	cancel()
 }
 
 // TestDefaultMaxTokensFromGenerationConfig: without max_tokens, a request generates at most the
