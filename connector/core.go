@@ -251,6 +251,17 @@ func (k *core) track(st *reqState, now time.Time) {
 	st.handshake, _ = k.entry(st.params, now) // vLLM's proactive handshake; the load waits for it
 }
 
+// trackedParams returns the params of a request heart-beating the producer incarnation key
+// (heartbeatKey), or nil.
+func (k *core) trackedParams(key string) *Params {
+	for _, st := range k.reqs {
+		if st.tracked && heartbeatKey(st.params) == key {
+			return st.params
+		}
+	}
+	return nil
+}
+
 // untrack stops heartbeats for a consumer request.
 func (k *core) untrack(st *reqState) {
 	if st.tracked {
@@ -535,7 +546,8 @@ func (k *core) notification(peer, msg string, now time.Time) {
 }
 
 // tick releases expired leases (every entry, not only the earliest: vllm#58222), sends due
-// heartbeats and forgets remote engines idle longer than engine_ttl.
+// heartbeats (asking for a new handshake with a producer whose record was dropped) and forgets
+// remote engines idle longer than engine_ttl.
 func (k *core) tick(now time.Time) {
 	for _, l := range k.leases.Expire(now) {
 		k.endLease(l)
@@ -548,6 +560,13 @@ func (k *core) tick(now time.Time) {
 		engineID, instance, _ := strings.Cut(b.Engine, "\x00")
 		r := k.remotes[remoteKey{engineID, instance}]
 		if r == nil {
+			// The record was dropped (its control link was lost, or it sat idle past
+			// engine_ttl) while requests still wait to read from that producer: handshake
+			// again, so that the next beat goes through instead of the leases lapsing until a
+			// load re-handshakes. This beat is skipped.
+			if p := k.trackedParams(b.Engine); p != nil {
+				_, _ = k.entry(p, now)
+			}
 			continue
 		}
 		if _, ok := r.done(); ok { // still handshaking: this beat is skipped, the next one goes through

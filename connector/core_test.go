@@ -258,16 +258,22 @@ func TestCoreLeaseExpiryAndHeartbeats(t *testing.T) {
 	}
 }
 
+// pullParams returns, as they travel, the params of a producer "P" (instance "i", at h:1) whose
+// two blocks hold 8 tokens under lease token tok, with tp_size given so that D heartbeats.
+func pullParams(t *testing.T, tok LeaseToken) map[string]any {
+	t.Helper()
+	return viaJSON(t, (&Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1, 2}}, RemoteEngineID: "P", RemoteRequestID: "p1",
+		RemoteHost: "h", RemotePort: 1, TPSize: 1, RemoteNumTokens: 8, BlockGenerations: []uint64{1, 1}, Instance: "i",
+		Lease: tok, HasLease: true, LeaseSlot: 0}).Map())
+}
+
 // TestCoreConsumerHeartbeats: a decode request carrying P's params asks for P's handshake on
 // arrival and, once it is done, heartbeats P's lease every kv_lease_duration/6 (a batch due
 // while the handshake runs is skipped) until its load ends.
 func TestCoreConsumerHeartbeats(t *testing.T) {
 	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
 	tok := LeaseToken{9}
-	kv := (&Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1, 2}}, RemoteEngineID: "P", RemoteRequestID: "p1",
-		RemoteHost: "h", RemotePort: 1, TPSize: 1, RemoteNumTokens: 8, BlockGenerations: []uint64{1, 1}, Instance: "i",
-		Lease: tok, HasLease: true, LeaseSlot: 0}).Map()
-	kv = viaJSON(t, kv)
+	kv := pullParams(t, tok)
 	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
 		t.Fatal(err)
 	}
@@ -314,14 +320,53 @@ func TestCoreConsumerHeartbeats(t *testing.T) {
 	}
 }
 
+// TestCoreHeartbeatsAfterPeerLost: when the control link to a producer is lost while a request
+// still waits to read from it, the record is dropped and the next due beat asks for a new
+// handshake (it is skipped); the beat after that goes through, so the lease does not lapse.
+func TestCoreHeartbeatsAfterPeerLost(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+	tok := LeaseToken{9}
+	kv := pullParams(t, tok)
+	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
+		t.Fatal(err)
+	}
+	succeed := func(r *remoteEngine, inc uint64) {
+		r.peer, r.peerInc = "kvbridge-P", inc
+		close(r.ready)
+		h.k.handshakeEnded(r)
+	}
+	a := h.takeActs()
+	if len(a.handshakes) != 1 {
+		t.Fatalf("arrival: %+v", a)
+	}
+	succeed(a.handshakes[0], 1)
+	want := FormatHeartbeat([]string{tok.String()})
+	h.k.tick(h.now)
+	if a := h.takeActs(); len(a.beats) != 1 || string(a.beats[0].msg) != want {
+		t.Fatalf("first beat: %+v", a.beats)
+	}
+	h.k.peerLost("kvbridge-P", 1)
+	h.takeActs()
+	h.now = t0.Add(5 * time.Second)
+	h.k.tick(h.now)
+	a = h.takeActs()
+	if len(a.beats) != 0 || len(a.handshakes) != 1 || a.handshakes[0].addr != "h:1" {
+		t.Fatalf("the beat after the link was lost: beats %+v, handshakes %+v; want none and one to h:1", a.beats, a.handshakes)
+	}
+	succeed(a.handshakes[0], 2)
+	h.now = t0.Add(10 * time.Second)
+	h.k.tick(h.now)
+	if a := h.takeActs(); len(a.beats) != 1 || a.beats[0].peer != "kvbridge-P" || string(a.beats[0].msg) != want || len(a.handshakes) != 0 {
+		t.Fatalf("the beat after the new handshake: %+v", a)
+	}
+}
+
 // TestLoadFailsWithArrivalHandshake: a request whose arrival started a handshake that failed
 // (and was forgotten) fails with that handshake's error when its load starts, however much later:
 // it does not start a second handshake, whose outcome would depend on when the load began.
 func TestLoadFailsWithArrivalHandshake(t *testing.T) {
 	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
-	kv := viaJSON(t, (&Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1, 2}}, RemoteEngineID: "P", RemoteRequestID: "p1",
-		RemoteHost: "h", RemotePort: 1, TPSize: 1, RemoteNumTokens: 8, BlockGenerations: []uint64{1, 1}, Instance: "i",
-		Lease: LeaseToken{9}, HasLease: true, LeaseSlot: 0}).Map())
+	kv := pullParams(t, LeaseToken{9})
 	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
 		t.Fatal(err)
 	}
