@@ -74,11 +74,7 @@ func (c chatClient) send(conv string, msgs []map[string]any, stream bool, maxTok
 		r.text = m.Choices[0].Message.Content
 		return r
 	}
-	for _, line := range strings.Split(string(raw), "\n") {
-		data, ok := strings.CutPrefix(line, "data: ")
-		if !ok || data == "[DONE]" {
-			continue
-		}
+	for _, data := range sseData(raw) {
 		var m struct {
 			Choices []struct {
 				Delta struct{ Content string } `json:"delta"`
@@ -287,11 +283,7 @@ func TestMultiTurnKeepsStreamOptions(t *testing.T) {
 			t.Errorf("%v: D was asked for stream_options %s, want %s", tc.options, got, tc.toD)
 		}
 		chunks, withUsage := 0, 0
-		for _, line := range strings.Split(string(raw), "\n") {
-			data, ok := strings.CutPrefix(line, "data: ")
-			if !ok || data == "[DONE]" {
-				continue
-			}
+		for _, data := range sseData(raw) {
 			var m struct {
 				Choices []struct {
 					Delta struct{ Role string } `json:"delta"`
@@ -314,4 +306,15 @@ func TestMultiTurnKeepsStreamOptions(t *testing.T) {
 			t.Errorf("%v: %d of %d chunks with usage\n%s", tc.options, withUsage, chunks, raw)
 		}
 	}
+}
+
+// sseData returns the data of each event of a streamed answer, without the final [DONE].
+func sseData(raw []byte) []string {
+	var out []string
+	for _, line := range strings.Split(string(raw), "\n") {
+		if data, ok := strings.CutPrefix(line, "data: "); ok && data != "[DONE]" {
+			out = append(out, data)
+		}
+	}
+	return out
 }
