@@ -201,22 +201,22 @@ func clip(s string) string {
 type AuthRefusals struct {
 	// SideChannel counts side-channel connections refused: a missing, unexpected or wrong
 	// auth token from a client, or (as a client) a server whose proof did not match.
-	SideChannel int64
+	SideChannel int64 `json:"side_channel"`
 	// Transfer counts transfer connections refused by the challenge-response, either side.
-	Transfer int64
+	Transfer int64 `json:"transfer"`
 	// Reads counts TCP READs refused because the blocks were not leased under the token the
 	// reader presented.
-	Reads int64
+	Reads int64 `json:"reads"`
 	// Params counts kv_transfer_params refused before any connection: malformed, without a
 	// valid MAC (with an auth token), or naming a host outside allowed_peers.
-	Params int64
+	Params int64 `json:"params"`
 	// Notifications counts completion notifications refused because they presented another
 	// lease's token.
-	Notifications int64
+	Notifications int64 `json:"notifications"`
 	// Verification counts loads whose blocks did not match what their owner published (its
 	// lease slot or block records): the KV was not used. A decoder's hold that expired or was
 	// evicted is a cache miss, not counted here.
-	Verification int64
+	Verification int64 `json:"verification"`
 }
 
 // Total returns the sum of the counts.

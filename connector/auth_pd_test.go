@@ -36,7 +36,8 @@ func metricsText(t *testing.T, n *node) string {
 // without a token dials P, whose side channel refuses it: D's read fails at once (500 under
 // policy fail) with an error naming the setting, and P logs and counts it. A D with a token
 // refuses P's params before any connection — they carry no MAC it can verify — computes the
-// prompt itself (200) and logs and counts the refusal (kvbridge:kv_auth_refusals_total).
+// prompt itself (200) and logs and counts the refusal (kvbridge:kv_auth_refusals_total, and
+// Info's params_auth_mismatch), the log naming the cause: P has no token, or another one.
 func TestAuthTokenMismatch(t *testing.T) {
 	cases := []struct {
 		name           string
@@ -47,9 +48,9 @@ func TestAuthTokenMismatch(t *testing.T) {
 		{"P has a token, D none", `"auth_token":"tok-0123456789abcdef"`, ``,
 			"requires authentication: set kv_connector_extra_config.auth_token", 500},
 		{"D has a token, P none", ``, `"auth_token":"tok-0123456789abcdef"`,
-			"no valid kvbridge_params_mac", 200},
+			"the engine that issued them has no auth token while this engine has one", 200},
 		{"different tokens", `"auth_token":"tok-0123456789abcdef"`, `"auth_token":"tok-fedcba9876543210"`,
-			"no valid kvbridge_params_mac", 200},
+			"the auth token of the engine that issued these params differs from this engine's", 200},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -78,6 +79,9 @@ func TestAuthTokenMismatch(t *testing.T) {
 			}
 			if got := d.conn.AuthRefusals(); got.Params != 1 || got.Total() != 1 {
 				t.Errorf("D counted %+v, want one refused params", got)
+			}
+			if got := d.conn.Info().ParamsAuthMismatch; got != 1 {
+				t.Errorf("D counted %d params refused for an auth token mismatch, want 1", got)
 			}
 			if got := p.conn.AuthRefusals(); got.Total() != 0 {
 				t.Errorf("P counted %+v: D should not have connected", got)

@@ -18,6 +18,8 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -110,8 +112,11 @@ func (c *Config) Threshold() int {
 // Enabled reports whether a connector is configured.
 func (c *Config) Enabled() bool { return c != nil && c.Connector != "" }
 
-// ParseConfig decodes a --kv-transfer-config JSON document. Unknown keys are logged as warnings on
-// log (when non-nil); a value of the wrong type is an error naming the key. Defaults follow the
+// ParseConfig decodes a --kv-transfer-config JSON document. An unknown key is an error naming the
+// nearest known one (a typo must not leave an engine serving without its connector), unless
+// KVBRIDGE_ALLOW_UNKNOWN_KV_CONFIG=1 (EnvAllowUnknownConfig) makes it a warning on log; vLLM's
+// keys that kvbridge does not use (kv_buffer_size, kv_rank, kv_ip, …) are warnings on log (when
+// non-nil). A value of the wrong type is an error naming the key. Defaults follow the
 // seed guide: policy fail, lease 30 s, decoder TTL 480 s, threshold 64 (bidirectional) or 0,
 // engine TTL 3600 s.
 func ParseConfig(data []byte, log *slog.Logger) (*Config, error) {
@@ -158,7 +163,8 @@ func defaultConfig() *Config {
 
 func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
 	c := defaultConfig()
-	p := fieldParser{log: log}
+	allow := strings.ToLower(os.Getenv(EnvAllowUnknownConfig))
+	p := fieldParser{log: log, allowUnknown: allow == "1" || allow == "true"}
 	for key, v := range raw {
 		switch key {
 		case "kv_connector":
@@ -180,10 +186,15 @@ func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
 				continue
 			}
 			p.extra(c, extra)
-		case "kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "kv_buffer_size", "kv_connector_module_path", "enable_cross_layers_blocks":
-			// Accepted vLLM keys with no meaning here.
 		default:
-			p.unknown(key)
+			if slices.Contains(vllmTopKeys, key) {
+				// Accepted vLLM keys with no meaning here.
+				if log != nil {
+					log.Warn("ignoring a --kv-transfer-config key of vLLM's that kvbridge's NixlConnector does not use", "key", key)
+				}
+				continue
+			}
+			p.unknown(key, key, true)
 		}
 	}
 	if p.err != nil {
@@ -219,7 +230,7 @@ func (p *fieldParser) extra(c *Config, extra map[string]any) {
 		case "enable_cross_layers_blocks":
 			// Accepted: kvbridge blocks are always contiguous across layers.
 		default:
-			p.unknown(name)
+			p.unknown(key, name, false)
 		}
 	}
 }
@@ -280,8 +291,9 @@ func (c *Config) validate(log *slog.Logger) error {
 
 // fieldParser converts loosely typed JSON values, remembering the first type error.
 type fieldParser struct {
-	log *slog.Logger
-	err error
+	log          *slog.Logger
+	err          error
+	allowUnknown bool // EnvAllowUnknownConfig: unknown keys are warnings
 }
 
 func (p *fieldParser) fail(key string, v any, want string) {
@@ -290,9 +302,16 @@ func (p *fieldParser) fail(key string, v any, want string) {
 	}
 }
 
-func (p *fieldParser) unknown(key string) {
-	if p.log != nil {
-		p.log.Warn("ignoring unknown --kv-transfer-config key", "key", key)
+// unknown refuses an unknown key (name is its dotted name; top says at which level), naming the
+// nearest known one, or only warns with EnvAllowUnknownConfig.
+func (p *fieldParser) unknown(key, name string, top bool) {
+	switch {
+	case !p.allowUnknown:
+		if p.err == nil {
+			p.err = unknownKeyError(key, name, top)
+		}
+	case p.log != nil:
+		p.log.Warn("ignoring an unknown --kv-transfer-config key ("+EnvAllowUnknownConfig+" is set)", "key", clip(name), "hint", unknownKeyHint(key, top))
 	}
 }
 

@@ -105,12 +105,12 @@ func TestParseConfigWithoutConnector(t *testing.T) {
 
 func TestParseConfigKVBothWarns(t *testing.T) {
 	var log strings.Builder
-	c, err := ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_both","surprise":1}`), testLogger(&log))
+	c, err := ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_size":1e9}`), testLogger(&log))
 	if err != nil || c.Role != RoleBoth {
 		t.Fatalf("kv_both refused: %v", err)
 	}
-	if !strings.Contains(log.String(), "deprecated") || !strings.Contains(log.String(), "surprise") {
-		t.Errorf("log = %q, want the kv_both deprecation and the unknown key", log.String())
+	if !strings.Contains(log.String(), "deprecated") || !strings.Contains(log.String(), "kv_buffer_size") {
+		t.Errorf("log = %q, want the kv_both deprecation and the ignored vLLM key", log.String())
 	}
 }
 
@@ -132,4 +132,49 @@ func FuzzParseConfig(f *testing.F) {
 			t.Fatalf("accepted config has no engine id or a lease under a second: %+v", c)
 		}
 	})
+}
+
+// TestParseConfigUnknownKeys: a typo in a key is a start-up error naming the nearest known key
+// (at the right level), not a warning after which the engine serves without a connector; vLLM's
+// keys that kvbridge does not use still start, with a warning; KVBRIDGE_ALLOW_UNKNOWN_KV_CONFIG=1
+// makes unknown keys warnings.
+func TestParseConfigUnknownKeys(t *testing.T) {
+	for doc, want := range map[string]string{
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_conector_extra_config":{"kv_lease_duration":60}}`:   "unknown key kv_conector_extra_config (did you mean kv_connector_extra_config?)",
+		`{"kv_connector":"NixlConnector","kv_rol":"kv_producer"}`:                                                        "did you mean kv_role?",
+		`{"kv_conector":"NixlConnector","kv_role":"kv_producer"}`:                                                        "did you mean kv_connector?",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duratoin":60}}`:  "unknown key kv_connector_extra_config.kv_lease_duratoin (did you mean kv_lease_duration?)",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","bidirectional_kv_xfer":true}`:                          "bidirectional_kv_xfer belongs inside kv_connector_extra_config",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_role":"kv_producer"}}`: "kv_role belongs at the top level",
+		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","zzz":1}`:                                               "known keys: kv_connector, kv_role",
+	} {
+		_, err := ParseConfig([]byte(doc), nil)
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), EnvAllowUnknownConfig+"=1") {
+			t.Errorf("ParseConfig(%s) error = %v, want ErrConfig saying %q and the escape hatch", doc, err, want)
+		}
+	}
+
+	var log strings.Builder
+	c, err := ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_buffer_size":1e9,"kv_ip":"10.0.0.1","kv_port":14579,"kv_rank":1}`), testLogger(&log))
+	if err != nil || !c.Enabled() || !strings.Contains(log.String(), "kv_buffer_size") {
+		t.Errorf("vLLM's unused keys: %+v, %v, log %q; want a connector and a warning", c, err, log.String())
+	}
+
+	t.Setenv(EnvAllowUnknownConfig, "1")
+	log.Reset()
+	c, err = ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"future_knob":1}}`), testLogger(&log))
+	if err != nil || !c.Enabled() || !strings.Contains(log.String(), "future_knob") {
+		t.Errorf("with %s=1: %+v, %v, log %q; want a connector and a warning naming the key", EnvAllowUnknownConfig, c, err, log.String())
+	}
+}
+
+func TestLevenshtein(t *testing.T) {
+	for _, tc := range []struct {
+		a, b string
+		d    int
+	}{{"", "", 0}, {"kv_rol", "kv_role", 1}, {"kitten", "sitting", 3}, {"abc", "", 3}, {"flaw", "lawn", 2}} {
+		if got := levenshtein(tc.a, tc.b); got != tc.d {
+			t.Errorf("levenshtein(%q, %q) = %d, want %d", tc.a, tc.b, got, tc.d)
+		}
+	}
 }

@@ -63,6 +63,7 @@ type core struct {
 type counters struct {
 	rejections                                        atomic.Int64 // pulls cut short by hash hints
 	params, notifications, verification, evictedHolds atomic.Int64
+	paramsMAC                                         atomic.Int64 // of params: refused for their MAC
 }
 
 // actions are what the core asks its worker to do; take returns and clears them.
@@ -185,6 +186,10 @@ func (k *core) state(seq *engine.Sequence, now time.Time) *reqState {
 // errRefusedParams wraps the reasons pull params are refused before any connection.
 var errRefusedParams = errors.New("refused kv_transfer_params")
 
+// errParamsMAC marks params refused for their MAC: most often engines with different auth
+// tokens (counted apart, counters.paramsMAC).
+var errParamsMAC = errors.New("auth token mismatch")
+
 // checkParams refuses params that would make this engine pull KV (or notify a producer) unless
 // they name a lease (its token and slot), the producer's instance and block generations, carry a
 // valid MAC when engines share an auth token, and name an allowed host. Params that pull
@@ -200,8 +205,12 @@ func (k *core) checkParams(p *Params) error {
 		return fmt.Errorf("%w: they name no producer instance (%s)", errRefusedParams, KeyInstance)
 	case len(p.BlockGenerations) != len(p.Blocks()):
 		return fmt.Errorf("%w: %d block generations for %d blocks", errRefusedParams, len(p.BlockGenerations), len(p.Blocks()))
+	case k.paramsKey != nil && p.MAC == "":
+		return fmt.Errorf("%w: %w: they carry no %s, so the engine that issued them has no auth token while this engine has one "+
+			"(set the same kv_connector_extra_config.auth_token or %s on every engine, or none)", errRefusedParams, errParamsMAC, KeyMAC, EnvAuthToken)
 	case k.paramsKey != nil && !verifyMAC(k.paramsKey, p):
-		return fmt.Errorf("%w: no valid %s: with an auth token, only params an engine of this deployment issued are accepted", errRefusedParams, KeyMAC)
+		return fmt.Errorf("%w: %w: their %s does not verify: the auth token of the engine that issued these params differs from this engine's "+
+			"(set the same kv_connector_extra_config.auth_token or %s on every engine), or they were forged", errRefusedParams, errParamsMAC, KeyMAC, EnvAuthToken)
 	case !k.peers.allows(p.RemoteHost):
 		return fmt.Errorf("%w: remote_host %q is not in kv_connector_extra_config.allowed_peers", errRefusedParams, clip(p.RemoteHost))
 	}
@@ -212,6 +221,9 @@ func (k *core) checkParams(p *Params) error {
 // as many as it likes.
 func (k *core) refuseParams(id string, err error, now time.Time) {
 	k.counts.params.Add(1)
+	if errors.Is(err, errParamsMAC) {
+		k.counts.paramsMAC.Add(1)
+	}
 	if ok, suppressed := k.quiet.allow("params", now); ok {
 		k.log.Warn("Got invalid KVTransferParams; this request will not utilize KVTransfer", "request_id", id, "error", err, "similar_suppressed", suppressed)
 	}

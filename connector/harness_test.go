@@ -152,6 +152,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 		MaxConcurrentRequests: o.maxRequests, PromptTokensDetails: true}
 	if n.conn != nil {
 		ocfg.DeclineKV = n.conn.Decline // as instance.Start does
+		ocfg.CheckKV = n.conn.CheckRole
 	}
 	n.srv = httptest.NewServer(openai.NewServer(ocfg, n.eng, m))
 	n.host, n.port = hostPort(t, n.srv.URL)

@@ -119,6 +119,8 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	}
 	if rk.Connector != nil {
 		ocfg.DeclineKV = rk.Connector.Decline
+		ocfg.CheckKV = rk.Connector.CheckRole
+		ocfg.KVInfo = func() any { return rk.Connector.Info() }
 	}
 	rk.server = openai.NewServer(ocfg, rk.Engine, m)
 	return rk, nil

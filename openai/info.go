@@ -56,3 +56,13 @@ func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) { w.WriteH
 func (s *Server) handleVersion(w http.ResponseWriter, r *http.Request) {
 	writeJSON(w, http.StatusOK, map[string]string{"version": s.cfg.Version})
 }
+
+// handleKVTransfer serves GET /v1/kv_transfer: what Config.KVInfo says of this engine's
+// connector, or {"kv_connector":null} without one.
+func (s *Server) handleKVTransfer(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.KVInfo == nil {
+		writeJSON(w, http.StatusOK, map[string]any{"kv_connector": nil})
+		return
+	}
+	writeJSON(w, http.StatusOK, s.cfg.KVInfo())
+}

@@ -252,6 +252,11 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 		p.includeUsage = c.StreamOptions.IncludeUsage == nil || *c.StreamOptions.IncludeUsage
 		p.continuousUsage = p.includeUsage && c.StreamOptions.ContinuousUsageStats != nil && *c.StreamOptions.ContinuousUsageStats
 	}
+	if c.KVTransferParams != nil && s.cfg.CheckKV != nil {
+		if err := s.cfg.CheckKV(c.KVTransferParams); err != nil {
+			return p, badRequest("kv_transfer_params", "%v", err)
+		}
+	}
 	p.kvTransfer = c.KVTransferParams
 	return p, nil
 }

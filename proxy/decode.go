@@ -34,6 +34,9 @@ type decodeOptions struct {
 	done func(*answer)
 	// unreachable, if set, is called when D could not be reached (no answer at all).
 	unreachable func()
+	// sawUsage, if set, sees the usage of D's successful answer when it has one (a JSON
+	// answer's, or a stream's usage chunk), before the client gets its end.
+	sawUsage func(map[string]any)
 }
 
 // decode runs the D leg and relays its answer, whatever its status (vllm#23981), without D's
@@ -63,6 +66,11 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 			return err
 		}
 		data, params := withoutParams(data)
+		if resp.StatusCode/100 == 2 && o.sawUsage != nil {
+			if u := usageOf(data); u != nil {
+				o.sawUsage(u)
+			}
+		}
 		if resp.StatusCode/100 == 2 && o.done != nil {
 			ans := answerOf(data)
 			ans.params = params
@@ -107,6 +115,11 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 			return err
 		}
 		data, forward, usage := ans.event(data)
+		if usage && o.sawUsage != nil {
+			if u := usageOf(data); u != nil {
+				o.sawUsage(u)
+			}
+		}
 		if forward || (o.usage && usage) {
 			if o.first != nil {
 				o.first()
@@ -223,6 +236,19 @@ func answerOf(data []byte) *answer {
 	choices, _ := m["choices"].([]any)
 	a.choices(choices, "message")
 	return a
+}
+
+// usageOf returns the usage object of a JSON answer or chunk, nil when it has none.
+func usageOf(data []byte) map[string]any {
+	var m struct {
+		Usage map[string]any `json:"usage"`
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.UseNumber()
+	if dec.Decode(&m) != nil {
+		return nil
+	}
+	return m.Usage
 }
 
 func isEmptyList(v any) bool {

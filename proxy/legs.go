@@ -82,6 +82,12 @@ func (c *Config) defaults() error {
 type legs struct {
 	cfg    Config
 	client *http.Client
+	watch  *transferWatch // requests that ended without a KV transfer
+}
+
+// newLegs returns the legs of a proxy for cfg (its defaults applied).
+func newLegs(cfg Config) legs {
+	return legs{cfg: cfg, client: &http.Client{Transport: cfg.Transport}, watch: newTransferWatch(cfg.Logger)}
 }
 
 // legError is a failed leg, with what the client should be told.

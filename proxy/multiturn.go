@@ -91,7 +91,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		cfg.CacheTTL = DefaultConversationTTL
 	}
 	mt := &MultiTurn{
-		legs:      legs{cfg: cfg.Config, client: &http.Client{Transport: cfg.Transport}},
+		legs:      newLegs(cfg.Config),
 		p:         roundRobin{list: cfg.Prefill},
 		d:         roundRobin{list: cfg.Decode},
 		require:   cfg.RequireConversationID,
@@ -132,6 +132,12 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		Buckets: prometheus.ExponentialBuckets(0.00005, 2, 16)}, []string{"op"})
 	mt.m.storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvbridge:proxy_conversation_store_errors_total", Help: "Conversation store operations that failed (each a cache miss or a turn not stored), by operation."}, []string{"op"})
 	mt.reg.MustRegister(mt.m.leg, mt.m.ttft, mt.m.storeTime, mt.m.storeErrors)
+	for _, reason := range []string{ReasonPrefillNoParams, ReasonDecodePulledNothing} {
+		mt.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_requests_without_kv_transfer_total",
+			Help:        "P/D requests served without a KV transfer, by reason: P returned no kv_transfer_params (P and D swapped, P without a connector), or D pulled none of the prompt (auth tokens differ, a failed handshake).",
+			ConstLabels: prometheus.Labels{"reason": reason}},
+			func() float64 { return float64(mt.watch.counts()[reason]) }))
+	}
 	if mt.cache != nil {
 		mt.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{Name: "kvbridge:proxy_cached_conversations", Help: "Conversations in the cache."},
 			func() float64 { n, _ := mt.cache.Sweep(); return float64(n) }),
@@ -186,7 +192,8 @@ func (mt *MultiTurn) Close() error {
 func (mt *MultiTurn) Cache() *ConversationCache { return mt.cache }
 
 func (mt *MultiTurn) health(w http.ResponseWriter, _ *http.Request) {
-	h := map[string]any{"status": "ok", "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode)}
+	h := map[string]any{"status": "ok", "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode),
+		"requests_without_kv_transfer": mt.watch.counts()}
 	if mt.cache != nil {
 		n, stale := mt.cache.Sweep()
 		h["store"], h["cached_conversations"], h["evicted_stale"], h["evicted_capacity"] = "memory", n, stale, mt.cache.Evicted()
@@ -361,6 +368,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	dstart := time.Now()
 	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
 		usage:       wantUsage,
+		sawUsage:    mt.watchTransfer(pInst, dInst, reqID, pre),
 		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
 		unreachable: func() { mt.markUnhealthy(dInst) },
 		// The turn is stored when D's stream ends, before the client sees [DONE].

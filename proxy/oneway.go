@@ -26,7 +26,7 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 		return nil, err
 	}
 	o := &OneWay{
-		legs: legs{cfg: cfg, client: &http.Client{Transport: cfg.Transport}},
+		legs: newLegs(cfg),
 		p:    roundRobin{list: cfg.Prefill},
 		d:    roundRobin{list: cfg.Decode},
 		mux:  http.NewServeMux(),
@@ -56,6 +56,7 @@ func (o *OneWay) health(w http.ResponseWriter, _ *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(map[string]any{
 		"status": "ok", "prefill_instances": len(o.cfg.Prefill), "decode_instances": len(o.cfg.Decode),
+		"requests_without_kv_transfer": o.watch.counts(),
 	})
 }
 
@@ -130,12 +131,14 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 		return
 	}
 	reqID := requestID(r)
-	pre, lerr := o.prefill(r.Context(), o.p.pick(), path, reqID, r.Header, prefillRequest(b, prefillTemplate()))
+	pInst := o.p.pick()
+	pre, lerr := o.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, prefillTemplate()))
 	if lerr != nil {
 		lerr.write(w)
 		return
 	}
 	// The client's body goes to D unchanged (conformance item 2): D streams only if the client
 	// asked, and its usage chunk is the client's.
-	_ = o.decode(w, r, o.d.pick(), path, reqID, decodeRequest(b, pre.params), decodeOptions{usage: true})
+	dInst := o.d.pick()
+	_ = o.decode(w, r, dInst, path, reqID, decodeRequest(b, pre.params), decodeOptions{usage: true, sawUsage: o.watchTransfer(pInst, dInst, reqID, pre)})
 }

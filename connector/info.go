@@ -1,0 +1,44 @@
+package connector
+
+// Info is what an engine tells of its connector at GET /v1/kv_transfer, for operators and
+// `kvbridge check`: its configuration (never the auth token itself) and how its transfers went.
+type Info struct {
+	// Connector is kv_connector ("NixlConnector").
+	Connector string `json:"kv_connector"`
+	// Role is kv_role.
+	Role Role `json:"kv_role"`
+	// EngineID is engine_id (with several data-parallel ranks, rank 0's).
+	EngineID string `json:"engine_id"`
+	// Bidirectional is kv_connector_extra_config.bidirectional_kv_xfer.
+	Bidirectional bool `json:"bidirectional_kv_xfer"`
+	// AuthToken says whether an auth token is set (the config key or KVBRIDGE_KV_AUTH_TOKEN).
+	AuthToken bool `json:"auth_token"`
+	// CompatibilityHash is the hash the handshake compares (model, dtypes, geometry).
+	CompatibilityHash string `json:"compatibility_hash"`
+	// EnforceHandshakeCompat is enforce_handshake_compat.
+	EnforceHandshakeCompat bool `json:"enforce_handshake_compat"`
+	// Backends is kv_connector_extra_config.backends; empty means automatic (SHM, then TCP).
+	Backends []string `json:"backends"`
+	// MappedBytes counts the bytes of producers' arenas this engine mapped (its pulls go over
+	// SHM); ServedTCPReadBytes the bytes peers read from this engine over TCP.
+	MappedBytes        int64 `json:"mapped_bytes"`
+	ServedTCPReadBytes int64 `json:"served_tcp_read_bytes"`
+	// BytesRead counts the bytes this engine pulled, over any backend.
+	BytesRead int64 `json:"bytes_read"`
+	// Refusals are the authentication and authorization refusals so far.
+	Refusals AuthRefusals `json:"refusals"`
+	// ParamsAuthMismatch counts the params of Refusals.Params refused for their MAC: issued by
+	// an engine whose auth token differs from this one's (or that has none while this one has).
+	ParamsAuthMismatch int64 `json:"params_auth_mismatch"`
+}
+
+// Info returns what GET /v1/kv_transfer reports of this connector.
+func (c *Connector) Info() Info {
+	st := c.agent.Stats()
+	return Info{
+		Connector: c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
+		AuthToken: c.auth != nil, CompatibilityHash: c.hash, EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
+		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead,
+		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(),
+	}
+}
