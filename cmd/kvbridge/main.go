@@ -84,7 +84,7 @@ func newRootCmd() *cobra.Command {
 		SilenceErrors: true,
 	}
 	root.SetFlagErrorFunc(func(_ *cobra.Command, err error) error { return usageError("%v", err) })
-	root.AddCommand(newServeCmd(), newProxyCmd(), newBenchCmd(), newDemoCmd(), newDevCmd())
+	root.AddCommand(newServeCmd(), newProxyCmd(), newCheckCmd(), newBenchCmd(), newDemoCmd(), newDevCmd())
 	return root
 }
 
