@@ -24,6 +24,9 @@ type Report struct {
 	Lines []string
 	// Problems are what is wrong; none means P/D is working.
 	Problems []Finding
+	// Compared says the proxy's answer was compared with an engine's own (and was equal, unless
+	// a problem says otherwise).
+	Compared bool
 }
 
 // OK reports whether the deployment was seen disaggregating, with nothing wrong.
@@ -60,7 +63,11 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(w, "PROBLEM %s: %s\n", f.Problem, f.Detail)
 	}
 	if r.OK() {
-		fmt.Fprintln(w, "verdict: OK — P/D is working: D pulled the prompt's KV from P, and the answers equal a single engine's")
+		also := ""
+		if r.Compared {
+			also = ", and the answer equals the prefill engine's own"
+		}
+		fmt.Fprintf(w, "verdict: OK — P/D is working: D pulled the prompts' KV from P%s\n", also)
 		return
 	}
 	var names []string
@@ -166,6 +173,7 @@ func (r *Report) compare(pd, ref answer, engineURL string) {
 		r.line("outputs: the reference request to %s failed (%d %s): not compared", engineURL, ref.status, ref.errMsg)
 		return
 	}
+	r.Compared = true
 	if pd.text != ref.text {
 		r.problem(ProblemOutputs, "at temperature 0 the proxy answered %q, the prefill engine alone %q", clip([]byte(pd.text)), clip([]byte(ref.text)))
 		return

@@ -33,7 +33,8 @@ import (
 var ErrConfig = errors.New("invalid --kv-transfer-config")
 
 // Role is an engine's KV role. With NixlConnector the proxy decides who prefills and who decodes;
-// the role only documents intent, as in vLLM.
+// vLLM then ignores the role, but kvbridge refuses a leg the role cannot serve (CheckRole), so
+// that a proxy with P and D swapped fails loudly instead of recomputing every prompt.
 type Role string
 
 // The accepted roles. RoleBoth is deprecated (vllm#33702) and accepted with a warning.

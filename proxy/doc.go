@@ -20,6 +20,13 @@
 // to 1; the two are the same request to P (max_tokens is 1 either way), and both proxies here
 // set it to 1.
 //
+// kvbridge's engines refuse a leg their kv_role cannot serve, where vLLM's ignore kv_role with the
+// NixlConnector: a proxy with P and D swapped gets the consumer's 400 on the prefill leg and
+// relays it to the client, instead of a 200 with every prompt recomputed. Both proxies also
+// count, by reason, the requests served without a KV transfer — P returned no params, or D's
+// usage says it pulled nothing — in /healthcheck (and the multi-turn proxy's /metrics), and warn
+// once per instance a minute with the likely cause (transferwatch.go); `kvbridge check` reads them.
+//
 // Where the Python proxies fall short, this one does better: D's status reaches the client (not a
 // 200 with a truncated body), a failed P leg is a 502 with a JSON error code, SSE is relayed event
 // by event with flushes, a client that goes away cancels both legs — until the proxy writes
