@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -35,10 +36,12 @@ func openTiny(t *testing.T) *model.Model {
 // eng describes one engine: its role ("" for no connector), auth token, bidirectional mode and
 // whether its usage has prompt_tokens_details.
 type eng struct {
-	role    connector.Role
-	token   string
-	bidi    bool
-	details bool
+	role     connector.Role
+	token    string
+	bidi     bool
+	details  bool
+	backends []string // kv_connector_extra_config.backends
+	kvDType  string   // --kv-cache-dtype: another one changes the compatibility hash
 }
 
 // start starts the engine on a free port; its cleanup checks that its pool is full again.
@@ -50,6 +53,10 @@ func (e eng) start(t *testing.T) *instance.Instance {
 		cfg.KVTransfer = connector.DefaultConfig(e.role)
 		cfg.KVTransfer.AuthToken = e.token
 		cfg.KVTransfer.Bidirectional = e.bidi
+		cfg.KVTransfer.Backends = e.backends
+	}
+	if e.kvDType != "" {
+		cfg.OpenedModel, cfg.Model, cfg.KVCacheDType = nil, model.Tiny, e.kvDType
 	}
 	in, err := instance.Start(t.Context(), cfg)
 	if err != nil {
@@ -108,6 +115,7 @@ type deployment struct {
 	multi   bool
 	engines bool // check is given the engines' URLs
 	want    []string
+	says    string // a line of the report says this
 }
 
 func (dep deployment) run(t *testing.T) *check.Report {
@@ -139,12 +147,14 @@ const tokA, tokB = "tok-0123456789abcdef", "tok-fedcba9876543210"
 func TestCheck(t *testing.T) {
 	producer, consumer := eng{role: connector.RoleProducer, token: tokA}, eng{role: connector.RoleConsumer, token: tokA}
 	for _, dep := range []deployment{
-		{name: "healthy one-way", p: producer, d: consumer, engines: true},
+		{name: "healthy one-way", p: producer, d: consumer, engines: true, says: "over SHM"},
+		{name: "healthy one-way over TCP", p: eng{role: connector.RoleProducer, backends: []string{"TCP"}}, d: eng{role: connector.RoleConsumer, backends: []string{"TCP"}}, engines: true, says: "over TCP"},
 		{name: "healthy one-way, proxy only, D reports usage details", p: producer, d: eng{role: connector.RoleConsumer, token: tokA, details: true}},
 		{name: "healthy multi-turn", p: eng{role: connector.RoleProducer, bidi: true}, d: eng{role: connector.RoleConsumer, bidi: true, details: true}, multi: true, engines: true},
 		{name: "P and D swapped", p: producer, d: consumer, swapped: true, engines: true, want: []string{check.ProblemSwapped}},
 		{name: "P and D swapped, proxy only", p: producer, d: consumer, swapped: true, want: []string{check.ProblemSwapped}},
 		{name: "auth token differs", p: producer, d: eng{role: connector.RoleConsumer, token: tokB}, engines: true, want: []string{check.ProblemAuth, check.ProblemNotPulled}},
+		{name: "compatibility hash differs", p: producer, d: eng{role: connector.RoleConsumer, token: tokA, kvDType: "bfloat16"}, engines: true, want: []string{check.ProblemCompat, check.ProblemNotPulled}},
 		{name: "auth token on P only", p: producer, d: eng{role: connector.RoleConsumer}, engines: true, want: []string{check.ProblemAuth}},
 		{name: "consumer without connector", p: producer, d: eng{details: true}, engines: true, want: []string{check.ProblemNoConnector, check.ProblemNotPulled}},
 		{name: "producer without connector, proxy only", p: eng{}, d: consumer, want: []string{check.ProblemNoConnector}},
@@ -153,6 +163,9 @@ func TestCheck(t *testing.T) {
 	} {
 		t.Run(dep.name, func(t *testing.T) {
 			r := dep.run(t)
+			if dep.says != "" && !slices.ContainsFunc(r.Lines, func(l string) bool { return strings.Contains(l, dep.says) }) {
+				t.Errorf("no line of the report says %q: %q", dep.says, r.Lines)
+			}
 			if len(dep.want) == 0 {
 				if !r.OK() {
 					t.Errorf("a healthy deployment: problems %+v", r.Problems)

@@ -105,6 +105,17 @@ func (r *Report) configuration(engines []*engine) {
 		tokens[in.AuthToken] = append(tokens[in.AuthToken], e.url)
 		hashes[in.CompatibilityHash] = append(hashes[in.CompatibilityHash], e.url)
 	}
+	switch {
+	case len(tokens[true]) > 0 && len(tokens[false]) == 0:
+		r.line("auth token: set on every engine given (whether the tokens are equal shows in the transfers below)")
+	case len(tokens[false]) > 0 && len(tokens[true]) == 0:
+		r.line("auth token: none on any engine given")
+	}
+	if len(hashes) == 1 {
+		for h := range hashes {
+			r.line("compatibility hash: %s on every engine given", h)
+		}
+	}
 	if len(tokens[true]) > 0 && len(tokens[false]) > 0 {
 		r.problem(ProblemAuth, "an auth token is set on %s but not on %s: set the same KVBRIDGE_KV_AUTH_TOKEN (or kv_connector_extra_config.auth_token) on every engine, or none",
 			strings.Join(tokens[true], ", "), strings.Join(tokens[false], ", "))
@@ -186,10 +197,10 @@ func (r *Report) compare(pd, ref answer, engineURL string) {
 func (r *Report) transfers(engines []*engine, answers []answer, before, after map[string]any) {
 	// What the proxy counted.
 	if n := withoutTransfer(after, "prefill_returned_no_params") - withoutTransfer(before, "prefill_returned_no_params"); n > 0 {
-		r.problem(ProblemNoConnector, "the proxy counted %.0f requests whose prefill instance returned no kv_transfer_params: the prefill instance has no --kv-transfer-config (kv_producer)", n)
+		r.problem(ProblemNoConnector, "the proxy counted %.0f request(s) whose prefill instance returned no kv_transfer_params: the prefill instance has no --kv-transfer-config (kv_producer)", n)
 	}
 	if n := withoutTransfer(after, "decode_pulled_nothing") - withoutTransfer(before, "decode_pulled_nothing"); n > 0 {
-		r.problem(ProblemNotPulled, "the proxy counted %.0f requests for which the decode instance pulled nothing", n)
+		r.problem(ProblemNotPulled, "the proxy counted %.0f request(s) for which the decode instance pulled nothing", n)
 	}
 
 	// Tokens: prompt_tokens_by_source on D when it exports it, else D's usage.
@@ -263,7 +274,7 @@ func (r *Report) transfers(engines []*engine, answers []answer, before, after ma
 		if pulled == 0 && prompt > 0 {
 			r.problem(ProblemNotPulled, "D pulled none of the %d prompt tokens (%s)", prompt, source)
 		}
-	} else {
+	} else if prompt > 0 {
 		r.line("prompt tokens: %d sent; how many were pulled is unknown (D exports no vllm:prompt_tokens_by_source_total and its usage no prompt_tokens_details: start it with --enable-prompt-tokens-details)", prompt)
 	}
 	if !known && pulled < 0 && r.OK() {
