@@ -22,20 +22,8 @@ func startBidirectional(t *testing.T, role string, prefix bool) *instance.Instan
 	if err != nil {
 		t.Fatal(err)
 	}
-	in, err := instance.Start(t.Context(), instance.Config{OpenedModel: openTiny(t), Host: "127.0.0.1", NumBlocks: 1024, MaxModelLen: 8192,
+	return startInstance(t, instance.Config{OpenedModel: openTiny(t), Host: "127.0.0.1", NumBlocks: 1024, MaxModelLen: 8192,
 		PrefixCaching: prefix, SideChannelPort: -1, KVTransfer: kv, PromptTokensDetails: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := in.Close(); err != nil {
-			t.Errorf("close: %v", err)
-		}
-		if in.Pool.NumFree() != in.Pool.NumBlocks() {
-			t.Errorf("%d of %d blocks free after close", in.Pool.NumFree(), in.Pool.NumBlocks())
-		}
-	})
-	return in
 }
 
 // chatClient sends chat turns and parses the answers, streaming or not.

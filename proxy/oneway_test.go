@@ -50,6 +50,12 @@ func startEngine(t *testing.T, role string, maxLen int) *instance.Instance {
 		}
 		cfg.KVTransfer = kv
 	}
+	return startInstance(t, cfg)
+}
+
+// startInstance starts an engine of cfg; its cleanup checks that its pool is full again.
+func startInstance(t *testing.T, cfg instance.Config) *instance.Instance {
+	t.Helper()
 	in, err := instance.Start(t.Context(), cfg)
 	if err != nil {
 		t.Fatal(err)

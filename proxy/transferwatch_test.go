@@ -23,19 +23,7 @@ func startWatched(t *testing.T, role connector.Role, token string) *instance.Ins
 		cfg.KVTransfer = connector.DefaultConfig(role)
 		cfg.KVTransfer.AuthToken = token
 	}
-	in, err := instance.Start(t.Context(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := in.Close(); err != nil {
-			t.Errorf("close: %v", err)
-		}
-		if in.Pool.NumFree() != in.Pool.NumBlocks() {
-			t.Errorf("%d of %d blocks free after close", in.Pool.NumFree(), in.Pool.NumBlocks())
-		}
-	})
-	return in
+	return startInstance(t, cfg)
 }
 
 // TestProxiesCountRequestsWithoutTransfer: a P/D request that the engines serve without moving

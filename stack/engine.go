@@ -55,6 +55,10 @@ type EngineConfig struct {
 	Lease         time.Duration
 	DecoderTTL    time.Duration
 	AllowedPeers  []string
+	// AuthToken is kv_connector_extra_config.auth_token (default none).
+	AuthToken string
+	// KVCacheDType is --kv-cache-dtype (default the model's); with Model set it must be empty.
+	KVCacheDType string
 	// PrefixCaching turns the engine's prefix cache on.
 	PrefixCaching bool
 	// DataParallelSize is the engine's number of data-parallel ranks (default 1; see
@@ -162,6 +166,7 @@ func (cfg EngineConfig) instanceConfig() instance.Config {
 		Model: cfg.ModelName, OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
 		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true, DataParallelSize: cfg.DataParallelSize,
+		KVCacheDType: cfg.KVCacheDType,
 	}
 	if ic.SideChannelPort == 0 {
 		ic.SideChannelPort = -1 // a free port, not the default 5600
@@ -182,7 +187,7 @@ func (cfg EngineConfig) instanceConfig() instance.Config {
 	if cfg.DecoderTTL > 0 {
 		kv.DecoderBlocksTTL = cfg.DecoderTTL
 	}
-	kv.Bidirectional, kv.Backends, kv.AllowedPeers = cfg.Bidirectional, cfg.Backends, cfg.AllowedPeers
+	kv.Bidirectional, kv.Backends, kv.AllowedPeers, kv.AuthToken = cfg.Bidirectional, cfg.Backends, cfg.AllowedPeers, cfg.AuthToken
 	ic.KVTransfer = kv
 	if cfg.Now != nil || cfg.Tick != nil || cfg.AdvertiseTransfer != "" {
 		ic.ConnectorHooks = func(o *connector.Options) {
