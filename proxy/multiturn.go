@@ -426,14 +426,8 @@ func (mt *MultiTurn) warnNoParams(d Instance) {
 // setUsageHeaders reports P's prefill accounting.
 func setUsageHeaders(h http.Header, usage map[string]any) {
 	num := func(m map[string]any, k string) int {
-		switch v := m[k].(type) {
-		case json.Number:
-			n, _ := v.Int64()
-			return int(n)
-		case float64:
-			return int(v)
-		}
-		return 0
+		n, _ := jsonInt(m[k])
+		return int(n)
 	}
 	if usage == nil {
 		return
