@@ -1,0 +1,41 @@
+package check
+
+import (
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestTokensPreferBySource: when D exports vllm:prompt_tokens_by_source_total, the tokens pulled
+// and computed are D's own counts by source, not its usage (which may lack the details, or
+// count only the requests check sent through the proxy).
+func TestTokensPreferBySource(t *testing.T) {
+	page := func(external, local, bytes int) metrics {
+		return parseMetrics([]byte(strings.Join([]string{
+			"# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.",
+			"# TYPE vllm:prompt_tokens_by_source_total counter",
+			`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} ` + strconv.Itoa(external),
+			`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} ` + strconv.Itoa(local),
+			`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 0`,
+			`vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} ` + strconv.Itoa(bytes),
+			`vllm:nixl_bytes_transferred_count{engine="0",model_name="m"} 1`,
+		}, "\n")))
+	}
+	d := &engine{leg: "decode", url: "http://d", before: page(100, 10, 1000), after: page(400, 13, 5000)}
+	r := &Report{}
+	r.transfers([]*engine{d}, []answer{{status: 200, prompt: 303, details: true, external: 0}}, nil, nil)
+	if !r.OK() {
+		t.Errorf("problems %+v, want none: D's counts say 300 tokens were pulled", r.Problems)
+	}
+	want := "prompt tokens: 303 sent, 300 pulled from P, 3 computed on D (vllm:prompt_tokens_by_source_total)"
+	if !strings.Contains(strings.Join(r.Lines, "\n"), want) {
+		t.Errorf("lines %q, want %q", r.Lines, want)
+	}
+
+	r = &Report{}
+	none := &engine{leg: "decode", url: "http://d", before: page(400, 13, 5000), after: page(400, 316, 5000)}
+	r.transfers([]*engine{none}, []answer{{status: 200, prompt: 303}}, nil, nil)
+	if !r.Has(ProblemNotPulled) {
+		t.Errorf("problems %+v, want %q: D computed all 303 tokens", r.Problems, ProblemNotPulled)
+	}
+}
