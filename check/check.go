@@ -96,6 +96,8 @@ type kvInfo struct {
 		Params      int64 `json:"params"`
 	} `json:"refusals"`
 	ParamsAuthMismatch int64 `json:"params_auth_mismatch"`
+	// IgnoredParams counts the params an engine without a connector ignored.
+	IgnoredParams int64 `json:"ignored_kv_transfer_params"`
 }
 
 // answer is one completion's outcome.

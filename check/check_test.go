@@ -63,6 +63,7 @@ type deployment struct {
 	engines bool // check is given the engines' URLs
 	want    []string
 	says    string // a line of the report says this
+	detail  string // a problem's detail says this
 }
 
 func (dep deployment) run(t *testing.T) *check.Report {
@@ -114,7 +115,8 @@ func TestCheck(t *testing.T) {
 		{name: "auth token differs, proxy only", p: producer, d: token(consumer, tokB), want: []string{check.ProblemNotPulled}},
 		{name: "auth token on P only", p: producer, d: token(consumer, ""), engines: true, want: []string{check.ProblemAuth}},
 		{name: "compatibility hash differs", p: producer, d: stack.EngineConfig{Role: connector.RoleConsumer, AuthToken: tokA, KVCacheDType: "bfloat16"}, engines: true, want: []string{check.ProblemCompat, check.ProblemNotPulled}},
-		{name: "consumer without connector", p: producer, d: stack.EngineConfig{}, engines: true, want: []string{check.ProblemNoConnector, check.ProblemNotPulled}},
+		{name: "consumer without connector", p: producer, d: stack.EngineConfig{}, engines: true, want: []string{check.ProblemNoConnector, check.ProblemNotPulled},
+			detail: "ignored the kv_transfer_params of 3 request(s)"},
 		{name: "producer without connector, proxy only", p: stack.EngineConfig{}, d: consumer, want: []string{check.ProblemNoConnector}},
 		{name: "multi-turn without bidirectional_kv_xfer", p: producer, d: consumer, multi: true, engines: true, want: []string{check.ProblemNotReused}},
 	} {
@@ -131,6 +133,9 @@ func TestCheck(t *testing.T) {
 			}
 			if r.OK() {
 				t.Fatalf("verdict OK, want %q", dep.want)
+			}
+			if dep.detail != "" && !slices.ContainsFunc(r.Problems, func(f check.Finding) bool { return strings.Contains(f.Detail, dep.detail) }) {
+				t.Errorf("no problem says %q: %+v", dep.detail, r.Problems)
 			}
 			for _, w := range dep.want {
 				if !r.Has(w) {

@@ -107,13 +107,13 @@ func (r *Report) configuration(engines []*engine) {
 	}
 	switch {
 	case len(tokens[true]) > 0 && len(tokens[false]) == 0:
-		r.line("auth token: set on every engine given (whether the tokens are equal shows in the transfers below)")
+		r.line("auth token: set on every engine with a connector (whether the tokens are equal shows in the transfers below)")
 	case len(tokens[false]) > 0 && len(tokens[true]) == 0:
-		r.line("auth token: none on any engine given")
+		r.line("auth token: none on any engine with a connector")
 	}
 	if len(hashes) == 1 {
 		for h := range hashes {
-			r.line("compatibility hash: %s on every engine given", h)
+			r.line("compatibility hash: %s on every engine with a connector", h)
 		}
 	}
 	if len(tokens[true]) > 0 && len(tokens[false]) > 0 {
@@ -230,6 +230,9 @@ func (r *Report) transfers(engines []*engine, answers []answer, before, after ma
 		f, _ := delta(e.before, e.after, "vllm:nixl_num_failed_transfers_total")
 		failed += f
 		if e.info != nil && e.infoEnd != nil {
+			if n := e.infoEnd.IgnoredParams - e.info.IgnoredParams; n > 0 {
+				r.problem(ProblemNoConnector, "the %s engine %s ignored the kv_transfer_params of %d request(s): it has no --kv-transfer-config", e.leg, e.url, n)
+			}
 			// A reader that pulled bytes while no engine served them over TCP read them from an
 			// arena it mapped (SHM maps a peer's arena once, so mapped bytes need not grow).
 			if e.infoEnd.BytesRead > e.info.BytesRead && e.infoEnd.MappedBytes > 0 {

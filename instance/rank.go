@@ -121,6 +121,9 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 		ocfg.DeclineKV = rk.Connector.Decline
 		ocfg.CheckKV = rk.Connector.CheckRole
 		ocfg.KVInfo = func() any { return rk.Connector.Info() }
+	} else {
+		u := &unconnected{log: cfg.Logger}
+		ocfg.CheckKV, ocfg.KVInfo = u.observe, u.info
 	}
 	rk.server = openai.NewServer(ocfg, rk.Engine, m)
 	return rk, nil

@@ -96,9 +96,10 @@ type Config struct {
 	// engine took it (invalid, too long, over capacity), so that the connector tells the
 	// producer that holds their blocks to free them now rather than when its lease expires.
 	DeclineKV func(params map[string]any)
-	// CheckKV, if set, validates a request's kv_transfer_params before the engine takes it; an
+	// CheckKV, if set, sees a request's kv_transfer_params before the engine takes it; an
 	// error (a leg this engine's kv_role cannot serve) is answered with 400 naming
 	// kv_transfer_params and the error's text, and the params are then handed to DeclineKV.
+	// (An engine without a connector only counts them here.)
 	CheckKV func(params map[string]any) error
 	// KVInfo, if set, is served as JSON at GET /v1/kv_transfer: what this engine's connector
 	// is (kv_connector, kv_role, …), so that `kvbridge check` can tell a misconfigured
