@@ -55,10 +55,14 @@ func external(r result) int {
 
 // TestBidirectionalPullIsVerified: on turn 2, P pulls from D only the blocks whose token hashes
 // match its own prompt (items 31, 33). An edited history pulls less — never wrong KV — and the
-// rejection is counted.
+// rejection is counted. D frees a turn's hold on the notification of the next turn's P, but not
+// on P's notification for an edited history, which does not prove the prompt the hold was
+// issued for: that hold lasts until decoder_kv_blocks_ttl.
 func TestBidirectionalPullIsVerified(t *testing.T) {
+	dclock := newFakeClock()
+	dtick := make(chan time.Time)
 	p := startNode(t, "P", nodeOptions{kvConfig: bidiCfg("kv_producer", `,"kv_recompute_threshold":0`)})
-	d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), prefix: true})
+	d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), prefix: true, now: dclock.Now, tick: dtick})
 	single := startNode(t, "single", nodeOptions{})
 	first := tokens(100, 20)
 	dparams, next := turnOne(t, p, d, first)
@@ -74,6 +78,7 @@ func TestBidirectionalPullIsVerified(t *testing.T) {
 	if got := external(r); got < 96 {
 		t.Errorf("turn 2 pulled %d tokens from D; the first prompt alone holds 6 verified blocks (96)", got)
 	}
+	d.waitPoolFull(t) // D freed turn 1's hold on P's notification; D's clock never moved
 
 	// A second conversation whose history was edited at token 40.
 	dparams2, next2 := turnOne(t, p, d, tokens(100, 21))
@@ -89,7 +94,13 @@ func TestBidirectionalPullIsVerified(t *testing.T) {
 	if p.conn.VerificationRejections() != before+1 {
 		t.Error("the rejection was not counted")
 	}
-	d.waitPoolFull(t) // D freed both turns' blocks on P's notifications
+	eventually(t, "D to refuse P's notification for the edited history", func() bool { return d.conn.AuthRefusals().Notifications == 1 })
+	if d.pool.NumFree() == d.pool.NumBlocks() {
+		t.Fatal("D freed the hold on a notification for another prompt")
+	}
+	dclock.Advance(481 * time.Second) // decoder_kv_blocks_ttl
+	dtick <- dclock.Now()
+	d.waitPoolFull(t)
 }
 
 // TestBidirectionalDeclinesExpiredBlocks: P declines a read of D's blocks within 5 s of their

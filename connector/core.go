@@ -69,13 +69,19 @@ type counters struct {
 type actions struct {
 	handshakes []*remoteEngine // run the side-channel handshake of each new record
 	loads      []loadJob       // read remote KV into local blocks
-	notifies   []*Params       // tell a producer that this engine will not read its blocks
+	notifies   []notice        // tell a producer that this engine will not read its blocks
 	beats      []beat          // send a heartbeat batch to a handshaken producer
 	drops      []*remoteEngine // forget a record: invalidate its incarnation, release its lists
 	release    []string        // Scheduler.ReleaseDelayed
 	loaded     []string        // Scheduler.LoadsDone, successes
 	failed     map[string]int  // Scheduler.LoadsDone, failures and their first bad block
 	missed     []string        // Scheduler.LoadsMissed
+}
+
+// notice is a release notification for the producer named by params.
+type notice struct {
+	params *Params
+	msg    []byte // FormatRelease
 }
 
 // beat is one heartbeat message for one producer.
@@ -116,6 +122,7 @@ type loadJob struct {
 	localHit int     // tokens already in the leading blocks (a multiple of the block size)
 	count    int     // tokens to load after them
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
+	release  []byte  // the release notification the read carries (FormatRelease)
 
 	handshake *remoteEngine // the handshake the request's arrival started, or nil (reqState.handshake)
 }
@@ -303,22 +310,49 @@ func (k *core) matchedExternal(seq *engine.Sequence, localHit int, now time.Time
 // whose hint differs from the prompt's own chain. The hints only size the pull; what is read is
 // checked against the decoder's published records (verify.go).
 func (k *core) verifiedTokens(p *Params, prompt []int32) int {
-	n := min(p.RemoteNumTokens, len(prompt))
 	if p.BlockHashes == nil {
-		return n
+		return min(p.RemoteNumTokens, len(prompt))
 	}
+	n, cut := k.hintedPrefix(p, prompt)
+	if cut {
+		k.counts.rejections.Add(1)
+	}
+	return n
+}
+
+// hintedPrefix returns how many leading tokens of prompt, in whole blocks, match a decoder's
+// hash hints, and whether a full block within min(remote_num_tokens, prompt) did not match.
+func (k *core) hintedPrefix(p *Params, prompt []int32) (n int, cut bool) {
 	bs := k.geo.BlockSize
-	own := kvcache.ChainHashes(prompt[:n], bs)
+	own := kvcache.ChainHashes(prompt[:min(p.RemoteNumTokens, len(prompt))], bs)
 	ok := 0
 	for ok < len(own) && ok < len(p.BlockHashes) && own[ok].String() == p.BlockHashes[ok] {
 		ok++
 	}
-	if ok < len(own) {
-		k.counts.rejections.Add(1)
-		return ok * bs
+	// When every full block matched, the trailing partial block has no hint.
+	return ok * bs, ok < len(own)
+}
+
+// release returns the notification that ends the lease p names, proving as much of the
+// lease's prompt as prompt holds: a producer's whole prompt (remote_num_tokens), or of a
+// decoder's hold (fromD) the whole blocks its hash hints confirm. A prompt that holds less
+// proves nothing, and the owner keeps the lease: it ends only for the reader it was issued for.
+func (k *core) release(p *Params, prompt []int32, fromD bool) []byte {
+	n := 0
+	switch {
+	case fromD:
+		n, _ = k.hintedPrefix(p, prompt)
+	case len(prompt) >= p.RemoteNumTokens:
+		n = p.RemoteNumTokens
 	}
-	// Every full block matched; the trailing partial block has no hint.
-	return min(n, ok*bs)
+	return []byte(FormatRelease(Release{ID: p.RemoteRequestID, Readers: 1, Token: p.Lease, Proven: n, Proof: ReleaseProof(p.Lease, prompt[:n])}))
+}
+
+// notifyFor asks the worker to tell the producer named by st's params that seq will not read
+// its blocks.
+func (k *core) notifyFor(st *reqState, seq *engine.Sequence) {
+	_, fromD := k.consumer(st.params)
+	k.out.notifies = append(k.out.notifies, notice{st.params, k.release(st.params, seq.Prompt(), fromD)})
 }
 
 // afterAlloc starts the load, or tells the producer to free when nothing is loaded.
@@ -331,7 +365,7 @@ func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int,
 	st.processed = true
 	if numExternal == 0 {
 		k.untrack(st)
-		k.out.notifies = append(k.out.notifies, st.params)
+		k.notifyFor(st, seq)
 		return
 	}
 	st.loading = true
@@ -343,6 +377,7 @@ func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int,
 		localHit: seq.NumLocalHitTokens(),
 		count:    numExternal,
 		fromD:    st.pullFromD,
+		release:  k.release(st.params, seq.Prompt(), st.pullFromD),
 
 		handshake: st.handshake,
 	}
@@ -365,7 +400,7 @@ func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Tim
 	p := st.params
 	pull, _ := k.consumer(p)
 	if pull && !st.processed {
-		k.out.notifies = append(k.out.notifies, p) // aborted before its read: the producer must not wait for the lease
+		k.notifyFor(st, seq) // aborted before its read: the producer must not wait for the lease
 	}
 	if st.loading {
 		// The load still writes into the blocks; they are released when it ends.
@@ -416,6 +451,11 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 	}
 	tag := LeaseTag(token, computed, blocks, gens)
 	copy(k.slots[l.Slot*slotBytes:], tag[:])
+	tokens := seq.Tokens()[:computed]
+	l.Proofs = make(map[int][ReleaseProofBytes]byte)
+	for _, n := range releaseLengths(computed, seq.NumPromptTokens(), k.geo.BlockSize, !renewable) {
+		l.Proofs[n] = ReleaseProof(token, tokens[:n])
+	}
 	p := Params{
 		DoRemotePrefill:  renewable, // P's params send D to pull; D's send the next P to pull
 		DoRemoteDecode:   !renewable,
@@ -449,6 +489,24 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		p.MAC = paramsMAC(k.paramsKey, &p)
 	}
 	return p.Map()
+}
+
+// releaseLengths returns how many leading tokens of a lease's numTokens a release notification
+// may prove (see core.release): a producer's lease, all of them — its reader decodes the same
+// prompt; a decoder's hold (hold), any whole number of blocks from the last block boundary
+// before the hold's prompt's last token (promptTokens; at least one block) up to numTokens, or
+// numTokens — the next turn repeats the prompt, but the answer it appends may be tokenized
+// otherwise than it was generated.
+func releaseLengths(numTokens, promptTokens, blockSize int, hold bool) []int {
+	if !hold {
+		return []int{numTokens}
+	}
+	least := min(numTokens, max(blockSize, (promptTokens-1)/blockSize*blockSize))
+	var out []int
+	for n := (least + blockSize - 1) / blockSize * blockSize; n < numTokens; n += blockSize {
+		out = append(out, n)
+	}
+	return append(out, numTokens)
 }
 
 // clearSlot withdraws l's tag: from now on no reader accepts what it reads under l. The lease's
@@ -487,7 +545,10 @@ func (k *core) evictHolds(blocks int, now time.Time) []string {
 	return ids
 }
 
-// decline tells the producer named by raw params that this engine will not read its blocks.
+// decline is told of params of a request refused before the engine took it. Without the
+// request's prompt this engine cannot prove to the producer that it is the reader the lease was
+// issued for (see release), so it sends nothing: the producer frees at lease expiry, as vLLM's
+// does. Params that would be refused are still counted.
 func (k *core) decline(raw map[string]any, now time.Time) {
 	p, err := ParseParams(raw)
 	if err != nil || p == nil {
@@ -498,14 +559,15 @@ func (k *core) decline(raw map[string]any, now time.Time) {
 	}
 	if err := k.checkParams(p); err != nil {
 		k.refuseParams(p.RemoteRequestID, err, now)
-		return
 	}
-	k.out.notifies = append(k.out.notifies, p)
 }
 
 // notification applies one notification from peer: "HB:token,…" extends leases; "<id>:<n>:
-// <token>" is one of n reads of a lease done. A notification that presents no valid token
-// changes nothing; it is counted, and logged at most once per interval.
+// <token>:<proven>:<proof>" is one of n reads of a lease done, by a reader that holds the
+// lease's prompt. A release that presents no valid token, or no valid proof of the prompt,
+// changes nothing; it is counted, and logged at most once per interval. Heartbeats need no
+// proof: they only extend a lease (never shorten or end it), by 2/3 of kv_lease_duration past
+// the last one, and a decoder sends them only while a request waits to read.
 func (k *core) notification(peer, msg string, now time.Time) {
 	if hexTokens, ok := ParseHeartbeat(msg); ok {
 		tokens := make([]LeaseToken, 0, len(hexTokens))
@@ -517,14 +579,14 @@ func (k *core) notification(peer, msg string, now time.Time) {
 		k.leases.Heartbeat(tokens, now, k.cfg.LeaseDuration*2/3)
 		return
 	}
-	id, readers, token, err := ParseRelease(msg)
+	r, err := ParseRelease(msg)
 	if err != nil {
 		if ok, suppressed := k.quiet.allow("malformed", now); ok {
 			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "error", err, "similar_suppressed", suppressed)
 		}
 		return
 	}
-	l, res := k.leases.Notify(id, token, readers)
+	l, res := k.leases.Notify(r)
 	if l != nil {
 		k.endLease(l)
 	}
@@ -534,13 +596,19 @@ func (k *core) notification(peer, msg string, now time.Time) {
 			k.metrics.CountNotificationAfterExpiry()
 		}
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
-			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(id)),
+			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(r.ID)),
 				"peer", peer, "similar_suppressed", suppressed)
 		}
 	case NotifyRefused:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("refused", now); ok {
-			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(id), "peer", peer, "similar_suppressed", suppressed)
+			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(r.ID), "peer", peer, "similar_suppressed", suppressed)
+		}
+	case NotifyUnproven:
+		k.counts.notifications.Add(1)
+		if ok, suppressed := k.quiet.allow("unproven", now); ok {
+			k.log.Warn("refusing a KV notification that does not prove the prompt its lease was issued for (copied kv_transfer_params, or a request for another prompt); the lease is kept",
+				"request_id", clip(r.ID), "peer", peer, "proven_tokens", r.Proven, "similar_suppressed", suppressed)
 		}
 	}
 }

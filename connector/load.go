@@ -123,8 +123,7 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteEngine) (int, 
 		return first, c.forgetOn(r, err)
 	}
 	defer meta.Release()
-	notif := []byte(FormatRelease(j.params.RemoteRequestID, 1, j.params.Lease))
-	if err := meta.Post(ctx, notif); err != nil {
+	if err := meta.Post(ctx, j.release); err != nil {
 		return first, c.forgetOn(r, err)
 	}
 	if err := meta.Wait(ctx); err != nil {

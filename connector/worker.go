@@ -60,8 +60,8 @@ func (c *Connector) performLocked() {
 			c.event(func(k *core) { k.loadFinished(j, j.localHit/c.geo.BlockSize, transfer.ErrClosed, true, c.now()) })
 		})
 	}
-	for _, p := range a.notifies {
-		c.spawn(closed, func() { c.notify(p) }, nil)
+	for _, n := range a.notifies {
+		c.spawn(closed, func() { c.notify(n) }, nil)
 	}
 	for _, b := range a.beats {
 		ctx, cancel := context.WithTimeout(c.ctx, time.Second)
@@ -120,7 +120,8 @@ func (c *Connector) runLoad(j loadJob) {
 
 // notify tells a producer that this engine will not read its blocks, retrying once over a new
 // handshake when the producer's agent went away.
-func (c *Connector) notify(p *Params) {
+func (c *Connector) notify(n notice) {
+	p := n.params
 	ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
 	defer cancel()
 	var err error
@@ -129,7 +130,7 @@ func (c *Connector) notify(p *Params) {
 		if r, err = c.remote(ctx, p); err != nil {
 			break
 		}
-		if err = c.agent.SendNotif(ctx, r.peer, []byte(FormatRelease(p.RemoteRequestID, 1, p.Lease))); err == nil || !peerGone(err) {
+		if err = c.agent.SendNotif(ctx, r.peer, n.msg); err == nil || !peerGone(err) {
 			break
 		}
 		c.forget(r)
