@@ -140,6 +140,8 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-config", "{nope"}, "kv-transfer-config"},
 		{[]string{"serve", "kvbridge/tiny", "--block-size", "0"}, "block-size"},
 		{[]string{"proxy", "--prefiller-hosts", "a", "b", "--prefiller-ports", "1"}, "2 prefiller hosts but 1"},
+		{[]string{"proxy", "--multi-turn", "--conversation-store", "redis://127.0.0.1:1/0"}, "--conversation-store-key"},
+		{[]string{"proxy", "--conversation-store-key", "k"}, "--conversation-store-key needs --multi-turn"},
 		{[]string{"bench"}, "subcommand"},
 		{[]string{"bench", "pd", "--hosts", "--backend", "SHM"}, "--backend SHM cannot cross hosts"},
 		{[]string{"bench", "transfer", "--backends", "TCP,RDMA"}, "--backends"},

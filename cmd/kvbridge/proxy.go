@@ -13,8 +13,12 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/proxy"
 )
+
+// envStoreKey is --conversation-store-key's environment variable.
+const envStoreKey = "KVBRIDGE_CONVERSATION_STORE_KEY"
 
 // proxyFlags are the flags of vLLM's toy proxy and multi-turn proxy.
 type proxyFlags struct {
@@ -23,6 +27,7 @@ type proxyFlags struct {
 	maxConversations                  int
 	maxConversationBytes              string
 	conversationStore                 string
+	conversationStoreKey              string
 	host                              string
 	port                              int
 	prefillHosts, decodeHosts         []string
@@ -61,6 +66,7 @@ func newProxyCmd() *cobra.Command {
 	fl.IntVar(&f.maxConversations, "max-conversations", proxy.DefaultMaxConversations, "with --multi-turn: most conversations cached (least recently used dropped first)")
 	fl.StringVar(&f.maxConversationBytes, "max-conversation-bytes", formatBytes(proxy.DefaultMaxConversationBytes), "with --multi-turn and the memory store: most bytes of cached conversations (least recently used dropped first), e.g. 64M")
 	fl.StringVar(&f.conversationStore, "conversation-store", "memory", "with --multi-turn: where conversations are kept between turns: memory, or redis://HOST:PORT/DB shared by the replicas of a proxy tier")
+	fl.StringVar(&f.conversationStoreKey, "conversation-store-key", "", "with --multi-turn: the secret D's kv_transfer_params are sealed under in the conversation store, the same on every replica (default: env "+envStoreKey+", else "+connector.EnvAuthToken+"; required with Redis; the memory store otherwise uses a random key)")
 	return cmd
 }
 
@@ -97,6 +103,15 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if !f.multiTurn && f.conversationStore != "memory" {
 		return usageError("--conversation-store needs --multi-turn")
 	}
+	if !f.multiTurn && f.conversationStoreKey != "" {
+		return usageError("--conversation-store-key needs --multi-turn")
+	}
+	storeKey := f.conversationStoreKey
+	for _, env := range []string{envStoreKey, connector.EnvAuthToken} {
+		if storeKey == "" {
+			storeKey = os.Getenv(env)
+		}
+	}
 	maxBytes, err := parseBytes(f.maxConversationBytes)
 	if err != nil {
 		return usageError("--max-conversation-bytes: %v", err)
@@ -111,7 +126,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	}
 	if f.multiTurn {
 		h, err = proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg, CacheTTL: f.cacheTTL, MaxConversations: f.maxConversations,
-			MaxConversationBytes: maxBytes, RequireConversationID: f.requireConversationID, Store: f.conversationStore})
+			MaxConversationBytes: maxBytes, RequireConversationID: f.requireConversationID, Store: f.conversationStore, StoreKey: storeKey})
 	} else {
 		h, err = proxy.NewOneWay(cfg)
 	}
