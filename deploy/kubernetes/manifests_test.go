@@ -222,6 +222,8 @@ func container(t *testing.T, o *objects, spec *corev1.PodTemplateSpec) (*corev1.
 			env[e.Name] = v
 		case e.ValueFrom.FieldRef != nil:
 			env[e.Name] = "fieldRef:" + e.ValueFrom.FieldRef.FieldPath
+		case e.ValueFrom.SecretKeyRef != nil: // created by the operator, never in the manifests
+			env[e.Name] = "secret:" + e.ValueFrom.SecretKeyRef.Name + "/" + e.ValueFrom.SecretKeyRef.Key
 		default:
 			t.Errorf("env %s: a source this test does not resolve", e.Name)
 		}
@@ -407,6 +409,9 @@ func checkProxy(t *testing.T, o *objects, d *appsv1.Deployment, bidi bool) {
 	u, err := url.Parse(f["conversation-store"])
 	if err != nil || u.Scheme != "redis" {
 		t.Fatalf("proxy: --conversation-store %q, want redis://HOST:PORT/DB", f["conversation-store"])
+	}
+	if !strings.HasPrefix(env["KVBRIDGE_CONVERSATION_STORE_KEY"], "secret:") {
+		t.Errorf("proxy: a Redis store needs KVBRIDGE_CONVERSATION_STORE_KEY from a Secret (the key D's params are sealed under), got %q", env["KVBRIDGE_CONVERSATION_STORE_KEY"])
 	}
 	svc := o.services[u.Hostname()]
 	if svc == nil || !slices.ContainsFunc(svc.Spec.Ports, func(p corev1.ServicePort) bool { return strconv.Itoa(int(p.Port)) == u.Port() }) {
