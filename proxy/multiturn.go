@@ -88,7 +88,8 @@ type MultiTurn struct {
 }
 
 type proxyMetrics struct {
-	hits, misses, rejections, uncachable, noParams, claimed, unsealable prometheus.Counter
+	hits, misses, rejections, uncachable, noParams, claimed prometheus.Counter
+	unsealable                                              prometheus.Counter // stored turns that did not open
 	leg, storeTime                                          *prometheus.HistogramVec
 	storeErrors                                             *prometheus.CounterVec
 	ttft                                                    prometheus.Histogram

@@ -54,13 +54,13 @@ func newRedisStore(rawURL string, ttl time.Duration) (*redisStore, error) {
 
 // storedTurn is a turn as Redis holds it: the params sealed (seal.go), never in clear text.
 type storedTurn struct {
-	Sealed    []byte          `json:"sealed"`
-	Host      string          `json:"decoder_host"`
-	Port      int             `json:"decoder_port"`
-	Chat      bool            `json:"chat"`
-	PrefixLen int             `json:"prefix_len"`
-	Prefix    string          `json:"prefix"`
-	Answer    string          `json:"answer"`
+	Sealed    []byte `json:"sealed"`
+	Host      string `json:"decoder_host"`
+	Port      int    `json:"decoder_port"`
+	Chat      bool   `json:"chat"`
+	PrefixLen int    `json:"prefix_len"`
+	Prefix    string `json:"prefix"`
+	Answer    string `json:"answer"`
 }
 
 func (s *redisStore) take(ctx context.Context, conv string) (turn, bool, error) {
