@@ -192,6 +192,9 @@ func TestAttackStolenLeaseToken(t *testing.T) {
 				if r.header.Get(proxy.HeaderCache) != "hit" || n <= 0 {
 					t.Errorf("turn 2: %s %s, pulled %q tokens; want a hit", proxy.HeaderCache, r.header.Get(proxy.HeaderCache), r.header.Get(proxy.HeaderPulledTokens))
 				}
+				// P's own notification, which proves the conversation, ended turn 1's hold: D
+				// holds turn 2's blocks only.
+				eventually(t, "D to end turn 1's hold", func() bool { st, err := s.d.Stats(); return err == nil && st.Held == 1 })
 			}
 			if got := metric(t, s.hc, owner.URL, refusals); got != 1 {
 				t.Errorf("the owner refused %v notifications, want 1", got)
