@@ -451,10 +451,10 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 	}
 	tag := LeaseTag(token, computed, blocks, gens)
 	copy(k.slots[l.Slot*slotBytes:], tag[:])
-	tokens := seq.Tokens()[:computed]
-	l.Proofs = make(map[int][ReleaseProofBytes]byte)
-	for _, n := range releaseLengths(computed, seq.NumPromptTokens(), k.geo.BlockSize, !renewable) {
-		l.Proofs[n] = ReleaseProof(token, tokens[:n])
+	lengths := releaseLengths(computed, seq.NumPromptTokens(), k.geo.BlockSize, !renewable)
+	l.Proofs = make(map[int][ReleaseProofBytes]byte, len(lengths))
+	for i, proof := range releaseProofs(token, seq.Tokens()[:computed], lengths) {
+		l.Proofs[lengths[i]] = proof
 	}
 	p := Params{
 		DoRemotePrefill:  renewable, // P's params send D to pull; D's send the next P to pull

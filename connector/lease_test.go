@@ -254,4 +254,11 @@ func TestReleaseProofBindsTokenAndPrompt(t *testing.T) {
 	if ReleaseProof(tok, slices.Clone(prompt)) != base {
 		t.Error("the proof is not deterministic")
 	}
+	// The owner's proofs of several prefixes, hashed in one pass, are the readers'.
+	lengths := []int{0, 4, 8, 19, 20}
+	for i, p := range releaseProofs(tok, prompt, lengths) {
+		if p != ReleaseProof(tok, prompt[:lengths[i]]) {
+			t.Errorf("the proof of the first %d tokens differs from a reader's", lengths[i])
+		}
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash"
 	"strconv"
 	"strings"
 )
@@ -42,21 +43,45 @@ const ReleaseProofBytes = 16
 // ReleaseProof proves that the sender of a release notification holds tokens, the leading
 // tokens of the prompt the lease was issued for: the first ReleaseProofBytes of HMAC-SHA256
 // keyed by the lease token over a context string, the tokens and their count. The owner of the
-// blocks computed the proofs it accepts when it issued the lease (ReleaseProofs); anybody can
+// blocks computed the proofs it accepts when it issued the lease (Lease.Proofs); anybody can
 // compute a proof for a prompt it holds, nobody for one it does not hold.
 func ReleaseProof(token LeaseToken, tokens []int32) [ReleaseProofBytes]byte {
+	return releaseProofs(token, tokens, []int{len(tokens)})[0]
+}
+
+// releaseProofs returns ReleaseProof(token, tokens[:n]) for each n of lengths (ascending, each at
+// most len(tokens)), hashing the tokens once: the count comes last, so that one MAC state runs
+// through the prefixes and is cloned at each length.
+func releaseProofs(token LeaseToken, tokens []int32, lengths []int) [][ReleaseProofBytes]byte {
 	m := hmac.New(sha256.New, token[:])
-	var b [8]byte
 	m.Write([]byte("kvbridge release v1"))
-	binary.LittleEndian.PutUint64(b[:], uint64(len(tokens)))
-	m.Write(b[:])
-	for _, t := range tokens {
-		binary.LittleEndian.PutUint32(b[:4], uint32(t))
-		m.Write(b[:4])
+	out := make([][ReleaseProofBytes]byte, len(lengths))
+	var b [8]byte
+	done := 0
+	for i, n := range lengths {
+		for ; done < n; done++ {
+			binary.LittleEndian.PutUint32(b[:4], uint32(tokens[done]))
+			m.Write(b[:4])
+		}
+		h := m
+		if i+1 < len(lengths) { // m runs on: finish a clone of it
+			c, ok := m.(hash.Cloner)
+			var clone hash.Cloner
+			var err error
+			if ok {
+				clone, err = c.Clone()
+			}
+			if !ok || err != nil {
+				out[i] = ReleaseProof(token, tokens[:n])
+				continue
+			}
+			h = clone
+		}
+		binary.LittleEndian.PutUint64(b[:], uint64(n))
+		h.Write(b[:])
+		copy(out[i][:], h.Sum(nil))
 	}
-	var proof [ReleaseProofBytes]byte
-	copy(proof[:], m.Sum(nil))
-	return proof
+	return out
 }
 
 // Release is a parsed release notification: one of Readers readers of the blocks leased to
