@@ -178,9 +178,10 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 // Instance is a running engine with its HTTP server: one or, with data parallelism, several
 // ranks behind one port.
 type Instance struct {
-	// URL is the HTTP base URL, e.g. http://127.0.0.1:8000.
+	// URL is an HTTP base URL that reaches the instance from this host (LocalURL of Addr),
+	// e.g. http://127.0.0.1:8000.
 	URL string
-	// Addr is the HTTP listener's address.
+	// Addr is the address the HTTP listener is bound to, e.g. [::]:8000 for all interfaces.
 	Addr *net.TCPAddr
 
 	Model *model.Model
@@ -257,14 +258,10 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		return nil, fmt.Errorf("listen on port %d: %w (is another server using it? pick another port)", cfg.Port, err)
 	}
 	in.Addr = ln.Addr().(*net.TCPAddr)
-	host := cfg.Host
-	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
-		host = "127.0.0.1"
-	}
-	in.URL = "http://" + net.JoinHostPort(host, strconv.Itoa(in.Addr.Port))
+	in.URL = LocalURL(in.Addr)
 	in.srv = &http.Server{Handler: handler, ReadHeaderTimeout: 30 * time.Second}
 	go func() { in.served <- in.srv.Serve(ln) }()
-	attrs := []any{"model", cfg.ServedModelNames[0], "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
+	attrs := []any{"model", cfg.ServedModelNames[0], "addr", in.Addr.String(), "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
 	if cfg.DataParallelSize > 1 {
 		attrs = append(attrs, "data_parallel_size", cfg.DataParallelSize)
 	}
@@ -277,6 +274,17 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}
 	cfg.Logger.Info("kvbridge serving", attrs...)
 	return in, nil
+}
+
+// LocalURL returns an HTTP base URL that reaches a listener bound to addr from this host: the
+// bound address itself, or the loopback address when addr is every interface (0.0.0.0, [::]),
+// which is no address a client can name.
+func LocalURL(addr *net.TCPAddr) string {
+	host := addr.IP.String()
+	if addr.IP == nil || addr.IP.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	return "http://" + net.JoinHostPort(host, strconv.Itoa(addr.Port))
 }
 
 // kvBlocks returns the number of KV blocks of blockBytes bytes the configuration asks for;

@@ -59,6 +59,7 @@ type serveFlags struct {
 	dtype                string
 	kvCacheDType         string
 	quantization         string
+	log                  logFlags
 	// changed reports whether a flag was given (set when the command runs).
 	changed func(name string) bool
 }
@@ -125,7 +126,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.model, "model", "", "model to serve (prefer the positional argument)")
-	fl.StringVar(&f.host, "host", "", "address to listen on (default: all interfaces)")
+	fl.StringVar(&f.host, "host", "", "address to listen on (default: all interfaces, as vLLM's)")
 	fl.IntVar(&f.port, "port", 8000, "HTTP port (0 picks a free port)")
 	fl.IntVar(&f.blockSize, "block-size", kvcache.DefaultBlockSize, "tokens per KV cache block")
 	fl.IntVar(&f.maxModelLen, "max-model-len", 0, "context length: prompt plus output (default: the model's, at most 32768)")
@@ -156,6 +157,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
 	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (float32), float32 or bfloat16")
 	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
+	f.log.register(fl)
 	// Only whether they were given matters (checkVLLMFlags), so their values are not kept.
 	for _, name := range pythonOnlyFlags {
 		fl.String(name, "", "accepted for vLLM compatibility; tunes only vLLM's Python internals")
@@ -201,7 +203,10 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 
 // serve runs one engine until ctx ends.
 func serve(ctx context.Context, f serveFlags) error {
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	log, err := f.log.logger(os.Stderr)
+	if err != nil {
+		return err
+	}
 	cfg, err := f.instanceConfig(log)
 	if err != nil {
 		return err
@@ -217,7 +222,19 @@ func serve(ctx context.Context, f serveFlags) error {
 	if err := in.Wait(ctx); err != nil {
 		return err
 	}
-	return in.Close()
+	return logShutdown(ctx, log, "kvbridge serve", in.Close)
+}
+
+// logShutdown logs why what (a server whose ctx ended: a signal) stops and that it drains,
+// closes it, and logs that it closed, with the error if closing failed.
+func logShutdown(ctx context.Context, log *slog.Logger, what string, close func() error) error {
+	log.Info(what+": shutting down, draining requests (at most 10 s)", "cause", context.Cause(ctx).Error())
+	if err := close(); err != nil {
+		log.Error(what+": closed with an error", "err", err)
+		return err
+	}
+	log.Info(what + ": closed")
+	return nil
 }
 
 // instanceConfig checks the flags and builds the engine's configuration.
