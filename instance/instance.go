@@ -119,7 +119,8 @@ type Config struct {
 	// called for every rank.
 	ConnectorHooks func(*connector.Options)
 
-	dpRank int // the rank a Config made by rank describes
+	dpRank int                             // the rank a Config made by rank describes
+	ready  func(ctx context.Context) error // the instance's Ready, for every rank's /ready
 }
 
 // withDefaults returns cfg with every default applied for the opened model m, or an error
@@ -235,6 +236,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		cfg.Logger.Warn("this CPU has no VDPBF16PS: bfloat16 products run in portable Go, exact but many times slower than float32; --dtype float32 is faster here (P and D must then both use it)")
 	}
 	in.Registry = metrics.NewRegistry()
+	cfg.ready = in.Ready
 	for i := range cfg.DataParallelSize {
 		rk, err := startRank(cfg.rank(i), in.Model, in.Registry)
 		if rk != nil {
@@ -357,6 +359,19 @@ func (in *Instance) Wait(ctx context.Context) error {
 	case <-ctx.Done():
 		return nil
 	}
+}
+
+// Ready reports whether the instance can take part in disaggregated serving now: every rank's
+// connector answers its side channel (connector.Connector.Ready); an instance without a
+// connector is ready whenever it serves. GET /ready answers with it.
+func (in *Instance) Ready(ctx context.Context) error {
+	var errs []error
+	for _, rk := range in.Ranks {
+		if rk.Connector != nil {
+			errs = append(errs, rk.Connector.Ready(ctx))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Close stops the HTTP server (waiting up to 10 s for requests), then every rank (see

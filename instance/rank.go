@@ -120,6 +120,7 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	if rk.Connector != nil {
 		ocfg.DeclineKV = rk.Connector.Decline
 	}
+	ocfg.Ready = cfg.ready
 	rk.server = openai.NewServer(ocfg, rk.Engine, m)
 	return rk, nil
 }
