@@ -74,7 +74,7 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 	defer cancel()
 	fail := func(err error) {
 		r.err = err
-		c.log.Error("NIXL transfer failure: handshake_setup_failed", "remote_engine_id", r.id, "remote_addr", r.addr, "error", err)
+		c.log.Error("NIXL transfer failure: handshake_setup_failed", "remote_engine_id", r.id, "peer_addr", r.addr, "err", err)
 		if c.metrics != nil {
 			c.metrics.CountFailedTransfer()
 		}

@@ -179,7 +179,7 @@ func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, h
 }
 
 func (l *legs) fail(leg string, inst Instance, reqID string, e *legError) *legError {
-	l.cfg.Logger.Warn("proxy leg failed", "leg", leg, "instance", inst.String(), "request_id", reqID, "status", e.status, "error", e.msg)
+	l.cfg.Logger.Warn("proxy leg failed", "leg", leg, "instance", inst.String(), "request_id", reqID, "status", e.status, "err", e.msg)
 	return e
 }
 

@@ -222,7 +222,7 @@ func (mt *MultiTurn) takeTurn(ctx context.Context, conv string) (turn, bool) {
 	mt.m.storeTime.WithLabelValues("take").Observe(time.Since(start).Seconds())
 	if err != nil {
 		mt.m.storeErrors.WithLabelValues("take").Inc()
-		mt.cfg.Logger.Warn("conversation store: take failed; the turn is a miss", "error", err)
+		mt.cfg.Logger.Warn("conversation store: take failed; the turn is a miss", "err", err)
 		return turn{}, false
 	}
 	if ok {
@@ -240,7 +240,7 @@ func (mt *MultiTurn) putTurn(ctx context.Context, conv string, t turn) {
 	mt.m.storeTime.WithLabelValues("put").Observe(time.Since(start).Seconds())
 	if err != nil {
 		mt.m.storeErrors.WithLabelValues("put").Inc()
-		mt.cfg.Logger.Warn("conversation store: put failed; the next turn will miss", "error", err)
+		mt.cfg.Logger.Warn("conversation store: put failed; the next turn will miss", "err", err)
 	}
 }
 

@@ -464,7 +464,7 @@ func TestHostsMisconfigured(t *testing.T) {
 		if !p.logLine(t, "kvbridge serving", "side_channel=127.0.0.1:"+guideSideChannel) {
 			t.Errorf("P's side channel is not on its loopback:\n%s", p.log())
 		}
-		if !d.logLine(t, "NIXL transfer failure: handshake_setup_failed", "remote_addr=localhost:"+guideSideChannel) {
+		if !d.logLine(t, "NIXL transfer failure: handshake_setup_failed", "peer_addr=localhost:"+guideSideChannel) {
 			t.Errorf("D did not log the failed handshake with localhost:\n%s", d.log())
 		}
 		waitPoolsFull(t, hc, 15*time.Second, p) // P's lease (2 s) expires: nobody read its blocks
