@@ -103,6 +103,10 @@ type Config struct {
 	// connector.DefaultSideChannelPort. Port -1 picks a free port.
 	SideChannelHost string
 	SideChannelPort int
+	// TransferPort is the port of the transfer agent's TCP listener (--kv-transfer-port), on
+	// the side channel's host; with several data-parallel ranks rank i listens on TransferPort
+	// + i. 0 picks a free port (the default).
+	TransferPort int
 	// StatsInterval is the period of the "KV Transfer metrics" log line (default
 	// DefaultStatsInterval).
 	StatsInterval time.Duration
@@ -169,6 +173,10 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 	if last := cfg.SideChannelPort + cfg.DataParallelSize - 1; cfg.SideChannelPort > 0 && last > 65535 {
 		return cfg, fmt.Errorf("%w: side channel ports %d to %d (VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank) run past 65535",
 			ErrConfig, cfg.SideChannelPort, last)
+	}
+	if last := cfg.TransferPort + cfg.DataParallelSize - 1; cfg.TransferPort < 0 || (cfg.TransferPort > 0 && last > 65535) {
+		return cfg, fmt.Errorf("%w: transfer ports %d to %d (--kv-transfer-port + data-parallel rank) are not ports",
+			ErrConfig, cfg.TransferPort, last)
 	}
 	if cfg.StatsInterval <= 0 {
 		cfg.StatsInterval = DefaultStatsInterval

@@ -140,6 +140,7 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-config", "{nope"}, "kv-transfer-config"},
 		{[]string{"serve", "kvbridge/tiny", "--block-size", "0"}, "block-size"},
 		{[]string{"serve", "kvbridge/tiny", "--log-format", "xml"}, "--log-format"},
+		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-port", "70000"}, "--kv-transfer-port"},
 		{[]string{"proxy", "--log-level", "verbose"}, "--log-level"},
 		{[]string{"proxy", "--prefiller-hosts", "a", "b", "--prefiller-ports", "1"}, "2 prefiller hosts but 1"},
 		{[]string{"bench"}, "subcommand"},
