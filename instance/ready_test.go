@@ -24,7 +24,8 @@ func getReady(t *testing.T, in *Instance) (int, string) {
 
 // TestReadyFollowsTheConnector: /ready is 200 while every rank's connector answers its side
 // channel, and 503 naming the connector once one is closed, while /health (liveness) stays 200;
-// an engine without a connector is ready.
+// an engine without a connector is ready. The side channel requires an auth token, which the
+// check presents.
 func TestReadyFollowsTheConnector(t *testing.T) {
 	plain, _, err := start(t, Config{NumBlocks: 64})
 	if err != nil {
@@ -34,7 +35,12 @@ func TestReadyFollowsTheConnector(t *testing.T) {
 		t.Errorf("an engine without a connector: /ready %d %s; want 200", status, body)
 	}
 
-	in, _, err := start(t, Config{NumBlocks: 64, KVTransfer: connector.DefaultConfig(connector.RoleProducer), SideChannelPort: -1, DataParallelSize: 2})
+	// With an auth token, so the loopback handshake authenticates as a peer's does.
+	kv, err := connector.ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"auth_token":"s3cret"}}`), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, _, err := start(t, Config{NumBlocks: 64, KVTransfer: kv, SideChannelPort: -1, DataParallelSize: 2})
 	if err != nil {
 		t.Fatal(err)
 	}
