@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -155,4 +156,34 @@ func TestLogLevel(t *testing.T) {
 			t.Errorf("env %q flag %q: the logger's level is not %v", tc.env, tc.flag, tc.want)
 		}
 	}
+}
+
+// TestProxyRoutesRedisLogs: a multi-turn proxy with --log-format json whose Redis is down logs
+// go-redis's complaints as JSON lines (component go-redis) like its own, not as go-redis's
+// unstructured prints; its readiness says why it is not ready.
+func TestProxyRoutesRedisLogs(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead := ln.Addr().String() // nothing listens there once closed
+	ln.Close()
+	px := startProcess(t, nil, "proxy", "--multi-turn", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
+		"--conversation-store", "redis://"+dead+"/0", "--prefiller-ports", "1", "--decoder-ports", "1")
+	resp, err := http.Get(px.url + "/ready")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), "store") {
+		t.Errorf("/ready with Redis down: %d %s; want 503 naming the store", resp.StatusCode, body)
+	}
+	if !px.waitLog(t, `"component":"go-redis"`) {
+		t.Errorf("no go-redis line through the proxy's logger:\n%s", px.log())
+	}
+	if err := px.stop(t); err != nil {
+		t.Fatalf("exit after SIGTERM: %v\n%s", err, px.log())
+	}
+	logLines(t, px) // every line, go-redis's included, is a JSON record
 }
