@@ -66,4 +66,3 @@ func TestReadyFollowsTheConnector(t *testing.T) {
 		t.Errorf("/health (liveness) with a connector closed: %d; want 200", resp.StatusCode)
 	}
 }
-
