@@ -696,7 +696,7 @@ func (k *core) drop(r *remoteEngine) {
 func (k *core) peerLost(name string, inc uint64) {
 	for _, r := range k.remotes {
 		if _, ok := r.done(); ok && r.peer == name && r.peerInc == inc {
-			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "addr", r.addr)
+			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "peer_addr", r.addr)
 			k.drop(r)
 		}
 	}
