@@ -310,6 +310,13 @@ func TestProbesAreServed(t *testing.T) {
 				if pr == nil || pr.HTTPGet == nil {
 					continue
 				}
+				// The proxies' health waits for their probes of the engines (1 s each), an
+				// engine's readiness for its side-channel check (2 s at most): Kubernetes'
+				// default timeout of 1 s would fail them — and restart a proxy — exactly when an
+				// engine hangs.
+				if (server != nil || pr.HTTPGet.Path == "/ready") && pr.TimeoutSeconds < 3 {
+					t.Errorf("%s %s: %s probe GET %s with timeoutSeconds %d; want at least 3", filepath.Base(dir), name, kind, pr.HTTPGet.Path, pr.TimeoutSeconds)
+				}
 				if code := ask(server, pr.HTTPGet.Path); code != http.StatusOK {
 					t.Errorf("%s %s: %s probe GET %s answers %d with everything up; want 200", filepath.Base(dir), name, kind, pr.HTTPGet.Path, code)
 				}
