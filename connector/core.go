@@ -220,7 +220,7 @@ func (k *core) checkParams(p *Params) error {
 func (k *core) refuseParams(id string, err error, now time.Time) {
 	k.counts.params.Add(1)
 	if ok, suppressed := k.quiet.allow("params", now); ok {
-		k.log.Warn("Got invalid KVTransferParams; this request will not utilize KVTransfer", "request_id", id, "error", err, "similar_suppressed", suppressed)
+		k.log.Warn("Got invalid KVTransferParams; this request will not utilize KVTransfer", "request_id", id, "err", err, "similar_suppressed", suppressed)
 	}
 }
 
@@ -429,7 +429,7 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 	computed := seq.NumComputed()
 	var token LeaseToken
 	if _, err := io.ReadFull(k.random, token[:]); err != nil {
-		k.log.Error("drawing a lease token failed; the blocks are freed", "request_id", seq.ID(), "error", err)
+		k.log.Error("drawing a lease token failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
 	}
 	deadline := now.Add(ttl)
@@ -446,7 +446,7 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 	chain, err := k.pool.PublishChain(blocks, seq.Tokens()[:computed])
 	if err != nil {
 		k.leases.Release(seq.ID())
-		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "error", err)
+		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
 	}
 	tag := LeaseTag(token, computed, blocks, gens)
@@ -582,7 +582,7 @@ func (k *core) notification(peer, msg string, now time.Time) {
 	r, err := ParseRelease(msg)
 	if err != nil {
 		if ok, suppressed := k.quiet.allow("malformed", now); ok {
-			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "error", err, "similar_suppressed", suppressed)
+			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "err", err, "similar_suppressed", suppressed)
 		}
 		return
 	}
@@ -670,12 +670,12 @@ func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now 
 	holdGone := err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission))
 	if holdGone && !quiet {
 		k.log.Debug("the decoder's hold is gone (expired or evicted); computing the prompt here", "request_id", j.id,
-			"remote_engine_id", j.params.RemoteEngineID, "remote_request_id", j.params.RemoteRequestID, "error", err)
+			"remote_engine_id", j.params.RemoteEngineID, "remote_request_id", j.params.RemoteRequestID, "err", err)
 	}
 	if err != nil && !holdGone && !quiet {
 		k.log.Error("NIXL transfer failure: transfer_failed", "request_id", j.id, "remote_engine_id", j.params.RemoteEngineID,
 			"remote_request_id", j.params.RemoteRequestID, "remote_host", j.params.RemoteHost, "remote_port", j.params.RemotePort,
-			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "error", err)
+			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "err", err)
 		if errors.Is(err, ErrVerification) {
 			k.counts.verification.Add(1)
 		}
@@ -764,7 +764,7 @@ func (k *core) drop(r *remoteEngine) {
 func (k *core) peerLost(name string, inc uint64) {
 	for _, r := range k.remotes {
 		if _, ok := r.done(); ok && r.peer == name && r.peerInc == inc {
-			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "addr", r.addr)
+			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "peer_addr", r.addr)
 			k.drop(r)
 		}
 	}

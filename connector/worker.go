@@ -66,7 +66,7 @@ func (c *Connector) performLocked() {
 	for _, b := range a.beats {
 		ctx, cancel := context.WithTimeout(c.ctx, time.Second)
 		if err := c.agent.SendNotif(ctx, b.peer, b.msg); err != nil {
-			c.log.Warn("sending a heartbeat failed", "peer", b.peer, "error", err)
+			c.log.Warn("sending a heartbeat failed", "peer", b.peer, "err", err)
 			if c.metrics != nil {
 				c.metrics.CountFailedNotification()
 			}
@@ -136,7 +136,7 @@ func (c *Connector) notify(n notice) {
 		c.forget(r)
 	}
 	if err != nil {
-		c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "error", err)
+		c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "err", err)
 		if c.metrics != nil {
 			c.metrics.CountFailedNotification()
 		}

@@ -435,7 +435,7 @@ func (e *Engine) apply(now time.Time, c command) {
 func (e *Engine) step(plan Plan) {
 	for _, q := range plan.Preempted {
 		e.log.Debug("engine: request preempted (KV pool exhausted); it will be recomputed",
-			"request", q.ID(), "preemptions", q.NumPreemptions())
+			"request_id", q.ID(), "preemptions", q.NumPreemptions())
 	}
 	for len(e.logits) < len(plan.Work) {
 		e.logits = append(e.logits, nil)

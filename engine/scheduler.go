@@ -492,7 +492,7 @@ func (s *Scheduler) Update(now time.Time, sampled []int32) []Event {
 // commit registers q's newly full computed blocks in the prefix cache.
 func (s *Scheduler) commit(q *Sequence) {
 	if err := q.table.Commit(s.pool, q.tokens, q.numComputed); err != nil {
-		s.log.Warn("engine: prefix cache commit failed", "request", q.id, "err", err)
+		s.log.Warn("engine: prefix cache commit failed", "request_id", q.id, "err", err)
 	}
 }
 
@@ -626,13 +626,13 @@ func (s *Scheduler) LoadsDone(now time.Time, ok []string, failed map[string]int)
 		case FailurePolicyRecompute:
 			s.recompute(q, first)
 			s.log.Warn("Recovered from KV load failure: 1 request(s) rescheduled",
-				"request", id, "tokens_affected", affected, "first_bad_block", first)
+				"request_id", id, "tokens_affected", affected, "first_bad_block", first)
 		default:
 			if err := q.table.EvictFrom(s.pool, first); err != nil {
-				s.log.Warn("engine: evicting bad blocks failed", "request", id, "err", err)
+				s.log.Warn("engine: evicting bad blocks failed", "request_id", id, "err", err)
 			}
 			s.log.Error("Failing 1 request(s) due to KV load failure (failure_policy=fail)",
-				"request", id, "tokens_affected", affected, "first_bad_block", first)
+				"request_id", id, "tokens_affected", affected, "first_bad_block", first)
 			params := s.finish(q, StatusFinishedError, now)
 			events = append(events, Event{Seq: q, KVTransfer: params,
 				Err: fmt.Errorf("engine: request %q: KV load failed at block index %d (%d tokens affected): %w",
@@ -711,7 +711,7 @@ func (s *Scheduler) Stats() SchedulerStats {
 // releaseBlocks frees q's whole block table (tail blocks become reusable first).
 func (s *Scheduler) releaseBlocks(q *Sequence) {
 	if err := q.table.Release(s.pool); err != nil {
-		s.log.Error("engine: freeing blocks failed", "request", q.id, "err", err)
+		s.log.Error("engine: freeing blocks failed", "request_id", q.id, "err", err)
 	}
 }
 

@@ -50,6 +50,9 @@ func (cfg Config) rank(i int) Config {
 	if cfg.SideChannelPort != 0 { // 0: a free port for each rank
 		cfg.SideChannelPort += i
 	}
+	if cfg.TransferPort != 0 {
+		cfg.TransferPort += i
+	}
 	if cfg.KVTransfer != nil {
 		kv := *cfg.KVTransfer
 		kv.EngineID = fmt.Sprintf("%s_dp%d", kv.EngineID, i)
@@ -120,6 +123,7 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	if rk.Connector != nil {
 		ocfg.DeclineKV = rk.Connector.Decline
 	}
+	ocfg.Ready = cfg.ready
 	rk.server = openai.NewServer(ocfg, rk.Engine, m)
 	return rk, nil
 }
@@ -141,7 +145,7 @@ func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.Arena
 		AdvertiseHost:   cfg.SideChannelHost,
 		Logger:          cfg.Logger,
 		Metrics:         rk.Metrics.Nixl(),
-		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, "0")},
+		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, strconv.Itoa(cfg.TransferPort))},
 	}
 	if cfg.ConnectorHooks != nil {
 		cfg.ConnectorHooks(&opts)

@@ -96,6 +96,10 @@ type Config struct {
 	// engine took it (invalid, too long, over capacity), so that the connector tells the
 	// producer that holds their blocks to free them now rather than when its lease expires.
 	DeclineKV func(params map[string]any)
+	// Ready, if set, says whether the server can serve now beyond its own HTTP listener (the
+	// KV connector: side channel, transfer agent); GET /ready answers 503 naming its error. Nil
+	// means ready whenever /health answers.
+	Ready func(ctx context.Context) error
 }
 
 // DefaultBodyReadTimeout is Config.BodyReadTimeout's default.
@@ -179,6 +183,7 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	s.route("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, s.chatJob) })
 	s.route("GET /v1/models", s.handleModels)
 	s.route("GET /health", s.handleHealth)
+	s.route("GET /ready", s.handleReady)
 	s.route("GET /version", s.handleVersion)
 	s.route("POST /tokenize", s.handleTokenize)
 	s.route("POST /detokenize", s.handleDetokenize)

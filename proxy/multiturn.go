@@ -78,6 +78,7 @@ type MultiTurn struct {
 	mux     *http.ServeMux
 	reg     *prometheus.Registry
 	m       proxyMetrics
+	health  healthProber
 
 	mu        sync.Mutex
 	unhealthy map[Instance]time.Time
@@ -181,8 +182,13 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	}
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
-	mt.mux.HandleFunc("GET /health", mt.health)
-	mt.mux.HandleFunc("GET /healthcheck", mt.health)
+	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
+	if mt.redis != nil {
+		mt.health.ping = mt.redis.ping
+	}
+	mt.mux.HandleFunc("GET /health", mt.handleHealth)
+	mt.mux.HandleFunc("GET /healthcheck", mt.handleHealth)
+	mt.mux.HandleFunc("GET /ready", mt.handleReady)
 	mt.mux.Handle("GET /metrics", promhttp.HandlerFor(mt.reg, promhttp.HandlerOpts{}))
 	mt.mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) { relayGet(w, r, &mt.legs, mt.d.pick(), "/v1/models") })
 	mt.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -207,16 +213,26 @@ func (mt *MultiTurn) Close() error {
 // Cache returns the in-memory conversation cache (for diagnostics), nil with another store.
 func (mt *MultiTurn) Cache() *ConversationCache { return mt.cache }
 
-func (mt *MultiTurn) health(w http.ResponseWriter, _ *http.Request) {
-	h := map[string]any{"status": "ok", "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode)}
+// healthFields returns the health routes' body: the engines' and the store's state (Redis
+// checked by a PING, not remembered from the last request).
+func (mt *MultiTurn) healthFields(rep healthReport) map[string]any {
+	h := rep.fields()
 	if mt.cache != nil {
 		n, stale := mt.cache.Sweep()
 		h["store"], h["cached_conversations"], h["evicted_stale"], h["evicted_capacity"] = "memory", n, stale, mt.cache.Evicted()
 	} else {
-		h["store"], h["store_up"] = "redis", mt.redis.up.Load()
+		h["store"], h["store_up"] = "redis", rep.store == nil
 	}
-	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(h)
+	return h
+}
+
+func (mt *MultiTurn) handleHealth(w http.ResponseWriter, r *http.Request) {
+	writeHealth(w, mt.healthFields(mt.health.report(r.Context())))
+}
+
+func (mt *MultiTurn) handleReady(w http.ResponseWriter, r *http.Request) {
+	rep := mt.health.report(r.Context())
+	writeReady(w, rep, mt.healthFields(rep))
 }
 
 // takeTurn claims conv's stored turn; a store that fails is a miss.
@@ -228,7 +244,7 @@ func (mt *MultiTurn) takeTurn(ctx context.Context, conv string) (turn, bool) {
 	mt.m.storeTime.WithLabelValues("take").Observe(time.Since(start).Seconds())
 	if err != nil {
 		mt.m.storeErrors.WithLabelValues("take").Inc()
-		mt.cfg.Logger.Warn("conversation store: take failed; the turn is a miss", "error", err)
+		mt.cfg.Logger.Warn("conversation store: take failed; the turn is a miss", "err", err)
 		return turn{}, false
 	}
 	if !ok {
@@ -257,7 +273,7 @@ func (mt *MultiTurn) putTurn(ctx context.Context, conv string, t turn) {
 	mt.m.storeTime.WithLabelValues("put").Observe(time.Since(start).Seconds())
 	if err != nil {
 		mt.m.storeErrors.WithLabelValues("put").Inc()
-		mt.cfg.Logger.Warn("conversation store: put failed; the next turn will miss", "error", err)
+		mt.cfg.Logger.Warn("conversation store: put failed; the next turn will miss", "err", err)
 	}
 }
 

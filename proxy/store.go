@@ -108,6 +108,16 @@ func (s *redisStore) put(ctx context.Context, conv string, t turn) error {
 
 func (s *redisStore) close() error { return s.client.Close() }
 
+// ping checks that Redis answers (PING) and records the result as the last round trip's.
+func (s *redisStore) ping(ctx context.Context) error {
+	err := s.client.Ping(ctx).Err()
+	s.up.Store(err == nil)
+	if err != nil {
+		return fmt.Errorf("redis: %w", err)
+	}
+	return nil
+}
+
 // expiredKeys returns the Redis server's count of keys it expired (INFO stats expired_keys), or
 // -1 when it cannot be read.
 func (s *redisStore) expiredKeys(ctx context.Context) int64 {
