@@ -1,0 +1,126 @@
+package grafana_test
+
+import (
+	"bufio"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/stack"
+)
+
+// sample sums the samples of name on url's /metrics whose labels contain every one of labels
+// (`key="value"`).
+func sample(t *testing.T, hc *http.Client, url, name string, labels ...string) float64 {
+	t.Helper()
+	resp, err := hc.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var sum float64
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(nil, 1<<20)
+	for sc.Scan() {
+		line := sc.Text()
+		rest, ok := strings.CutPrefix(line, name)
+		if !ok || (rest[0] != '{' && rest[0] != ' ') {
+			continue
+		}
+		lbls, value := "", rest
+		if rest[0] == '{' {
+			end := strings.LastIndexByte(rest, '}')
+			lbls, value = rest[:end+1], rest[end+1:]
+		}
+		match := true
+		for _, l := range labels {
+			match = match && strings.Contains(lbls, l)
+		}
+		if !match {
+			continue
+		}
+		v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
+		if err != nil {
+			t.Fatalf("%s: %v", line, err)
+		}
+		sum += v
+	}
+	if err := sc.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return sum
+}
+
+// TestPulledVsRecomputed: the "Pulled vs recomputed" panel tells a P/D request as it happened.
+// After one request through the proxy, P's vllm:prompt_tokens_by_source_total counts the whole
+// prompt as computed there; D's counts it as pulled over KV transfer (what D's connector
+// loaded), with only the last prompt token computed again for its logits, as in vLLM. Each
+// engine observed the request's phases once.
+func TestPulledVsRecomputed(t *testing.T) {
+	m, err := stack.OpenModel(t.Context(), model.Tiny, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	s, err := stack.Start(t.Context(), stack.Config{Model: m, NumBlocks: 128, MaxModelLen: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := s.Close(); err != nil {
+			t.Error(err)
+		}
+		if err := s.CheckPools(); err != nil {
+			t.Error(err)
+		}
+	}()
+	hc := &http.Client{Transport: stack.NewTransport(2)}
+	defer hc.CloseIdleConnections()
+	bySource := "vllm:prompt_tokens_by_source_total"
+	type reading struct{ compute, hit, pulled, queued, prefilled, n float64 }
+	read := func(url string) reading {
+		return reading{
+			compute:   sample(t, hc, url, bySource, `source="local_compute"`),
+			hit:       sample(t, hc, url, bySource, `source="local_cache_hit"`),
+			pulled:    sample(t, hc, url, bySource, `source="external_kv_transfer"`),
+			queued:    sample(t, hc, url, "vllm:request_queue_time_seconds_count"),
+			prefilled: sample(t, hc, url, "vllm:request_prefill_time_seconds_count"),
+			n:         sample(t, hc, url, "vllm:request_params_n_count"),
+		}
+	}
+	p0, d0 := read(s.P.URL()), read(s.D.URL())
+	ds0, err := s.D.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := map[string]any{"model": model.Tiny, "max_tokens": 5, "temperature": 0,
+		"prompt": "Disaggregated serving computes the prompt on one engine and pulls its KV cache into another, which decodes."}
+	r, err := apiclient.Post(t.Context(), hc, s.URL+"/v1/completions", body, nil)
+	if err != nil || r.Check(s.URL) != nil {
+		t.Fatalf("P/D request: %v %v", err, r.Check(s.URL))
+	}
+	prompt := float64(r.PromptTokens)
+	p1, d1 := read(s.P.URL()), read(s.D.URL())
+	ds1, err := s.D.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pulled := float64(ds1.PulledTokens - ds0.PulledTokens)
+	if prompt < 16 || pulled != prompt {
+		t.Fatalf("the request's %v prompt tokens, D's connector pulled %v", prompt, pulled)
+	}
+	if got := (reading{compute: p1.compute - p0.compute, hit: p1.hit - p0.hit, pulled: p1.pulled - p0.pulled}); got != (reading{compute: prompt}) {
+		t.Errorf("P's prompt sources moved by %+v, want all %v computed", got, prompt)
+	}
+	if got := (reading{compute: d1.compute - d0.compute, hit: d1.hit - d0.hit, pulled: d1.pulled - d0.pulled}); got != (reading{compute: 1, pulled: pulled}) {
+		t.Errorf("D's prompt sources moved by %+v, want %v pulled and the last token computed", got, pulled)
+	}
+	for role, d := range map[string][2]reading{"P": {p0, p1}, "D": {d0, d1}} {
+		if q, pf, n := d[1].queued-d[0].queued, d[1].prefilled-d[0].prefilled, d[1].n-d[0].n; q != 1 || pf != 1 || n != 1 {
+			t.Errorf("%s observed %v queue times, %v prefill times and %v n parameters for one request", role, q, pf, n)
+		}
+	}
+}
