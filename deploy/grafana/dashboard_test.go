@@ -1,7 +1,6 @@
 package grafana_test
 
 import (
-	"bufio"
 	"encoding/json"
 	"net/http"
 	"os"
@@ -11,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/stack"
 )
@@ -113,36 +113,6 @@ func readDashboard(t *testing.T) dashboard {
 // seriesName matches the series a PromQL expression names: vLLM's and kvbridge's.
 var seriesName = regexp.MustCompile(`\b(?:vllm|kvbridge):[A-Za-z0-9_:]+`)
 
-// scrape returns the sample names /metrics of url exposes (histograms as their _bucket, _sum
-// and _count samples, counters with their _total).
-func scrape(t *testing.T, hc *http.Client, url string) map[string]bool {
-	t.Helper()
-	resp, err := hc.Get(url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("GET %s/metrics: %s", url, resp.Status)
-	}
-	names := map[string]bool{}
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" || line[0] == '#' {
-			continue
-		}
-		if i := strings.IndexAny(line, "{ "); i > 0 {
-			names[line[:i]] = true
-		}
-	}
-	if err := sc.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return names
-}
-
 // TestDashboardSeriesExist: every series the dashboard's panels query is served by a running P
 // and D after a P/D request through the proxy; a panel over a series the engines do not export
 // (a typo, a renamed series, a histogram queried without its _bucket) would be empty forever.
@@ -172,7 +142,7 @@ func TestDashboardSeriesExist(t *testing.T) {
 	if err != nil || r.Check(s.URL) != nil {
 		t.Fatalf("P/D request: %v %v", err, r.Check(s.URL))
 	}
-	engines := map[string]map[string]bool{"P": scrape(t, hc, s.P.URL()), "D": scrape(t, hc, s.D.URL())}
+	engines := map[string]fixture.Samples{"P": fixture.Scrape(t, hc, s.P.URL()), "D": fixture.Scrape(t, hc, s.D.URL())}
 	queried := 0
 	for _, p := range d.Panels {
 		for _, tg := range p.Targets {
@@ -183,7 +153,7 @@ func TestDashboardSeriesExist(t *testing.T) {
 			for _, name := range names {
 				queried++
 				for role, served := range engines {
-					if !served[name] {
+					if len(served[name]) == 0 {
 						t.Errorf("panel %q queries %s, which %s does not export", p.Title, name, role)
 					}
 				}

@@ -1,58 +1,14 @@
 package grafana_test
 
 import (
-	"bufio"
 	"net/http"
-	"strconv"
-	"strings"
 	"testing"
 
 	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/stack"
 )
-
-// sample sums the samples of name on url's /metrics whose labels contain every one of labels
-// (`key="value"`).
-func sample(t *testing.T, hc *http.Client, url, name string, labels ...string) float64 {
-	t.Helper()
-	resp, err := hc.Get(url + "/metrics")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	var sum float64
-	sc := bufio.NewScanner(resp.Body)
-	sc.Buffer(nil, 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		rest, ok := strings.CutPrefix(line, name)
-		if !ok || (rest[0] != '{' && rest[0] != ' ') {
-			continue
-		}
-		lbls, value := "", rest
-		if rest[0] == '{' {
-			end := strings.LastIndexByte(rest, '}')
-			lbls, value = rest[:end+1], rest[end+1:]
-		}
-		match := true
-		for _, l := range labels {
-			match = match && strings.Contains(lbls, l)
-		}
-		if !match {
-			continue
-		}
-		v, err := strconv.ParseFloat(strings.TrimSpace(value), 64)
-		if err != nil {
-			t.Fatalf("%s: %v", line, err)
-		}
-		sum += v
-	}
-	if err := sc.Err(); err != nil {
-		t.Fatal(err)
-	}
-	return sum
-}
 
 // TestPulledVsRecomputed: the "Pulled vs recomputed" panel tells a P/D request as it happened.
 // After one request through the proxy, P's vllm:prompt_tokens_by_source_total counts the whole
@@ -82,13 +38,14 @@ func TestPulledVsRecomputed(t *testing.T) {
 	bySource := "vllm:prompt_tokens_by_source_total"
 	type reading struct{ compute, hit, pulled, queued, prefilled, n float64 }
 	read := func(url string) reading {
+		m := fixture.Scrape(t, hc, url)
 		return reading{
-			compute:   sample(t, hc, url, bySource, `source="local_compute"`),
-			hit:       sample(t, hc, url, bySource, `source="local_cache_hit"`),
-			pulled:    sample(t, hc, url, bySource, `source="external_kv_transfer"`),
-			queued:    sample(t, hc, url, "vllm:request_queue_time_seconds_count"),
-			prefilled: sample(t, hc, url, "vllm:request_prefill_time_seconds_count"),
-			n:         sample(t, hc, url, "vllm:request_params_n_count"),
+			compute:   m.Sum(bySource, `source="local_compute"`),
+			hit:       m.Sum(bySource, `source="local_cache_hit"`),
+			pulled:    m.Sum(bySource, `source="external_kv_transfer"`),
+			queued:    m.Sum("vllm:request_queue_time_seconds_count"),
+			prefilled: m.Sum("vllm:request_prefill_time_seconds_count"),
+			n:         m.Sum("vllm:request_params_n_count"),
 		}
 	}
 	p0, d0 := read(s.P.URL()), read(s.D.URL())
