@@ -67,11 +67,15 @@ func TestPreemptionsCounted(t *testing.T) {
 	}
 	hc := &http.Client{}
 	defer hc.CloseIdleConnections()
-	// The three sequences of n=3 are queued together (no prefix caching to wait for).
-	r := complete(t, hc, in, map[string]any{"prompt": "Grow until the pool is short.", "max_tokens": 200,
-		"ignore_eos": true, "n": 3, "temperature": 1, "seed": 7})
-	if r.CompletionTokens != 600 {
-		t.Fatalf("%d completion tokens, want 3 × 200", r.CompletionTokens)
+	// The three sequences of n=3 are queued together (no prefix caching to wait for), so they
+	// grow together and outgrow the pool; a machine so loaded that the first ran to its end
+	// before the others were queued gets another try.
+	for try := 0; try < 5 && in.Engine.Stats().Preemptions == 0; try++ {
+		r := complete(t, hc, in, map[string]any{"prompt": "Grow until the pool is short.", "max_tokens": 200,
+			"ignore_eos": true, "n": 3, "temperature": 1, "seed": 7})
+		if r.CompletionTokens != 600 {
+			t.Fatalf("%d completion tokens, want 3 × 200", r.CompletionTokens)
+		}
 	}
 	st := in.Engine.Stats()
 	if st.Preemptions == 0 {

@@ -113,35 +113,51 @@ func readDashboard(t *testing.T) dashboard {
 // seriesName matches the series a PromQL expression names: vLLM's and kvbridge's.
 var seriesName = regexp.MustCompile(`\b(?:vllm|kvbridge):[A-Za-z0-9_:]+`)
 
-// TestDashboardSeriesExist: every series the dashboard's panels query is served by a running P
-// and D after a P/D request through the proxy; a panel over a series the engines do not export
-// (a typo, a renamed series, a histogram queried without its _bucket) would be empty forever.
-func TestDashboardSeriesExist(t *testing.T) {
-	d := readDashboard(t)
+// startPD starts a one-way P/D stack of kvbridge/tiny and a client for it; both are closed, and
+// every pool checked full, when the test ends.
+func startPD(t *testing.T) (*stack.Stack, *http.Client) {
+	t.Helper()
 	m, err := stack.OpenModel(t.Context(), model.Tiny, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer m.Close()
 	s, err := stack.Start(t.Context(), stack.Config{Model: m, NumBlocks: 128, MaxModelLen: 1024})
 	if err != nil {
+		m.Close()
 		t.Fatal(err)
 	}
-	defer func() {
+	hc := &http.Client{Transport: stack.NewTransport(2)}
+	t.Cleanup(func() {
+		hc.CloseIdleConnections()
 		if err := s.Close(); err != nil {
 			t.Error(err)
 		}
 		if err := s.CheckPools(); err != nil {
 			t.Error(err)
 		}
-	}()
-	hc := &http.Client{Transport: stack.NewTransport(2)}
-	defer hc.CloseIdleConnections()
-	body := map[string]any{"model": model.Tiny, "prompt": "A dashboard is only as good as the series behind its panels.", "max_tokens": 6, "temperature": 0}
+		m.Close()
+	})
+	return s, hc
+}
+
+// pd sends a completion of prompt through s's proxy and fails t unless it succeeds.
+func pd(t *testing.T, s *stack.Stack, hc *http.Client, prompt string) apiclient.Reply {
+	t.Helper()
+	body := map[string]any{"model": model.Tiny, "prompt": prompt, "max_tokens": 5, "temperature": 0}
 	r, err := apiclient.Post(t.Context(), hc, s.URL+"/v1/completions", body, nil)
 	if err != nil || r.Check(s.URL) != nil {
 		t.Fatalf("P/D request: %v %v", err, r.Check(s.URL))
 	}
+	return r
+}
+
+// TestDashboardSeriesExist: every series the dashboard's panels query is served by a running P
+// and D after a P/D request through the proxy; a panel over a series the engines do not export
+// (a typo, a renamed series, a histogram queried without its _bucket) would be empty forever.
+func TestDashboardSeriesExist(t *testing.T) {
+	d := readDashboard(t)
+	s, hc := startPD(t)
+	pd(t, s, hc, "A dashboard is only as good as the series behind its panels.")
 	engines := map[string]fixture.Samples{"P": fixture.Scrape(t, hc, s.P.URL()), "D": fixture.Scrape(t, hc, s.D.URL())}
 	queried := 0
 	for _, p := range d.Panels {

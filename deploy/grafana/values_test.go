@@ -1,13 +1,9 @@
 package grafana_test
 
 import (
-	"net/http"
 	"testing"
 
-	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/internal/fixture"
-	"github.com/kvbridge/kvbridge/model"
-	"github.com/kvbridge/kvbridge/stack"
 )
 
 // TestPulledVsRecomputed: the "Pulled vs recomputed" panel tells a P/D request as it happened.
@@ -16,25 +12,7 @@ import (
 // loaded), with only the last prompt token computed again for its logits, as in vLLM. Each
 // engine observed the request's phases once.
 func TestPulledVsRecomputed(t *testing.T) {
-	m, err := stack.OpenModel(t.Context(), model.Tiny, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	s, err := stack.Start(t.Context(), stack.Config{Model: m, NumBlocks: 128, MaxModelLen: 1024})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := s.Close(); err != nil {
-			t.Error(err)
-		}
-		if err := s.CheckPools(); err != nil {
-			t.Error(err)
-		}
-	}()
-	hc := &http.Client{Transport: stack.NewTransport(2)}
-	defer hc.CloseIdleConnections()
+	s, hc := startPD(t)
 	bySource := "vllm:prompt_tokens_by_source_total"
 	type reading struct{ compute, hit, pulled, queued, prefilled, n float64 }
 	read := func(url string) reading {
@@ -53,12 +31,7 @@ func TestPulledVsRecomputed(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	body := map[string]any{"model": model.Tiny, "max_tokens": 5, "temperature": 0,
-		"prompt": "Disaggregated serving computes the prompt on one engine and pulls its KV cache into another, which decodes."}
-	r, err := apiclient.Post(t.Context(), hc, s.URL+"/v1/completions", body, nil)
-	if err != nil || r.Check(s.URL) != nil {
-		t.Fatalf("P/D request: %v %v", err, r.Check(s.URL))
-	}
+	r := pd(t, s, hc, "Disaggregated serving computes the prompt on one engine and pulls its KV cache into another, which decodes.")
 	prompt := float64(r.PromptTokens)
 	p1, d1 := read(s.P.URL()), read(s.D.URL())
 	ds1, err := s.D.Stats()
