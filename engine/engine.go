@@ -603,8 +603,8 @@ func (e *Engine) end(ev Event, text string, stoppedByString bool, err error) {
 		CompletionTokens: out.CompletionTokens,
 		E2E:              q.FinishedAt().Sub(q.Arrival()),
 		Preemptions:      q.NumPreemptions(),
+		MaxTokens:        q.Request().MaxTokens,
 	}
-	m.MaxTokens = q.Request().MaxTokens
 	if sched := q.ScheduledAt(); !sched.IsZero() {
 		m.Scheduled, m.Queue = true, sched.Sub(q.Arrival())
 		if first := q.FirstTokenAt(); !first.IsZero() {

@@ -114,7 +114,8 @@ func (q *Sequence) LastTokenAt() time.Time { return q.lastToken }
 // the request's first token: computed here (the prompt less the cached tokens reported to the
 // client), found in the local prefix cache, and supplied by the connector. When the connector
 // supplied the whole prompt, its last token is computed here all the same (for its logits) and
-// counts in both computed and external, as in vLLM.
+// counts in both computed and external, as in vLLM. (A prompt the local prefix cache serves but
+// its last token counts that token once, as computed; vLLM counts it as a cache hit as well.)
 func (q *Sequence) PromptSources() (computed, localHit, external int) {
 	ext := q.ExternalCachedTokens()
 	return q.numPrompt - q.cachedTokens, q.cachedTokens - ext, max(ext, min(q.external, q.numPrompt))

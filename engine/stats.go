@@ -64,7 +64,8 @@ type StepMetrics struct {
 	LocalCompute, LocalCacheHit, ExternalKVTransfer int
 }
 
-// Observer receives per-request observations (the HTTP layer's metrics hook it; the engine
+// Observer receives per-request and per-step observations (the instance records them into its
+// metrics; the engine
 // imports no metrics library). Methods are called on the engine's step loop: they must be quick
 // and must not call back into the engine.
 type Observer interface {

@@ -74,8 +74,8 @@ func (m *EngineMetrics) ModelName() string { return m.modelName }
 
 // SetStatsSource installs the function read at every scrape for vllm:num_requests_running,
 // vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total,
-// vllm:prefix_cache_hits_total and vllm:num_preemptions_total. Until it is set those series read zero. fn must be cheap and
-// safe for concurrent use.
+// vllm:prefix_cache_hits_total and vllm:num_preemptions_total. Until it is set those series
+// read zero. fn must be cheap and safe for concurrent use.
 func (m *EngineMetrics) SetStatsSource(fn func() SchedulerStats) {
 	m.mu.Lock()
 	m.stats = fn

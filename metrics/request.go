@@ -31,7 +31,9 @@ type PromptSources struct {
 // StepSample is one engine step (vLLM's IterationStats, as far as kvbridge's engine has it).
 type StepSample struct {
 	// Tokens is the number of tokens the step's forward pass computed
-	// (vllm:iteration_tokens_total).
+	// (vllm:iteration_tokens_total). vLLM observes the prompts of the requests that finished
+	// their prefill in the step plus the tokens sampled; kvbridge observes the work done, so a
+	// decoder's step over a pulled prompt counts its one recomputed token, not the prompt.
 	Tokens int
 	// Prompts sums the prompt sources of the requests that sampled their first token in the
 	// step.
