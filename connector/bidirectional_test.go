@@ -3,10 +3,13 @@ package connector_test
 import (
 	"fmt"
 	"maps"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 func bidiCfg(role, extra string) string {
@@ -133,4 +136,38 @@ func TestBidirectionalDeclinesExpiredBlocks(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestBidirectionalHoldsExpireQuietly: the turns D holds for a next turn that never comes expire
+// at decoder_kv_blocks_ttl as a cache ages out: counted in kvbridge:decoder_holds_expired_total,
+// summed in one INFO line, and neither counted nor logged per request as an expired KV request
+// (P's lease signal).
+func TestBidirectionalHoldsExpireQuietly(t *testing.T) {
+	dclock := newFakeClock()
+	tick := make(chan time.Time)
+	var dlog fixture.LogBuffer
+	p := startNode(t, "P", nodeOptions{kvConfig: bidiCfg("kv_producer", "")})
+	d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), now: dclock.Now, tick: tick, logw: &dlog})
+	for i := range 3 {
+		turnOne(t, p, d, tokens(100, 30+i))
+	}
+	if held := d.eng.Stats().Delayed; held != 3 {
+		t.Fatalf("D holds %d turns, want 3", held)
+	}
+	dclock.Advance(481 * time.Second) // past the 480 s decoder_kv_blocks_ttl
+	tick <- dclock.Now()
+	d.waitPoolFull(t)
+	m := fixture.Scrape(t, http.DefaultClient, d.srv.URL)
+	if got := m.Sum("kvbridge:decoder_holds_expired_total"); got != 3 {
+		t.Errorf("kvbridge:decoder_holds_expired_total = %v, want 3", got)
+	}
+	if got := m.Sum("vllm:nixl_num_kv_expired_reqs_total"); got != 0 {
+		t.Errorf("vllm:nixl_num_kv_expired_reqs_total = %v on D: its holds are not expired requests", got)
+	}
+	logs := dlog.String()
+	if n := strings.Count(logs, "expired unclaimed"); n != 1 || !strings.Contains(logs, "3 decoder hold(s)") ||
+		strings.Contains(logs, "Releasing expired KV blocks") {
+		t.Errorf("D's log, want one summary of 3 holds and no per-request expiry:\n%s", logs)
+	}
+	p.waitPoolFull(t)
 }

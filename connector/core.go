@@ -56,6 +56,11 @@ type core struct {
 	counts      *counters
 	closed      bool
 
+	// holdsExpired counts the decoder holds that expired unclaimed since the last summary line,
+	// written at holdsSummarized (at most one per quietInterval).
+	holdsExpired    int
+	holdsSummarized time.Time
+
 	out actions
 }
 
@@ -76,6 +81,11 @@ type actions struct {
 	loaded     []string        // Scheduler.LoadsDone, successes
 	failed     map[string]int  // Scheduler.LoadsDone, failures and their first bad block
 	missed     []string        // Scheduler.LoadsMissed
+
+	// holdsExpired, when not zero, is a summary to log: that many decoder holds expired
+	// unclaimed since the previous summary, holdsSince before now.
+	holdsExpired int
+	holdsSince   time.Duration
 }
 
 // notice is a release notification for the producer named by params.
@@ -616,13 +626,33 @@ func (k *core) notification(peer, msg string, now time.Time) {
 // tick releases expired leases (every entry, not only the earliest: vllm#58222), sends due
 // heartbeats (asking for a new handshake with a producer whose record was dropped) and forgets
 // remote engines idle longer than engine_ttl.
+//
+// A producer's lease that expires is a reader that never came: a WARN per request and
+// vllm:nixl_num_kv_expired_reqs, as in vLLM. A bidirectional decoder's hold that expires is a
+// cache entry that the conversation did not come back for (the client went away, or the next
+// turn went to another decoder): it is counted in kvbridge:decoder_holds_expired_total and
+// summed in one INFO line per quietInterval at most.
 func (k *core) tick(now time.Time) {
 	for _, l := range k.leases.Expire(now) {
 		k.endLease(l)
+		if !l.Renewable {
+			k.holdsExpired++
+			if k.metrics != nil {
+				k.metrics.CountDecoderHoldExpired()
+			}
+			continue
+		}
 		k.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.notified))
 		if k.metrics != nil {
 			k.metrics.CountExpiredRequest()
 		}
+	}
+	if k.holdsExpired > 0 && (k.holdsSummarized.IsZero() || now.Sub(k.holdsSummarized) >= quietInterval) {
+		k.out.holdsExpired = k.holdsExpired
+		if !k.holdsSummarized.IsZero() {
+			k.out.holdsSince = now.Sub(k.holdsSummarized)
+		}
+		k.holdsExpired, k.holdsSummarized = 0, now
 	}
 	for _, b := range k.heartbeats.Due(now) {
 		engineID, instance, _ := strings.Cut(b.Engine, "\x00")

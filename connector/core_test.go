@@ -43,6 +43,7 @@ type coreHarness struct {
 	records []byte // the pool's record table
 	now     time.Time
 	acts    actions
+	reg     *metrics.Registry
 	nixl    *metrics.NixlMetrics
 }
 
@@ -66,7 +67,8 @@ func newCoreHarness(t *testing.T, kvConfig string) *coreHarness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := &coreHarness{t: t, pool: pool, records: records, now: t0, nixl: metrics.NewRegistry().Engine("m", "0").Nixl()}
+	h := &coreHarness{t: t, pool: pool, records: records, now: t0, reg: metrics.NewRegistry()}
+	h.nixl = h.reg.Engine("m", "0").Nixl()
 	h.k = &core{
 		cfg: cfg, pool: pool, geo: geo, layout: layout, slots: kvcache.AlignedMemory(int(layout.SlotsBytes)),
 		log: testLogger(io.Discard), metrics: h.nixl, epoch: t0, engineID: "self", instance: "inst-self",
@@ -113,6 +115,8 @@ func (h *coreHarness) collect() {
 	h.acts.release = append(h.acts.release, a.release...)
 	h.acts.loaded = append(h.acts.loaded, a.loaded...)
 	h.acts.missed = append(h.acts.missed, a.missed...)
+	h.acts.holdsExpired += a.holdsExpired
+	h.acts.holdsSince = max(h.acts.holdsSince, a.holdsSince)
 	for id, b := range a.failed {
 		if h.acts.failed == nil {
 			h.acts.failed = map[string]int{}
@@ -827,5 +831,74 @@ func TestReleaseLengths(t *testing.T) {
 		if got := releaseLengths(tc.numTokens, tc.prompt, coreBlockSize, tc.hold); !slices.Equal(got, tc.want) {
 			t.Errorf("releaseLengths(%d, %d, hold %v) = %v, want %v", tc.numTokens, tc.prompt, tc.hold, got, tc.want)
 		}
+	}
+}
+
+// counter returns the value of counter name (summed over its series) in h's registry.
+func (h *coreHarness) counter(name string) float64 {
+	h.t.Helper()
+	mfs, err := h.reg.Prometheus().Gather()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	var v float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				v += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return v
+}
+
+// TestCoreDecoderHoldExpiry: a bidirectional decoder's hold that reaches decoder_kv_blocks_ttl
+// unclaimed is released and counted as a hold that expired, not as an expired KV request (P's
+// lease signal), and the holds that expire within one quiet interval make one summary.
+func TestCoreDecoderHoldExpiry(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":100}}`)
+	hold := func(id string, at time.Duration) {
+		h.now = t0.Add(at)
+		if p, err := ParseParams(h.run(id, ids(6), 2, map[string]any{"do_remote_prefill": true})); err != nil || !p.HasLease {
+			t.Fatalf("%s: D's params %+v %v", id, p, err)
+		}
+	}
+	tick := func(at time.Duration) actions {
+		h.now = t0.Add(at)
+		h.k.tick(h.now)
+		a := h.takeActs()
+		for _, id := range a.release {
+			h.sched.ReleaseDelayed(id)
+		}
+		return a
+	}
+	hold("a", 0)
+	hold("b", 1*time.Second)
+	hold("c", 2*time.Second)
+	h.takeActs()
+	if a := tick(99 * time.Second); len(a.release) != 0 || a.holdsExpired != 0 {
+		t.Fatalf("before the TTL: %+v", a)
+	}
+	// The first expiry is summed up at once; the next two, within quietInterval of it, wait.
+	if a := tick(100 * time.Second); !slices.Equal(a.release, []string{"a"}) || a.holdsExpired != 1 {
+		t.Fatalf("at the TTL: released %v, summary %d", a.release, a.holdsExpired)
+	}
+	if a := tick(102 * time.Second); len(a.release) != 2 || a.holdsExpired != 0 {
+		t.Fatalf("within the quiet interval: released %v, summary %d", a.release, a.holdsExpired)
+	}
+	if a := tick(100*time.Second + quietInterval); a.holdsExpired != 2 || a.holdsSince != quietInterval {
+		t.Fatalf("after the quiet interval: summary %d over %v, want 2 over %v", a.holdsExpired, a.holdsSince, quietInterval)
+	}
+	if a := tick(200 * time.Second); a.holdsExpired != 0 {
+		t.Fatalf("a summary of nothing: %d", a.holdsExpired)
+	}
+	if got := h.counter("kvbridge:decoder_holds_expired_total"); got != 3 {
+		t.Errorf("kvbridge:decoder_holds_expired_total = %v, want 3", got)
+	}
+	if got := h.counter("vllm:nixl_num_kv_expired_reqs_total"); got != 0 || h.nixl.TakeInterval().ExpiredRequests != 0 {
+		t.Errorf("vllm:nixl_num_kv_expired_reqs_total = %v: a decoder's hold is not an expired KV request", got)
+	}
+	if free := h.pool.NumFree(); free != h.pool.NumBlocks() {
+		t.Errorf("%d of %d blocks free after every hold expired", free, h.pool.NumBlocks())
 	}
 }

@@ -2,6 +2,7 @@ package connector
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/kvbridge/kvbridge/metrics"
@@ -62,6 +63,14 @@ func (c *Connector) performLocked() {
 	}
 	for _, n := range a.notifies {
 		c.spawn(closed, func() { c.notify(n) }, nil)
+	}
+	if a.holdsExpired > 0 {
+		since := "since the engine started"
+		if a.holdsSince > 0 {
+			since = "in the last " + a.holdsSince.Round(time.Second).String()
+		}
+		c.log.Info(fmt.Sprintf("%d decoder hold(s) of bidirectional turns expired unclaimed %s (decoder_kv_blocks_ttl): their next turns, if they come, are computed at P", a.holdsExpired, since),
+			"holds", a.holdsExpired)
 	}
 	for _, b := range a.beats {
 		ctx, cancel := context.WithTimeout(c.ctx, time.Second)

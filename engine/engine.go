@@ -499,7 +499,18 @@ func (e *Engine) step(plan Plan) {
 		}
 	}
 	now := time.Now()
-	for _, ev := range e.sched.Update(now, sampled) {
+	events := e.sched.Update(now, sampled)
+	sm := StepMetrics{Tokens: plan.NumTokens}
+	for _, ev := range events {
+		if ev.HasToken && ev.Seq.NumOutputTokens() == 1 {
+			c, l, x := ev.Seq.PromptSources()
+			sm.LocalCompute += c
+			sm.LocalCacheHit += l
+			sm.ExternalKVTransfer += x
+		}
+	}
+	e.obs.Stepped(sm)
+	for _, ev := range events {
 		e.deliver(now, ev)
 	}
 }
@@ -592,6 +603,14 @@ func (e *Engine) end(ev Event, text string, stoppedByString bool, err error) {
 		CompletionTokens: out.CompletionTokens,
 		E2E:              q.FinishedAt().Sub(q.Arrival()),
 		Preemptions:      q.NumPreemptions(),
+		MaxTokens:        q.Request().MaxTokens,
+	}
+	if sched := q.ScheduledAt(); !sched.IsZero() {
+		m.Scheduled, m.Queue = true, sched.Sub(q.Arrival())
+		if first := q.FirstTokenAt(); !first.IsZero() {
+			last := q.LastTokenAt()
+			m.Prefill, m.Decode, m.Inference = first.Sub(sched), last.Sub(first), last.Sub(sched)
+		}
 	}
 	if !q.FirstTokenAt().IsZero() {
 		m.TTFT = q.FirstTokenAt().Sub(q.Arrival())

@@ -272,7 +272,7 @@ func (s *Scheduler) Schedule(now time.Time) Plan {
 				s.waiting = s.waiting[1:]
 				continue
 			}
-			res := s.admit(q, budget)
+			res := s.admit(q, budget, now)
 			if res == admitBlocked {
 				break
 			}
@@ -379,8 +379,8 @@ func (s *Scheduler) allocate(n int) ([]int32, error) {
 	}
 }
 
-// admit tries to admit waiting request q within budget tokens.
-func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
+// admit tries to admit waiting request q within budget tokens at time now.
+func (s *Scheduler) admit(q *Sequence, budget int, now time.Time) admitResult {
 	fresh := q.table.Len() == 0
 	async := false
 	if fresh && q.req.PromptLogprobs {
@@ -422,6 +422,9 @@ func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
 		s.conn.AfterAlloc(q, q.table.IDs(), q.external)
 	}
 	q.status = StatusRunning
+	if q.scheduledAt.IsZero() {
+		q.scheduledAt = now
+	}
 	s.running = append(s.running, q)
 	s.addWork(q, n)
 	return admitRunning
@@ -473,6 +476,7 @@ func (s *Scheduler) Update(now time.Time, sampled []int32) []Event {
 		}
 		tok := sampled[i]
 		q.tokens = append(q.tokens, tok)
+		q.lastToken = now
 		s.stats.GenerationTokens++
 		if q.NumOutputTokens() == 1 {
 			q.firstToken = now

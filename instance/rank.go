@@ -86,7 +86,7 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	ecfg := engine.Config{
 		BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks, MaxModelLen: cfg.MaxModelLen,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
-		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed,
+		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed, Observer: engineObserver{rk.Metrics},
 	}
 	if kv := cfg.KVTransfer; kv != nil {
 		if rk.Connector, err = startConnector(cfg, m, rk, layout); err != nil {
@@ -110,6 +110,13 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 		}()
 	}
 	if rk.Engine, err = engine.New(m, rk.Pool, ecfg, cfg.Logger); err != nil {
+		return rk, err
+	}
+	err = rk.Metrics.Configure(metrics.EngineConfig{MaxModelLen: rk.Engine.Config().MaxModelLen, Cache: metrics.CacheConfig{
+		BlockSize: cfg.BlockSize, CacheDType: cfg.KVCacheDType, EnablePrefixCaching: cfg.PrefixCaching,
+		GPUMemoryUtilization: cfg.MemoryUtilization, NumGPUBlocks: cfg.NumBlocks, KVCacheMemoryBytes: cfg.KVBytes,
+	}})
+	if err != nil {
 		return rk, err
 	}
 	if rk.Connector != nil {

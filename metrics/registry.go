@@ -33,6 +33,7 @@ type Registry struct {
 	itl              *prometheus.HistogramVec
 
 	nixl nixlVecs
+	req  requestVecs
 
 	mu      sync.Mutex
 	engines map[engineKey]*EngineMetrics
@@ -40,8 +41,9 @@ type Registry struct {
 
 type engineKey struct{ model, engine string }
 
-// NewRegistry creates a registry with vLLM's request, token, latency, scheduler and NIXL series
-// registered, plus the standard Go runtime and process collectors.
+// NewRegistry creates a registry with vLLM's request, token, latency, step, scheduler and NIXL
+// series registered, plus the standard Go runtime and process collectors. The series that
+// depend on an engine's configuration are added by EngineMetrics.Configure.
 func NewRegistry() *Registry {
 	labels := []string{LabelModelName, LabelEngine}
 	r := &Registry{
@@ -80,6 +82,7 @@ func NewRegistry() *Registry {
 			Buckets: InterTokenLatencyBuckets(),
 		}, labels),
 		nixl: newNixlVecs(labels),
+		req:  newRequestVecs(labels),
 	}
 	r.prom.MustRegister(
 		collectors.NewGoCollector(),
@@ -89,6 +92,7 @@ func NewRegistry() *Registry {
 		r.ttft, r.e2e, r.itl,
 	)
 	r.nixl.register(r.prom)
+	r.req.register(r.prom)
 	return r
 }
 

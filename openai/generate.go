@@ -300,6 +300,13 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 			startGrace()
 		}
 	}
+	if finished == len(rn.j.reqs) { // vLLM's parent request finished: its n and longest output
+		longest := 0
+		for _, r := range rn.res {
+			longest = max(longest, r.usage.CompletionTokens)
+		}
+		rn.s.metrics.ObserveParentRequest(rn.j.p.n, longest)
+	}
 	if rn.client.Err() != nil {
 		return nil, errClientGone
 	}

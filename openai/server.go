@@ -173,7 +173,7 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		st := eng.Stats()
 		return metrics.SchedulerStats{
 			Running: st.Running, Waiting: st.Waiting, KVCacheUsage: st.KVUsage,
-			PrefixCacheQueries: st.PrefixQueries, PrefixCacheHits: st.PrefixHits,
+			PrefixCacheQueries: st.PrefixQueries, PrefixCacheHits: st.PrefixHits, Preemptions: st.Preemptions,
 		}
 	})
 	if cfg.MaxConcurrentRequests > 0 {

@@ -68,7 +68,7 @@ func TestMultiTurnHealthPingsTheStore(t *testing.T) {
 	r := startRedis(t, 0)
 	p, d := startBidirectional(t, "kv_producer", true), startBidirectional(t, "kv_consumer", true)
 	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{instanceOf(t, p.URL)},
-		Decode: []proxy.Instance{instanceOf(t, d.URL)}, HealthInterval: time.Nanosecond}, Store: r.url()})
+		Decode: []proxy.Instance{instanceOf(t, d.URL)}, HealthInterval: time.Nanosecond}, Store: r.url(), StoreKey: "health-test-key"})
 	if err != nil {
 		t.Fatal(err)
 	}
