@@ -95,8 +95,17 @@ func TestREADME(t *testing.T) {
 	if len(order) == 0 {
 		t.Fatal("no README blocks to run")
 	}
+	// The commands run on free ports standing for the README's fixed ones, which the test holds
+	// (those it can take) so that a port the rewriting misses fails the test on any machine.
+	defaults := readmeDefaultPorts(t)
+	var all []readmeBlock
 	for _, name := range order {
-		t.Run(name, func(t *testing.T) { runScenario(t, root, env, byScenario[name]) })
+		all = append(all, byScenario[name]...)
+	}
+	fixed := fixedPorts(t, all, defaults)
+	t.Logf("holding the README's ports %v (of %v)", holdPorts(t, fixed), fixed)
+	for _, name := range order {
+		t.Run(name, func(t *testing.T) { runScenario(t, root, env, newPortMap(t, defaults), byScenario[name]) })
 	}
 }
 
@@ -115,7 +124,7 @@ func (s *server) log() string {
 	return s.out.String()
 }
 
-func runScenario(t *testing.T, dir string, env []string, blocks []readmeBlock) {
+func runScenario(t *testing.T, dir string, env0 []string, ports *portMap, blocks []readmeBlock) {
 	var servers []*server
 	defer func() {
 		for _, s := range servers {
@@ -127,6 +136,8 @@ func runScenario(t *testing.T, dir string, env []string, blocks []readmeBlock) {
 		}
 	}()
 	for _, b := range blocks {
+		var env []string
+		b.text, env = ports.rewrite(b.text, env0)
 		first := firstCommand(b.text)
 		isServer := strings.HasPrefix(first, "kvbridge serve") || strings.HasPrefix(first, "kvbridge proxy")
 		if !isServer || strings.HasPrefix(b.scenario, "fails-") {
