@@ -16,7 +16,7 @@ import (
 
 func TestRunTiny(t *testing.T) {
 	r, err := Run(t.Context(), Options{Model: "kvbridge/tiny", PromptLen: 40, DecodeTokens: 3, Chunk: 16, Batches: []int{1, 3},
-		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"auto", "bfloat16"}, DecodeSteps: 2, Repeat: 1, PeakDuration: 10 * time.Millisecond})
+		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"float32", "bfloat16"}, DecodeSteps: 2, Repeat: 1, PeakDuration: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
