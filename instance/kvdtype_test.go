@@ -16,11 +16,12 @@ import (
 )
 
 // smallCheckpoint writes a one-layer Qwen3-shaped checkpoint with random weights of dtype
-// ("BF16" or "F32") and returns its directory.
-func smallCheckpoint(t *testing.T, dtype string) string {
+// ("BF16" or "F32") and the RoPE scaling rope (nil: none), and returns its directory.
+func smallCheckpoint(t *testing.T, dtype string, rope *model.RopeScaling) string {
 	t.Helper()
 	cfg := model.Qwen3_0_6B()
 	cfg.NumLayers, cfg.HiddenSize, cfg.IntermediateSize, cfg.NumHeads, cfg.NumKVHeads, cfg.HeadDim, cfg.VocabSize = 1, 64, 128, 2, 1, 32, 4096
+	cfg.RopeScaling = rope
 	dir := filepath.Join(t.TempDir(), "ckpt-"+dtype)
 	if _, err := model.WriteRandomCheckpoint(dir, model.RandomCheckpoint{Config: cfg, DType: dtype}); err != nil {
 		t.Fatal(err)
@@ -43,7 +44,7 @@ func TestKVCacheDTypeAutoFollowsTheModel(t *testing.T) {
 	} {
 		t.Run(tc.ckpt+"/"+tc.dtype, func(t *testing.T) {
 			logs := new(fixture.LogBuffer)
-			in, err := instance.Start(t.Context(), instance.Config{Model: smallCheckpoint(t, tc.ckpt), Host: "127.0.0.1", NumBlocks: 16,
+			in, err := instance.Start(t.Context(), instance.Config{Model: smallCheckpoint(t, tc.ckpt, nil), Host: "127.0.0.1", NumBlocks: 16,
 				DType: tc.dtype, KVCacheDType: "auto", Logger: slog.New(slog.NewTextHandler(logs, nil))})
 			if err != nil {
 				t.Fatal(err)
@@ -71,7 +72,7 @@ func TestKVCacheDTypeAutoFollowsTheModel(t *testing.T) {
 // so both hold bfloat16 KV and agree at the handshake; answers through the proxy equal a single
 // engine's, with D pulling P's blocks.
 func TestKVCacheDTypeAutoPD(t *testing.T) {
-	m, err := model.Open(t.Context(), smallCheckpoint(t, "BF16"), model.OpenOptions{KVCacheDType: "auto"})
+	m, err := model.Open(t.Context(), smallCheckpoint(t, "BF16", nil), model.OpenOptions{KVCacheDType: "auto"})
 	if err != nil {
 		t.Fatal(err)
 	}
