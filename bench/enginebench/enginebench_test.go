@@ -92,7 +92,7 @@ func TestRunTiny(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"prefill compute", "decode batch 3 (context 8)", "decode batch 3 (context 20)", "VDPBF16PS peak", "bf16 peak",
-		"bfloat16, KV bfloat16", "step bound", "roofline"} {
+		"float32, KV bfloat16", "bfloat16, KV float32", "step bound", "roofline"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
