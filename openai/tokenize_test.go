@@ -106,20 +106,7 @@ func TestTokenizeSpecialTokens(t *testing.T) {
 	tok := e.model.Tokenizer()
 	bos, _ := tok.BOSTokenID()
 	eos, _ := tok.EOSTokenID()
-	tokenize := func(body map[string]any) []int32 {
-		resp, b := e.post(t, "/tokenize", body, nil)
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("/tokenize %v: %d %s", body, resp.StatusCode, b)
-		}
-		var got struct {
-			Count  int     `json:"count"`
-			Tokens []int32 `json:"tokens"`
-		}
-		if err := json.Unmarshal(b, &got); err != nil || got.Count != len(got.Tokens) {
-			t.Fatalf("/tokenize %v: %s", body, b)
-		}
-		return got.Tokens
-	}
+	tokenize := func(body map[string]any) []int32 { return tokenizeIDs(t, e, body) }
 	text := "Hello world"
 	ids := tokenize(map[string]any{"prompt": text})
 	if want := tok.EncodeSpecial(text); !slices.Equal(ids, want) || ids[0] != bos || ids[len(ids)-1] != eos {
@@ -149,21 +136,7 @@ func TestTokenizeSpecialTokens(t *testing.T) {
 // completion refuses them.
 func TestTokenizeChatTemplateFields(t *testing.T) {
 	e := newEnv(t, envModel(realTokenizerModel(t, "qwen3")))
-	tokenize := func(body map[string]any) []int32 {
-		t.Helper()
-		resp, b := e.post(t, "/tokenize", body, nil)
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("/tokenize %v: %d %s", body, resp.StatusCode, b)
-		}
-		var got struct {
-			Count  int     `json:"count"`
-			Tokens []int32 `json:"tokens"`
-		}
-		if err := json.Unmarshal(b, &got); err != nil || got.Count != len(got.Tokens) {
-			t.Fatalf("/tokenize %v: %s", body, b)
-		}
-		return got.Tokens
-	}
+	tokenize := func(body map[string]any) []int32 { return tokenizeIDs(t, e, body) }
 	// chatPrompt returns the number of prompt tokens of a chat completion and the ids after the
 	// first (prompt_logprobs 0 names each prompt token but the first).
 	chatPrompt := func(body map[string]any) (int, []int32) {
@@ -227,4 +200,21 @@ func TestTokenizeChatTemplateFields(t *testing.T) {
 			}
 		}
 	}
+}
+
+// tokenizeIDs posts body to /tokenize and returns the ids, checking the status and the count.
+func tokenizeIDs(t *testing.T, e *env, body map[string]any) []int32 {
+	t.Helper()
+	resp, b := e.post(t, "/tokenize", body, nil)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("/tokenize %v: %d %s", body, resp.StatusCode, b)
+	}
+	var got struct {
+		Count  int     `json:"count"`
+		Tokens []int32 `json:"tokens"`
+	}
+	if err := json.Unmarshal(b, &got); err != nil || got.Count != len(got.Tokens) {
+		t.Fatalf("/tokenize %v: %s", body, b)
+	}
+	return got.Tokens
 }
