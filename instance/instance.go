@@ -240,6 +240,10 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		loaded = append(loaded, "bf16_products", kernel.BF16Products())
 	}
 	cfg.Logger.Info("model loaded", loaded...)
+	if s := in.Model.Config().RopeScaling; s != nil && s.Type == "dynamic" {
+		cfg.Logger.Info("dynamic RoPE scaling uses vLLM's formula, not transformers': the base is enlarged once, for a context of factor × original_max_position_embeddings, and used at every position, where transformers keeps the original base up to original_max_position_embeddings tokens and beyond that enlarges it for each forward's sequence length; outputs match vLLM's, not transformers'",
+			"factor", s.Factor, "original_max_position_embeddings", s.OriginalMaxPositionEmbeddings)
+	}
 	if in.Model.DType() == "bfloat16" && kernel.BF16Products() != "VDPBF16PS" {
 		cfg.Logger.Warn("this CPU has no VDPBF16PS: bfloat16 products run in portable Go, exact but many times slower than float32; --dtype float32 is faster here (P and D must then both use it)")
 	}
