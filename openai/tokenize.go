@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"fmt"
 	"net/http"
 
 	"github.com/kvbridge/kvbridge/model/tokenizer"
@@ -61,11 +62,23 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		writeError(w, badRequest("prompt", "Either prompt or messages must be given."))
 		return
 	}
+	param := "prompt"
+	if req.Messages != nil {
+		param = "messages"
+	}
+	if len(text) > s.promptBytes {
+		writeError(w, s.tooManyTokens(param, fmt.Sprintf("%d bytes, more than any text of that many tokens", len(text))))
+		return
+	}
 	encode := tok.Encode
 	if addSpecial {
 		encode = tok.EncodeSpecial // as completionPrompt and chatJob encode
 	}
 	ids := encode(text)
+	if len(ids) > s.cfg.MaxModelLen {
+		writeError(w, s.tooManyTokens(param, fmt.Sprintf("%d tokens", len(ids))))
+		return
+	}
 	resp := tokenizeResponse{Count: len(ids), MaxModelLen: s.cfg.MaxModelLen, Tokens: ids}
 	if req.ReturnTokenStrs {
 		resp.TokenStrs = tok.TokenStrings(ids)
@@ -80,6 +93,10 @@ func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
 		return
 	}
+	if len(req.Tokens) > s.cfg.MaxModelLen {
+		writeError(w, badRequest("tokens", "tokens may hold at most max_model_len = %d ids, got %d.", s.cfg.MaxModelLen, len(req.Tokens)))
+		return
+	}
 	tok := s.model.Tokenizer()
 	ids, apiErr := tokenIDs(tok, req.Tokens)
 	if apiErr != nil {
@@ -87,6 +104,12 @@ func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"prompt": tok.Decode(ids)})
+}
+
+// tooManyTokens is the 400 for a /tokenize text beyond max_model_len tokens; got says how long
+// it is.
+func (s *Server) tooManyTokens(param, got string) *APIError {
+	return badRequest(param, "This model's maximum context length is %d tokens, and /tokenize counts no more; the text has %s.", s.cfg.MaxModelLen, got)
 }
 
 // tokenIDs checks request token ids against the vocabulary.
