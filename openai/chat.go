@@ -14,7 +14,7 @@ import (
 // and builds its job.
 func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*job, *APIError) {
 	var req chatRequest
-	if apiErr := decodeJSON(body, &req); apiErr != nil {
+	if apiErr := s.decode(body, &req); apiErr != nil {
 		return nil, apiErr
 	}
 	if apiErr := s.checkModel(req.Model); apiErr != nil {

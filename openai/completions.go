@@ -9,7 +9,7 @@ import (
 // completionJob decodes and validates a completion request and builds its job.
 func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []byte) (*job, *APIError) {
 	var req completionRequest
-	if apiErr := decodeJSON(body, &req); apiErr != nil {
+	if apiErr := s.decode(body, &req); apiErr != nil {
 		return nil, apiErr
 	}
 	if apiErr := s.checkModel(req.Model); apiErr != nil {

@@ -124,6 +124,7 @@ type Server struct {
 	slots   *semaphore.Weighted // MaxConcurrentRequests sequence slots, nil without a limit
 	// promptBytes is the longest text that may encode to MaxModelLen tokens (maxPromptBytes).
 	promptBytes int
+	unknown     *unknownFields // request fields present but ignored
 }
 
 // NewServer returns a Server over eng and mdl. It installs eng.Stats as the source of the
@@ -172,6 +173,7 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		created: time.Now().Unix(),
 	}
 	s.promptBytes = maxPromptBytes(mdl.Tokenizer(), cfg.MaxModelLen)
+	s.unknown = newUnknownFields(s.log, s.metrics)
 	s.metrics.SetStatsSource(func() metrics.SchedulerStats {
 		st := eng.Stats()
 		return metrics.SchedulerStats{

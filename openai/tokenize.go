@@ -129,7 +129,7 @@ func tokenIDs(tok *tokenizer.Tokenizer, in []jsonInt) ([]int32, *APIError) {
 func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, v any, model func() *string) bool {
 	body, apiErr := s.readBody(w, r)
 	if apiErr == nil {
-		apiErr = decodeJSON(body, v)
+		apiErr = s.decode(body, v)
 	}
 	if apiErr == nil {
 		apiErr = s.checkModel(model())
