@@ -87,13 +87,13 @@ type Engine struct {
 
 // liveRequest is the step loop's per-request state beside the scheduler's Sequence.
 type liveRequest struct {
-	req      *Request
-	stream   *Stream
-	sampler  *model.Sampler
-	text     *stopText
-	ctx      context.Context
-	stopCtx  func() bool
-	seq      *Sequence
+	req     *Request
+	stream  *Stream
+	sampler *model.Sampler
+	text    *stopText
+	ctx     context.Context
+	stopCtx func() bool
+	seq     *Sequence
 
 	// promptLP collects the prompt logprobs (entry k: prompt token k+1) as prefill chunks
 	// compute them; promptSent is set once they went out. lastLP is the logprobs of the token
