@@ -3,9 +3,11 @@ package openai
 import (
 	"bufio"
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -194,4 +196,35 @@ func TestUnknownFieldsWarned(t *testing.T) {
 	if len(got) != maxFieldLabels+1 || got["other"] == "" {
 		t.Fatalf("%d labels (want %d and other): %v", len(got), maxFieldLabels+1, got)
 	}
+}
+
+// FuzzTopLevelKeys: on any valid JSON object, the key scanner finds exactly the keys
+// encoding/json finds, in order of appearance (duplicates included).
+func FuzzTopLevelKeys(f *testing.F) {
+	f.Add(`{"a":1,"b":{"c":[1,"}\"",{"d":null}]},"e\u00e9":"x\\","f" : true }`)
+	f.Add(`{}`)
+	f.Add(" {\n\t\"a\\\"b\" :[[[]],{}] ,\"\":-1.5e3,\"c\":\"\\\\\"}\r\n")
+	f.Add(`{"a":{"a":{"a":"]}"}},"a":[]}`)
+	f.Fuzz(func(t *testing.T, body string) {
+		var m map[string]json.RawMessage
+		if json.Unmarshal([]byte(body), &m) != nil || m == nil {
+			return
+		}
+		var got []string
+		topLevelKeys([]byte(body), func(raw []byte) { got = append(got, jsonKey(raw)) })
+		dec := json.NewDecoder(strings.NewReader(body))
+		var want []string
+		dec.Token() // {
+		for dec.More() {
+			k, _ := dec.Token()
+			want = append(want, k.(string))
+			var v json.RawMessage
+			if err := dec.Decode(&v); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("keys %q, want %q", got, want)
+		}
+	})
 }
