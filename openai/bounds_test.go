@@ -60,6 +60,8 @@ func TestRequestListBounds(t *testing.T) {
 		{"tokenize tokens", "/tokenize", map[string]any{"prompt": long}, "prompt", testMaxModelLen},
 		{"tokenize bytes", "/tokenize", map[string]any{"prompt": huge}, "prompt", testMaxModelLen},
 		{"tokenize messages", "/tokenize", map[string]any{"messages": []map[string]any{{"role": "user", "content": long}}}, "messages", testMaxModelLen},
+		{"completion prompt bytes", "/v1/completions", map[string]any{"prompt": huge}, "prompt", testMaxModelLen},
+		{"chat prompt bytes", "/v1/chat/completions", map[string]any{"messages": []map[string]any{{"role": "user", "content": huge}}}, "messages", testMaxModelLen},
 		{"detokenize", "/detokenize", map[string]any{"tokens": ids(testMaxModelLen + 1)}, "tokens", testMaxModelLen},
 	} {
 		resp, b := e.post(t, c.path, c.body, nil)

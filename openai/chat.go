@@ -40,6 +40,9 @@ func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*
 	if req.AddSpecialTokens != nil && *req.AddSpecialTokens {
 		encode = tok.EncodeSpecial
 	}
+	if apiErr := s.checkPromptBytes("messages", len(text)); apiErr != nil {
+		return nil, apiErr
+	}
 	prompt := encode(text)
 	if apiErr := s.fitPrompt(&p, len(prompt), "messages"); apiErr != nil {
 		return nil, apiErr

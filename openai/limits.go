@@ -18,8 +18,8 @@ import (
 //   - logprobs, top_logprobs and prompt_logprobs are at most --max-logprobs (Config.MaxLogprobs).
 //   - The prompt of /tokenize, like that of the generation routes, is at most max_model_len
 //     tokens (vLLM counts any prompt there; a longer one cannot be served, and its ids would
-//     make a response many times the request). A text too long to encode to that many tokens
-//     is refused before it is encoded (maxPromptBytes).
+//     make a response many times the request). On every route a text too long to encode to
+//     that many tokens is refused before it is encoded (maxPromptBytes).
 //   - /detokenize takes at most max_model_len ids (the longest sequence the model holds).
 const (
 	// maxChoices bounds n and best_of: one request may not queue more sequences than this (each
@@ -60,6 +60,16 @@ func maxPromptBytes(tok *tokenizer.Tokenizer, maxModelLen int) int {
 		longest = max(longest, len(tok.TokenBytes(int32(id))))
 	}
 	return maxModelLen * longest * tokenTextSlack
+}
+
+// checkPromptBytes refuses, before encoding it, a prompt text (of the field param) too long to
+// encode to max_model_len tokens or fewer (Server.promptBytes): encoding it would cost memory
+// and time only to refuse it then.
+func (s *Server) checkPromptBytes(param string, n int) *APIError {
+	if n > s.promptBytes {
+		return badRequest(param, "This model's maximum context length is %d tokens; a text of %d bytes is longer than any text of that many tokens.", s.cfg.MaxModelLen, n)
+	}
+	return nil
 }
 
 // checkCount returns a 400 naming param if a list of n entries exceeds limit.

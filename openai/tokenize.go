@@ -1,7 +1,6 @@
 package openai
 
 import (
-	"fmt"
 	"net/http"
 
 	"github.com/kvbridge/kvbridge/model/tokenizer"
@@ -66,8 +65,8 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	if req.Messages != nil {
 		param = "messages"
 	}
-	if len(text) > s.promptBytes {
-		writeError(w, s.tooManyTokens(param, fmt.Sprintf("%d bytes, more than any text of that many tokens", len(text))))
+	if apiErr := s.checkPromptBytes(param, len(text)); apiErr != nil {
+		writeError(w, apiErr)
 		return
 	}
 	encode := tok.Encode
@@ -76,7 +75,7 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	}
 	ids := encode(text)
 	if len(ids) > s.cfg.MaxModelLen {
-		writeError(w, s.tooManyTokens(param, fmt.Sprintf("%d tokens", len(ids))))
+		writeError(w, badRequest(param, "This model's maximum context length is %d tokens, and /tokenize counts no more; the text has %d tokens.", s.cfg.MaxModelLen, len(ids)))
 		return
 	}
 	resp := tokenizeResponse{Count: len(ids), MaxModelLen: s.cfg.MaxModelLen, Tokens: ids}
@@ -104,12 +103,6 @@ func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	writeJSON(w, http.StatusOK, map[string]string{"prompt": tok.Decode(ids)})
-}
-
-// tooManyTokens is the 400 for a /tokenize text beyond max_model_len tokens; got says how long
-// it is.
-func (s *Server) tooManyTokens(param, got string) *APIError {
-	return badRequest(param, "This model's maximum context length is %d tokens, and /tokenize counts no more; the text has %s.", s.cfg.MaxModelLen, got)
 }
 
 // tokenIDs checks request token ids against the vocabulary.
