@@ -513,7 +513,7 @@ func (s *Scheduler) checkStop(q *Sequence) (st Status, stopToken, done bool) {
 	if !q.req.IgnoreEOS && slices.Contains(s.cfg.EOSTokenIDs, last) {
 		return StatusFinishedStopped, true, true
 	}
-	if slices.Contains(q.req.StopTokenIDs, last) {
+	if q.req.stopTokenID(last) {
 		return StatusFinishedStopped, true, true
 	}
 	return 0, false, false

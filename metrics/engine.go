@@ -28,6 +28,7 @@ type EngineMetrics struct {
 	success          map[string]prometheus.Counter
 	successVec       *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
+	unknownFields    *prometheus.CounterVec
 	ttft, e2e, itl   prometheus.Observer
 	nixl             *NixlMetrics
 	req              requestMetrics
@@ -48,6 +49,7 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 		success:          make(map[string]prometheus.Counter, 4),
 		successVec:       r.requestSuccess,
 		rejected:         r.rejected,
+		unknownFields:    r.unknownFields,
 		ttft:             r.ttft.WithLabelValues(modelName, engine),
 		e2e:              r.e2e.WithLabelValues(modelName, engine),
 		itl:              r.itl.WithLabelValues(modelName, engine),
@@ -67,6 +69,13 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 // (kvbridge:requests_rejected_total{reason}).
 func (m *EngineMetrics) CountRejected(reason string) {
 	m.rejected.WithLabelValues(m.modelName, m.engine, reason).Inc()
+}
+
+// CountUnknownField counts a request field that was present but ignored
+// (kvbridge:request_unknown_fields_total{field}). Field names come from clients: the caller
+// bounds the distinct values it passes.
+func (m *EngineMetrics) CountUnknownField(field string) {
+	m.unknownFields.WithLabelValues(m.modelName, m.engine, field).Inc()
 }
 
 // ModelName returns the model_name label value.

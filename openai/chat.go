@@ -15,7 +15,7 @@ import (
 // and builds its job.
 func (s *Server) chatJob(w http.ResponseWriter, r *http.Request, body []byte) (*job, *APIError) {
 	var req chatRequest
-	if apiErr := decodeJSON(body, &req); apiErr != nil {
+	if apiErr := s.decode(body, &req); apiErr != nil {
 		return nil, apiErr
 	}
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
@@ -104,6 +104,9 @@ func (s *Server) chatPrompt(in []chatMessageIn, f chatTemplateFields) ([]int32, 
 		return nil, nil, badRequest("continue_final_message", "%v", err)
 	case err != nil:
 		return nil, nil, badRequest("messages", "The chat template could not render the messages: %v", err)
+	}
+	if apiErr := s.checkPromptBytes("messages", len(text)); apiErr != nil {
+		return nil, nil, apiErr
 	}
 	tok := s.model.Tokenizer()
 	if f.AddSpecialTokens != nil && *f.AddSpecialTokens {

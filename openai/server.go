@@ -122,6 +122,9 @@ type Server struct {
 	created int64
 	handler http.Handler
 	slots   *semaphore.Weighted // MaxConcurrentRequests sequence slots, nil without a limit
+	// promptBytes is the longest text that may encode to MaxModelLen tokens (maxPromptBytes).
+	promptBytes int
+	unknown     *unknownFields // request fields present but ignored
 }
 
 // NewServer returns a Server over eng and mdl. It installs eng.Stats as the source of the
@@ -169,6 +172,8 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		mux:     http.NewServeMux(),
 		created: time.Now().Unix(),
 	}
+	s.promptBytes = maxPromptBytes(mdl.Tokenizer(), cfg.MaxModelLen)
+	s.unknown = newUnknownFields(s.log, s.metrics)
 	s.metrics.SetStatsSource(func() metrics.SchedulerStats {
 		st := eng.Stats()
 		return metrics.SchedulerStats{

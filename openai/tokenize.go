@@ -52,12 +52,26 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 			writeError(w, apiErr)
 			return
 		}
-	case req.Prompt != nil && (req.AddSpecialTokens == nil || *req.AddSpecialTokens):
-		ids = tok.EncodeSpecial(*req.Prompt) // as completionPrompt encodes
 	case req.Prompt != nil:
-		ids = tok.Encode(*req.Prompt)
+		if apiErr := s.checkPromptBytes("prompt", len(*req.Prompt)); apiErr != nil {
+			writeError(w, apiErr)
+			return
+		}
+		if req.AddSpecialTokens == nil || *req.AddSpecialTokens {
+			ids = tok.EncodeSpecial(*req.Prompt) // as completionPrompt encodes
+		} else {
+			ids = tok.Encode(*req.Prompt)
+		}
 	default:
 		writeError(w, badRequest("prompt", "Either prompt or messages must be given."))
+		return
+	}
+	if len(ids) > s.cfg.MaxModelLen {
+		param := "prompt"
+		if req.Messages != nil {
+			param = "messages"
+		}
+		writeError(w, badRequest(param, "This model's maximum context length is %d tokens, and /tokenize counts no more; the text has %d tokens.", s.cfg.MaxModelLen, len(ids)))
 		return
 	}
 	resp := tokenizeResponse{Count: len(ids), MaxModelLen: s.cfg.MaxModelLen, Tokens: ids}
@@ -72,6 +86,10 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 	var req detokenizeRequest
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
+		return
+	}
+	if len(req.Tokens) > s.cfg.MaxModelLen {
+		writeError(w, badRequest("tokens", "tokens may hold at most max_model_len = %d ids, got %d.", s.cfg.MaxModelLen, len(req.Tokens)))
 		return
 	}
 	tok := s.model.Tokenizer()
@@ -100,7 +118,7 @@ func tokenIDs(tok *tokenizer.Tokenizer, in []jsonInt) ([]int32, *APIError) {
 func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, v any, model func() *string) bool {
 	body, apiErr := s.readBody(w, r)
 	if apiErr == nil {
-		apiErr = decodeJSON(body, v)
+		apiErr = s.decode(body, v)
 	}
 	if apiErr == nil {
 		apiErr = s.checkModel(model())
