@@ -3,10 +3,13 @@ package connector_test
 import (
 	"fmt"
 	"maps"
+	"net/http"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 func bidiCfg(role, extra string) string {
@@ -55,10 +58,14 @@ func external(r result) int {
 
 // TestBidirectionalPullIsVerified: on turn 2, P pulls from D only the blocks whose token hashes
 // match its own prompt (items 31, 33). An edited history pulls less — never wrong KV — and the
-// rejection is counted.
+// rejection is counted. D frees a turn's hold on the notification of the next turn's P, but not
+// on P's notification for an edited history, which does not prove the prompt the hold was
+// issued for: that hold lasts until decoder_kv_blocks_ttl.
 func TestBidirectionalPullIsVerified(t *testing.T) {
+	dclock := newFakeClock()
+	dtick := make(chan time.Time)
 	p := startNode(t, "P", nodeOptions{kvConfig: bidiCfg("kv_producer", `,"kv_recompute_threshold":0`)})
-	d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), prefix: true})
+	d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), prefix: true, now: dclock.Now, tick: dtick})
 	single := startNode(t, "single", nodeOptions{})
 	first := tokens(100, 20)
 	dparams, next := turnOne(t, p, d, first)
@@ -74,6 +81,7 @@ func TestBidirectionalPullIsVerified(t *testing.T) {
 	if got := external(r); got < 96 {
 		t.Errorf("turn 2 pulled %d tokens from D; the first prompt alone holds 6 verified blocks (96)", got)
 	}
+	d.waitPoolFull(t) // D freed turn 1's hold on P's notification; D's clock never moved
 
 	// A second conversation whose history was edited at token 40.
 	dparams2, next2 := turnOne(t, p, d, tokens(100, 21))
@@ -89,7 +97,13 @@ func TestBidirectionalPullIsVerified(t *testing.T) {
 	if p.conn.VerificationRejections() != before+1 {
 		t.Error("the rejection was not counted")
 	}
-	d.waitPoolFull(t) // D freed both turns' blocks on P's notifications
+	eventually(t, "D to refuse P's notification for the edited history", func() bool { return d.conn.AuthRefusals().Notifications == 1 })
+	if d.pool.NumFree() == d.pool.NumBlocks() {
+		t.Fatal("D freed the hold on a notification for another prompt")
+	}
+	dclock.Advance(481 * time.Second) // decoder_kv_blocks_ttl
+	dtick <- dclock.Now()
+	d.waitPoolFull(t)
 }
 
 // TestBidirectionalDeclinesExpiredBlocks: P declines a read of D's blocks within 5 s of their
@@ -122,4 +136,38 @@ func TestBidirectionalDeclinesExpiredBlocks(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestBidirectionalHoldsExpireQuietly: the turns D holds for a next turn that never comes expire
+// at decoder_kv_blocks_ttl as a cache ages out: counted in kvbridge:decoder_holds_expired_total,
+// summed in one INFO line, and neither counted nor logged per request as an expired KV request
+// (P's lease signal).
+func TestBidirectionalHoldsExpireQuietly(t *testing.T) {
+	dclock := newFakeClock()
+	tick := make(chan time.Time)
+	var dlog fixture.LogBuffer
+	p := startNode(t, "P", nodeOptions{kvConfig: bidiCfg("kv_producer", "")})
+	d := startNode(t, "D", nodeOptions{kvConfig: bidiCfg("kv_consumer", ""), now: dclock.Now, tick: tick, logw: &dlog})
+	for i := range 3 {
+		turnOne(t, p, d, tokens(100, 30+i))
+	}
+	if held := d.eng.Stats().Delayed; held != 3 {
+		t.Fatalf("D holds %d turns, want 3", held)
+	}
+	dclock.Advance(481 * time.Second) // past the 480 s decoder_kv_blocks_ttl
+	tick <- dclock.Now()
+	d.waitPoolFull(t)
+	m := fixture.Scrape(t, http.DefaultClient, d.srv.URL)
+	if got := m.Sum("kvbridge:decoder_holds_expired_total"); got != 3 {
+		t.Errorf("kvbridge:decoder_holds_expired_total = %v, want 3", got)
+	}
+	if got := m.Sum("vllm:nixl_num_kv_expired_reqs_total"); got != 0 {
+		t.Errorf("vllm:nixl_num_kv_expired_reqs_total = %v on D: its holds are not expired requests", got)
+	}
+	logs := dlog.String()
+	if n := strings.Count(logs, "expired unclaimed"); n != 1 || !strings.Contains(logs, "3 decoder hold(s)") ||
+		strings.Contains(logs, "Releasing expired KV blocks") {
+		t.Errorf("D's log, want one summary of 3 holds and no per-request expiry:\n%s", logs)
+	}
+	p.waitPoolFull(t)
 }

@@ -56,6 +56,11 @@ type core struct {
 	counts      *counters
 	closed      bool
 
+	// holdsExpired counts the decoder holds that expired unclaimed since the last summary line,
+	// written at holdsSummarized (at most one per quietInterval).
+	holdsExpired    int
+	holdsSummarized time.Time
+
 	out actions
 }
 
@@ -70,13 +75,24 @@ type counters struct {
 type actions struct {
 	handshakes []*remoteEngine // run the side-channel handshake of each new record
 	loads      []loadJob       // read remote KV into local blocks
-	notifies   []*Params       // tell a producer that this engine will not read its blocks
+	notifies   []notice        // tell a producer that this engine will not read its blocks
 	beats      []beat          // send a heartbeat batch to a handshaken producer
 	drops      []*remoteEngine // forget a record: invalidate its incarnation, release its lists
 	release    []string        // Scheduler.ReleaseDelayed
 	loaded     []string        // Scheduler.LoadsDone, successes
 	failed     map[string]int  // Scheduler.LoadsDone, failures and their first bad block
 	missed     []string        // Scheduler.LoadsMissed
+
+	// holdsExpired, when not zero, is a summary to log: that many decoder holds expired
+	// unclaimed since the previous summary, holdsSince before now.
+	holdsExpired int
+	holdsSince   time.Duration
+}
+
+// notice is a release notification for the producer named by params.
+type notice struct {
+	params *Params
+	msg    []byte // FormatRelease
 }
 
 // beat is one heartbeat message for one producer.
@@ -117,6 +133,7 @@ type loadJob struct {
 	localHit int     // tokens already in the leading blocks (a multiple of the block size)
 	count    int     // tokens to load after them
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
+	release  []byte  // the release notification the read carries (FormatRelease)
 
 	handshake *remoteEngine // the handshake the request's arrival started, or nil (reqState.handshake)
 }
@@ -225,7 +242,7 @@ func (k *core) refuseParams(id string, err error, now time.Time) {
 		k.counts.paramsMAC.Add(1)
 	}
 	if ok, suppressed := k.quiet.allow("params", now); ok {
-		k.log.Warn("Got invalid KVTransferParams; this request will not utilize KVTransfer", "request_id", id, "error", err, "similar_suppressed", suppressed)
+		k.log.Warn("Got invalid KVTransferParams; this request will not utilize KVTransfer", "request_id", id, "err", err, "similar_suppressed", suppressed)
 	}
 }
 
@@ -315,22 +332,49 @@ func (k *core) matchedExternal(seq *engine.Sequence, localHit int, now time.Time
 // whose hint differs from the prompt's own chain. The hints only size the pull; what is read is
 // checked against the decoder's published records (verify.go).
 func (k *core) verifiedTokens(p *Params, prompt []int32) int {
-	n := min(p.RemoteNumTokens, len(prompt))
 	if p.BlockHashes == nil {
-		return n
+		return min(p.RemoteNumTokens, len(prompt))
 	}
+	n, cut := k.hintedPrefix(p, prompt)
+	if cut {
+		k.counts.rejections.Add(1)
+	}
+	return n
+}
+
+// hintedPrefix returns how many leading tokens of prompt, in whole blocks, match a decoder's
+// hash hints, and whether a full block within min(remote_num_tokens, prompt) did not match.
+func (k *core) hintedPrefix(p *Params, prompt []int32) (n int, cut bool) {
 	bs := k.geo.BlockSize
-	own := kvcache.ChainHashes(prompt[:n], bs)
+	own := kvcache.ChainHashes(prompt[:min(p.RemoteNumTokens, len(prompt))], bs)
 	ok := 0
 	for ok < len(own) && ok < len(p.BlockHashes) && own[ok].String() == p.BlockHashes[ok] {
 		ok++
 	}
-	if ok < len(own) {
-		k.counts.rejections.Add(1)
-		return ok * bs
+	// When every full block matched, the trailing partial block has no hint.
+	return ok * bs, ok < len(own)
+}
+
+// release returns the notification that ends the lease p names, proving as much of the
+// lease's prompt as prompt holds: a producer's whole prompt (remote_num_tokens), or of a
+// decoder's hold (fromD) the whole blocks its hash hints confirm. A prompt that holds less
+// proves nothing, and the owner keeps the lease: it ends only for the reader it was issued for.
+func (k *core) release(p *Params, prompt []int32, fromD bool) []byte {
+	n := 0
+	switch {
+	case fromD:
+		n, _ = k.hintedPrefix(p, prompt)
+	case len(prompt) >= p.RemoteNumTokens:
+		n = p.RemoteNumTokens
 	}
-	// Every full block matched; the trailing partial block has no hint.
-	return min(n, ok*bs)
+	return []byte(FormatRelease(Release{ID: p.RemoteRequestID, Readers: 1, Token: p.Lease, Proven: n, Proof: ReleaseProof(p.Lease, prompt[:n])}))
+}
+
+// notifyFor asks the worker to tell the producer named by st's params that seq will not read
+// its blocks.
+func (k *core) notifyFor(st *reqState, seq *engine.Sequence) {
+	_, fromD := k.consumer(st.params)
+	k.out.notifies = append(k.out.notifies, notice{st.params, k.release(st.params, seq.Prompt(), fromD)})
 }
 
 // afterAlloc starts the load, or tells the producer to free when nothing is loaded.
@@ -343,7 +387,7 @@ func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int,
 	st.processed = true
 	if numExternal == 0 {
 		k.untrack(st)
-		k.out.notifies = append(k.out.notifies, st.params)
+		k.notifyFor(st, seq)
 		return
 	}
 	st.loading = true
@@ -355,6 +399,7 @@ func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int,
 		localHit: seq.NumLocalHitTokens(),
 		count:    numExternal,
 		fromD:    st.pullFromD,
+		release:  k.release(st.params, seq.Prompt(), st.pullFromD),
 
 		handshake: st.handshake,
 	}
@@ -377,7 +422,7 @@ func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Tim
 	p := st.params
 	pull, _ := k.consumer(p)
 	if pull && !st.processed {
-		k.out.notifies = append(k.out.notifies, p) // aborted before its read: the producer must not wait for the lease
+		k.notifyFor(st, seq) // aborted before its read: the producer must not wait for the lease
 	}
 	if st.loading {
 		// The load still writes into the blocks; they are released when it ends.
@@ -406,7 +451,7 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 	computed := seq.NumComputed()
 	var token LeaseToken
 	if _, err := io.ReadFull(k.random, token[:]); err != nil {
-		k.log.Error("drawing a lease token failed; the blocks are freed", "request_id", seq.ID(), "error", err)
+		k.log.Error("drawing a lease token failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
 	}
 	deadline := now.Add(ttl)
@@ -423,11 +468,16 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 	chain, err := k.pool.PublishChain(blocks, seq.Tokens()[:computed])
 	if err != nil {
 		k.leases.Release(seq.ID())
-		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "error", err)
+		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
 	}
 	tag := LeaseTag(token, computed, blocks, gens)
 	copy(k.slots[l.Slot*slotBytes:], tag[:])
+	lengths := releaseLengths(computed, seq.NumPromptTokens(), k.geo.BlockSize, !renewable)
+	l.Proofs = make(map[int][ReleaseProofBytes]byte, len(lengths))
+	for i, proof := range releaseProofs(token, seq.Tokens()[:computed], lengths) {
+		l.Proofs[lengths[i]] = proof
+	}
 	p := Params{
 		DoRemotePrefill:  renewable, // P's params send D to pull; D's send the next P to pull
 		DoRemoteDecode:   !renewable,
@@ -461,6 +511,24 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		p.MAC = paramsMAC(k.paramsKey, &p)
 	}
 	return p.Map()
+}
+
+// releaseLengths returns how many leading tokens of a lease's numTokens a release notification
+// may prove (see core.release): a producer's lease, all of them — its reader decodes the same
+// prompt; a decoder's hold (hold), any whole number of blocks from the last block boundary
+// before the hold's prompt's last token (promptTokens; at least one block) up to numTokens, or
+// numTokens — the next turn repeats the prompt, but the answer it appends may be tokenized
+// otherwise than it was generated.
+func releaseLengths(numTokens, promptTokens, blockSize int, hold bool) []int {
+	if !hold {
+		return []int{numTokens}
+	}
+	least := min(numTokens, max(blockSize, (promptTokens-1)/blockSize*blockSize))
+	var out []int
+	for n := (least + blockSize - 1) / blockSize * blockSize; n < numTokens; n += blockSize {
+		out = append(out, n)
+	}
+	return append(out, numTokens)
 }
 
 // clearSlot withdraws l's tag: from now on no reader accepts what it reads under l. The lease's
@@ -499,7 +567,10 @@ func (k *core) evictHolds(blocks int, now time.Time) []string {
 	return ids
 }
 
-// decline tells the producer named by raw params that this engine will not read its blocks.
+// decline is told of params of a request refused before the engine took it. Without the
+// request's prompt this engine cannot prove to the producer that it is the reader the lease was
+// issued for (see release), so it sends nothing: the producer frees at lease expiry, as vLLM's
+// does. Params that would be refused are still counted.
 func (k *core) decline(raw map[string]any, now time.Time) {
 	p, err := ParseParams(raw)
 	if err != nil || p == nil {
@@ -510,14 +581,15 @@ func (k *core) decline(raw map[string]any, now time.Time) {
 	}
 	if err := k.checkParams(p); err != nil {
 		k.refuseParams(p.RemoteRequestID, err, now)
-		return
 	}
-	k.out.notifies = append(k.out.notifies, p)
 }
 
 // notification applies one notification from peer: "HB:token,…" extends leases; "<id>:<n>:
-// <token>" is one of n reads of a lease done. A notification that presents no valid token
-// changes nothing; it is counted, and logged at most once per interval.
+// <token>:<proven>:<proof>" is one of n reads of a lease done, by a reader that holds the
+// lease's prompt. A release that presents no valid token, or no valid proof of the prompt,
+// changes nothing; it is counted, and logged at most once per interval. Heartbeats need no
+// proof: they only extend a lease (never shorten or end it), by 2/3 of kv_lease_duration past
+// the last one, and a decoder sends them only while a request waits to read.
 func (k *core) notification(peer, msg string, now time.Time) {
 	if hexTokens, ok := ParseHeartbeat(msg); ok {
 		tokens := make([]LeaseToken, 0, len(hexTokens))
@@ -529,14 +601,14 @@ func (k *core) notification(peer, msg string, now time.Time) {
 		k.leases.Heartbeat(tokens, now, k.cfg.LeaseDuration*2/3)
 		return
 	}
-	id, readers, token, err := ParseRelease(msg)
+	r, err := ParseRelease(msg)
 	if err != nil {
 		if ok, suppressed := k.quiet.allow("malformed", now); ok {
-			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "error", err, "similar_suppressed", suppressed)
+			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "err", err, "similar_suppressed", suppressed)
 		}
 		return
 	}
-	l, res := k.leases.Notify(id, token, readers)
+	l, res := k.leases.Notify(r)
 	if l != nil {
 		k.endLease(l)
 	}
@@ -546,13 +618,19 @@ func (k *core) notification(peer, msg string, now time.Time) {
 			k.metrics.CountNotificationAfterExpiry()
 		}
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
-			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(id)),
+			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(r.ID)),
 				"peer", peer, "similar_suppressed", suppressed)
 		}
 	case NotifyRefused:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("refused", now); ok {
-			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(id), "peer", peer, "similar_suppressed", suppressed)
+			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(r.ID), "peer", peer, "similar_suppressed", suppressed)
+		}
+	case NotifyUnproven:
+		k.counts.notifications.Add(1)
+		if ok, suppressed := k.quiet.allow("unproven", now); ok {
+			k.log.Warn("refusing a KV notification that does not prove the prompt its lease was issued for (copied kv_transfer_params, or a request for another prompt); the lease is kept",
+				"request_id", clip(r.ID), "peer", peer, "proven_tokens", r.Proven, "similar_suppressed", suppressed)
 		}
 	}
 }
@@ -560,13 +638,33 @@ func (k *core) notification(peer, msg string, now time.Time) {
 // tick releases expired leases (every entry, not only the earliest: vllm#58222), sends due
 // heartbeats (asking for a new handshake with a producer whose record was dropped) and forgets
 // remote engines idle longer than engine_ttl.
+//
+// A producer's lease that expires is a reader that never came: a WARN per request and
+// vllm:nixl_num_kv_expired_reqs, as in vLLM. A bidirectional decoder's hold that expires is a
+// cache entry that the conversation did not come back for (the client went away, or the next
+// turn went to another decoder): it is counted in kvbridge:decoder_holds_expired_total and
+// summed in one INFO line per quietInterval at most.
 func (k *core) tick(now time.Time) {
 	for _, l := range k.leases.Expire(now) {
 		k.endLease(l)
+		if !l.Renewable {
+			k.holdsExpired++
+			if k.metrics != nil {
+				k.metrics.CountDecoderHoldExpired()
+			}
+			continue
+		}
 		k.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.notified))
 		if k.metrics != nil {
 			k.metrics.CountExpiredRequest()
 		}
+	}
+	if k.holdsExpired > 0 && (k.holdsSummarized.IsZero() || now.Sub(k.holdsSummarized) >= quietInterval) {
+		k.out.holdsExpired = k.holdsExpired
+		if !k.holdsSummarized.IsZero() {
+			k.out.holdsSince = now.Sub(k.holdsSummarized)
+		}
+		k.holdsExpired, k.holdsSummarized = 0, now
 	}
 	for _, b := range k.heartbeats.Due(now) {
 		engineID, instance, _ := strings.Cut(b.Engine, "\x00")
@@ -614,12 +712,12 @@ func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now 
 	holdGone := err != nil && j.fromD && (errors.Is(err, errLeaseGone) || errors.Is(err, transfer.ErrPermission))
 	if holdGone && !quiet {
 		k.log.Debug("the decoder's hold is gone (expired or evicted); computing the prompt here", "request_id", j.id,
-			"remote_engine_id", j.params.RemoteEngineID, "remote_request_id", j.params.RemoteRequestID, "error", err)
+			"remote_engine_id", j.params.RemoteEngineID, "remote_request_id", j.params.RemoteRequestID, "err", err)
 	}
 	if err != nil && !holdGone && !quiet {
 		k.log.Error("NIXL transfer failure: transfer_failed", "request_id", j.id, "remote_engine_id", j.params.RemoteEngineID,
 			"remote_request_id", j.params.RemoteRequestID, "remote_host", j.params.RemoteHost, "remote_port", j.params.RemotePort,
-			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "error", err)
+			"num_local_blocks", len(j.blocks), "num_remote_blocks", len(j.params.Blocks()), "err", err)
 		if errors.Is(err, ErrVerification) {
 			k.counts.verification.Add(1)
 		}
@@ -708,7 +806,7 @@ func (k *core) drop(r *remoteEngine) {
 func (k *core) peerLost(name string, inc uint64) {
 	for _, r := range k.remotes {
 		if _, ok := r.done(); ok && r.peer == name && r.peerInc == inc {
-			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "addr", r.addr)
+			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "peer_addr", r.addr)
 			k.drop(r)
 		}
 	}

@@ -43,6 +43,7 @@ type coreHarness struct {
 	records []byte // the pool's record table
 	now     time.Time
 	acts    actions
+	reg     *metrics.Registry
 	nixl    *metrics.NixlMetrics
 }
 
@@ -66,7 +67,8 @@ func newCoreHarness(t *testing.T, kvConfig string) *coreHarness {
 	if err != nil {
 		t.Fatal(err)
 	}
-	h := &coreHarness{t: t, pool: pool, records: records, now: t0, nixl: metrics.NewRegistry().Engine("m", "0").Nixl()}
+	h := &coreHarness{t: t, pool: pool, records: records, now: t0, reg: metrics.NewRegistry()}
+	h.nixl = h.reg.Engine("m", "0").Nixl()
 	h.k = &core{
 		cfg: cfg, pool: pool, geo: geo, layout: layout, slots: kvcache.AlignedMemory(int(layout.SlotsBytes)),
 		log: testLogger(io.Discard), metrics: h.nixl, epoch: t0, engineID: "self", instance: "inst-self",
@@ -113,6 +115,8 @@ func (h *coreHarness) collect() {
 	h.acts.release = append(h.acts.release, a.release...)
 	h.acts.loaded = append(h.acts.loaded, a.loaded...)
 	h.acts.missed = append(h.acts.missed, a.missed...)
+	h.acts.holdsExpired += a.holdsExpired
+	h.acts.holdsSince = max(h.acts.holdsSince, a.holdsSince)
 	for id, b := range a.failed {
 		if h.acts.failed == nil {
 			h.acts.failed = map[string]int{}
@@ -209,20 +213,23 @@ func TestCoreProducerLease(t *testing.T) {
 			t.Errorf("block %d record %+v, want %+v", i, rec, want)
 		}
 	}
+	release := func(tok LeaseToken, prompt []int32) string {
+		return FormatRelease(Release{ID: "p1", Readers: 1, Token: tok, Proven: len(prompt), Proof: ReleaseProof(tok, prompt)})
+	}
 	wrong := p.Lease
 	wrong[0]++
-	h.k.notification("d", FormatRelease("p1", 1, wrong), h.now)
+	h.k.notification("d", release(wrong, prompt), h.now)
 	if a := h.takeActs(); len(a.release) != 0 || h.k.counts.notifications.Load() != 1 {
 		t.Fatalf("a notification with another token: %+v, refused %d", a, h.k.counts.notifications.Load())
 	}
-	h.k.notification("d", FormatRelease("p1", 1, p.Lease), h.now)
+	h.k.notification("d", release(p.Lease, prompt), h.now)
 	if a := h.takeActs(); !slices.Equal(a.release, []string{"p1"}) {
 		t.Fatalf("the owner's notification: %+v", a)
 	}
 	if string(slot) != string(make([]byte, 16)) {
 		t.Error("the ended lease's tag is still published")
 	}
-	h.k.notification("d", FormatRelease("p1", 1, p.Lease), h.now)
+	h.k.notification("d", release(p.Lease, prompt), h.now)
 	if h.takeActs().release != nil {
 		t.Error("a late notification released again")
 	}
@@ -539,9 +546,10 @@ func TestCoreEvictHolds(t *testing.T) {
 	}
 }
 
-// TestCoreDeclineAndRefusals: declined params from a producer become a release notification;
-// params without a lease, with a bad MAC or naming a host outside allowed_peers are refused and
-// counted, and nothing is dialled.
+// TestCoreDeclineAndRefusals: declined params (a request refused before the engine, whose
+// prompt the connector never sees) send nothing — without the prompt no release can be proven,
+// and the producer frees at lease expiry; params without a lease, with a bad MAC or naming a
+// host outside allowed_peers are refused and counted, and nothing is dialled.
 func TestCoreDeclineAndRefusals(t *testing.T) {
 	good := &Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1}}, RemoteEngineID: "P", RemoteRequestID: "p1",
 		RemoteHost: "10.1.2.3", RemotePort: 1, BlockGenerations: []uint64{1}, Instance: "i", Lease: LeaseToken{1}, HasLease: true, LeaseSlot: 0}
@@ -566,8 +574,8 @@ func TestCoreDeclineAndRefusals(t *testing.T) {
 			}
 			h.k.decline(viaJSON(t, p.Map()), h.now)
 			a := h.takeActs()
-			if refused := h.k.counts.params.Load() == 1; refused != tc.refused || (len(a.notifies) == 1) == tc.refused {
-				t.Errorf("refused %v, notifies %d; want refused %v", refused, len(a.notifies), tc.refused)
+			if refused := h.k.counts.params.Load() == 1; refused != tc.refused || len(a.notifies) != 0 || len(a.handshakes) != 0 {
+				t.Errorf("refused %v, notifies %d, handshakes %d; want refused %v and nothing sent", refused, len(a.notifies), len(a.handshakes), tc.refused)
 			}
 		})
 	}
@@ -665,5 +673,232 @@ func TestVerifyRead(t *testing.T) {
 				t.Fatalf("verify: block %d, %v; want block %d, %v", bad, err, tc.bad, tc.want)
 			}
 		})
+	}
+}
+
+// releaseOf returns the release notification a reader core sends for a request carrying kv
+// with prompt: the one its load carries, or the one it sends when it reads nothing.
+func (h *coreHarness) releaseOf(id string, prompt []int32, kv map[string]any) string {
+	h.t.Helper()
+	if _, err := h.sched.Add(&engine.Request{ID: id, Prompt: prompt, MaxTokens: 1, KVTransfer: kv}, h.now); err != nil {
+		h.t.Fatal(err)
+	}
+	h.sched.Schedule(h.now)
+	a := h.takeActs()
+	switch {
+	case len(a.loads) == 1 && len(a.notifies) == 0:
+		return string(a.loads[0].release)
+	case len(a.notifies) == 1 && len(a.loads) == 0:
+		return string(a.notifies[0].msg)
+	}
+	h.t.Fatalf("request %s: want one load or one notification, got %+v", id, a)
+	return ""
+}
+
+// TestCoreReleaseNeedsThePrompt: the owner of a lease ends it only on a release notification
+// from a reader that holds the prompt it was issued for. Readers are real cores given the
+// owner's params with their own prompts; what they send (with a read, or without one below the
+// threshold) is handed to the owner. Another prompt, a shorter one or one edited anywhere leaves
+// the lease held, counted; the victim's own release, or one from a prompt that starts with the
+// lease's (the residual case: it holds the prompt), ends it. A decoder's hold (bidirectional)
+// is ended by the next turn's prefiller even when the answer it appends was tokenized otherwise,
+// but not by one whose prompt differs.
+func TestCoreReleaseNeedsThePrompt(t *testing.T) {
+	const (
+		producer = `{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"kv_recompute_threshold":0}}`
+		consumer = `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"bidirectional_kv_xfer":true}}`
+		lazy     = `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"kv_recompute_threshold":1000}}`
+	)
+	edit := func(p []int32, at int) []int32 {
+		p = slices.Clone(p)
+		p[at]++
+		return p
+	}
+	type reader struct {
+		name     string
+		config   string
+		prompt   []int32
+		released bool
+	}
+	for _, tc := range []struct {
+		name    string
+		owner   string
+		run     func(h *coreHarness) (map[string]any, []int32) // the lease's params and content
+		readers func(content []int32) []reader
+	}{{
+		name:  "producer's lease",
+		owner: producer,
+		run: func(h *coreHarness) (map[string]any, []int32) {
+			return h.run("r1", ids(10), 1, template()), ids(10)
+		},
+		readers: func(c []int32) []reader {
+			return []reader{
+				{"another prompt", consumer, ids(10)[1:], false},
+				{"edited at its last token", consumer, edit(c, 9), false},
+				{"edited at its first token", consumer, edit(c, 0), false},
+				{"a prefix of it", consumer, c[:8], false},
+				{"another prompt, below the threshold", lazy, edit(c, 3), false},
+				{"the prompt, below the threshold", lazy, c, true},
+			}
+		},
+	}, {
+		name:  "producer's lease, read by a longer prompt",
+		owner: producer,
+		run: func(h *coreHarness) (map[string]any, []int32) {
+			return h.run("r1", ids(10), 1, template()), ids(10)
+		},
+		readers: func(c []int32) []reader {
+			return []reader{{"the prompt and more", consumer, append(slices.Clone(c), 1, 2, 3), true}}
+		},
+	}, {
+		name:  "decoder's hold",
+		owner: consumer,
+		run: func(h *coreHarness) (map[string]any, []int32) {
+			kv := h.run("t1", ids(10), 6, map[string]any{"do_remote_prefill": true})
+			// The hold is the prompt and the answer but its last token (never computed).
+			content := append(ids(10), 7, 7, 7, 7, 7)
+			kv["do_remote_decode"], kv["do_remote_prefill"] = true, false // as the multi-turn proxy sends it to P
+			return kv, content
+		},
+		readers: func(c []int32) []reader {
+			next := append(slices.Clone(c), 7, 1, 2) // the next turn: history, then a new message
+			return []reader{
+				{"another conversation", producer, ids(18)[1:], false},
+				{"history edited inside the prompt", producer, edit(next, 5), false},
+				{"history edited in the first block", producer, edit(next, 0), false},
+				{"the next turn, its answer tokenized otherwise", producer, edit(next, 13), true},
+			}
+		},
+	}, {
+		name:  "decoder's hold, the exact continuation",
+		owner: consumer,
+		run: func(h *coreHarness) (map[string]any, []int32) {
+			kv := h.run("t1", ids(10), 6, map[string]any{"do_remote_prefill": true})
+			kv["do_remote_decode"], kv["do_remote_prefill"] = true, false
+			return kv, append(ids(10), 7, 7, 7, 7, 7)
+		},
+		readers: func(c []int32) []reader {
+			return []reader{{"the next turn", producer, append(slices.Clone(c), 7, 1, 2), true}}
+		},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			owner := newCoreHarness(t, tc.owner)
+			kv, content := tc.run(owner)
+			p, err := ParseParams(kv)
+			if err != nil || !p.HasLease {
+				t.Fatalf("the owner's params: %+v %v", p, err)
+			}
+			if p.RemoteNumTokens != len(content) {
+				t.Fatalf("the lease holds %d tokens, the test expects %d", p.RemoteNumTokens, len(content))
+			}
+			refused := int64(0)
+			for i, r := range tc.readers(content) {
+				msg := newCoreHarness(t, r.config).releaseOf(fmt.Sprintf("x%d", i), r.prompt, kv)
+				owner.k.notification("reader", msg, owner.now)
+				a := owner.takeActs()
+				if released := slices.Equal(a.release, []string{p.RemoteRequestID}); released != r.released {
+					t.Fatalf("%s: the lease ended %v, want %v (%q)", r.name, released, r.released, msg)
+				}
+				if !r.released {
+					refused++
+				}
+				if got := owner.k.counts.notifications.Load(); got != refused {
+					t.Errorf("%s: %d notifications refused, want %d", r.name, got, refused)
+				}
+			}
+			if owner.k.leases.Len() != 0 {
+				t.Errorf("%d leases left", owner.k.leases.Len())
+			}
+		})
+	}
+}
+
+// TestReleaseLengths: how many leading tokens of a lease a release may prove.
+func TestReleaseLengths(t *testing.T) {
+	for _, tc := range []struct {
+		numTokens, prompt int
+		hold              bool
+		want              []int
+	}{
+		{10, 10, false, []int{10}},
+		{15, 10, true, []int{8, 12, 15}},  // from the block boundary before the prompt's last token
+		{16, 9, true, []int{8, 12, 16}},   // the prompt's last token starts a block
+		{16, 12, true, []int{8, 12, 16}},  // …or ends one
+		{7, 3, true, []int{4, 7}},         // at least one block
+		{3, 2, true, []int{3}},            // less than a block: all of it
+		{24, 20, true, []int{16, 20, 24}}, // aligned throughout
+	} {
+		if got := releaseLengths(tc.numTokens, tc.prompt, coreBlockSize, tc.hold); !slices.Equal(got, tc.want) {
+			t.Errorf("releaseLengths(%d, %d, hold %v) = %v, want %v", tc.numTokens, tc.prompt, tc.hold, got, tc.want)
+		}
+	}
+}
+
+// counter returns the value of counter name (summed over its series) in h's registry.
+func (h *coreHarness) counter(name string) float64 {
+	h.t.Helper()
+	mfs, err := h.reg.Prometheus().Gather()
+	if err != nil {
+		h.t.Fatal(err)
+	}
+	var v float64
+	for _, mf := range mfs {
+		if mf.GetName() == name {
+			for _, m := range mf.GetMetric() {
+				v += m.GetCounter().GetValue()
+			}
+		}
+	}
+	return v
+}
+
+// TestCoreDecoderHoldExpiry: a bidirectional decoder's hold that reaches decoder_kv_blocks_ttl
+// unclaimed is released and counted as a hold that expired, not as an expired KV request (P's
+// lease signal), and the holds that expire within one quiet interval make one summary.
+func TestCoreDecoderHoldExpiry(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"bidirectional_kv_xfer":true,"decoder_kv_blocks_ttl":100}}`)
+	hold := func(id string, at time.Duration) {
+		h.now = t0.Add(at)
+		if p, err := ParseParams(h.run(id, ids(6), 2, map[string]any{"do_remote_prefill": true})); err != nil || !p.HasLease {
+			t.Fatalf("%s: D's params %+v %v", id, p, err)
+		}
+	}
+	tick := func(at time.Duration) actions {
+		h.now = t0.Add(at)
+		h.k.tick(h.now)
+		a := h.takeActs()
+		for _, id := range a.release {
+			h.sched.ReleaseDelayed(id)
+		}
+		return a
+	}
+	hold("a", 0)
+	hold("b", 1*time.Second)
+	hold("c", 2*time.Second)
+	h.takeActs()
+	if a := tick(99 * time.Second); len(a.release) != 0 || a.holdsExpired != 0 {
+		t.Fatalf("before the TTL: %+v", a)
+	}
+	// The first expiry is summed up at once; the next two, within quietInterval of it, wait.
+	if a := tick(100 * time.Second); !slices.Equal(a.release, []string{"a"}) || a.holdsExpired != 1 {
+		t.Fatalf("at the TTL: released %v, summary %d", a.release, a.holdsExpired)
+	}
+	if a := tick(102 * time.Second); len(a.release) != 2 || a.holdsExpired != 0 {
+		t.Fatalf("within the quiet interval: released %v, summary %d", a.release, a.holdsExpired)
+	}
+	if a := tick(100*time.Second + quietInterval); a.holdsExpired != 2 || a.holdsSince != quietInterval {
+		t.Fatalf("after the quiet interval: summary %d over %v, want 2 over %v", a.holdsExpired, a.holdsSince, quietInterval)
+	}
+	if a := tick(200 * time.Second); a.holdsExpired != 0 {
+		t.Fatalf("a summary of nothing: %d", a.holdsExpired)
+	}
+	if got := h.counter("kvbridge:decoder_holds_expired_total"); got != 3 {
+		t.Errorf("kvbridge:decoder_holds_expired_total = %v, want 3", got)
+	}
+	if got := h.counter("vllm:nixl_num_kv_expired_reqs_total"); got != 0 || h.nixl.TakeInterval().ExpiredRequests != 0 {
+		t.Errorf("vllm:nixl_num_kv_expired_reqs_total = %v: a decoder's hold is not an expired KV request", got)
+	}
+	if free := h.pool.NumFree(); free != h.pool.NumBlocks() {
+		t.Errorf("%d of %d blocks free after every hold expired", free, h.pool.NumBlocks())
 	}
 }

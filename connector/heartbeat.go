@@ -17,32 +17,35 @@ type HeartbeatTracker struct {
 }
 
 type heartbeatEngine struct {
-	ids      map[string]struct{} // lease tokens (hex)
+	ids      map[string]int // lease tokens (hex) → requests heart-beating them
 	lastSent time.Time
 }
 
 // Track starts heartbeats for the lease token (hex) held by the producer incarnation key
-// (heartbeatKey), from the request's arrival on.
+// (heartbeatKey), from the request's arrival on. Several requests may carry the same token
+// (copied params): the token is heart-beaten until each of them untracked it.
 func (h *HeartbeatTracker) Track(key, token string) {
 	if h.engines == nil {
 		h.engines = make(map[string]*heartbeatEngine)
 	}
 	e := h.engines[key]
 	if e == nil {
-		e = &heartbeatEngine{ids: make(map[string]struct{})}
+		e = &heartbeatEngine{ids: make(map[string]int)}
 		h.engines[key] = e
 	}
-	e.ids[token] = struct{}{}
+	e.ids[token]++
 }
 
-// Untrack stops heartbeats for the lease token (its read finished, or the request ended); a
-// producer incarnation with no lease left is forgotten.
+// Untrack stops one request's heartbeats for the lease token (its read finished, or the request
+// ended); a producer incarnation with no lease left is forgotten.
 func (h *HeartbeatTracker) Untrack(key, token string) {
 	e := h.engines[key]
-	if e == nil {
+	if e == nil || e.ids[token] == 0 {
 		return
 	}
-	delete(e.ids, token)
+	if e.ids[token]--; e.ids[token] == 0 {
+		delete(e.ids, token)
+	}
 	if len(e.ids) == 0 {
 		delete(h.engines, key)
 	}

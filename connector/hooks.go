@@ -58,10 +58,11 @@ func (c *Connector) EvictHolds(blocks int) []string {
 	return c.core.evictHolds(blocks, c.now())
 }
 
-// Decline tells the producer named by a request's kv_transfer_params that this engine will not
-// read its blocks, so that it frees them now instead of when its lease expires. The HTTP layer
-// calls it for a request it refuses before the scheduler sees it (a validation error, a prompt
-// too long, no capacity); params that would not be pulled from, or are refused, are ignored.
+// Decline is told of the kv_transfer_params of a request the HTTP layer refused before the
+// scheduler saw it (a validation error, a prompt too long, no capacity). It tells the producer
+// nothing: ending a lease takes a proof of the prompt it was issued for (ReleaseProof), and
+// this engine never saw the request's prompt, so the producer frees at lease expiry, as vLLM's
+// does. Params that would be refused are counted.
 func (c *Connector) Decline(raw map[string]any) {
 	c.mu.Lock()
 	c.core.decline(raw, c.now())

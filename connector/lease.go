@@ -1,6 +1,7 @@
 package connector
 
 import (
+	"crypto/hmac"
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
@@ -12,7 +13,9 @@ import (
 // LeaseToken is a lease's capability: 128 random bits the owner of the blocks issues with the
 // kv_transfer_params that name them. Every READ of the blocks (as the transfer request's tag),
 // every completion notification and every heartbeat must present it; the owner checks it, and
-// publishes a tag derived from it (LeaseTag) for readers that map its memory.
+// publishes a tag derived from it (LeaseTag) for readers that map its memory. A completion
+// notification must also prove the lease's prompt (ReleaseProof): the token alone, copied into
+// a request for another prompt, cannot end the lease.
 type LeaseToken [16]byte
 
 // String returns the token in hex, as kv_transfer_params carry it.
@@ -73,6 +76,11 @@ type Lease struct {
 	Renewable bool
 	// Created is when the lease began.
 	Created time.Time
+	// Proofs are the release proofs (ReleaseProof) the lease accepts, by the number of leading
+	// tokens of its prompt they prove: a notification ends the lease only from a reader that
+	// holds the prompt it was issued for. Nil accepts none: the lease then ends only by expiry,
+	// eviction or release.
+	Proofs map[int][ReleaseProofBytes]byte
 	// notified counts read notifications received so far.
 	notified int
 	// held indexes Blocks (built by LeaseTable.Add).
@@ -103,6 +111,9 @@ const (
 	NotifyUnknown
 	// NotifyRefused: a lease has that id but the notification presented another token.
 	NotifyRefused
+	// NotifyUnproven: the notification presented the lease's token but no proof that its
+	// sender holds the lease's prompt (another prompt, or copied params).
+	NotifyUnproven
 )
 
 // LeaseTable holds leases and decides when they end. It is a pure state machine: the caller
@@ -160,20 +171,24 @@ func (t *LeaseTable) Get(id string) *Lease { return t.leases[id] }
 // ByToken returns the lease whose token is token, or nil.
 func (t *LeaseTable) ByToken(token LeaseToken) *Lease { return t.byToken[token] }
 
-// Notify records one release notification for request id presenting token (the message
-// "<id>:<readers>:<token>", see ParseRelease; expected is its readers), and returns the lease
-// once all expected readers have reported; the lease then leaves the table. A notification
-// whose token is not the lease's is refused and changes nothing.
-func (t *LeaseTable) Notify(id string, token LeaseToken, expected int) (*Lease, NotifyResult) {
-	l := t.leases[id]
+// Notify records one release notification (see ParseRelease; r.Readers is the number of
+// readers expected) and returns the lease once all of them have reported; the lease then leaves
+// the table. A notification whose token is not the lease's is refused, one whose proof is not
+// one of the lease's Proofs is unproven; neither changes anything.
+func (t *LeaseTable) Notify(r Release) (*Lease, NotifyResult) {
+	l := t.leases[r.ID]
 	switch {
 	case l == nil:
 		return nil, NotifyUnknown
-	case l.Token != token:
+	case l.Token != r.Token:
 		return nil, NotifyRefused
 	}
+	want, ok := l.Proofs[r.Proven]
+	if !ok || !hmac.Equal(want[:], r.Proof[:]) {
+		return nil, NotifyUnproven
+	}
 	l.notified++
-	if l.notified < max(expected, 1) {
+	if l.notified < max(r.Readers, 1) {
 		return nil, NotifyCounted
 	}
 	t.remove(l)

@@ -2,39 +2,68 @@ package connector
 
 import (
 	"reflect"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 )
 
 var t0 = time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
 
+// proven returns a release of the lease of id under tok by one of readers readers holding
+// prompt, and adds the proof of prompt to l's accepted ones.
+func proven(l *Lease, id string, tok LeaseToken, readers int, prompt []int32) Release {
+	if l.Proofs == nil {
+		l.Proofs = map[int][ReleaseProofBytes]byte{}
+	}
+	l.Proofs[len(prompt)] = ReleaseProof(l.Token, prompt)
+	return Release{ID: id, Readers: readers, Token: tok, Proven: len(prompt), Proof: ReleaseProof(tok, prompt)}
+}
+
 func TestLeaseNotifyFreesAfterAllReaders(t *testing.T) {
 	var tab LeaseTable
 	tok := LeaseToken{7}
-	tab.Add("p1", tok, []int32{1, 2}, t0, t0.Add(30*time.Second), true)
-	if l, res := tab.Notify("p1", tok, 2); l != nil || res != NotifyCounted {
+	lease, _ := tab.Add("p1", tok, []int32{1, 2}, t0, t0.Add(30*time.Second), true)
+	r := proven(lease, "p1", tok, 2, ids(5))
+	if l, res := tab.Notify(r); l != nil || res != NotifyCounted {
 		t.Fatalf("first of two notifications released the lease: %v %v", l, res)
 	}
-	l, res := tab.Notify("p1", tok, 2)
+	l, res := tab.Notify(r)
 	if res != NotifyCounted || l == nil || !reflect.DeepEqual(l.Blocks, []int32{1, 2}) {
 		t.Fatalf("second notification: %v %v", l, res)
 	}
-	if _, res := tab.Notify("p1", tok, 2); res != NotifyUnknown {
+	if _, res := tab.Notify(r); res != NotifyUnknown {
 		t.Error("a late notification for a released lease is not reported as unknown")
 	}
 }
 
-// TestLeaseNotifyNeedsTheToken: a notification that names a lease's request id but presents
-// another token neither counts as a reader nor ends the lease.
-func TestLeaseNotifyNeedsTheToken(t *testing.T) {
+// TestLeaseNotifyNeedsTheTokenAndTheProof: a notification that names a lease's request id but
+// presents another token, or the token without a proof of the lease's prompt (another prompt,
+// another length, or a proof made for another token), neither counts as a reader nor ends the
+// lease.
+func TestLeaseNotifyNeedsTheTokenAndTheProof(t *testing.T) {
 	var tab LeaseTable
-	tab.Add("victim", LeaseToken{1}, []int32{4}, t0, t0.Add(30*time.Second), true)
-	for range 3 {
-		if l, res := tab.Notify("victim", LeaseToken{2}, 1); l != nil || res != NotifyRefused {
-			t.Fatalf("a notification with another token: %v %v", l, res)
+	tok := LeaseToken{1}
+	l, _ := tab.Add("victim", tok, []int32{4}, t0, t0.Add(30*time.Second), true)
+	good := proven(l, "victim", tok, 1, ids(6))
+	other := ids(7)[1:] // six other tokens
+	for name, tc := range map[string]struct {
+		r    Release
+		want NotifyResult
+	}{
+		"another token":         {Release{ID: "victim", Readers: 1, Token: LeaseToken{2}, Proven: 6, Proof: good.Proof}, NotifyRefused},
+		"another prompt":        {Release{ID: "victim", Readers: 1, Token: tok, Proven: 6, Proof: ReleaseProof(tok, other)}, NotifyUnproven},
+		"a shorter prefix":      {Release{ID: "victim", Readers: 1, Token: tok, Proven: 5, Proof: ReleaseProof(tok, ids(5))}, NotifyUnproven},
+		"nothing proven":        {Release{ID: "victim", Readers: 1, Token: tok, Proven: 0, Proof: ReleaseProof(tok, nil)}, NotifyUnproven},
+		"another token's proof": {Release{ID: "victim", Readers: 1, Token: tok, Proven: 6, Proof: ReleaseProof(LeaseToken{2}, ids(6))}, NotifyUnproven},
+	} {
+		for range 3 {
+			if l, res := tab.Notify(tc.r); l != nil || res != tc.want {
+				t.Fatalf("%s: %v %v, want %v", name, l, res, tc.want)
+			}
 		}
 	}
-	if l, res := tab.Notify("victim", LeaseToken{1}, 1); l == nil || res != NotifyCounted {
+	if l, res := tab.Notify(good); l == nil || res != NotifyCounted {
 		t.Fatalf("the owner's notification: %v %v", l, res)
 	}
 }
@@ -157,6 +186,18 @@ func TestHeartbeatTrackerBatches(t *testing.T) {
 	if h.Len() != 1 {
 		t.Errorf("Len = %d", h.Len())
 	}
+	// Two requests carry the same token (copied params): the one that ends first does not
+	// stop the other's heartbeats.
+	h.Track("P1", "r2")
+	h.Untrack("P1", "r2")
+	if got := h.Due(t0.Add(10 * time.Second)); !reflect.DeepEqual(got, []HeartbeatBatch{{"P1", []string{"r2"}}}) {
+		t.Errorf("Due after one of two requests with a token untracked it = %v", got)
+	}
+	h.Untrack("P1", "r2")
+	h.Untrack("P1", "r2")
+	if h.Len() != 0 {
+		t.Errorf("Len after both untracked = %d", h.Len())
+	}
 }
 
 func TestNotificationFormats(t *testing.T) {
@@ -164,20 +205,60 @@ func TestNotificationFormats(t *testing.T) {
 		t.Errorf("heartbeat round trip = %v %v", ids, ok)
 	}
 	tok := LeaseToken{0xab, 1}
-	msg := FormatRelease("cmpl-x:y:z-0", 1, tok)
-	if msg != "cmpl-x:y:z-0:1:ab010000000000000000000000000000" {
+	r := Release{ID: "cmpl-x:y:z-0", Readers: 1, Token: tok, Proven: 40, Proof: [ReleaseProofBytes]byte{0xcd, 2}}
+	msg := FormatRelease(r)
+	if msg != "cmpl-x:y:z-0:1:ab010000000000000000000000000000:40:cd020000000000000000000000000000" {
 		t.Errorf("release message %q", msg)
 	}
 	if _, ok := ParseHeartbeat(msg); ok {
 		t.Error("a read notification parsed as a heartbeat")
 	}
-	id, n, got, err := ParseRelease(msg)
-	if err != nil || id != "cmpl-x:y:z-0" || n != 1 || got != tok {
-		t.Errorf("ParseRelease = %q %d %v %v", id, n, got, err)
+	if got, err := ParseRelease(msg); err != nil || got != r {
+		t.Errorf("ParseRelease = %+v %v, want %+v", got, err, r)
 	}
-	for _, bad := range []string{"req:1", "req:0:" + tok.String(), ":1:" + tok.String(), "req:1:xyz", "req:x:" + tok.String()} {
-		if _, _, _, err := ParseRelease(bad); err == nil {
+	proof := ":" + strings.Repeat("0", 2*ReleaseProofBytes)
+	for _, bad := range []string{
+		"req:1",
+		"req:1:" + tok.String(), // the format before release proofs
+		"req:0:" + tok.String() + ":4" + proof,
+		":1:" + tok.String() + ":4" + proof,
+		"req:1:xyz:4" + proof,
+		"req:x:" + tok.String() + ":4" + proof,
+		"req:1:" + tok.String() + ":-1" + proof,
+		"req:1:" + tok.String() + ":4:" + strings.Repeat("z", 2*ReleaseProofBytes),
+		"req:1:" + tok.String() + ":4:abcd",
+	} {
+		if _, err := ParseRelease(bad); err == nil {
 			t.Errorf("ParseRelease(%q) accepted it", bad)
+		}
+	}
+}
+
+// TestReleaseProofBindsTokenAndPrompt: the proof changes with the token, any token of the
+// prompt and its length.
+func TestReleaseProofBindsTokenAndPrompt(t *testing.T) {
+	tok := LeaseToken{5}
+	prompt := ids(20)
+	base := ReleaseProof(tok, prompt)
+	edited := slices.Clone(prompt)
+	edited[13]++
+	for name, p := range map[string][ReleaseProofBytes]byte{
+		"token":  ReleaseProof(LeaseToken{6}, prompt),
+		"prompt": ReleaseProof(tok, edited),
+		"length": ReleaseProof(tok, prompt[:19]),
+	} {
+		if p == base {
+			t.Errorf("changing the %s leaves the proof unchanged", name)
+		}
+	}
+	if ReleaseProof(tok, slices.Clone(prompt)) != base {
+		t.Error("the proof is not deterministic")
+	}
+	// The owner's proofs of several prefixes, hashed in one pass, are the readers'.
+	lengths := []int{0, 4, 8, 19, 20}
+	for i, p := range releaseProofs(tok, prompt, lengths) {
+		if p != ReleaseProof(tok, prompt[:lengths[i]]) {
+			t.Errorf("the proof of the first %d tokens differs from a reader's", lengths[i])
 		}
 	}
 }

@@ -68,7 +68,7 @@ func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 		if err != nil && attempt == 0 && peerGone(err) {
 			// The connection died since our handshake (or the producer's agent restarted):
 			// count the failed attempt and try once more over a new handshake.
-			c.log.Warn("NIXL transfer failure: transfer_failed; retrying after a new handshake", "request_id", j.id, "remote_engine_id", r.id, "error", err)
+			c.log.Warn("NIXL transfer failure: transfer_failed; retrying after a new handshake", "request_id", j.id, "remote_engine_id", r.id, "err", err)
 			if c.metrics != nil {
 				c.metrics.CountFailedTransfer()
 			}
@@ -123,8 +123,7 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteEngine) (int, 
 		return first, c.forgetOn(r, err)
 	}
 	defer meta.Release()
-	notif := []byte(FormatRelease(j.params.RemoteRequestID, 1, j.params.Lease))
-	if err := meta.Post(ctx, notif); err != nil {
+	if err := meta.Post(ctx, j.release); err != nil {
 		return first, c.forgetOn(r, err)
 	}
 	if err := meta.Wait(ctx); err != nil {

@@ -1,8 +1,13 @@
 package connector
 
 import (
+	"crypto/hmac"
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash"
 	"strconv"
 	"strings"
 )
@@ -10,7 +15,9 @@ import (
 // The notifications a reader sends the owner of the blocks it reads, over the transfer engine.
 // vLLM sends "<request id>:<readers>" and "HB:<request id>,…"; kvbridge's carry the lease
 // token instead of (heartbeats) or beside (completions) the request id, so that nobody but the
-// holder of the params can end or extend another request's lease.
+// holder of the params can extend another request's lease, and a completion also carries a
+// proof that its sender holds the prompt the lease was issued for (ReleaseProof), so that
+// params copied into a request for another prompt cannot end it either.
 
 // HeartbeatPrefix starts a heartbeat notification: "HB:" followed by comma-joined lease tokens.
 const HeartbeatPrefix = "HB:"
@@ -30,32 +37,105 @@ func ParseHeartbeat(msg string) ([]string, bool) {
 	return strings.Split(rest, ","), true
 }
 
-// FormatRelease renders the notification that one of readers readers is done with the blocks
-// leased to request id under token: "<id>:<readers>:<token>".
-func FormatRelease(id string, readers int, token LeaseToken) string {
-	return id + ":" + strconv.Itoa(readers) + ":" + token.String()
+// ReleaseProofBytes is the length of a release notification's proof.
+const ReleaseProofBytes = 16
+
+// ReleaseProof proves that the sender of a release notification holds tokens, the leading
+// tokens of the prompt the lease was issued for: the first ReleaseProofBytes of HMAC-SHA256
+// keyed by the lease token over a context string, the tokens and their count. The owner of the
+// blocks computed the proofs it accepts when it issued the lease (Lease.Proofs); anybody can
+// compute a proof for a prompt it holds, nobody for one it does not hold.
+func ReleaseProof(token LeaseToken, tokens []int32) [ReleaseProofBytes]byte {
+	return releaseProofs(token, tokens, []int{len(tokens)})[0]
+}
+
+// releaseProofs returns ReleaseProof(token, tokens[:n]) for each n of lengths (ascending, each at
+// most len(tokens)), hashing the tokens once: the count comes last, so that one MAC state runs
+// through the prefixes and is cloned at each length.
+func releaseProofs(token LeaseToken, tokens []int32, lengths []int) [][ReleaseProofBytes]byte {
+	m := hmac.New(sha256.New, token[:])
+	m.Write([]byte("kvbridge release v1"))
+	out := make([][ReleaseProofBytes]byte, len(lengths))
+	var b [8]byte
+	done := 0
+	for i, n := range lengths {
+		for ; done < n; done++ {
+			binary.LittleEndian.PutUint32(b[:4], uint32(tokens[done]))
+			m.Write(b[:4])
+		}
+		h := m
+		if i+1 < len(lengths) { // m runs on: finish a clone of it
+			c, ok := m.(hash.Cloner)
+			var clone hash.Cloner
+			var err error
+			if ok {
+				clone, err = c.Clone()
+			}
+			if !ok || err != nil {
+				out[i] = ReleaseProof(token, tokens[:n])
+				continue
+			}
+			h = clone
+		}
+		binary.LittleEndian.PutUint64(b[:], uint64(n))
+		h.Write(b[:])
+		copy(out[i][:], h.Sum(nil))
+	}
+	return out
+}
+
+// Release is a parsed release notification: one of Readers readers of the blocks leased to
+// request ID under Token is done with them, and proves that it holds the first Proven tokens
+// of the lease's prompt (Proof, see ReleaseProof).
+type Release struct {
+	ID      string
+	Readers int
+	Token   LeaseToken
+	Proven  int
+	Proof   [ReleaseProofBytes]byte
+}
+
+// FormatRelease renders r as "<id>:<readers>:<token>:<proven>:<proof>" (token and proof in
+// hex). vLLM's notification is "<id>:<readers>"; kvbridge appends the lease token and the proof.
+func FormatRelease(r Release) string {
+	return r.ID + ":" + strconv.Itoa(r.Readers) + ":" + r.Token.String() + ":" + strconv.Itoa(r.Proven) + ":" + hex.EncodeToString(r.Proof[:])
 }
 
 // errNotification reports a notification that is neither a heartbeat nor a release.
 var errNotification = errors.New("malformed KV notification")
 
-// ParseRelease parses "<id>:<readers>:<token>"; the id may itself contain colons.
-func ParseRelease(msg string) (id string, readers int, token LeaseToken, err error) {
-	rest, tok, ok := cutLast(msg, ':')
-	if !ok {
-		return "", 0, token, fmt.Errorf("%w: no lease token", errNotification)
+// ParseRelease parses "<id>:<readers>:<token>:<proven>:<proof>"; the id may itself contain
+// colons.
+func ParseRelease(msg string) (Release, error) {
+	var r Release
+	rest, proof, ok := cutLast(msg, ':')
+	if !ok || len(proof) != 2*ReleaseProofBytes {
+		return r, fmt.Errorf("%w: no release proof", errNotification)
 	}
-	if token, err = ParseLeaseToken(tok); err != nil {
-		return "", 0, token, fmt.Errorf("%w: %v", errNotification, err)
+	if _, err := hex.Decode(r.Proof[:], []byte(proof)); err != nil {
+		return r, fmt.Errorf("%w: the release proof is not hex: %v", errNotification, err)
+	}
+	rest, proven, ok := cutLast(rest, ':')
+	var err error
+	if r.Proven, err = strconv.Atoi(proven); !ok || err != nil || r.Proven < 0 {
+		return r, fmt.Errorf("%w: proven tokens %q", errNotification, clip(proven))
+	}
+	rest, tok, ok := cutLast(rest, ':')
+	if !ok {
+		return r, fmt.Errorf("%w: no lease token", errNotification)
+	}
+	if r.Token, err = ParseLeaseToken(tok); err != nil {
+		return r, fmt.Errorf("%w: %v", errNotification, err)
 	}
 	id, n, ok := cutLast(rest, ':')
 	if !ok || id == "" {
-		return "", 0, token, fmt.Errorf("%w: no request id", errNotification)
+		return r, fmt.Errorf("%w: no request id", errNotification)
 	}
-	if readers, err = strconv.Atoi(n); err != nil || readers < 1 {
-		return "", 0, token, fmt.Errorf("%w: readers %q", errNotification, n)
+	if r.Readers, err = strconv.Atoi(n); err != nil || r.Readers < 1 {
+		return r, fmt.Errorf("%w: readers %q", errNotification, clip(n))
 	}
-	return id, readers, token, nil
+	r.ID = id
+	return r, nil
 }
 
 // cutLast splits s around the last sep.

@@ -74,7 +74,7 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 	defer cancel()
 	fail := func(err error) {
 		r.err = err
-		c.log.Error("NIXL transfer failure: handshake_setup_failed", "remote_engine_id", r.id, "remote_addr", r.addr, "error", err)
+		c.log.Error("NIXL transfer failure: handshake_setup_failed", "remote_engine_id", r.id, "peer_addr", r.addr, "err", err)
 		if c.metrics != nil {
 			c.metrics.CountFailedTransfer()
 		}
@@ -152,7 +152,7 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 		return
 	}
 	r.meta, r.offset, r.peer, r.peerInc, r.ratio, r.layout, r.kv, r.recs, r.local = m, res.offset, peer, info.Incarnation, ratio, layout, kv, recs, local
-	c.log.Info("NIXL handshake done", "remote_engine_id", r.id, "addr", r.addr, "backend", kv.Backend().String(),
+	c.log.Info("NIXL handshake done", "remote_engine_id", r.id, "peer_addr", r.addr, "backend", kv.Backend().String(),
 		"remote_block_size", m.BlockSize, "layout", m.KVCacheLayout, "clock_offset_s", res.offset)
 }
 
@@ -170,7 +170,7 @@ func (c *Connector) replaceOlder(ctx context.Context, r *remoteEngine) error {
 			return fmt.Errorf("%w: engine %s still runs instance %s at %s; refusing another instance claiming its id at %s",
 				ErrIncompatible, o.id, o.key.instance, o.addr, r.addr)
 		}
-		c.log.Info("a remote engine restarted; forgetting its previous instance", "remote_engine_id", o.id, "instance", o.key.instance, "addr", o.addr)
+		c.log.Info("a remote engine restarted; forgetting its previous instance", "remote_engine_id", o.id, "remote_instance", o.key.instance, "peer_addr", o.addr)
 		c.forget(o)
 	}
 	return nil

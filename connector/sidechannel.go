@@ -294,7 +294,7 @@ func (s *sideChannelServer) serve(c net.Conn) {
 		}
 		resp := s.payload
 		if err := decodeRequest(body); err != nil {
-			s.log.Warn("NIXL side channel: bad handshake request", "peer", c.RemoteAddr().String(), "error", err)
+			s.log.Warn("NIXL side channel: bad handshake request", "peer", c.RemoteAddr().String(), "err", err)
 			resp = handshakePayload{Error: err.Error()}
 		}
 		if err := writeFrame(c, []any{resp, s.clock()}); err != nil {
@@ -311,7 +311,7 @@ func (s *sideChannelServer) authenticate(c net.Conn, r io.Reader, body []byte) (
 	hello := err == nil && tag == authHelloTag
 	refuse := func(code, msg string) ([]byte, bool) {
 		s.refusals.Add(1)
-		s.log.Warn("NIXL side channel: connection refused", "peer", c.RemoteAddr().String(), "error_code", code, "error", msg)
+		s.log.Warn("NIXL side channel: connection refused", "peer", c.RemoteAddr().String(), "error_code", code, "err", msg)
 		_ = writeFrame(c, []any{handshakePayload{Error: msg, ErrorCode: code}, s.clock()})
 		return nil, false
 	}

@@ -110,39 +110,6 @@ func TestForgedLeaseToken(t *testing.T) {
 	}
 }
 
-// TestDRefusalFreesTheProducer: 200 requests that P prefilled and D refuses — invalid, or too
-// long for D — leave P's pool full without a lease expiring: D tells P it will not read (P's
-// clock never moves, so only those notifications can free the blocks).
-func TestDRefusalFreesTheProducer(t *testing.T) {
-	clock := newFakeClock()
-	p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, numBlocks: 1024, now: clock.Now, tick: make(chan time.Time)})
-	d := startNode(t, "D", nodeOptions{kvConfig: consumerCfg, numBlocks: 8}) // max model length 128
-	var params []map[string]any
-	for i := range 200 {
-		params = append(params, prefill(t, p, tokens(40, 1000+i)))
-	}
-	if used := p.pool.NumBlocks() - p.pool.NumFree(); used < 600 {
-		t.Fatalf("P holds %d blocks for 200 prefills of 3 blocks", used)
-	}
-	start := time.Now()
-	for i, kv := range params {
-		body := map[string]any{"model": "kvbridge/tiny", "prompt": tokens(40, 1000+i), "max_tokens": 4, "kv_transfer_params": kv}
-		if i%2 == 0 {
-			body["temperature"] = -1 // invalid
-		} else {
-			body["max_tokens"] = 500 // beyond D's max model length
-		}
-		if status, r := post(t, d.srv.URL+"/v1/completions", body); status != 400 {
-			t.Fatalf("request %d: %d %s, want D's 400", i, status, r.Raw)
-		}
-	}
-	p.waitPoolFull(t)
-	t.Logf("P's pool was full %v after D refused the first of 200 requests", time.Since(start).Round(time.Millisecond))
-	if iv := p.em.Nixl().TakeInterval(); iv.ExpiredRequests != 0 {
-		t.Errorf("P counted %d expired leases", iv.ExpiredRequests)
-	}
-}
-
 // TestAllowedPeers: with allowed_peers, params naming another host are refused before any
 // connection (D computes the prompt itself and counts the refusal); a listed host is pulled from.
 func TestAllowedPeers(t *testing.T) {
@@ -277,4 +244,49 @@ func TestParamsMAC(t *testing.T) {
 		t.Fatalf("the issued params with remote_host rewritten: %d %s", status, r.Raw)
 	}
 	p.waitPoolFull(t)
+}
+
+// TestStolenLeaseToken: an attacker who copies a victim's kv_transfer_params (lease token
+// included) into a request for another prompt — sent to the victim's D, to another D, or
+// refused by D before the engine — cannot end the victim's lease: the notification that ends
+// a lease must prove the prompt it was issued for. The victim's read afterwards pulls the KV
+// (nothing recomputed) and answers as a single engine does; P's clock never moves, so only the
+// victim's own notification frees P's blocks.
+func TestStolenLeaseToken(t *testing.T) {
+	for _, backend := range []string{"SHM", "TCP"} {
+		for _, where := range []string{"same D", "another D", "refused by D"} {
+			t.Run(backend+"/"+where, func(t *testing.T) {
+				extra := `"backends":["` + backend + `"]`
+				p := startNode(t, "P", nodeOptions{kvConfig: policyCfg("kv_producer", "fail", extra), now: newFakeClock().Now, tick: make(chan time.Time)})
+				d := startNode(t, "D", nodeOptions{kvConfig: policyCfg("kv_consumer", "fail", extra)})
+				attacker := d
+				if where == "another D" {
+					attacker = startNode(t, "D2", nodeOptions{kvConfig: policyCfg("kv_consumer", "fail", extra)})
+				}
+				prompt, other := tokens(40, 37), tokens(40, 38)
+				victim := prefill(t, p, prompt)
+				body := map[string]any{"model": "kvbridge/tiny", "prompt": other, "max_tokens": 4, "kv_transfer_params": maps.Clone(victim)}
+				want := 500 // D reads, sees that the blocks are not its prompt's, uses nothing
+				if where == "refused by D" {
+					body["temperature"] = -1
+					want = 400
+				}
+				if status, r := post(t, attacker.srv.URL+"/v1/completions", body); status != want {
+					t.Fatalf("another prompt with the victim's params: %d %s, want %d", status, r.Raw, want)
+				}
+				if where != "refused by D" { // a refused request's params send nothing (no prompt to prove)
+					// The attacker's notification reaches P asynchronously: wait until P ended
+					// the lease (as it did before the fix) or refused the notification.
+					eventually(t, "P to act on the attacker's notification", func() bool {
+						return p.pool.NumFree() == p.pool.NumBlocks() || p.conn.AuthRefusals().Notifications == 1
+					})
+				}
+				status, r := ask(t, d, prompt, victim)
+				if status != 200 || r.Text != reference(t, prompt) || cachedTokens(r) != 39 {
+					t.Fatalf("the victim's read after the attack: %d, cached %d, %s", status, cachedTokens(r), r.Raw)
+				}
+				p.waitPoolFull(t)
+			})
+		}
+	}
 }

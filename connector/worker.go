@@ -2,6 +2,7 @@ package connector
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/kvbridge/kvbridge/metrics"
@@ -60,13 +61,21 @@ func (c *Connector) performLocked() {
 			c.event(func(k *core) { k.loadFinished(j, j.localHit/c.geo.BlockSize, transfer.ErrClosed, true, c.now()) })
 		})
 	}
-	for _, p := range a.notifies {
-		c.spawn(closed, func() { c.notify(p) }, nil)
+	for _, n := range a.notifies {
+		c.spawn(closed, func() { c.notify(n) }, nil)
+	}
+	if a.holdsExpired > 0 {
+		since := "since the engine started"
+		if a.holdsSince > 0 {
+			since = "in the last " + a.holdsSince.Round(time.Second).String()
+		}
+		c.log.Info(fmt.Sprintf("%d decoder hold(s) of bidirectional turns expired unclaimed %s (decoder_kv_blocks_ttl): their next turns, if they come, are computed at P", a.holdsExpired, since),
+			"holds", a.holdsExpired)
 	}
 	for _, b := range a.beats {
 		ctx, cancel := context.WithTimeout(c.ctx, time.Second)
 		if err := c.agent.SendNotif(ctx, b.peer, b.msg); err != nil {
-			c.log.Warn("sending a heartbeat failed", "peer", b.peer, "error", err)
+			c.log.Warn("sending a heartbeat failed", "peer", b.peer, "err", err)
 			if c.metrics != nil {
 				c.metrics.CountFailedNotification()
 			}
@@ -120,7 +129,8 @@ func (c *Connector) runLoad(j loadJob) {
 
 // notify tells a producer that this engine will not read its blocks, retrying once over a new
 // handshake when the producer's agent went away.
-func (c *Connector) notify(p *Params) {
+func (c *Connector) notify(n notice) {
+	p := n.params
 	ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
 	defer cancel()
 	var err error
@@ -129,13 +139,13 @@ func (c *Connector) notify(p *Params) {
 		if r, err = c.remote(ctx, p); err != nil {
 			break
 		}
-		if err = c.agent.SendNotif(ctx, r.peer, []byte(FormatRelease(p.RemoteRequestID, 1, p.Lease))); err == nil || !peerGone(err) {
+		if err = c.agent.SendNotif(ctx, r.peer, n.msg); err == nil || !peerGone(err) {
 			break
 		}
 		c.forget(r)
 	}
 	if err != nil {
-		c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "error", err)
+		c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "err", err)
 		if c.metrics != nil {
 			c.metrics.CountFailedNotification()
 		}

@@ -87,14 +87,13 @@ type Engine struct {
 
 // liveRequest is the step loop's per-request state beside the scheduler's Sequence.
 type liveRequest struct {
-	req      *Request
-	stream   *Stream
-	sampler  *model.Sampler
-	text     *stopText
-	stopToks []int32 // masked while fewer than MinTokens tokens were generated
-	ctx      context.Context
-	stopCtx  func() bool
-	seq      *Sequence
+	req     *Request
+	stream  *Stream
+	sampler *model.Sampler
+	text    *stopText
+	ctx     context.Context
+	stopCtx func() bool
+	seq     *Sequence
 
 	// promptLP collects the prompt logprobs (entry k: prompt token k+1) as prefill chunks
 	// compute them; promptSent is set once they went out. lastLP is the logprobs of the token
@@ -256,6 +255,9 @@ func (e *Engine) Add(ctx context.Context, r *Request) (*Stream, error) {
 	e.ids[rc.ID] = struct{}{}
 	e.mu.Unlock()
 
+	if rc.Stops == nil && (len(rc.Stop) > 0 || len(rc.StopTokenIDs) > 0) {
+		rc.Stops = NewStops(rc.Stop, rc.StopTokenIDs)
+	}
 	if rc.Sampling.Seed == 0 {
 		rc.Sampling.Seed = int64(splitmix64(uint64(e.cfg.Seed) + n))
 	}
@@ -263,14 +265,10 @@ func (e *Engine) Add(ctx context.Context, r *Request) (*Stream, error) {
 		req:     &rc,
 		stream:  newStream(rc.ID, min(rc.MaxTokens, e.cfg.MaxModelLen-len(rc.Prompt))),
 		sampler: model.NewSampler(rc.Sampling),
-		text:    newStopText(e.tok, rc.Stop, rc.MinTokens),
+		text:    newStopText(e.tok, rc.Stops, rc.MinTokens),
 	}
 	if rc.PromptLogprobs {
 		l.promptLP = make([]model.PositionLogprobs, len(rc.Prompt)-1)
-	}
-	l.stopToks = append([]int32(nil), rc.StopTokenIDs...)
-	if !rc.IgnoreEOS {
-		l.stopToks = append(l.stopToks, e.m.Generation().EOSTokenIDs...)
 	}
 	id := rc.ID
 	// The watcher's abort may reach the loop before the add if ctx ends meanwhile; the loop then
@@ -435,7 +433,7 @@ func (e *Engine) apply(now time.Time, c command) {
 func (e *Engine) step(plan Plan) {
 	for _, q := range plan.Preempted {
 		e.log.Debug("engine: request preempted (KV pool exhausted); it will be recomputed",
-			"request", q.ID(), "preemptions", q.NumPreemptions())
+			"request_id", q.ID(), "preemptions", q.NumPreemptions())
 	}
 	for len(e.logits) < len(plan.Work) {
 		e.logits = append(e.logits, nil)
@@ -485,11 +483,7 @@ func (e *Engine) step(plan Plan) {
 			continue
 		}
 		if w.Seq.NumOutputTokens() < l.req.MinTokens {
-			for _, id := range l.stopToks {
-				if id >= 0 && int(id) < len(logits) {
-					logits[id] = float32(math.Inf(-1))
-				}
-			}
+			l.maskStopTokens(logits, e.m.Generation().EOSTokenIDs)
 		}
 		l.sampler.Process(logits, w.Seq.Prompt(), w.Seq.Output())
 		sampled[i] = l.sampler.Sample(logits)
@@ -499,7 +493,18 @@ func (e *Engine) step(plan Plan) {
 		}
 	}
 	now := time.Now()
-	for _, ev := range e.sched.Update(now, sampled) {
+	events := e.sched.Update(now, sampled)
+	sm := StepMetrics{Tokens: plan.NumTokens}
+	for _, ev := range events {
+		if ev.HasToken && ev.Seq.NumOutputTokens() == 1 {
+			c, l, x := ev.Seq.PromptSources()
+			sm.LocalCompute += c
+			sm.LocalCacheHit += l
+			sm.ExternalKVTransfer += x
+		}
+	}
+	e.obs.Stepped(sm)
+	for _, ev := range events {
 		e.deliver(now, ev)
 	}
 }
@@ -528,6 +533,24 @@ func (e *Engine) deliver(now time.Time, ev Event) {
 		CompletionTokens: q.NumOutputTokens()}
 	l.attachLogprobs(&out)
 	l.stream.send(out)
+}
+
+// maskStopTokens masks the tokens that would end the request (its stop token ids and, unless
+// it ignores EOS, eos), as it has fewer than MinTokens output tokens.
+func (l *liveRequest) maskStopTokens(logits []float32, eos []int32) {
+	mask := func(ids []int32) {
+		for _, id := range ids {
+			if id >= 0 && int(id) < len(logits) {
+				logits[id] = float32(math.Inf(-1))
+			}
+		}
+	}
+	if l.req.Stops != nil {
+		mask(l.req.Stops.ids)
+	}
+	if !l.req.IgnoreEOS {
+		mask(eos)
+	}
 }
 
 // promptRowLogits returns the Forward callback that records the prompt logprobs of a chunk
@@ -592,6 +615,14 @@ func (e *Engine) end(ev Event, text string, stoppedByString bool, err error) {
 		CompletionTokens: out.CompletionTokens,
 		E2E:              q.FinishedAt().Sub(q.Arrival()),
 		Preemptions:      q.NumPreemptions(),
+		MaxTokens:        q.Request().MaxTokens,
+	}
+	if sched := q.ScheduledAt(); !sched.IsZero() {
+		m.Scheduled, m.Queue = true, sched.Sub(q.Arrival())
+		if first := q.FirstTokenAt(); !first.IsZero() {
+			last := q.LastTokenAt()
+			m.Prefill, m.Decode, m.Inference = first.Sub(sched), last.Sub(first), last.Sub(sched)
+		}
 	}
 	if !q.FirstTokenAt().IsZero() {
 		m.TTFT = q.FirstTokenAt().Sub(q.Arrival())

@@ -518,6 +518,7 @@ func (p *pauseObserver) FirstToken(id string, _ time.Duration) {
 }
 
 func (p *pauseObserver) Finished(RequestMetrics) {}
+func (p *pauseObserver) Stepped(StepMetrics)     {}
 
 func TestEngineClientCancelFreesBlocks(t *testing.T) {
 	m := openTiny(t)
@@ -578,6 +579,7 @@ type finishSignal chan string
 
 func (finishSignal) FirstToken(string, time.Duration) {}
 func (f finishSignal) Finished(m RequestMetrics)      { f <- m.ID }
+func (finishSignal) Stepped(StepMetrics)              {}
 
 func TestEngineSlowReaderNeverBlocksTheLoop(t *testing.T) {
 	m := openTiny(t)
@@ -616,6 +618,16 @@ type recordingObserver struct {
 	mu       sync.Mutex
 	ttft     map[string]time.Duration
 	finished map[string]RequestMetrics
+	steps    StepMetrics // summed
+}
+
+func (o *recordingObserver) Stepped(s StepMetrics) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	o.steps.Tokens += s.Tokens
+	o.steps.LocalCompute += s.LocalCompute
+	o.steps.LocalCacheHit += s.LocalCacheHit
+	o.steps.ExternalKVTransfer += s.ExternalKVTransfer
 }
 
 func (o *recordingObserver) FirstToken(id string, d time.Duration) {
@@ -646,6 +658,17 @@ func TestEngineObserver(t *testing.T) {
 		if f.CompletionTokens != len(got[i].tokens) || f.PromptTokens != len(p[i]) || f.E2E < f.TTFT || f.FinishReason != got[i].final.FinishReason {
 			t.Fatalf("%s: metrics %+v", id, f)
 		}
+		// vLLM's phases: queue then prefill make the time to first token; prefill then decode
+		// the time running.
+		if !f.Scheduled || f.Queue+f.Prefill != f.TTFT || f.Prefill+f.Decode != f.Inference || f.Decode < 0 || f.MaxTokens != []int{5, 7}[i] {
+			t.Fatalf("%s: phases %+v", id, f)
+		}
+	}
+	// Every prompt token was computed here, and every step's tokens were: the prompts and every
+	// sampled token but the last of each request.
+	want := StepMetrics{Tokens: len(p[0]) + len(got[0].tokens) - 1 + len(p[1]) + len(got[1].tokens) - 1, LocalCompute: len(p[0]) + len(p[1])}
+	if obs.steps != want {
+		t.Fatalf("steps summed to %+v, want %+v", obs.steps, want)
 	}
 }
 

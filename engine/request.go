@@ -2,6 +2,7 @@ package engine
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/kvbridge/kvbridge/model"
 )
@@ -26,6 +27,10 @@ type Request struct {
 	Stop []string
 	// StopTokenIDs end the request when sampled (the token counts, its text is not emitted).
 	StopTokenIDs []int32
+	// Stops, if set, is NewStops(Stop, StopTokenIDs), built once and shared by the sequences of
+	// one request (n, best_of) so that each does not compile and hold its own. Nil makes Add
+	// build it for this request.
+	Stops *Stops
 	// IgnoreEOS keeps generating past EOS (until MaxTokens or MaxModelLen).
 	IgnoreEOS bool
 	// Logprobs asks for the model's logprobs of every sampled token (Output.Logprobs), with the
@@ -79,4 +84,12 @@ func (r *Request) validate(maxModelLen, vocab int) error {
 		}
 	}
 	return nil
+}
+
+// stopTokenID reports whether id is one of the request's stop token ids.
+func (r *Request) stopTokenID(id int32) bool {
+	if r.Stops != nil {
+		return r.Stops.isStopID(id)
+	}
+	return slices.Contains(r.StopTokenIDs, id)
 }

@@ -272,7 +272,7 @@ func (s *Scheduler) Schedule(now time.Time) Plan {
 				s.waiting = s.waiting[1:]
 				continue
 			}
-			res := s.admit(q, budget)
+			res := s.admit(q, budget, now)
 			if res == admitBlocked {
 				break
 			}
@@ -379,8 +379,8 @@ func (s *Scheduler) allocate(n int) ([]int32, error) {
 	}
 }
 
-// admit tries to admit waiting request q within budget tokens.
-func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
+// admit tries to admit waiting request q within budget tokens at time now.
+func (s *Scheduler) admit(q *Sequence, budget int, now time.Time) admitResult {
 	fresh := q.table.Len() == 0
 	async := false
 	if fresh && q.req.PromptLogprobs {
@@ -422,6 +422,9 @@ func (s *Scheduler) admit(q *Sequence, budget int) admitResult {
 		s.conn.AfterAlloc(q, q.table.IDs(), q.external)
 	}
 	q.status = StatusRunning
+	if q.scheduledAt.IsZero() {
+		q.scheduledAt = now
+	}
 	s.running = append(s.running, q)
 	s.addWork(q, n)
 	return admitRunning
@@ -473,6 +476,7 @@ func (s *Scheduler) Update(now time.Time, sampled []int32) []Event {
 		}
 		tok := sampled[i]
 		q.tokens = append(q.tokens, tok)
+		q.lastToken = now
 		s.stats.GenerationTokens++
 		if q.NumOutputTokens() == 1 {
 			q.firstToken = now
@@ -492,7 +496,7 @@ func (s *Scheduler) Update(now time.Time, sampled []int32) []Event {
 // commit registers q's newly full computed blocks in the prefix cache.
 func (s *Scheduler) commit(q *Sequence) {
 	if err := q.table.Commit(s.pool, q.tokens, q.numComputed); err != nil {
-		s.log.Warn("engine: prefix cache commit failed", "request", q.id, "err", err)
+		s.log.Warn("engine: prefix cache commit failed", "request_id", q.id, "err", err)
 	}
 }
 
@@ -509,7 +513,7 @@ func (s *Scheduler) checkStop(q *Sequence) (st Status, stopToken, done bool) {
 	if !q.req.IgnoreEOS && slices.Contains(s.cfg.EOSTokenIDs, last) {
 		return StatusFinishedStopped, true, true
 	}
-	if slices.Contains(q.req.StopTokenIDs, last) {
+	if q.req.stopTokenID(last) {
 		return StatusFinishedStopped, true, true
 	}
 	return 0, false, false
@@ -626,13 +630,13 @@ func (s *Scheduler) LoadsDone(now time.Time, ok []string, failed map[string]int)
 		case FailurePolicyRecompute:
 			s.recompute(q, first)
 			s.log.Warn("Recovered from KV load failure: 1 request(s) rescheduled",
-				"request", id, "tokens_affected", affected, "first_bad_block", first)
+				"request_id", id, "tokens_affected", affected, "first_bad_block", first)
 		default:
 			if err := q.table.EvictFrom(s.pool, first); err != nil {
-				s.log.Warn("engine: evicting bad blocks failed", "request", id, "err", err)
+				s.log.Warn("engine: evicting bad blocks failed", "request_id", id, "err", err)
 			}
 			s.log.Error("Failing 1 request(s) due to KV load failure (failure_policy=fail)",
-				"request", id, "tokens_affected", affected, "first_bad_block", first)
+				"request_id", id, "tokens_affected", affected, "first_bad_block", first)
 			params := s.finish(q, StatusFinishedError, now)
 			events = append(events, Event{Seq: q, KVTransfer: params,
 				Err: fmt.Errorf("engine: request %q: KV load failed at block index %d (%d tokens affected): %w",
@@ -711,7 +715,7 @@ func (s *Scheduler) Stats() SchedulerStats {
 // releaseBlocks frees q's whole block table (tail blocks become reusable first).
 func (s *Scheduler) releaseBlocks(q *Sequence) {
 	if err := q.table.Release(s.pool); err != nil {
-		s.log.Error("engine: freeing blocks failed", "request", q.id, "err", err)
+		s.log.Error("engine: freeing blocks failed", "request_id", q.id, "err", err)
 	}
 }
 

@@ -28,6 +28,7 @@ type Sequence struct {
 	stopToken      bool // finished by EOS or a stop token id: the last token's text is not emitted
 
 	arrival, firstToken, finishedAt time.Time
+	scheduledAt, lastToken          time.Time // first time it ran; its latest token
 }
 
 // ID returns the request id.
@@ -101,3 +102,21 @@ func (q *Sequence) FirstTokenAt() time.Time { return q.firstToken }
 
 // FinishedAt returns the time it finished (zero before).
 func (q *Sequence) FinishedAt() time.Time { return q.finishedAt }
+
+// ScheduledAt returns the first time the request was scheduled to run (zero before). A request
+// that waits for its connector's KV load runs only once the load is done, as in vLLM.
+func (q *Sequence) ScheduledAt() time.Time { return q.scheduledAt }
+
+// LastTokenAt returns the time its latest token was sampled (zero before the first).
+func (q *Sequence) LastTokenAt() time.Time { return q.lastToken }
+
+// PromptSources splits the prompt by where its KV came from, as vLLM's PromptTokenStats does at
+// the request's first token: computed here (the prompt less the cached tokens reported to the
+// client), found in the local prefix cache, and supplied by the connector. When the connector
+// supplied the whole prompt, its last token is computed here all the same (for its logits) and
+// counts in both computed and external, as in vLLM. (A prompt the local prefix cache serves but
+// its last token counts that token once, as computed; vLLM counts it as a cache hit as well.)
+func (q *Sequence) PromptSources() (computed, localHit, external int) {
+	ext := q.ExternalCachedTokens()
+	return q.numPrompt - q.cachedTokens, q.cachedTokens - ext, max(ext, min(q.external, q.numPrompt))
+}

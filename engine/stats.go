@@ -44,9 +44,28 @@ type RequestMetrics struct {
 	E2E time.Duration
 	// Preemptions is how many times the request was preempted.
 	Preemptions int
+	// MaxTokens is the request's max_tokens.
+	MaxTokens int
+	// Scheduled reports whether the request ever ran. Queue is the time from its arrival to the
+	// first time it was scheduled (a request waiting for its connector's KV load is scheduled
+	// once the load is done, as in vLLM); Prefill from then to its first token; Decode from its
+	// first token to its last; Inference from scheduled to its last token. Prefill, Decode and
+	// Inference are zero without a token.
+	Scheduled                         bool
+	Queue, Prefill, Decode, Inference time.Duration
 }
 
-// Observer receives per-request observations (the HTTP layer's metrics hook it; the engine
+// StepMetrics describes one engine step (a forward pass).
+type StepMetrics struct {
+	// Tokens is the number of tokens the step computed.
+	Tokens int
+	// LocalCompute, LocalCacheHit and ExternalKVTransfer sum Sequence.PromptSources over the
+	// requests that sampled their first token in the step.
+	LocalCompute, LocalCacheHit, ExternalKVTransfer int
+}
+
+// Observer receives per-request and per-step observations (the instance records them into its
+// metrics; the engine
 // imports no metrics library). Methods are called on the engine's step loop: they must be quick
 // and must not call back into the engine.
 type Observer interface {
@@ -55,6 +74,8 @@ type Observer interface {
 	FirstToken(id string, ttft time.Duration)
 	// Finished is called once per request when it finishes, in any way.
 	Finished(m RequestMetrics)
+	// Stepped is called after every step whose forward pass succeeded.
+	Stepped(s StepMetrics)
 }
 
 // noObserver discards observations.
@@ -62,3 +83,4 @@ type noObserver struct{}
 
 func (noObserver) FirstToken(string, time.Duration) {}
 func (noObserver) Finished(RequestMetrics)          {}
+func (noObserver) Stepped(StepMetrics)              {}

@@ -115,7 +115,7 @@ func oneWay(t *testing.T, s *stack.Stack, hc *http.Client, logs *fixture.LogBuff
 	// Each D rank handshook with both P ranks: the params named the rank that held the KV.
 	for d := range 2 {
 		for p := range 2 {
-			if !logs.HasLine("NIXL handshake done", "engine=D", fmt.Sprintf("dp_rank=%d", d), fmt.Sprintf("remote_engine_id=P-dp_dp%d", p)) {
+			if !logs.HasLine("NIXL handshake done", "engine_name=D", fmt.Sprintf("dp_rank=%d", d), fmt.Sprintf("remote_engine_id=P-dp_dp%d", p)) {
 				t.Errorf("D rank %d never handshook with P rank %d:\n%s", d, p, logs)
 			}
 		}

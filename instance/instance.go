@@ -103,6 +103,10 @@ type Config struct {
 	// connector.DefaultSideChannelPort. Port -1 picks a free port.
 	SideChannelHost string
 	SideChannelPort int
+	// TransferPort is the port of the transfer agent's TCP listener (--kv-transfer-port), on
+	// the side channel's host; with several data-parallel ranks rank i listens on TransferPort
+	// + i. 0 picks a free port (the default).
+	TransferPort int
 	// StatsInterval is the period of the "KV Transfer metrics" log line (default
 	// DefaultStatsInterval).
 	StatsInterval time.Duration
@@ -119,7 +123,8 @@ type Config struct {
 	// called for every rank.
 	ConnectorHooks func(*connector.Options)
 
-	dpRank int // the rank a Config made by rank describes
+	dpRank int                             // the rank a Config made by rank describes
+	ready  func(ctx context.Context) error // the instance's Ready, for every rank's /ready
 }
 
 // withDefaults returns cfg with every default applied for the opened model m, or an error
@@ -169,6 +174,10 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 		return cfg, fmt.Errorf("%w: side channel ports %d to %d (VLLM_NIXL_SIDE_CHANNEL_PORT + data-parallel rank) run past 65535",
 			ErrConfig, cfg.SideChannelPort, last)
 	}
+	if last := cfg.TransferPort + cfg.DataParallelSize - 1; cfg.TransferPort < 0 || (cfg.TransferPort > 0 && last > 65535) {
+		return cfg, fmt.Errorf("%w: transfer ports %d to %d (--kv-transfer-port + data-parallel rank) are not ports",
+			ErrConfig, cfg.TransferPort, last)
+	}
 	if cfg.StatsInterval <= 0 {
 		cfg.StatsInterval = DefaultStatsInterval
 	}
@@ -178,9 +187,10 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 // Instance is a running engine with its HTTP server: one or, with data parallelism, several
 // ranks behind one port.
 type Instance struct {
-	// URL is the HTTP base URL, e.g. http://127.0.0.1:8000.
+	// URL is an HTTP base URL that reaches the instance from this host (LocalURL of Addr),
+	// e.g. http://127.0.0.1:8000.
 	URL string
-	// Addr is the HTTP listener's address.
+	// Addr is the address the HTTP listener is bound to, e.g. [::]:8000 for all interfaces.
 	Addr *net.TCPAddr
 
 	Model *model.Model
@@ -230,10 +240,15 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		loaded = append(loaded, "bf16_products", kernel.BF16Products())
 	}
 	cfg.Logger.Info("model loaded", loaded...)
+	if s := in.Model.Config().RopeScaling; s != nil && s.Type == "dynamic" {
+		cfg.Logger.Info("dynamic RoPE scaling uses vLLM's formula, not transformers': the base is enlarged once, for a context of factor × original_max_position_embeddings, and used at every position, where transformers keeps the original base up to original_max_position_embeddings tokens and beyond that enlarges it for each forward's sequence length; outputs match vLLM's, not transformers'",
+			"factor", s.Factor, "original_max_position_embeddings", s.OriginalMaxPositionEmbeddings)
+	}
 	if in.Model.DType() == "bfloat16" && kernel.BF16Products() != "VDPBF16PS" {
 		cfg.Logger.Warn("this CPU has no VDPBF16PS: bfloat16 products run in portable Go, exact but many times slower than float32; --dtype float32 is faster here (P and D must then both use it)")
 	}
 	in.Registry = metrics.NewRegistry()
+	cfg.ready = in.Ready
 	for i := range cfg.DataParallelSize {
 		rk, err := startRank(cfg.rank(i), in.Model, in.Registry)
 		if rk != nil {
@@ -257,14 +272,10 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		return nil, fmt.Errorf("listen on port %d: %w (is another server using it? pick another port)", cfg.Port, err)
 	}
 	in.Addr = ln.Addr().(*net.TCPAddr)
-	host := cfg.Host
-	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
-		host = "127.0.0.1"
-	}
-	in.URL = "http://" + net.JoinHostPort(host, strconv.Itoa(in.Addr.Port))
+	in.URL = LocalURL(in.Addr)
 	in.srv = &http.Server{Handler: handler, ReadHeaderTimeout: 30 * time.Second}
 	go func() { in.served <- in.srv.Serve(ln) }()
-	attrs := []any{"model", cfg.ServedModelNames[0], "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
+	attrs := []any{"model", cfg.ServedModelNames[0], "addr", in.Addr.String(), "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
 	if cfg.DataParallelSize > 1 {
 		attrs = append(attrs, "data_parallel_size", cfg.DataParallelSize)
 	}
@@ -277,6 +288,17 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}
 	cfg.Logger.Info("kvbridge serving", attrs...)
 	return in, nil
+}
+
+// LocalURL returns an HTTP base URL that reaches a listener bound to addr from this host: the
+// bound address itself, or the loopback address when addr is every interface (0.0.0.0, [::]),
+// which is no address a client can name.
+func LocalURL(addr *net.TCPAddr) string {
+	host := addr.IP.String()
+	if addr.IP == nil || addr.IP.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	return "http://" + net.JoinHostPort(host, strconv.Itoa(addr.Port))
 }
 
 // kvBlocks returns the number of KV blocks of blockBytes bytes the configuration asks for;
@@ -349,6 +371,19 @@ func (in *Instance) Wait(ctx context.Context) error {
 	case <-ctx.Done():
 		return nil
 	}
+}
+
+// Ready reports whether the instance can take part in disaggregated serving now: every rank's
+// connector answers its side channel (connector.Connector.Ready); an instance without a
+// connector is ready whenever it serves. GET /ready answers with it.
+func (in *Instance) Ready(ctx context.Context) error {
+	var errs []error
+	for _, rk := range in.Ranks {
+		if rk.Connector != nil {
+			errs = append(errs, rk.Connector.Ready(ctx))
+		}
+	}
+	return errors.Join(errs...)
 }
 
 // Close stops the HTTP server (waiting up to 10 s for requests), then every rank (see

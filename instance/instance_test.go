@@ -132,7 +132,7 @@ func TestStartSizesTheKVCacheByMemoryUtilization(t *testing.T) {
 // differently and the handshake refuses them.
 func TestConnectorCompatCoversDTypes(t *testing.T) {
 	hashes := map[string]string{}
-	for _, tc := range []struct{ dtype, kv string }{{"float32", "auto"}, {"bfloat16", "auto"}, {"bfloat16", "bfloat16"}} {
+	for _, tc := range []struct{ dtype, kv string }{{"float32", "auto"}, {"bfloat16", "float32"}, {"bfloat16", "auto"}} {
 		kv, err := connector.ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_producer"}`), nil)
 		if err != nil {
 			t.Fatal(err)

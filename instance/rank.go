@@ -50,6 +50,9 @@ func (cfg Config) rank(i int) Config {
 	if cfg.SideChannelPort != 0 { // 0: a free port for each rank
 		cfg.SideChannelPort += i
 	}
+	if cfg.TransferPort != 0 {
+		cfg.TransferPort += i
+	}
 	if cfg.KVTransfer != nil {
 		kv := *cfg.KVTransfer
 		kv.EngineID = fmt.Sprintf("%s_dp%d", kv.EngineID, i)
@@ -83,7 +86,7 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	ecfg := engine.Config{
 		BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks, MaxModelLen: cfg.MaxModelLen,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
-		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed,
+		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed, Observer: engineObserver{rk.Metrics},
 	}
 	if kv := cfg.KVTransfer; kv != nil {
 		if rk.Connector, err = startConnector(cfg, m, rk, layout); err != nil {
@@ -109,6 +112,13 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	if rk.Engine, err = engine.New(m, rk.Pool, ecfg, cfg.Logger); err != nil {
 		return rk, err
 	}
+	err = rk.Metrics.Configure(metrics.EngineConfig{MaxModelLen: rk.Engine.Config().MaxModelLen, Cache: metrics.CacheConfig{
+		BlockSize: cfg.BlockSize, CacheDType: cfg.KVCacheDType, EnablePrefixCaching: cfg.PrefixCaching,
+		GPUMemoryUtilization: cfg.MemoryUtilization, NumGPUBlocks: cfg.NumBlocks, KVCacheMemoryBytes: cfg.KVBytes,
+	}})
+	if err != nil {
+		return rk, err
+	}
 	if rk.Connector != nil {
 		rk.Connector.Start(rk.Engine)
 	}
@@ -125,6 +135,7 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 		u := &unconnected{log: cfg.Logger}
 		ocfg.CheckKV, ocfg.KVInfo = u.observe, u.info
 	}
+	ocfg.Ready = cfg.ready
 	rk.server = openai.NewServer(ocfg, rk.Engine, m)
 	return rk, nil
 }
@@ -146,7 +157,7 @@ func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.Arena
 		AdvertiseHost:   cfg.SideChannelHost,
 		Logger:          cfg.Logger,
 		Metrics:         rk.Metrics.Nixl(),
-		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, "0")},
+		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, strconv.Itoa(cfg.TransferPort))},
 	}
 	if cfg.ConnectorHooks != nil {
 		cfg.ConnectorHooks(&opts)

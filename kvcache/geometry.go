@@ -95,8 +95,9 @@ func (d DType) Size() int {
 	return 0
 }
 
-// ParseDType parses vLLM's --kv-cache-dtype values kvbridge supports: "auto" (float32), "float32",
-// "fp32", "bfloat16", "bf16".
+// ParseDType parses vLLM's --kv-cache-dtype values kvbridge supports: "float32", "fp32",
+// "bfloat16", "bf16", and "auto", which the model resolves to its compute dtype
+// (model.OpenOptions.KVCacheDType) and which parses here as Float32 for checking a flag only.
 func ParseDType(s string) (DType, error) {
 	switch strings.ToLower(strings.TrimSpace(s)) {
 	case "", "auto", "float32", "fp32", "float":

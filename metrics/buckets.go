@@ -44,3 +44,40 @@ func NixlBytesBuckets() []float64 {
 func NixlDescriptorBuckets() []float64 {
 	return []float64{10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000}
 }
+
+// RequestPhaseBuckets are the buckets of vLLM's per-request phase histograms
+// (vllm:request_queue_time_seconds, _prefill_time_seconds, _decode_time_seconds and
+// _inference_time_seconds): vLLM's request_latency_buckets, the list of
+// vllm:e2e_request_latency_seconds.
+func RequestPhaseBuckets() []float64 { return RequestLatencyBuckets() }
+
+// TimePerOutputTokenBuckets are the buckets of vllm:request_time_per_output_token_seconds: the
+// inter-token latency list.
+func TimePerOutputTokenBuckets() []float64 { return InterTokenLatencyBuckets() }
+
+// IterationTokensBuckets are the buckets of vllm:iteration_tokens_total.
+func IterationTokensBuckets() []float64 {
+	return []float64{1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384}
+}
+
+// RequestParamsNBuckets are the buckets of vllm:request_params_n.
+func RequestParamsNBuckets() []float64 { return []float64{1, 2, 5, 10, 20} }
+
+// Buckets125 is vLLM's build_1_2_5_buckets(max): 1, 2, 5, 10, 20, 50, … up to and including
+// max. It gives the buckets of the token-count histograms (vllm:request_prompt_tokens,
+// _generation_tokens, _max_num_generation_tokens, vllm:request_params_max_tokens), with max the
+// engine's max_model_len.
+func Buckets125(max int) []float64 {
+	var b []float64
+	for p := 1; ; p *= 10 {
+		for _, m := range []int{1, 2, 5} {
+			if p > max/m { // m*p > max
+				return b
+			}
+			b = append(b, float64(m*p))
+		}
+		if p > max/10 { // the next power of ten is past max (and might overflow)
+			return b
+		}
+	}
+}

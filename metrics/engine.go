@@ -14,6 +14,8 @@ type SchedulerStats struct {
 	// PrefixCacheQueries and PrefixCacheHits are cumulative counts of queried and hit prompt
 	// tokens (vLLM counts tokens, not blocks).
 	PrefixCacheQueries, PrefixCacheHits int64
+	// Preemptions is the cumulative count of preemptions (vllm:num_preemptions_total).
+	Preemptions int64
 }
 
 // EngineMetrics records one engine's series (labels model_name and engine). Obtain it from
@@ -26,11 +28,16 @@ type EngineMetrics struct {
 	success          map[string]prometheus.Counter
 	successVec       *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
+	unknownFields    *prometheus.CounterVec
 	ttft, e2e, itl   prometheus.Observer
 	nixl             *NixlMetrics
+	req              requestMetrics
+	reg              *prometheus.Registry
+	cacheInfo        *prometheus.GaugeVec
 
-	mu    sync.Mutex
-	stats func() SchedulerStats
+	mu      sync.Mutex
+	stats   func() SchedulerStats
+	lengths *lengthHistograms // set by Configure
 }
 
 func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
@@ -42,10 +49,14 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 		success:          make(map[string]prometheus.Counter, 4),
 		successVec:       r.requestSuccess,
 		rejected:         r.rejected,
+		unknownFields:    r.unknownFields,
 		ttft:             r.ttft.WithLabelValues(modelName, engine),
 		e2e:              r.e2e.WithLabelValues(modelName, engine),
 		itl:              r.itl.WithLabelValues(modelName, engine),
 		nixl:             r.nixl.forEngine(modelName, engine),
+		req:              r.req.forEngine(modelName, engine),
+		reg:              r.prom,
+		cacheInfo:        r.req.cacheInfo,
 	}
 	// Pre-create vllm:request_success_total for vLLM's FinishReason values.
 	for _, reason := range []string{"stop", "length", "abort", "error"} {
@@ -60,13 +71,20 @@ func (m *EngineMetrics) CountRejected(reason string) {
 	m.rejected.WithLabelValues(m.modelName, m.engine, reason).Inc()
 }
 
+// CountUnknownField counts a request field that was present but ignored
+// (kvbridge:request_unknown_fields_total{field}). Field names come from clients: the caller
+// bounds the distinct values it passes.
+func (m *EngineMetrics) CountUnknownField(field string) {
+	m.unknownFields.WithLabelValues(m.modelName, m.engine, field).Inc()
+}
+
 // ModelName returns the model_name label value.
 func (m *EngineMetrics) ModelName() string { return m.modelName }
 
 // SetStatsSource installs the function read at every scrape for vllm:num_requests_running,
-// vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total and
-// vllm:prefix_cache_hits_total. Until it is set those series read zero. fn must be cheap and
-// safe for concurrent use.
+// vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:prefix_cache_queries_total,
+// vllm:prefix_cache_hits_total and vllm:num_preemptions_total. Until it is set those series
+// read zero. fn must be cheap and safe for concurrent use.
 func (m *EngineMetrics) SetStatsSource(fn func() SchedulerStats) {
 	m.mu.Lock()
 	m.stats = fn
@@ -117,10 +135,10 @@ func (m *EngineMetrics) ObserveFinished(finishReason string, e2e time.Duration) 
 // Nixl returns the engine's NIXL connector metrics.
 func (m *EngineMetrics) Nixl() *NixlMetrics { return m.nixl }
 
-// schedulerCollector exposes the scheduler gauges and prefix-cache counters of every engine by
-// calling its stats source at scrape time.
+// schedulerCollector exposes the scheduler gauges, prefix-cache counters and preemption count of
+// every engine by calling its stats source at scrape time.
 type schedulerCollector struct {
-	running, waiting, usage, queries, hits *prometheus.Desc
+	running, waiting, usage, queries, hits, preemptions *prometheus.Desc
 
 	mu      sync.Mutex
 	engines []*EngineMetrics
@@ -139,6 +157,8 @@ func newSchedulerCollector() *schedulerCollector {
 			"Prefix cache queries, in terms of number of queried tokens.", labels, nil),
 		hits: prometheus.NewDesc("vllm:prefix_cache_hits_total",
 			"Prefix cache hits, in terms of number of cached tokens.", labels, nil),
+		preemptions: prometheus.NewDesc("vllm:num_preemptions_total",
+			"Cumulative number of preemption from the engine.", labels, nil),
 	}
 }
 
@@ -155,6 +175,7 @@ func (c *schedulerCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.usage
 	ch <- c.queries
 	ch <- c.hits
+	ch <- c.preemptions
 }
 
 // Collect implements prometheus.Collector.
@@ -170,5 +191,6 @@ func (c *schedulerCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.usage, prometheus.GaugeValue, s.KVCacheUsage, lv...)
 		ch <- prometheus.MustNewConstMetric(c.queries, prometheus.CounterValue, float64(s.PrefixCacheQueries), lv...)
 		ch <- prometheus.MustNewConstMetric(c.hits, prometheus.CounterValue, float64(s.PrefixCacheHits), lv...)
+		ch <- prometheus.MustNewConstMetric(c.preemptions, prometheus.CounterValue, float64(s.Preemptions), lv...)
 	}
 }

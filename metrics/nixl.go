@@ -22,6 +22,7 @@ type nixlVecs struct {
 	xferTime, postTime, bytes, descriptors           *prometheus.HistogramVec
 	failedTransfers, failedNotifications, expiredReq *prometheus.CounterVec
 	notificationsAfterExpiry                         *prometheus.CounterVec
+	holdsExpired                                     *prometheus.CounterVec
 }
 
 func newNixlVecs(labels []string) nixlVecs {
@@ -48,12 +49,14 @@ func newNixlVecs(labels []string) nixlVecs {
 			"Number of requests that had their KV expire."),
 		notificationsAfterExpiry: counter("vllm:nixl_num_notifications_after_expiry_total",
 			"Number of NIXL notifications that arrived after the request's KV lease expired."),
+		holdsExpired: counter("kvbridge:decoder_holds_expired_total",
+			"Bidirectional decoder holds (a turn's KV kept for the next turn's prefiller) that reached decoder_kv_blocks_ttl unclaimed."),
 	}
 }
 
 func (v nixlVecs) register(r *prometheus.Registry) {
 	r.MustRegister(v.xferTime, v.postTime, v.bytes, v.descriptors,
-		v.failedTransfers, v.failedNotifications, v.expiredReq, v.notificationsAfterExpiry)
+		v.failedTransfers, v.failedNotifications, v.expiredReq, v.notificationsAfterExpiry, v.holdsExpired)
 }
 
 func (v nixlVecs) forEngine(modelName, engine string) *NixlMetrics {
@@ -66,6 +69,7 @@ func (v nixlVecs) forEngine(modelName, engine string) *NixlMetrics {
 		failedNotifications:      v.failedNotifications.WithLabelValues(modelName, engine),
 		expiredReq:               v.expiredReq.WithLabelValues(modelName, engine),
 		notificationsAfterExpiry: v.notificationsAfterExpiry.WithLabelValues(modelName, engine),
+		holdsExpired:             v.holdsExpired.WithLabelValues(modelName, engine),
 	}
 }
 
@@ -76,6 +80,7 @@ type NixlMetrics struct {
 	xferTime, postTime, bytes, descriptors prometheus.Observer
 	failedTransfers, failedNotifications   prometheus.Counter
 	expiredReq, notificationsAfterExpiry   prometheus.Counter
+	holdsExpired                           prometheus.Counter
 
 	mu       sync.Mutex
 	interval TransferInterval
@@ -112,13 +117,19 @@ func (n *NixlMetrics) CountFailedNotification() {
 }
 
 // CountExpiredRequest counts a request whose KV lease expired (P) or whose bidirectional read
-// was declined as expired (P on turn 2+).
+// was declined as expired (P on turn 2+). A decoder's hold that expires unclaimed is not one:
+// see CountDecoderHoldExpired.
 func (n *NixlMetrics) CountExpiredRequest() {
 	n.expiredReq.Inc()
 	n.mu.Lock()
 	n.interval.ExpiredRequests++
 	n.mu.Unlock()
 }
+
+// CountDecoderHoldExpired counts a bidirectional decoder's hold (the blocks of a turn kept for
+// the next turn's prefiller) that reached decoder_kv_blocks_ttl without being pulled
+// (kvbridge:decoder_holds_expired_total). That is a cache entry aging out, not a failure.
+func (n *NixlMetrics) CountDecoderHoldExpired() { n.holdsExpired.Inc() }
 
 // CountNotificationAfterExpiry counts a read notification that arrived after the blocks it
 // refers to were released by lease expiry.

@@ -28,11 +28,13 @@ type Registry struct {
 	generationTokens *prometheus.CounterVec
 	requestSuccess   *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
+	unknownFields    *prometheus.CounterVec
 	ttft             *prometheus.HistogramVec
 	e2e              *prometheus.HistogramVec
 	itl              *prometheus.HistogramVec
 
 	nixl nixlVecs
+	req  requestVecs
 
 	mu      sync.Mutex
 	engines map[engineKey]*EngineMetrics
@@ -40,8 +42,9 @@ type Registry struct {
 
 type engineKey struct{ model, engine string }
 
-// NewRegistry creates a registry with vLLM's request, token, latency, scheduler and NIXL series
-// registered, plus the standard Go runtime and process collectors.
+// NewRegistry creates a registry with vLLM's request, token, latency, step, scheduler and NIXL
+// series registered, plus the standard Go runtime and process collectors. The series that
+// depend on an engine's configuration are added by EngineMetrics.Configure.
 func NewRegistry() *Registry {
 	labels := []string{LabelModelName, LabelEngine}
 	r := &Registry{
@@ -64,6 +67,10 @@ func NewRegistry() *Registry {
 			Name: "kvbridge:requests_rejected_total",
 			Help: "Requests refused before reaching the engine, by reason (body_too_large, too_many_requests, prompt_too_long, invalid, unauthorized).",
 		}, append(labels[:2:2], "reason")),
+		unknownFields: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbridge:request_unknown_fields_total",
+			Help: "Request fields present but ignored (unknown to the API), by field name; the first few distinct names get their own label, later ones field=\"other\".",
+		}, append(labels[:2:2], "field")),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "vllm:time_to_first_token_seconds",
 			Help:    "Histogram of time to first token in seconds.",
@@ -80,15 +87,17 @@ func NewRegistry() *Registry {
 			Buckets: InterTokenLatencyBuckets(),
 		}, labels),
 		nixl: newNixlVecs(labels),
+		req:  newRequestVecs(labels),
 	}
 	r.prom.MustRegister(
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		r.sched,
-		r.promptTokens, r.generationTokens, r.requestSuccess, r.rejected,
+		r.promptTokens, r.generationTokens, r.requestSuccess, r.rejected, r.unknownFields,
 		r.ttft, r.e2e, r.itl,
 	)
 	r.nixl.register(r.prom)
+	r.req.register(r.prom)
 	return r
 }
 

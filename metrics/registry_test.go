@@ -31,11 +31,7 @@ func TestRegistryExposesVLLMNames(t *testing.T) {
 	m.Nixl().CountExpiredRequest()
 	m.Nixl().CountNotificationAfterExpiry()
 
-	rec := httptest.NewRecorder()
-	r.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
-	body, _ := io.ReadAll(rec.Body)
-	text := string(body)
-	for _, line := range []string{
+	assertExposes(t, r, []string{
 		`vllm:num_requests_running{engine="0",model_name="tiny"} 2`,
 		`vllm:num_requests_waiting{engine="0",model_name="tiny"} 3`,
 		`vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25`,
@@ -60,11 +56,7 @@ func TestRegistryExposesVLLMNames(t *testing.T) {
 		`# TYPE vllm:num_requests_running gauge`,
 		`# TYPE vllm:prefix_cache_hits_total counter`,
 		`# TYPE vllm:nixl_bytes_transferred histogram`,
-	} {
-		if !strings.Contains(text, line+"\n") {
-			t.Errorf("exposition lacks %q", line)
-		}
-	}
+	})
 
 	iv := m.Nixl().TakeInterval()
 	if len(iv.Transfers) != 1 || iv.FailedTransfers != 1 || iv.FailedNotifications != 1 || iv.ExpiredRequests != 1 {
@@ -75,21 +67,40 @@ func TestRegistryExposesVLLMNames(t *testing.T) {
 	}
 }
 
+// TestBuckets: every histogram has vLLM's buckets, as vllm/v1/metrics/loggers.py
+// (PrometheusStatLogger) and the NIXL connector's stats write them.
 func TestBuckets(t *testing.T) {
 	r := NewRegistry()
-	r.Engine("m", "0")
+	if err := r.Engine("m", "0").Configure(EngineConfig{MaxModelLen: 100}); err != nil {
+		t.Fatal(err)
+	}
+	requestLatency := []float64{0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+		40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0}
+	oneTwoFive := []float64{1, 2, 5, 10, 20, 50, 100} // build_1_2_5_buckets(100), from its docstring
 	mfs, err := r.Prometheus().Gather()
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := map[string][]float64{
-		"vllm:nixl_xfer_time_seconds":      {0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0},
-		"vllm:nixl_post_time_seconds":      {0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0},
-		"vllm:nixl_bytes_transferred":      {1 << 11, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 25, 1 << 27, 1 << 29, 1 << 31, 1 << 33},
-		"vllm:nixl_num_descriptors":        {10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000},
-		"vllm:time_to_first_token_seconds": TTFTBuckets(),
-		"vllm:e2e_request_latency_seconds": RequestLatencyBuckets(),
-		"vllm:inter_token_latency_seconds": InterTokenLatencyBuckets(),
+		"vllm:nixl_xfer_time_seconds":         {0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0},
+		"vllm:nixl_post_time_seconds":         {0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0},
+		"vllm:nixl_bytes_transferred":         {1 << 11, 1 << 13, 1 << 15, 1 << 17, 1 << 19, 1 << 21, 1 << 23, 1 << 25, 1 << 27, 1 << 29, 1 << 31, 1 << 33},
+		"vllm:nixl_num_descriptors":           {10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000},
+		"vllm:time_to_first_token_seconds":    TTFTBuckets(),
+		"vllm:e2e_request_latency_seconds":    RequestLatencyBuckets(),
+		"vllm:inter_token_latency_seconds":    InterTokenLatencyBuckets(),
+		"vllm:request_queue_time_seconds":     requestLatency,
+		"vllm:request_prefill_time_seconds":   requestLatency,
+		"vllm:request_decode_time_seconds":    requestLatency,
+		"vllm:request_inference_time_seconds": requestLatency,
+		"vllm:request_time_per_output_token_seconds": {0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+			0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0},
+		"vllm:iteration_tokens_total":            {1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384},
+		"vllm:request_params_n":                  {1, 2, 5, 10, 20},
+		"vllm:request_prompt_tokens":             oneTwoFive,
+		"vllm:request_generation_tokens":         oneTwoFive,
+		"vllm:request_max_num_generation_tokens": oneTwoFive,
+		"vllm:request_params_max_tokens":         oneTwoFive,
 	}
 	seen := map[string]bool{}
 	for _, mf := range mfs {
@@ -114,5 +125,25 @@ func TestBuckets(t *testing.T) {
 		if !seen[name] {
 			t.Errorf("%s not gathered", name)
 		}
+	}
+}
+
+// assertExposes checks that GET /metrics of r serves every one of lines.
+func assertExposes(t *testing.T, r *Registry, lines []string) {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	r.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	body, err := io.ReadAll(rec.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	text := string(body)
+	for _, line := range lines {
+		if !strings.Contains(text, line+"\n") {
+			t.Errorf("exposition lacks %q", line)
+		}
+	}
+	if t.Failed() {
+		t.Log(text)
 	}
 }

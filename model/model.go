@@ -64,8 +64,10 @@ type OpenOptions struct {
 	// attention stay float32. In float32 the products are float32; 16-bit checkpoint weights
 	// stay 2 bytes and are widened exactly in the kernels.
 	DType string
-	// KVCacheDType is vLLM's --kv-cache-dtype: "auto" (or empty) and "float32" keep keys and
-	// values as float32, "bfloat16" rounds them to bfloat16 (2 bytes a value).
+	// KVCacheDType is vLLM's --kv-cache-dtype: "auto" (or empty) follows the compute dtype, as
+	// vLLM's does (a bf16 checkpoint gets a bfloat16 KV cache, an f32 one or --dtype float32 a
+	// float32 one); "float32" keeps keys and values as float32, "bfloat16" rounds them to
+	// bfloat16 (2 bytes a value).
 	KVCacheDType string
 }
 
@@ -107,7 +109,9 @@ func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 		p.bf16 = true
 	}
 	switch strings.ToLower(opts.KVCacheDType) {
-	case "", "auto", "float32", "fp32", "float":
+	case "", "auto":
+		p.kvBF16 = p.bf16 // vLLM: the KV cache takes the model's dtype
+	case "float32", "fp32", "float":
 	case "bfloat16", "bf16":
 		p.kvBF16 = true
 	default:

@@ -9,7 +9,7 @@ import (
 // completionJob decodes and validates a completion request and builds its job.
 func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []byte) (*job, *APIError) {
 	var req completionRequest
-	if apiErr := decodeJSON(body, &req); apiErr != nil {
+	if apiErr := s.decode(body, &req); apiErr != nil {
 		return nil, apiErr
 	}
 	if apiErr := s.checkModel(req.Model); apiErr != nil {
@@ -64,6 +64,9 @@ func (s *Server) completionJob(w http.ResponseWriter, r *http.Request, body []by
 func (s *Server) completionPrompt(raw json.RawMessage, special bool) (ids []int32, text func() string, apiErr *APIError) {
 	tok := s.model.Tokenizer()
 	fromString := func(str string) ([]int32, func() string, *APIError) {
+		if apiErr := s.checkPromptBytes("prompt", len(str)); apiErr != nil {
+			return nil, nil, apiErr
+		}
 		if special {
 			return tok.EncodeSpecial(str), func() string { return str }, nil
 		}

@@ -69,9 +69,11 @@ func engineID(prefix string) string { return prefix + "-" + uuid.NewString()[:8]
 
 // engineRequests builds the sequences of a validated prompt and parameters. Sequence i of a
 // seeded request uses seed+i (as vLLM's parallel sampling does); only sequence 0 carries the
-// kv_transfer_params. Every sequence computes logprobs when best_of must rank them.
+// kv_transfer_params. Every sequence computes logprobs when best_of must rank them. The stop
+// strings and stop token ids are compiled once and shared by all the sequences.
 func (s *Server) engineRequests(idPrefix string, prompt []int32, p genParams) []*engine.Request {
 	reqs := make([]*engine.Request, p.bestOf)
+	stops := engine.NewStops(p.stop, p.stopTokenIDs)
 	for i := range reqs {
 		r := &engine.Request{
 			ID:                engineID(idPrefix),
@@ -81,6 +83,7 @@ func (s *Server) engineRequests(idPrefix string, prompt []int32, p genParams) []
 			MinTokens:         p.minTokens,
 			Stop:              p.stop,
 			StopTokenIDs:      p.stopTokenIDs,
+			Stops:             stops,
 			IgnoreEOS:         p.ignoreEOS,
 			Logprobs:          p.logprobs || p.bestOf > p.n,
 			TopLogprobs:       p.topLogprobs,
@@ -299,6 +302,13 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 			rn.cancel() // the other sequences cannot make a response any more
 			startGrace()
 		}
+	}
+	if finished == len(rn.j.reqs) { // vLLM's parent request finished: its n and longest output
+		longest := 0
+		for _, r := range rn.res {
+			longest = max(longest, r.usage.CompletionTokens)
+		}
+		rn.s.metrics.ObserveParentRequest(rn.j.p.n, longest)
 	}
 	if rn.client.Err() != nil {
 		return nil, errClientGone

@@ -1,6 +1,10 @@
 package openai
 
-import "net/http"
+import (
+	"context"
+	"net/http"
+	"time"
+)
 
 // modelCard is one entry of GET /v1/models.
 type modelCard struct {
@@ -51,6 +55,24 @@ func (s *Server) handleModels(w http.ResponseWriter, r *http.Request) {
 
 // handleHealth serves GET /health and GET or POST /ping: 200 with an empty body, as vLLM does.
 func (s *Server) handleHealth(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusOK) }
+
+// readyTimeout bounds Config.Ready's check.
+const readyTimeout = 2 * time.Second
+
+// handleReady serves GET /ready, the readiness probe (vLLM has none; /health stays the liveness
+// probe): 200 with {"ready": true} when Config.Ready reports nothing wrong, else 503 in the
+// error JSON with its reason.
+func (s *Server) handleReady(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.Ready != nil {
+		ctx, cancel := context.WithTimeout(r.Context(), readyTimeout)
+		defer cancel()
+		if err := s.cfg.Ready(ctx); err != nil {
+			writeError(w, &APIError{Status: http.StatusServiceUnavailable, Type: "ServiceUnavailableError", Message: "not ready: " + err.Error()})
+			return
+		}
+	}
+	writeJSON(w, http.StatusOK, map[string]bool{"ready": true})
+}
 
 // handleVersion serves GET /version: {"version": "..."}.
 func (s *Server) handleVersion(w http.ResponseWriter, r *http.Request) {

@@ -22,21 +22,6 @@ const explicitSeedZero = math.MinInt64
 // per position.
 const DefaultMaxLogprobs = 20
 
-// maxChoices bounds n and best_of: one request may not queue more sequences than this (each
-// also takes a MaxConcurrentRequests slot, at most the whole limit).
-const maxChoices = 256
-
-// maxBadWords and maxBadWordTokens bound bad_words: the words, and the tokens of their
-// encodings (with the leading-space variants), since the sampler checks every one of them at
-// every step of every sequence of the shared step loop.
-const (
-	maxBadWords      = 1024
-	maxBadWordTokens = 16384
-)
-
-// maxListedIDs bounds the out-of-vocabulary ids an error message lists.
-const maxListedIDs = 16
-
 // genParams are a request's validated generation parameters, before the prompt is known.
 type genParams struct {
 	// n is the number of choices returned; bestOf ≥ n the number of sequences generated (the
@@ -127,6 +112,9 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 		}
 		p.sampling.MinP = *c.MinP
 	}
+	if apiErr := checkCount("logit_bias", len(c.LogitBias), vocab, "entries (the vocabulary's size)"); apiErr != nil {
+		return p, apiErr
+	}
 	if len(c.LogitBias) > 0 {
 		p.sampling.LogitBias = make(map[int32]float32, len(c.LogitBias))
 		var bad []int64
@@ -156,6 +144,10 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 		if len(c.AllowedTokenIDs) == 0 {
 			return p, badRequest("allowed_token_ids", "allowed_token_ids is not None and empty!")
 		}
+		if apiErr := checkCount("allowed_token_ids", len(c.AllowedTokenIDs), vocab, "ids (the vocabulary's size)"); apiErr != nil {
+			return p, apiErr
+		}
+		p.sampling.AllowedTokenIDs = make([]int32, 0, len(c.AllowedTokenIDs))
 		for _, id := range c.AllowedTokenIDs {
 			if id < 0 || int64(id) >= int64(vocab) {
 				return p, badRequest("allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!")
@@ -226,11 +218,17 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 	}
 
 	if c.Stop != nil {
+		if apiErr := checkStops(*c.Stop); apiErr != nil {
+			return p, apiErr
+		}
 		for _, st := range *c.Stop {
 			if st != "" {
 				p.stop = append(p.stop, st)
 			}
 		}
+	}
+	if apiErr := checkCount("stop_token_ids", len(c.StopTokenIDs), vocab, "ids (the vocabulary's size)"); apiErr != nil {
+		return p, apiErr
 	}
 	for _, id := range c.StopTokenIDs {
 		if id < 0 || int64(id) >= int64(vocab) {

@@ -141,19 +141,13 @@ type completionRequest struct {
 // chatRequest is the body of POST /v1/chat/completions.
 type chatRequest struct {
 	commonRequest
-	Messages            []chatMessageIn `json:"messages"`
-	Logprobs            *bool           `json:"logprobs"`
-	TopLogprobs         *jsonInt        `json:"top_logprobs"`
-	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
-	// ContinueFinalMessage, ChatTemplateKwargs and AddSpecialTokens (default false: the
-	// template writes the special tokens) are vLLM's chat template options.
-	ContinueFinalMessage *bool          `json:"continue_final_message"`
-	ChatTemplateKwargs   map[string]any `json:"chat_template_kwargs"`
-	AddSpecialTokens     *bool          `json:"add_special_tokens"`
+	chatTemplateFields
+	Messages    []chatMessageIn `json:"messages"`
+	Logprobs    *bool           `json:"logprobs"`
+	TopLogprobs *jsonInt        `json:"top_logprobs"`
 	// Echo prefixes the response with the final message's content when that message is the
 	// assistant's (with continue_final_message, the whole assistant turn).
-	Echo  *bool           `json:"echo"`
-	Tools json.RawMessage `json:"tools"`
+	Echo *bool `json:"echo"`
 }
 
 // chatMessageIn is one request message. Content is a string, null, or a list of content parts
@@ -229,7 +223,7 @@ func decodeJSON(body []byte, v any) *APIError {
 	case errors.As(err, &syn):
 		return badRequest("", "Invalid JSON in request body at offset %d: %v", syn.Offset, syn)
 	case errors.As(err, &typ):
-		field := strings.ReplaceAll(typ.Field, "commonRequest.", "")
+		field := strings.NewReplacer("commonRequest.", "", "chatTemplateFields.", "").Replace(typ.Field)
 		if field == "" {
 			field = "request"
 		}

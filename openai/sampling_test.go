@@ -10,6 +10,7 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
@@ -20,8 +21,7 @@ import (
 // i, the test's own float64 log-softmax of the logits that predict token i+1.
 func refLogprobs(t *testing.T, m *model.Model, tokens []int32) [][]float64 {
 	t.Helper()
-	mc := m.Config()
-	geo := kvcache.Geometry{NumLayers: mc.NumLayers, NumKVHeads: mc.NumKVHeads, HeadDim: mc.HeadDim, BlockSize: testBlockSize}
+	geo := engine.KVGeometry(m, testBlockSize) // the model's KV cache dtype: bfloat16 for a bf16 checkpoint
 	nb := (len(tokens) + testBlockSize - 1) / testBlockSize
 	pool, err := kvcache.NewPool(kvcache.AlignedMemory(geo.BlockBytes()*nb), kvcache.PoolConfig{Geometry: geo, NumBlocks: nb})
 	if err != nil {

@@ -105,6 +105,10 @@ type Config struct {
 	// is (kv_connector, kv_role, …), so that `kvbridge check` can tell a misconfigured
 	// deployment. Without it the route answers {"kv_connector":null}.
 	KVInfo func() any
+	// Ready, if set, says whether the server can serve now beyond its own HTTP listener (the
+	// KV connector: side channel, transfer agent); GET /ready answers 503 naming its error. Nil
+	// means ready whenever /health answers.
+	Ready func(ctx context.Context) error
 }
 
 // DefaultBodyReadTimeout is Config.BodyReadTimeout's default.
@@ -127,6 +131,9 @@ type Server struct {
 	created int64
 	handler http.Handler
 	slots   *semaphore.Weighted // MaxConcurrentRequests sequence slots, nil without a limit
+	// promptBytes is the longest text that may encode to MaxModelLen tokens (maxPromptBytes).
+	promptBytes int
+	unknown     *unknownFields // request fields present but ignored
 }
 
 // NewServer returns a Server over eng and mdl. It installs eng.Stats as the source of the
@@ -174,11 +181,13 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		mux:     http.NewServeMux(),
 		created: time.Now().Unix(),
 	}
+	s.promptBytes = maxPromptBytes(mdl.Tokenizer(), cfg.MaxModelLen)
+	s.unknown = newUnknownFields(s.log, s.metrics)
 	s.metrics.SetStatsSource(func() metrics.SchedulerStats {
 		st := eng.Stats()
 		return metrics.SchedulerStats{
 			Running: st.Running, Waiting: st.Waiting, KVCacheUsage: st.KVUsage,
-			PrefixCacheQueries: st.PrefixQueries, PrefixCacheHits: st.PrefixHits,
+			PrefixCacheQueries: st.PrefixQueries, PrefixCacheHits: st.PrefixHits, Preemptions: st.Preemptions,
 		}
 	})
 	if cfg.MaxConcurrentRequests > 0 {
@@ -188,6 +197,7 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	s.route("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { s.generate(w, r, s.chatJob) })
 	s.route("GET /v1/models", s.handleModels)
 	s.route("GET /health", s.handleHealth)
+	s.route("GET /ready", s.handleReady)
 	s.route("GET /version", s.handleVersion)
 	s.route("GET /v1/kv_transfer", s.handleKVTransfer)
 	s.route("POST /tokenize", s.handleTokenize)

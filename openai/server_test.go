@@ -61,8 +61,7 @@ func newEnv(t testing.TB, opts ...any) *env {
 		t.Fatalf("open %s: %v", name, err)
 	}
 	t.Cleanup(func() { m.Close() })
-	mc := m.Config()
-	geo := kvcache.Geometry{NumLayers: mc.NumLayers, NumKVHeads: mc.NumKVHeads, HeadDim: mc.HeadDim, BlockSize: testBlockSize}
+	geo := engine.KVGeometry(m, testBlockSize) // the model's KV cache dtype: bfloat16 for a bf16 checkpoint
 	pool, err := kvcache.NewPool(kvcache.AlignedMemory(geo.BlockBytes()*testNumBlocks),
 		kvcache.PoolConfig{Geometry: geo, NumBlocks: testNumBlocks, PrefixCaching: true})
 	if err != nil {

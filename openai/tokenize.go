@@ -9,12 +9,13 @@ import (
 // tokenizeRequest is the body of POST /tokenize: vLLM's TokenizeCompletionRequest (prompt) or
 // TokenizeChatRequest (messages).
 type tokenizeRequest struct {
-	Model               *string         `json:"model"`
-	Prompt              *string         `json:"prompt"`
-	Messages            []chatMessageIn `json:"messages"`
-	AddSpecialTokens    *bool           `json:"add_special_tokens"`
-	AddGenerationPrompt *bool           `json:"add_generation_prompt"`
-	ReturnTokenStrs     bool            `json:"return_token_strs"`
+	// chatTemplateFields turn messages into ids exactly as a chat completion does; of them, a
+	// prompt reads only add_special_tokens.
+	chatTemplateFields
+	Model           *string         `json:"model"`
+	Prompt          *string         `json:"prompt"`
+	Messages        []chatMessageIn `json:"messages"`
+	ReturnTokenStrs bool            `json:"return_token_strs"`
 }
 
 // tokenizeResponse is vLLM's TokenizeResponse.
@@ -33,8 +34,9 @@ type detokenizeRequest struct {
 
 // handleTokenize serves POST /tokenize: a prompt is encoded as a completion prompt (with the
 // tokenizer's special tokens — its post-processor's BOS, EOS or separators — when
-// add_special_tokens, the default); messages are rendered with the chat template and encoded as
-// a chat request's are (add_special_tokens defaults to false). Either way the count is the
+// add_special_tokens, the default); messages are rendered and encoded by the chat completion's
+// own code with the same chat template fields (chat_template_kwargs, add_generation_prompt,
+// continue_final_message, add_special_tokens defaulting to false). Either way the count is the
 // request's prompt_tokens.
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	var req tokenizeRequest
@@ -42,30 +44,36 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	tok := s.model.Tokenizer()
-	var (
-		text       string
-		addSpecial bool
-		apiErr     *APIError
-	)
+	var ids []int32
 	switch {
 	case req.Messages != nil:
-		if text, _, apiErr = s.renderMessages(req.Messages, chatOptions{addGeneration: req.AddGenerationPrompt}); apiErr != nil {
+		var apiErr *APIError
+		if ids, _, apiErr = s.chatPrompt(req.Messages, req.chatTemplateFields); apiErr != nil {
 			writeError(w, apiErr)
 			return
 		}
-		addSpecial = req.AddSpecialTokens != nil && *req.AddSpecialTokens
 	case req.Prompt != nil:
-		text = *req.Prompt
-		addSpecial = req.AddSpecialTokens == nil || *req.AddSpecialTokens
+		if apiErr := s.checkPromptBytes("prompt", len(*req.Prompt)); apiErr != nil {
+			writeError(w, apiErr)
+			return
+		}
+		if req.AddSpecialTokens == nil || *req.AddSpecialTokens {
+			ids = tok.EncodeSpecial(*req.Prompt) // as completionPrompt encodes
+		} else {
+			ids = tok.Encode(*req.Prompt)
+		}
 	default:
 		writeError(w, badRequest("prompt", "Either prompt or messages must be given."))
 		return
 	}
-	encode := tok.Encode
-	if addSpecial {
-		encode = tok.EncodeSpecial // as completionPrompt and chatJob encode
+	if len(ids) > s.cfg.MaxModelLen {
+		param := "prompt"
+		if req.Messages != nil {
+			param = "messages"
+		}
+		writeError(w, badRequest(param, "This model's maximum context length is %d tokens, and /tokenize counts no more; the text has %d tokens.", s.cfg.MaxModelLen, len(ids)))
+		return
 	}
-	ids := encode(text)
 	resp := tokenizeResponse{Count: len(ids), MaxModelLen: s.cfg.MaxModelLen, Tokens: ids}
 	if req.ReturnTokenStrs {
 		resp.TokenStrs = tok.TokenStrings(ids)
@@ -78,6 +86,10 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 	var req detokenizeRequest
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
+		return
+	}
+	if len(req.Tokens) > s.cfg.MaxModelLen {
+		writeError(w, badRequest("tokens", "tokens may hold at most max_model_len = %d ids, got %d.", s.cfg.MaxModelLen, len(req.Tokens)))
 		return
 	}
 	tok := s.model.Tokenizer()
@@ -106,7 +118,7 @@ func tokenIDs(tok *tokenizer.Tokenizer, in []jsonInt) ([]int32, *APIError) {
 func (s *Server) readRequest(w http.ResponseWriter, r *http.Request, v any, model func() *string) bool {
 	body, apiErr := s.readBody(w, r)
 	if apiErr == nil {
-		apiErr = decodeJSON(body, v)
+		apiErr = s.decode(body, v)
 	}
 	if apiErr == nil {
 		apiErr = s.checkModel(model())

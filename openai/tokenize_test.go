@@ -2,8 +2,11 @@ package openai
 
 import (
 	"encoding/json"
+	"maps"
 	"net/http"
 	"slices"
+	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/kvbridge/kvbridge/internal/buildinfo"
@@ -103,20 +106,7 @@ func TestTokenizeSpecialTokens(t *testing.T) {
 	tok := e.model.Tokenizer()
 	bos, _ := tok.BOSTokenID()
 	eos, _ := tok.EOSTokenID()
-	tokenize := func(body map[string]any) []int32 {
-		resp, b := e.post(t, "/tokenize", body, nil)
-		if resp.StatusCode != http.StatusOK {
-			t.Fatalf("/tokenize %v: %d %s", body, resp.StatusCode, b)
-		}
-		var got struct {
-			Count  int     `json:"count"`
-			Tokens []int32 `json:"tokens"`
-		}
-		if err := json.Unmarshal(b, &got); err != nil || got.Count != len(got.Tokens) {
-			t.Fatalf("/tokenize %v: %s", body, b)
-		}
-		return got.Tokens
-	}
+	tokenize := func(body map[string]any) []int32 { return tokenizeIDs(t, e, body) }
 	text := "Hello world"
 	ids := tokenize(map[string]any{"prompt": text})
 	if want := tok.EncodeSpecial(text); !slices.Equal(ids, want) || ids[0] != bos || ids[len(ids)-1] != eos {
@@ -136,4 +126,95 @@ func TestTokenizeSpecialTokens(t *testing.T) {
 	if n, _ := promptTokens(t, e, "/v1/chat/completions", map[string]any{"messages": msgs, "add_special_tokens": true}); n != len(chat) {
 		t.Errorf("chat prompt_tokens %d, /tokenize count %d", n, len(chat))
 	}
+}
+
+// TestTokenizeChatTemplateFields: /tokenize with messages takes the chat request's template
+// fields and gives exactly the prompt a chat completion with the same fields computes — its
+// count is usage.prompt_tokens and its ids are the ones prompt_logprobs names — for Qwen3's
+// template with enable_thinking false (the empty think block: 4 more ids) and with
+// continue_final_message. A chat_template or tools in the request are refused as the chat
+// completion refuses them.
+func TestTokenizeChatTemplateFields(t *testing.T) {
+	e := newEnv(t, envModel(realTokenizerModel(t, "qwen3")))
+	tokenize := func(body map[string]any) []int32 { return tokenizeIDs(t, e, body) }
+	// chatPrompt returns the number of prompt tokens of a chat completion and the ids after the
+	// first (prompt_logprobs 0 names each prompt token but the first).
+	chatPrompt := func(body map[string]any) (int, []int32) {
+		t.Helper()
+		body = maps.Clone(body)
+		body["prompt_logprobs"] = 0
+		n, m := promptTokens(t, e, "/v1/chat/completions", body)
+		raw, err := json.Marshal(m["prompt_logprobs"]) // top level in a chat response, as in vLLM
+		if err != nil {
+			t.Fatal(err)
+		}
+		var positions []map[string]any
+		if err := json.Unmarshal(raw, &positions); err != nil || len(positions) != n || positions[0] != nil {
+			t.Fatalf("prompt_logprobs %s for %d prompt tokens", raw, n)
+		}
+		var ids []int32
+		for i, pos := range positions[1:] {
+			if len(pos) != 1 {
+				t.Fatalf("prompt_logprobs[%d] = %v, want the prompt token alone", i+1, pos)
+			}
+			for k := range pos {
+				id, err := strconv.Atoi(k)
+				if err != nil {
+					t.Fatal(err)
+				}
+				ids = append(ids, int32(id))
+			}
+		}
+		return n, ids
+	}
+	user := []any{map[string]any{"role": "user", "content": "Hi"}}
+	noThink := map[string]any{"enable_thinking": false}
+	plain := tokenize(map[string]any{"messages": user})
+	for name, body := range map[string]map[string]any{
+		"enable_thinking false": {"messages": user, "chat_template_kwargs": noThink},
+		"continue_final_message": {
+			"messages":               append(slices.Clone(user), map[string]any{"role": "assistant", "content": "The answer is"}),
+			"continue_final_message": true, "chat_template_kwargs": noThink,
+		},
+		"add_generation_prompt false": {"messages": user, "add_generation_prompt": false},
+	} {
+		ids := tokenize(body)
+		n, chatIDs := chatPrompt(body)
+		if len(ids) != n || !slices.Equal(ids[1:], chatIDs) {
+			t.Errorf("%s: /tokenize gives %v, the chat completion's prompt is %d tokens ending %v", name, ids, n, chatIDs)
+		}
+		if name == "enable_thinking false" {
+			if think := []int32{151667, 271, 151668, 271}; len(ids) != len(plain)+4 || !slices.Equal(ids[len(ids)-4:], think) {
+				t.Errorf("enable_thinking false: %v, want %v then <think>\\n\\n</think>\\n\\n %v", ids, plain, think)
+			}
+		}
+	}
+	for field, body := range map[string]map[string]any{
+		"chat_template": {"messages": user, "chat_template": "{{ messages[0].content }}"},
+		"tools":         {"messages": user, "tools": []any{map[string]any{"type": "function", "function": map[string]any{"name": "f"}}}},
+	} {
+		for _, path := range []string{"/tokenize", "/v1/chat/completions"} {
+			resp, b := e.post(t, path, body, nil)
+			if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(b), `"param":"`+field+`"`) {
+				t.Errorf("%s with %s: %d %s, want 400 naming %s", path, field, resp.StatusCode, b, field)
+			}
+		}
+	}
+}
+
+// tokenizeIDs posts body to /tokenize and returns the ids, checking the status and the count.
+func tokenizeIDs(t *testing.T, e *env, body map[string]any) []int32 {
+	t.Helper()
+	resp, b := e.post(t, "/tokenize", body, nil)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("/tokenize %v: %d %s", body, resp.StatusCode, b)
+	}
+	var got struct {
+		Count  int     `json:"count"`
+		Tokens []int32 `json:"tokens"`
+	}
+	if err := json.Unmarshal(b, &got); err != nil || got.Count != len(got.Tokens) {
+		t.Fatalf("/tokenize %v: %s", body, b)
+	}
+	return got.Tokens
 }

@@ -16,6 +16,7 @@ import (
 // what a client chooses to send.
 type turn struct {
 	params  map[string]any
+	sealed  []byte // the params as the store keeps them (seal.go); params is then nil
 	decoder Instance
 	chat    bool
 	// prefixLen and prefix describe what the next request must start with. Chat: the number of
@@ -113,8 +114,11 @@ func NewConversationCache(ttl time.Duration, capacity int, maxBytes int64, now f
 // putTurn stores conv's last turn, replacing an older one.
 func (c *ConversationCache) putTurn(conv string, t turn) {
 	size := int64(len(conv) + entryOverhead)
-	if b, err := json.Marshal(t.params); err == nil {
-		size += int64(len(b))
+	size += int64(len(t.sealed))
+	if t.params != nil {
+		if b, err := json.Marshal(t.params); err == nil {
+			size += int64(len(b))
+		}
 	}
 	t.size = size
 	c.mu.Lock()

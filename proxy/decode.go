@@ -107,7 +107,7 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 			if r.Context().Err() != nil {
 				return err // the client left before the end
 			}
-			l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "error", err)
+			l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "err", err)
 			// The 200 is gone: end the stream the way an engine does, so the client sees an
 			// error rather than a truncated success.
 			writeSSEError(w, "decode stream ended early: "+err.Error())

@@ -33,5 +33,8 @@
 // [DONE], after which its bookkeeping no longer depends on the client — client-supplied
 // kv_transfer_params are refused and the engines' never reach a client, and timeouts apply to the
 // request body, the time to response headers and stream idleness, never to a request's total
-// duration.
+// duration. Health is checked, not assumed (health.go): /healthcheck (and the multi-turn proxy's
+// /health) keeps the toy proxy's 200 JSON and adds each engine's state from a probe of its
+// /health and the store's from a Redis PING; /ready answers 503 when no prefiller, no decoder or
+// the store answers.
 package proxy

@@ -33,6 +33,10 @@ type Config struct {
 	BodyReadTimeout time.Duration
 	// Transport carries the engine legs; nil uses a dedicated http.Transport.
 	Transport http.RoundTripper
+	// HealthInterval is how long one probe of the engines' /health (and the store) answers the
+	// health and readiness routes before the next request probes again. Default
+	// DefaultHealthInterval.
+	HealthInterval time.Duration
 }
 
 // Defaults of Config, applied where a field is zero.
@@ -62,6 +66,9 @@ func (c *Config) defaults() error {
 	}
 	if c.BodyReadTimeout <= 0 {
 		c.BodyReadTimeout = DefaultBodyReadTimeout
+	}
+	if c.HealthInterval <= 0 {
+		c.HealthInterval = DefaultHealthInterval
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -178,7 +185,7 @@ func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, h
 }
 
 func (l *legs) fail(leg string, inst Instance, reqID string, e *legError) *legError {
-	l.cfg.Logger.Warn("proxy leg failed", "leg", leg, "instance", inst.String(), "request_id", reqID, "status", e.status, "error", e.msg)
+	l.cfg.Logger.Warn("proxy leg failed", "leg", leg, "instance", inst.String(), "request_id", reqID, "status", e.status, "err", e.msg)
 	return e
 }
 

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"maps"
@@ -36,9 +35,20 @@ type MultiTurnConfig struct {
 	// claimed by exactly one replica (GETDEL), and the memory bound is Redis's maxmemory
 	// policy; a Redis that cannot be reached makes turns misses, never errors.
 	Store string
+	// StoreKey is the secret D's params are sealed under in the store (AES-256-GCM, key derived
+	// with HKDF-SHA256; seal.go). Replicas sharing a Redis store must share it, and Redis needs
+	// one: NewMultiTurn refuses a Redis store without it. Empty with the in-memory store: a
+	// random key of this process (its entries never leave it).
+	StoreKey string
 	// Now is the clock of the cache (default time.Now).
 	Now func() time.Time
 }
+
+// ErrStoreKey is NewMultiTurn's refusal of a Redis conversation store without a StoreKey: the
+// replicas sharing it need one shared key to seal D's params (a per-process key would make every
+// turn another replica stored a miss, and params in clear text would hand lease tokens to
+// whoever reads Redis).
+var ErrStoreKey = errors.New("proxy: a Redis conversation store needs a key to seal D's kv_transfer_params (--conversation-store-key, KVBRIDGE_CONVERSATION_STORE_KEY or KVBRIDGE_KV_AUTH_TOKEN), the same on every replica")
 
 // Response headers saying what the multi-turn proxy did.
 const (
@@ -62,10 +72,12 @@ type MultiTurn struct {
 	cache   *ConversationCache // the in-memory store, or nil
 	redis   *redisStore        // the Redis store, or nil
 	store   conversationStore
+	sealer  *sealer
 	require bool
 	mux     *http.ServeMux
 	reg     *prometheus.Registry
 	m       proxyMetrics
+	health  healthProber
 
 	mu        sync.Mutex
 	unhealthy map[Instance]time.Time
@@ -77,6 +89,7 @@ type MultiTurn struct {
 
 type proxyMetrics struct {
 	hits, misses, rejections, uncachable, noParams, claimed prometheus.Counter
+	unsealable                                              prometheus.Counter // stored turns that did not open
 	leg, storeTime                                          *prometheus.HistogramVec
 	storeErrors                                             *prometheus.CounterVec
 	ttft                                                    prometheus.Histogram
@@ -105,6 +118,9 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		mt.cache = NewConversationCache(cfg.CacheTTL, cfg.MaxConversations, cfg.MaxConversationBytes, cfg.Now)
 		mt.store = mt.cache
 	case strings.HasPrefix(cfg.Store, "redis://") || strings.HasPrefix(cfg.Store, "rediss://"):
+		if cfg.StoreKey == "" {
+			return nil, ErrStoreKey
+		}
 		rs, err := newRedisStore(cfg.Store, cfg.CacheTTL)
 		if err != nil {
 			return nil, err
@@ -112,6 +128,11 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		mt.redis, mt.store = rs, rs
 	default:
 		return nil, fmt.Errorf("proxy: conversation store %q: want \"memory\" or a redis:// URL", cfg.Store)
+	}
+	var err error
+	if mt.sealer, err = newSealer(cfg.StoreKey); err != nil {
+		_ = mt.store.close()
+		return nil, err
 	}
 	counter := func(name, help string) prometheus.Counter {
 		c := prometheus.NewCounter(prometheus.CounterOpts{Name: "kvbridge:proxy_" + name, Help: help})
@@ -127,6 +148,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)}, []string{"leg"})
 	mt.m.ttft = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "kvbridge:proxy_time_to_first_token_seconds", Help: "Time from the client's request to the first content the proxy relays.",
 		Buckets: prometheus.ExponentialBuckets(0.001, 2, 18)})
+	mt.m.unsealable = counter("conversation_store_unsealable_total", "Stored turns that did not open under this proxy's conversation store key (tampered with, or sealed under another key), each a miss.")
 	mt.m.claimed = counter("conversations_claimed_total", "Conversations whose stored turn this replica took (single use: of concurrent takers, one).")
 	mt.m.storeTime = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvbridge:proxy_conversation_store_seconds", Help: "Round trips to the conversation store, by operation.",
 		Buckets: prometheus.ExponentialBuckets(0.00005, 2, 16)}, []string{"op"})
@@ -165,8 +187,13 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	}
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
-	mt.mux.HandleFunc("GET /health", mt.health)
-	mt.mux.HandleFunc("GET /healthcheck", mt.health)
+	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
+	if mt.redis != nil {
+		mt.health.ping = mt.redis.ping
+	}
+	mt.mux.HandleFunc("GET /health", mt.handleHealth)
+	mt.mux.HandleFunc("GET /healthcheck", mt.handleHealth)
+	mt.mux.HandleFunc("GET /ready", mt.handleReady)
 	mt.mux.Handle("GET /metrics", promhttp.HandlerFor(mt.reg, promhttp.HandlerOpts{}))
 	mt.mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) { relayGet(w, r, &mt.legs, mt.d.pick(), "/v1/models") })
 	mt.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
@@ -191,17 +218,26 @@ func (mt *MultiTurn) Close() error {
 // Cache returns the in-memory conversation cache (for diagnostics), nil with another store.
 func (mt *MultiTurn) Cache() *ConversationCache { return mt.cache }
 
-func (mt *MultiTurn) health(w http.ResponseWriter, _ *http.Request) {
-	h := map[string]any{"status": "ok", "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode),
-		"requests_without_kv_transfer": mt.watch.counts()}
+// healthFields returns the health routes' body: the engines' and the store's state (Redis
+// checked by a PING, not remembered from the last request).
+func (mt *MultiTurn) healthFields(rep healthReport) map[string]any {
+	h := mt.withTransferCounts(rep.fields())
 	if mt.cache != nil {
 		n, stale := mt.cache.Sweep()
 		h["store"], h["cached_conversations"], h["evicted_stale"], h["evicted_capacity"] = "memory", n, stale, mt.cache.Evicted()
 	} else {
-		h["store"], h["store_up"] = "redis", mt.redis.up.Load()
+		h["store"], h["store_up"] = "redis", rep.store == nil
 	}
-	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(h)
+	return h
+}
+
+func (mt *MultiTurn) handleHealth(w http.ResponseWriter, r *http.Request) {
+	writeHealth(w, mt.healthFields(mt.health.report(r.Context())))
+}
+
+func (mt *MultiTurn) handleReady(w http.ResponseWriter, r *http.Request) {
+	rep := mt.health.report(r.Context())
+	writeReady(w, rep, mt.healthFields(rep))
 }
 
 // takeTurn claims conv's stored turn; a store that fails is a miss.
@@ -213,25 +249,36 @@ func (mt *MultiTurn) takeTurn(ctx context.Context, conv string) (turn, bool) {
 	mt.m.storeTime.WithLabelValues("take").Observe(time.Since(start).Seconds())
 	if err != nil {
 		mt.m.storeErrors.WithLabelValues("take").Inc()
-		mt.cfg.Logger.Warn("conversation store: take failed; the turn is a miss", "error", err)
+		mt.cfg.Logger.Warn("conversation store: take failed; the turn is a miss", "err", err)
 		return turn{}, false
 	}
-	if ok {
-		mt.m.claimed.Inc()
+	if !ok {
+		return turn{}, false
 	}
-	return t, ok
+	mt.m.claimed.Inc()
+	if t, err = mt.sealer.open(conv, t); err != nil {
+		mt.m.unsealable.Inc()
+		mt.cfg.Logger.Warn("conversation store: a stored turn does not open; the turn is a miss (replicas sharing a store need the same --conversation-store-key)", "error", err)
+		return turn{}, false
+	}
+	return t, true
 }
 
 // putTurn stores conv's turn; a store that fails loses it (the next turn misses).
 func (mt *MultiTurn) putTurn(ctx context.Context, conv string, t turn) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
 	defer cancel()
+	t, err := mt.sealer.seal(conv, t)
+	if err != nil {
+		mt.cfg.Logger.Warn("conversation store: sealing a turn failed; the next turn will miss", "error", err)
+		return
+	}
 	start := time.Now()
-	err := mt.store.put(ctx, conv, t)
+	err = mt.store.put(ctx, conv, t)
 	mt.m.storeTime.WithLabelValues("put").Observe(time.Since(start).Seconds())
 	if err != nil {
 		mt.m.storeErrors.WithLabelValues("put").Inc()
-		mt.cfg.Logger.Warn("conversation store: put failed; the next turn will miss", "error", err)
+		mt.cfg.Logger.Warn("conversation store: put failed; the next turn will miss", "err", err)
 	}
 }
 

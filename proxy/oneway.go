@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -16,8 +15,9 @@ import (
 // OneWay is the toy proxy's flow (spec §1): every request is prefilled on P and decoded on D.
 type OneWay struct {
 	legs
-	p, d roundRobin
-	mux  *http.ServeMux
+	p, d   roundRobin
+	mux    *http.ServeMux
+	health healthProber
 }
 
 // NewOneWay returns the one-way proxy for cfg.
@@ -33,7 +33,14 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 	}
 	o.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/completions") })
 	o.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/chat/completions") })
-	o.mux.HandleFunc("GET /healthcheck", o.health)
+	o.health = healthProber{client: o.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
+	o.mux.HandleFunc("GET /healthcheck", func(w http.ResponseWriter, r *http.Request) {
+		writeHealth(w, o.withTransferCounts(o.health.report(r.Context()).fields()))
+	})
+	o.mux.HandleFunc("GET /ready", func(w http.ResponseWriter, r *http.Request) {
+		rep := o.health.report(r.Context())
+		writeReady(w, rep, o.withTransferCounts(rep.fields()))
+	})
 	o.mux.HandleFunc("GET /v1/models", o.models)
 	o.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "NotFoundError", "not_found", fmt.Sprintf("%s %s is not a route of this proxy", r.Method, r.URL.Path))
@@ -50,14 +57,6 @@ func (o *OneWay) Close() error {
 		t.CloseIdleConnections()
 	}
 	return nil
-}
-
-func (o *OneWay) health(w http.ResponseWriter, _ *http.Request) {
-	w.Header().Set("Content-Type", "application/json")
-	_ = json.NewEncoder(w).Encode(map[string]any{
-		"status": "ok", "prefill_instances": len(o.cfg.Prefill), "decode_instances": len(o.cfg.Decode),
-		"requests_without_kv_transfer": o.watch.counts(),
-	})
 }
 
 // models relays a decoder's /v1/models (the benchmark asks for it; the toy proxy lacks it).

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"encoding/hex"
 	"encoding/json"
@@ -53,15 +52,15 @@ func newRedisStore(rawURL string, ttl time.Duration) (*redisStore, error) {
 	return s, nil
 }
 
-// storedTurn is a turn as Redis holds it.
+// storedTurn is a turn as Redis holds it: the params sealed (seal.go), never in clear text.
 type storedTurn struct {
-	Params    json.RawMessage `json:"params"`
-	Host      string          `json:"decoder_host"`
-	Port      int             `json:"decoder_port"`
-	Chat      bool            `json:"chat"`
-	PrefixLen int             `json:"prefix_len"`
-	Prefix    string          `json:"prefix"`
-	Answer    string          `json:"answer"`
+	Sealed    []byte `json:"sealed"`
+	Host      string `json:"decoder_host"`
+	Port      int    `json:"decoder_port"`
+	Chat      bool   `json:"chat"`
+	PrefixLen int    `json:"prefix_len"`
+	Prefix    string `json:"prefix"`
+	Answer    string `json:"answer"`
 }
 
 func (s *redisStore) take(ctx context.Context, conv string) (turn, bool, error) {
@@ -78,12 +77,7 @@ func (s *redisStore) take(ctx context.Context, conv string) (turn, bool, error) 
 	if err := json.Unmarshal(data, &st); err != nil {
 		return turn{}, false, fmt.Errorf("redis: a stored turn is not JSON: %w", err)
 	}
-	dec := json.NewDecoder(bytes.NewReader(st.Params))
-	dec.UseNumber()
-	t := turn{chat: st.Chat, prefixLen: st.PrefixLen}
-	if err := dec.Decode(&t.params); err != nil {
-		return turn{}, false, fmt.Errorf("redis: stored params: %w", err)
-	}
+	t := turn{sealed: st.Sealed, chat: st.Chat, prefixLen: st.PrefixLen}
 	if t.decoder, err = NewInstance(st.Host, st.Port); err != nil {
 		return turn{}, false, fmt.Errorf("redis: stored decoder: %w", err)
 	}
@@ -99,11 +93,7 @@ func (s *redisStore) take(ctx context.Context, conv string) (turn, bool, error) 
 }
 
 func (s *redisStore) put(ctx context.Context, conv string, t turn) error {
-	params, err := json.Marshal(t.params)
-	if err != nil {
-		return err
-	}
-	data, err := json.Marshal(storedTurn{Params: params, Host: t.decoder.Host, Port: t.decoder.Port, Chat: t.chat,
+	data, err := json.Marshal(storedTurn{Sealed: t.sealed, Host: t.decoder.Host, Port: t.decoder.Port, Chat: t.chat,
 		PrefixLen: t.prefixLen, Prefix: hex.EncodeToString(t.prefix[:]), Answer: hex.EncodeToString(t.answer[:])})
 	if err != nil {
 		return err
@@ -117,6 +107,16 @@ func (s *redisStore) put(ctx context.Context, conv string, t turn) error {
 }
 
 func (s *redisStore) close() error { return s.client.Close() }
+
+// ping checks that Redis answers (PING) and records the result as the last round trip's.
+func (s *redisStore) ping(ctx context.Context) error {
+	err := s.client.Ping(ctx).Err()
+	s.up.Store(err == nil)
+	if err != nil {
+		return fmt.Errorf("redis: %w", err)
+	}
+	return nil
+}
 
 // expiredKeys returns the Redis server's count of keys it expired (INFO stats expired_keys), or
 // -1 when it cannot be read.

@@ -2,6 +2,11 @@ package proxy_test
 
 import (
 	"bufio"
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -11,6 +16,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 
 	"github.com/kvbridge/kvbridge/proxy"
 )
@@ -83,11 +90,20 @@ func (r *redisServer) stop() {
 
 func (r *redisServer) url() string { return fmt.Sprintf("redis://127.0.0.1:%d/0", r.port) }
 
+// tierKey is the conversation store key the replicas of a test tier share.
+const tierKey = "tier-secret-0123456789"
+
 // replica starts one multi-turn proxy of a tier sharing store.
 func replica(t *testing.T, p, d string, store string) (*httptest.Server, *proxy.MultiTurn) {
 	t.Helper()
+	return replicaWithKey(t, p, d, store, tierKey)
+}
+
+// replicaWithKey starts one multi-turn proxy sealing what it stores under key.
+func replicaWithKey(t *testing.T, p, d, store, key string) (*httptest.Server, *proxy.MultiTurn) {
+	t.Helper()
 	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{instanceOf(t, p)},
-		Decode: []proxy.Instance{instanceOf(t, d)}}, Store: store})
+		Decode: []proxy.Instance{instanceOf(t, d)}}, Store: store, StoreKey: key})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -231,5 +247,84 @@ func TestRedisRestartMeansMisses(t *testing.T) {
 	c.next(t, a.URL, single.URL, "three") // stored in the new Redis
 	if got := c.next(t, a.URL, single.URL, "four"); got != "hit" {
 		t.Errorf("after Redis came back: %s, want hit", got)
+	}
+}
+
+// TestRedisStoreKeepsParamsSealed: what the multi-turn proxy keeps in Redis holds D's
+// kv_transfer_params (and their lease token) sealed: read raw from Redis, the entry names none
+// of their fields; the conversation still hits (P pulls from D) through a replica with the
+// tier's key. A replica with another key, and an entry tampered with in Redis, are misses —
+// answered right, counted — never errors. A Redis store without a key is refused.
+func TestRedisStoreKeepsParamsSealed(t *testing.T) {
+	rs := startRedis(t, 0)
+	single := startEngine(t, "", 8192)
+	p, d := startBidirectional(t, "kv_producer", false), startBidirectional(t, "kv_consumer", true)
+	a, _ := replica(t, p.URL, d.URL, rs.url())
+	other, _ := replicaWithKey(t, p.URL, d.URL, rs.url(), "another-secret")
+	rdb := redis.NewClient(&redis.Options{Addr: fmt.Sprintf("127.0.0.1:%d", rs.port)})
+	defer rdb.Close()
+	raw := func(conv string) []byte {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		defer cancel()
+		v, err := rdb.Get(ctx, "kvbridge:conversation:"+conv).Bytes()
+		if err != nil {
+			t.Fatalf("reading %s's entry from Redis: %v", conv, err)
+		}
+		return v
+	}
+	system := map[string]any{"role": "system", "content": strings.Repeat("Sealed system prompt. ", 8)}
+
+	c := &dialogue{id: "sealed", msgs: []map[string]any{system}}
+	c.next(t, a.URL, single.URL, "turn 1")
+	v := raw(c.id)
+	for _, clear := range []string{"kvbridge_lease", "remote_block_ids", "remote_engine_id", "do_remote", "kv_transfer_params", "remote_num_tokens"} {
+		if bytes.Contains(v, []byte(clear)) {
+			t.Errorf("the Redis entry holds %q in clear text: %s", clear, v)
+		}
+	}
+	if got := c.next(t, a.URL, single.URL, "turn 2"); got != "hit" {
+		t.Errorf("turn 2 through the replica with the tier's key: %s, want hit", got)
+	}
+
+	// Another key: the entry does not open; a miss, counted.
+	c.next(t, a.URL, single.URL, "turn 3") // stored again
+	if got := c.next(t, other.URL, single.URL, "turn 4"); got != "miss" {
+		t.Errorf("through a replica with another key: %s, want miss", got)
+	}
+	// Turn 4 was stored under the other key: the tier's replica cannot open it either.
+	if got := c.next(t, a.URL, single.URL, "turn 5"); got != "miss" {
+		t.Errorf("an entry another key sealed: %s, want miss", got)
+	}
+	// Tampered with in Redis: one byte of the sealed params flipped.
+	var entry map[string]any
+	if err := json.Unmarshal(raw(c.id), &entry); err != nil {
+		t.Fatal(err)
+	}
+	sealed, err := base64.StdEncoding.DecodeString(entry["sealed"].(string))
+	if err != nil || len(sealed) < 20 {
+		t.Fatalf("the entry's sealed params: %v (%d bytes)", err, len(sealed))
+	}
+	sealed[len(sealed)/2] ^= 1
+	entry["sealed"] = sealed
+	forged, _ := json.Marshal(entry)
+	if err := rdb.Set(t.Context(), "kvbridge:conversation:"+c.id, forged, time.Minute).Err(); err != nil {
+		t.Fatal(err)
+	}
+	if got := c.next(t, a.URL, single.URL, "turn 6"); got != "miss" {
+		t.Errorf("a tampered entry: %s, want miss", got)
+	}
+	for url, want := range map[string]string{a.URL: "kvbridge:proxy_conversation_store_unsealable_total 2", other.URL: "kvbridge:proxy_conversation_store_unsealable_total 1"} {
+		if _, m := do(t, http.MethodGet, url+"/metrics", nil); !strings.Contains(string(m), want) {
+			t.Errorf("%s/metrics lacks %q", url, want)
+		}
+	}
+	if got := c.next(t, a.URL, single.URL, "turn 7"); got != "hit" {
+		t.Errorf("the turn after: %s, want hit", got)
+	}
+
+	if _, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{instanceOf(t, p.URL)},
+		Decode: []proxy.Instance{instanceOf(t, d.URL)}}, Store: rs.url()}); !errors.Is(err, proxy.ErrStoreKey) {
+		t.Errorf("a Redis store without a key: %v, want ErrStoreKey", err)
 	}
 }

@@ -108,3 +108,9 @@ func (l *legs) watchTransfer(p, d Instance, reqID string, pre prefillResult) fun
 	}
 	return func(u map[string]any) { l.watch.decoded(d, reqID, u) }
 }
+
+// withTransferCounts adds the counts of requests served without a transfer to a health body.
+func (l *legs) withTransferCounts(fields map[string]any) map[string]any {
+	fields["requests_without_kv_transfer"] = l.watch.counts()
+	return fields
+}

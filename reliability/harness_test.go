@@ -128,7 +128,7 @@ func newEngine(se *kvstack.Engine, log *fixture.LogBuffer, clock *fakeClock) *en
 // engineLog returns a log sink and a logger writing to it, marked with the engine's name.
 func engineLog(name string) (*fixture.LogBuffer, *slog.Logger) {
 	sink := &fixture.LogBuffer{}
-	return sink, slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug})).With("engine", name)
+	return sink, slog.New(slog.NewTextHandler(sink, &slog.HandlerOptions{Level: slog.LevelDebug})).With("engine_name", name)
 }
 
 // startEngine starts an in-process engine; at cleanup it is closed.

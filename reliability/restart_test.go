@@ -55,7 +55,10 @@ func TestProxyRestart(t *testing.T) {
 	s.p.waitPoolFull(t)
 	s.d.clock.advance(t, 481*time.Second) // decoder_kv_blocks_ttl
 	s.d.waitPoolFull(t)
-	waitMetric(t, s.hc, s.d.URL, "vllm:nixl_num_kv_expired_reqs_total", 2)
+	waitMetric(t, s.hc, s.d.URL, "kvbridge:decoder_holds_expired_total", 2)
+	if got := metric(t, s.hc, s.d.URL, "vllm:nixl_num_kv_expired_reqs_total"); got != 0 {
+		t.Errorf("D counted %v expired KV requests: holds that aged out are not P's lease expiries", got)
+	}
 }
 
 // TestEngineRestartSameEngineID: P restarts with the same engine_id and side-channel port (a

@@ -170,7 +170,7 @@ func (cfg Config) engine(e EngineConfig, role connector.Role) EngineConfig {
 	}
 	e.FallbackToFreePort = e.FallbackToFreePort || cfg.FallbackToFreePorts
 	if e.Logger == nil {
-		e.Logger = cfg.Logger.With("engine", e.Name)
+		e.Logger = cfg.Logger.With("engine_name", e.Name)
 	}
 	return e
 }

@@ -159,5 +159,5 @@ func checkProof(auth Authenticator, side AuthSide, t *AuthTranscript, got []byte
 func (a *Agent) countAuthRefusal(side string, peer, remote, role, why string) {
 	a.refuse(ErrPermission)
 	a.stats.authRefused.Add(1)
-	a.log.Warn("transfer connection refused: authentication", "side", side, "peer", peer, "remote_addr", remote, "role", role, "why", why)
+	a.log.Warn("transfer connection refused: authentication", "side", side, "peer", peer, "peer_addr", remote, "role", role, "err", why)
 }

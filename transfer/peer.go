@@ -241,7 +241,7 @@ func (p *peer) choose(ctx context.Context, prefs []Backend, explicit bool, descs
 				if len(reasons) > 0 {
 					fallback = joinReasons(reasons)
 					p.a.stats.fallbacks.Add(1)
-					p.a.log.Info("transfer backend fallback", "peer", p.name, "backend", b.String(), "why", fallback)
+					p.a.log.Info("transfer backend fallback", "peer", p.name, "backend", b.String(), "err", fallback)
 				}
 				return b, fallback, nil
 			}
@@ -644,7 +644,7 @@ func (p *peer) teardownData(why string) {
 	p.mu.Unlock()
 	if len(data) > 0 {
 		p.a.stats.disconnects.Add(1)
-		p.a.log.Info("transfer data connections lost", "peer", p.name, "why", why)
+		p.a.log.Info("transfer data connections lost", "peer", p.name, "err", why)
 	}
 	for _, c := range data {
 		c.abort()
@@ -663,7 +663,7 @@ func (p *peer) teardown(kind error, why string) {
 	p.mu.Unlock()
 	if len(conns.data) > 0 || conns.u != nil || conns.t != nil || conns.ux != nil {
 		p.a.stats.disconnects.Add(1)
-		p.a.log.Info("transfer peer disconnected", "peer", p.name, "why", why)
+		p.a.log.Info("transfer peer disconnected", "peer", p.name, "err", why)
 	}
 	conns.close()
 	for r, gen := range reqs {

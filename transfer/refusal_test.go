@@ -25,7 +25,7 @@ func TestRefusalThenDeadlineAbortsBusyStripe(t *testing.T) {
 	p := newPair(t, Config{AuthorizeRead: authorize}, Config{StripeBytes: 4096, TCPStreams: 2}, 1<<16, PermRead)
 	t.Cleanup(func() { close(release) }) // before the agents close
 	ll, rl := p.lists(t, 4096, &PrepareOptions{Backends: []string{"TCP"}})
-	req, err := p.ini.MakeRequest(Read, ll, seq(2), rl, seq(2), &RequestOptions{Timeout: 200 * time.Millisecond})
+	req, err := p.ini.MakeRequest(Read, ll, seq(2), rl, seq(2), &RequestOptions{Timeout: time.Hour})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -58,6 +58,13 @@ func TestRefusalThenDeadlineAbortsBusyStripe(t *testing.T) {
 	if c0.ctx.Err() != nil {
 		t.Fatal("a refusal closed the connection of a stripe reading its payload")
 	}
+	// The deadline passes now: the test moves it and fires the request's timer, rather than
+	// giving the request a short timeout, which a loaded machine could reach before the
+	// refusal (the first error would then be the timeout, not the refusal).
+	req.mu.Lock()
+	req.deadline = time.Now()
+	req.timer.Reset(0)
+	req.mu.Unlock()
 	select {
 	case <-c0.ctx.Done(): // the deadline aborted the busy stripe's connection
 	case <-ctx.Done():

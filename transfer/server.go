@@ -323,7 +323,7 @@ func (a *Agent) serveData(c net.Conn, peer string) error {
 			if err := a.authorizeRead(peer, tag, descs); err != nil {
 				kind, detail = ErrPermission, "read not authorized: "+err.Error()
 				a.stats.readsDenied.Add(1)
-				a.log.Warn("transfer READ refused", "peer", peer, "request", h.Req, "stripe", h.Seq, "why", err.Error())
+				a.log.Warn("transfer READ refused", "peer", peer, "transfer_request", h.Req, "stripe", h.Seq, "err", err.Error())
 			}
 		}
 		if op == Write {

@@ -216,7 +216,7 @@ func (p *peer) teardownUCX(link *ucxLink, why string) {
 	reqs := p.takeInflightLocked(BackendUCX)
 	p.mu.Unlock()
 	p.a.stats.disconnects.Add(1)
-	p.a.log.Info("transfer UCX link lost", "peer", p.name, "why", why)
+	p.a.log.Info("transfer UCX link lost", "peer", p.name, "err", why)
 	link.close()
 	for r, gen := range reqs {
 		r.fail(gen, ErrRemoteDisconnect, why, nil)

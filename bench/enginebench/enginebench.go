@@ -34,7 +34,7 @@ type Options struct {
 	// bfloat16).
 	DTypes []string
 	// KVCacheDTypes are the --kv-cache-dtype values each dtype is measured with (default auto:
-	// float32 keys and values).
+	// keys and values in the dtype measured).
 	KVCacheDTypes []string
 	// PromptLen is the number of prompt tokens prefilled (default 1024).
 	PromptLen int
@@ -349,9 +349,10 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType strin
 	return d, nil
 }
 
-// name names the run: its dtype, and its KV cache dtype where that is not float32.
+// name names the run: its dtype, and its KV cache dtype where that is not the dtype's own
+// (what --kv-cache-dtype auto gives).
 func (d *DTypeResult) name() string {
-	if d.KVCacheDType == "float32" {
+	if d.KVCacheDType == d.DType {
 		return d.DType
 	}
 	return d.DType + ", KV " + d.KVCacheDType

@@ -16,7 +16,7 @@ import (
 
 func TestRunTiny(t *testing.T) {
 	r, err := Run(t.Context(), Options{Model: "kvbridge/tiny", PromptLen: 40, DecodeTokens: 3, Chunk: 16, Batches: []int{1, 3},
-		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"auto", "bfloat16"}, DecodeSteps: 2, Repeat: 1, PeakDuration: 10 * time.Millisecond})
+		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"float32", "bfloat16"}, DecodeSteps: 2, Repeat: 1, PeakDuration: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -92,7 +92,7 @@ func TestRunTiny(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"prefill compute", "decode batch 3 (context 8)", "decode batch 3 (context 20)", "VDPBF16PS peak", "bf16 peak",
-		"bfloat16, KV bfloat16", "step bound", "roofline"} {
+		"float32, KV bfloat16", "bfloat16, KV float32", "step bound", "roofline"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}

@@ -102,12 +102,12 @@ func (in *injector) inject(ctx context.Context) {
 	case FaultRestart:
 		e := []*stack.Engine{in.s.P, in.s.D}[in.rng.IntN(2)]
 		label = fmt.Sprintf("%s %s", kind, e.Name)
-		in.log.Warn("soak: fault", "kind", kind, "engine", e.Name)
+		in.log.Warn("soak: fault", "kind", kind, "engine_name", e.Name)
 		start := time.Now()
 		if err := in.s.restart(context.WithoutCancel(ctx), e); err != nil {
 			in.rep.countError("restart failed: " + err.Error())
 		}
-		in.log.Warn("soak: restarted", "engine", e.Name, "took", time.Since(start).String())
+		in.log.Warn("soak: restarted", "engine_name", e.Name, "took", time.Since(start).String())
 	}
 	in.rep.countFault(kind, label)
 }

@@ -304,7 +304,7 @@ func TestHostsFourHostLayout(t *testing.T) {
 		}
 		for i, d := range []*process{d1, d2} {
 			pAddr := []*netns.Host{p1h, p2h}[i].Addr.String() + ":" + guideSideChannel
-			if !d.logLine(t, "NIXL handshake done", "addr="+pAddr, "backend=TCP") {
+			if !d.logLine(t, "NIXL handshake done", "peer_addr="+pAddr, "backend=TCP") {
 				t.Errorf("decoder %d did not report a TCP handshake with %s:\n%s", i+1, pAddr, d.log())
 			}
 			if !d.logLine(t, "transfer backend fallback", "backend=TCP", "SHM: ") {
@@ -341,7 +341,7 @@ func TestHostsFourHostLayout(t *testing.T) {
 		if w := want(b); got != w {
 			t.Errorf("D2 reading P1: %q, single engine %q", got, w)
 		}
-		if !d2.logLine(t, "NIXL handshake done", "addr="+p1h.Addr.String()+":"+guideSideChannel, "backend=TCP") {
+		if !d2.logLine(t, "NIXL handshake done", "peer_addr="+p1h.Addr.String()+":"+guideSideChannel, "backend=TCP") {
 			t.Errorf("D2 did not handshake with P1 over TCP:\n%s", d2.log())
 		}
 		waitPoolsFull(t, hc, 10*time.Second, p1, p2, d1, d2)
@@ -406,7 +406,7 @@ func TestHostsFourHostLayout(t *testing.T) {
 			d  *netns.Host
 			nm string
 		}{{p1, d1h, "P1"}, {p1, d2h, "P1"}, {p2, d1h, "P2"}, {p2, d2h, "P2"}} {
-			if !e.p.logLine(t, "NIXL handshake done", "addr="+e.d.Addr.String()+":"+guideSideChannel, "backend=TCP") {
+			if !e.p.logLine(t, "NIXL handshake done", "peer_addr="+e.d.Addr.String()+":"+guideSideChannel, "backend=TCP") {
 				t.Errorf("%s did not pull from %s over TCP:\n%s", e.nm, e.d, e.p.log())
 			}
 		}
@@ -464,7 +464,7 @@ func TestHostsMisconfigured(t *testing.T) {
 		if !p.logLine(t, "kvbridge serving", "side_channel=127.0.0.1:"+guideSideChannel) {
 			t.Errorf("P's side channel is not on its loopback:\n%s", p.log())
 		}
-		if !d.logLine(t, "NIXL transfer failure: handshake_setup_failed", "remote_addr=localhost:"+guideSideChannel) {
+		if !d.logLine(t, "NIXL transfer failure: handshake_setup_failed", "peer_addr=localhost:"+guideSideChannel) {
 			t.Errorf("D did not log the failed handshake with localhost:\n%s", d.log())
 		}
 		waitPoolsFull(t, hc, 15*time.Second, p) // P's lease (2 s) expires: nobody read its blocks

@@ -39,7 +39,8 @@ type process struct {
 	err  error
 }
 
-var urlAttr = regexp.MustCompile(`(?:url|addr)=(http://\S+)`)
+// urlAttr finds the URL in a text (url=http://…) or JSON ("url":"http://…") log line.
+var urlAttr = regexp.MustCompile(`(?:url|addr)"?[=:]"?(http://[^\s"]+)`)
 
 // startProcess runs `kvbridge args...` with extra environment variables and waits (at most
 // 60 s) for its "serving"/"listening" log line, which names its URL.
@@ -123,6 +124,20 @@ func (p *process) waitLog(t *testing.T, s string) bool {
 }
 
 func (p *process) kill() { _ = p.cmd.Process.Signal(syscall.SIGKILL) }
+
+// stop sends SIGTERM and waits (at most 30 s) for the process to exit; it returns the exit
+// error (nil for status 0).
+func (p *process) stop(t *testing.T) error {
+	t.Helper()
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		return p.err
+	case <-time.After(30 * time.Second):
+		t.Fatalf("kvbridge did not exit in 30 s after SIGTERM\n%s", p.log())
+		return nil
+	}
+}
 
 // postJSON sends body and returns the status and the raw response.
 func postJSON(t *testing.T, url string, body any) (int, []byte) {

@@ -13,8 +13,13 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/kvbridge/kvbridge/connector"
+	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/proxy"
 )
+
+// envStoreKey is --conversation-store-key's environment variable.
+const envStoreKey = "KVBRIDGE_CONVERSATION_STORE_KEY"
 
 // proxyFlags are the flags of vLLM's toy proxy and multi-turn proxy.
 type proxyFlags struct {
@@ -23,6 +28,7 @@ type proxyFlags struct {
 	maxConversations                  int
 	maxConversationBytes              string
 	conversationStore                 string
+	conversationStoreKey              string
 	host                              string
 	port                              int
 	prefillHosts, decodeHosts         []string
@@ -30,6 +36,7 @@ type proxyFlags struct {
 	prefillHostAlias, decodeHostAlias []string
 	prefillPortAlias, decodePortAlias []int
 	headerTimeout, idleTimeout        time.Duration
+	log                               logFlags
 }
 
 func newProxyCmd() *cobra.Command {
@@ -43,7 +50,7 @@ func newProxyCmd() *cobra.Command {
 		},
 	}
 	fl := cmd.Flags()
-	fl.StringVar(&f.host, "host", "", "address to listen on (default 127.0.0.1; 0.0.0.0 with --multi-turn)")
+	fl.StringVar(&f.host, "host", "", "address to listen on (default: all interfaces, as kvbridge serve's and vLLM's)")
 	fl.IntVar(&f.port, "port", 8000, "port to listen on (0 picks a free port)")
 	fl.StringSliceVar(&f.prefillHosts, "prefiller-hosts", nil, "prefill instance hosts (default localhost)")
 	fl.StringSliceVar(&f.prefillHostAlias, "prefiller-host", nil, "alias of --prefiller-hosts")
@@ -61,6 +68,8 @@ func newProxyCmd() *cobra.Command {
 	fl.IntVar(&f.maxConversations, "max-conversations", proxy.DefaultMaxConversations, "with --multi-turn: most conversations cached (least recently used dropped first)")
 	fl.StringVar(&f.maxConversationBytes, "max-conversation-bytes", formatBytes(proxy.DefaultMaxConversationBytes), "with --multi-turn and the memory store: most bytes of cached conversations (least recently used dropped first), e.g. 64M")
 	fl.StringVar(&f.conversationStore, "conversation-store", "memory", "with --multi-turn: where conversations are kept between turns: memory, or redis://HOST:PORT/DB shared by the replicas of a proxy tier")
+	fl.StringVar(&f.conversationStoreKey, "conversation-store-key", "", "with --multi-turn: the secret D's kv_transfer_params are sealed under in the conversation store, the same on every replica (default: env "+envStoreKey+", else "+connector.EnvAuthToken+"; required with Redis; the memory store otherwise uses a random key)")
+	f.log.register(fl)
 	return cmd
 }
 
@@ -73,7 +82,11 @@ func orDefault[T any](a, b []T, def T) []T {
 }
 
 func runProxy(ctx context.Context, f proxyFlags) error {
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	log, err := f.log.logger(os.Stderr)
+	if err != nil {
+		return err
+	}
+	routeRedisLogs(log)
 	pre, err := proxy.Pairs("prefiller", orDefault(f.prefillHosts, f.prefillHostAlias, "localhost"), orDefault(f.prefillPorts, f.prefillPortAlias, 8100))
 	if err != nil {
 		return usageError("%v", err)
@@ -85,17 +98,20 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if f.port < 0 || f.port > 65535 {
 		return usageError("--port %d is not a port number", f.port)
 	}
-	if f.host == "" {
-		f.host = "127.0.0.1"
-		if f.multiTurn {
-			f.host = "0.0.0.0"
-		}
-	}
 	if !f.multiTurn && f.requireConversationID {
 		return usageError("--require-conversation-id needs --multi-turn")
 	}
 	if !f.multiTurn && f.conversationStore != "memory" {
 		return usageError("--conversation-store needs --multi-turn")
+	}
+	if !f.multiTurn && f.conversationStoreKey != "" {
+		return usageError("--conversation-store-key needs --multi-turn")
+	}
+	storeKey := f.conversationStoreKey
+	for _, env := range []string{envStoreKey, connector.EnvAuthToken} {
+		if storeKey == "" {
+			storeKey = os.Getenv(env)
+		}
 	}
 	maxBytes, err := parseBytes(f.maxConversationBytes)
 	if err != nil {
@@ -111,7 +127,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	}
 	if f.multiTurn {
 		h, err = proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg, CacheTTL: f.cacheTTL, MaxConversations: f.maxConversations,
-			MaxConversationBytes: maxBytes, RequireConversationID: f.requireConversationID, Store: f.conversationStore})
+			MaxConversationBytes: maxBytes, RequireConversationID: f.requireConversationID, Store: f.conversationStore, StoreKey: storeKey})
 	} else {
 		h, err = proxy.NewOneWay(cfg)
 	}
@@ -123,12 +139,14 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if err != nil {
 		return fmt.Errorf("listen on port %d: %w (is another server using it? pick another with --port)", f.port, err)
 	}
-	log.Info("kvbridge proxy listening", "addr", "http://"+ln.Addr().String(), "multi_turn", f.multiTurn, "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
-	return serveUntilDone(ctx, &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second}, ln)
+	bound := ln.Addr().(*net.TCPAddr)
+	log.Info("kvbridge proxy listening", "addr", bound.String(), "url", instance.LocalURL(bound), "multi_turn", f.multiTurn, "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
+	return serveUntilDone(ctx, log, &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second}, ln, h.Close)
 }
 
-// serveUntilDone serves on ln until ctx ends, then shuts the server down gracefully.
-func serveUntilDone(ctx context.Context, hs *http.Server, ln net.Listener) error {
+// serveUntilDone serves on ln until ctx ends, then shuts the server down gracefully (at most
+// 10 s for the requests in flight) and calls closeAfter, logging the shutdown.
+func serveUntilDone(ctx context.Context, log *slog.Logger, hs *http.Server, ln net.Listener, closeAfter func() error) error {
 	errc := make(chan error, 1)
 	go func() { errc <- hs.Serve(ln) }()
 	select {
@@ -136,11 +154,13 @@ func serveUntilDone(ctx context.Context, hs *http.Server, ln net.Listener) error
 		return err
 	case <-ctx.Done():
 	}
-	shutdown, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	err := hs.Shutdown(shutdown)
-	if serr := <-errc; !errors.Is(serr, http.ErrServerClosed) && err == nil {
-		err = serr
-	}
-	return err
+	return logShutdown(ctx, log, "kvbridge proxy", func() error {
+		shutdown, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		err := hs.Shutdown(shutdown)
+		if serr := <-errc; !errors.Is(serr, http.ErrServerClosed) && err == nil {
+			err = serr
+		}
+		return errors.Join(err, closeAfter())
+	})
 }

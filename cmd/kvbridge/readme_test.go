@@ -95,10 +95,25 @@ func TestREADME(t *testing.T) {
 	if len(order) == 0 {
 		t.Fatal("no README blocks to run")
 	}
+	// The commands run on free ports standing for the README's fixed ones, which the test holds
+	// (those it can take) so that a port the rewriting misses fails the test on any machine.
+	defaults := readmeDefaultPorts(t)
+	var all []readmeBlock
 	for _, name := range order {
-		t.Run(name, func(t *testing.T) { runScenario(t, root, env, byScenario[name]) })
+		all = append(all, byScenario[name]...)
+	}
+	fixed := fixedPorts(t, all, defaults)
+	t.Logf("holding the README's ports %v (of %v)", holdPorts(t, fixed), fixed)
+	for _, name := range order {
+		t.Run(name, func(t *testing.T) { runScenario(t, root, env, newPortMap(t, defaults), byScenario[name]) })
 	}
 }
+
+// commandDeadline bounds a server's start and a foreground block's run. Both are watched for
+// their own signal (the serving log line, the exit), so the bound only decides how long a broken
+// command takes to fail: generous, because on a loaded 2-core machine a server's start (exec,
+// model load, KV arena) took over 60 s.
+const commandDeadline = 5 * time.Minute
 
 // server is a README command running in the background.
 type server struct {
@@ -115,7 +130,7 @@ func (s *server) log() string {
 	return s.out.String()
 }
 
-func runScenario(t *testing.T, dir string, env []string, blocks []readmeBlock) {
+func runScenario(t *testing.T, dir string, env0 []string, ports *portMap, blocks []readmeBlock) {
 	var servers []*server
 	defer func() {
 		for _, s := range servers {
@@ -127,6 +142,8 @@ func runScenario(t *testing.T, dir string, env []string, blocks []readmeBlock) {
 		}
 	}()
 	for _, b := range blocks {
+		var env []string
+		b.text, env = ports.rewrite(b.text, env0)
 		first := firstCommand(b.text)
 		isServer := strings.HasPrefix(first, "kvbridge serve") || strings.HasPrefix(first, "kvbridge proxy")
 		if !isServer || strings.HasPrefix(b.scenario, "fails-") {
@@ -139,8 +156,8 @@ func runScenario(t *testing.T, dir string, env []string, blocks []readmeBlock) {
 		case <-s.ready:
 		case <-s.done:
 			t.Fatalf("README.md:%d: the server exited:\n%s", b.line, s.log())
-		case <-time.After(60 * time.Second):
-			t.Fatalf("README.md:%d: the server did not start in 60 s:\n%s", b.line, s.log())
+		case <-time.After(commandDeadline):
+			t.Fatalf("README.md:%d: the server did not start in %s:\n%s", b.line, commandDeadline, s.log())
 		}
 	}
 }
@@ -200,7 +217,7 @@ var envAssign = regexp.MustCompile(`^[A-Za-z_][A-Za-z0-9_]*=`)
 
 func runForeground(t *testing.T, dir string, env []string, b readmeBlock) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	ctx, cancel := context.WithTimeout(t.Context(), commandDeadline)
 	defer cancel()
 	c := exec.CommandContext(ctx, "bash", "-c", "set -e\n"+b.text)
 	c.Dir, c.Env = dir, env

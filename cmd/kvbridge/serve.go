@@ -48,6 +48,7 @@ type serveFlags struct {
 	revision            string
 	kvCacheLayout       string
 	maxConcurrent       int
+	transferPort        int
 
 	// vLLM flags with an effect here.
 	dataParallelSize     int
@@ -59,6 +60,7 @@ type serveFlags struct {
 	dtype                string
 	kvCacheDType         string
 	quantization         string
+	log                  logFlags
 	// changed reports whether a flag was given (set when the command runs).
 	changed func(name string) bool
 }
@@ -125,7 +127,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	}
 	fl := cmd.Flags()
 	fl.StringVar(&f.model, "model", "", "model to serve (prefer the positional argument)")
-	fl.StringVar(&f.host, "host", "", "address to listen on (default: all interfaces)")
+	fl.StringVar(&f.host, "host", "", "address to listen on (default: all interfaces, as vLLM's)")
 	fl.IntVar(&f.port, "port", 8000, "HTTP port (0 picks a free port)")
 	fl.IntVar(&f.blockSize, "block-size", kvcache.DefaultBlockSize, "tokens per KV cache block")
 	fl.IntVar(&f.maxModelLen, "max-model-len", 0, "context length: prompt plus output (default: the model's, at most 32768)")
@@ -147,6 +149,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
 	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", openai.DefaultMaxConcurrentRequests, "sequences served at once (a request counts max(n, best_of)); a request beyond is answered 429 (0: no limit)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
+	fl.IntVar(&f.transferPort, "kv-transfer-port", 0, "port of the KV transfer engine's TCP listener, on VLLM_NIXL_SIDE_CHANNEL_HOST (data-parallel rank i: port + i), so that network policies can name it (default 0: a free port)")
 	fl.IntVar(&f.dataParallelSize, "data-parallel-size", 1, "data-parallel ranks (-dp) behind the one port, each with its own KV cache and side channel (VLLM_NIXL_SIDE_CHANNEL_PORT + rank)")
 	fl.IntVar(&f.pipelineParallelSize, "pipeline-parallel-size", 1, "pipeline parallelism (-pp); only 1 is supported")
 	fl.IntVar(&f.maxLogprobs, "max-logprobs", 20, "most logprobs a request may ask for per position (-1: the vocabulary)")
@@ -154,8 +157,9 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.BoolVar(&f.promptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details (cached and transferred prompt tokens)")
 	fl.BoolVar(&f.forceIncludeUsage, "enable-force-include-usage", false, "end every stream with a usage chunk")
 	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
-	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (float32), float32 or bfloat16")
+	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (the model's dtype, as --dtype resolves it), float32 or bfloat16")
 	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
+	f.log.register(fl)
 	// Only whether they were given matters (checkVLLMFlags), so their values are not kept.
 	for _, name := range pythonOnlyFlags {
 		fl.String(name, "", "accepted for vLLM compatibility; tunes only vLLM's Python internals")
@@ -201,7 +205,10 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 
 // serve runs one engine until ctx ends.
 func serve(ctx context.Context, f serveFlags) error {
-	log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+	log, err := f.log.logger(os.Stderr)
+	if err != nil {
+		return err
+	}
 	cfg, err := f.instanceConfig(log)
 	if err != nil {
 		return err
@@ -217,7 +224,19 @@ func serve(ctx context.Context, f serveFlags) error {
 	if err := in.Wait(ctx); err != nil {
 		return err
 	}
-	return in.Close()
+	return logShutdown(ctx, log, "kvbridge serve", in.Close)
+}
+
+// logShutdown logs why what (a server whose ctx ended: a signal) stops and that it drains,
+// closes it, and logs that it closed, with the error if closing failed.
+func logShutdown(ctx context.Context, log *slog.Logger, what string, close func() error) error {
+	log.Info(what+": shutting down, draining requests (at most 10 s)", "cause", context.Cause(ctx).Error())
+	if err := close(); err != nil {
+		log.Error(what+": closed with an error", "err", err)
+		return err
+	}
+	log.Info(what + ": closed")
+	return nil
 }
 
 // instanceConfig checks the flags and builds the engine's configuration.
@@ -231,6 +250,9 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	}
 	if f.port < 0 || f.port > 65535 {
 		return instance.Config{}, usageError("--port %d is not a port number", f.port)
+	}
+	if f.transferPort < 0 || f.transferPort > 65535 {
+		return instance.Config{}, usageError("--kv-transfer-port %d is not a port number", f.transferPort)
 	}
 	if f.blockSize <= 0 || f.blockSize > kvcache.MaxBlockSize {
 		return instance.Config{}, usageError("--block-size %d must be between 1 and %d", f.blockSize, kvcache.MaxBlockSize)
@@ -321,6 +343,7 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		KVTransfer:            kvCfg,
 		SideChannelHost:       os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST"),
 		SideChannelPort:       port,
+		TransferPort:          f.transferPort,
 		StatsInterval:         statsInterval(),
 		Logger:                log,
 		MaxLogprobs:           f.maxLogprobs,

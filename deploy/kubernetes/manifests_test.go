@@ -18,6 +18,8 @@ import (
 
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
+	networkingv1 "k8s.io/api/networking/v1"
+	policyv1 "k8s.io/api/policy/v1"
 	"sigs.k8s.io/kustomize/api/krusty"
 	"sigs.k8s.io/kustomize/api/types"
 	"sigs.k8s.io/kustomize/kyaml/filesys"
@@ -31,15 +33,18 @@ var overlays = map[string]bool{"overlays/one-way": false, "overlays/bidirectiona
 
 // objects are the decoded resources of one manifest set, by name.
 type objects struct {
-	services     map[string]*corev1.Service
-	configMaps   map[string]*corev1.ConfigMap
-	statefulSets map[string]*appsv1.StatefulSet
-	deployments  map[string]*appsv1.Deployment
+	services        map[string]*corev1.Service
+	configMaps      map[string]*corev1.ConfigMap
+	statefulSets    map[string]*appsv1.StatefulSet
+	deployments     map[string]*appsv1.Deployment
+	networkPolicies map[string]*networkingv1.NetworkPolicy
+	pdbs            map[string]*policyv1.PodDisruptionBudget
 }
 
 func newObjects() *objects {
 	return &objects{services: map[string]*corev1.Service{}, configMaps: map[string]*corev1.ConfigMap{},
-		statefulSets: map[string]*appsv1.StatefulSet{}, deployments: map[string]*appsv1.Deployment{}}
+		statefulSets: map[string]*appsv1.StatefulSet{}, deployments: map[string]*appsv1.Deployment{},
+		networkPolicies: map[string]*networkingv1.NetworkPolicy{}, pdbs: map[string]*policyv1.PodDisruptionBudget{}}
 }
 
 // add decodes one YAML document strictly — an unknown or misspelled field is an error — into
@@ -63,6 +68,10 @@ func (o *objects) add(doc []byte) error {
 		name, err = decodeInto(doc, o.statefulSets)
 	case "apps/v1 Deployment":
 		name, err = decodeInto(doc, o.deployments)
+	case "networking.k8s.io/v1 NetworkPolicy":
+		name, err = decodeInto(doc, o.networkPolicies)
+	case "policy/v1 PodDisruptionBudget":
+		name, err = decodeInto(doc, o.pdbs)
 	default:
 		return fmt.Errorf("kind %q of apiVersion %q: no decoder in this test (add one)", meta.Kind, meta.APIVersion)
 	}
@@ -188,6 +197,9 @@ func TestOverlays(t *testing.T) {
 			}
 			checkProxy(t, o, px, bidi)
 			checkServices(t, o)
+			checkLabels(t, o)
+			checkDisruptionAndSpread(t, o)
+			checkNetworkPolicies(t, o, bidi)
 			if _, redis := o.deployments["kvbridge-redis"]; redis != bidi {
 				t.Errorf("a Redis deployment: %v, want %v (the multi-turn proxy tier's store)", redis, bidi)
 			}
@@ -222,6 +234,8 @@ func container(t *testing.T, o *objects, spec *corev1.PodTemplateSpec) (*corev1.
 			env[e.Name] = v
 		case e.ValueFrom.FieldRef != nil:
 			env[e.Name] = "fieldRef:" + e.ValueFrom.FieldRef.FieldPath
+		case e.ValueFrom.SecretKeyRef != nil: // created by the operator, never in the manifests
+			env[e.Name] = "secret:" + e.ValueFrom.SecretKeyRef.Name + "/" + e.ValueFrom.SecretKeyRef.Key
 		default:
 			t.Errorf("env %s: a source this test does not resolve", e.Name)
 		}
@@ -337,7 +351,10 @@ func checkEngine(t *testing.T, o *objects, sts *appsv1.StatefulSet, role string,
 	if len(cfg.Backends) != 0 {
 		t.Errorf("%s: backends %v; leave the choice to the transfer engine (TCP between pods)", sts.Name, cfg.Backends)
 	}
-	checkHTTPProbe(t, sts.Name+" readiness", c.ReadinessProbe, "/health")
+	if tp := port(c, "kv-transfer"); tp == 0 || f["kv-transfer-port"] != strconv.Itoa(int(tp)) {
+		t.Errorf("%s: --kv-transfer-port %q, container port kv-transfer %d", sts.Name, f["kv-transfer-port"], tp)
+	}
+	checkHTTPProbe(t, sts.Name+" readiness", c.ReadinessProbe, "/ready")
 	checkHTTPProbe(t, sts.Name+" liveness", c.LivenessProbe, "/health")
 	checkHTTPProbe(t, sts.Name+" startup", c.StartupProbe, "/health")
 	checkScrape(t, sts.Name, &sts.Spec.Template, httpPort)
@@ -397,16 +414,19 @@ func checkProxy(t *testing.T, o *objects, d *appsv1.Deployment, bidi bool) {
 	if (f["multi-turn"] == "true") != bidi {
 		t.Errorf("proxy: --multi-turn %q, want %v", f["multi-turn"], bidi)
 	}
+	checkHTTPProbe(t, "proxy readiness", c.ReadinessProbe, "/ready")
 	if !bidi {
-		checkHTTPProbe(t, "proxy readiness", c.ReadinessProbe, "/healthcheck")
+		checkHTTPProbe(t, "proxy liveness", c.LivenessProbe, "/healthcheck")
 		return
 	}
-	checkHTTPProbe(t, "proxy readiness", c.ReadinessProbe, "/health")
 	checkHTTPProbe(t, "proxy liveness", c.LivenessProbe, "/health")
 	checkScrape(t, "proxy", &d.Spec.Template, httpPort)
 	u, err := url.Parse(f["conversation-store"])
 	if err != nil || u.Scheme != "redis" {
 		t.Fatalf("proxy: --conversation-store %q, want redis://HOST:PORT/DB", f["conversation-store"])
+	}
+	if !strings.HasPrefix(env["KVBRIDGE_CONVERSATION_STORE_KEY"], "secret:") {
+		t.Errorf("proxy: a Redis store needs KVBRIDGE_CONVERSATION_STORE_KEY from a Secret (the key D's params are sealed under), got %q", env["KVBRIDGE_CONVERSATION_STORE_KEY"])
 	}
 	svc := o.services[u.Hostname()]
 	if svc == nil || !slices.ContainsFunc(svc.Spec.Ports, func(p corev1.ServicePort) bool { return strconv.Itoa(int(p.Port)) == u.Port() }) {
