@@ -272,12 +272,12 @@ func (r *Report) transfers(engines []*engine, answers []answer, before, after ma
 			r.problem(ProblemNotPulled, "%.0f KV transfers failed: see the decode engine's log (handshake, compatibility hash, auth token)", failed)
 		}
 	}
-	if pulled >= 0 {
+	if pulled >= 0 && prompt > 0 {
 		r.line("prompt tokens: %d sent, %d pulled from P, %d computed on D (%s)", prompt, pulled, prompt-pulled, source)
 		if pulled == 0 && prompt > 0 {
 			r.problem(ProblemNotPulled, "D pulled none of the %d prompt tokens (%s)", prompt, source)
 		}
-	} else if prompt > 0 {
+	} else if pulled < 0 && prompt > 0 {
 		r.line("prompt tokens: %d sent; how many were pulled is unknown (D exports no vllm:prompt_tokens_by_source_total and its usage no prompt_tokens_details: start it with --enable-prompt-tokens-details)", prompt)
 	}
 	if !known && pulled < 0 && r.OK() {
