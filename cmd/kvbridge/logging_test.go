@@ -169,7 +169,7 @@ func TestProxyRoutesRedisLogs(t *testing.T) {
 	dead := ln.Addr().String() // nothing listens there once closed
 	ln.Close()
 	px := startProcess(t, nil, "proxy", "--multi-turn", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
-		"--conversation-store", "redis://"+dead+"/0", "--prefiller-ports", "1", "--decoder-ports", "1")
+		"--conversation-store", "redis://"+dead+"/0", "--conversation-store-key", "logging-test-key", "--prefiller-ports", "1", "--decoder-ports", "1")
 	resp, err := http.Get(px.url + "/ready")
 	if err != nil {
 		t.Fatal(err)
