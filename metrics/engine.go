@@ -26,6 +26,7 @@ type EngineMetrics struct {
 	success          map[string]prometheus.Counter
 	successVec       *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
+	stalled          prometheus.Counter
 	ttft, e2e, itl   prometheus.Observer
 	nixl             *NixlMetrics
 
@@ -42,6 +43,7 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 		success:          make(map[string]prometheus.Counter, 4),
 		successVec:       r.requestSuccess,
 		rejected:         r.rejected,
+		stalled:          r.stalled.WithLabelValues(modelName, engine),
 		ttft:             r.ttft.WithLabelValues(modelName, engine),
 		e2e:              r.e2e.WithLabelValues(modelName, engine),
 		itl:              r.itl.WithLabelValues(modelName, engine),
@@ -59,6 +61,10 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 func (m *EngineMetrics) CountRejected(reason string) {
 	m.rejected.WithLabelValues(m.modelName, m.engine, reason).Inc()
 }
+
+// CountClientStalled counts a response whose client took no write within the write timeout
+// (kvbridge:http_client_stalled_total).
+func (m *EngineMetrics) CountClientStalled() { m.stalled.Inc() }
 
 // ModelName returns the model_name label value.
 func (m *EngineMetrics) ModelName() string { return m.modelName }

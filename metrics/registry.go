@@ -28,6 +28,7 @@ type Registry struct {
 	generationTokens *prometheus.CounterVec
 	requestSuccess   *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
+	stalled          *prometheus.CounterVec
 	ttft             *prometheus.HistogramVec
 	e2e              *prometheus.HistogramVec
 	itl              *prometheus.HistogramVec
@@ -64,6 +65,10 @@ func NewRegistry() *Registry {
 			Name: "kvbridge:requests_rejected_total",
 			Help: "Requests refused before reaching the engine, by reason (body_too_large, too_many_requests, prompt_too_long, invalid, unauthorized).",
 		}, append(labels[:2:2], "reason")),
+		stalled: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbridge:http_client_stalled_total",
+			Help: "Responses whose client took no write (or flush) within the write timeout (--write-timeout); the request's sequences were aborted.",
+		}, labels),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "vllm:time_to_first_token_seconds",
 			Help:    "Histogram of time to first token in seconds.",
@@ -85,7 +90,7 @@ func NewRegistry() *Registry {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		r.sched,
-		r.promptTokens, r.generationTokens, r.requestSuccess, r.rejected,
+		r.promptTokens, r.generationTokens, r.requestSuccess, r.rejected, r.stalled,
 		r.ttft, r.e2e, r.itl,
 	)
 	r.nixl.register(r.prom)

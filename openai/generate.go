@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -135,6 +136,10 @@ type runner struct {
 	events chan seqEvent
 	stop   chan struct{}
 	wg     sync.WaitGroup
+	// ended counts the sequences the engine has ended (their final output came); when all of
+	// the job's have, release gives the request's concurrency slots back.
+	ended   atomic.Int32
+	release func()
 	res    []*seqResult
 	added  int
 	start  time.Time
@@ -144,13 +149,13 @@ type runner struct {
 	gotToken bool
 }
 
-// startJob adds the job's first sequence (and, unless they wait for it, the others). On an
-// error, taken reports whether the engine took a sequence before it: that sequence, aborted,
+// startJob adds the job's first sequence (and, unless they wait for it, the others); release is
+// called once the engine has ended all of them. On an error, taken reports whether the engine took a sequence before it: that sequence, aborted,
 // carried the kv_transfer_params, so the engine's connector tells the producer itself and the
 // request must not be declined as well.
-func (s *Server) startJob(ctx context.Context, j *job) (rn *runner, taken bool, apiErr *APIError) {
+func (s *Server) startJob(ctx context.Context, j *job, release func()) (rn *runner, taken bool, apiErr *APIError) {
 	rn = &runner{s: s, j: j, client: ctx, events: make(chan seqEvent), stop: make(chan struct{}),
-		res: make([]*seqResult, len(j.reqs)), start: time.Now()}
+		res: make([]*seqResult, len(j.reqs)), start: time.Now(), release: release}
 	rn.ctx, rn.cancel = context.WithCancel(ctx)
 	for i := range rn.res {
 		rn.res[i] = &seqResult{}
@@ -186,15 +191,76 @@ func (rn *runner) add() *APIError {
 	rn.wg.Add(1)
 	go func() {
 		defer rn.wg.Done()
-		for o := range st.C() {
-			select {
-			case rn.events <- seqEvent{idx: i, out: o}:
-			case <-rn.stop:
-				return // the collector is gone; the context's cancel aborts the sequence
-			}
-		}
+		rn.forward(i, st.C())
 	}()
 	return nil
+}
+
+// forward hands sequence i's outputs to the collector. It takes them from the engine as they
+// come, even while the collector is busy (writing to a client that reads slowly, or not at all):
+// what the collector has not taken yet is merged into one output, as the engine merges for a
+// slow reader. So the engine's end of a sequence is seen at once, whatever the client does: it
+// is counted (seqEnded) before the collector hears of it. It returns at the stream's end, once
+// the collector has everything, or when close stops it (the context's cancel aborts the
+// sequence).
+func (rn *runner) forward(i int, in <-chan engine.Output) {
+	var (
+		next engine.Output // not yet taken by the collector
+		have bool
+	)
+	for in != nil || have {
+		var out chan<- seqEvent
+		if have {
+			out = rn.events
+		}
+		select {
+		case o, ok := <-in:
+			switch {
+			case !ok:
+				in = nil
+				continue
+			case o.Finished:
+				rn.seqEnded()
+			}
+			if have {
+				mergeOutput(&next, o)
+			} else {
+				next, have = o, true
+			}
+		case out <- seqEvent{idx: i, out: next}:
+			next, have = engine.Output{}, false
+		case <-rn.stop:
+			return
+		}
+	}
+}
+
+// seqEnded counts a sequence the engine has ended; at the job's last, the request's concurrency
+// slots are given back.
+func (rn *runner) seqEnded() {
+	if int(rn.ended.Add(1)) == len(rn.j.reqs) && rn.release != nil {
+		rn.release()
+	}
+}
+
+// mergeOutput appends o, which came after p, to p (as the engine coalesces a slow reader's
+// outputs). p's slices are copied before they grow: they may share memory with the engine's.
+func mergeOutput(p *engine.Output, o engine.Output) {
+	p.Tokens = append(slices.Clip(p.Tokens), o.Tokens...)
+	p.Logprobs = append(slices.Clip(p.Logprobs), o.Logprobs...)
+	if o.PromptLogprobs != nil {
+		p.PromptLogprobs = o.PromptLogprobs
+	}
+	p.Text += o.Text
+	p.Finished, p.FinishReason = o.Finished, o.FinishReason
+	p.PromptTokens, p.CachedTokens, p.CompletionTokens = o.PromptTokens, o.CachedTokens, o.CompletionTokens
+	p.ExternalCachedTokens = o.ExternalCachedTokens
+	if o.KVTransfer != nil {
+		p.KVTransfer = o.KVTransfer
+	}
+	if o.Err != nil {
+		p.Err = o.Err
+	}
 }
 
 // addRest adds the sequences not added yet.
@@ -410,11 +476,12 @@ func (j *job) completionText(r *seqResult, text string, tokens []int32, lps []mo
 	return text, toks, pos
 }
 
-// serve runs the job and writes the JSON or SSE response. It reports whether the engine took
+// serve runs the job and writes the JSON or SSE response; release gives back the request's
+// concurrency slots (called once the engine has ended every sequence). It reports whether the engine took
 // the request (from then on the engine and its connector own its kv_transfer_params).
-func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) bool {
+func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job, release func()) bool {
 	ctx := r.Context()
-	rn, taken, apiErr := s.startJob(ctx, j)
+	rn, taken, apiErr := s.startJob(ctx, j, release)
 	if apiErr != nil {
 		writeError(w, apiErr)
 		return taken

@@ -35,12 +35,17 @@ type detokenizeRequest struct {
 // tokenizer's special tokens — its post-processor's BOS, EOS or separators — when
 // add_special_tokens, the default); messages are rendered with the chat template and encoded as
 // a chat request's are (add_special_tokens defaults to false). Either way the count is the
-// request's prompt_tokens.
+// request's prompt_tokens. It takes a concurrency slot while it works (429 when none is free).
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	var req tokenizeRequest
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
 		return
 	}
+	release, ok := s.takeSlot(w)
+	if !ok {
+		return
+	}
+	defer release()
 	tok := s.model.Tokenizer()
 	var (
 		text       string
@@ -74,12 +79,17 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 }
 
 // handleDetokenize serves POST /detokenize: {"prompt": the text of the tokens}, special tokens
-// included.
+// included. It takes a concurrency slot while it works (429 when none is free).
 func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 	var req detokenizeRequest
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
 		return
 	}
+	release, ok := s.takeSlot(w)
+	if !ok {
+		return
+	}
+	defer release()
 	tok := s.model.Tokenizer()
 	ids, apiErr := tokenIDs(tok, req.Tokens)
 	if apiErr != nil {
