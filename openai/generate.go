@@ -140,9 +140,9 @@ type runner struct {
 	// the job's have, release gives the request's concurrency slots back.
 	ended   atomic.Int32
 	release func()
-	res    []*seqResult
-	added  int
-	start  time.Time
+	res     []*seqResult
+	added   int
+	start   time.Time
 	// share: sequences 1.. are added once sequence 0 has computed the prompt, so that they
 	// find its blocks in the prefix cache.
 	share    bool
