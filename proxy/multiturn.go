@@ -64,6 +64,7 @@ type MultiTurn struct {
 	store   conversationStore
 	require bool
 	mux     *http.ServeMux
+	handler http.Handler // mux, its writes bounded by WriteTimeout
 	reg     *prometheus.Registry
 	m       proxyMetrics
 
@@ -157,6 +158,9 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 				return float64(max(mt.redis.expiredKeys(ctx), 0))
 			}))
 	}
+	mt.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_http_client_stalled_total", Help: "Responses whose client took no write within the write timeout (--write-timeout); the request's legs were cancelled."},
+		func() float64 { return float64(mt.stalled.Load()) }))
+	mt.handler = mt.boundWrites(mt.mux)
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
 	mt.mux.HandleFunc("GET /health", mt.health)
@@ -170,7 +174,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 }
 
 // ServeHTTP implements http.Handler.
-func (mt *MultiTurn) ServeHTTP(w http.ResponseWriter, r *http.Request) { mt.mux.ServeHTTP(w, r) }
+func (mt *MultiTurn) ServeHTTP(w http.ResponseWriter, r *http.Request) { mt.handler.ServeHTTP(w, r) }
 
 // Close releases idle connections to the engines and the store's connections. It is
 // idempotent.
@@ -186,7 +190,8 @@ func (mt *MultiTurn) Close() error {
 func (mt *MultiTurn) Cache() *ConversationCache { return mt.cache }
 
 func (mt *MultiTurn) health(w http.ResponseWriter, _ *http.Request) {
-	h := map[string]any{"status": "ok", "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode)}
+	h := map[string]any{"status": "ok", "prefill_instances": len(mt.cfg.Prefill), "decode_instances": len(mt.cfg.Decode),
+		"clients_stalled": mt.stalled.Load()}
 	if mt.cache != nil {
 		n, stale := mt.cache.Sweep()
 		h["store"], h["cached_conversations"], h["evicted_stale"], h["evicted_capacity"] = "memory", n, stale, mt.cache.Evicted()

@@ -16,8 +16,9 @@ import (
 // OneWay is the toy proxy's flow (spec §1): every request is prefilled on P and decoded on D.
 type OneWay struct {
 	legs
-	p, d roundRobin
-	mux  *http.ServeMux
+	p, d    roundRobin
+	mux     *http.ServeMux
+	handler http.Handler // mux, its writes bounded by WriteTimeout
 }
 
 // NewOneWay returns the one-way proxy for cfg.
@@ -31,6 +32,7 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 		d:    roundRobin{list: cfg.Decode},
 		mux:  http.NewServeMux(),
 	}
+	o.handler = o.boundWrites(o.mux)
 	o.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/completions") })
 	o.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/chat/completions") })
 	o.mux.HandleFunc("GET /healthcheck", o.health)
@@ -42,7 +44,7 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 }
 
 // ServeHTTP implements http.Handler.
-func (o *OneWay) ServeHTTP(w http.ResponseWriter, r *http.Request) { o.mux.ServeHTTP(w, r) }
+func (o *OneWay) ServeHTTP(w http.ResponseWriter, r *http.Request) { o.handler.ServeHTTP(w, r) }
 
 // Close releases idle connections to the engines. It is idempotent.
 func (o *OneWay) Close() error {
@@ -56,6 +58,7 @@ func (o *OneWay) health(w http.ResponseWriter, _ *http.Request) {
 	w.Header().Set("Content-Type", "application/json")
 	_ = json.NewEncoder(w).Encode(map[string]any{
 		"status": "ok", "prefill_instances": len(o.cfg.Prefill), "decode_instances": len(o.cfg.Decode),
+		"clients_stalled": o.stalled.Load(),
 	})
 }
 
