@@ -141,12 +141,15 @@ type runner struct {
 	ended   atomic.Int32
 	release func()
 	res     []*seqResult
-	added   int
 	start   time.Time
 	// share: sequences 1.. are added once sequence 0 has computed the prompt, so that they
-	// find its blocks in the prefix cache.
+	// find its blocks in the prefix cache. Sequence 0's forwarder adds them (addShared).
 	share    bool
 	gotToken bool
+
+	mu     sync.Mutex
+	added  int       // sequences the engine took
+	addErr *APIError // why addShared could not add them all, for the collector
 }
 
 // startJob adds the job's first sequence (and, unless they wait for it, the others); release is
@@ -160,16 +163,17 @@ func (s *Server) startJob(ctx context.Context, j *job, release func()) (rn *runn
 	for i := range rn.res {
 		rn.res[i] = &seqResult{}
 	}
-	if apiErr := rn.add(); apiErr != nil {
-		rn.close()
-		return nil, false, apiErr
-	}
 	rn.share = len(j.reqs) > 1 && !j.p.promptLogprobs && s.prefixCaching()
-	if !rn.share {
-		if apiErr := rn.addRest(); apiErr != nil {
-			rn.close() // aborts sequence 0, which the engine took
-			return nil, true, apiErr
-		}
+	rn.mu.Lock()
+	apiErr = rn.add()
+	if apiErr == nil && !rn.share {
+		taken = true
+		apiErr = rn.addRest()
+	}
+	rn.mu.Unlock()
+	if apiErr != nil {
+		rn.close() // aborts sequence 0 if the engine took it
+		return nil, taken, apiErr
 	}
 	return rn, true, nil
 }
@@ -180,7 +184,7 @@ func (s *Server) prefixCaching() bool {
 	return ok && ec.Config().PrefixCaching
 }
 
-// add adds the next sequence and starts forwarding its outputs.
+// add adds the next sequence and starts forwarding its outputs. rn.mu must be held.
 func (rn *runner) add() *APIError {
 	i := rn.added
 	st, err := rn.s.engine.Add(rn.ctx, rn.j.reqs[i])
@@ -205,8 +209,9 @@ func (rn *runner) add() *APIError {
 // sequence).
 func (rn *runner) forward(i int, in <-chan engine.Output) {
 	var (
-		next engine.Output // not yet taken by the collector
-		have bool
+		next  engine.Output // not yet taken by the collector
+		have  bool
+		first = true
 	)
 	for in != nil || have {
 		var out chan<- seqEvent
@@ -222,6 +227,10 @@ func (rn *runner) forward(i int, in <-chan engine.Output) {
 			case o.Finished:
 				rn.seqEnded()
 			}
+			if i == 0 && first && rn.share && (!o.Finished || o.FinishReason == "stop" || o.FinishReason == "length") {
+				rn.addShared() // sequence 0 has computed the prompt
+			}
+			first = false
 			if have {
 				mergeOutput(&next, o)
 			} else {
@@ -233,6 +242,30 @@ func (rn *runner) forward(i int, in <-chan engine.Output) {
 			return
 		}
 	}
+}
+
+// addShared adds the sequences that wait for sequence 0's prompt; sequence 0's forwarder calls
+// it at its first output, whatever the collector is doing (it may be stuck writing to a client),
+// so that they run, end and give their slots back without waiting for the client. Nothing is
+// added once the request is aborted; a failure to add aborts the request and is left in addErr
+// for the collector, which reads it when it takes that first output.
+func (rn *runner) addShared() {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	if rn.ctx.Err() != nil {
+		return
+	}
+	if apiErr := rn.addRest(); apiErr != nil {
+		rn.addErr = apiErr
+		rn.cancel()
+	}
+}
+
+// numAdded returns how many sequences the engine took.
+func (rn *runner) numAdded() int {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	return rn.added
 }
 
 // seqEnded counts a sequence the engine has ended; at the job's last, the request's concurrency
@@ -263,7 +296,7 @@ func mergeOutput(p *engine.Output, o engine.Output) {
 	}
 }
 
-// addRest adds the sequences not added yet.
+// addRest adds the sequences not added yet. rn.mu must be held.
 func (rn *runner) addRest() *APIError {
 	for rn.added < len(rn.j.reqs) {
 		if apiErr := rn.add(); apiErr != nil {
@@ -303,10 +336,10 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 			grace = timer.C
 		}
 	}
-	pending := func() bool { // sequences still to add once sequence 0 has started
-		return rn.added < len(rn.j.reqs) && failure == nil && rn.client.Err() == nil
+	pending := func() bool { // sequences added once sequence 0 has started, not counted yet
+		return rn.share && !rn.res[0].started && failure == nil && rn.client.Err() == nil
 	}
-	for finished < rn.added || pending() {
+	for finished < rn.numAdded() || pending() {
 		select {
 		case <-done:
 			done = nil
@@ -324,10 +357,13 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 			rn.record(ev.idx, o)
 			ok := !o.Finished || o.FinishReason == "stop" || o.FinishReason == "length"
 			if ev.idx == 0 && !r.started && ok && pending() {
-				// Sequence 0 has computed the prompt: the others start from its cached blocks.
-				if apiErr := rn.addRest(); apiErr != nil {
-					failure = apiErr
-					rn.cancel()
+				// Sequence 0 has computed the prompt: its forwarder has added the others, which
+				// start from its cached blocks, or failed to.
+				rn.mu.Lock()
+				addErr := rn.addErr
+				rn.mu.Unlock()
+				if addErr != nil {
+					failure = addErr
 					startGrace()
 				}
 			}

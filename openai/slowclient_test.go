@@ -59,10 +59,10 @@ func eventually(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// fillsTheLimit sends a request with slowLimit sequences and returns its status.
-func fillsTheLimit(t *testing.T, e *env) int {
+// fillsTheLimit sends a request with limit sequences and returns its status.
+func fillsTheLimit(t *testing.T, e *env, limit int) int {
 	t.Helper()
-	resp, raw := e.post(t, "/v1/completions", map[string]any{"prompt": "a bystander", "max_tokens": 2, "n": slowLimit}, nil)
+	resp, raw := e.post(t, "/v1/completions", map[string]any{"prompt": "a bystander", "max_tokens": 2, "n": limit}, nil)
 	if resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusTooManyRequests {
 		t.Fatalf("bystander: %d %s", resp.StatusCode, raw)
 	}
@@ -84,7 +84,7 @@ func TestStalledStreamIsAborted(t *testing.T) {
 		st := e.engine.Stats()
 		return st.Running == 0 && st.Waiting == 0
 	})
-	if got := fillsTheLimit(t, e); got != http.StatusOK {
+	if got := fillsTheLimit(t, e, slowLimit); got != http.StatusOK {
 		t.Errorf("a request of the whole limit after the stalled one was aborted: %d, want 200", got)
 	}
 }
@@ -93,20 +93,32 @@ func TestStalledStreamIsAborted(t *testing.T) {
 // write timeout far beyond the test: its slots are back as soon as the engine has ended its
 // sequences, while the response still waits for the client (a request of the whole limit gets
 // 200 meanwhile); nothing is counted as stalled, and the client, reading at last, gets its
-// whole answer.
+// whole answer. In the chat case the writes block before any token, on the echo of a final
+// assistant message that every choice starts with: the sequences that wait for the first one's
+// prompt are added all the same.
 func TestSlotsFollowTheEngine(t *testing.T) {
-	for _, stream := range []bool{false, true} {
-		t.Run(fmt.Sprintf("stream=%t", stream), func(t *testing.T) {
-			e := newEnv(t, func(c *Config) { c.MaxConcurrentRequests = slowLimit; c.WriteTimeout = 4 * testWait }, envSmallSendBuffers{})
-			c := fixture.NonReader(t, e.http.Listener.Addr().String(), "/v1/completions", bigRequest(stream))
+	echoed := fmt.Sprintf(`{"messages":[{"role":"user","content":"go on"},{"role":"assistant","content":%q}],"echo":true,"max_tokens":1,"n":32,"stream":true}`,
+		strings.Repeat("the ", 200))
+	for _, c := range []struct {
+		name, path, body string
+		limit            int
+		stream           bool
+	}{
+		{"completion", "/v1/completions", bigRequest(false), slowLimit, false},
+		{"completion-stream", "/v1/completions", bigRequest(true), slowLimit, true},
+		{"chat-echo-stream", "/v1/chat/completions", echoed, 32, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := newEnv(t, func(cfg *Config) { cfg.MaxConcurrentRequests = c.limit; cfg.WriteTimeout = 4 * testWait }, envSmallSendBuffers{})
+			conn := fixture.NonReader(t, e.http.Listener.Addr().String(), c.path, c.body)
 			eventually(t, "a request of the whole limit to be served beside the unread response", func() bool {
-				return fillsTheLimit(t, e) == http.StatusOK
+				return fillsTheLimit(t, e, c.limit) == http.StatusOK
 			})
 			if got := e.counter(t, "kvbridge:http_client_stalled_total"); got != 0 {
 				t.Errorf("kvbridge:http_client_stalled_total = %v, want 0", got)
 			}
-			_ = c.SetReadDeadline(time.Now().Add(testWait))
-			resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+			_ = conn.SetReadDeadline(time.Now().Add(testWait))
+			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -116,11 +128,9 @@ func TestSlotsFollowTheEngine(t *testing.T) {
 				t.Fatalf("the slow client's answer: %d, %v", resp.StatusCode, err)
 			}
 			finished := 0
-			if stream {
+			if c.stream {
 				for _, ev := range sseEvents(t, body) {
-					if strings.Contains(ev, `"finish_reason":"length"`) {
-						finished++
-					}
+					finished += strings.Count(ev, `"finish_reason":"length"`)
 				}
 			} else {
 				var r struct {
@@ -137,8 +147,8 @@ func TestSlotsFollowTheEngine(t *testing.T) {
 					}
 				}
 			}
-			if finished != slowLimit {
-				t.Errorf("the slow client got %d finished choices, want %d", finished, slowLimit)
+			if finished != c.limit {
+				t.Errorf("the slow client got %d finished choices, want %d", finished, c.limit)
 			}
 		})
 	}
