@@ -111,6 +111,13 @@ func TestSlotsFollowTheEngine(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			e := newEnv(t, func(cfg *Config) { cfg.MaxConcurrentRequests = c.limit; cfg.WriteTimeout = 4 * testWait }, envSmallSendBuffers{})
 			conn := fixture.NonReader(t, e.http.Listener.Addr().String(), c.path, c.body)
+			// The status line only (a stream's comes at once, a JSON answer's once it is
+			// built): the request holds its slots, or did, before anyone else asks for them.
+			br := bufio.NewReaderSize(conn, 16)
+			_ = conn.SetReadDeadline(time.Now().Add(testWait))
+			if status, err := br.Peek(12); err != nil || string(status) != "HTTP/1.1 200" {
+				t.Fatalf("the slow client's status line: %q, %v", status, err)
+			}
 			eventually(t, "a request of the whole limit to be served beside the unread response", func() bool {
 				return fillsTheLimit(t, e, c.limit) == http.StatusOK
 			})
@@ -118,7 +125,7 @@ func TestSlotsFollowTheEngine(t *testing.T) {
 				t.Errorf("kvbridge:http_client_stalled_total = %v, want 0", got)
 			}
 			_ = conn.SetReadDeadline(time.Now().Add(testWait))
-			resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+			resp, err := http.ReadResponse(br, nil)
 			if err != nil {
 				t.Fatal(err)
 			}
