@@ -77,7 +77,9 @@ type Config struct {
 	// is answered at once with 429 (RateLimitError) instead of queueing without bound. A request
 	// with more sequences than the whole limit takes all of it: it runs, alone. Zero means no
 	// limit. A request takes its first slot only once its body has been read, the rest once
-	// the body has been validated.
+	// the body has been validated; it gives them back as soon as the engine has ended its
+	// sequences, even if the client has not read the answer yet. /tokenize and /detokenize take
+	// one slot each while they work.
 	MaxConcurrentRequests int
 	// BodyReadTimeout bounds the reading of a request body (408 beyond it), so that a client
 	// trickling its body holds nothing for long. Default DefaultBodyReadTimeout.

@@ -139,6 +139,8 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-config.kv_connector", "NixlConnector", "--kv-transfer-config.kv_role", "kv_producer", "--kv-transfer-config.kv_connector_extra_config.backends+", "UCX"}, "not available in this build"},
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-config", "{nope"}, "kv-transfer-config"},
 		{[]string{"serve", "kvbridge/tiny", "--block-size", "0"}, "block-size"},
+		{[]string{"serve", "kvbridge/tiny", "--write-timeout", "0s"}, "--write-timeout"},
+		{[]string{"proxy", "--write-timeout", "-1s"}, "--write-timeout"},
 		{[]string{"proxy", "--prefiller-hosts", "a", "b", "--prefiller-ports", "1"}, "2 prefiller hosts but 1"},
 		{[]string{"bench"}, "subcommand"},
 		{[]string{"bench", "pd", "--hosts", "--backend", "SHM"}, "--backend SHM cannot cross hosts"},
