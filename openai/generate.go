@@ -153,9 +153,9 @@ type runner struct {
 }
 
 // startJob adds the job's first sequence (and, unless they wait for it, the others); release is
-// called once the engine has ended all of them. On an error, taken reports whether the engine took a sequence before it: that sequence, aborted,
-// carried the kv_transfer_params, so the engine's connector tells the producer itself and the
-// request must not be declined as well.
+// called once the engine has ended all of them. On an error, taken reports whether the engine
+// took a sequence before it: that sequence, aborted, carried the kv_transfer_params, so the
+// engine's connector tells the producer itself and the request must not be declined as well.
 func (s *Server) startJob(ctx context.Context, j *job, release func()) (rn *runner, taken bool, apiErr *APIError) {
 	rn = &runner{s: s, j: j, client: ctx, events: make(chan seqEvent), stop: make(chan struct{}),
 		res: make([]*seqResult, len(j.reqs)), start: time.Now(), release: release}
@@ -513,8 +513,9 @@ func (j *job) completionText(r *seqResult, text string, tokens []int32, lps []mo
 }
 
 // serve runs the job and writes the JSON or SSE response; release gives back the request's
-// concurrency slots (called once the engine has ended every sequence). It reports whether the engine took
-// the request (from then on the engine and its connector own its kv_transfer_params).
+// concurrency slots (called once the engine has ended every sequence). It reports whether the
+// engine took the request (from then on the engine and its connector own its
+// kv_transfer_params).
 func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job, release func()) bool {
 	ctx := r.Context()
 	rn, taken, apiErr := s.startJob(ctx, j, release)

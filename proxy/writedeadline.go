@@ -35,7 +35,9 @@ func (l *legs) boundWrites(next http.Handler) http.Handler {
 }
 
 // deadlineWriter arms the connection's write deadline before each write and flush and reports
-// the first write that missed it. It is used by the handler's goroutine only.
+// the first write that missed it. It is used by the handler's goroutine only. (The engines'
+// OpenAI server has the same writer; the proxy imports no kvbridge package, so it keeps its
+// own.)
 type deadlineWriter struct {
 	http.ResponseWriter
 	rc      *http.ResponseController
