@@ -84,10 +84,10 @@ type Config struct {
 	// BodyReadTimeout bounds the reading of a request body (408 beyond it), so that a client
 	// trickling its body holds nothing for long. Default DefaultBodyReadTimeout.
 	BodyReadTimeout time.Duration
-	// WriteTimeout bounds each write and flush of a response to the client (--write-timeout): a
-	// client that takes nothing for that long fails the write, its request's sequences are
-	// aborted in the engine and the stall is counted (kvbridge:http_client_stalled_total).
-	// Default DefaultWriteTimeout.
+	// WriteTimeout bounds each write (of at most 64 KiB: a larger body goes out in pieces) and
+	// each flush of a response to the client (--write-timeout): a client that takes nothing for
+	// that long fails the write, its request's sequences are aborted in the engine and the
+	// stall is counted (kvbridge:http_client_stalled_total). Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
 	// MaxLogprobs is --max-logprobs: the most logprobs (sampled or prompt) a request may ask
 	// for per position; −1 allows the whole vocabulary. Zero means DefaultMaxLogprobs.

@@ -32,9 +32,10 @@ type Config struct {
 	// BodyReadTimeout bounds the reading of a client's request body (408 beyond it). Default
 	// 30 s.
 	BodyReadTimeout time.Duration
-	// WriteTimeout bounds each write and flush of a response to the client: a client that takes
-	// nothing for that long fails the write, the request's legs are cancelled (D aborts it and
-	// frees its slots and blocks) and the stall is counted. Default DefaultWriteTimeout.
+	// WriteTimeout bounds each write (of at most 64 KiB: a larger body goes out in pieces) and
+	// each flush of a response to the client: a client that takes nothing for that long fails
+	// the write, the request's legs are cancelled (D aborts it and frees its slots and blocks)
+	// and the stall is counted. Default DefaultWriteTimeout.
 	WriteTimeout time.Duration
 	// Transport carries the engine legs; nil uses a dedicated http.Transport.
 	Transport http.RoundTripper

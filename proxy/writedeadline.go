@@ -46,12 +46,23 @@ type deadlineWriter struct {
 	missed  bool
 }
 
+// writePiece is the most one deadline covers: a large body goes out in pieces, each under a
+// deadline of its own, so that the bound is on the client's progress (a piece per write
+// timeout), not on the size of the body.
+const writePiece = 64 << 10
+
 // Write implements http.ResponseWriter.
 func (d *deadlineWriter) Write(b []byte) (int, error) {
-	d.arm()
-	n, err := d.ResponseWriter.Write(b)
-	d.check(err)
-	return n, err
+	n := 0
+	for {
+		d.arm()
+		m, err := d.ResponseWriter.Write(b[n:min(len(b), n+writePiece)])
+		n += m
+		d.check(err)
+		if err != nil || n == len(b) {
+			return n, err
+		}
+	}
 }
 
 // FlushError flushes under the deadline (http.ResponseController.Flush finds it).
