@@ -88,6 +88,9 @@ type Config struct {
 	// 429 beyond); 0 = no limit
 	// (`kvbridge serve` passes openai.DefaultMaxConcurrentRequests unless told otherwise).
 	MaxConcurrentRequests int
+	// WriteTimeout bounds each write of a response to a client (--write-timeout; default
+	// openai.DefaultWriteTimeout): a client that stalls longer has its request aborted.
+	WriteTimeout time.Duration
 	// MaxLogprobs is --max-logprobs (0: the OpenAI server's default, 20).
 	MaxLogprobs int
 	// PromptTokensDetails is --enable-prompt-tokens-details: usage.prompt_tokens_details

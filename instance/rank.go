@@ -125,6 +125,7 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	ocfg := openai.Config{
 		ServedModelNames: cfg.ServedModelNames, MaxModelLen: cfg.MaxModelLen, Logger: cfg.Logger, Metrics: reg,
 		EngineLabel: label, APIKey: cfg.APIKey, MaxConcurrentRequests: cfg.MaxConcurrentRequests, MaxLogprobs: cfg.MaxLogprobs,
+		WriteTimeout:        cfg.WriteTimeout,
 		PromptTokensDetails: cfg.PromptTokensDetails, ForceIncludeUsage: cfg.ForceIncludeUsage,
 	}
 	if rk.Connector != nil {

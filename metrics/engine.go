@@ -29,6 +29,7 @@ type EngineMetrics struct {
 	successVec       *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
 	unknownFields    *prometheus.CounterVec
+	stalled          prometheus.Counter
 	ttft, e2e, itl   prometheus.Observer
 	nixl             *NixlMetrics
 	req              requestMetrics
@@ -50,6 +51,7 @@ func newEngineMetrics(r *Registry, modelName, engine string) *EngineMetrics {
 		successVec:       r.requestSuccess,
 		rejected:         r.rejected,
 		unknownFields:    r.unknownFields,
+		stalled:          r.stalled.WithLabelValues(modelName, engine),
 		ttft:             r.ttft.WithLabelValues(modelName, engine),
 		e2e:              r.e2e.WithLabelValues(modelName, engine),
 		itl:              r.itl.WithLabelValues(modelName, engine),
@@ -77,6 +79,10 @@ func (m *EngineMetrics) CountRejected(reason string) {
 func (m *EngineMetrics) CountUnknownField(field string) {
 	m.unknownFields.WithLabelValues(m.modelName, m.engine, field).Inc()
 }
+
+// CountClientStalled counts a response whose client took no write within the write timeout
+// (kvbridge:http_client_stalled_total).
+func (m *EngineMetrics) CountClientStalled() { m.stalled.Inc() }
 
 // ModelName returns the model_name label value.
 func (m *EngineMetrics) ModelName() string { return m.modelName }

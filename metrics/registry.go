@@ -29,6 +29,7 @@ type Registry struct {
 	requestSuccess   *prometheus.CounterVec
 	rejected         *prometheus.CounterVec
 	unknownFields    *prometheus.CounterVec
+	stalled          *prometheus.CounterVec
 	ttft             *prometheus.HistogramVec
 	e2e              *prometheus.HistogramVec
 	itl              *prometheus.HistogramVec
@@ -71,6 +72,10 @@ func NewRegistry() *Registry {
 			Name: "kvbridge:request_unknown_fields_total",
 			Help: "Request fields present but ignored (unknown to the API), by field name; the first few distinct names get their own label, later ones field=\"other\".",
 		}, append(labels[:2:2], "field")),
+		stalled: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvbridge:http_client_stalled_total",
+			Help: "Responses whose client took no write (or flush) within the write timeout (--write-timeout); the request's sequences were aborted.",
+		}, labels),
 		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "vllm:time_to_first_token_seconds",
 			Help:    "Histogram of time to first token in seconds.",
@@ -93,7 +98,7 @@ func NewRegistry() *Registry {
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		r.sched,
-		r.promptTokens, r.generationTokens, r.requestSuccess, r.rejected, r.unknownFields,
+		r.promptTokens, r.generationTokens, r.requestSuccess, r.rejected, r.unknownFields, r.stalled,
 		r.ttft, r.e2e, r.itl,
 	)
 	r.nixl.register(r.prom)

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unicode/utf8"
 
@@ -138,36 +139,44 @@ type runner struct {
 	events chan seqEvent
 	stop   chan struct{}
 	wg     sync.WaitGroup
-	res    []*seqResult
-	added  int
-	start  time.Time
+	// ended counts the sequences the engine has ended (their final output came); when all of
+	// the job's have, release gives the request's concurrency slots back.
+	ended   atomic.Int32
+	release func()
+	res     []*seqResult
+	start   time.Time
 	// share: sequences 1.. are added once sequence 0 has computed the prompt, so that they
-	// find its blocks in the prefix cache.
+	// find its blocks in the prefix cache. Sequence 0's forwarder adds them (addShared).
 	share    bool
 	gotToken bool
+
+	mu     sync.Mutex
+	added  int       // sequences the engine took
+	addErr *APIError // why addShared could not add them all, for the collector
 }
 
-// startJob adds the job's first sequence (and, unless they wait for it, the others). On an
-// error, taken reports whether the engine took a sequence before it: that sequence, aborted,
-// carried the kv_transfer_params, so the engine's connector tells the producer itself and the
-// request must not be declined as well.
-func (s *Server) startJob(ctx context.Context, j *job) (rn *runner, taken bool, apiErr *APIError) {
+// startJob adds the job's first sequence (and, unless they wait for it, the others); release is
+// called once the engine has ended all of them. On an error, taken reports whether the engine
+// took a sequence before it: that sequence, aborted, carried the kv_transfer_params, so the
+// engine's connector tells the producer itself and the request must not be declined as well.
+func (s *Server) startJob(ctx context.Context, j *job, release func()) (rn *runner, taken bool, apiErr *APIError) {
 	rn = &runner{s: s, j: j, client: ctx, events: make(chan seqEvent), stop: make(chan struct{}),
-		res: make([]*seqResult, len(j.reqs)), start: time.Now()}
+		res: make([]*seqResult, len(j.reqs)), start: time.Now(), release: release}
 	rn.ctx, rn.cancel = context.WithCancel(ctx)
 	for i := range rn.res {
 		rn.res[i] = &seqResult{}
 	}
-	if apiErr := rn.add(); apiErr != nil {
-		rn.close()
-		return nil, false, apiErr
-	}
 	rn.share = len(j.reqs) > 1 && !j.p.promptLogprobs && s.prefixCaching()
-	if !rn.share {
-		if apiErr := rn.addRest(); apiErr != nil {
-			rn.close() // aborts sequence 0, which the engine took
-			return nil, true, apiErr
-		}
+	rn.mu.Lock()
+	apiErr = rn.add()
+	if apiErr == nil && !rn.share {
+		taken = true
+		apiErr = rn.addRest()
+	}
+	rn.mu.Unlock()
+	if apiErr != nil {
+		rn.close() // aborts sequence 0 if the engine took it
+		return nil, taken, apiErr
 	}
 	return rn, true, nil
 }
@@ -178,7 +187,7 @@ func (s *Server) prefixCaching() bool {
 	return ok && ec.Config().PrefixCaching
 }
 
-// add adds the next sequence and starts forwarding its outputs.
+// add adds the next sequence and starts forwarding its outputs. rn.mu must be held.
 func (rn *runner) add() *APIError {
 	i := rn.added
 	st, err := rn.s.engine.Add(rn.ctx, rn.j.reqs[i])
@@ -189,18 +198,108 @@ func (rn *runner) add() *APIError {
 	rn.wg.Add(1)
 	go func() {
 		defer rn.wg.Done()
-		for o := range st.C() {
-			select {
-			case rn.events <- seqEvent{idx: i, out: o}:
-			case <-rn.stop:
-				return // the collector is gone; the context's cancel aborts the sequence
-			}
-		}
+		rn.forward(i, st.C())
 	}()
 	return nil
 }
 
-// addRest adds the sequences not added yet.
+// forward hands sequence i's outputs to the collector. It takes them from the engine as they
+// come, even while the collector is busy (writing to a client that reads slowly, or not at all):
+// what the collector has not taken yet is merged into one output, as the engine merges for a
+// slow reader. So the engine's end of a sequence is seen at once, whatever the client does: it
+// is counted (seqEnded) before the collector hears of it. It returns at the stream's end, once
+// the collector has everything, or when close stops it (the context's cancel aborts the
+// sequence).
+func (rn *runner) forward(i int, in <-chan engine.Output) {
+	var (
+		next  engine.Output // not yet taken by the collector
+		have  bool
+		first = true
+	)
+	for in != nil || have {
+		var out chan<- seqEvent
+		if have {
+			out = rn.events
+		}
+		select {
+		case o, ok := <-in:
+			switch {
+			case !ok:
+				in = nil
+				continue
+			case o.Finished:
+				rn.seqEnded()
+			}
+			if i == 0 && first && rn.share && (!o.Finished || o.FinishReason == "stop" || o.FinishReason == "length") {
+				rn.addShared() // sequence 0 has computed the prompt
+			}
+			first = false
+			if have {
+				mergeOutput(&next, o)
+			} else {
+				next, have = o, true
+			}
+		case out <- seqEvent{idx: i, out: next}:
+			next, have = engine.Output{}, false
+		case <-rn.stop:
+			return
+		}
+	}
+}
+
+// addShared adds the sequences that wait for sequence 0's prompt; sequence 0's forwarder calls
+// it at its first output, whatever the collector is doing (it may be stuck writing to a client),
+// so that they run, end and give their slots back without waiting for the client. Nothing is
+// added once the request is aborted; a failure to add aborts the request and is left in addErr
+// for the collector, which reads it when it takes that first output.
+func (rn *runner) addShared() {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	if rn.ctx.Err() != nil {
+		return
+	}
+	if apiErr := rn.addRest(); apiErr != nil {
+		rn.addErr = apiErr
+		rn.cancel()
+	}
+}
+
+// numAdded returns how many sequences the engine took.
+func (rn *runner) numAdded() int {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	return rn.added
+}
+
+// seqEnded counts a sequence the engine has ended; at the job's last, the request's concurrency
+// slots are given back.
+func (rn *runner) seqEnded() {
+	if int(rn.ended.Add(1)) == len(rn.j.reqs) && rn.release != nil {
+		rn.release()
+	}
+}
+
+// mergeOutput appends o, which came after p, to p (as the engine coalesces a slow reader's
+// outputs). p's slices are copied before they grow: they may share memory with the engine's.
+func mergeOutput(p *engine.Output, o engine.Output) {
+	p.Tokens = append(slices.Clip(p.Tokens), o.Tokens...)
+	p.Logprobs = append(slices.Clip(p.Logprobs), o.Logprobs...)
+	if o.PromptLogprobs != nil {
+		p.PromptLogprobs = o.PromptLogprobs
+	}
+	p.Text += o.Text
+	p.Finished, p.FinishReason = o.Finished, o.FinishReason
+	p.PromptTokens, p.CachedTokens, p.CompletionTokens = o.PromptTokens, o.CachedTokens, o.CompletionTokens
+	p.ExternalCachedTokens = o.ExternalCachedTokens
+	if o.KVTransfer != nil {
+		p.KVTransfer = o.KVTransfer
+	}
+	if o.Err != nil {
+		p.Err = o.Err
+	}
+}
+
+// addRest adds the sequences not added yet. rn.mu must be held.
 func (rn *runner) addRest() *APIError {
 	for rn.added < len(rn.j.reqs) {
 		if apiErr := rn.add(); apiErr != nil {
@@ -240,10 +339,10 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 			grace = timer.C
 		}
 	}
-	pending := func() bool { // sequences still to add once sequence 0 has started
-		return rn.added < len(rn.j.reqs) && failure == nil && rn.client.Err() == nil
+	pending := func() bool { // sequences added once sequence 0 has started, not counted yet
+		return rn.share && !rn.res[0].started && failure == nil && rn.client.Err() == nil
 	}
-	for finished < rn.added || pending() {
+	for finished < rn.numAdded() || pending() {
 		select {
 		case <-done:
 			done = nil
@@ -261,10 +360,13 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 			rn.record(ev.idx, o)
 			ok := !o.Finished || o.FinishReason == "stop" || o.FinishReason == "length"
 			if ev.idx == 0 && !r.started && ok && pending() {
-				// Sequence 0 has computed the prompt: the others start from its cached blocks.
-				if apiErr := rn.addRest(); apiErr != nil {
-					failure = apiErr
-					rn.cancel()
+				// Sequence 0 has computed the prompt: its forwarder has added the others, which
+				// start from its cached blocks, or failed to.
+				rn.mu.Lock()
+				addErr := rn.addErr
+				rn.mu.Unlock()
+				if addErr != nil {
+					failure = addErr
 					startGrace()
 				}
 			}
@@ -420,11 +522,13 @@ func (j *job) completionText(r *seqResult, text string, tokens []int32, lps []mo
 	return text, toks, pos
 }
 
-// serve runs the job and writes the JSON or SSE response. It reports whether the engine took
-// the request (from then on the engine and its connector own its kv_transfer_params).
-func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job) bool {
+// serve runs the job and writes the JSON or SSE response; release gives back the request's
+// concurrency slots (called once the engine has ended every sequence). It reports whether the
+// engine took the request (from then on the engine and its connector own its
+// kv_transfer_params).
+func (s *Server) serve(w http.ResponseWriter, r *http.Request, j *job, release func()) bool {
 	ctx := r.Context()
-	rn, taken, apiErr := s.startJob(ctx, j)
+	rn, taken, apiErr := s.startJob(ctx, j, release)
 	if apiErr != nil {
 		writeError(w, apiErr)
 		return taken

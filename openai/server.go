@@ -77,11 +77,18 @@ type Config struct {
 	// is answered at once with 429 (RateLimitError) instead of queueing without bound. A request
 	// with more sequences than the whole limit takes all of it: it runs, alone. Zero means no
 	// limit. A request takes its first slot only once its body has been read, the rest once
-	// the body has been validated.
+	// the body has been validated; it gives them back as soon as the engine has ended its
+	// sequences, even if the client has not read the answer yet. /tokenize and /detokenize take
+	// one slot each while they work.
 	MaxConcurrentRequests int
 	// BodyReadTimeout bounds the reading of a request body (408 beyond it), so that a client
 	// trickling its body holds nothing for long. Default DefaultBodyReadTimeout.
 	BodyReadTimeout time.Duration
+	// WriteTimeout bounds each write (of at most 64 KiB: a larger body goes out in pieces) and
+	// each flush of a response to the client (--write-timeout): a client that takes nothing for
+	// that long fails the write, its request's sequences are aborted in the engine and the
+	// stall is counted (kvbridge:http_client_stalled_total). Default DefaultWriteTimeout.
+	WriteTimeout time.Duration
 	// MaxLogprobs is --max-logprobs: the most logprobs (sampled or prompt) a request may ask
 	// for per position; −1 allows the whole vocabulary. Zero means DefaultMaxLogprobs.
 	MaxLogprobs int
@@ -113,6 +120,14 @@ type Config struct {
 
 // DefaultBodyReadTimeout is Config.BodyReadTimeout's default.
 const DefaultBodyReadTimeout = 30 * time.Second
+
+// DefaultWriteTimeout is Config.WriteTimeout's default. A client that reads takes a write
+// within a round trip whatever the pace of generation, so the bound never touches it even on a
+// slow link or a loaded machine; 30 s, as long as the body read timeout, bounds what a client
+// that stopped reading keeps busy: the engine work of its sequences, their blocks and a
+// connection. (Its concurrency slots do not wait for it: they are free as soon as the engine has
+// finished the sequences.)
+const DefaultWriteTimeout = 30 * time.Second
 
 // DefaultMaxConcurrentRequests is the concurrency bound `kvbridge serve` applies unless
 // --max-concurrent-requests says otherwise: room for every sequence of a full batch many times
@@ -171,6 +186,9 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	if cfg.BodyReadTimeout <= 0 {
 		cfg.BodyReadTimeout = DefaultBodyReadTimeout
 	}
+	if cfg.WriteTimeout <= 0 {
+		cfg.WriteTimeout = DefaultWriteTimeout
+	}
 	s := &Server{
 		cfg:     cfg,
 		engine:  eng,
@@ -211,7 +229,7 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		writeError(w, &APIError{Status: http.StatusNotFound, Type: "NotFoundError",
 			Message: fmt.Sprintf("No route for %s %s.", r.Method, r.URL.Path)})
 	})
-	s.handler = s.countRejections(s.recoverPanics(s.requestID(s.authorize(s.mux))))
+	s.handler = s.boundWrites(s.countRejections(s.recoverPanics(s.requestID(s.authorize(s.mux)))))
 	return s
 }
 
@@ -274,7 +292,9 @@ func baseRequestID(w http.ResponseWriter, r *http.Request, bodyID *string) strin
 // generate serves a completions route: it reads the body (bounded in size and time), takes a
 // concurrency slot (429 when none is free), builds the job, takes a slot for each of its other
 // sequences (429 when too few are free) and serves it. A request refused on the way has its
-// producer told at once (Config.DeclineKV).
+// producer told at once (Config.DeclineKV). The slots are given back when the engine has ended
+// every sequence, whether or not the client has taken the response yet, or else when the
+// handler returns.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(http.ResponseWriter, *http.Request, []byte) (*job, *APIError)) {
 	body, apiErr := s.readBody(w, r)
 	if apiErr != nil {
@@ -287,12 +307,12 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(htt
 			s.decline(body)
 		}
 	}()
-	release, apiErr := s.acquire(1)
-	if apiErr != nil {
+	slots := &slotHold{sem: s.slots}
+	defer slots.release()
+	if apiErr := s.acquire(slots, 1); apiErr != nil {
 		writeError(w, apiErr)
 		return
 	}
-	defer release()
 	j, apiErr := build(w, r, body)
 	if apiErr != nil {
 		writeError(w, apiErr)
@@ -301,27 +321,12 @@ func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(htt
 	// One slot per sequence, at most the whole limit: a request larger than the limit is not
 	// refused (n and best_of are valid up to maxChoices whatever the limit) but runs alone.
 	if more := min(len(j.reqs), s.cfg.MaxConcurrentRequests) - 1; s.slots != nil && more > 0 {
-		releaseMore, apiErr := s.acquire(more)
-		if apiErr != nil {
+		if apiErr := s.acquire(slots, more); apiErr != nil {
 			writeError(w, apiErr)
 			return
 		}
-		defer releaseMore()
 	}
-	taken = s.serve(w, r, j)
-}
-
-// acquire takes n concurrency slots without waiting; it answers 429 when fewer are free (the
-// sequences of MaxConcurrentRequests are already running). release gives them back.
-func (s *Server) acquire(n int) (release func(), apiErr *APIError) {
-	if s.slots == nil {
-		return func() {}, nil
-	}
-	if !s.slots.TryAcquire(int64(n)) {
-		return nil, &APIError{Status: http.StatusTooManyRequests, Type: "RateLimitError", RetryAfter: 1,
-			Message: fmt.Sprintf("The server is already running its limit of %d concurrent sequences (a request runs max(n, best_of) of them); retry later.", s.cfg.MaxConcurrentRequests)}
-	}
-	return func() { s.slots.Release(int64(n)) }, nil
+	taken = s.serve(w, r, j, slots.release)
 }
 
 // decline hands the kv_transfer_params of a refused request body, if it has any, to DeclineKV.

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
@@ -48,6 +49,11 @@ type envEngineOption func(*engine.Config)
 // envModel is a newEnv option: the model to serve instead of kvbridge/tiny.
 type envModel string
 
+// envSmallSendBuffers is a newEnv option: the server's connections get the smallest send
+// buffers the kernel allows (fixture.ShrinkSendBuffers), so that writes to a client that does
+// not read block after a few KiB.
+type envSmallSendBuffers struct{}
+
 func newEnv(t testing.TB, opts ...any) *env {
 	t.Helper()
 	name := model.Tiny
@@ -81,7 +87,7 @@ func newEnv(t testing.TB, opts ...any) *env {
 			o(&cfg)
 		case envEngineOption:
 			o(&ecfg)
-		case envModel:
+		case envModel, envSmallSendBuffers:
 		default:
 			t.Fatalf("unknown env option %T", o)
 		}
@@ -92,7 +98,7 @@ func newEnv(t testing.TB, opts ...any) *env {
 	}
 	e := &env{model: m, pool: pool, engine: eng, reg: reg, handlerDone: make(chan struct{}, 64)}
 	e.server = NewServer(cfg, eng, m)
-	e.http = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	e.http = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		defer func() {
 			select {
 			case e.handlerDone <- struct{}{}:
@@ -101,6 +107,12 @@ func newEnv(t testing.TB, opts ...any) *env {
 		}()
 		e.server.ServeHTTP(w, r)
 	}))
+	for _, o := range opts {
+		if _, ok := o.(envSmallSendBuffers); ok {
+			fixture.ShrinkSendBuffers(e.http.Config)
+		}
+	}
+	e.http.Start()
 	t.Cleanup(func() {
 		e.http.Close() // waits for handlers to return
 		if free, n := pool.NumFree(), pool.NumBlocks(); free != n {

@@ -37,12 +37,17 @@ type detokenizeRequest struct {
 // add_special_tokens, the default); messages are rendered and encoded by the chat completion's
 // own code with the same chat template fields (chat_template_kwargs, add_generation_prompt,
 // continue_final_message, add_special_tokens defaulting to false). Either way the count is the
-// request's prompt_tokens.
+// request's prompt_tokens. It takes a concurrency slot while it works (429 when none is free).
 func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 	var req tokenizeRequest
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
 		return
 	}
+	release, ok := s.takeSlot(w)
+	if !ok {
+		return
+	}
+	defer release()
 	tok := s.model.Tokenizer()
 	var ids []int32
 	switch {
@@ -82,7 +87,7 @@ func (s *Server) handleTokenize(w http.ResponseWriter, r *http.Request) {
 }
 
 // handleDetokenize serves POST /detokenize: {"prompt": the text of the tokens}, special tokens
-// included.
+// included. It takes a concurrency slot while it works (429 when none is free).
 func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 	var req detokenizeRequest
 	if !s.readRequest(w, r, &req, func() *string { return req.Model }) {
@@ -92,6 +97,11 @@ func (s *Server) handleDetokenize(w http.ResponseWriter, r *http.Request) {
 		writeError(w, badRequest("tokens", "tokens may hold at most max_model_len = %d ids, got %d.", s.cfg.MaxModelLen, len(req.Tokens)))
 		return
 	}
+	release, ok := s.takeSlot(w)
+	if !ok {
+		return
+	}
+	defer release()
 	tok := s.model.Tokenizer()
 	ids, apiErr := tokenIDs(tok, req.Tokens)
 	if apiErr != nil {

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"sync/atomic"
 	"time"
 )
 
@@ -31,6 +32,11 @@ type Config struct {
 	// BodyReadTimeout bounds the reading of a client's request body (408 beyond it). Default
 	// 30 s.
 	BodyReadTimeout time.Duration
+	// WriteTimeout bounds each write (of at most 64 KiB: a larger body goes out in pieces) and
+	// each flush of a response to the client: a client that takes nothing for that long fails
+	// the write, the request's legs are cancelled (D aborts it and frees its slots and blocks)
+	// and the stall is counted. Default DefaultWriteTimeout.
+	WriteTimeout time.Duration
 	// Transport carries the engine legs; nil uses a dedicated http.Transport.
 	Transport http.RoundTripper
 	// HealthInterval is how long one probe of the engines' /health (and the store) answers the
@@ -49,6 +55,11 @@ const (
 	DefaultMaxBodyBytes = 32 << 20
 	// DefaultBodyReadTimeout bounds the reading of a client's request body.
 	DefaultBodyReadTimeout = 30 * time.Second
+	// DefaultWriteTimeout bounds each write to a client. A client that reads takes a write
+	// within a round trip, so the bound never touches it; 30 s, as long as the body read
+	// timeout (and the engines' own write timeout), bounds how long a client that stopped
+	// reading keeps D's sequences, and their blocks, waiting on it.
+	DefaultWriteTimeout = 30 * time.Second
 )
 
 func (c *Config) defaults() error {
@@ -70,6 +81,9 @@ func (c *Config) defaults() error {
 	if c.HealthInterval <= 0 {
 		c.HealthInterval = DefaultHealthInterval
 	}
+	if c.WriteTimeout <= 0 {
+		c.WriteTimeout = DefaultWriteTimeout
+	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -90,6 +104,8 @@ type legs struct {
 	cfg    Config
 	client *http.Client
 	watch  *transferWatch // requests that ended without a KV transfer
+	// stalled counts the responses whose client took no write within cfg.WriteTimeout.
+	stalled atomic.Int64
 }
 
 // newLegs returns the legs of a proxy for cfg (its defaults applied).

@@ -75,6 +75,7 @@ type MultiTurn struct {
 	sealer  *sealer
 	require bool
 	mux     *http.ServeMux
+	handler http.Handler // mux, its writes bounded by WriteTimeout
 	reg     *prometheus.Registry
 	m       proxyMetrics
 	health  healthProber
@@ -185,6 +186,9 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 				return float64(max(mt.redis.expiredKeys(ctx), 0))
 			}))
 	}
+	mt.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_http_client_stalled_total", Help: "Responses whose client took no write within the write timeout (--write-timeout); the request's legs were cancelled."},
+		func() float64 { return float64(mt.stalled.Load()) }))
+	mt.handler = mt.boundWrites(mt.mux)
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
 	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
@@ -203,7 +207,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 }
 
 // ServeHTTP implements http.Handler.
-func (mt *MultiTurn) ServeHTTP(w http.ResponseWriter, r *http.Request) { mt.mux.ServeHTTP(w, r) }
+func (mt *MultiTurn) ServeHTTP(w http.ResponseWriter, r *http.Request) { mt.handler.ServeHTTP(w, r) }
 
 // Close releases idle connections to the engines and the store's connections. It is
 // idempotent.

@@ -15,9 +15,10 @@ import (
 // OneWay is the toy proxy's flow (spec §1): every request is prefilled on P and decoded on D.
 type OneWay struct {
 	legs
-	p, d   roundRobin
-	mux    *http.ServeMux
-	health healthProber
+	p, d    roundRobin
+	mux     *http.ServeMux
+	handler http.Handler // mux, its writes bounded by WriteTimeout
+	health  healthProber
 }
 
 // NewOneWay returns the one-way proxy for cfg.
@@ -31,6 +32,7 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 		d:    roundRobin{list: cfg.Decode},
 		mux:  http.NewServeMux(),
 	}
+	o.handler = o.boundWrites(o.mux)
 	o.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/completions") })
 	o.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/chat/completions") })
 	o.health = healthProber{client: o.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
@@ -49,7 +51,7 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 }
 
 // ServeHTTP implements http.Handler.
-func (o *OneWay) ServeHTTP(w http.ResponseWriter, r *http.Request) { o.mux.ServeHTTP(w, r) }
+func (o *OneWay) ServeHTTP(w http.ResponseWriter, r *http.Request) { o.handler.ServeHTTP(w, r) }
 
 // Close releases idle connections to the engines. It is idempotent.
 func (o *OneWay) Close() error {

@@ -40,9 +40,12 @@ func openTiny(t *testing.T) *model.Model {
 	return tiny.m
 }
 
-func startEngine(t *testing.T, role string, maxLen int) *instance.Instance {
+func startEngine(t *testing.T, role string, maxLen int, opts ...func(*instance.Config)) *instance.Instance {
 	t.Helper()
 	cfg := instance.Config{OpenedModel: openTiny(t), Host: "127.0.0.1", NumBlocks: 512, MaxModelLen: maxLen, PrefixCaching: true, SideChannelPort: -1}
+	for _, o := range opts {
+		o(&cfg)
+	}
 	if role != "" {
 		kv, err := connector.ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"`+role+`"}`), nil)
 		if err != nil {

@@ -109,8 +109,10 @@ func (l *legs) watchTransfer(p, d Instance, reqID string, pre prefillResult) fun
 	return func(u map[string]any) { l.watch.decoded(d, reqID, u) }
 }
 
-// withTransferCounts adds the counts of requests served without a transfer to a health body.
+// withTransferCounts adds to a health body the counts of requests served without a transfer
+// and of clients stalled past the write timeout.
 func (l *legs) withTransferCounts(fields map[string]any) map[string]any {
 	fields["requests_without_kv_transfer"] = l.watch.counts()
+	fields["clients_stalled"] = l.stalled.Load()
 	return fields
 }

@@ -92,6 +92,8 @@ type engineOptions struct {
 	numBlocks     int      // KV pool size (default numBlocks)
 	allowedPeers  []string // kv_connector_extra_config.allowed_peers
 	faults        kvstack.FaultPaths
+	slots         int           // the OpenAI server's MaxConcurrentRequests (default none)
+	writeTimeout  time.Duration // the OpenAI server's WriteTimeout (default the server's)
 }
 
 // config returns the stack configuration of an engine with options o. Without an opened model,
@@ -103,6 +105,7 @@ func (o engineOptions) config(name string, log *slog.Logger) kvstack.EngineConfi
 		EngineID: o.engineID, Lease: o.lease, Backends: o.backends, AllowedPeers: o.allowedPeers, AdvertiseTransfer: o.advertiseTCP,
 		KeepSideChannelPort: o.keepSidePort, PrefixCaching: o.prefix, BlockSize: blockSize, NumBlocks: blocks,
 		MaxModelLen: min(maxModelLen, blocks*blockSize), Faults: o.faults, StatsInterval: time.Hour, Logger: log,
+		MaxConcurrentRequests: o.slots, WriteTimeout: o.writeTimeout,
 	}
 	if o.clock != nil {
 		c.Now, c.Tick = o.clock.Now, o.clock.tick
@@ -204,14 +207,20 @@ func fired(t *testing.T, what string, sig *faultproxy.Signal) {
 // eventually polls cond (every millisecond) until it holds, failing after waitFor.
 func eventually(t *testing.T, what string, cond func() bool, detail ...func() string) {
 	t.Helper()
-	deadline := time.Now().Add(waitFor)
+	eventuallyWithin(t, waitFor, what, cond, detail...)
+}
+
+// eventuallyWithin is eventually with the deadline d instead of waitFor.
+func eventuallyWithin(t *testing.T, within time.Duration, what string, cond func() bool, detail ...func() string) {
+	t.Helper()
+	deadline := time.Now().Add(within)
 	for !cond() {
 		if time.Now().After(deadline) {
 			msg := ""
 			for _, d := range detail {
 				msg += ": " + d()
 			}
-			t.Fatalf("timed out after %v waiting for %s%s", waitFor, what, msg)
+			t.Fatalf("timed out after %v waiting for %s%s", within, what, msg)
 		}
 		select {
 		case <-t.Context().Done():
@@ -414,13 +423,14 @@ type proxyOptions struct {
 	rewrite       map[int]int
 	idle          time.Duration // the proxy's IdleTimeout (default 2 minutes)
 	headerTimeout time.Duration // the wait for an engine's response headers (default 1 minute)
+	writeTimeout  time.Duration // the proxy's WriteTimeout (default the proxy's)
 }
 
 // config returns the stack configuration of a proxy with options o; the legs can always be
 // intercepted (runningProxy.setRewrite, beforeLeg).
 func (o proxyOptions) config() kvstack.ProxyConfig {
 	return kvstack.ProxyConfig{MultiTurn: o.multiTurn, RewritePorts: o.rewrite, InterceptLegs: true, IdleTimeout: o.idle,
-		HeaderTimeout: cmp.Or(o.headerTimeout, time.Minute)}
+		HeaderTimeout: cmp.Or(o.headerTimeout, time.Minute), WriteTimeout: o.writeTimeout}
 }
 
 // runningProxy is a P/D proxy served on 127.0.0.1.

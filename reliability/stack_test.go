@@ -24,10 +24,12 @@ type stackOptions struct {
 	idleTimeout   time.Duration           // the proxy's IdleTimeout (default 2 min)
 	pEngineID     string
 	dEngineID     string
-	fixedPorts    bool     // P and D keep their side-channel ports across restarts
-	backends      []string // kv_connector_extra_config.backends (TCP with transferProxy)
-	pPrefix       bool     // prefix caching on P (D always caches prefixes)
-	dNumBlocks    int      // D's KV pool size (default numBlocks)
+	fixedPorts    bool          // P and D keep their side-channel ports across restarts
+	backends      []string      // kv_connector_extra_config.backends (TCP with transferProxy)
+	pPrefix       bool          // prefix caching on P (D always caches prefixes)
+	dNumBlocks    int           // D's KV pool size (default numBlocks)
+	dSlots        int           // D's MaxConcurrentRequests (default none)
+	writeTimeout  time.Duration // D's and the proxy's WriteTimeout (default theirs)
 }
 
 // stack is P, D and a proxy, each engine behind a fault proxy on its HTTP port.
@@ -60,14 +62,16 @@ func startStack(t *testing.T, o stackOptions) *stack {
 	po := engineOptions{role: connector.RoleProducer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.pEngineID,
 		prefix: o.pPrefix, keepSidePort: o.fixedPorts, faults: pFaults}
 	do := engineOptions{role: connector.RoleConsumer, policy: o.policy, bidirectional: o.bidirectional, backends: backends, engineID: o.dEngineID,
-		prefix: true, numBlocks: o.dNumBlocks, keepSidePort: o.fixedPorts, faults: kvstack.FaultHTTP}
+		prefix: true, numBlocks: o.dNumBlocks, keepSidePort: o.fixedPorts, faults: kvstack.FaultHTTP,
+		slots: o.dSlots, writeTimeout: o.writeTimeout}
 	if o.pClock {
 		po.clock = newFakeClock()
 	}
 	if o.dClock {
 		do.clock = newFakeClock()
 	}
-	s.proxyOpts = proxyOptions{multiTurn: o.multiTurn || o.bidirectional, idle: o.idleTimeout, headerTimeout: o.headerTimeout}
+	s.proxyOpts = proxyOptions{multiTurn: o.multiTurn || o.bidirectional, idle: o.idleTimeout, headerTimeout: o.headerTimeout,
+		writeTimeout: o.writeTimeout}
 	pSink, pLog := engineLog("P")
 	dSink, dLog := engineLog("D")
 	st, err := kvstack.Start(t.Context(), kvstack.Config{P: po.config("P", pLog), D: do.config("D", dLog), Proxy: s.proxyOpts.config()})

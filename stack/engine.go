@@ -90,6 +90,10 @@ type EngineConfig struct {
 	// StatsInterval is the period of the "KV Transfer metrics" log line (default the
 	// instance's).
 	StatsInterval time.Duration
+	// MaxConcurrentRequests and WriteTimeout are the OpenAI server's sequence-slot limit (default
+	// none) and write timeout (default the server's).
+	MaxConcurrentRequests int
+	WriteTimeout          time.Duration
 	// Logger receives the engine's logs; nil discards.
 	Logger *slog.Logger
 }
@@ -166,7 +170,8 @@ func (cfg EngineConfig) instanceConfig() instance.Config {
 		Model: cfg.ModelName, OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
 		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true, DataParallelSize: cfg.DataParallelSize,
-		KVCacheDType: cfg.KVCacheDType,
+		KVCacheDType:          cfg.KVCacheDType,
+		MaxConcurrentRequests: cfg.MaxConcurrentRequests, WriteTimeout: cfg.WriteTimeout,
 	}
 	if ic.SideChannelPort == 0 {
 		ic.SideChannelPort = -1 // a free port, not the default 5600

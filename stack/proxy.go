@@ -27,8 +27,9 @@ type ProxyConfig struct {
 	// CacheTTL is the multi-turn proxy's conversation TTL (default the proxy's).
 	CacheTTL time.Duration
 	// HeaderTimeout and IdleTimeout bound the engine legs (default proxy.DefaultHeaderTimeout and
-	// proxy.DefaultIdleTimeout).
-	HeaderTimeout, IdleTimeout time.Duration
+	// proxy.DefaultIdleTimeout); WriteTimeout each write to a client (default
+	// proxy.DefaultWriteTimeout).
+	HeaderTimeout, IdleTimeout, WriteTimeout time.Duration
 	// Transport carries the engine legs (default NewTransport(16) with HeaderTimeout as its
 	// response header timeout). Close closes its idle connections.
 	Transport http.RoundTripper
@@ -85,7 +86,7 @@ func StartProxy(cfg ProxyConfig) (*Proxy, error) {
 		p.Legs = faultproxy.NewPortRewriter(cfg.Transport, cfg.RewritePorts)
 		legs = p.Legs
 	}
-	pc := proxy.Config{HeaderTimeout: cfg.HeaderTimeout, IdleTimeout: cfg.IdleTimeout, Transport: legs, Logger: cfg.Logger}
+	pc := proxy.Config{HeaderTimeout: cfg.HeaderTimeout, IdleTimeout: cfg.IdleTimeout, WriteTimeout: cfg.WriteTimeout, Transport: legs, Logger: cfg.Logger}
 	for _, side := range []struct {
 		addrs []string
 		to    *[]proxy.Instance

@@ -147,6 +147,8 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"serve", "kvbridge/tiny", "--log-format", "xml"}, "--log-format"},
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-port", "70000"}, "--kv-transfer-port"},
 		{[]string{"proxy", "--log-level", "verbose"}, "--log-level"},
+		{[]string{"serve", "kvbridge/tiny", "--write-timeout", "0s"}, "--write-timeout"},
+		{[]string{"proxy", "--write-timeout", "-1s"}, "--write-timeout"},
 		{[]string{"proxy", "--prefiller-hosts", "a", "b", "--prefiller-ports", "1"}, "2 prefiller hosts but 1"},
 		{[]string{"proxy", "--multi-turn", "--conversation-store", "redis://127.0.0.1:1/0"}, "--conversation-store-key"},
 		{[]string{"proxy", "--conversation-store-key", "k"}, "--conversation-store-key needs --multi-turn"},

@@ -37,6 +37,7 @@ type proxyFlags struct {
 	prefillPortAlias, decodePortAlias []int
 	headerTimeout, idleTimeout        time.Duration
 	log                               logFlags
+	writeTimeout                      time.Duration
 }
 
 func newProxyCmd() *cobra.Command {
@@ -62,6 +63,7 @@ func newProxyCmd() *cobra.Command {
 	fl.IntSliceVar(&f.decodePortAlias, "decoder-port", nil, "alias of --decoder-ports")
 	fl.DurationVar(&f.headerTimeout, "header-timeout", proxy.DefaultHeaderTimeout, "longest wait for an engine's response headers (covers P's prefill)")
 	fl.DurationVar(&f.idleTimeout, "idle-timeout", proxy.DefaultIdleTimeout, "longest silence of an engine's response stream")
+	fl.DurationVar(&f.writeTimeout, "write-timeout", proxy.DefaultWriteTimeout, "longest a write of a response may wait for the client to read; a client that stalls longer has its request cancelled on both engines")
 	fl.BoolVar(&f.multiTurn, "multi-turn", false, "cache D's kv_transfer_params per conversation_id so that P pulls earlier turns' KV from D (bidirectional transfer)")
 	fl.BoolVar(&f.requireConversationID, "require-conversation-id", false, "with --multi-turn: answer 400 to requests without a conversation_id")
 	fl.DurationVar(&f.cacheTTL, "conversation-ttl", proxy.DefaultConversationTTL, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
@@ -98,6 +100,9 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if f.port < 0 || f.port > 65535 {
 		return usageError("--port %d is not a port number", f.port)
 	}
+	if f.writeTimeout <= 0 {
+		return usageError("--write-timeout %v must be positive", f.writeTimeout)
+	}
 	if !f.multiTurn && f.requireConversationID {
 		return usageError("--require-conversation-id needs --multi-turn")
 	}
@@ -119,7 +124,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	}
 	cfg := proxy.Config{
 		Prefill: pre, Decode: dec, APIKey: os.Getenv("OPENAI_API_KEY"), Logger: log,
-		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout,
+		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout, WriteTimeout: f.writeTimeout,
 	}
 	var h interface {
 		http.Handler

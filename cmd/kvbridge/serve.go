@@ -49,6 +49,7 @@ type serveFlags struct {
 	kvCacheLayout       string
 	maxConcurrent       int
 	transferPort        int
+	writeTimeout        time.Duration
 
 	// vLLM flags with an effect here.
 	dataParallelSize     int
@@ -148,6 +149,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.revision, "revision", "", "revision of a cached repo id: branch, tag or commit hash (default: refs/main)")
 	fl.IntVar(&f.numBlocksOverride, "num-gpu-blocks-override", 0, "number of KV cache blocks (overrides --kv-cache-memory-bytes)")
 	fl.IntVar(&f.maxConcurrent, "max-concurrent-requests", openai.DefaultMaxConcurrentRequests, "sequences served at once (a request counts max(n, best_of)); a request beyond is answered 429 (0: no limit)")
+	fl.DurationVar(&f.writeTimeout, "write-timeout", openai.DefaultWriteTimeout, "longest a write of a response may wait for the client to read; a client that stalls longer has its request aborted (kvbridge:http_client_stalled_total)")
 	fl.StringVar(&f.kvCacheLayout, "kv-cache-layout", os.Getenv("VLLM_KV_CACHE_LAYOUT"), "KV block layout, HND or NHD (default HND; env VLLM_KV_CACHE_LAYOUT)")
 	fl.IntVar(&f.transferPort, "kv-transfer-port", 0, "port of the KV transfer engine's TCP listener, on VLLM_NIXL_SIDE_CHANNEL_HOST (data-parallel rank i: port + i), so that network policies can name it (default 0: a free port)")
 	fl.IntVar(&f.dataParallelSize, "data-parallel-size", 1, "data-parallel ranks (-dp) behind the one port, each with its own KV cache and side channel (VLLM_NIXL_SIDE_CHANNEL_PORT + rank)")
@@ -254,6 +256,9 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if f.transferPort < 0 || f.transferPort > 65535 {
 		return instance.Config{}, usageError("--kv-transfer-port %d is not a port number", f.transferPort)
 	}
+	if f.writeTimeout <= 0 {
+		return instance.Config{}, usageError("--write-timeout %v must be positive", f.writeTimeout)
+	}
 	if f.blockSize <= 0 || f.blockSize > kvcache.MaxBlockSize {
 		return instance.Config{}, usageError("--block-size %d must be between 1 and %d", f.blockSize, kvcache.MaxBlockSize)
 	}
@@ -340,6 +345,7 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		ServedModelNames:      f.servedModelNames,
 		APIKey:                f.apiKey,
 		MaxConcurrentRequests: f.maxConcurrent,
+		WriteTimeout:          f.writeTimeout,
 		KVTransfer:            kvCfg,
 		SideChannelHost:       os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST"),
 		SideChannelPort:       port,
