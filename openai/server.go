@@ -100,8 +100,10 @@ type Config struct {
 	// when the request has no stream_options.
 	ForceIncludeUsage bool
 	// DeclineKV, if set, is called with the kv_transfer_params of a request refused before the
-	// engine took it (invalid, too long, over capacity), so that the connector tells the
-	// producer that holds their blocks to free them now rather than when its lease expires.
+	// engine took it (invalid, too long, over capacity), so that the connector can account for
+	// them. (It cannot end the producer's lease: only a reader that proves it holds the
+	// lease's prompt can, and a refused request was never tokenized for that; the producer
+	// frees the blocks when the lease expires, as vLLM's does.)
 	DeclineKV func(params map[string]any)
 	// CheckKV, if set, sees a request's kv_transfer_params before the engine takes it; an
 	// error (a leg this engine's kv_role cannot serve) is answered with 400 naming
@@ -292,7 +294,7 @@ func baseRequestID(w http.ResponseWriter, r *http.Request, bodyID *string) strin
 // generate serves a completions route: it reads the body (bounded in size and time), takes a
 // concurrency slot (429 when none is free), builds the job, takes a slot for each of its other
 // sequences (429 when too few are free) and serves it. A request refused on the way has its
-// producer told at once (Config.DeclineKV). The slots are given back when the engine has ended
+// params handed to Config.DeclineKV. The slots are given back when the engine has ended
 // every sequence, whether or not the client has taken the response yet, or else when the
 // handler returns.
 func (s *Server) generate(w http.ResponseWriter, r *http.Request, build func(http.ResponseWriter, *http.Request, []byte) (*job, *APIError)) {
