@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/buildinfo"
+	"github.com/kvbridge/kvbridge/internal/httpdeadline"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/tokenizer"
@@ -231,7 +232,8 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 		writeError(w, &APIError{Status: http.StatusNotFound, Type: "NotFoundError",
 			Message: fmt.Sprintf("No route for %s %s.", r.Method, r.URL.Path)})
 	})
-	s.handler = s.boundWrites(s.countRejections(s.recoverPanics(s.requestID(s.authorize(s.mux)))))
+	s.handler = httpdeadline.Bound(s.countRejections(s.recoverPanics(s.requestID(s.authorize(s.mux)))), cfg.WriteTimeout,
+		s.metrics.CountClientStalled)
 	return s
 }
 

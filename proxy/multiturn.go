@@ -13,6 +13,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvbridge/kvbridge/internal/httpdeadline"
 )
 
 // MultiTurnConfig configures the multi-turn proxy.
@@ -188,7 +190,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	}
 	mt.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "kvbridge:proxy_http_client_stalled_total", Help: "Responses whose client took no write within the write timeout (--write-timeout); the request's legs were cancelled."},
 		func() float64 { return float64(mt.stalled.Load()) }))
-	mt.handler = mt.boundWrites(mt.mux)
+	mt.handler = httpdeadline.Bound(mt.mux, mt.legs.cfg.WriteTimeout, func() { mt.stalled.Add(1) })
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
 	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}

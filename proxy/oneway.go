@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/kvbridge/kvbridge/internal/httpdeadline"
 )
 
 // OneWay is the toy proxy's flow (spec §1): every request is prefilled on P and decoded on D.
@@ -32,7 +34,7 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 		d:    roundRobin{list: cfg.Decode},
 		mux:  http.NewServeMux(),
 	}
-	o.handler = o.boundWrites(o.mux)
+	o.handler = httpdeadline.Bound(o.mux, o.legs.cfg.WriteTimeout, func() { o.stalled.Add(1) })
 	o.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/completions") })
 	o.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/chat/completions") })
 	o.health = healthProber{client: o.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
