@@ -130,7 +130,7 @@ func TestStopStringAttackSparesBystanders(t *testing.T) {
 	e, _ := newTestEngine(t, m, 4*maxLen/16+64, Config{BlockSize: 16, MaxModelLen: maxLen,
 		MaxNumSeqs: 8, MaxNumBatchedTokens: 512, PrefixCaching: true, Seed: 1})
 	bystander := m.Tokenizer().Encode("a bystander asks a short question")
-	const tokens, runs, rounds = 200, 4, 2
+	const tokens, runs, rounds = 200, 4, 4
 	var plain, attacked []time.Duration
 	measure := func(into *[]time.Duration) func() {
 		return func() {
