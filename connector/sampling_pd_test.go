@@ -52,8 +52,11 @@ func streamed(c accuracyCase) (accuracyCase, bool) {
 }
 
 // answer is what a client saw of the choices, without ids, times and usage: the choices and
-// prompt_logprobs of a response, or per choice index the text, the logprobs of every chunk
-// and the finish reason of a stream.
+// prompt_logprobs of a response, or per choice index the text, the logprobs of its tokens and
+// the finish reason of a stream. A stream's logprobs are joined token by token across its
+// events (completions' text_offset, token_logprobs, tokens, top_logprobs; chat's content): how
+// many tokens one event carries depends on how fast its reader takes them (outputs not yet
+// taken are merged), not on what was sampled.
 func answer(t *testing.T, r result) string {
 	t.Helper()
 	if !strings.HasPrefix(r.Raw, "data: ") {
@@ -66,7 +69,7 @@ func answer(t *testing.T, r result) string {
 	}
 	type choice struct {
 		Text     string
-		Logprobs []json.RawMessage
+		Logprobs map[string][]json.RawMessage
 		Finish   any
 	}
 	byIndex := map[int]*choice{}
@@ -95,7 +98,16 @@ func answer(t *testing.T, r result) string {
 			}
 			ch.Text += c.Text + c.Delta.Content
 			if len(c.Logprobs) > 0 && string(c.Logprobs) != "null" {
-				ch.Logprobs = append(ch.Logprobs, c.Logprobs)
+				var lists map[string][]json.RawMessage
+				if err := json.Unmarshal(c.Logprobs, &lists); err != nil {
+					t.Fatalf("logprobs not lists of tokens: %s", c.Logprobs)
+				}
+				if ch.Logprobs == nil {
+					ch.Logprobs = map[string][]json.RawMessage{}
+				}
+				for k, l := range lists {
+					ch.Logprobs[k] = append(ch.Logprobs[k], l...)
+				}
 			}
 			if c.Finish != nil {
 				ch.Finish = c.Finish
