@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/kvbridge/kvbridge/metrics"
 )
@@ -23,6 +24,10 @@ const (
 	maxFieldLabels = 32
 	// maxListedFields bounds the names one log line lists.
 	maxListedFields = 16
+	// maxFieldNameBytes bounds a name as it is logged or labelled: a longer one is cut (in the
+	// log) or counted as "other" (in the metrics), as is one that is not valid UTF-8, which a
+	// metrics label cannot carry.
+	maxFieldNameBytes = 64
 )
 
 // unknownFields notices request fields the API does not know and ignores: it logs them as vLLM
@@ -63,6 +68,10 @@ func (u *unknownFields) check(body []byte, v any) {
 	u.mu.Unlock()
 	topLevelKeys(body, func(raw []byte) {
 		name := jsonKey(raw)
+		if !utf8.ValidString(name) || len(name) > maxFieldNameBytes {
+			// Marked with "…": such a name is logged, never a label.
+			name = strings.ToValidUTF8(name[:min(len(name), maxFieldNameBytes)], "\uFFFD") + "…"
+		}
 		if !known[name] && !slices.Contains(names, name) && len(names) < maxLoggedFields {
 			names = append(names, name)
 		}
@@ -83,7 +92,7 @@ func (u *unknownFields) check(body []byte, v any) {
 		}
 		label := name
 		if !u.labels[name] {
-			if len(u.labels) >= maxFieldLabels {
+			if len(u.labels) >= maxFieldLabels || strings.HasSuffix(name, "…") {
 				label = "other"
 			} else {
 				u.labels[name] = true
