@@ -4,28 +4,12 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"testing"
 	"time"
-)
 
-// attackStops returns stop strings as an attacker within the HTTP layer's bounds would send
-// them (1024 strings, 64 KiB in all, the longest 4096 bytes), made of the letters the model
-// writes so that many of them are partly matched all along, yet never whole.
-func attackStops() []string {
-	const letters = "etaoinshr "
-	stops := []string{strings.Repeat("e", 4095) + "\x01"}
-	for i := range 1023 {
-		var b strings.Builder
-		for j := range 55 {
-			b.WriteByte(letters[(i*7+j*j)%len(letters)])
-		}
-		b.WriteString("\x01") // never generated: the output never stops
-		stops = append(stops, b.String())
-	}
-	return stops
-}
+	"github.com/kvbridge/kvbridge/internal/fixture"
+)
 
 // interTokenLatency runs a bystander request and returns its time per token after the first
 // (the gap from its first output to its last, over the tokens between; outputs may arrive in
@@ -141,7 +125,7 @@ func TestStopStringAttackSparesBystanders(t *testing.T) {
 	}
 	for range rounds {
 		withLoad(t, e, nil, measure(&plain))
-		withLoad(t, e, attackStops(), measure(&attacked))
+		withLoad(t, e, fixture.AttackStops(), measure(&attacked))
 	}
 	base, got := median(plain), median(attacked)
 	t.Logf("bystander per-token latency beside four long sequences: %v without stop strings, %v with the attack's (%.2f×)",

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
 )
 
@@ -65,23 +66,6 @@ func TestAttackOversizeFieldsRefused(t *testing.T) {
 	}
 	s.p.waitPoolFull(t)
 	s.d.waitPoolFull(t)
-}
-
-// attackStops returns the most stop strings the API admits (1024, 64 KiB in all, one of the
-// longest length, 4096 bytes), made of common letters so that they are partly matched all
-// along, yet never whole.
-func attackStops() []string {
-	const letters = "etaoinshr "
-	stops := []string{strings.Repeat("e", 4095) + "\x01"}
-	for i := range 1023 {
-		var b strings.Builder
-		for j := range 55 {
-			b.WriteByte(letters[(i*7+j*j)%len(letters)])
-		}
-		b.WriteString("\x01")
-		stops = append(stops, b.String())
-	}
-	return stops
 }
 
 // TestAttackStopStringsSpareBystanders: the stop-string attack within the bounds — requests
@@ -154,7 +138,7 @@ func TestAttackStopStringsSpareBystanders(t *testing.T) {
 	var plain, attacked []time.Duration
 	for range rounds {
 		plain = append(plain, measure(nil)...)
-		attacked = append(attacked, measure(attackStops())...)
+		attacked = append(attacked, measure(fixture.AttackStops())...)
 	}
 	base, got := medianOf(plain), medianOf(attacked)
 	t.Logf("bystander per-token latency through the proxy beside n=4 long requests: %v without stop strings, %v with the attack's (%.2f×)",
