@@ -455,11 +455,6 @@ func startProxy(t *testing.T, pURL, dURL string, o proxyOptions) *runningProxy {
 
 func (rp *runningProxy) close() { rp.Close() }
 
-// setRewrite replaces the side-channel port map.
-func (rp *runningProxy) setRewrite(ports map[int]int) {
-	rp.Legs.SetPorts(ports)
-}
-
 // beforeLeg sets a function called before each engine leg leaves the proxy, with the leg's
 // host:port; nil removes it.
 func (rp *runningProxy) beforeLeg(f func(hostPort string)) {

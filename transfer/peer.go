@@ -747,13 +747,6 @@ func (p *peer) takeInflightLocked(b Backend) map[*Request]uint64 {
 	return reqs
 }
 
-// addList records a prepared list bound to the peer.
-func (p *peer) addList() {
-	p.mu.Lock()
-	p.lists++
-	p.mu.Unlock()
-}
-
 // dropList forgets a prepared list; the last one of a retired peer unmaps its arenas.
 func (p *peer) dropList() {
 	p.mu.Lock()

@@ -486,11 +486,10 @@ func TestHostsMisconfigured(t *testing.T) {
 // sending throttled so that a long prompt's KV takes seconds to cross: a fault can then land in
 // the middle of D's read.
 type faultStack struct {
-	hosts      map[string]*netns.Host
-	hc         *http.Client
-	pkv, dkv   string
-	p, d, px   *process
-	body, want map[string]any
+	hosts    map[string]*netns.Host
+	hc       *http.Client
+	pkv, dkv string
+	p, d, px *process
 }
 
 // faultPromptLen is the prompt of the faulted request: 3,000 tokens, 1.5 MB of the tiny model's

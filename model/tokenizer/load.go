@@ -53,11 +53,6 @@ type configFile struct {
 	AddedTokensDecoder map[string]addedTokenJSON `json:"added_tokens_decoder"`
 }
 
-// typed is the "type" tag of a polymorphic tokenizer.json component.
-type typed struct {
-	Type string `json:"type"`
-}
-
 // isNull reports whether raw is absent or JSON null.
 func isNull(raw json.RawMessage) bool {
 	t := bytes.TrimSpace(raw)
