@@ -413,6 +413,7 @@ func measureTurn(ctx context.Context, s *stack.Stack, hc *http.Client, body map[
 	}
 	t.PComputedTokens = t.PromptTokens - t.PCachedTokens - t.PPulledTokens
 	if r.PromptTokens != 0 && t.PromptTokens != r.PromptTokens {
+		//lint:ignore ST1005 P is the prefill engine's name
 		return t, fmt.Errorf("P counted a %d-token prompt, D %d", t.PromptTokens, r.PromptTokens)
 	}
 	return t, nil

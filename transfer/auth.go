@@ -130,6 +130,7 @@ func writeUint(h hash.Hash, v uint64) {
 
 // challenge is the listener's answer to an authenticating hello.
 type challenge struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	Name     string
 	Inc      uint64
@@ -139,6 +140,7 @@ type challenge struct {
 
 // authProof is the dialer's answer to a challenge.
 type authProof struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	Proof    []byte
 }

@@ -41,6 +41,7 @@ func roleName(r uint8) string {
 
 // hello is the first frame's payload on every connection (dialer → listener).
 type hello struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	Version  uint8
 	Role     uint8
@@ -54,6 +55,7 @@ type hello struct {
 
 // helloAck answers a hello.
 type helloAck struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	Name     string
 	Inc      uint64
@@ -63,6 +65,7 @@ type helloAck struct {
 
 // arenaGrant describes one passed arena fd.
 type arenaGrant struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	ID       uint32
 	Size     uint64

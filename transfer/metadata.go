@@ -40,6 +40,7 @@ const (
 // metaWire is the metadata blob: a msgpack array (compact, field order is the format).
 // Format 1 is metaCore alone; format 3 (metadataVersionUCX) appends the UCX fields.
 type metaWire struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	metaCore
 	UCXWorkers [][]byte       // packed UCX worker addresses, one per worker
@@ -50,6 +51,7 @@ type metaWire struct {
 // metaCore is format 1 of the metadata blob. Regions are published, never blocks: peers
 // compute block descriptors themselves.
 type metaCore struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack    struct{} `msgpack:",as_array"`
 	Version     uint8
 	Name        string
@@ -65,6 +67,7 @@ type metaCore struct {
 
 // metaArena describes one shareable arena.
 type metaArena struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	ID       uint32
 	Size     uint64
@@ -73,6 +76,7 @@ type metaArena struct {
 // metaUCXArena is what a UCX peer needs to reach an arena: its address in the owner's address
 // space and the packed remote key of its registration (ucp_mem_map).
 type metaUCXArena struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	ID       uint32
 	Base     uint64
@@ -81,6 +85,7 @@ type metaUCXArena struct {
 
 // metaRegion describes one region peers may access.
 type metaRegion struct {
+	//lint:ignore U1000 msgpack reads its tag (as_array)
 	_msgpack struct{} `msgpack:",as_array"`
 	ID       uint32
 	Len      uint64

@@ -48,6 +48,7 @@ const (
 type ucxMapping struct {
 	base uint64
 	rkey []byte
+	//lint:ignore U1000 used by ucx_cgo.go, which only the ucx build tag compiles
 	memh unsafe.Pointer
 }
 
@@ -129,11 +130,15 @@ func (r *Request) planUCX(workers int) {
 func (u *ucxUnit) arm(gen uint64) { u.state.Store(gen << 2) }
 
 // start claims the unit of post gen for its worker; false if it was abandoned meanwhile.
+//
+//lint:ignore U1000 used by ucx_cgo.go, which only the ucx build tag compiles
 func (u *ucxUnit) start(gen uint64) bool {
 	return u.state.CompareAndSwap(gen<<2|chunkQueued, gen<<2|chunkBusy)
 }
 
 // resolve ends the unit of post gen once its operations can no longer touch local memory.
+//
+//lint:ignore U1000 used by ucx_cgo.go, which only the ucx build tag compiles
 func (u *ucxUnit) resolve(gen uint64, err error) {
 	if !u.state.CompareAndSwap(gen<<2|chunkBusy, gen<<2|chunkDone) {
 		return
@@ -205,6 +210,8 @@ func (l *PreparedList) resolveUCX(m *remoteMeta) error {
 // teardownUCX closes link if it is still the peer's and fails the UCX requests in flight on
 // it; SHM and TCP requests are not affected. The next UCX post reconnects. It is the second
 // half of ucxLink.abort, which marks the link so that its endpoints close at once.
+//
+//lint:ignore U1000 used by ucx_cgo.go, which only the ucx build tag compiles
 func (p *peer) teardownUCX(link *ucxLink, why string) {
 	p.mu.Lock()
 	if p.ux != link {
