@@ -1,16 +1,15 @@
 package openai
 
 import (
-	"bufio"
-	"bytes"
 	"encoding/json"
 	"fmt"
 	"log/slog"
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
+
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 // TestRequestListBounds: every list a request may send has a bound (limits.go); beyond it the
@@ -107,41 +106,14 @@ func TestSequencesShareStops(t *testing.T) {
 	}
 }
 
-// syncBuffer is a bytes.Buffer safe for the server's concurrent log writes.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 // unknownFieldCounts returns kvbridge:request_unknown_fields_total by field label.
-func (e *env) unknownFieldCounts(t *testing.T) map[string]string {
+func (e *env) unknownFieldCounts(t *testing.T) map[string]float64 {
 	t.Helper()
-	resp, b := e.do(t, http.MethodGet, "/metrics", nil, nil)
-	if resp.StatusCode != http.StatusOK {
-		t.Fatalf("/metrics status %d", resp.StatusCode)
-	}
-	out := map[string]string{}
-	sc := bufio.NewScanner(bytes.NewReader(b))
-	for sc.Scan() {
-		line := sc.Text()
-		if !strings.HasPrefix(line, "kvbridge:request_unknown_fields_total{") {
-			continue
-		}
-		_, rest, _ := strings.Cut(line, `field="`)
-		field, rest, _ := strings.Cut(rest, `"`)
-		out[field] = rest[strings.LastIndexByte(rest, ' ')+1:]
+	out := map[string]float64{}
+	for _, x := range fixture.Scrape(t, e.http.Client(), e.http.URL)["kvbridge:request_unknown_fields_total"] {
+		_, rest, _ := strings.Cut(x.Labels, `field="`)
+		field, _, _ := strings.Cut(rest, `"`)
+		out[field] = x.Value
 	}
 	return out
 }
@@ -150,7 +122,7 @@ func (e *env) unknownFieldCounts(t *testing.T) map[string]string {
 // logs it, once per name per interval however many requests carry it, and counted per name; a
 // client sending many distinct names gets only a bounded set of labels.
 func TestUnknownFieldsWarned(t *testing.T) {
-	var logs syncBuffer
+	var logs fixture.LogBuffer
 	e := newEnv(t, func(c *Config) { c.Logger = slog.New(slog.NewTextHandler(&logs, nil)) })
 	for range 2 {
 		resp, b := e.post(t, "/v1/completions", `{"prompt":"x","max_token":3,"max_tokens":1,"nested":{"max_tokens":{"a":[1,"}"]}}}`, nil)
@@ -169,7 +141,7 @@ func TestUnknownFieldsWarned(t *testing.T) {
 	if len(warned) != 1 || !strings.Contains(warned[0], "'max_token'") || !strings.Contains(warned[0], "'nested'") || strings.Contains(warned[0], "'max_tokens'") || strings.Contains(warned[0], "'prompt'") {
 		t.Fatalf("want one warning naming max_token and nested, got %q", warned)
 	}
-	if got := e.unknownFieldCounts(t); got["max_token"] != "2" || got["nested"] != "2" || len(got) != 2 {
+	if got := e.unknownFieldCounts(t); got["max_token"] != 2 || got["nested"] != 2 || len(got) != 2 {
 		t.Fatalf("counts %v, want max_token and nested twice", got)
 	}
 
@@ -195,7 +167,7 @@ func TestUnknownFieldsWarned(t *testing.T) {
 		t.Fatalf("status %d: %s", resp.StatusCode, b)
 	}
 	got := e.unknownFieldCounts(t)
-	if len(got) != maxFieldLabels+1 || got["other"] == "" {
+	if len(got) != maxFieldLabels+1 || got["other"] == 0 {
 		t.Fatalf("%d labels (want %d and other): %v", len(got), maxFieldLabels+1, got)
 	}
 }

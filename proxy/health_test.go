@@ -67,18 +67,8 @@ func TestOneWayHealthProbesEngines(t *testing.T) {
 func TestMultiTurnHealthPingsTheStore(t *testing.T) {
 	r := startRedis(t, 0)
 	p, d := startBidirectional(t, "kv_producer", true), startBidirectional(t, "kv_consumer", true)
-	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{instanceOf(t, p.URL)},
+	srv, _ := serveMultiTurn(t, proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{instanceOf(t, p.URL)},
 		Decode: []proxy.Instance{instanceOf(t, d.URL)}, HealthInterval: time.Nanosecond}, Store: r.url(), StoreKey: "health-test-key"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	srv := httptest.NewServer(mt)
-	t.Cleanup(func() {
-		srv.Close()
-		if err := mt.Close(); err != nil {
-			t.Errorf("close: %v", err)
-		}
-	})
 	status, h := getHealth(t, srv, "/health")
 	if status != 200 || h.StoreUp == nil || !*h.StoreUp || h.Status != "ok" {
 		t.Fatalf("/health with Redis up: %d %+v", status, h)

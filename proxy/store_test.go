@@ -102,8 +102,14 @@ func replica(t *testing.T, p, d string, store string) (*httptest.Server, *proxy.
 // replicaWithKey starts one multi-turn proxy sealing what it stores under key.
 func replicaWithKey(t *testing.T, p, d, store, key string) (*httptest.Server, *proxy.MultiTurn) {
 	t.Helper()
-	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{instanceOf(t, p)},
+	return serveMultiTurn(t, proxy.MultiTurnConfig{Config: proxy.Config{Prefill: []proxy.Instance{instanceOf(t, p)},
 		Decode: []proxy.Instance{instanceOf(t, d)}}, Store: store, StoreKey: key})
+}
+
+// serveMultiTurn starts a multi-turn proxy for cfg behind a test server; both close with the test.
+func serveMultiTurn(t *testing.T, cfg proxy.MultiTurnConfig) (*httptest.Server, *proxy.MultiTurn) {
+	t.Helper()
+	mt, err := proxy.NewMultiTurn(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
