@@ -2,10 +2,11 @@
 // few requests through a proxy, reads the engines' /metrics and GET /v1/kv_transfer before and
 // after, and names what is wrong — "P and D swapped", "auth token differs", "no connector
 // configured", "KV not pulled" — when the answers came back 200 but the KV was recomputed. It
-// talks HTTP only and imports no other kvbridge package; docs/architecture.md shows where it sits.
+// talks HTTP only (it reads /metrics with internal/promtext); docs/architecture.md shows where it sits.
 package check
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -16,6 +17,8 @@ import (
 	"net/url"
 	"strings"
 	"time"
+
+	"github.com/kvbridge/kvbridge/internal/promtext"
 )
 
 // Config says what to check.
@@ -73,8 +76,8 @@ type engine struct {
 	url     string
 	info    *kvInfo // nil when the engine does not report it
 	err     error
-	before  metrics
-	after   metrics
+	before  promtext.Samples
+	after   promtext.Samples
 	infoEnd *kvInfo
 }
 
@@ -196,7 +199,7 @@ func withoutTransfer(h map[string]any, reason string) float64 {
 }
 
 // readEngine reads an engine's connector (nil if it does not say) and metrics.
-func readEngine(ctx context.Context, c client, base string) (*kvInfo, metrics, error) {
+func readEngine(ctx context.Context, c client, base string) (*kvInfo, promtext.Samples, error) {
 	status, body, err := c.get(ctx, base+"/v1/kv_transfer")
 	if err != nil {
 		return nil, nil, err
@@ -215,7 +218,11 @@ func readEngine(ctx context.Context, c client, base string) (*kvInfo, metrics, e
 	if status != http.StatusOK {
 		return info, nil, fmt.Errorf("GET /metrics: %d", status)
 	}
-	return info, parseMetrics(page), nil
+	m, err := promtext.Parse(bytes.NewReader(page))
+	if err != nil {
+		return info, nil, fmt.Errorf("GET /metrics: %w", err)
+	}
+	return info, m, nil
 }
 
 func firstModel(ctx context.Context, c client, base string) (string, error) {

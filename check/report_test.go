@@ -4,14 +4,16 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/kvbridge/kvbridge/internal/promtext"
 )
 
 // TestTokensPreferBySource: when D exports vllm:prompt_tokens_by_source_total, the tokens pulled
 // and computed are D's own counts by source, not its usage (which may lack the details, or
 // count only the requests check sent through the proxy).
 func TestTokensPreferBySource(t *testing.T) {
-	page := func(external, local, bytes int) metrics {
-		return parseMetrics([]byte(strings.Join([]string{
+	page := func(external, local, bytes int) promtext.Samples {
+		m, err := promtext.Parse(strings.NewReader(strings.Join([]string{
 			"# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.",
 			"# TYPE vllm:prompt_tokens_by_source_total counter",
 			`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="external_kv_transfer"} ` + strconv.Itoa(external),
@@ -19,7 +21,11 @@ func TestTokensPreferBySource(t *testing.T) {
 			`vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 0`,
 			`vllm:nixl_bytes_transferred_sum{engine="0",model_name="m"} ` + strconv.Itoa(bytes),
 			`vllm:nixl_bytes_transferred_count{engine="0",model_name="m"} 1`,
-		}, "\n")))
+		}, "\n") + "\n"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return m
 	}
 	d := &engine{leg: "decode", url: "http://d", before: page(100, 10, 1000), after: page(400, 13, 5000)}
 	r := &Report{}

@@ -1,15 +1,15 @@
 package check
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
-	"strconv"
 	"strings"
+
+	"github.com/kvbridge/kvbridge/internal/promtext"
 )
 
 // maxBody bounds what check reads of any answer.
@@ -82,55 +82,10 @@ func (c client) getJSON(ctx context.Context, url string, v any) error {
 	return nil
 }
 
-// metrics is a Prometheus text page: each sample line's series (name and labels) and value.
-type metrics map[string]float64
-
-// parseMetrics reads the sample lines of a Prometheus text page.
-func parseMetrics(page []byte) metrics {
-	m := metrics{}
-	sc := bufio.NewScanner(bytes.NewReader(page))
-	sc.Buffer(make([]byte, 64<<10), 1<<20)
-	for sc.Scan() {
-		line := sc.Text()
-		if line == "" || line[0] == '#' {
-			continue
-		}
-		i := strings.LastIndexByte(line, ' ')
-		if i < 0 {
-			continue
-		}
-		if v, err := strconv.ParseFloat(line[i+1:], 64); err == nil {
-			m[line[:i]] += v
-		}
-	}
-	return m
-}
-
-// sum adds the values of the series named name whose labels contain every one of labels
-// (`source="external_kv_transfer"`), and reports whether there was any.
-func (m metrics) sum(name string, labels ...string) (float64, bool) {
-	total, found := 0.0, false
-	for series, v := range m {
-		n, rest, _ := strings.Cut(series, "{")
-		if n != name {
-			continue
-		}
-		ok := true
-		for _, l := range labels {
-			ok = ok && strings.Contains(rest, l)
-		}
-		if ok {
-			total, found = total+v, true
-		}
-	}
-	return total, found
-}
-
-// delta is after's sum minus before's.
-func delta(before, after metrics, name string, labels ...string) (float64, bool) {
-	a, found := after.sum(name, labels...)
-	b, _ := before.sum(name, labels...)
-	return a - b, found
+// delta is after's sum of the series named name whose labels contain every one of labels
+// (`source="external_kv_transfer"`) minus before's, and whether after has any.
+func delta(before, after promtext.Samples, name string, labels ...string) (float64, bool) {
+	return after.Sum(name, labels...) - before.Sum(name, labels...), after.Has(name, labels...)
 }
 
 func clip(b []byte) string {
