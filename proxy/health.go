@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"strings"
 	"sync"
@@ -85,6 +86,7 @@ func (h *healthProber) probe(ctx context.Context, inst Instance) backendState {
 		st.Error = err.Error()
 		return st
 	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 4<<10)) // so that the connection is reused
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusOK {
 		st.Error = fmt.Sprintf("GET /health: %s", resp.Status)
