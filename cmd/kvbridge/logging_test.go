@@ -5,12 +5,13 @@ import (
 	"errors"
 	"io"
 	"log/slog"
-	"net"
 	"net/http"
 	"strings"
 	"testing"
 
 	"github.com/spf13/pflag"
+
+	"github.com/kvbridge/kvbridge/internal/fixture"
 )
 
 // logLines decodes every line of a process's stderr as a JSON log record; it fails the test on
@@ -162,12 +163,7 @@ func TestLogLevel(t *testing.T) {
 // go-redis's complaints as JSON lines (component go-redis) like its own, not as go-redis's
 // unstructured prints; its readiness says why it is not ready.
 func TestProxyRoutesRedisLogs(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	dead := ln.Addr().String() // nothing listens there once closed
-	ln.Close()
+	dead := fixture.DeadAddr(t) // Redis is down: every dial is refused
 	px := startProcess(t, nil, "proxy", "--multi-turn", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
 		"--conversation-store", "redis://"+dead+"/0", "--conversation-store-key", "logging-test-key", "--prefiller-ports", "1", "--decoder-ports", "1")
 	resp, err := http.Get(px.url + "/ready")
