@@ -45,7 +45,6 @@ func TestSchedulerTraces(t *testing.T) {
 			if tr == nil {
 				d.Fatalf(t, "%s before config", d.Cmd)
 			}
-			tr.h.t = t
 			return tr.run(t, d)
 		})
 	})
@@ -80,7 +79,7 @@ func newTrace(t *testing.T, d *datadriven.TestData) *trace {
 	cfg.Connector = conn
 	h := newHarness(t, newTestPool(t, blocks, bs, d.HasArg("prefix")), cfg)
 	conn.sim = &h.sim
-	return &trace{h: h, conn: conn, bases: 0}
+	return &trace{h: h, conn: conn}
 }
 
 // scanOpt scans the optional int argument key into dst.
@@ -113,7 +112,10 @@ func (tr *trace) run(t *testing.T, d *datadriven.TestData) string {
 		}
 	case "load-done":
 		q := h.s.Get(id)
-		a := tr.conn.allocs[id]
+		a, ok := tr.conn.allocs[id]
+		if q == nil || !ok {
+			d.Fatalf(t, "load-done: %q has no load", id)
+		}
 		if d.HasArg("ok") {
 			transfer(h.sim, q, a, -1)
 			b.WriteString(eventsText(h.s.LoadsDone(h.now, []string{id}, nil)))
