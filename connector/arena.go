@@ -10,7 +10,8 @@ import (
 )
 
 // maxBlockRatio bounds how many smaller remote blocks make one local block (heterogeneous
-// block sizes, spec §8.2); it sizes the scratch area that receives remote records.
+// block sizes, docs/architecture.md, "Heterogeneous KV geometry"); it sizes the scratch area
+// that receives remote records.
 const maxBlockRatio = 16
 
 // slotBytes is the size of one lease slot: the lease's 16-byte tag (LeaseTag), then zeros.

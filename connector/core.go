@@ -178,7 +178,8 @@ func (r *remoteEngine) done() (ended, ok bool) {
 func (k *core) seconds(now time.Time) float64 { return now.Sub(k.epoch).Seconds() }
 
 // state returns the bookkeeping of seq, parsing its kv_transfer_params on first sight. Invalid
-// or refused params are logged and ignored: the request computes locally (spec §2.3).
+// or refused params are logged and ignored: the request computes locally (docs/architecture.md,
+// wire contract item 8).
 func (k *core) state(seq *engine.Sequence, now time.Time) *reqState {
 	st := k.reqs[seq.ID()]
 	if st != nil {

@@ -196,7 +196,8 @@ func (t *LeaseTable) Notify(r Release) (*Lease, NotifyResult) {
 }
 
 // Heartbeat extends the renewable leases of tokens to at least now+extension; it never shortens
-// one and ignores unknown tokens (spec §4.4). It returns how many leases it extended.
+// one and ignores unknown tokens (docs/architecture.md, wire contract item 26). It returns how
+// many leases it extended.
 func (t *LeaseTable) Heartbeat(tokens []LeaseToken, now time.Time, extension time.Duration) int {
 	n := 0
 	for _, tok := range tokens {

@@ -36,7 +36,8 @@ const (
 // lists for that producer.
 const maxRemoteBlocks = 1 << 20
 
-// Params is kv_transfer_params (spec §2.1): what one engine tells the next about KV it holds.
+// Params is kv_transfer_params (docs/architecture.md, "kv_transfer_params"): what one engine
+// tells the next about KV it holds.
 type Params struct {
 	DoRemoteDecode  bool
 	DoRemotePrefill bool
@@ -75,7 +76,8 @@ func (p *Params) Blocks() []int32 {
 }
 
 // Complete reports whether p names remote blocks and everything needed to read them: block ids
-// and the remote engine, request, host and port (spec §2.3).
+// and the remote engine, request, host and port (docs/architecture.md, "kv_transfer_params";
+// wire contract item 8).
 func (p *Params) Complete() bool {
 	return p != nil && len(p.Blocks()) > 0 && p.RemoteEngineID != "" && p.RemoteRequestID != "" && p.RemoteHost != "" && p.RemotePort > 0
 }
