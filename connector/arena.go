@@ -76,7 +76,7 @@ func (l ArenaLayout) check(p *kvcache.Pool, a *transfer.Arena) error {
 	return nil
 }
 
-func encodeMetadata(hash string, meta AgentMetadata) (handshakePayload, error) {
+func encodeMetadata(hash string, meta agentMetadata) (handshakePayload, error) {
 	b, err := msgpack.Marshal(meta)
 	if err != nil {
 		return handshakePayload{}, fmt.Errorf("connector: encode agent metadata: %w", err)

@@ -239,7 +239,7 @@ func (c *Connector) AuthRefusals() AuthRefusals {
 
 // transferAuthHint adds the setting to fix to a transfer connection refused for
 // authentication.
-func (c *Connector) transferAuthHint(r *remoteEngine, err error) error {
+func (c *Connector) transferAuthHint(r *remoteLink, err error) error {
 	var te *transfer.Error
 	if errors.As(err, &te) && errors.Is(err, transfer.ErrPermission) && (te.Op == "connect" || te.Op == "select backend") {
 		return fmt.Errorf("the transfer connection to engine %s was refused: every engine needs the same kv_connector_extra_config.auth_token (or %s), or none: %w", r.id, EnvAuthToken, err)

@@ -99,6 +99,7 @@ type Connector struct {
 	sched      Scheduler
 	localLists map[int]*transfer.PreparedList
 	scrList    *transfer.PreparedList
+	flights    map[remoteKey]*flight // handshakes in progress that somebody waits for
 	closed     bool
 }
 
@@ -119,6 +120,7 @@ func New(opts Options) (*Connector, error) {
 		now:        opts.Now,
 		hash:       CompatibilityHash(opts.Compat),
 		localLists: map[int]*transfer.PreparedList{},
+		flights:    map[remoteKey]*flight{},
 		tick:       opts.Tick,
 	}
 	peers, err := newPeerFilter(cfg.AllowedPeers)
@@ -134,7 +136,7 @@ func New(opts Options) (*Connector, error) {
 	k := &core{
 		cfg: cfg, pool: c.pool, geo: c.geo, layout: c.layout, log: c.log, metrics: c.metrics,
 		epoch: c.now(), engineID: cfg.EngineID, peers: peers, random: rand.Reader,
-		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteEngine{}, counts: &c.counts,
+		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteRecord{}, counts: &c.counts,
 	}
 	k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
 	c.core = k
@@ -198,7 +200,7 @@ func New(opts Options) (*Connector, error) {
 		return fail(fmt.Errorf("connector: draw an instance id: %w", err))
 	}
 	k.instance = hex.EncodeToString(inst[:])
-	meta := AgentMetadata{
+	meta := agentMetadata{
 		Instance:      k.instance,
 		EngineID:      cfg.EngineID,
 		AgentMetadata: agent.LocalMetadata(),
@@ -302,7 +304,9 @@ func (c *Connector) closeResources() error {
 		}
 		c.localLists, c.scrList = nil, nil
 		for _, r := range c.core.remotes {
-			r.releaseLists()
+			if r.link != nil {
+				r.link.releaseLists()
+			}
 		}
 		c.mu.Unlock()
 		for _, r := range []*transfer.Region{c.kvReg, c.metaReg, c.scrReg} {

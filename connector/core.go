@@ -1,10 +1,13 @@
 package connector
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -50,7 +53,7 @@ type core struct {
 	reqs        map[string]*reqState
 	leases      LeaseTable
 	heartbeats  HeartbeatTracker
-	remotes     map[remoteKey]*remoteEngine
+	remotes     map[remoteKey]*remoteRecord
 	handshaking int
 	quiet       logLimiter
 	counts      *counters
@@ -73,15 +76,15 @@ type counters struct {
 
 // actions are what the core asks its worker to do; take returns and clears them.
 type actions struct {
-	handshakes []*remoteEngine // run the side-channel handshake of each new record
-	loads      []loadJob       // read remote KV into local blocks
-	notifies   []notice        // tell a producer that this engine will not read its blocks
-	beats      []beat          // send a heartbeat batch to a handshaken producer
-	drops      []*remoteEngine // forget a record: invalidate its incarnation, release its lists
-	release    []string        // Scheduler.ReleaseDelayed
-	loaded     []string        // Scheduler.LoadsDone, successes
-	failed     map[string]int  // Scheduler.LoadsDone, failures and their first bad block
-	missed     []string        // Scheduler.LoadsMissed
+	handshakes []handshakeJob // run the side-channel handshake of each new record
+	loads      []loadJob      // read remote KV into local blocks
+	notifies   []notice       // tell a producer that this engine will not read its blocks
+	beats      []beat         // send a heartbeat batch to a handshaken producer
+	drops      []*remoteLink  // forget a record: invalidate its incarnation, release its lists
+	release    []string       // Scheduler.ReleaseDelayed
+	loaded     []string       // Scheduler.LoadsDone, successes
+	failed     map[string]int // Scheduler.LoadsDone, failures and their first bad block
+	missed     []string       // Scheduler.LoadsMissed
 
 	// holdsExpired, when not zero, is a summary to log: that many decoder holds expired
 	// unclaimed since the previous summary, holdsSince before now.
@@ -117,11 +120,14 @@ type reqState struct {
 	tracked   bool // heartbeats are being sent for it
 	pullFromD bool // a bidirectional turn: P pulls D's blocks
 
-	// handshake is the record whose handshake the request's arrival started (nil when it
-	// started none). Its load waits for that handshake and fails with it: a failed record is
-	// forgotten at once, and a load that asked anew would start a second handshake whose
-	// outcome depends on when the load happened to start.
-	handshake *remoteEngine
+	// handshake names the record whose handshake was in progress when the request arrived
+	// (awaiting, until it ends), and handshakeErr the error it failed with. The request's load
+	// waits for that handshake and fails with it: a failed record is forgotten at once, and a
+	// load that asked anew would start a second handshake whose outcome depends on when the
+	// load happened to start.
+	handshake    handshakeJob
+	awaiting     bool
+	handshakeErr error
 }
 
 // loadJob is one request's pull of remote KV into its own blocks.
@@ -135,42 +141,45 @@ type loadJob struct {
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
 	release  []byte  // the release notification the read carries (FormatRelease)
 
-	handshake *remoteEngine // the handshake the request's arrival started, or nil (reqState.handshake)
+	// The handshake the request's arrival found in progress (reqState.handshake): awaiting, the
+	// worker waits for it before reading; handshakeErr, it failed and so does the load.
+	handshake    handshakeJob
+	awaiting     bool
+	handshakeErr error
 }
 
 // remoteKey names one incarnation of a remote engine: its engine id and its instance (random per
 // start). Records are keyed by both, so params naming a new address or a new instance of a
-// known engine never replace a healthy record by themselves.
+// known engine never replace a healthy record by themselves. While a record's handshake runs,
+// nothing but its end removes it: a key names at most one handshake in progress.
 type remoteKey struct{ engine, instance string }
 
-// remoteEngine is a producer this engine has handshaken with (or is handshaking with). The core
-// creates it; the worker runs the handshake, fills in the rest and closes ready.
-type remoteEngine struct {
-	key   remoteKey
-	id    string        // engine id, for messages
-	addr  string        // where the handshake went
-	ready chan struct{} // closed when the handshake ended; then err or the rest is set
-	err   error
+// String renders the key as engine/instance (logs and traces).
+func (key remoteKey) String() string { return key.engine + "/" + key.instance }
 
-	meta     AgentMetadata
-	offset   float64 // producer clock − our clock, seconds
-	peer     string  // transfer agent name
-	peerInc  uint64  // transfer agent incarnation
-	ratio    int     // local block size ÷ remote block size
-	layout   kvcache.Layout
-	kv, recs *transfer.PreparedList // the producer's blocks; its records then slots
-	local    *transfer.PreparedList
+// remoteRecord is the core's record of a producer it has handshaken with or is handshaking
+// with. The core creates it (entry) and asks for its handshake; the worker runs it and hands
+// the outcome back as a value (handshakeEnded).
+type remoteRecord struct {
+	key  remoteKey
+	addr string // where the handshake goes
+
+	// link is what the handshake built, nil while it runs; the core reads none of it but
+	// keeps it for the worker (remote, drops). peer and peerInc are the link's transfer agent.
+	link     *remoteLink
+	peer     string
+	peerInc  uint64
 	lastUsed time.Time
 }
 
-// done reports whether r's handshake ended, and whether it succeeded.
-func (r *remoteEngine) done() (ended, ok bool) {
-	select {
-	case <-r.ready:
-		return true, r.err == nil
-	default:
-		return false, false
-	}
+// handshaken reports whether r's handshake ended (a failed record is forgotten at once, so an
+// ended record is a handshaken one).
+func (r *remoteRecord) handshaken() bool { return r.link != nil }
+
+// handshakeJob asks the worker for the side-channel handshake with a new record.
+type handshakeJob struct {
+	key  remoteKey
+	addr string
 }
 
 // seconds is the engine's clock for the side channel and remote_blocks_expiry_time: seconds
@@ -277,14 +286,17 @@ func (k *core) track(st *reqState, now time.Time) {
 	}
 	k.heartbeats.Track(heartbeatKey(st.params), st.params.Lease.String())
 	st.tracked = true
-	st.handshake, _ = k.entry(st.params, now) // vLLM's proactive handshake; the load waits for it
+	// vLLM's proactive handshake; the load waits for it.
+	if r, err := k.entry(st.params, now); err == nil && !r.handshaken() {
+		st.handshake, st.awaiting = handshakeJob{r.key, r.addr}, true
+	}
 }
 
 // trackedParams returns the params of a request heart-beating the producer incarnation key
-// (heartbeatKey), or nil.
+// (heartbeatKey), or nil; of the request with the least id when several do.
 func (k *core) trackedParams(key string) *Params {
-	for _, st := range k.reqs {
-		if st.tracked && heartbeatKey(st.params) == key {
+	for _, id := range slices.Sorted(maps.Keys(k.reqs)) {
+		if st := k.reqs[id]; st.tracked && heartbeatKey(st.params) == key {
 			return st.params
 		}
 	}
@@ -401,7 +413,9 @@ func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int,
 		fromD:    st.pullFromD,
 		release:  k.release(st.params, seq.Prompt(), st.pullFromD),
 
-		handshake: st.handshake,
+		handshake:    st.handshake,
+		awaiting:     st.awaiting,
+		handshakeErr: st.handshakeErr,
 	}
 	if k.closed {
 		k.loadFinished(j, j.localHit/k.geo.BlockSize, transfer.ErrClosed, true, now)
@@ -679,13 +693,13 @@ func (k *core) tick(now time.Time) {
 			}
 			continue
 		}
-		if _, ok := r.done(); ok { // still handshaking: this beat is skipped, the next one goes through
+		if r.handshaken() { // still handshaking: this beat is skipped, the next one goes through
 			k.out.beats = append(k.out.beats, beat{r.peer, []byte(FormatHeartbeat(b.IDs))})
 		}
 	}
-	for _, r := range k.remotes {
-		if ended, _ := r.done(); ended && now.Sub(r.lastUsed) > k.cfg.EngineTTL {
-			k.log.Info("forgetting an idle remote engine", "remote_engine_id", r.id, "idle", now.Sub(r.lastUsed).String())
+	for _, r := range k.records() {
+		if r.handshaken() && now.Sub(r.lastUsed) > k.cfg.EngineTTL {
+			k.log.Info("forgetting an idle remote engine", "remote_engine_id", r.key.engine, "idle", now.Sub(r.lastUsed).String())
 			k.drop(r)
 		}
 	}
@@ -753,10 +767,22 @@ func (k *core) expiredHold(p *Params, offset float64, now time.Time) bool {
 	return k.seconds(now)+expiryMargin.Seconds() >= deadline
 }
 
+// records returns the remote records in the order of their keys, so that what the core decides
+// about several of them comes out in an order that does not depend on map iteration.
+func (k *core) records() []*remoteRecord {
+	out := make([]*remoteRecord, 0, len(k.remotes))
+	for _, key := range slices.SortedFunc(maps.Keys(k.remotes), func(a, b remoteKey) int {
+		return cmp.Or(strings.Compare(a.engine, b.engine), strings.Compare(a.instance, b.instance))
+	}) {
+		out = append(out, k.remotes[key])
+	}
+	return out
+}
+
 // entry returns the record of the producer incarnation named by p, creating it (and asking for
 // its handshake) if there is none. A known incarnation is used whatever address the params give
 // (proxies rewrite remote_host); a new one is handshaken at the address given.
-func (k *core) entry(p *Params, now time.Time) (*remoteEngine, error) {
+func (k *core) entry(p *Params, now time.Time) (*remoteRecord, error) {
 	key := remoteKey{p.RemoteEngineID, p.Instance}
 	r := k.remotes[key]
 	if r == nil {
@@ -766,60 +792,75 @@ func (k *core) entry(p *Params, now time.Time) (*remoteEngine, error) {
 		if k.handshaking >= maxHandshakes {
 			return nil, fmt.Errorf("%w: %d handshakes already in progress", ErrHandshake, k.handshaking)
 		}
-		r = &remoteEngine{key: key, id: p.RemoteEngineID, addr: joinHostPort(p.RemoteHost, p.RemotePort), ready: make(chan struct{})}
+		r = &remoteRecord{key: key, addr: joinHostPort(p.RemoteHost, p.RemotePort)}
 		k.remotes[key] = r
 		k.handshaking++
-		k.out.handshakes = append(k.out.handshakes, r)
+		k.out.handshakes = append(k.out.handshakes, handshakeJob{key: key, addr: r.addr})
 	}
 	r.lastUsed = now
 	return r, nil
 }
 
-// handshakeEnded records that r's handshake ended, with r.err set on failure (the worker closes
-// r.ready right after); a failed record is forgotten so that the next request tries again.
-func (k *core) handshakeEnded(r *remoteEngine) {
-	k.handshaking--
-	if r.err != nil && k.remotes[r.key] == r {
-		delete(k.remotes, r.key)
+// handshakeEnded records the outcome of the handshake with the record key: the link it built,
+// or the error it failed with. A failed record is forgotten so that the next request tries
+// again, and the requests whose arrival found that handshake in progress fail with it.
+func (k *core) handshakeEnded(key remoteKey, link *remoteLink, err error) {
+	r := k.remotes[key]
+	if r == nil || r.handshaken() {
+		// No handshake of key was in progress (cannot happen: only its end removes a record
+		// while it runs). Whatever it built is not kept.
+		if link != nil {
+			k.out.drops = append(k.out.drops, link)
+		}
+		return
 	}
+	k.handshaking--
+	for _, st := range k.reqs {
+		if st.awaiting && st.handshake.key == key {
+			st.awaiting, st.handshakeErr = false, err
+		}
+	}
+	if err != nil {
+		delete(k.remotes, key)
+		return
+	}
+	r.link, r.peer, r.peerInc = link, link.peer, link.peerInc
 }
 
-// forget drops r if it is still the current record of its engine incarnation.
-func (k *core) forget(r *remoteEngine) {
-	if k.remotes[r.key] == r {
+// forget drops the record of link's engine incarnation if link is still its link.
+func (k *core) forget(link *remoteLink) {
+	if r := k.remotes[link.key]; r != nil && r.link == link {
 		k.drop(r)
 	}
 }
 
 // drop removes r and asks the worker to forget its transfer peer.
-func (k *core) drop(r *remoteEngine) {
+func (k *core) drop(r *remoteRecord) {
 	if k.remotes[r.key] == r {
 		delete(k.remotes, r.key)
 	}
-	if _, ok := r.done(); ok && r.peer != "" {
-		k.out.drops = append(k.out.drops, r)
+	if r.handshaken() && r.peer != "" {
+		k.out.drops = append(k.out.drops, r.link)
 	}
 }
 
 // peerLost: the control connection to a producer's transfer agent ended. Its death is observed:
 // its records are dropped now (which unmaps its arena), not when engine_ttl passes.
 func (k *core) peerLost(name string, inc uint64) {
-	for _, r := range k.remotes {
-		if _, ok := r.done(); ok && r.peer == name && r.peerInc == inc {
-			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "peer_addr", r.addr)
+	for _, r := range k.records() {
+		if r.handshaken() && r.peer == name && r.peerInc == inc {
+			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.key.engine, "peer_addr", r.addr)
 			k.drop(r)
 		}
 	}
 }
 
-// older returns the handshaken records of other incarnations of r's engine.
-func (k *core) older(r *remoteEngine) []*remoteEngine {
-	var out []*remoteEngine
-	for key, o := range k.remotes {
-		if o != r && key.engine == r.key.engine {
-			if _, ok := o.done(); ok {
-				out = append(out, o)
-			}
+// older returns the links of the handshaken records of other incarnations of key's engine.
+func (k *core) older(key remoteKey) []*remoteLink {
+	var out []*remoteLink
+	for _, o := range k.records() {
+		if o.key != key && o.key.engine == key.engine && o.handshaken() {
+			out = append(out, o.link)
 		}
 	}
 	return out

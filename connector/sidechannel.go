@@ -31,7 +31,7 @@ import (
 //	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin,
 //	            "error": str, "error_code": str}
 //
-// agent_metadata_bytes is the msgpack map AgentMetadata, decoded only after the hash matched, so
+// agent_metadata_bytes is the msgpack map agentMetadata, decoded only after the hash matched, so
 // a schema change fails with a clear error. ts is the responder's clock in seconds (its own
 // monotonic epoch, like Python's perf_counter): the consumer estimates the clock offset from the
 // sample with the smallest round trip. A connection may carry several requests; the server
@@ -79,8 +79,8 @@ var (
 	ErrIncompatible = errors.New("incompatible KV peer")
 )
 
-// AgentMetadata is what a producer publishes about its KV memory (vLLM's NixlAgentMetadata).
-type AgentMetadata struct {
+// agentMetadata is what a producer publishes about its KV memory (vLLM's NixlAgentMetadata).
+type agentMetadata struct {
 	EngineID      string `msgpack:"engine_id"`
 	AgentMetadata []byte `msgpack:"agent_metadata"` // the transfer agent's metadata blob
 	KVRegion      uint32 `msgpack:"kv_region"`      // region id of the blocks
@@ -401,7 +401,7 @@ func decodeResponse(body []byte) (handshakePayload, float64, error) {
 
 // handshakeResult is what a consumer learns from a producer's side channel.
 type handshakeResult struct {
-	meta AgentMetadata
+	meta agentMetadata
 	// offset is the producer's clock minus ours, in seconds.
 	offset float64
 }
@@ -473,7 +473,7 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 		return handshakeResult{}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
 			ErrIncompatible, localHash, payload.CompatibilityHash)
 	}
-	var meta AgentMetadata
+	var meta agentMetadata
 	if err := checkBody(payload.AgentMetadataBytes); err != nil {
 		//lint:ignore ST1005 vLLM's own words, which operators grep for
 		return fail(fmt.Errorf("Failed to decode NixlAgentMetadata: %w", err))
