@@ -162,3 +162,21 @@ func TestActionsTextCoversEveryField(t *testing.T) {
 		}
 	}
 }
+
+// TestHookActionsCheck: the check every hook of the core's tests goes through refuses the
+// synchronous actions and passes the others.
+func TestHookActionsCheck(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		a    actions
+		ok   bool
+	}{
+		{"asynchronous", actions{handshakes: []handshakeJob{{}}, loads: []loadJob{{}}, notifies: []notice{{}}, release: []string{"r"}}, true},
+		{"a beat", actions{beats: []beat{{peer: "p"}}}, false},
+		{"a drop", actions{drops: []*remoteLink{{}}}, false},
+	} {
+		if err := hookActions(tc.a); (err == nil) != tc.ok {
+			t.Errorf("%s: %v", tc.name, err)
+		}
+	}
+}

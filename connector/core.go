@@ -74,22 +74,50 @@ type counters struct {
 	paramsMAC                                         atomic.Int64 // of params: refused for their MAC
 }
 
-// actions are what the core asks its worker to do; take returns and clears them.
+// actions are what the core asks its worker to do; take returns and clears them. The Connector
+// takes them after every event, under its mutex, and performs them once the mutex is released
+// (Connector.perform), field by field in the order of the fields below, each field's entries in
+// order.
+//
+// The engine's step loop must never wait: the events of its hooks (arrived, matchedExternal,
+// afterAlloc, finished, evictHolds, decline) never emit the synchronous actions, beats and
+// drops, which the worker performs on the goroutine that handed it the event. Every other
+// action is asynchronous (a goroutine the Connector owns) or a call into the scheduler that does
+// not block. The trace tests (TestCoreTraces) check this on every hook.
 type actions struct {
-	handshakes []handshakeJob // run the side-channel handshake of each new record
-	loads      []loadJob      // read remote KV into local blocks
-	notifies   []notice       // tell a producer that this engine will not read its blocks
-	beats      []beat         // send a heartbeat batch to a handshaken producer
-	drops      []*remoteLink  // forget a record: invalidate its incarnation, release its lists
-	release    []string       // Scheduler.ReleaseDelayed
-	loaded     []string       // Scheduler.LoadsDone, successes
-	failed     map[string]int // Scheduler.LoadsDone, failures and their first bad block
-	missed     []string       // Scheduler.LoadsMissed
-
+	// drops: forget a record's link — invalidate its transfer peer's incarnation and release its
+	// descriptor lists. Synchronous. Emitted by tick (idle past engine_ttl), peerLost, forget
+	// (the worker saw the peer gone) and handshakeEnded (a link nobody waits for).
+	drops []*remoteLink
+	// handshakes: run the side-channel handshake with a new record, on a goroutine, and hand
+	// its outcome back (handshakeEnded). Emitted where a record is created (entry): arrived and
+	// matchedExternal (the proactive handshake of a consumer), tick (a heartbeat whose record
+	// was dropped) and the worker's own lookups (a load or a notification).
+	handshakes []handshakeJob
+	// loads: read remote KV into local blocks, on a goroutine, and hand the outcome back
+	// (loadFinished). Emitted by afterAlloc only.
+	loads []loadJob
+	// notifies: tell a producer that this engine will not read its blocks, on a goroutine.
+	// Emitted by afterAlloc (nothing to load) and finished (aborted before its read).
+	notifies []notice
 	// holdsExpired, when not zero, is a summary to log: that many decoder holds expired
-	// unclaimed since the previous summary, holdsSince before now.
+	// unclaimed since the previous summary, holdsSince before now (zero: since the start).
+	// Emitted by tick.
 	holdsExpired int
 	holdsSince   time.Duration
+	// beats: send a heartbeat batch to a handshaken producer, waiting up to a second.
+	// Synchronous. Emitted by tick only.
+	beats []beat
+	// release: Scheduler.ReleaseDelayed — a lease or hold ended (notification, tick) or a
+	// finished request's load ended (loadFinished).
+	release []string
+	// loaded and failed: one Scheduler.LoadsDone call — successes, and failures with their
+	// first bad block. missed: Scheduler.LoadsMissed — a decoder's hold that was gone. Emitted
+	// by loadFinished: when a load ends, or at once by afterAlloc once the connector is
+	// closing.
+	loaded []string
+	failed map[string]int
+	missed []string
 }
 
 // notice is a release notification for the producer named by params.
