@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 	"unsafe"
+
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 )
 
 // The text form of actions and the merge of several events' actions, both by reflection over
@@ -115,7 +117,7 @@ func actionText(t testing.TB, name string, v any) string {
 // releaseText renders a release notification as what it says: the request, the readers and how
 // many tokens it proves (the token and the proof are hex noise in a trace).
 func releaseText(msg string) string {
-	r, err := ParseRelease(msg)
+	r, err := kvlease.ParseRelease(msg)
 	if err != nil {
 		return fmt.Sprintf("malformed release %q", msg)
 	}
@@ -123,13 +125,13 @@ func releaseText(msg string) string {
 }
 
 // shortToken is the first 8 hex digits of a lease token.
-func shortToken(t LeaseToken) string { return t.String()[:8] }
+func shortToken(t kvlease.Token) string { return t.String()[:8] }
 
 // TestActionsTextCoversEveryField: every field of actions, set, shows in its text form and
 // survives a merge; an empty value prints nothing.
 func TestActionsTextCoversEveryField(t *testing.T) {
 	p := &Params{RemoteEngineID: "P", RemoteRequestID: "p1"}
-	rel := FormatRelease(Release{ID: "p1", Readers: 1, Token: LeaseToken{1}, Proven: 4})
+	rel := kvlease.FormatRelease(kvlease.Release{ID: "p1", Readers: 1, Token: kvlease.Token{1}, Proven: 4})
 	link := &remoteLink{key: remoteKey{"P", "i"}, peer: "kvbridge-P", peerInc: 1}
 	full := actions{
 		handshakes:   []handshakeJob{{remoteKey{"P", "i"}, "h:1"}},

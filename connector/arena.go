@@ -13,7 +13,7 @@ import (
 // block sizes, spec §8.2); it sizes the scratch area that receives remote records.
 const maxBlockRatio = 16
 
-// slotBytes is the size of one lease slot: the lease's 16-byte tag (LeaseTag), then zeros.
+// slotBytes is the size of one lease slot: the lease's 16-byte tag (kvlease.Tag), then zeros.
 const slotBytes = kvcache.RecordBytes
 
 // ArenaLayout places a connector's memory in one shared arena: the KV blocks at offset 0, then

@@ -36,7 +36,7 @@ import (
 // SHM readers map the KV arena, so the owner cannot check each read. Instead the owner
 // publishes, beside the blocks, what a reader needs to check for itself: each block's record
 // (generation, token count and content hash, kvcache.Record) and, in the lease's slot, a tag
-// derived from the token and the lease's blocks (LeaseTag). A reader accepts the blocks it read
+// derived from the token and the lease's blocks (kvlease.Tag). A reader accepts the blocks it read
 // only if the slot, read after them, holds the tag of the params it was given and every block's
 // record matches its own prompt's hash chain (verify.go) — on every backend. The transfer
 // agent offers SHM only to processes of the same user id on the same host (SO_PEERCRED on its

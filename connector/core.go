@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/transfer"
@@ -51,8 +52,8 @@ type core struct {
 	kvRegion, metaRegion uint32
 
 	reqs        map[string]*reqState
-	leases      LeaseTable
-	heartbeats  HeartbeatTracker
+	leases      kvlease.Table
+	heartbeats  kvlease.HeartbeatTracker
 	remotes     map[remoteKey]*remoteRecord
 	handshaking int
 	quiet       logLimiter
@@ -123,7 +124,7 @@ type actions struct {
 // notice is a release notification for the producer named by params.
 type notice struct {
 	params *Params
-	msg    []byte // FormatRelease
+	msg    []byte // kvlease.FormatRelease
 }
 
 // beat is one heartbeat message for one producer.
@@ -167,7 +168,7 @@ type loadJob struct {
 	localHit int     // tokens already in the leading blocks (a multiple of the block size)
 	count    int     // tokens to load after them
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
-	release  []byte  // the release notification the read carries (FormatRelease)
+	release  []byte  // the release notification the read carries (kvlease.FormatRelease)
 
 	// The handshake the request's arrival found in progress (reqState.handshake): awaiting, the
 	// worker waits for it before reading; handshakeErr, it failed and so does the load.
@@ -407,7 +408,7 @@ func (k *core) release(p *Params, prompt []int32, fromD bool) []byte {
 	case len(prompt) >= p.RemoteNumTokens:
 		n = p.RemoteNumTokens
 	}
-	return []byte(FormatRelease(Release{ID: p.RemoteRequestID, Readers: 1, Token: p.Lease, Proven: n, Proof: ReleaseProof(p.Lease, prompt[:n])}))
+	return []byte(kvlease.FormatRelease(kvlease.Release{ID: p.RemoteRequestID, Readers: 1, Token: p.Lease, Proven: n, Proof: kvlease.Proof(p.Lease, prompt[:n])}))
 }
 
 // notifyFor asks the worker to tell the producer named by st's params that seq will not read
@@ -491,7 +492,7 @@ func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Tim
 func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable bool, now time.Time) map[string]any {
 	blocks := append([]int32(nil), seq.Blocks()...)
 	computed := seq.NumComputed()
-	var token LeaseToken
+	var token kvlease.Token
 	if _, err := io.ReadFull(k.random, token[:]); err != nil {
 		k.log.Error("drawing a lease token failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
@@ -513,11 +514,11 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
 	}
-	tag := LeaseTag(token, computed, blocks, gens)
+	tag := kvlease.Tag(token, computed, blocks, gens)
 	copy(k.slots[l.Slot*slotBytes:], tag[:])
 	lengths := releaseLengths(computed, seq.NumPromptTokens(), k.geo.BlockSize, !renewable)
-	l.Proofs = make(map[int][ReleaseProofBytes]byte, len(lengths))
-	for i, proof := range releaseProofs(token, seq.Tokens()[:computed], lengths) {
+	l.Proofs = make(map[int][kvlease.ProofBytes]byte, len(lengths))
+	for i, proof := range kvlease.Proofs(token, seq.Tokens()[:computed], lengths) {
 		l.Proofs[lengths[i]] = proof
 	}
 	p := Params{
@@ -575,14 +576,14 @@ func releaseLengths(numTokens, promptTokens, blockSize int, hold bool) []int {
 
 // clearSlot withdraws l's tag: from now on no reader accepts what it reads under l. The lease's
 // blocks must not be freed yet.
-func (k *core) clearSlot(l *Lease) {
+func (k *core) clearSlot(l *kvlease.Lease) {
 	if l.Slot < k.layout.NumBlocks {
 		clear(k.slots[l.Slot*slotBytes : (l.Slot+1)*slotBytes])
 	}
 }
 
 // endLease withdraws l's tag and lets the engine free its blocks.
-func (k *core) endLease(l *Lease) {
+func (k *core) endLease(l *kvlease.Lease) {
 	k.clearSlot(l)
 	k.out.release = append(k.out.release, l.RequestID)
 }
@@ -633,17 +634,17 @@ func (k *core) decline(raw map[string]any, now time.Time) {
 // proof: they only extend a lease (never shorten or end it), by 2/3 of kv_lease_duration past
 // the last one, and a decoder sends them only while a request waits to read.
 func (k *core) notification(peer, msg string, now time.Time) {
-	if hexTokens, ok := ParseHeartbeat(msg); ok {
-		tokens := make([]LeaseToken, 0, len(hexTokens))
+	if hexTokens, ok := kvlease.ParseHeartbeat(msg); ok {
+		tokens := make([]kvlease.Token, 0, len(hexTokens))
 		for _, h := range hexTokens {
-			if t, err := ParseLeaseToken(h); err == nil {
+			if t, err := kvlease.ParseToken(h); err == nil {
 				tokens = append(tokens, t)
 			}
 		}
 		k.leases.Heartbeat(tokens, now, k.cfg.LeaseDuration*2/3)
 		return
 	}
-	r, err := ParseRelease(msg)
+	r, err := kvlease.ParseRelease(msg)
 	if err != nil {
 		if ok, suppressed := k.quiet.allow("malformed", now); ok {
 			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "err", err, "similar_suppressed", suppressed)
@@ -655,7 +656,7 @@ func (k *core) notification(peer, msg string, now time.Time) {
 		k.endLease(l)
 	}
 	switch res {
-	case NotifyUnknown:
+	case kvlease.NotifyUnknown:
 		if k.metrics != nil {
 			k.metrics.CountNotificationAfterExpiry()
 		}
@@ -663,12 +664,12 @@ func (k *core) notification(peer, msg string, now time.Time) {
 			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(r.ID)),
 				"peer", peer, "similar_suppressed", suppressed)
 		}
-	case NotifyRefused:
+	case kvlease.NotifyRefused:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("refused", now); ok {
 			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(r.ID), "peer", peer, "similar_suppressed", suppressed)
 		}
-	case NotifyUnproven:
+	case kvlease.NotifyUnproven:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("unproven", now); ok {
 			k.log.Warn("refusing a KV notification that does not prove the prompt its lease was issued for (copied kv_transfer_params, or a request for another prompt); the lease is kept",
@@ -696,7 +697,7 @@ func (k *core) tick(now time.Time) {
 			}
 			continue
 		}
-		k.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.notified))
+		k.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.Notified()))
 		if k.metrics != nil {
 			k.metrics.CountExpiredRequest()
 		}
@@ -722,7 +723,7 @@ func (k *core) tick(now time.Time) {
 			continue
 		}
 		if r.handshaken() { // still handshaking: this beat is skipped, the next one goes through
-			k.out.beats = append(k.out.beats, beat{r.peer, []byte(FormatHeartbeat(b.IDs))})
+			k.out.beats = append(k.out.beats, beat{r.peer, []byte(kvlease.FormatHeartbeat(b.IDs))})
 		}
 	}
 	for _, r := range k.records() {
@@ -897,7 +898,7 @@ func (k *core) older(key remoteKey) []*remoteLink {
 // authorizeRead decides a TCP READ: it presents a lease token (the tag), and every range must lie
 // inside the blocks leased under it, their records, or the lease's own slot.
 func (k *core) authorizeRead(tag []byte, descs []transfer.Desc) error {
-	var token LeaseToken
+	var token kvlease.Token
 	if len(tag) != len(token) {
 		return errors.New("the READ presents no lease token (a reader must present the token of the lease whose blocks it reads)")
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/fixture"
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/transfer"
@@ -22,6 +23,9 @@ import (
 // sockets, no goroutines. Each test reads the actions the core asks its worker to perform.
 
 const coreBlockSize = 4
+
+// t0 is when the tests' clocks start.
+var t0 = time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
 
 // countingReader is a deterministic token source: 0, 1, 2, … (tests only).
 type countingReader struct{ n byte }
@@ -212,7 +216,7 @@ func TestCoreProducerLease(t *testing.T) {
 		t.Fatalf("P's params %+v %v", p, err)
 	}
 	slot := h.k.slots[p.LeaseSlot*slotBytes : p.LeaseSlot*slotBytes+16]
-	if tag := LeaseTag(p.Lease, 10, p.Blocks(), p.BlockGenerations); string(slot) != string(tag[:]) {
+	if tag := kvlease.Tag(p.Lease, 10, p.Blocks(), p.BlockGenerations); string(slot) != string(tag[:]) {
 		t.Error("the slot does not hold the lease's tag")
 	}
 	chain := kvcache.ChainHashes(prompt, coreBlockSize)
@@ -226,8 +230,8 @@ func TestCoreProducerLease(t *testing.T) {
 			t.Errorf("block %d record %+v, want %+v", i, rec, want)
 		}
 	}
-	release := func(tok LeaseToken, prompt []int32) string {
-		return FormatRelease(Release{ID: "p1", Readers: 1, Token: tok, Proven: len(prompt), Proof: ReleaseProof(tok, prompt)})
+	release := func(tok kvlease.Token, prompt []int32) string {
+		return kvlease.FormatRelease(kvlease.Release{ID: "p1", Readers: 1, Token: tok, Proven: len(prompt), Proof: kvlease.Proof(tok, prompt)})
 	}
 	wrong := p.Lease
 	wrong[0]++
@@ -250,7 +254,7 @@ func TestCoreProducerLease(t *testing.T) {
 
 // pullParams returns, as they travel, the params of a producer "P" (instance "i", at h:1) whose
 // two blocks hold 8 tokens under lease token tok, with tp_size given so that D heartbeats.
-func pullParams(t *testing.T, tok LeaseToken) map[string]any {
+func pullParams(t *testing.T, tok kvlease.Token) map[string]any {
 	t.Helper()
 	return viaJSON(t, (&Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1, 2}}, RemoteEngineID: "P", RemoteRequestID: "p1",
 		RemoteHost: "h", RemotePort: 1, TPSize: 1, RemoteNumTokens: 8, BlockGenerations: []uint64{1, 1}, Instance: "i",
@@ -262,7 +266,7 @@ func pullParams(t *testing.T, tok LeaseToken) map[string]any {
 // it does not start a second handshake, whose outcome would depend on when the load began.
 func TestLoadFailsWithArrivalHandshake(t *testing.T) {
 	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
-	kv := pullParams(t, LeaseToken{9})
+	kv := pullParams(t, kvlease.Token{9})
 	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
 		t.Fatal(err)
 	}
@@ -335,7 +339,7 @@ func TestCoreLoadFinished(t *testing.T) {
 // verification refusal, not a failed transfer, not an error in the log. A producer's lease gone
 // before D read is still all three.
 func TestCoreHoldGoneIsAMiss(t *testing.T) {
-	p := &Params{RemoteBlockIDs: [][]int32{{7}}, RemoteNumTokens: 4, BlockGenerations: []uint64{1}, Lease: LeaseToken{9}}
+	p := &Params{RemoteBlockIDs: [][]int32{{7}}, RemoteNumTokens: 4, BlockGenerations: []uint64{1}, Lease: kvlease.Token{9}}
 	plan := readPlan{localIndex: []int{0}, remoteIndex: []int{0}, scratch: []int{0}}
 	_, cleared := verifyRead(loadJob{id: "r", params: p, prompt: ids(4)}, "D", coreBlockSize, plan, nil, make([]byte, 16))
 	if !errors.Is(cleared, errLeaseGone) {
@@ -439,7 +443,7 @@ func TestCoreEvictHolds(t *testing.T) {
 // host outside allowed_peers are refused and counted, and nothing is dialled.
 func TestCoreDeclineAndRefusals(t *testing.T) {
 	good := &Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1}}, RemoteEngineID: "P", RemoteRequestID: "p1",
-		RemoteHost: "10.1.2.3", RemotePort: 1, BlockGenerations: []uint64{1}, Instance: "i", Lease: LeaseToken{1}, HasLease: true, LeaseSlot: 0}
+		RemoteHost: "10.1.2.3", RemotePort: 1, BlockGenerations: []uint64{1}, Instance: "i", Lease: kvlease.Token{1}, HasLease: true, LeaseSlot: 0}
 	for _, tc := range []struct {
 		name    string
 		extra   string
@@ -473,9 +477,9 @@ func TestCoreDeclineAndRefusals(t *testing.T) {
 func TestVerifyRead(t *testing.T) {
 	prompt := ids(10)
 	chain := kvcache.ChainHashes(prompt, coreBlockSize)
-	tok := LeaseToken{3}
+	tok := kvlease.Token{3}
 	p := &Params{RemoteBlockIDs: [][]int32{{7, 8, 9}}, RemoteNumTokens: 10, BlockGenerations: []uint64{4, 4, 5}, Lease: tok}
-	tag := LeaseTag(tok, 10, p.Blocks(), p.BlockGenerations)
+	tag := kvlease.Tag(tok, 10, p.Blocks(), p.BlockGenerations)
 	record := func(gen uint64, count int, hash kvcache.BlockHash) []byte {
 		b := make([]byte, kvcache.RecordBytes)
 		binary.LittleEndian.PutUint64(b, gen)

@@ -52,7 +52,7 @@ func (c *Connector) EvictHolds(blocks int) (ids []string) {
 
 // Decline is told of the kv_transfer_params of a request the HTTP layer refused before the
 // scheduler saw it (a validation error, a prompt too long, no capacity). It tells the producer
-// nothing: ending a lease takes a proof of the prompt it was issued for (ReleaseProof), and
+// nothing: ending a lease takes a proof of the prompt it was issued for (kvlease.Proof), and
 // this engine never saw the request's prompt, so the producer frees at lease expiry, as vLLM's
 // does. Params that would be refused are counted.
 func (c *Connector) Decline(raw map[string]any) {

@@ -11,6 +11,7 @@ import (
 	"github.com/cockroachdb/datadriven"
 
 	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
@@ -130,12 +131,12 @@ func (tr *traceRun) run(t *testing.T, d *datadriven.TestData) string {
 			d.Fatalf(t, "nobody sent a release of %s", id)
 		}
 		if d.HasArg("forge") { // the same release under another token
-			r, err := ParseRelease(msg)
+			r, err := kvlease.ParseRelease(msg)
 			if err != nil {
 				d.Fatalf(t, "%v", err)
 			}
 			r.Token[0]++
-			msg = FormatRelease(r)
+			msg = kvlease.FormatRelease(r)
 		}
 		h.k.notification("kvbridge-D", msg, h.now)
 	case "heartbeat":
@@ -145,7 +146,7 @@ func (tr *traceRun) run(t *testing.T, d *datadriven.TestData) string {
 		if d.HasArg("extra") {
 			tokens = append(tokens, strings.Repeat("0", 32))
 		}
-		h.k.notification("kvbridge-D", FormatHeartbeat(tokens), h.now)
+		h.k.notification("kvbridge-D", kvlease.FormatHeartbeat(tokens), h.now)
 	case "notification":
 		var msg string
 		d.ScanArgs(t, "msg", &msg)
@@ -408,18 +409,12 @@ func (tr *traceRun) state(h *coreHarness) string {
 		}
 		fmt.Fprintf(&b, "remote: %s at %s %s, used %v\n", r.key, r.addr, status, r.lastUsed.Sub(t0))
 	}
-	var leases []string
-	for id := range h.k.leases.leases {
-		l := h.k.leases.Get(id)
+	for _, l := range h.k.leases.Leases() {
 		kind := "lease"
 		if !l.Renewable {
 			kind = "hold"
 		}
-		leases = append(leases, fmt.Sprintf("%s: %s slot %d blocks %v until %v", kind, id, l.Slot, l.Blocks, l.Deadline.Sub(t0)))
-	}
-	slices.Sort(leases)
-	for _, l := range leases {
-		b.WriteString(l + "\n")
+		fmt.Fprintf(&b, "%s: %s slot %d blocks %v until %v\n", kind, l.RequestID, l.Slot, l.Blocks, l.Deadline.Sub(t0))
 	}
 	fmt.Fprintf(&b, "heartbeats: %d leases tracked\n", h.k.heartbeats.Len())
 	c := h.k.counts

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/kvcache"
 )
 
@@ -27,7 +28,7 @@ var errLeaseGone = errors.New("no such lease")
 // used. A pure function: the core's decisions are testable without memory or sockets.
 func verifyRead(j loadJob, remoteID string, rbs int, plan readPlan, records [][]byte, slot []byte) (int, error) {
 	p := j.params
-	want := LeaseTag(p.Lease, p.RemoteNumTokens, p.Blocks(), p.BlockGenerations)
+	want := kvlease.Tag(p.Lease, p.RemoteNumTokens, p.Blocks(), p.BlockGenerations)
 	if len(slot) < len(want) || !bytes.Equal(slot[:len(want)], want[:]) {
 		return plan.firstLocal, fmt.Errorf("%w: %w: %w: request %s: engine %s holds no lease matching these kv_transfer_params (it expired, was released or evicted, or the params are not its own)",
 			errLeaseGone, ErrStaleBlocks, ErrVerification, j.id, remoteID)
