@@ -48,9 +48,6 @@ import (
 // kv_connector_extra_config.auth_token is absent or empty.
 const EnvAuthToken = "KVBRIDGE_KV_AUTH_TOKEN"
 
-// ErrAuth reports a side-channel connection refused for authentication, by either side.
-var ErrAuth = errors.New("KV peer authentication failed")
-
 // errServerProof marks a refusal by this side of a side-channel server's proof.
 var errServerProof = errors.New("side channel server proof rejected")
 

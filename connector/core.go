@@ -362,7 +362,7 @@ func (k *core) matchedExternal(seq *engine.Sequence, localHit int, now time.Time
 	if count <= 0 {
 		return 0, false
 	}
-	if t := k.cfg.Threshold(); count < t {
+	if t := k.cfg.threshold(); count < t {
 		return 0, false // cheaper to recompute than to pull (kv_recompute_threshold)
 	}
 	return count, true

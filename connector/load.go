@@ -10,17 +10,6 @@ import (
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
-// ErrStaleBlocks reports a read of blocks that the producer freed and reused before the read
-// finished (its lease expired): the KV read is not the prompt's and must not be used.
-var ErrStaleBlocks = errors.New("KV blocks were reused by the producer before they were read")
-
-// ErrStaleProducer reports params that name a producer instance which has since restarted: the
-// blocks they name belong to someone else now.
-var ErrStaleProducer = errors.New("the producer restarted since these kv_transfer_params were issued")
-
-// ErrExpired reports a bidirectional read declined because the decoder's blocks expire too soon.
-var ErrExpired = errors.New("remote KV blocks expire too soon to be read")
-
 // loadTimeout bounds one load: handshake, READ and verification.
 const loadTimeout = 60 * time.Second
 

@@ -10,9 +10,6 @@ import (
 	"github.com/kvbridge/kvbridge/internal/kvlease"
 )
 
-// ErrParams reports kv_transfer_params of the wrong shape; the message names the field.
-var ErrParams = errors.New("invalid kv_transfer_params")
-
 // Extension keys kvbridge adds to kv_transfer_params. vLLM ignores keys it does not know.
 const (
 	// KeyBlockGenerations carries the producer's generation of each block (block-major, first

@@ -9,12 +9,6 @@ import (
 	"github.com/kvbridge/kvbridge/kvcache"
 )
 
-// ErrVerification reports remote blocks that do not hold what their owner published for the
-// reader's prompt: the owner's lease slot does not hold the tag of the params the reader was
-// given, or a block's record (generation, token count, content hash) does not match the
-// reader's own prompt at that position. The KV read is not used.
-var ErrVerification = errors.New("remote KV blocks do not match what their owner published for this prompt")
-
 // errLeaseGone marks a read whose lease the producer no longer holds (or never held).
 var errLeaseGone = errors.New("no such lease")
 
