@@ -68,6 +68,7 @@ type Options struct {
 // starting handshakes, loads and notifications on goroutines it owns, forgetting peers, and
 // telling the engine what finished. Its hooks never block.
 type Connector struct {
+	// Set by New, never changed after.
 	cfg     *Config
 	pool    *kvcache.Pool
 	geo     kvcache.Geometry
@@ -76,7 +77,6 @@ type Connector struct {
 	metrics *metrics.NixlMetrics
 	now     func() time.Time
 	hash    string
-
 	agent   *transfer.Agent
 	kvReg   *transfer.Region
 	metaReg *transfer.Region
@@ -84,16 +84,20 @@ type Connector struct {
 	side    *sideChannelServer
 	auth    *sideAuth // side-channel proofs; nil without an auth token
 	scratch []byte    // records and slots read from producers (see ArenaLayout.scratchEntries)
-	counts  counters
+	ctx     context.Context
+	cancel  context.CancelFunc
 
-	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
-
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// Set by New or Start, before the worker starts.
 	tick   <-chan time.Time
 	ticker *time.Ticker
 
+	// Atomic: read and written without the lock.
+	counts       counters
+	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
+
+	wg sync.WaitGroup // the goroutines the connector owns (see takeLocked)
+
+	// mu guards the fields below, and the core: every event reaches it through apply.
 	mu         sync.Mutex
 	core       *core
 	sched      Scheduler
@@ -192,9 +196,7 @@ func New(opts Options) (*Connector, error) {
 	c.scratch = c.scrReg.Bytes()
 	k.slots = c.layout.slots(opts.Arena.Bytes())
 	clear(k.slots)
-	c.mu.Lock()
-	k.kvRegion, k.metaRegion = c.kvReg.ID(), c.metaReg.ID()
-	c.mu.Unlock()
+	c.locked(func() { k.kvRegion, k.metaRegion = c.kvReg.ID(), c.metaReg.ID() })
 	var inst [8]byte
 	if _, err := rand.Read(inst[:]); err != nil {
 		return fail(fmt.Errorf("connector: draw an instance id: %w", err))
@@ -236,9 +238,7 @@ func New(opts Options) (*Connector, error) {
 
 // Start attaches the engine and starts the worker goroutine.
 func (c *Connector) Start(s Scheduler) {
-	c.mu.Lock()
-	c.sched = s
-	c.mu.Unlock()
+	c.locked(func() { c.sched = s })
 	if c.tick == nil {
 		c.ticker = time.NewTicker(250 * time.Millisecond)
 		c.tick = c.ticker.C
@@ -271,14 +271,9 @@ func (c *Connector) Agent() *transfer.Agent { return c.agent }
 // idempotent. Blocks still held for remote readers stay allocated: close the engine first (its
 // Close releases every delayed free).
 func (c *Connector) Close() error {
-	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
+	if !c.markClosed() {
 		return nil
 	}
-	c.closed = true
-	c.core.closed = true
-	c.mu.Unlock()
 	if c.cancel != nil {
 		c.cancel()
 	}
@@ -289,26 +284,41 @@ func (c *Connector) Close() error {
 	return c.closeResources()
 }
 
+// markClosed marks the connector closing, and reports whether this call did (Close is
+// idempotent).
+func (c *Connector) markClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.closed, c.core.closed = true, true
+	return true
+}
+
+// isClosed reports whether Close was called.
+func (c *Connector) isClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closed
+}
+
+// locked runs f under c.mu.
+func (c *Connector) locked(f func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	f()
+}
+
+// closeResources closes the side channel, releases every descriptor list, deregisters the
+// regions and closes the transfer agent.
 func (c *Connector) closeResources() error {
 	var errs []error
 	if c.side != nil {
 		errs = append(errs, c.side.close())
 	}
 	if c.agent != nil {
-		c.mu.Lock()
-		for _, l := range c.localLists {
-			l.Release()
-		}
-		if c.scrList != nil {
-			c.scrList.Release()
-		}
-		c.localLists, c.scrList = nil, nil
-		for _, r := range c.core.remotes {
-			if r.link != nil {
-				r.link.releaseLists()
-			}
-		}
-		c.mu.Unlock()
+		c.locked(c.releaseListsLocked)
 		for _, r := range []*transfer.Region{c.kvReg, c.metaReg, c.scrReg} {
 			if r != nil {
 				errs = append(errs, c.agent.Deregister(r))
@@ -317,6 +327,23 @@ func (c *Connector) closeResources() error {
 		errs = append(errs, c.agent.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// releaseListsLocked releases the local descriptor lists and those of every handshaken
+// producer. c.mu is held.
+func (c *Connector) releaseListsLocked() {
+	for _, l := range c.localLists {
+		l.Release()
+	}
+	if c.scrList != nil {
+		c.scrList.Release()
+	}
+	c.localLists, c.scrList = nil, nil
+	for _, r := range c.core.remotes {
+		if r.link != nil {
+			r.link.releaseLists()
+		}
+	}
 }
 
 // clockSeconds is this engine's clock for the side channel and remote_blocks_expiry_time:

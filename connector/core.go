@@ -30,7 +30,8 @@ import (
 // must be published before the params that name them leave the hook. Not safe for concurrent
 // use: the Connector holds its mutex around every call.
 
-// core is the connector's deterministic state machine.
+// core is the connector's deterministic state machine. All of it is guarded by the Connector's
+// mutex (Connector.apply); counts alone are atomic, read without it.
 type core struct {
 	cfg       *Config
 	pool      *kvcache.Pool

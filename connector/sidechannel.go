@@ -226,9 +226,10 @@ type sideChannelServer struct {
 	idle    time.Duration
 	auth    *sideAuth // nil: no auth token
 
-	refusals atomic.Int64 // connections refused for authentication
+	refusals atomic.Int64   // connections refused for authentication
+	wg       sync.WaitGroup // accept and serve
 
-	wg     sync.WaitGroup
+	// mu guards the fields below.
 	mu     sync.Mutex
 	conns  map[net.Conn]struct{}
 	closed bool
@@ -256,25 +257,38 @@ func (s *sideChannelServer) accept() {
 		if err != nil {
 			return
 		}
-		s.mu.Lock()
-		if s.closed {
-			s.mu.Unlock()
+		if !s.track(c) {
 			c.Close()
 			return
 		}
-		s.conns[c] = struct{}{}
-		s.wg.Add(1)
-		s.mu.Unlock()
 		go s.serve(c)
 	}
+}
+
+// track records a new connection, counting its goroutine, and reports false once the server is
+// closed.
+func (s *sideChannelServer) track(c net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.conns[c] = struct{}{}
+	s.wg.Add(1)
+	return true
+}
+
+// untrack forgets a connection that ended.
+func (s *sideChannelServer) untrack(c net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.conns, c)
 }
 
 func (s *sideChannelServer) serve(c net.Conn) {
 	defer s.wg.Done()
 	defer func() {
-		s.mu.Lock()
-		delete(s.conns, c)
-		s.mu.Unlock()
+		s.untrack(c)
 		c.Close()
 	}()
 	r := bufio.NewReader(c)
@@ -355,19 +369,27 @@ func (s *sideChannelServer) authenticate(c net.Conn, r io.Reader, body []byte) (
 
 // close stops the listener and every connection, and waits for their goroutines. Idempotent.
 func (s *sideChannelServer) close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	first, err := s.shut()
+	if !first {
 		return nil
 	}
+	s.wg.Wait()
+	return err
+}
+
+// shut closes the listener and every connection, and reports whether this call did.
+func (s *sideChannelServer) shut() (first bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false, nil
+	}
 	s.closed = true
-	err := s.ln.Close()
+	err = s.ln.Close()
 	for c := range s.conns {
 		c.Close()
 	}
-	s.mu.Unlock()
-	s.wg.Wait()
-	return err
+	return true, err
 }
 
 // decodeResponse parses a handshake response frame: [payload map, ts float].
