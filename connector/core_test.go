@@ -293,6 +293,55 @@ func TestLoadFailsWithArrivalHandshake(t *testing.T) {
 	}
 }
 
+// TestLoadWaitsForArrivalHandshake: a request admitted while the handshake its arrival started
+// still runs gets a load that waits for that handshake (the worker's flight of it) and fails
+// with its error, whichever of the load and the handshake's end comes first.
+func TestLoadWaitsForArrivalHandshake(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+	kv := pullParams(t, kvlease.Token{9})
+	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
+		t.Fatal(err)
+	}
+	hs := h.takeActs().handshakes
+	if len(hs) != 1 {
+		t.Fatalf("arrival: %d handshakes", len(hs))
+	}
+	// The worker around the core, without agent or side channel: nothing here may reach them.
+	c := &Connector{core: h.k, geo: h.k.geo, log: testLogger(io.Discard), now: func() time.Time { return h.now },
+		flights: map[remoteKey]*flight{}, ctx: t.Context()}
+	h.sched.Schedule(h.now) // admission while the handshake runs: the load awaits it
+	loads := h.takeActs().loads
+	if len(loads) != 1 || !loads[0].awaiting {
+		t.Fatalf("admission: loads %+v", loads)
+	}
+	var f *flight
+	c.locked(func() { f = c.flightLocked(loads[0].handshake) }) // as takeLocked does
+	type result struct {
+		bad int
+		err error
+	}
+	done := make(chan result, 1)
+	c.wg.Add(1) // as takeLocked counted it for perform
+	go func() {
+		defer c.wg.Done()
+		bad, err := c.load(t.Context(), loads[0], f)
+		done <- result{bad, err}
+	}()
+	cut := fmt.Errorf("%w with h:1: unexpected EOF", ErrHandshake)
+	c.endHandshake(hs[0], nil, cut)
+	select {
+	case r := <-done:
+		if !errors.Is(r.err, cut) || r.bad != 0 {
+			t.Fatalf("load: first bad block %d, error %v; want block 0 and %v", r.bad, r.err, cut)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the load did not end with the handshake")
+	}
+	if len(c.flights) != 0 || h.k.remotes[hs[0].key] != nil {
+		t.Errorf("after the handshake failed: %d flights, record %v", len(c.flights), h.k.remotes[hs[0].key])
+	}
+}
+
 // TestCoreLoadFinished: what a finished load asks of the scheduler.
 func TestCoreLoadFinished(t *testing.T) {
 	gone := fmt.Errorf("%w: slot", errLeaseGone)
