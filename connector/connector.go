@@ -152,26 +152,8 @@ func New(opts Options) (*Connector, error) {
 	if tc.Logger == nil {
 		tc.Logger = c.log
 	}
-	getenv := opts.Getenv
-	if getenv == nil {
-		getenv = os.Getenv
-	}
-	if token, source := resolveAuthToken(cfg, getenv); token != "" {
-		if slices.ContainsFunc(cfg.Backends, func(b string) bool { return strings.EqualFold(b, "UCX") }) {
-			return nil, fmt.Errorf("%w: kv_connector_extra_config.backends lists UCX and an auth token is set (%s): "+
-				"UCX's transports do not authenticate peers; leave UCX out of the backends or run without the token", ErrConfig, source)
-		}
-		ta, err := transfer.NewHMACAuth([]byte(token))
-		if err != nil {
-			return nil, fmt.Errorf("connector: auth token: %w", err)
-		}
-		tc.Auth = ta
-		c.auth = newSideAuth(token)
-		k.paramsKey = paramsMACKey(token)
-		c.log.Info("KV transfer authentication enabled: side channel and transfer connections require the shared auth token", "source", source)
-		if len(token) < 16 {
-			c.log.Warn("the KV auth token is shorter than 16 characters; use a long random value", "source", source)
-		}
+	if err := c.setupAuth(opts.Getenv, &tc); err != nil {
+		return nil, err
 	}
 	tc.AuthorizeRead = c.authorizeRead
 	tc.OnPeerLost = c.peerLost
@@ -234,6 +216,35 @@ func New(opts Options) (*Connector, error) {
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	return c, nil
+}
+
+// setupAuth turns on authentication when an auth token is set (the config key, or the
+// environment read through getenv, os.Getenv when nil): the transfer agent's (tc.Auth), the
+// side channel's and the params' MAC.
+func (c *Connector) setupAuth(getenv func(string) string, tc *transfer.Config) error {
+	if getenv == nil {
+		getenv = os.Getenv
+	}
+	token, source := resolveAuthToken(c.cfg, getenv)
+	if token == "" {
+		return nil
+	}
+	if slices.ContainsFunc(c.cfg.Backends, func(b string) bool { return strings.EqualFold(b, "UCX") }) {
+		return fmt.Errorf("%w: kv_connector_extra_config.backends lists UCX and an auth token is set (%s): "+
+			"UCX's transports do not authenticate peers; leave UCX out of the backends or run without the token", ErrConfig, source)
+	}
+	ta, err := transfer.NewHMACAuth([]byte(token))
+	if err != nil {
+		return fmt.Errorf("connector: auth token: %w", err)
+	}
+	tc.Auth = ta
+	c.auth = newSideAuth(token)
+	c.core.paramsKey = paramsMACKey(token)
+	c.log.Info("KV transfer authentication enabled: side channel and transfer connections require the shared auth token", "source", source)
+	if len(token) < 16 {
+		c.log.Warn("the KV auth token is shorter than 16 characters; use a long random value", "source", source)
+	}
+	return nil
 }
 
 // Start attaches the engine and starts the worker goroutine.
