@@ -7,11 +7,11 @@ import (
 )
 
 // The engine.Connector hooks. They run on the engine's step loop: each hands the core its event
-// under c.mu and then performs the actions the core returned, which never block (goroutines it
-// owns do the I/O): a hook's event never emits the synchronous actions, beats and drops (see
-// actions; the core's trace tests check it on every hook). The core keeps every lease decision on the connector's clock
-// (Options.Now); the engine's clock, which Finished is given, is the same time.Now in
-// production and is not mixed with it.
+// (Connector.event) and then performs the actions the core returned, which never block
+// (goroutines it owns do the I/O): a hook's event never emits the synchronous actions, beats and
+// drops (see actions; the core's tests check it on every hook). The core keeps every lease
+// decision on the connector's clock (Options.Now); the engine's clock, which Finished is given,
+// is the same time.Now in production and is not mixed with it.
 
 // Arrived implements engine.ArrivalObserver: a decode request that will pull from a producer
 // starts heartbeating the producer's lease now, while it may still wait in the queue, and the
