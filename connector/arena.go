@@ -14,7 +14,7 @@ import (
 // that receives remote records.
 const maxBlockRatio = 16
 
-// slotBytes is the size of one lease slot: the lease's 16-byte tag (LeaseTag), then zeros.
+// slotBytes is the size of one lease slot: the lease's 16-byte tag (kvlease.Tag), then zeros.
 const slotBytes = kvcache.RecordBytes
 
 // ArenaLayout places a connector's memory in one shared arena: the KV blocks at offset 0, then
@@ -77,7 +77,7 @@ func (l ArenaLayout) check(p *kvcache.Pool, a *transfer.Arena) error {
 	return nil
 }
 
-func encodeMetadata(hash string, meta AgentMetadata) (handshakePayload, error) {
+func encodeMetadata(hash string, meta agentMetadata) (handshakePayload, error) {
 	b, err := msgpack.Marshal(meta)
 	if err != nil {
 		return handshakePayload{}, fmt.Errorf("connector: encode agent metadata: %w", err)

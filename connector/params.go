@@ -6,10 +6,9 @@ import (
 	"fmt"
 	"math"
 	"strconv"
-)
 
-// ErrParams reports kv_transfer_params of the wrong shape; the message names the field.
-var ErrParams = errors.New("invalid kv_transfer_params")
+	"github.com/kvbridge/kvbridge/internal/kvlease"
+)
 
 // Extension keys kvbridge adds to kv_transfer_params. vLLM ignores keys it does not know.
 const (
@@ -23,7 +22,7 @@ const (
 	// before a restart are recognised as stale even when block ids and generations repeat.
 	KeyInstance = "kvbridge_instance"
 	// KeyLease carries the lease token (32 hex digits): the capability every read,
-	// notification and heartbeat about these blocks must present (see LeaseToken).
+	// notification and heartbeat about these blocks must present (see kvlease.Token).
 	KeyLease = "kvbridge_lease"
 	// KeyLeaseSlot is the index of the slot where the producer publishes the lease's tag.
 	KeyLeaseSlot = "kvbridge_lease_slot"
@@ -59,7 +58,7 @@ type Params struct {
 	BlockHashes            []string
 	Instance               string
 	// Lease is the lease token; HasLease says whether the params carried one.
-	Lease    LeaseToken
+	Lease    kvlease.Token
 	HasLease bool
 	// LeaseSlot is the producer's slot of the lease's tag; -1 when absent.
 	LeaseSlot int
@@ -121,7 +120,7 @@ func ParseParams(m map[string]any) (*Params, error) {
 		if err := asString(v, &hexTok); err != nil {
 			return err
 		}
-		tok, err := ParseLeaseToken(hexTok)
+		tok, err := kvlease.ParseToken(hexTok)
 		p.Lease, p.HasLease = tok, err == nil
 		return err
 	})
