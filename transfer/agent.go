@@ -415,6 +415,21 @@ func (a *Agent) Close() error {
 	return nil
 }
 
+// handOver runs fn, which hands a post's units to the SHM copy workers or the UCX workers,
+// under postMu's read lock unless the agent is closed, and reports whether it ran. Close
+// takes the write lock before it closes the work queue and stops the workers, so work handed
+// over is never lost. fn may block on a full work queue while holding the read lock: the
+// workers that drain the queue never take postMu, and Close waits for it.
+func (a *Agent) handOver(fn func()) bool {
+	a.postMu.RLock()
+	defer a.postMu.RUnlock()
+	if a.closed.Load() {
+		return false
+	}
+	fn()
+	return true
+}
+
 // closeListeners closes the listeners (idempotent).
 func (a *Agent) closeListeners() {
 	if a.tcpLn != nil {

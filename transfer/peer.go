@@ -362,6 +362,22 @@ func (p *peer) route(ctx context.Context, prefer Backend) (notifRoute, error) {
 	return nil, newErr("notify", p.name, ErrNotSupported, "peer offers no usable control connection", nil)
 }
 
+// currentRoute returns the current notification route, or nil.
+func (p *peer) currentRoute() notifRoute {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.routeLocked()
+}
+
+// detach forgets request r as in flight if it still is for post gen.
+func (p *peer) detach(r *Request, gen uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.inflight[r] == gen {
+		delete(p.inflight, r)
+	}
+}
+
 // routeLocked returns the current notification route, or nil (callers hold p.mu). All
 // notifications to a peer take the same route, so they arrive in the order they were sent.
 func (p *peer) routeLocked() notifRoute {
