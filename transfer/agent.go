@@ -369,38 +369,24 @@ func (a *Agent) Addrs() (tcp, unix string) { return a.tcpAddr, a.unixAddr }
 // caller owns them). Close is idempotent and always returns nil.
 func (a *Agent) Close() error {
 	a.closeOnce.Do(func() {
-		a.postMu.Lock()
-		a.closed.Store(true)
-		a.postMu.Unlock()
+		a.underPostLock(func() { a.closed.Store(true) })
 		a.cancel()
 		a.closeListeners()
 
-		a.peersMu.Lock()
-		peers := make([]*peer, 0, len(a.peers))
-		for _, p := range a.peers {
-			peers = append(peers, p)
-		}
-		a.peers = map[string]*peer{}
-		a.peersMu.Unlock()
+		peers := a.takePeers()
 		var failed []*Request
 		for _, p := range peers {
 			failed = append(failed, p.retire(ErrClosed, "agent closed")...)
 		}
 
-		a.connMu.Lock()
-		for c := range a.conns {
-			c.Close()
-		}
-		a.connMu.Unlock()
+		a.closeConns()
 
 		if a.ucx != nil {
 			// Stops the UCX workers once they have closed every endpoint and resolved the
 			// operations in flight (canceled).
 			a.ucx.close()
 		}
-		a.postMu.Lock()
-		close(a.work)
-		a.postMu.Unlock()
+		a.underPostLock(func() { close(a.work) })
 		a.wg.Wait()
 		// A goroutine in Request.Wait may still be copying a chunk from a peer's mapping;
 		// the failed requests complete as soon as their chunks in progress are done.
@@ -413,6 +399,34 @@ func (a *Agent) Close() error {
 		close(a.notifs)
 	})
 	return nil
+}
+
+// underPostLock runs fn under postMu's write lock: no post is handing work over meanwhile.
+func (a *Agent) underPostLock(fn func()) {
+	a.postMu.Lock()
+	defer a.postMu.Unlock()
+	fn()
+}
+
+// takePeers removes and returns every loaded peer.
+func (a *Agent) takePeers() []*peer {
+	a.peersMu.Lock()
+	defer a.peersMu.Unlock()
+	peers := make([]*peer, 0, len(a.peers))
+	for _, p := range a.peers {
+		peers = append(peers, p)
+	}
+	a.peers = map[string]*peer{}
+	return peers
+}
+
+// closeConns closes every tracked connection (a close does not block).
+func (a *Agent) closeConns() {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	for c := range a.conns {
+		c.Close()
+	}
 }
 
 // handOver runs fn, which hands a post's units to the SHM copy workers or the UCX workers,
@@ -455,24 +469,30 @@ func (a *Agent) acceptLoop(ln net.Listener, isUnix bool) {
 			a.log.Warn("accept failed", "err", err)
 			return
 		}
-		a.connMu.Lock()
-		if a.closed.Load() {
-			a.connMu.Unlock()
+		if !a.trackAccepted(c) {
 			c.Close()
 			return
 		}
-		a.conns[c] = struct{}{}
-		a.wg.Add(1)
-		a.connMu.Unlock()
 		go func() {
 			defer a.wg.Done()
 			a.serveConn(c, isUnix)
 			c.Close()
-			a.connMu.Lock()
-			delete(a.conns, c)
-			a.connMu.Unlock()
+			a.untrack(c)
 		}()
 	}
+}
+
+// trackAccepted registers an accepted connection so Close can reach it, and counts the
+// goroutine that will serve it in a.wg; it returns false if the agent is closing.
+func (a *Agent) trackAccepted(c net.Conn) bool {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	if a.closed.Load() {
+		return false
+	}
+	a.conns[c] = struct{}{}
+	a.wg.Add(1)
+	return true
 }
 
 // trackOutbound registers a dialed connection so Close can reach it; it returns false (and
@@ -491,8 +511,8 @@ func (a *Agent) trackOutbound(c net.Conn) bool {
 // untrack removes a connection registered with trackOutbound or acceptLoop.
 func (a *Agent) untrack(c net.Conn) {
 	a.connMu.Lock()
+	defer a.connMu.Unlock()
 	delete(a.conns, c)
-	a.connMu.Unlock()
 }
 
 // goTracked starts fn on a goroutine owned by the agent, unless the agent is closing.

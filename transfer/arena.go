@@ -100,8 +100,8 @@ func (a *Arena) pin() error {
 // unpin drops one registered region.
 func (a *Arena) unpin() {
 	a.mu.Lock()
+	defer a.mu.Unlock()
 	a.regs--
-	a.mu.Unlock()
 }
 
 // exportFD returns a new descriptor for the arena's memfd to pass to a peer, read-only
