@@ -178,6 +178,7 @@ func readBootID() string {
 // connections, the SHM copy workers and the notification queue. All methods are safe for
 // concurrent use.
 type Agent struct {
+	// Set by NewAgent; read-only after.
 	name     string
 	inc      uint64
 	bootID   string
@@ -194,7 +195,8 @@ type Agent struct {
 	unixAddr string
 	unixPath string // socket file to remove on Close ("" for abstract)
 
-	regMu      sync.Mutex
+	regMu sync.Mutex
+	// guarded by regMu (regions is also read without it: a copy-on-write table).
 	regions    atomic.Pointer[regionTable]
 	nextRegion uint32
 	arenas     map[*Arena]*arenaExport
@@ -202,18 +204,20 @@ type Agent struct {
 	nextArena  uint32
 
 	peersMu sync.Mutex
-	peers   map[string]*peer
+	peers   map[string]*peer // guarded by peersMu
 
 	connMu sync.Mutex
+	// guarded by connMu (closed is set under postMu and read under connMu, so that no
+	// connection or goroutine is tracked after Close took its snapshot).
 	conns  map[net.Conn]struct{} // live connections (accepted and dialed), closed by Close
 	inCtrl map[string]*ctrlConn  // latest inbound control connection per peer name
 
-	postMu sync.RWMutex // Post dispatches under R; Close closes work under W
+	postMu sync.RWMutex // Post hands work over under R (handOver); Close sets closed and closes work under W
 	closed atomic.Bool
 	work   chan shmWork
 
 	notifMu sync.Mutex
-	notifs  chan Notif
+	notifs  chan Notif // sent on under notifMu (a full queue drops its oldest message)
 
 	reqSeq atomic.Uint64
 	stats  agentStats

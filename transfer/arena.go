@@ -21,7 +21,8 @@ type Arena struct {
 	mem  []byte
 	size int64
 
-	mu     sync.Mutex
+	mu sync.Mutex
+	// guarded by mu
 	regs   int // regions registered (all agents)
 	closed bool
 }

@@ -114,7 +114,8 @@ type ctrlConn struct {
 	peerInc uint64
 	unix    bool
 
-	wmu  sync.Mutex
+	wmu sync.Mutex
+	// guarded by wmu: one frame is written at a time.
 	seq  uint64
 	wbuf []byte
 

@@ -40,7 +40,8 @@ type stripe struct {
 	frame []byte   // encoded header + ranges
 	bytes int64
 
-	mu        sync.Mutex
+	mu sync.Mutex
+	// guarded by mu: the stripe's state in post gen.
 	gen       uint64
 	st        uint8
 	abandoned bool // the request failed while the stripe was busy
@@ -293,11 +294,13 @@ type dataConn struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	qmu   sync.Mutex
+	qmu sync.Mutex
+	// guarded by qmu
 	queue []unit
 	head  int
-	wake  chan struct{}
-	fifo  chan unit // stripes sent, in order, awaiting their response
+
+	wake chan struct{}
+	fifo chan unit // stripes sent, in order, awaiting their response
 
 	closeOnce sync.Once
 }

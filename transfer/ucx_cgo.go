@@ -54,12 +54,13 @@ type ucxEngine struct {
 	addrs   [][]byte
 	nextID  atomic.Uint64
 
-	mapMu  sync.Mutex
+	mapMu sync.Mutex
+	// guarded by mapMu
 	maps   map[*ucxMapping]struct{}
-	closed bool // under mapMu
+	closed bool
 
 	inMu    sync.Mutex
-	inbound map[string]*ucxInbound
+	inbound map[string]*ucxInbound // guarded by inMu
 
 	closeOnce sync.Once
 }
@@ -495,7 +496,8 @@ type ucxWorker struct {
 	rc   syscall.RawConn
 	done chan struct{}
 
-	mu       sync.Mutex
+	mu sync.Mutex
+	// guarded by mu
 	cmds     []func()
 	signaled bool
 	stopped  bool
