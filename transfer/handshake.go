@@ -73,8 +73,8 @@ type arenaGrant struct {
 }
 
 // info returns the HelloInfo view of h.
-func (h *hello) info() HelloInfo {
-	return HelloInfo{Role: roleName(h.Role), From: h.From, FromIncarnation: h.FromInc, To: h.To, ToIncarnation: h.ToInc}
+func (h *hello) info() helloInfo {
+	return helloInfo{Role: roleName(h.Role), From: h.From, FromIncarnation: h.FromInc, To: h.To, ToIncarnation: h.ToInc}
 }
 
 // Frame limits for what a listener accepts from a peer before and after the hello.
@@ -276,7 +276,7 @@ func (a *Agent) answerChallenge(c net.Conn, addr string, h *hello, body []byte) 
 		return nil, newErr("connect", h.To, ErrStaleIncarnation, fmt.Sprintf("challenged by %s/%016x, expected %s", ch.Name, ch.Inc, h.To), nil)
 	}
 	t := transcript(h, ch.Name, ch.Inc, ch.Nonce)
-	proof, err := a.cfg.Auth.Proof(AuthDialer, t)
+	proof, err := a.cfg.Auth.proof(authDialer, t)
 	if err != nil {
 		return nil, newErr("connect", h.To, ErrPermission, "computing the authentication proof", err)
 	}
@@ -287,7 +287,7 @@ func (a *Agent) answerChallenge(c net.Conn, addr string, h *hello, body []byte) 
 	if _, err := c.Write(encodeFrame(wire.Header{Op: wire.OpAuth}, payload)); err != nil {
 		return nil, err
 	}
-	if !checkProof(a.cfg.Auth, AuthListener, t, ch.Proof) {
+	if !checkProof(a.cfg.Auth, authListener, t, ch.Proof) {
 		why := fmt.Sprintf("peer %s at %s failed to prove the shared secret: the secrets differ (or it is not the agent it claims)", ch.Name, addr)
 		a.countAuthRefusal("dialer", ch.Name, addr, roleName(h.Role), why)
 		// Read the listener's verdict on our proof (bounded by the handshake deadline) so

@@ -54,7 +54,7 @@ func TestReadWrite(t *testing.T) {
 				if tel.Err != nil || tel.Bytes != int64(len(lidx))*block || tel.Backend.String() != be || tel.Descs != len(lidx) || tel.TransferDuration <= 0 {
 					t.Fatalf("telemetry %+v", tel)
 				}
-				if st, err := req.Status(); st != StatusDone || err != nil {
+				if st, err := req.status(); st != statusDone || err != nil {
 					t.Fatalf("status %v %v", st, err)
 				}
 				// Repost: same request, different data.
@@ -378,12 +378,12 @@ func TestStalledConnectionTimesOut(t *testing.T) {
 				t.Fatal(err)
 			}
 			wantKind(t, req.Post(ctx, nil), ErrRepostActive)
-			if st, _ := req.Status(); st != StatusInProgress && st != StatusFailed {
+			if st, _ := req.status(); st != statusInProgress && st != statusFailed {
 				t.Fatalf("status %v", st)
 			}
 			err = req.Wait(ctx)
 			wantKind(t, err, ErrTimeout)
-			if st, serr := req.Status(); st != StatusFailed || !errors.Is(serr, ErrTimeout) {
+			if st, serr := req.status(); st != statusFailed || !errors.Is(serr, ErrTimeout) {
 				t.Fatalf("status %v %v", st, serr)
 			}
 			px.unstall()

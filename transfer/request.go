@@ -9,33 +9,33 @@ import (
 	"time"
 )
 
-// Status is the state of a request.
-type Status int
+// postState is the state of a request's current post.
+type postState int
 
 const (
-	// StatusIdle: made, never posted.
-	StatusIdle Status = iota
-	// StatusInProgress: posted, not finished.
-	StatusInProgress
-	// StatusDone: the last post completed successfully (and its notification was sent).
-	StatusDone
-	// StatusFailed: the last post failed; Err tells why.
-	StatusFailed
+	// statusIdle: made, never posted.
+	statusIdle postState = iota
+	// statusInProgress: posted, not finished.
+	statusInProgress
+	// statusDone: the last post completed successfully (and its notification was sent).
+	statusDone
+	// statusFailed: the last post failed; Err tells why.
+	statusFailed
 )
 
-// String returns the status name.
-func (s Status) String() string {
+// String returns the state name.
+func (s postState) String() string {
 	switch s {
-	case StatusIdle:
+	case statusIdle:
 		return "IDLE"
-	case StatusInProgress:
+	case statusInProgress:
 		return "IN_PROGRESS"
-	case StatusDone:
+	case statusDone:
 		return "DONE"
-	case StatusFailed:
+	case statusFailed:
 		return "FAILED"
 	}
-	return fmt.Sprintf("Status(%d)", int(s))
+	return fmt.Sprintf("postState(%d)", int(s))
 }
 
 // RequestOptions tunes MakeRequest and CreateRequest.
@@ -90,7 +90,7 @@ type Request struct {
 
 	mu sync.Mutex
 	// guarded by mu: the current post (generation gen) and its outcome.
-	state     Status
+	state     postState
 	gen       uint64
 	finished  uint64 // last generation that finished
 	err       error
@@ -367,7 +367,7 @@ func (r *Request) beginLocked(ctx context.Context, notif []byte) (post, error) {
 	switch {
 	case r.released:
 		return post{}, r.errf("post", ErrInvalidParam, "request released")
-	case r.state == StatusInProgress:
+	case r.state == statusInProgress:
 		return post{}, r.errf("post", ErrRepostActive, "")
 	case r.a.closed.Load():
 		return post{}, r.errf("post", ErrClosed, "agent closed")
@@ -381,7 +381,7 @@ func (r *Request) beginLocked(ctx context.Context, notif []byte) (post, error) {
 	}
 	start := time.Now()
 	r.gen++
-	r.state = StatusInProgress
+	r.state = statusInProgress
 	r.err = nil
 	r.failed.Store(false)
 	r.done = make(chan struct{})
@@ -570,7 +570,7 @@ func (r *Request) onDeadline() {
 func (r *Request) deadlinePassed() (uint64, bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.state != StatusInProgress {
+	if r.state != statusInProgress {
 		return 0, false
 	}
 	if now := time.Now(); now.Before(r.deadline) {
@@ -610,7 +610,7 @@ func (r *Request) fail(gen uint64, kind error, detail string, cause error) {
 func (r *Request) recordFailure(gen uint64, kind error, detail string, cause error) (first, active bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.gen != gen || r.state != StatusInProgress {
+	if r.gen != gen || r.state != statusInProgress {
 		return false, false
 	}
 	if r.err != nil {
@@ -674,17 +674,17 @@ func (r *Request) setEarlyErr(gen uint64, err error) {
 // records telemetry and closes Done. A UCX notification is sent by worker 0 and the post
 // completes when UCX has taken it. The notification is sent holding no lock.
 func (r *Request) finish() {
-	err, notif, dl, ok := r.stopClock()
+	o, ok := r.stopClock()
 	if !ok {
 		return // already finished (defensive: finish runs once per post)
 	}
-	if err != nil || notif == nil {
-		r.complete(err)
+	if o.err != nil || o.notif == nil {
+		r.complete(o.err)
 		return
 	}
 	if r.backend == BackendUCX {
 		// finish may run on a UCX worker's goroutine: it must not wait for worker 0.
-		r.ucxLink.Load().sendAsync(notif, notifDeadline(dl), func(e error) {
+		r.ucxLink.Load().sendAsync(o.notif, notifDeadline(o.deadline), func(e error) {
 			if e != nil {
 				e = r.notifErr(e)
 			}
@@ -692,17 +692,24 @@ func (r *Request) finish() {
 		})
 		return
 	}
-	r.complete(r.sendNotif(notif, dl))
+	r.complete(r.sendNotif(o.notif, o.deadline))
 }
 
-// stopClock marks the current post finished and stops its timer and context callback. It
-// returns the post's error, notification and deadline; ok is false if the post had already
-// finished.
-func (r *Request) stopClock() (err error, notif []byte, dl time.Time, ok bool) {
+// outcome is what a finished post leaves for its completion: its error, and the
+// notification to send if it succeeded, with the post's deadline.
+type outcome struct {
+	err      error
+	notif    []byte
+	deadline time.Time
+}
+
+// stopClock marks the current post finished and stops its timer and context callback, and
+// returns the post's outcome; ok is false if the post had already finished.
+func (r *Request) stopClock() (o outcome, ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.finished == r.gen {
-		return nil, nil, time.Time{}, false
+		return outcome{}, false
 	}
 	r.finished = r.gen
 	if r.timer != nil {
@@ -712,7 +719,7 @@ func (r *Request) stopClock() (err error, notif []byte, dl time.Time, ok bool) {
 		r.stopCtx()
 		r.stopCtx = nil
 	}
-	return r.err, r.notif, r.deadline, true
+	return outcome{err: r.err, notif: r.notif, deadline: r.deadline}, true
 }
 
 // sendNotif sends the completion notification on the peer's control route; a write failure
@@ -770,9 +777,9 @@ func (r *Request) record(err error, end time.Time) (RequestTelemetry, bool, chan
 	defer r.mu.Unlock()
 	r.err = err
 	if err == nil {
-		r.state = StatusDone
+		r.state = statusDone
 	} else {
-		r.state = StatusFailed
+		r.state = statusFailed
 	}
 	r.tel = RequestTelemetry{Request: r.id, Peer: r.peer.name, Op: r.op, Backend: r.backend, PostTime: r.postStart,
 		PostDuration: r.postDur, TransferDuration: end.Sub(r.postStart), Bytes: r.bytes, Descs: r.descs,
@@ -810,14 +817,14 @@ func (r *Request) Wait(ctx context.Context) error {
 func (r *Request) current() (done chan struct{}, gen uint64, active bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.done, r.gen, r.state == StatusInProgress
+	return r.done, r.gen, r.state == statusInProgress
 }
 
-// Status returns the state of the current post without blocking, and its error if failed.
-func (r *Request) Status() (Status, error) {
+// status returns the state of the current post without blocking, and its error if failed.
+func (r *Request) status() (postState, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.state == StatusFailed {
+	if r.state == statusFailed {
 		return r.state, r.err
 	}
 	return r.state, nil
@@ -827,7 +834,7 @@ func (r *Request) Status() (Status, error) {
 func (r *Request) Err() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.state == StatusFailed {
+	if r.state == statusFailed {
 		return r.err
 	}
 	return nil
@@ -864,5 +871,5 @@ func (r *Request) markReleased() (first, active bool, gen uint64) {
 		return false, false, 0
 	}
 	r.released = true
-	return true, r.state == StatusInProgress, r.gen
+	return true, r.state == statusInProgress, r.gen
 }

@@ -188,7 +188,7 @@ func (a *Agent) authenticate(c net.Conn, h *hello) bool {
 		return refuse(ErrBackend, "drawing a nonce failed")
 	}
 	t := transcript(h, a.name, a.inc, nonce)
-	proof, err := auth.Proof(AuthListener, t)
+	proof, err := auth.proof(authListener, t)
 	if err != nil {
 		return refuse(ErrBackend, "computing the authentication proof failed")
 	}
@@ -220,7 +220,7 @@ func (a *Agent) authenticate(c net.Conn, h *hello) bool {
 	if err := msgpack.Unmarshal(body, &ans); err != nil {
 		return refuse(ErrProtocol, "malformed AUTH")
 	}
-	if !checkProof(auth, AuthDialer, t, ans.Proof) {
+	if !checkProof(auth, authDialer, t, ans.Proof) {
 		return refuse(ErrPermission, fmt.Sprintf("authentication failed: the proof of dialer %q does not match (the shared secrets differ)", h.From))
 	}
 	return true
