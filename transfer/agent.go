@@ -360,9 +360,6 @@ func (a *Agent) Name() string { return a.name }
 // Incarnation returns the random id drawn when the agent started.
 func (a *Agent) Incarnation() uint64 { return a.inc }
 
-// BootID returns the host boot id used for same-host detection.
-func (a *Agent) BootID() string { return a.bootID }
-
 // Addrs returns the listen addresses: the TCP address ("" if disabled) and the Unix socket
 // address ("" if SHM is disabled; "@…" is an abstract socket).
 func (a *Agent) Addrs() (tcp, unix string) { return a.tcpAddr, a.unixAddr }

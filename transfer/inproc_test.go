@@ -684,7 +684,7 @@ func TestMetadata(t *testing.T) {
 		t.Fatal(err)
 	}
 	tcpAddr, unixAddr := p.tgt.Addrs()
-	if m.Name != "target" || m.Incarnation != p.tgt.Incarnation() || m.BootID != p.tgt.BootID() ||
+	if m.Name != "target" || m.Incarnation != p.tgt.Incarnation() || m.BootID != p.tgt.bootID ||
 		len(m.Regions) != 1 || m.TCPAddrs[0] != tcpAddr || m.UnixAddr != unixAddr {
 		t.Fatalf("decoded %+v", m.metaWire)
 	}
