@@ -174,6 +174,18 @@ func readBootID() string {
 	return strings.TrimSpace(string(b))
 }
 
+// Locks. Every mutex of this package is taken in a small function that defers its unlock
+// (a wrapper that locks, and the work in a …Locked function that never unlocks), and struct
+// fields are grouped under the lock that guards them. No lock is held across a dial, a
+// read from the network, a UCX open or a channel send that can block: a caller takes a
+// snapshot or detaches state under the lock (peer.takeLink, peer.attach, Request.stopClock)
+// and acts after the unlock. Two exceptions are deliberate: a connection's write lock
+// (ctrlConn.wmu) is held across the write of one frame, which has a deadline, so that frames
+// never interleave; and Post sends work to the copy workers under postMu's read lock
+// (handOver), which the workers never take, so that Close (write lock) cannot close the
+// queue under a sender. Where two locks nest: Agent.peersMu before peer.mu, peer.dialMu
+// before peer.mu, Agent.regMu before the UCX engine's mapMu.
+
 // Agent is one process's transfer endpoint: it owns registered regions, loaded peer metadata,
 // connections, the SHM copy workers and the notification queue. All methods are safe for
 // concurrent use.
