@@ -46,6 +46,19 @@ func (n *node) close() {
 	n.arena.Close()
 }
 
+// loaded starts a target and an initiator of blocks blocks each (the target's registered
+// with perm for peers) and loads the target's metadata into the initiator. It returns the
+// target's name as the initiator knows it and a function that closes both.
+func loaded(target, initiator string, blocks int, perm transfer.Perm) (t, i *node, peer string, closeBoth func()) {
+	t = newNode(target, blocks, perm)
+	i = newNode(initiator, blocks, 0)
+	peer, err := i.agent.LoadRemote(t.agent.LocalMetadata())
+	if err != nil {
+		log.Fatal(err)
+	}
+	return t, i, peer, func() { i.close(); t.close() }
+}
+
 // The NIXL workflow between two agents: the target registers memory peers may read; the
 // initiator loads the target's metadata, prepares descriptor lists once, makes a request
 // pairing descriptors by index, posts it with a notification and waits. The target learns
@@ -123,16 +136,10 @@ func Example() {
 func ExampleAgent_CreateRequest() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	target := newNode("write-target", 4, transfer.PermWrite)
-	defer target.close()
-	initiator := newNode("write-initiator", 4, 0)
-	defer initiator.close()
+	target, initiator, peer, closeBoth := loaded("write-target", "write-initiator", 4, transfer.PermWrite)
+	defer closeBoth()
 	copy(initiator.region.Bytes(), "pushed by the initiator")
 
-	peer, err := initiator.agent.LoadRemote(target.agent.LocalMetadata())
-	if err != nil {
-		log.Fatal(err)
-	}
 	req, err := initiator.agent.CreateRequest(ctx, transfer.Write,
 		[]transfer.Desc{initiator.region.Desc(0, blockBytes)}, peer, []transfer.Desc{target.region.Desc(3*blockBytes, blockBytes)},
 		&transfer.RequestOptions{Backends: []string{"SHM"}, Timeout: 30 * time.Second})
@@ -158,15 +165,8 @@ func ExampleAgent_CreateRequest() {
 func ExampleAgent_SendNotif() {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	producer := newNode("producer", 1, transfer.PermRead)
-	defer producer.close()
-	consumer := newNode("consumer", 1, 0)
-	defer consumer.close()
-
-	peer, err := consumer.agent.LoadRemote(producer.agent.LocalMetadata())
-	if err != nil {
-		log.Fatal(err)
-	}
+	producer, consumer, peer, closeBoth := loaded("producer", "consumer", 1, transfer.PermRead)
+	defer closeBoth()
 	for _, msg := range []string{"done with request 1", "done with request 2"} {
 		if err := consumer.agent.SendNotif(ctx, peer, []byte(msg)); err != nil {
 			log.Fatal(err)
