@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -367,14 +368,19 @@ func TestStalledConnectionTimesOut(t *testing.T) {
 				t.Fatal(err)
 			}
 			ll, rl := p.lists(t, 1<<20, &PrepareOptions{Backends: []string{"TCP"}})
-			req, err := p.ini.MakeRequest(op, ll, seq(8), rl, seq(8), &RequestOptions{Timeout: 300 * time.Millisecond})
+			req, err := p.ini.MakeRequest(op, ll, seq(8), rl, seq(8), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer req.Release()
 			px.stall()
 			ctx := testCtx(t)
-			if err := req.Post(ctx, nil); err != nil {
+			// The stalled post's deadline is short (its context's); the repost after the
+			// stall has the request's own, so that a loaded machine has time to move 8 MiB
+			// through the proxy.
+			stallCtx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			defer cancel()
+			if err := req.Post(stallCtx, nil); err != nil {
 				t.Fatal(err)
 			}
 			wantKind(t, req.Post(ctx, nil), ErrRepostActive)
