@@ -502,8 +502,8 @@ func (p *peer) notMapped(ids []uint32) []uint32 {
 	return want
 }
 
-// mapGrants maps the arena fds res received (closing them all) unless the peer is retired,
-// then runs install (may be nil) under p.mu if that succeeded.
+// mapGrants maps the arena fds res received unless the peer is retired, closing them either
+// way, then, if mapping succeeded, runs install (may be nil) under p.mu.
 func (p *peer) mapGrants(res *dialResult, install func()) error {
 	fds := res.fds
 	res.fds = nil
