@@ -229,7 +229,7 @@ func (m *Model) packValues(l *kernel.Linear, w *workspace, seqs []Seq, blockSize
 }
 
 // positionIter walks the stored keys and values of consecutive positions of one sequence and
-// KV head, resolving each block's view once. Bfloat16 values are widened into ring, whose last
+// KV head, resolving each block's view once. Bfloat16 and FP8 values are widened into ring, whose last
 // ringRows keys and values stay valid (a Linear's SetRows holds up to 16 rows at once).
 type positionIter struct {
 	w               *workspace
@@ -259,7 +259,7 @@ func (it *positionIter) next() (k, v []float32) {
 	}
 	o := it.slot * it.view.stride
 	it.slot++
-	if it.view.k16 == nil {
+	if it.view.k16 == nil && it.view.k8 == nil {
 		return it.view.k[o : o+it.hd], it.view.v[o : o+it.hd]
 	}
 	if it.ring == nil {
@@ -269,6 +269,10 @@ func (it *positionIter) next() (k, v []float32) {
 	it.next16++
 	k = it.ring[2*r*it.hd : (2*r+1)*it.hd]
 	v = it.ring[(2*r+1)*it.hd : (2*r+2)*it.hd]
+	if it.view.k8 != nil {
+		it.view.widenFP8(k, v, o)
+		return k, v
+	}
 	kernel.WidenBF16(k, it.view.k16[o:o+it.hd])
 	kernel.WidenBF16(v, it.view.v16[o:o+it.hd])
 	return k, v

@@ -58,6 +58,10 @@ func copyBlock(dst *testKV, db int, src *testKV, sb int) {
 		copy(dst.mem16[db*n:(db+1)*n], src.mem16[sb*n:(sb+1)*n])
 		return
 	}
+	if src.mem8 != nil {
+		copy(dst.mem8[db*n:(db+1)*n], src.mem8[sb*n:(sb+1)*n])
+		return
+	}
 	copy(dst.mem[db*n:(db+1)*n], src.mem[sb*n:(sb+1)*n])
 }
 
@@ -67,6 +71,9 @@ func transferred(c Config, src *testKV, srcBlocks []int32, n, nb int) (*testKV, 
 	dst := newTestKV(c, src.blockSize, 3*nb, false)
 	if src.mem16 != nil {
 		dst.mem16, dst.mem = make([]uint16, len(dst.mem)), nil
+	}
+	if src.mem8 != nil {
+		dst.mem8, dst.fp8, dst.mem = make([]uint8, len(dst.mem)), src.fp8, nil
 	}
 	blocks := make([]int32, nb)
 	for i := range blocks {
