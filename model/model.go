@@ -143,12 +143,12 @@ type Model struct {
 	bf16, kvBF16, kvFP8 bool
 	fp8                 kernel.FP8
 	fp8Layers           []fp8Layer  // per layer, with kvFP8 (kvfp8.go)
-	files        mappedFiles // the checkpoint files embed reads; closed by Close
-	layer        []decoderLayer
-	norm         []float32
-	head         *kernel.Linear
-	rope         rope
-	pool         *kernel.Pool // owned: the workers of every Linear and of attention
+	files               mappedFiles // the checkpoint files embed reads; closed by Close
+	layer               []decoderLayer
+	norm                []float32
+	head                *kernel.Linear
+	rope                rope
+	pool                *kernel.Pool // owned: the workers of every Linear and of attention
 	// serial is a one-worker pool: attention's per-step Linears run inline on the calling worker.
 	serial *kernel.Pool
 	qScale float32 // 1/sqrt(HeadDim)
