@@ -138,17 +138,14 @@ type Model struct {
 	// checkpoint; with tiedEmbed the embedding is head's weights and embed is empty.
 	embed     matrix
 	tiedEmbed bool
-	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache; kvFP8: an FP8
-	// KV cache of format fp8.
-	bf16, kvBF16, kvFP8 bool
-	fp8                 kernel.FP8
-	fp8Layers           []fp8Layer  // per layer, with kvFP8 (kvfp8.go)
-	files               mappedFiles // the checkpoint files embed reads; closed by Close
-	layer               []decoderLayer
-	norm                []float32
-	head                *kernel.Linear
-	rope                rope
-	pool                *kernel.Pool // owned: the workers of every Linear and of attention
+	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache.
+	bf16, kvBF16 bool
+	files        mappedFiles // the checkpoint files embed reads; closed by Close
+	layer        []decoderLayer
+	norm         []float32
+	head         *kernel.Linear
+	rope         rope
+	pool         *kernel.Pool // owned: the workers of every Linear and of attention
 	// serial is a one-worker pool: attention's per-step Linears run inline on the calling worker.
 	serial *kernel.Pool
 	qScale float32 // 1/sqrt(HeadDim)
@@ -174,6 +171,11 @@ type Model struct {
 	// never unmapped under a running step.
 	life   sync.RWMutex
 	closed atomic.Bool
+
+	// kvFP8: an FP8 KV cache of format fp8, quantized per layer as fp8Layers say (kvfp8.go).
+	kvFP8     bool
+	fp8       kernel.FP8
+	fp8Layers []fp8Layer
 }
 
 // decoderLayer holds one layer's packed weights.
