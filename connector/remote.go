@@ -80,6 +80,7 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 		}
 	}
 	res, err := handshake(ctx, r.addr, r.id, c.hash, c.cfg.EnforceHandshakeCompat, 3, c.clockSeconds, c.auth)
+	err = c.kvDTypeMismatch(r.id, res.kvCacheDType, err)
 	if err != nil {
 		if errors.Is(err, errServerProof) {
 			c.sideRefusals.Add(1)
@@ -98,7 +99,7 @@ func (c *Connector) handshakeWith(r *remoteEngine) {
 		fail(fmt.Errorf("%w: %w", ErrIncompatible, err))
 		return
 	}
-	// The KV dtype is part of the compatibility hash, checked above: the producer's is ours.
+	// The KV dtype is part of the compatibility hash, and compared above: the producer's is ours.
 	remoteGeo := kvcache.Geometry{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, HeadDim: m.HeadDim, BlockSize: m.BlockSize, Layout: layout, DType: c.geo.DType}
 	ratio, err := kvcache.BlockRatio(c.geo, remoteGeo, c.cfg.EnablePermuteLocalKV)
 	if err != nil {
