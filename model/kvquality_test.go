@@ -1,7 +1,9 @@
 package model
 
 import (
+	"errors"
 	"math"
+	"slices"
 	"testing"
 
 	"github.com/kvbridge/kvbridge/model/kernel"
@@ -121,5 +123,71 @@ func TestFP8KVQuality(t *testing.T) {
 	}
 	if !(kls["bfloat16"] < kls["fp8_e4m3"] && kls["fp8_e4m3"] < kls["fp8_e5m2"]) {
 		t.Errorf("mean KL bfloat16 %g, fp8_e4m3 %g, fp8_e5m2 %g: want them in order of the mantissa bits (7, 3, 2)", kls["bfloat16"], kls["fp8_e4m3"], kls["fp8_e5m2"])
+	}
+}
+
+// TestFP8KVScalesFromCheckpoint: an FP8 KV cache takes each layer's k_scale and v_scale from the
+// checkpoint (a kv_scale alone serves both), stores k / k_scale (layer 0's keys, which no KV
+// precision affects, are the float32 model's divided by the scale, code for code), 1.0 where the
+// checkpoint has none or the KV cache is not FP8, and a scale that is not positive fails the
+// load.
+func TestFP8KVScalesFromCheckpoint(t *testing.T) {
+	c := hfTestConfig()
+	if c.NumLayers < 2 {
+		t.Fatalf("config of %d layers; the test needs 2", c.NumLayers)
+	}
+	write := func(k0, v0, kv1 float32) string {
+		w := variantWeights(c, 7)
+		w.layers[0].kScale, w.layers[0].vScale = []float32{k0}, []float32{v0}
+		w.layers[1].kvScale = []float32{kv1}
+		dir := t.TempDir()
+		writeModelDir(t, dir, c, w, "F32", 1)
+		return dir
+	}
+	dir := write(0.25, 2, 0.5)
+	open := func(kv string) *Model {
+		m, err := Open(t.Context(), dir, OpenOptions{KVCacheDType: kv})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { m.Close() })
+		return m
+	}
+	fp8 := open("fp8")
+	k, v := fp8.KVScales()
+	if !slices.Equal(k, []float32{0.25, 0.5}) || !slices.Equal(v, []float32{2, 0.5}) {
+		t.Fatalf("scales k %v v %v, want [0.25 0.5] and [2 0.5]", k, v)
+	}
+	if k, v := open("float32").KVScales(); k != nil || v != nil {
+		t.Fatalf("float32 KV has scales %v %v", k, v)
+	}
+	f32 := open("float32")
+	tokens := randomTokens(20, c.VocabSize, 3)
+	const blockSize = 8
+	nb := (len(tokens) + blockSize - 1) / blockSize
+	run := func(m *Model) *testKV {
+		kv := newTestKVFor(m, blockSize, nb, false)
+		if err := m.Forward(t.Context(), kv, blockSize, []Seq{{Tokens: tokens, Blocks: blockRange(0, nb)}}); err != nil {
+			t.Fatal(err)
+		}
+		return kv
+	}
+	want, got := run(f32), run(fp8)
+	for p := range tokens {
+		wk, wv := want.position(blockRange(0, nb), 0, 0, p)
+		gk, gv, stride := got.HeadViewFP8(0, p/blockSize, 0)
+		o := (p % blockSize) * stride
+		for d := range wk {
+			if gk[o+d] != kernel.E4M3.FromF32(wk[d]/0.25) || gv[o+d] != kernel.E4M3.FromF32(wv[d]/2) {
+				t.Fatalf("position %d channel %d: codes %#02x %#02x, want the float32 model's k/0.25 %#02x and v/2 %#02x",
+					p, d, gk[o+d], gv[o+d], kernel.E4M3.FromF32(wk[d]/0.25), kernel.E4M3.FromF32(wv[d]/2))
+			}
+		}
+	}
+	for _, bad := range []float32{0, -1, float32(math.Inf(1))} {
+		dir = write(bad, 1, 1)
+		if _, err := Open(t.Context(), dir, OpenOptions{KVCacheDType: "fp8_e5m2"}); !errors.Is(err, ErrBadWeights) {
+			t.Errorf("k_scale %g: %v, want ErrBadWeights", bad, err)
+		}
 	}
 }
