@@ -57,39 +57,35 @@ func (f FP8) ToF32(b uint8) float32 {
 
 // FromF32 rounds x to the nearest value of the format, ties to even, after saturating it to
 // ±MaxFinite: the conversion vLLM's kernels make when they write an FP8 KV cache (a clamp to
-// the format's range, then PyTorch's rounding cast; the cast alone would turn E4M3 overflows
-// into NaN and E5M2 ones into infinities). Infinities saturate too; NaNs stay NaN.
+// the format's range, then PyTorch's rounding cast, c10's fp8e4m3fn_from_fp32_value or
+// fp8e5m2_from_fp32_value; the cast alone would turn E4M3 overflows into NaN and E5M2 ones into
+// infinities). Infinities saturate too; a NaN stays NaN (0x7f with x's sign, as in c10).
 func (f FP8) FromF32(x float32) uint8 {
-	var sign uint8
-	if math.Signbit(float64(x)) {
-		sign = 0x80
-	}
-	a := math.Abs(float64(x))
-	mantBits, bias := 3, 7
+	// The format's mantissa bits and exponent bias, the float32 bits of its largest finite value
+	// and smallest normal, and a float32 power of two whose spacing is the format's smallest
+	// subnormal: adding it rounds a subnormal to nearest even in float32's own arithmetic.
+	mant, bias, maxBits, minNormal, magic := uint32(3), uint32(7), uint32(0x43e00000), uint32(121)<<23, uint32(141)<<23
 	if f == E5M2 {
-		mantBits, bias = 2, 15
+		mant, bias, maxBits, minNormal, magic = 2, 15, 0x47600000, uint32(113)<<23, uint32(134)<<23
 	}
+	b := math.Float32bits(x)
+	sign := uint8(b>>24) & 0x80
+	b &^= 1 << 31
 	switch {
-	case math.IsNaN(a):
-		if f == E5M2 {
-			return sign | 0x7e
-		}
+	case b > 0x7f800000:
 		return sign | 0x7f
-	case a == 0:
-		return sign
+	case b > maxBits:
+		b = maxBits
+	case b < minNormal:
+		r := math.Float32bits(math.Float32frombits(b) + math.Float32frombits(magic))
+		return sign | uint8(r-magic)
 	}
-	a = min(a, float64(f.MaxFinite())) // MaxFinite is a value of the format: rounding stays there
-	minExp := 1 - bias                 // exponent of the smallest normal
-	_, exp := math.Frexp(a)            // a = frac·2^exp, frac in [0.5,1): floor(log2 a) = exp-1
-	e := max(exp-1, minExp)
-	q := math.Ldexp(1, e-mantBits) // spacing of the format's values with this exponent
-	v := math.RoundToEven(a/q) * q
-	if v < math.Ldexp(1, minExp) { // subnormal (or zero): v in units of the smallest step
-		return sign | uint8(v/math.Ldexp(1, minExp-mantBits))
-	}
-	_, exp = math.Frexp(v) // rounding may have carried into the next binade
-	e = exp - 1
-	return sign | uint8(e+bias)<<mantBits | (uint8(v/math.Ldexp(1, e-mantBits)) - 1<<mantBits)
+	// Normal: rebias the exponent and round the dropped mantissa bits to nearest, ties to even
+	// (half of the dropped range minus one, plus the kept mantissa's last bit).
+	shift := 23 - mant
+	odd := (b >> shift) & 1
+	b += (bias-127)<<23 + (1<<(shift-1) - 1) + odd
+	return sign | uint8(b>>shift)
 }
 
 // FP8Table holds the float32 value of each of the 256 FP8 codes of one format times one scale:

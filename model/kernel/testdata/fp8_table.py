@@ -47,8 +47,8 @@ def finite_codes(fmt):
 def encode(fmt, x):
     """The code vLLM writes for the float x: clamp, then nearest, ties to the even code."""
     neg = math.copysign(1, x) < 0
-    if math.isnan(x):  # NaN keeps its sign, as in c10
-        return (0x7F if fmt == "e4m3" else 0x7E) | (0x80 if neg else 0)
+    if math.isnan(x):  # 0x7F, with the NaN's sign, as in c10 (a NaN in both formats)
+        return 0x7F | (0x80 if neg else 0)
     codes = finite_codes(fmt)
     biggest = max(v for _, v in codes)
     if math.isinf(x):
