@@ -13,8 +13,9 @@ import (
 // which one a step used, nor on who wrote the KV (the model or a transfer); these tests force
 // each way and compare bits.
 
-func TestAttentionPathsAgree(t *testing.T) {
-	m := openTiny(t)
+func TestAttentionPathsAgree(t *testing.T) { forEachPrecision(t, testAttentionPathsAgree) }
+
+func testAttentionPathsAgree(t *testing.T, m *Model) {
 	c := m.cfg
 	prompt := randomTokens(150, c.VocabSize, 61)
 	var want [][]float32
@@ -33,7 +34,7 @@ func TestAttentionPathsAgree(t *testing.T) {
 				for _, chunk := range []int{150, 45, 1} {
 					name := fmt.Sprintf("block%d/prefillMin%d/inPlace%v/chunk%d", blockSize, prefillMin, inPlace, chunk)
 					m.prefillMin, m.inPlace = prefillMin, inPlace
-					kv := newTestKV(c, blockSize, nb, false)
+					kv := newTestKVFor(m, blockSize, nb, false)
 					got := decodeRun(t, m, kv, blockSize, blocks, prompt, chunk, 9)
 					gotKV := kvOf(kv, c, blocks, len(prompt)+9)
 					if want == nil {

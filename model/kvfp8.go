@@ -108,3 +108,27 @@ func (view *headView) widenFP8(k, v []float32, o int) {
 	kernel.WidenFP8(k, view.k8[o:o+hd], view.fp8.kTab)
 	kernel.WidenFP8(v, view.v8[o:o+hd], view.fp8.vTab)
 }
+
+// widenRows widens n keys (or values) of an FP8 view from offset o, stride apart in the block,
+// into sc's scratch, hd apart, for the in-place float32 kernels: the same float32 rows a packed
+// chunk holds, so the same products.
+func (view *headView) widenRows(sc *attnScratch, values bool, o, n, hd int) []float32 {
+	src, tab := view.k8, view.fp8.kTab
+	if values {
+		src, tab = view.v8, view.fp8.vTab
+	}
+	sc.wide = grow(sc.wide, n*hd)
+	for r := range n {
+		kernel.WidenFP8(sc.wide[r*hd:(r+1)*hd], src[o+r*view.stride:o+r*view.stride+hd], tab)
+	}
+	return sc.wide
+}
+
+// touchFP8 reads the keys (or values) of rows slots from offset o on in address order.
+func (view *headView) touchFP8(o, rows int, values bool) {
+	x := view.k8
+	if values {
+		x = view.v8
+	}
+	kernel.Touch(x[o:min(len(x), o+rows*view.stride)])
+}

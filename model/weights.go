@@ -234,7 +234,6 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 		if m.fp8Layers, err = newFP8Layers(w, prec.fp8); err != nil {
 			return nil, err
 		}
-		m.inPlace = false // the in-place kernels read float32 or bfloat16 rows; FP8 rows are widened
 	}
 	bf := prec.bf16
 	var bytes int64
