@@ -493,5 +493,5 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 	if meta.EngineID != wantEngine {
 		return handshakeResult{}, fmt.Errorf("%w: Remote NIXL agent engine ID mismatch. Expected %s, received %s", ErrIncompatible, wantEngine, meta.EngineID)
 	}
-	return handshakeResult{meta: meta, offset: offset}, nil
+	return handshakeResult{meta: meta, offset: offset, kvCacheDType: payload.KVCacheDType}, nil
 }
