@@ -118,6 +118,10 @@ func (view *headView) widenRows(sc *attnScratch, values bool, o, n, hd int) []fl
 		src, tab = view.v8, view.fp8.vTab
 	}
 	sc.wide = grow(sc.wide, n*hd)
+	if view.stride == hd { // HND: the rows are adjacent
+		kernel.WidenFP8(sc.wide, src[o:o+n*hd], tab)
+		return sc.wide
+	}
 	for r := range n {
 		kernel.WidenFP8(sc.wide[r*hd:(r+1)*hd], src[o+r*view.stride:o+r*view.stride+hd], tab)
 	}
