@@ -313,7 +313,7 @@ func (e *Engine) Stats() Stats {
 	return st
 }
 
-// Close stops the step loop: requests still live end with FinishReason "abort" and Err
+// Close stops the step loop: requests still live end with FinishAbort and Err
 // ErrClosed, blocks held for the connector are released, and the pool is full again. It waits for
 // the loop to exit and is idempotent.
 func (e *Engine) Close() error {

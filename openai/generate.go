@@ -230,7 +230,7 @@ func (rn *runner) forward(i int, in <-chan engine.Output) {
 			case o.Finished:
 				rn.seqEnded()
 			}
-			if i == 0 && first && rn.share && (!o.Finished || o.FinishReason == "stop" || o.FinishReason == "length") {
+			if i == 0 && first && rn.share && (!o.Finished || o.FinishReason == engine.FinishStop || o.FinishReason == engine.FinishLength) {
 				rn.addShared() // sequence 0 has computed the prompt
 			}
 			first = false
@@ -358,7 +358,7 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 			r := rn.res[ev.idx]
 			o := ev.out
 			rn.record(ev.idx, o)
-			ok := !o.Finished || o.FinishReason == "stop" || o.FinishReason == "length"
+			ok := !o.Finished || o.FinishReason == engine.FinishStop || o.FinishReason == engine.FinishLength
 			if ev.idx == 0 && !r.started && ok && pending() {
 				// Sequence 0 has computed the prompt: its forwarder has added the others, which
 				// start from its cached blocks, or failed to.
@@ -378,10 +378,10 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 				continue
 			}
 			finished++
-			rn.s.metrics.ObserveFinished(o.FinishReason, time.Since(rn.start))
+			rn.s.metrics.ObserveFinished(string(o.FinishReason), time.Since(rn.start))
 			switch o.FinishReason {
-			case "stop", "length":
-				r.finish = o.FinishReason
+			case engine.FinishStop, engine.FinishLength:
+				r.finish = string(o.FinishReason)
 				r.kv = o.KVTransfer
 				if each != nil && failure == nil {
 					each(ev.idx, o)
@@ -392,12 +392,12 @@ func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
 				continue // an abort we caused, or the client's
 			}
 			switch {
-			case o.FinishReason == "abort" && errors.Is(o.Err, engine.ErrClosed):
+			case o.FinishReason == engine.FinishAbort && errors.Is(o.Err, engine.ErrClosed):
 				failure = unavailable()
-			case o.FinishReason == "abort":
+			case o.FinishReason == engine.FinishAbort:
 				rn.s.log.Error("request aborted by the engine", "request_id", rn.j.reqs[ev.idx].ID, "err", o.Err)
 				failure = internalError()
-			default: // "error": forward failure, KV load failure under policy fail, …
+			default: // engine.FinishError: forward failure, KV load failure under policy fail, …
 				rn.s.log.Error("request failed", "request_id", rn.j.reqs[ev.idx].ID, "finish_reason", o.FinishReason, "err", o.Err)
 				failure = internalError()
 			}
