@@ -2,7 +2,8 @@
 // store, its weights (Hugging Face safetensors directories or built-in random models) kept in
 // float32 or in the checkpoint's bfloat16 (OpenOptions.DType: products then take bfloat16
 // inputs and sum in float32; norms, softmax and RoPE stay float32; the KV store holds float32 or,
-// with OpenOptions.KVCacheDType, bfloat16), its tokenizer and chat template, and token sampling.
+// with OpenOptions.KVCacheDType, bfloat16 or FP8 scaled as vLLM scales it, kvfp8.go), its
+// tokenizer and chat template, and token sampling.
 //
 // The forward pass is batch-invariant: a token's KV and logits are bit-identical whatever batch,
 // batch position or prefill chunking they are computed in. Disaggregated prefill/decode relies on
