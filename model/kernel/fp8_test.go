@@ -58,7 +58,8 @@ func TestFP8RoundTrips(t *testing.T) {
 // TestFP8Slices: NarrowFP8 divides by the scale before rounding and an FP8Table multiplies by it
 // after widening, code for code what FromF32 and ToF32 give; scale 1 widens exactly.
 func TestFP8Slices(t *testing.T) {
-	src := []float32{0, -0.3, 1, 2.5, 447, 1000, -1e9, 3e-3, float32(math.Inf(-1))}
+	// More than eight values, so that WidenFP8 takes both its paths.
+	src := []float32{0, -0.3, 1, 2.5, 447, 1000, -1e9, 3e-3, float32(math.Inf(-1)), 17, -0.001, 60000}
 	for _, format := range []FP8{E4M3, E5M2} {
 		for _, scale := range []float32{1, 0.037, 4} {
 			codes := make([]uint8, len(src))
