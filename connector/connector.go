@@ -203,6 +203,7 @@ func New(opts Options) (*Connector, error) {
 	if err != nil {
 		return fail(err)
 	}
+	payload.KVCacheDType = c.geo.DType.String()
 	if c.side, err = listenSideChannel(opts.SideChannelAddr, payload, c.clockSeconds, c.log, c.auth); err != nil {
 		return fail(err)
 	}

@@ -138,6 +138,7 @@ func (c *Connector) handshakeWith(h handshakeJob) (*remoteLink, error) {
 func (c *Connector) link(ctx context.Context, h handshakeJob) (*remoteLink, error) {
 	r := &remoteLink{key: h.key, id: h.key.engine, addr: h.addr}
 	res, err := handshake(ctx, r.addr, r.id, c.hash, c.cfg.EnforceHandshakeCompat, 3, c.clockSeconds, c.auth)
+	err = c.kvDTypeMismatch(r.id, res.kvCacheDType, err)
 	if err != nil {
 		if errors.Is(err, errServerProof) {
 			c.sideRefusals.Add(1)
@@ -153,7 +154,7 @@ func (c *Connector) link(ctx context.Context, h handshakeJob) (*remoteLink, erro
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrIncompatible, err)
 	}
-	// The KV dtype is part of the compatibility hash, checked above: the producer's is ours.
+	// The KV dtype is part of the compatibility hash, and compared above: the producer's is ours.
 	remoteGeo := kvcache.Geometry{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, HeadDim: m.HeadDim, BlockSize: m.BlockSize, Layout: layout, DType: c.geo.DType}
 	ratio, err := kvcache.BlockRatio(c.geo, remoteGeo, c.cfg.EnablePermuteLocalKV)
 	if err != nil {

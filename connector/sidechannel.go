@@ -29,7 +29,11 @@ import (
 //	request  = msgpack array [bin "get_meta_msg", pp_rank int, tp_rank int]
 //	response = msgpack array [payload map, ts float64]
 //	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin,
-//	            "error": str, "error_code": str}
+//	            "error": str, "error_code": str, "kv_cache_dtype": str}
+//
+// kv_cache_dtype (kvbridge's addition; vLLM's peers neither send nor need it) is the producer's
+// KV dtype by kvcache's name, readable before the hash is compared, so that a consumer refusing
+// a producer names both dtypes when they are the cause (kvdtype.go).
 //
 // agent_metadata_bytes is the msgpack map agentMetadata, decoded only after the hash matched, so
 // a schema change fails with a clear error. ts is the responder's clock in seconds (its own
@@ -102,6 +106,7 @@ type handshakePayload struct {
 	AgentMetadataBytes []byte `msgpack:"agent_metadata_bytes"`
 	Error              string `msgpack:"error,omitempty"`
 	ErrorCode          string `msgpack:"error_code,omitempty"`
+	KVCacheDType       string `msgpack:"kv_cache_dtype,omitempty"`
 }
 
 // CompatFactors are what two engines must agree on to exchange KV.
@@ -426,6 +431,9 @@ type handshakeResult struct {
 	meta agentMetadata
 	// offset is the producer's clock minus ours, in seconds.
 	offset float64
+	// kvCacheDType is the producer's KV dtype ("" from a peer that does not say), also set
+	// when the hashes differ.
+	kvCacheDType string
 }
 
 // handshake fetches a producer's metadata from addr, checks the compatibility hash (unless
@@ -492,7 +500,7 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 		}
 	}
 	if enforce && payload.CompatibilityHash != localHash {
-		return handshakeResult{}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
+		return handshakeResult{kvCacheDType: payload.KVCacheDType}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
 			ErrIncompatible, localHash, payload.CompatibilityHash)
 	}
 	var meta agentMetadata
@@ -507,5 +515,5 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 	if meta.EngineID != wantEngine {
 		return handshakeResult{}, fmt.Errorf("%w: Remote NIXL agent engine ID mismatch. Expected %s, received %s", ErrIncompatible, wantEngine, meta.EngineID)
 	}
-	return handshakeResult{meta: meta, offset: offset}, nil
+	return handshakeResult{meta: meta, offset: offset, kvCacheDType: payload.KVCacheDType}, nil
 }

@@ -44,7 +44,7 @@ type Config struct {
 // default HND layout and m's KV cache dtype: the geometry of the pool an Engine for m needs.
 func KVGeometry(m *model.Model, blockSize int) kvcache.Geometry {
 	c := m.Config()
-	dt, _ := kvcache.ParseDType(m.KVCacheDType()) // the model only says float32 or bfloat16
+	dt, _ := kvcache.ParseDType(m.KVCacheDType()) // the model only says kvcache's names
 	return kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: blockSize, DType: dt}
 }
 

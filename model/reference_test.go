@@ -291,6 +291,9 @@ func TestForwardMatchesReferenceVariants(t *testing.T) {
 func TestForwardMatchesReferenceBF16(t *testing.T) {
 	spec, _ := builtinSpecs(Tiny)
 	for _, p := range testPrecisions[1:] {
+		if p.prec.kvFP8 {
+			continue // FP8 KV's error is TestFP8KVQuality's
+		}
 		t.Run(p.name, func(t *testing.T) {
 			m := openTinyWith(t, p.prec)
 			c := m.cfg

@@ -159,7 +159,8 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.BoolVar(&f.promptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details (cached and transferred prompt tokens)")
 	fl.BoolVar(&f.forceIncludeUsage, "enable-force-include-usage", false, "end every stream with a usage chunk")
 	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
-	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (the model's dtype, as --dtype resolves it), float32 or bfloat16")
+	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (the model's dtype, as --dtype resolves it), float32, bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2 (one byte a value, scaled by the checkpoint's k_scale/v_scale, else 1.0)")
+	fl.Bool("calculate-kv-scales", false, "FP8 KV scales from the first batch; not supported (the checkpoint's scales, else 1.0, are used)")
 	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
 	f.log.register(fl)
 	// Only whether they were given matters (checkVLLMFlags), so their values are not kept.
@@ -193,7 +194,10 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 		return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", f.dtype)
 	}
 	if _, err := kvcache.ParseDType(f.kvCacheDType); err != nil {
-		return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", f.kvCacheDType)
+		return usageError("--kv-cache-dtype %q: want "+kvCacheDTypes, f.kvCacheDType)
+	}
+	if changed("calculate-kv-scales") {
+		return usageError("--calculate-kv-scales: not supported: scales computed from the first batch would differ between a prefill and a decode engine; an FP8 KV cache uses the checkpoint's k_scale/v_scale, else 1.0, as vLLM does without the flag")
 	}
 	for _, names := range [][]string{pythonOnlyFlags, pythonOnlyBools} {
 		for _, name := range names {
