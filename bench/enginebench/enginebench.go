@@ -269,7 +269,9 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType strin
 	perSeq := (maxContext + opts.DecodeSteps + opts.BlockSize - 1) / opts.BlockSize
 	nseq := slices.Max(opts.Batches)
 	nblocks := max((opts.PromptLen+opts.DecodeTokens+opts.BlockSize-1)/opts.BlockSize, nseq*perSeq)
-	pool, err := kvcache.NewPool(kvcache.AlignedMemory(nblocks*geo.BlockBytes()), kvcache.PoolConfig{Geometry: geo, NumBlocks: nblocks})
+	mem := kvcache.AlignedMemory(nblocks * geo.BlockBytes())
+	faultIn(mem)
+	pool, err := kvcache.NewPool(mem, kvcache.PoolConfig{Geometry: geo, NumBlocks: nblocks})
 	if err != nil {
 		return nil, fmt.Errorf("enginebench: %w", err)
 	}
@@ -353,6 +355,20 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType strin
 		}
 	}
 	return d, nil
+}
+
+// faultIn writes a zero to every page of mem (fresh memory, all zeros already), so that the
+// kernel maps the pages now, untimed, rather than in the first timed step that writes KV there.
+// On the 2-core VM of docs/performance.md faulting in fresh memory ran at about 0.1 GB/s (10–12 s
+// a GiB, under load): a batched decode's first steps write a new block of every sequence, 32 ×
+// 3.7 MB for Qwen3-0.6B in float32, which took longer than the steps themselves, and the
+// first repetition of every figure paid for the blocks it wrote first (with --repeat 1, the only
+// one).
+func faultIn(mem []byte) {
+	page := os.Getpagesize()
+	for i := 0; i < len(mem); i += page {
+		mem[i] = 0
+	}
 }
 
 // name names the run: its dtype, and its KV cache dtype where that is not the dtype's own
