@@ -361,9 +361,8 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType strin
 // kernel maps the pages now, untimed, rather than in the first timed step that writes KV there.
 // On the 2-core VM of docs/performance.md faulting in fresh memory ran at about 0.1 GB/s (10–12 s
 // a GiB, under load): a batched decode's first steps write a new block of every sequence, 32 ×
-// 3.7 MB for Qwen3-0.6B in float32, which took longer than the steps themselves, and the
-// first repetition of every figure paid for the blocks it wrote first (with --repeat 1, the only
-// one).
+// 3.7 MB for Qwen3-0.6B in float32, about as long as a whole step of that batch, and the first
+// repetition of every figure paid for the blocks it wrote first (with --repeat 1, the only one).
 func faultIn(mem []byte) {
 	page := os.Getpagesize()
 	for i := 0; i < len(mem); i += page {
@@ -532,19 +531,19 @@ func (r *Result) WriteTable(w io.Writer) error {
 	return err
 }
 
-// Targets of issue 24 that the summary under the table checks each figure against.
+// The targets (docs/performance.md) the summary under the table checks each figure against.
 const (
-	// Batch1Target is batch-1 decode's least ratio to its (weights+KV)÷bandwidth bound.
-	Batch1Target = 0.9
-	// BatchedTarget is batched decode's (batch > 1) least ratio to its step bound.
-	BatchedTarget = 0.8
+	// batch1Target is batch-1 decode's least ratio to its (weights+KV)÷bandwidth bound.
+	batch1Target = 0.9
+	// batchedTarget is batched decode's (batch > 1) least ratio to its step bound.
+	batchedTarget = 0.8
 )
 
 // writeTargets prints, per run, batch-1 decode against its bound and batched decode against its
 // step bound, each with its target, and the CPU the process had while decoding after the prompt
 // (below GOMAXPROCS: other work shared the cores, and the ratios understate the engine).
 func (r *Result) writeTargets(w io.Writer) {
-	fmt.Fprintf(w, "summary: batch-1 decode ÷ (weights+KV)÷bandwidth (target ≥ %.2f); batched decode ÷ step bound (target ≥ %.2f)\n", Batch1Target, BatchedTarget)
+	fmt.Fprintf(w, "summary: batch-1 decode ÷ (weights+KV)÷bandwidth (target ≥ %.2f); batched decode ÷ step bound (target ≥ %.2f)\n", batch1Target, batchedTarget)
 	mark := func(ratio, target float64) string {
 		if ratio >= target {
 			return "ok"
@@ -554,16 +553,16 @@ func (r *Result) writeTargets(w io.Writer) {
 	for _, d := range r.Runs {
 		line := fmt.Sprintf("  %-22s", d.name())
 		if r.DecodeTokens > 0 {
-			line += fmt.Sprintf(" batch 1 after the prompt %.2f (%s", d.DecodeBoundRatio, mark(d.DecodeBoundRatio, Batch1Target))
+			line += fmt.Sprintf(" batch 1 after the prompt %.2f (%s", d.DecodeBoundRatio, mark(d.DecodeBoundRatio, batch1Target))
 			if d.DecodeCPUCores > 0 {
 				line += fmt.Sprintf(", CPU %.2f of %d cores", d.DecodeCPUCores, r.GOMAXPROCS)
 			}
 			line += ")"
 		}
 		for _, b := range d.Batched {
-			ratio, target := b.StepBoundRatio, BatchedTarget
+			ratio, target := b.StepBoundRatio, batchedTarget
 			if b.Batch == 1 {
-				ratio, target = b.TokensPerS/b.BoundWithKVTokensPerS, Batch1Target
+				ratio, target = b.TokensPerS/b.BoundWithKVTokensPerS, batch1Target
 			}
 			line += fmt.Sprintf("; batch %d ctx %d %.2f (%s)", b.Batch, b.Context, ratio, mark(ratio, target))
 		}
