@@ -109,40 +109,9 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	c := m.cfg
-	if blockSize <= 0 {
-		return fmt.Errorf("%w: block size %d", ErrBadInput, blockSize)
-	}
-	if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
-		return fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
-	}
-	if _, ok := kv.(KVBlocksFP8); m.kvFP8 && !ok {
-		return fmt.Errorf("%w: the model's KV cache is %v but the store (%T) has no FP8 views", ErrBadInput, m.fp8, kv)
-	}
-	total := 0
-	for i, s := range seqs {
-		if s.Start < 0 {
-			return fmt.Errorf("%w: seq %d: start %d", ErrBadInput, i, s.Start)
-		}
-		end := s.Start + len(s.Tokens)
-		if end > len(s.Blocks)*blockSize {
-			return fmt.Errorf("%w: seq %d: %d positions but %d blocks of %d", ErrBadInput, i, end, len(s.Blocks), blockSize)
-		}
-		if s.Logits != nil && len(s.Logits) != c.VocabSize {
-			return fmt.Errorf("%w: seq %d: logits length %d, vocab %d", ErrBadInput, i, len(s.Logits), c.VocabSize)
-		}
-		if (s.Logits != nil || s.RowLogits != nil) && len(s.Tokens) == 0 {
-			return fmt.Errorf("%w: seq %d: logits requested for no tokens", ErrBadInput, i)
-		}
-		for _, t := range s.Tokens {
-			if t < 0 || int(t) >= c.VocabSize {
-				return fmt.Errorf("%w: seq %d: token %d outside vocabulary of %d", ErrBadInput, i, t, c.VocabSize)
-			}
-		}
-		total += len(s.Tokens)
-	}
-	if total == 0 {
-		return nil
+	total, err := m.checkStep(kv, blockSize, seqs)
+	if err != nil || total == 0 {
+		return err
 	}
 
 	w, _ := m.work.Get().(*workspace)
@@ -150,7 +119,72 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		w = new(workspace)
 	}
 	defer m.work.Put(w)
+	m.embedStep(w, blockSize, seqs, total)
+	m.planAttention(w, seqs)
+	defer w.release()
 
+	for l := range m.layer {
+		if err = ctx.Err(); err != nil {
+			return err
+		}
+		m.resolveViews(w, kv, l, blockSize, seqs)
+		m.layerStep(w, &m.layer[l], seqs, blockSize, total)
+	}
+	m.logitsStep(w, seqs)
+	return nil
+}
+
+// checkStep validates a step's arguments against the model and the store and returns the
+// number of tokens the step computes.
+func (m *Model) checkStep(kv KVBlocks, blockSize int, seqs []Seq) (int, error) {
+	c := m.cfg
+	if blockSize <= 0 {
+		return 0, fmt.Errorf("%w: block size %d", ErrBadInput, blockSize)
+	}
+	if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
+		return 0, fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
+	}
+	if _, ok := kv.(KVBlocksFP8); m.kvFP8 && !ok {
+		return 0, fmt.Errorf("%w: the model's KV cache is %v but the store (%T) has no FP8 views", ErrBadInput, m.fp8, kv)
+	}
+	total := 0
+	for i, s := range seqs {
+		if err := c.checkSeq(i, s, blockSize); err != nil {
+			return 0, err
+		}
+		total += len(s.Tokens)
+	}
+	return total, nil
+}
+
+// checkSeq validates sequence i of a step.
+func (c Config) checkSeq(i int, s Seq, blockSize int) error {
+	if s.Start < 0 {
+		return fmt.Errorf("%w: seq %d: start %d", ErrBadInput, i, s.Start)
+	}
+	end := s.Start + len(s.Tokens)
+	if end > len(s.Blocks)*blockSize {
+		return fmt.Errorf("%w: seq %d: %d positions but %d blocks of %d", ErrBadInput, i, end, len(s.Blocks), blockSize)
+	}
+	if s.Logits != nil && len(s.Logits) != c.VocabSize {
+		return fmt.Errorf("%w: seq %d: logits length %d, vocab %d", ErrBadInput, i, len(s.Logits), c.VocabSize)
+	}
+	if (s.Logits != nil || s.RowLogits != nil) && len(s.Tokens) == 0 {
+		return fmt.Errorf("%w: seq %d: logits requested for no tokens", ErrBadInput, i)
+	}
+	for _, t := range s.Tokens {
+		if t < 0 || int(t) >= c.VocabSize {
+			return fmt.Errorf("%w: seq %d: token %d outside vocabulary of %d", ErrBadInput, i, t, c.VocabSize)
+		}
+	}
+	return nil
+}
+
+// embedStep sizes w's buffers for total token rows and fills what every layer shares: the
+// embeddings, each row's sequence and position, the rows whose logits are wanted, the view
+// table's shape and RoPE's cos and sin of every row.
+func (m *Model) embedStep(w *workspace, blockSize int, seqs []Seq, total int) {
+	c := m.cfg
 	h, hd := c.HiddenSize, c.HeadDim
 	qd, kd := c.NumHeads*hd, c.NumKVHeads*hd
 	w.x = grow(w.x, total*h)
@@ -165,7 +199,6 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	w.viewBase = grow(w.viewBase, len(seqs))
 	w.logitRows = w.logitRows[:0]
 
-	// Embedding lookup, token → sequence/position maps, and the view table's shape.
 	row, nviews := 0, 0
 	for i, s := range seqs {
 		w.viewBase[i] = nviews
@@ -196,46 +229,44 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 			m.rope.angles(int(w.tokPos[r]), w.rope[r*hd:r*hd+hd/2], w.rope[r*hd+hd/2:(r+1)*hd])
 		}
 	})
+}
 
-	m.planAttention(w, seqs)
-	defer w.release()
-
+// layerStep runs decoder layer ly over the step's total token rows (w.views shows its KV).
+func (m *Model) layerStep(w *workspace, ly *decoderLayer, seqs []Seq, blockSize, total int) {
+	c := m.cfg
+	h, in := c.HiddenSize, c.IntermediateSize
 	eps := float32(c.RMSNormEps)
-	in := c.IntermediateSize
-	for l := range m.layer {
-		if err = ctx.Err(); err != nil {
-			return err
+
+	// Attention block.
+	m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.inNorm, eps) })
+	ly.qkv.Apply(w.qkv, w.h, total)
+	m.pool.Parallel(total, func(r int) { m.prepareToken(w, ly, seqs, blockSize, r) })
+	m.attention(w, seqs, blockSize)
+	ly.o.Apply(w.proj, w.attn, total)
+	m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
+
+	// MLP block.
+	m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.postNorm, eps) })
+	ly.gateUp.Apply(w.gu, w.h, total)
+	m.eachRows(total, in, func(r0, r1 int) {
+		for r := r0; r < r1; r++ {
+			g := w.gu[r*2*in : (r+1)*2*in]
+			kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
 		}
-		ly := &m.layer[l]
-		m.resolveViews(w, kv, l, blockSize, seqs)
+	})
+	ly.down.Apply(w.proj, w.act, total)
+	m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
+}
 
-		// Attention block.
-		m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.inNorm, eps) })
-		ly.qkv.Apply(w.qkv, w.h, total)
-		m.pool.Parallel(total, func(r int) { m.prepareToken(w, ly, seqs, blockSize, r) })
-		m.attention(w, seqs, blockSize)
-		ly.o.Apply(w.proj, w.attn, total)
-		m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
-
-		// MLP block.
-		m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.postNorm, eps) })
-		ly.gateUp.Apply(w.gu, w.h, total)
-		m.eachRows(total, in, func(r0, r1 int) {
-			for r := r0; r < r1; r++ {
-				g := w.gu[r*2*in : (r+1)*2*in]
-				kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
-			}
-		})
-		ly.down.Apply(w.proj, w.act, total)
-		m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
-	}
-
-	// Final norm and lm_head for the requested rows only, a group of rows at a time.
+// logitsStep runs the final norm and lm_head for the rows whose logits are wanted, a group of
+// rows at a time, and hands each its logits.
+func (m *Model) logitsStep(w *workspace, seqs []Seq) {
 	n := len(w.logitRows)
 	if n == 0 {
-		return nil
+		return
 	}
-	v := c.VocabSize
+	h, v := m.cfg.HiddenSize, m.cfg.VocabSize
+	eps := float32(m.cfg.RMSNormEps)
 	w.logits = grow(w.logits, min(n, logitRowGroup)*v)
 	logits := w.logits
 	for g := 0; g < n; g += logitRowGroup {
@@ -257,7 +288,6 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 			}
 		})
 	}
-	return nil
 }
 
 // eachRows runs fn on ranges [r0, r1) of rows rows of width values, split over the pool's

@@ -32,54 +32,9 @@ func TestRunTiny(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := m.Config()
 	m.Close()
-	// By hand from the configuration: multiply-adds of one token's products (q, k, v, o, gate,
-	// up, down per layer, lm_head) and of its attention over n positions.
-	products := float64(c.NumLayers*(c.HiddenSize*(c.NumHeads+2*c.NumKVHeads)*c.HeadDim+c.NumHeads*c.HeadDim*c.HiddenSize+3*c.HiddenSize*c.IntermediateSize)) +
-		float64(c.VocabSize*c.HiddenSize)
-	attention := func(n int) float64 { return float64(2 * c.NumLayers * c.NumHeads * c.HeadDim * n) }
 	for _, d := range r.Runs {
-		if d.PrefillTokensPerS <= 0 || d.PrefillGFLOPS <= 0 || d.DecodeTokensPerS <= 0 || len(d.Batched) != 4 {
-			t.Fatalf("non-positive figure in %+v", d)
-		}
-		size := map[string]int{"float32": 4, "bfloat16": 2, "fp8_e4m3": 1}[d.KVCacheDType] // the weights+KV bound counts these
-		if want := int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * size); d.KVBytesPerTok != want {
-			t.Fatalf("%s/%s: %d KV bytes a token, want %d", d.DType, d.KVCacheDType, d.KVBytesPerTok, want)
-		}
-		peak := r.PeakGFLOPS * 1e9
-		if d.DType == "bfloat16" {
-			peak = r.PeakBF16GFLOPS * 1e9
-		}
-		bw := r.ReadGBps * 1e9
-		for i, b := range d.Batched {
-			if wantCtx, wantBatch := []int{8, 20}[i/2], []int{1, 3}[i%2]; b.Context != wantCtx || b.Batch != wantBatch {
-				t.Fatalf("batched result %d: batch %d at context %d, want %d at %d", i, b.Batch, b.Context, wantBatch, wantCtx)
-			}
-			if b.TokensPerS <= 0 || b.BoundTokensPerS <= 0 || b.OverBatch1 <= 0 {
-				t.Fatalf("batch figure %+v", b)
-			}
-			// Steps attend to context+1 and context+2 positions.
-			n := float64(b.Batch)
-			var kv, attn float64
-			for s := 1; s <= 2; s++ {
-				kv += n * float64(b.Context+s) * float64(d.KVBytesPerTok) / 2
-				attn += n * 2 * attention(b.Context+s) / 2
-			}
-			step := max(float64(d.WeightBytes)/bw, n*2*products/peak) + max(kv/bw, attn/(r.PeakGFLOPS*1e9))
-			if got := b.StepBoundTokensPerS; math.Abs(got-n/step) > 1e-9*got {
-				t.Fatalf("%s/%s batch %d context %d: step bound %g tok/s, want %g", d.DType, d.KVCacheDType, b.Batch, b.Context, got, n/step)
-			}
-			if b.StepBoundTokensPerS > b.RooflineTokensPerS*(1+1e-12) || b.StepBoundTokensPerS > b.BoundWithKVTokensPerS*(1+1e-12) {
-				t.Fatalf("step bound %g above the roofline %g or the weights+KV bound %g", b.StepBoundTokensPerS, b.RooflineTokensPerS, b.BoundWithKVTokensPerS)
-			}
-		}
-		if b0, b1 := d.Batched[0].BoundTokensPerS, d.Batched[1].BoundTokensPerS; math.Abs(b1-3*b0) > 1e-9*b1 {
-			t.Fatalf("batch 3 bound %g is not 3 × batch 1's %g", d.Batched[1].BoundTokensPerS, d.Batched[0].BoundTokensPerS)
-		}
-		if one, three := d.Batched[2], d.Batched[3]; math.Abs(three.OverBatch1-three.TokensPerS/one.TokensPerS) > 1e-9 {
-			t.Fatalf("context 20: batch 3 over batch 1 %g, want %g (batch 1 at the same context)", three.OverBatch1, three.TokensPerS/one.TokensPerS)
-		}
+		checkRunFigures(t, r, d, m.Config())
 	}
 	if r.Runs[3].WeightBytes >= r.Runs[0].WeightBytes {
 		t.Fatalf("bfloat16 weights %d bytes, float32 %d", r.Runs[3].WeightBytes, r.Runs[0].WeightBytes)
@@ -89,7 +44,8 @@ func TestRunTiny(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"prefill compute", "decode batch 3 (context 8)", "decode batch 3 (context 20)", "VDPBF16PS peak", "bf16 peak",
-		"float32, KV bfloat16", "bfloat16, KV float32", "bfloat16, KV fp8_e4m3", "step bound", "roofline"} {
+		"float32, KV bfloat16", "bfloat16, KV float32", "bfloat16, KV fp8_e4m3", "step bound", "roofline",
+		"summary: batch-1 decode", "batch 1 after the prompt", "batch 3 ctx 20"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
@@ -113,6 +69,60 @@ func TestRunTiny(t *testing.T) {
 	}
 	if err := json.Unmarshal(b, &js); err != nil || js.PeakGFLOPS <= 0 || len(js.Runs) != 6 || js.Runs[1].Batched[3].StepBoundTokensPerS <= 0 {
 		t.Fatalf("json: %v %+v", err, js)
+	}
+}
+
+// checkRunFigures checks one run's KV bytes, step bounds and ratios against the model's
+// configuration, computed by hand.
+func checkRunFigures(t *testing.T, r *Result, d DTypeResult, c model.Config) {
+	t.Helper()
+	// By hand from the configuration: multiply-adds of one token's products (q, k, v, o, gate,
+	// up, down per layer, lm_head) and of its attention over n positions.
+	products := float64(c.NumLayers*(c.HiddenSize*(c.NumHeads+2*c.NumKVHeads)*c.HeadDim+c.NumHeads*c.HeadDim*c.HiddenSize+3*c.HiddenSize*c.IntermediateSize)) +
+		float64(c.VocabSize*c.HiddenSize)
+	attention := func(n int) float64 { return float64(2 * c.NumLayers * c.NumHeads * c.HeadDim * n) }
+	if d.PrefillTokensPerS <= 0 || d.PrefillGFLOPS <= 0 || d.DecodeTokensPerS <= 0 || len(d.Batched) != 4 {
+		t.Fatalf("non-positive figure in %+v", d)
+	}
+	size := map[string]int{"float32": 4, "bfloat16": 2, "fp8_e4m3": 1}[d.KVCacheDType] // the weights+KV bound counts these
+	if want := int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * size); d.KVBytesPerTok != want {
+		t.Fatalf("%s/%s: %d KV bytes a token, want %d", d.DType, d.KVCacheDType, d.KVBytesPerTok, want)
+	}
+	peak := r.PeakGFLOPS * 1e9
+	if d.DType == "bfloat16" {
+		peak = r.PeakBF16GFLOPS * 1e9
+	}
+	bw := r.ReadGBps * 1e9
+	for i, b := range d.Batched {
+		if wantCtx, wantBatch := []int{8, 20}[i/2], []int{1, 3}[i%2]; b.Context != wantCtx || b.Batch != wantBatch {
+			t.Fatalf("batched result %d: batch %d at context %d, want %d at %d", i, b.Batch, b.Context, wantBatch, wantCtx)
+		}
+		if b.TokensPerS <= 0 || b.BoundTokensPerS <= 0 || b.OverBatch1 <= 0 {
+			t.Fatalf("batch figure %+v", b)
+		}
+		// Steps attend to context+1 and context+2 positions.
+		n := float64(b.Batch)
+		var kv, attn float64
+		for s := 1; s <= 2; s++ {
+			kv += n * float64(b.Context+s) * float64(d.KVBytesPerTok) / 2
+			attn += n * 2 * attention(b.Context+s) / 2
+		}
+		step := max(float64(d.WeightBytes)/bw, n*2*products/peak) + max(kv/bw, attn/(r.PeakGFLOPS*1e9))
+		if got := b.StepBoundTokensPerS; math.Abs(got-n/step) > 1e-9*got {
+			t.Fatalf("%s/%s batch %d context %d: step bound %g tok/s, want %g", d.DType, d.KVCacheDType, b.Batch, b.Context, got, n/step)
+		}
+		if b.StepBoundTokensPerS > b.RooflineTokensPerS*(1+1e-12) || b.StepBoundTokensPerS > b.BoundWithKVTokensPerS*(1+1e-12) {
+			t.Fatalf("step bound %g above the roofline %g or the weights+KV bound %g", b.StepBoundTokensPerS, b.RooflineTokensPerS, b.BoundWithKVTokensPerS)
+		}
+	}
+	if b0, b1 := d.Batched[0].BoundTokensPerS, d.Batched[1].BoundTokensPerS; math.Abs(b1-3*b0) > 1e-9*b1 {
+		t.Fatalf("batch 3 bound %g is not 3 × batch 1's %g", d.Batched[1].BoundTokensPerS, d.Batched[0].BoundTokensPerS)
+	}
+	if one, three := d.Batched[2], d.Batched[3]; math.Abs(three.OverBatch1-three.TokensPerS/one.TokensPerS) > 1e-9 {
+		t.Fatalf("context 20: batch 3 over batch 1 %g, want %g (batch 1 at the same context)", three.OverBatch1, three.TokensPerS/one.TokensPerS)
+	}
+	if d.DecodeBoundRatio <= 0 || math.Abs(d.DecodeBoundRatio-d.DecodeTokensPerS/d.DecodeBoundWithKVTokensPerS) > 1e-9 {
+		t.Fatalf("%s: batch-1 decode ratio %g, want %g ÷ %g", d.name(), d.DecodeBoundRatio, d.DecodeTokensPerS, d.DecodeBoundWithKVTokensPerS)
 	}
 }
 

@@ -57,11 +57,12 @@ func BenchmarkGEMM(b *testing.B) {
 	}
 }
 
-// BenchmarkGEMV is the decode case (one row). Besides GFLOP/s it reports the weight bytes read
+// BenchmarkGEMV is the decode case (one row): the first five shapes are Qwen3-0.6B's fused qkv,
+// o_proj, fused gate/up, down_proj and a slice of lm_head. Besides GFLOP/s it reports the weight bytes read
 // per second and their ratio to the all-core read bandwidth measured just before (for weights
 // larger than the last-level cache that is the memory-bound ceiling).
 func BenchmarkGEMV(b *testing.B) {
-	for _, s := range [][2]int{{3072, 512}, {1024, 1024}, {2048, 2048}, {4096, 4096}, {8192, 2048}} {
+	for _, s := range [][2]int{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}, {16384, 1024}, {3072, 512}, {2048, 2048}, {4096, 4096}} {
 		for _, kind := range []string{"float32", "bfloat16", "bf16dot"} {
 			b.Run(fmt.Sprintf("%s/%dx%d", kind, s[0], s[1]), func(b *testing.B) {
 				out, in := s[0], s[1]
