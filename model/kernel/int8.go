@@ -1,0 +1,256 @@
+package kernel
+
+import (
+	"encoding/binary"
+	"fmt"
+	"math"
+	"unsafe"
+)
+
+// Weight-only int8 products (a Linear built with NewLinearInt8From).
+//
+// Weights are quantized once, at load, in groups of Int8Group consecutive inputs of one output
+// row: d = amax/127 (float32), q = round(w·(1/d)) in [-127, 127] — llama.cpp's Q8_0 rule, with
+// the scale kept in float32 instead of float16. Apply quantizes each input row the same way, per
+// group (so a row's int8 values depend on that row alone), and every output element is one
+// fixed chain over the groups, g ascending:
+//
+//	acc = 0
+//	for g: s = Σ_{k in g} qx[k]·qw[k]        // exact, int32
+//	       acc = acc + float32(float32(s) · float32(dw[g]·dx[g]))
+//
+// with each product and sum rounded once to float32 (no fused multiply-add). The int32 sums
+// are exact and the float steps are the same IEEE operations in the same order in AVX-512 VNNI
+// (VPDPBUSD, then VCVTDQ2PS, VMULPS, VMULPS, VADDPS) and in portable Go, so both give the same
+// bits (TestInt8KernelsAgree). Like every Linear, the result of a row does not depend on the
+// other rows of the batch.
+//
+// Why groups of 32: it is Q8_0's block, so the quality matches llama.cpp's int8 at least (a
+// larger group, 128 or a whole row, lets one outlier coarsen more weights); 32 inputs are 8
+// VPDPBUSD steps of 4 inputs each into an int32 accumulator that cannot overflow
+// (32·255·127 < 2³¹), and a group of a 64-column panel is 2 KB of weights plus 256 bytes of
+// scales, so a scale costs 1/8 of a byte per weight. The k dimensions of the supported
+// architectures are multiples of 32; other k are padded with zero weights.
+//
+// Activations are quantized to int8 (rather than the weights widened to float32 in registers)
+// because VPDPBUSD does 64 multiply-adds per instruction on bytes read straight from the
+// panel: batch-1 decode then runs at the memory bandwidth with cycles to spare, and prefill
+// is four times the float32 FMA rate.
+
+// Int8Group is the number of consecutive inputs that share one scale in an int8 Linear.
+const Int8Group = 32
+
+// int8TileRows is the most rows one int8 tile computes (its int32 and float32 accumulators fill
+// 24 of the 32 zmm registers).
+const int8TileRows = 3
+
+// int8GroupBytes is the bytes of one group of a 64-column panel: 8 steps × 64 columns × 4
+// weights as bytes (q+128, k%4 fastest), then 64 float32 scales.
+const int8GroupBytes = Int8Group*panelWidth + 4*panelWidth
+
+// int8Weights are the panels of an int8 Linear and its tile kernel.
+type int8Weights struct {
+	groups int    // ceil(in / Int8Group)
+	b      []byte // panel p, group g at b[(p*groups+g)*int8GroupBytes:]
+	tile   int8TileFunc
+}
+
+// int8TileFunc computes rows [0,mr) × columns [0,ncols) of one int8 panel (see tileInt8Generic).
+type int8TileFunc func(c []float32, ldc int, a int8Acts, w []byte, groups, mr, ncols int)
+
+// int8Acts are quantized activation rows: row m's int8 values at q[m*ldq:], its scales at
+// d[m*lds:] and its corrections (−128 · the group's sum of q) at corr[m*lds:].
+type int8Acts struct {
+	q    []int8
+	d    []float32
+	corr []int32
+	ldq  int
+	lds  int
+}
+
+// at returns the rows from row m on.
+func (a int8Acts) at(m int) int8Acts {
+	a.q, a.d, a.corr = a.q[m*a.ldq:], a.d[m*a.lds:], a.corr[m*a.lds:]
+	return a
+}
+
+// QuantizeInt8 quantizes x in groups of Int8Group as an int8 Linear quantizes its weights and
+// its inputs: for each group, d = amax/127 and q[i] = round(x[i]·(1/d)) (half away from zero,
+// clamped to ±127; all zero when amax is 0). q has len(x) rounded up to Int8Group elements
+// (the padding zero), d one per group. It returns the sums of each group's q as well.
+func QuantizeInt8(q []int8, d []float32, sums []int32, x []float32) {
+	groups := (len(x) + Int8Group - 1) / Int8Group
+	_, _, _ = q[groups*Int8Group-1], d[groups-1], sums[groups-1]
+	for g := range groups {
+		xs := x[g*Int8Group : min(len(x), (g+1)*Int8Group)]
+		qs := q[g*Int8Group : (g+1)*Int8Group]
+		var amax float32
+		for _, v := range xs {
+			amax = max(amax, float32(math.Abs(float64(v))))
+		}
+		dg := amax / 127
+		var id float32
+		if dg != 0 {
+			id = 1 / dg
+		}
+		var s int32
+		for i := range qs {
+			var v int8
+			if i < len(xs) {
+				v = int8(max(-127, min(127, math.Round(float64(xs[i]*id)))))
+			}
+			qs[i] = v
+			s += int32(v)
+		}
+		d[g], sums[g] = dg, s
+	}
+}
+
+// NewLinearInt8From is [NewLinearFrom] with the weights quantized to int8 in groups of
+// Int8Group inputs (see the top of int8.go): row(n, dst) writes W[n] as float32 (widened from
+// the checkpoint). Apply quantizes its input rows the same way and sums int8 products exactly
+// in int32 per group — VPDPBUSD where the CPU has AVX-512 VNNI ([Int8Products] says which),
+// the same bits in portable Go elsewhere. Like every Linear it is batch-invariant.
+func NewLinearInt8From(pool *Pool, out, in int, row func(n int, dst []float32)) *Linear {
+	if out < 0 || in < 0 {
+		panic(fmt.Sprintf("kernel.NewLinearInt8From: out = %d, in = %d", out, in))
+	}
+	return newLinearInt8(defaultInt8Tile, pool, out, in, row)
+}
+
+// newLinearInt8 quantizes and packs the rows of W panel by panel in parallel, for tile.
+func newLinearInt8(tile int8TileFunc, pool *Pool, out, in int, row func(n int, dst []float32)) *Linear {
+	l := &Linear{out: out, in: in, panels: (out + panelWidth - 1) / panelWidth, dtype: I8, pool: pool, impl: defaultImpl}
+	groups := (in + Int8Group - 1) / Int8Group
+	w := &int8Weights{groups: groups, b: make([]byte, l.panels*groups*int8GroupBytes), tile: tile}
+	l.i8 = w
+	if in == 0 {
+		return l
+	}
+	for i := range w.b { // q = 0 everywhere, padding included
+		w.b[i] = 128
+	}
+	pool.Parallel(l.panels, func(p int) {
+		buf := make([]float32, in)
+		q := make([]int8, groups*Int8Group)
+		d := make([]float32, groups)
+		sums := make([]int32, groups)
+		for j := range min(panelWidth, out-p*panelWidth) {
+			row(p*panelWidth+j, buf)
+			QuantizeInt8(q, d, sums, buf)
+			for g := range groups {
+				blk := w.b[(p*groups+g)*int8GroupBytes:]
+				for k := range Int8Group {
+					blk[(k/4)*4*panelWidth+4*j+k%4] = byte(int(q[g*Int8Group+k]) + 128)
+				}
+				binary.LittleEndian.PutUint32(blk[Int8Group*panelWidth+4*j:], math.Float32bits(d[g]))
+			}
+		}
+	})
+	return l
+}
+
+// Int8Products names how this process computes int8 products: "VPDPBUSD" (AVX-512 VNNI) or
+// "portable Go" (the same bits, much slower).
+func Int8Products() string {
+	if hasInt8Asm() {
+		return "VPDPBUSD"
+	}
+	return "portable Go"
+}
+
+// int8Bytes returns the bytes an int8 Linear streams per pass: one byte a weight plus a float32
+// scale per group.
+func (l *Linear) int8Bytes() int64 {
+	return int64(l.out) * (int64(l.in) + 4*int64(l.i8.groups))
+}
+
+// int8Row writes row n of an int8 Linear, dequantized (q·d), into dst.
+func (l *Linear) int8Row(n int, dst []float32) {
+	p, j := n/panelWidth, n%panelWidth
+	for g := range l.i8.groups {
+		blk := l.i8.b[(p*l.i8.groups+g)*int8GroupBytes:]
+		d := l.i8Scale(n, g)
+		for k := g * Int8Group; k < min(l.in, (g+1)*Int8Group); k++ {
+			kk := k - g*Int8Group
+			dst[k] = float32(int(blk[(kk/4)*4*panelWidth+4*j+kk%4])-128) * d
+		}
+	}
+}
+
+// applyInt8 runs Apply for an int8 Linear: the rows are quantized once, then every task runs
+// all row tiles over a run of consecutive panels, panel-major (a panel stays in the cache while
+// the tiles stream past it).
+func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows int) {
+	groups := l.i8.groups
+	kpad := groups * Int8Group
+	// One buffer: the int8 rows (kpad/4 words each), then the scales, then the corrections.
+	buf, put := l.pool.pairBuffer(rows*kpad/4 + 2*rows*groups)
+	defer put()
+	a := int8Acts{
+		q:    unsafe.Slice((*int8)(unsafe.Pointer(&buf[0])), rows*kpad),
+		d:    unsafe.Slice((*float32)(unsafe.Pointer(&buf[rows*kpad/4])), rows*groups),
+		corr: unsafe.Slice((*int32)(unsafe.Pointer(&buf[rows*kpad/4+rows*groups])), rows*groups),
+		ldq:  kpad,
+		lds:  groups,
+	}
+	for m := range rows {
+		r := a.at(m)
+		QuantizeInt8(r.q[:kpad], r.d[:groups], r.corr[:groups], x[m*lda:m*lda+l.in])
+		for g, s := range r.corr[:groups] {
+			r.corr[g] = -128 * s
+		}
+	}
+	tiles := (rows + int8TileRows - 1) / int8TileRows
+	tasks := min(l.panels, 2*l.pool.Workers())
+	if tiles*l.panels < 2 {
+		tasks = 1
+	}
+	run := func(t int) {
+		p0, p1 := t*l.panels/tasks, (t+1)*l.panels/tasks
+		for p := p0; p < p1; p++ {
+			w := l.i8.b[p*groups*int8GroupBytes : (p+1)*groups*int8GroupBytes]
+			col := p * panelWidth
+			ncols := min(panelWidth, l.out-col)
+			for ti := range tiles {
+				m0 := ti * int8TileRows
+				l.i8.tile(dst[m0*ldc+col:], ldc, a.at(m0), w, groups, min(int8TileRows, rows-m0), ncols)
+			}
+		}
+	}
+	if tasks == 1 {
+		run(0)
+		return
+	}
+	l.pool.Parallel(tasks, run)
+}
+
+// tileInt8Generic is the portable chain of int8 products (see the top of int8.go) for rows
+// [0,mr) × columns [0,ncols) of an int8 panel.
+func tileInt8Generic(c []float32, ldc int, a int8Acts, w []byte, groups, mr, ncols int) {
+	_ = w[groups*int8GroupBytes-1]
+	for m := range mr {
+		r := a.at(m)
+		for j := range ncols {
+			var acc float32
+			for g := range groups {
+				blk := w[g*int8GroupBytes : (g+1)*int8GroupBytes]
+				x := r.q[g*Int8Group : (g+1)*Int8Group]
+				var s int32
+				for k, xv := range x {
+					s += (int32(blk[(k/4)*4*panelWidth+4*j+k%4]) - 128) * int32(xv)
+				}
+				dw := math.Float32frombits(binary.LittleEndian.Uint32(blk[Int8Group*panelWidth+4*j:]))
+				d := dw * r.d[g]
+				acc = acc + float32(float32(s)*d)
+			}
+			c[m*ldc+j] = acc
+		}
+	}
+}
+
+// i8Scale returns the scale of group g of output n.
+func (l *Linear) i8Scale(n, g int) float32 {
+	blk := l.i8.b[((n/panelWidth)*l.i8.groups+g)*int8GroupBytes:]
+	return math.Float32frombits(binary.LittleEndian.Uint32(blk[Int8Group*panelWidth+4*(n%panelWidth):]))
+}
