@@ -26,7 +26,8 @@ func openTinyWith(t testing.TB, prec precision) *Model {
 }
 
 // testPrecisions are the ways a model computes: float32; bfloat16 products with a float32 KV
-// cache; bfloat16 products with a bfloat16 KV cache.
+// cache; bfloat16 products with a bfloat16 KV cache; int8 weights (--quantization int8) with a
+// float32 KV cache.
 var testPrecisions = []struct {
 	name string
 	prec precision
@@ -34,6 +35,7 @@ var testPrecisions = []struct {
 	{"float32", precision{}},
 	{"bfloat16", precision{bf16: true}},
 	{"bfloat16-kv", precision{bf16: true, kvBF16: true}},
+	{"int8", precision{int8: true}},
 }
 
 // forEachPrecision runs test on kvbridge/tiny in every precision: each invariant holds in each.

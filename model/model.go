@@ -69,11 +69,18 @@ type OpenOptions struct {
 	// float32 one); "float32" keeps keys and values as float32, "bfloat16" rounds them to
 	// bfloat16 (2 bytes a value).
 	KVCacheDType string
+	// Quantization is vLLM's --quantization: "" (or "none") runs the weights as DType says;
+	// "int8" quantizes every weight matrix (lm_head and a tied embedding included) to int8 at
+	// load, in groups of 32 inputs with a float32 scale each, and runs the products on int8
+	// activations quantized the same way per token (see ParseQuantization).
+	Quantization string
 }
 
-// precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32.
+// precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32;
+// int8: int8 weight matrices (OpenOptions.Quantization) whatever bf16 says.
 type precision struct {
 	bf16, kvBF16 bool
+	int8         bool
 }
 
 // ParseDType checks a compute dtype (OpenOptions.DType, vLLM's --dtype), case-insensitively,
@@ -100,6 +107,9 @@ func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 	var p precision
 	dt, err := ParseDType(opts.DType)
 	if err != nil {
+		return p, err
+	}
+	if p.int8, err = parseInt8(opts.Quantization); err != nil {
 		return p, err
 	}
 	switch dt {
@@ -131,8 +141,10 @@ type Model struct {
 	// checkpoint; with tiedEmbed the embedding is head's weights and embed is empty.
 	embed     matrix
 	tiedEmbed bool
-	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache.
+	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache; int8: int8
+	// weight matrices (OpenOptions.Quantization).
 	bf16, kvBF16 bool
+	int8         bool
 	files        mappedFiles // the checkpoint files embed reads; closed by Close
 	layer        []decoderLayer
 	norm         []float32

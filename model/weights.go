@@ -212,8 +212,13 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 		inPlace:    kernel.RowKernels(cfg.HeadDim),
 		bf16:       prec.bf16,
 		kvBF16:     prec.kvBF16,
+		int8:       prec.int8,
 	}
 	bf := prec.bf16
+	newFused := newFused
+	if prec.int8 {
+		newFused = newFusedInt8
+	}
 	var bytes int64
 	for i := range w.layers {
 		l := &w.layers[i]
