@@ -74,6 +74,10 @@ type OpenOptions struct {
 	// load, in groups of 32 inputs with a float32 scale each, and runs the products on int8
 	// activations quantized the same way per token (see ParseQuantization).
 	Quantization string
+	// Int8RoundScale, if not nil, rounds every scale of int8 weights and activations once its
+	// group is quantized (with Quantization int8; see kernel.NewLinearInt8ScaledFrom): kvbridge
+	// bench quality simulates llama.cpp's Q8_0 (float16 scales) with it.
+	Int8RoundScale func(float32) float32
 }
 
 // precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32;
@@ -81,6 +85,7 @@ type OpenOptions struct {
 type precision struct {
 	bf16, kvBF16 bool
 	int8         bool
+	roundScale   func(float32) float32 // OpenOptions.Int8RoundScale
 }
 
 // ParseDType checks a compute dtype (OpenOptions.DType, vLLM's --dtype), case-insensitively,
@@ -112,6 +117,7 @@ func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 	if p.int8, err = parseInt8(opts.Quantization); err != nil {
 		return p, err
 	}
+	p.roundScale = opts.Int8RoundScale
 	switch dt {
 	case "auto":
 		p.bf16 = ckpt == "bfloat16" || ckpt == "float16"

@@ -36,9 +36,10 @@ func (m *Model) Quantization() string {
 }
 
 // newFusedInt8 is newFused for int8 weights: the parts' rows are widened to float32 and
-// quantized in groups of kernel.Int8Group (see kernel.NewLinearInt8From); bf16 has no effect.
-func newFusedInt8(pool *kernel.Pool, _ bool, out, in int, parts ...part) *kernel.Linear {
-	return kernel.NewLinearInt8From(pool, out, in, func(n int, dst []float32) {
+// quantized in groups of kernel.Int8Group (see kernel.NewLinearInt8ScaledFrom; roundScale nil:
+// float32 scales).
+func newFusedInt8(pool *kernel.Pool, roundScale func(float32) float32, out, in int, parts ...part) *kernel.Linear {
+	return kernel.NewLinearInt8ScaledFrom(pool, out, in, roundScale, func(n int, dst []float32) {
 		for _, p := range parts {
 			if n < p.at+p.n {
 				p.m.fill(n-p.at, dst)

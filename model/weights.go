@@ -217,7 +217,9 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 	bf := prec.bf16
 	newFused := newFused
 	if prec.int8 {
-		newFused = newFusedInt8
+		newFused = func(pool *kernel.Pool, _ bool, out, in int, parts ...part) *kernel.Linear {
+			return newFusedInt8(pool, prec.roundScale, out, in, parts...)
+		}
 	}
 	var bytes int64
 	for i := range w.layers {

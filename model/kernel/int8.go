@@ -53,6 +53,9 @@ type int8Weights struct {
 	groups int    // ceil(in / Int8Group)
 	b      []byte // panel p, group g at b[(p*groups+g)*int8GroupBytes:]
 	tile   int8TileFunc
+	// roundScale, if not nil, rounds every scale once its group is quantized (the weights' at
+	// load, the activations' in Apply).
+	roundScale func(float32) float32
 }
 
 // int8TileFunc computes rows [0,mr) × columns [0,ncols) of one int8 panel (see tileInt8Generic).
@@ -115,14 +118,25 @@ func NewLinearInt8From(pool *Pool, out, in int, row func(n int, dst []float32)) 
 	if out < 0 || in < 0 {
 		panic(fmt.Sprintf("kernel.NewLinearInt8From: out = %d, in = %d", out, in))
 	}
-	return newLinearInt8(defaultInt8Tile, pool, out, in, row)
+	return newLinearInt8(defaultInt8Tile, pool, out, in, nil, row)
+}
+
+// NewLinearInt8ScaledFrom is [NewLinearInt8From] with every scale — the weights' at load and
+// the activations' in Apply — rounded by roundScale once its group is quantized (the int8
+// values stay those of the float32 scale). Rounding to float16 gives llama.cpp's Q8_0 blocks
+// and its Q8_0 × Q8_0 products, which kvbridge bench quality simulates this way.
+func NewLinearInt8ScaledFrom(pool *Pool, out, in int, roundScale func(float32) float32, row func(n int, dst []float32)) *Linear {
+	if out < 0 || in < 0 {
+		panic(fmt.Sprintf("kernel.NewLinearInt8ScaledFrom: out = %d, in = %d", out, in))
+	}
+	return newLinearInt8(defaultInt8Tile, pool, out, in, roundScale, row)
 }
 
 // newLinearInt8 quantizes and packs the rows of W panel by panel in parallel, for tile.
-func newLinearInt8(tile int8TileFunc, pool *Pool, out, in int, row func(n int, dst []float32)) *Linear {
+func newLinearInt8(tile int8TileFunc, pool *Pool, out, in int, roundScale func(float32) float32, row func(n int, dst []float32)) *Linear {
 	l := &Linear{out: out, in: in, panels: (out + panelWidth - 1) / panelWidth, dtype: I8, pool: pool, impl: defaultImpl}
 	groups := (in + Int8Group - 1) / Int8Group
-	w := &int8Weights{groups: groups, b: make([]byte, l.panels*groups*int8GroupBytes), tile: tile}
+	w := &int8Weights{groups: groups, b: make([]byte, l.panels*groups*int8GroupBytes), tile: tile, roundScale: roundScale}
 	l.i8 = w
 	if in == 0 {
 		return l
@@ -138,6 +152,7 @@ func newLinearInt8(tile int8TileFunc, pool *Pool, out, in int, row func(n int, d
 		for j := range min(panelWidth, out-p*panelWidth) {
 			row(p*panelWidth+j, buf)
 			QuantizeInt8(q, d, sums, buf)
+			w.round(d)
 			for g := range groups {
 				blk := w.b[(p*groups+g)*int8GroupBytes:]
 				for k := range Int8Group {
@@ -148,6 +163,15 @@ func newLinearInt8(tile int8TileFunc, pool *Pool, out, in int, row func(n int, d
 		}
 	})
 	return l
+}
+
+// round applies roundScale to the scales d.
+func (w *int8Weights) round(d []float32) {
+	if w.roundScale != nil {
+		for i, v := range d {
+			d[i] = w.roundScale(v)
+		}
+	}
 }
 
 // Int8Products names how this process computes int8 products: "VPDPBUSD" (AVX-512 VNNI) or
@@ -200,6 +224,7 @@ func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows in
 		for g, s := range r.corr[:groups] {
 			r.corr[g] = -128 * s
 		}
+		l.i8.round(r.d[:groups])
 	}
 	tiles := (rows + int8TileRows - 1) / int8TileRows
 	tasks := min(l.panels, 2*l.pool.Workers())

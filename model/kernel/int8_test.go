@@ -31,7 +31,7 @@ func randInt8Matrix(r *rand.Rand, n int) []float32 {
 
 // applyInt8With builds an int8 Linear of w (out × in) for tile and applies it to x.
 func applyInt8With(tile int8TileFunc, pool *Pool, w, x []float32, out, in, rows int) []float32 {
-	l := newLinearInt8(tile, pool, out, in, func(n int, dst []float32) { copy(dst, w[n*in:(n+1)*in]) })
+	l := newLinearInt8(tile, pool, out, in, nil, func(n int, dst []float32) { copy(dst, w[n*in:(n+1)*in]) })
 	dst := make([]float32, rows*out)
 	l.Apply(dst, x, rows)
 	return dst
@@ -157,12 +157,85 @@ func BenchmarkInt8Decode(b *testing.B) {
 	x := randInt8Matrix(r, in)
 	for i, tile := range int8Tiles() {
 		b.Run([]string{"go", "vnni"}[i], func(b *testing.B) {
-			l := newLinearInt8(tile, nil, out, in, func(n int, dst []float32) { copy(dst, w[n*in:(n+1)*in]) })
+			l := newLinearInt8(tile, nil, out, in, nil, func(n int, dst []float32) { copy(dst, w[n*in:(n+1)*in]) })
 			dst := make([]float32, out)
 			b.SetBytes(l.Bytes())
 			for b.Loop() {
 				l.Apply(dst, x, 1)
 			}
 		})
+	}
+}
+
+// q8_0Block is a block of GGUF's Q8_0 type (ggml's block_q8_0: a float16 scale d and 32 int8
+// values), quantized as ggml's quantize_row_q8_0_ref does.
+type q8_0Block struct {
+	d  uint16
+	qs [32]int8
+}
+
+// quantizeQ8_0 is quantize_row_q8_0_ref: d = amax/127, id = 1/d, qs = roundf(x·id), d stored
+// as float16. x is padded with zeros to whole blocks.
+func quantizeQ8_0(x []float32) []q8_0Block {
+	b := make([]q8_0Block, (len(x)+31)/32)
+	for i := range b {
+		var amax float32
+		for j := i * 32; j < min(len(x), (i+1)*32); j++ {
+			amax = max(amax, float32(math.Abs(float64(x[j]))))
+		}
+		d := amax / 127
+		var id float32
+		if d != 0 {
+			id = 1 / d
+		}
+		b[i].d = F32ToF16(d)
+		for j := i * 32; j < min(len(x), (i+1)*32); j++ {
+			b[i].qs[j-i*32] = int8(math.Round(float64(x[j] * id)))
+		}
+	}
+	return b
+}
+
+// TestInt8SimulatesQ8_0: an int8 Linear whose scales are rounded to float16 holds exactly
+// GGUF Q8_0's dequantized weights and computes exactly ggml's reference Q8_0 × Q8_0 dot
+// product (ggml_vec_dot_q8_0_q8_0: Σ blocks sumi·(d_x·d_y), without contraction).
+func TestInt8SimulatesQ8_0(t *testing.T) {
+	r := rand.New(rand.NewPCG(12, 12))
+	const out, in = 70, 100
+	w := make([]float32, out*in)
+	x := make([]float32, 2*in)
+	for i := range w {
+		w[i] = float32(r.NormFloat64() * 0.05)
+	}
+	for i := range x {
+		x[i] = float32(r.NormFloat64())
+	}
+	f16 := func(d float32) float32 { return F16ToF32(F32ToF16(d)) }
+	l := NewLinearInt8ScaledFrom(nil, out, in, f16, func(n int, dst []float32) { copy(dst, w[n*in:(n+1)*in]) })
+	got := make([]float32, 2*out)
+	l.Apply(got, x, 2)
+	row := make([]float32, in)
+	for n := range out {
+		wb := quantizeQ8_0(w[n*in : (n+1)*in])
+		l.Row(n, row)
+		for k, v := range row {
+			if want := float32(wb[k/32].qs[k%32]) * F16ToF32(wb[k/32].d); v != want {
+				t.Fatalf("Row(%d)[%d] = %g, Q8_0 dequantizes to %g", n, k, v, want)
+			}
+		}
+		for m := range 2 {
+			xb := quantizeQ8_0(x[m*in : (m+1)*in])
+			var sumf float32
+			for i := range wb {
+				var sumi int32
+				for j := range 32 {
+					sumi += int32(wb[i].qs[j]) * int32(xb[i].qs[j])
+				}
+				sumf += float32(float32(sumi) * (F16ToF32(wb[i].d) * F16ToF32(xb[i].d)))
+			}
+			if got[m*out+n] != sumf {
+				t.Fatalf("row %d output %d: %g, ggml's Q8_0 × Q8_0 %g", m, n, got[m*out+n], sumf)
+			}
+		}
 	}
 }
