@@ -192,9 +192,10 @@ func NewLinearInt8From(pool *Pool, out, in int, row func(n int, dst []float32)) 
 	return newLinearInt8(defaultInt8Tile, pool, out, in, nil, row)
 }
 
-// NewLinearInt8ScaledFrom is [NewLinearInt8From] with every scale — the weights' at load and
-// the activations' in Apply — rounded by roundScale once its group is quantized (the int8
-// values stay those of the float32 scale). Rounding to float16 gives llama.cpp's Q8_0 blocks
+// NewLinearInt8ScaledFrom is [NewLinearInt8From] with the weights quantized by the plain rule
+// (d = amax/127, no least-squares refinement) and every scale — the weights' at load and the
+// activations' in Apply — rounded by roundScale once its group is quantized (the int8 values
+// stay those of the float32 scale). Rounding to float16 gives llama.cpp's Q8_0 blocks
 // and its Q8_0 × Q8_0 products, which kvbridge bench quality simulates this way.
 func NewLinearInt8ScaledFrom(pool *Pool, out, in int, roundScale func(float32) float32, row func(n int, dst []float32)) *Linear {
 	if out < 0 || in < 0 {
