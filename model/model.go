@@ -2,7 +2,8 @@
 // store, its weights (Hugging Face safetensors directories or built-in random models) kept in
 // float32 or in the checkpoint's bfloat16 (OpenOptions.DType: products then take bfloat16
 // inputs and sum in float32; norms, softmax and RoPE stay float32; the KV store holds float32 or,
-// with OpenOptions.KVCacheDType, bfloat16), its tokenizer and chat template, and token sampling.
+// with OpenOptions.KVCacheDType, bfloat16) — or, with OpenOptions.Quantization int8, in int8
+// with products on int8 activations —, its tokenizer and chat template, and token sampling.
 //
 // The forward pass is batch-invariant: a token's KV and logits are bit-identical whatever batch,
 // batch position or prefill chunking they are computed in. Disaggregated prefill/decode relies on
@@ -295,7 +296,8 @@ func (m *Model) Generation() GenerationConfig {
 }
 
 // WeightBytes returns the weight bytes one decode step streams from memory, each matrix in its
-// storage type (2 bytes a weight for bf16 and f16 checkpoints, 4 for float32): every projection
+// storage type (2 bytes a weight for bf16 and f16 checkpoints, 4 for float32, 1 plus a float32
+// scale per 32 with --quantization int8): every projection
 // matrix, every norm vector and lm_head (the embedding lookup of one row is not counted).
 // Memory bandwidth divided by this bounds decode tokens/s.
 func (m *Model) WeightBytes() int64 { return m.weightBytes }
