@@ -37,8 +37,8 @@ import (
 //
 // Activations are quantized to int8 (rather than the weights widened to float32 in registers)
 // because VPDPBUSD does 64 multiply-adds per instruction on bytes read straight from the
-// panel: batch-1 decode then runs at the memory bandwidth with cycles to spare, and prefill
-// is four times the float32 FMA rate.
+// panel: batch-1 decode then runs at the memory bandwidth with cycles to spare, and a VPDPBUSD
+// does four times the multiply-adds of a float32 FMA for prefill.
 
 // Int8Group is the number of consecutive inputs that share one scale in an int8 Linear.
 const Int8Group = 32
@@ -293,13 +293,25 @@ func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows in
 		ldq:  kpad,
 		lds:  groups,
 	}
-	for m := range rows {
+	quantize := func(m int) {
 		r := a.at(m)
 		QuantizeInt8(r.q[:kpad], r.d[:groups], r.corr[:groups], x[m*lda:m*lda+l.in])
 		for g, s := range r.corr[:groups] {
 			r.corr[g] = -128 * s
 		}
 		l.i8.round(r.d[:groups])
+	}
+	if rows < 16 {
+		for m := range rows {
+			quantize(m)
+		}
+	} else { // a prefill's rows, each on its own (the split changes no bit)
+		const chunk = 8
+		l.pool.Parallel((rows+chunk-1)/chunk, func(c int) {
+			for m := c * chunk; m < min(rows, (c+1)*chunk); m++ {
+				quantize(m)
+			}
+		})
 	}
 	tiles := (rows + int8TileRows - 1) / int8TileRows
 	tasks := min(l.panels, 2*l.pool.Workers())
