@@ -110,20 +110,15 @@ func QuantizeInt8(q []int8, d []float32, sums []int32, x []float32) {
 }
 
 // roundInt8 rounds v to the nearest integer, halves away from zero (C's roundf), clamped to
-// ±127; NaN gives 0. Adding ½ to a float32 is exact in float64, so truncation rounds exactly.
+// ±127; NaN gives 0. Adding ±½ to a float32 is exact in float64, so the conversion's truncation
+// rounds exactly (without branches on the value, which a quantization loop mispredicts).
 func roundInt8(v float32) int8 {
-	f := float64(v)
-	switch {
-	case f >= 127:
-		return 127
-	case f <= -127:
-		return -127
-	case f >= 0:
-		return int8(f + 0.5)
-	case f < 0:
-		return -int8(-f + 0.5)
+	if v != v {
+		return 0
 	}
-	return 0
+	f := float64(v)
+	f = min(127, max(-127, f+math.Copysign(0.5, f)))
+	return int8(int32(f))
 }
 
 // absMax returns the largest |v| of x (0 for an empty x).

@@ -82,6 +82,27 @@ func TestInt8BatchInvariant(t *testing.T) {
 	}
 }
 
+// TestRoundInt8: the quantizer's rounding is C's roundf (math.Round: halves away from zero),
+// clamped to ±127, for ordinary values, exact halves and their neighbours, and NaN gives 0.
+func TestRoundInt8(t *testing.T) {
+	r := rand.New(rand.NewPCG(4, 4))
+	for i := range 200000 {
+		v := float32(r.NormFloat64() * 60)
+		switch i % 4 {
+		case 0:
+			v = float32(math.Round(float64(v))) + 0.5*float32(r.IntN(3)-1) // ±k.5 and k
+		case 1:
+			v = math.Nextafter32(float32(math.Round(float64(v)))+0.5, float32(r.IntN(2)*400-200)) // beside a half
+		}
+		if want := int8(max(-127, min(127, math.Round(float64(v))))); roundInt8(v) != want {
+			t.Fatalf("roundInt8(%v) = %d, want %d", v, roundInt8(v), want)
+		}
+	}
+	if roundInt8(float32(math.NaN())) != 0 || roundInt8(float32(math.Inf(-1))) != -127 {
+		t.Error("NaN or -Inf")
+	}
+}
+
 // TestQuantizeInt8 pins the Q8_0 rule: d = amax/127, q = round(x/d) half away from zero.
 func TestQuantizeInt8(t *testing.T) {
 	x := make([]float32, 40)
