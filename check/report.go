@@ -204,74 +204,102 @@ func (r *Report) transfers(engines []*engine, answers []answer, before, after ma
 	}
 
 	// Tokens: prompt_tokens_by_source on D when it exports it, else D's usage.
-	prompt, pulled, source := 0, -1, ""
+	t := kvTally{pulled: -1}
 	for _, a := range answers {
-		prompt += a.prompt
+		t.prompt += a.prompt
 	}
-	var byBytes, failed float64
-	known := false // an engine's metrics were read before and after
-	shm, tcp := false, false
 	for _, e := range engines {
 		if e.err != nil || e.before == nil || e.after == nil {
 			continue
 		}
-		known = true
-		if e.leg == "decode" {
-			if n, ok := delta(e.before, e.after, "vllm:prompt_tokens_by_source_total", `source="external_kv_transfer"`); ok {
-				if pulled < 0 {
-					pulled, prompt = 0, 0 // D's own count of its prompts, conversations included
-				}
-				all, _ := delta(e.before, e.after, "vllm:prompt_tokens_by_source_total")
-				pulled, prompt, source = pulled+int(n), prompt+int(all), "vllm:prompt_tokens_by_source_total"
-			}
-		}
-		b, _ := delta(e.before, e.after, "vllm:nixl_bytes_transferred_sum")
-		byBytes += b
-		f, _ := delta(e.before, e.after, "vllm:nixl_num_failed_transfers_total")
-		failed += f
+		t.addMetrics(e)
 		if e.info != nil && e.infoEnd != nil {
-			if n := e.infoEnd.IgnoredParams - e.info.IgnoredParams; n > 0 {
-				r.problem(ProblemNoConnector, "the %s engine %s ignored the kv_transfer_params of %d request(s): it has no --kv-transfer-config", e.leg, e.url, n)
-			}
-			// A reader that pulled bytes while no engine served them over TCP read them from an
-			// arena it mapped (SHM maps a peer's arena once, so mapped bytes need not grow).
-			if e.infoEnd.BytesRead > e.info.BytesRead && e.infoEnd.MappedBytes > 0 {
-				shm = true
-			}
-			if e.infoEnd.ServedTCPReadBytes > e.info.ServedTCPReadBytes {
-				tcp = true
-			}
-			if n := e.infoEnd.ParamsAuthMismatch - e.info.ParamsAuthMismatch; n > 0 {
-				r.problem(ProblemAuth, "the %s engine %s refused %d of the prefill engine's kv_transfer_params: the auth token of the engine that issued them differs from its own; set the same KVBRIDGE_KV_AUTH_TOKEN on every engine", e.leg, e.url, n)
-			}
-			if n := e.infoEnd.Refusals.SideChannel + e.infoEnd.Refusals.Transfer - e.info.Refusals.SideChannel - e.info.Refusals.Transfer; n > 0 {
-				r.problem(ProblemAuth, "the %s engine %s refused %d side-channel or transfer connections for authentication: set the same KVBRIDGE_KV_AUTH_TOKEN on every engine, or none", e.leg, e.url, n)
-			}
+			r.connectorChanges(e, &t)
 		}
 	}
-	if pulled < 0 {
+	if t.pulled < 0 {
 		for _, a := range answers {
 			if a.details {
-				pulled, source = max(pulled, 0)+a.external, "D's usage.prompt_tokens_details.external_cached_tokens"
+				t.pulled, t.source = max(t.pulled, 0)+a.external, "D's usage.prompt_tokens_details.external_cached_tokens"
 			}
 		}
 	}
-	if known {
-		backend := ""
-		switch {
-		case tcp:
-			backend = " over TCP" // an engine that maps a peer's arena may still read another over TCP
-		case shm:
-			backend = " over SHM"
-		}
-		r.line("KV moved: %s%s (vllm:nixl_bytes_transferred), %.0f failed transfers (vllm:nixl_num_failed_transfers)", bytesText(byBytes), backend, failed)
-		if byBytes == 0 {
-			r.problem(ProblemNotPulled, "the engines moved no KV (vllm:nixl_bytes_transferred did not grow): D computed every prompt itself")
-		}
-		if failed > 0 {
-			r.problem(ProblemNotPulled, "%.0f KV transfers failed: see the decode engine's log (handshake, compatibility hash, auth token)", failed)
+	if t.known {
+		r.movedKV(&t)
+	}
+	r.pulledTokens(&t)
+}
+
+// kvTally is what transfers gathers from the engines and the answers.
+type kvTally struct {
+	prompt, pulled  int    // prompt tokens sent and pulled from P (−1: unknown)
+	source          string // where pulled comes from
+	byBytes, failed float64
+	known           bool // an engine's metrics were read before and after
+	shm, tcp        bool // KV was read over SHM, over TCP
+}
+
+// addMetrics adds what engine e's metrics moved.
+func (t *kvTally) addMetrics(e *engine) {
+	t.known = true
+	if e.leg == "decode" {
+		if n, ok := delta(e.before, e.after, "vllm:prompt_tokens_by_source_total", `source="external_kv_transfer"`); ok {
+			if t.pulled < 0 {
+				t.pulled, t.prompt = 0, 0 // D's own count of its prompts, conversations included
+			}
+			all, _ := delta(e.before, e.after, "vllm:prompt_tokens_by_source_total")
+			t.pulled, t.prompt, t.source = t.pulled+int(n), t.prompt+int(all), "vllm:prompt_tokens_by_source_total"
 		}
 	}
+	b, _ := delta(e.before, e.after, "vllm:nixl_bytes_transferred_sum")
+	t.byBytes += b
+	f, _ := delta(e.before, e.after, "vllm:nixl_num_failed_transfers_total")
+	t.failed += f
+}
+
+// connectorChanges judges what engine e's connector counted (e.info and e.infoEnd set) and notes
+// the backends that moved KV in t.
+func (r *Report) connectorChanges(e *engine, t *kvTally) {
+	if n := e.infoEnd.IgnoredParams - e.info.IgnoredParams; n > 0 {
+		r.problem(ProblemNoConnector, "the %s engine %s ignored the kv_transfer_params of %d request(s): it has no --kv-transfer-config", e.leg, e.url, n)
+	}
+	// A reader that pulled bytes while no engine served them over TCP read them from an
+	// arena it mapped (SHM maps a peer's arena once, so mapped bytes need not grow).
+	if e.infoEnd.BytesRead > e.info.BytesRead && e.infoEnd.MappedBytes > 0 {
+		t.shm = true
+	}
+	if e.infoEnd.ServedTCPReadBytes > e.info.ServedTCPReadBytes {
+		t.tcp = true
+	}
+	if n := e.infoEnd.ParamsAuthMismatch - e.info.ParamsAuthMismatch; n > 0 {
+		r.problem(ProblemAuth, "the %s engine %s refused %d of the prefill engine's kv_transfer_params: the auth token of the engine that issued them differs from its own; set the same KVBRIDGE_KV_AUTH_TOKEN on every engine", e.leg, e.url, n)
+	}
+	if n := e.infoEnd.Refusals.SideChannel + e.infoEnd.Refusals.Transfer - e.info.Refusals.SideChannel - e.info.Refusals.Transfer; n > 0 {
+		r.problem(ProblemAuth, "the %s engine %s refused %d side-channel or transfer connections for authentication: set the same KVBRIDGE_KV_AUTH_TOKEN on every engine, or none", e.leg, e.url, n)
+	}
+}
+
+// movedKV reports the KV bytes the engines moved and the transfers that failed.
+func (r *Report) movedKV(t *kvTally) {
+	backend := ""
+	switch {
+	case t.tcp:
+		backend = " over TCP" // an engine that maps a peer's arena may still read another over TCP
+	case t.shm:
+		backend = " over SHM"
+	}
+	r.line("KV moved: %s%s (vllm:nixl_bytes_transferred), %.0f failed transfers (vllm:nixl_num_failed_transfers)", bytesText(t.byBytes), backend, t.failed)
+	if t.byBytes == 0 {
+		r.problem(ProblemNotPulled, "the engines moved no KV (vllm:nixl_bytes_transferred did not grow): D computed every prompt itself")
+	}
+	if t.failed > 0 {
+		r.problem(ProblemNotPulled, "%.0f KV transfers failed: see the decode engine's log (handshake, compatibility hash, auth token)", t.failed)
+	}
+}
+
+// pulledTokens reports how many prompt tokens D pulled, when known.
+func (r *Report) pulledTokens(t *kvTally) {
+	prompt, pulled, source := t.prompt, t.pulled, t.source
 	if pulled >= 0 && prompt > 0 {
 		r.line("prompt tokens: %d sent, %d pulled from P, %d computed on D (%s)", prompt, pulled, prompt-pulled, source)
 		if pulled == 0 && prompt > 0 {
@@ -280,7 +308,7 @@ func (r *Report) transfers(engines []*engine, answers []answer, before, after ma
 	} else if pulled < 0 && prompt > 0 {
 		r.line("prompt tokens: %d sent; how many were pulled is unknown (D exports no vllm:prompt_tokens_by_source_total and its usage no prompt_tokens_details: start it with --enable-prompt-tokens-details)", prompt)
 	}
-	if !known && pulled < 0 && r.OK() {
+	if !t.known && pulled < 0 && r.OK() {
 		r.problem(ProblemNotPulled, "cannot tell whether any KV moved: give the engines' URLs (--prefill, --decode) or start D with --enable-prompt-tokens-details")
 	}
 }

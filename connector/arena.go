@@ -10,10 +10,11 @@ import (
 )
 
 // maxBlockRatio bounds how many smaller remote blocks make one local block (heterogeneous
-// block sizes, spec §8.2); it sizes the scratch area that receives remote records.
+// block sizes, docs/architecture.md, "Heterogeneous KV geometry"); it sizes the scratch area
+// that receives remote records.
 const maxBlockRatio = 16
 
-// slotBytes is the size of one lease slot: the lease's 16-byte tag (LeaseTag), then zeros.
+// slotBytes is the size of one lease slot: the lease's 16-byte tag (kvlease.Tag), then zeros.
 const slotBytes = kvcache.RecordBytes
 
 // ArenaLayout places a connector's memory in one shared arena: the KV blocks at offset 0, then
@@ -76,7 +77,7 @@ func (l ArenaLayout) check(p *kvcache.Pool, a *transfer.Arena) error {
 	return nil
 }
 
-func encodeMetadata(hash string, meta AgentMetadata) (handshakePayload, error) {
+func encodeMetadata(hash string, meta agentMetadata) (handshakePayload, error) {
 	b, err := msgpack.Marshal(meta)
 	if err != nil {
 		return handshakePayload{}, fmt.Errorf("connector: encode agent metadata: %w", err)

@@ -36,7 +36,7 @@ import (
 // SHM readers map the KV arena, so the owner cannot check each read. Instead the owner
 // publishes, beside the blocks, what a reader needs to check for itself: each block's record
 // (generation, token count and content hash, kvcache.Record) and, in the lease's slot, a tag
-// derived from the token and the lease's blocks (LeaseTag). A reader accepts the blocks it read
+// derived from the token and the lease's blocks (kvlease.Tag). A reader accepts the blocks it read
 // only if the slot, read after them, holds the tag of the params it was given and every block's
 // record matches its own prompt's hash chain (verify.go) — on every backend. The transfer
 // agent offers SHM only to processes of the same user id on the same host (SO_PEERCRED on its
@@ -47,9 +47,6 @@ import (
 // EnvAuthToken is the environment variable read for the auth token when
 // kv_connector_extra_config.auth_token is absent or empty.
 const EnvAuthToken = "KVBRIDGE_KV_AUTH_TOKEN"
-
-// ErrAuth reports a side-channel connection refused for authentication, by either side.
-var ErrAuth = errors.New("KV peer authentication failed")
 
 // errServerProof marks a refusal by this side of a side-channel server's proof.
 var errServerProof = errors.New("side channel server proof rejected")
@@ -239,7 +236,7 @@ func (c *Connector) AuthRefusals() AuthRefusals {
 
 // transferAuthHint adds the setting to fix to a transfer connection refused for
 // authentication.
-func (c *Connector) transferAuthHint(r *remoteEngine, err error) error {
+func (c *Connector) transferAuthHint(r *remoteLink, err error) error {
 	var te *transfer.Error
 	if errors.As(err, &te) && errors.Is(err, transfer.ErrPermission) && (te.Op == "connect" || te.Op == "select backend") {
 		return fmt.Errorf("the transfer connection to engine %s was refused: every engine needs the same kv_connector_extra_config.auth_token (or %s), or none: %w", r.id, EnvAuthToken, err)

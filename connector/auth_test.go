@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/internal/fixture"
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/transfer"
 )
@@ -155,7 +156,7 @@ func TestReadsNeedALease(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			tokA, tokB := LeaseToken{1}, LeaseToken{2}
+			tokA, tokB := kvlease.Token{1}, kvlease.Token{2}
 			now := time.Now()
 			c.mu.Lock()
 			a, _ := c.core.leases.Add("req-A", tokA, []int32{2, 3, 6}, now, now.Add(time.Hour), true)

@@ -29,9 +29,6 @@ import (
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
-// ErrConfig reports an invalid --kv-transfer-config; the message names the offending key.
-var ErrConfig = errors.New("invalid --kv-transfer-config")
-
 // Role is an engine's KV role. With NixlConnector the proxy decides who prefills and who decodes;
 // vLLM then ignores the role, but kvbridge refuses a leg the role cannot serve (CheckRole), so
 // that a proxy with P and D swapped fails loudly instead of recomputing every prompt.
@@ -99,8 +96,8 @@ type Config struct {
 	AllowedPeers []string
 }
 
-// Threshold returns the effective kv_recompute_threshold.
-func (c *Config) Threshold() int {
+// threshold returns the effective kv_recompute_threshold.
+func (c *Config) threshold() int {
 	switch {
 	case c.RecomputeThreshold >= 0:
 		return c.RecomputeThreshold
@@ -115,7 +112,7 @@ func (c *Config) Enabled() bool { return c != nil && c.Connector != "" }
 
 // ParseConfig decodes a --kv-transfer-config JSON document. An unknown key is an error naming the
 // nearest known one (a typo must not leave an engine serving without its connector), unless
-// KVBRIDGE_ALLOW_UNKNOWN_KV_CONFIG=1 (EnvAllowUnknownConfig) makes it a warning on log; vLLM's
+// KVBRIDGE_ALLOW_UNKNOWN_KV_CONFIG=1 (envAllowUnknownConfig) makes it a warning on log; vLLM's
 // keys that kvbridge does not use (kv_buffer_size, kv_rank, kv_ip, …) are warnings on log (when
 // non-nil). A value of the wrong type is an error naming the key. Defaults follow the
 // seed guide: policy fail, lease 30 s, decoder TTL 480 s, threshold 64 (bidirectional) or 0,
@@ -164,7 +161,7 @@ func defaultConfig() *Config {
 
 func configFromMap(raw map[string]any, log *slog.Logger) (*Config, error) {
 	c := defaultConfig()
-	allow := strings.ToLower(os.Getenv(EnvAllowUnknownConfig))
+	allow := strings.ToLower(os.Getenv(envAllowUnknownConfig))
 	p := fieldParser{log: log, allowUnknown: allow == "1" || allow == "true"}
 	for key, v := range raw {
 		switch key {
@@ -294,7 +291,7 @@ func (c *Config) validate(log *slog.Logger) error {
 type fieldParser struct {
 	log          *slog.Logger
 	err          error
-	allowUnknown bool // EnvAllowUnknownConfig: unknown keys are warnings
+	allowUnknown bool // envAllowUnknownConfig: unknown keys are warnings
 }
 
 func (p *fieldParser) fail(key string, v any, want string) {
@@ -304,7 +301,7 @@ func (p *fieldParser) fail(key string, v any, want string) {
 }
 
 // unknown refuses an unknown key (name is its dotted name; top says at which level), naming the
-// nearest known one, or only warns with EnvAllowUnknownConfig.
+// nearest known one, or only warns with envAllowUnknownConfig.
 func (p *fieldParser) unknown(key, name string, top bool) {
 	switch {
 	case !p.allowUnknown:
@@ -312,7 +309,7 @@ func (p *fieldParser) unknown(key, name string, top bool) {
 			p.err = unknownKeyError(key, name, top)
 		}
 	case p.log != nil:
-		p.log.Warn("ignoring an unknown --kv-transfer-config key ("+EnvAllowUnknownConfig+" is set)", "key", clip(name), "hint", unknownKeyHint(key, top))
+		p.log.Warn("ignoring an unknown --kv-transfer-config key ("+envAllowUnknownConfig+" is set)", "key", clip(name), "hint", unknownKeyHint(key, top))
 	}
 }
 

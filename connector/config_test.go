@@ -18,8 +18,8 @@ func TestParseConfigSeedGuide(t *testing.T) {
 	if c.Role != RoleProducer || c.LoadFailurePolicy != PolicyFail || !c.EnablePermuteLocalKV || !c.Bidirectional {
 		t.Errorf("parsed %+v", c)
 	}
-	if c.Threshold() != 64 {
-		t.Errorf("bidirectional threshold = %d, want 64", c.Threshold())
+	if c.threshold() != 64 {
+		t.Errorf("bidirectional threshold = %d, want 64", c.threshold())
 	}
 	if c.LeaseDuration != 60*time.Second || c.DecoderBlocksTTL != 600*time.Second || c.Backends[0] != "TCP" {
 		t.Errorf("parsed %+v", c)
@@ -34,7 +34,7 @@ func TestParseConfigDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.LoadFailurePolicy != PolicyFail || c.LeaseDuration != 30*time.Second || c.Threshold() != 0 ||
+	if c.LoadFailurePolicy != PolicyFail || c.LeaseDuration != 30*time.Second || c.threshold() != 0 ||
 		c.DecoderBlocksTTL != 480*time.Second || !c.EnforceHandshakeCompat || c.EngineTTL != time.Hour {
 		t.Errorf("defaults = %+v", c)
 	}
@@ -149,7 +149,7 @@ func TestParseConfigUnknownKeys(t *testing.T) {
 		`{"kv_connector":"NixlConnector","kv_role":"kv_producer","zzz":1}`:                                               "known keys: kv_connector, kv_role",
 	} {
 		_, err := ParseConfig([]byte(doc), nil)
-		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), EnvAllowUnknownConfig+"=1") {
+		if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), envAllowUnknownConfig+"=1") {
 			t.Errorf("ParseConfig(%s) error = %v, want ErrConfig saying %q and the escape hatch", doc, err, want)
 		}
 	}
@@ -160,11 +160,11 @@ func TestParseConfigUnknownKeys(t *testing.T) {
 		t.Errorf("vLLM's unused keys: %+v, %v, log %q; want a connector and a warning", c, err, log.String())
 	}
 
-	t.Setenv(EnvAllowUnknownConfig, "1")
+	t.Setenv(envAllowUnknownConfig, "1")
 	log.Reset()
 	c, err = ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"future_knob":1}}`), testLogger(&log))
 	if err != nil || !c.Enabled() || !strings.Contains(log.String(), "future_knob") {
-		t.Errorf("with %s=1: %+v, %v, log %q; want a connector and a warning naming the key", EnvAllowUnknownConfig, c, err, log.String())
+		t.Errorf("with %s=1: %+v, %v, log %q; want a connector and a warning naming the key", envAllowUnknownConfig, c, err, log.String())
 	}
 }
 

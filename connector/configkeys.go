@@ -6,13 +6,13 @@ import (
 	"strings"
 )
 
-// EnvAllowUnknownConfig, when set to 1 (or true), downgrades an unknown --kv-transfer-config
+// envAllowUnknownConfig, when set to 1 (or true), downgrades an unknown --kv-transfer-config
 // key from a start-up error to a warning: the escape hatch for a config written for another
 // vLLM version whose keys kvbridge does not know yet.
-const EnvAllowUnknownConfig = "KVBRIDGE_ALLOW_UNKNOWN_KV_CONFIG"
+const envAllowUnknownConfig = "KVBRIDGE_ALLOW_UNKNOWN_KV_CONFIG"
 
 // The keys of --kv-transfer-config. A key in neither list of its level is unknown: a start-up
-// error naming the nearest known key, unless EnvAllowUnknownConfig is set.
+// error naming the nearest known key, unless envAllowUnknownConfig is set.
 var (
 	// topKeys are the top-level keys kvbridge implements.
 	topKeys = []string{"kv_connector", "kv_role", "engine_id", "kv_load_failure_policy", "enable_permute_local_kv",
@@ -30,7 +30,7 @@ var (
 // unknownKeyError refuses an unknown key of a level (name is its full dotted name), with
 // unknownKeyHint.
 func unknownKeyError(key, name string, top bool) error {
-	return fmt.Errorf("%w: unknown key %s (%s); set %s=1 to ignore unknown keys with a warning", ErrConfig, clip(name), unknownKeyHint(key, top), EnvAllowUnknownConfig)
+	return fmt.Errorf("%w: unknown key %s (%s); set %s=1 to ignore unknown keys with a warning", ErrConfig, clip(name), unknownKeyHint(key, top), envAllowUnknownConfig)
 }
 
 // unknownKeyHint names the nearest known key to an unknown one: of the same level, or of the

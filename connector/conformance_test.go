@@ -19,7 +19,7 @@ const (
 	consumerCfg = `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`
 )
 
-// template is what the proxy sends P (spec §1.3).
+// template is what the proxy sends P (docs/architecture.md, wire contract item 1).
 func template() map[string]any {
 	return map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": nil, "remote_block_ids": nil, "remote_host": nil, "remote_port": nil}
 }

@@ -68,6 +68,7 @@ type Options struct {
 // starting handshakes, loads and notifications on goroutines it owns, forgetting peers, and
 // telling the engine what finished. Its hooks never block.
 type Connector struct {
+	// Set by New, never changed after.
 	cfg     *Config
 	pool    *kvcache.Pool
 	geo     kvcache.Geometry
@@ -76,7 +77,6 @@ type Connector struct {
 	metrics *metrics.NixlMetrics
 	now     func() time.Time
 	hash    string
-
 	agent   *transfer.Agent
 	kvReg   *transfer.Region
 	metaReg *transfer.Region
@@ -84,21 +84,26 @@ type Connector struct {
 	side    *sideChannelServer
 	auth    *sideAuth // side-channel proofs; nil without an auth token
 	scratch []byte    // records and slots read from producers (see ArenaLayout.scratchEntries)
-	counts  counters
+	ctx     context.Context
+	cancel  context.CancelFunc
 
-	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
-
-	ctx    context.Context
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
+	// Set by New or Start, before the worker starts.
 	tick   <-chan time.Time
 	ticker *time.Ticker
 
+	// Atomic: read and written without the lock.
+	counts       counters
+	sideRefusals atomic.Int64 // side-channel servers whose proof this engine refused
+
+	wg sync.WaitGroup // the goroutines the connector owns (see takeLocked)
+
+	// mu guards the fields below, and the core: every event reaches it through apply.
 	mu         sync.Mutex
 	core       *core
 	sched      Scheduler
 	localLists map[int]*transfer.PreparedList
 	scrList    *transfer.PreparedList
+	flights    map[remoteKey]*flight // handshakes in progress that somebody waits for
 	closed     bool
 }
 
@@ -119,6 +124,7 @@ func New(opts Options) (*Connector, error) {
 		now:        opts.Now,
 		hash:       CompatibilityHash(opts.Compat),
 		localLists: map[int]*transfer.PreparedList{},
+		flights:    map[remoteKey]*flight{},
 		tick:       opts.Tick,
 	}
 	peers, err := newPeerFilter(cfg.AllowedPeers)
@@ -134,7 +140,7 @@ func New(opts Options) (*Connector, error) {
 	k := &core{
 		cfg: cfg, pool: c.pool, geo: c.geo, layout: c.layout, log: c.log, metrics: c.metrics,
 		epoch: c.now(), engineID: cfg.EngineID, peers: peers, random: rand.Reader,
-		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteEngine{}, counts: &c.counts,
+		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteRecord{}, counts: &c.counts,
 	}
 	k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
 	c.core = k
@@ -146,26 +152,8 @@ func New(opts Options) (*Connector, error) {
 	if tc.Logger == nil {
 		tc.Logger = c.log
 	}
-	getenv := opts.Getenv
-	if getenv == nil {
-		getenv = os.Getenv
-	}
-	if token, source := resolveAuthToken(cfg, getenv); token != "" {
-		if slices.ContainsFunc(cfg.Backends, func(b string) bool { return strings.EqualFold(b, "UCX") }) {
-			return nil, fmt.Errorf("%w: kv_connector_extra_config.backends lists UCX and an auth token is set (%s): "+
-				"UCX's transports do not authenticate peers; leave UCX out of the backends or run without the token", ErrConfig, source)
-		}
-		ta, err := transfer.NewHMACAuth([]byte(token))
-		if err != nil {
-			return nil, fmt.Errorf("connector: auth token: %w", err)
-		}
-		tc.Auth = ta
-		c.auth = newSideAuth(token)
-		k.paramsKey = paramsMACKey(token)
-		c.log.Info("KV transfer authentication enabled: side channel and transfer connections require the shared auth token", "source", source)
-		if len(token) < 16 {
-			c.log.Warn("the KV auth token is shorter than 16 characters; use a long random value", "source", source)
-		}
+	if err := c.setupAuth(opts.Getenv, &tc); err != nil {
+		return nil, err
 	}
 	tc.AuthorizeRead = c.authorizeRead
 	tc.OnPeerLost = c.peerLost
@@ -190,15 +178,13 @@ func New(opts Options) (*Connector, error) {
 	c.scratch = c.scrReg.Bytes()
 	k.slots = c.layout.slots(opts.Arena.Bytes())
 	clear(k.slots)
-	c.mu.Lock()
-	k.kvRegion, k.metaRegion = c.kvReg.ID(), c.metaReg.ID()
-	c.mu.Unlock()
+	c.locked(func() { k.kvRegion, k.metaRegion = c.kvReg.ID(), c.metaReg.ID() })
 	var inst [8]byte
 	if _, err := rand.Read(inst[:]); err != nil {
 		return fail(fmt.Errorf("connector: draw an instance id: %w", err))
 	}
 	k.instance = hex.EncodeToString(inst[:])
-	meta := AgentMetadata{
+	meta := agentMetadata{
 		Instance:      k.instance,
 		EngineID:      cfg.EngineID,
 		AgentMetadata: agent.LocalMetadata(),
@@ -217,6 +203,7 @@ func New(opts Options) (*Connector, error) {
 	if err != nil {
 		return fail(err)
 	}
+	payload.KVCacheDType = c.geo.DType.String()
 	if c.side, err = listenSideChannel(opts.SideChannelAddr, payload, c.clockSeconds, c.log, c.auth); err != nil {
 		return fail(err)
 	}
@@ -232,11 +219,38 @@ func New(opts Options) (*Connector, error) {
 	return c, nil
 }
 
+// setupAuth turns on authentication when an auth token is set (the config key, or the
+// environment read through getenv, os.Getenv when nil): the transfer agent's (tc.Auth), the
+// side channel's and the params' MAC.
+func (c *Connector) setupAuth(getenv func(string) string, tc *transfer.Config) error {
+	if getenv == nil {
+		getenv = os.Getenv
+	}
+	token, source := resolveAuthToken(c.cfg, getenv)
+	if token == "" {
+		return nil
+	}
+	if slices.ContainsFunc(c.cfg.Backends, func(b string) bool { return strings.EqualFold(b, "UCX") }) {
+		return fmt.Errorf("%w: kv_connector_extra_config.backends lists UCX and an auth token is set (%s): "+
+			"UCX's transports do not authenticate peers; leave UCX out of the backends or run without the token", ErrConfig, source)
+	}
+	ta, err := transfer.NewHMACAuth([]byte(token))
+	if err != nil {
+		return fmt.Errorf("connector: auth token: %w", err)
+	}
+	tc.Auth = ta
+	c.auth = newSideAuth(token)
+	c.core.paramsKey = paramsMACKey(token)
+	c.log.Info("KV transfer authentication enabled: side channel and transfer connections require the shared auth token", "source", source)
+	if len(token) < 16 {
+		c.log.Warn("the KV auth token is shorter than 16 characters; use a long random value", "source", source)
+	}
+	return nil
+}
+
 // Start attaches the engine and starts the worker goroutine.
 func (c *Connector) Start(s Scheduler) {
-	c.mu.Lock()
-	c.sched = s
-	c.mu.Unlock()
+	c.locked(func() { c.sched = s })
 	if c.tick == nil {
 		c.ticker = time.NewTicker(250 * time.Millisecond)
 		c.tick = c.ticker.C
@@ -269,14 +283,9 @@ func (c *Connector) Agent() *transfer.Agent { return c.agent }
 // idempotent. Blocks still held for remote readers stay allocated: close the engine first (its
 // Close releases every delayed free).
 func (c *Connector) Close() error {
-	c.mu.Lock()
-	if c.closed {
-		c.mu.Unlock()
+	if !c.markClosed() {
 		return nil
 	}
-	c.closed = true
-	c.core.closed = true
-	c.mu.Unlock()
 	if c.cancel != nil {
 		c.cancel()
 	}
@@ -287,24 +296,41 @@ func (c *Connector) Close() error {
 	return c.closeResources()
 }
 
+// markClosed marks the connector closing, and reports whether this call did (Close is
+// idempotent).
+func (c *Connector) markClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.closed, c.core.closed = true, true
+	return true
+}
+
+// isClosed reports whether Close was called.
+func (c *Connector) isClosed() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.closed
+}
+
+// locked runs f under c.mu.
+func (c *Connector) locked(f func()) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	f()
+}
+
+// closeResources closes the side channel, releases every descriptor list, deregisters the
+// regions and closes the transfer agent.
 func (c *Connector) closeResources() error {
 	var errs []error
 	if c.side != nil {
 		errs = append(errs, c.side.close())
 	}
 	if c.agent != nil {
-		c.mu.Lock()
-		for _, l := range c.localLists {
-			l.Release()
-		}
-		if c.scrList != nil {
-			c.scrList.Release()
-		}
-		c.localLists, c.scrList = nil, nil
-		for _, r := range c.core.remotes {
-			r.releaseLists()
-		}
-		c.mu.Unlock()
+		c.locked(c.releaseListsLocked)
 		for _, r := range []*transfer.Region{c.kvReg, c.metaReg, c.scrReg} {
 			if r != nil {
 				errs = append(errs, c.agent.Deregister(r))
@@ -313,6 +339,23 @@ func (c *Connector) closeResources() error {
 		errs = append(errs, c.agent.Close())
 	}
 	return errors.Join(errs...)
+}
+
+// releaseListsLocked releases the local descriptor lists and those of every handshaken
+// producer. c.mu is held.
+func (c *Connector) releaseListsLocked() {
+	for _, l := range c.localLists {
+		l.Release()
+	}
+	if c.scrList != nil {
+		c.scrList.Release()
+	}
+	c.localLists, c.scrList = nil, nil
+	for _, r := range c.core.remotes {
+		if r.link != nil {
+			r.link.releaseLists()
+		}
+	}
 }
 
 // clockSeconds is this engine's clock for the side channel and remote_blocks_expiry_time:

@@ -184,7 +184,8 @@ func TestHandshakeRefusals(t *testing.T) {
 	})
 }
 
-// TestHeterogeneousBlocksAndLayouts covers item 7 (spec §8): P's blocks smaller than D's are
+// TestHeterogeneousBlocksAndLayouts covers items 43 and 44 (docs/architecture.md,
+// "Heterogeneous KV geometry"): P's blocks smaller than D's are
 // regrouped, an HND producer feeds an NHD consumer with enable_permute_local_kv, and the output
 // is still the single engine's; without the permutation the layouts are refused.
 func TestHeterogeneousBlocksAndLayouts(t *testing.T) {

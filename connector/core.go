@@ -1,15 +1,19 @@
 package connector
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
 
 	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/transfer"
@@ -26,7 +30,8 @@ import (
 // must be published before the params that name them leave the hook. Not safe for concurrent
 // use: the Connector holds its mutex around every call.
 
-// core is the connector's deterministic state machine.
+// core is the connector's deterministic state machine. All of it is guarded by the Connector's
+// mutex (Connector.apply); counts alone are atomic, read without it.
 type core struct {
 	cfg       *Config
 	pool      *kvcache.Pool
@@ -48,9 +53,9 @@ type core struct {
 	kvRegion, metaRegion uint32
 
 	reqs        map[string]*reqState
-	leases      LeaseTable
-	heartbeats  HeartbeatTracker
-	remotes     map[remoteKey]*remoteEngine
+	leases      kvlease.Table
+	heartbeats  kvlease.HeartbeatTracker
+	remotes     map[remoteKey]*remoteRecord
 	handshaking int
 	quiet       logLimiter
 	counts      *counters
@@ -71,28 +76,56 @@ type counters struct {
 	paramsMAC                                         atomic.Int64 // of params: refused for their MAC
 }
 
-// actions are what the core asks its worker to do; take returns and clears them.
+// actions are what the core asks its worker to do; take returns and clears them. The Connector
+// takes them after every event, under its mutex, and performs them once the mutex is released
+// (Connector.perform), field by field in the order of the fields below, each field's entries in
+// order.
+//
+// The engine's step loop must never wait: the events of its hooks (arrived, matchedExternal,
+// afterAlloc, finished, evictHolds, decline) never emit the synchronous actions, beats and
+// drops, which the worker performs on the goroutine that handed it the event. Every other
+// action is asynchronous (a goroutine the Connector owns) or a call into the scheduler that does
+// not block. The trace tests (TestCoreTraces) check this on every hook.
 type actions struct {
-	handshakes []*remoteEngine // run the side-channel handshake of each new record
-	loads      []loadJob       // read remote KV into local blocks
-	notifies   []notice        // tell a producer that this engine will not read its blocks
-	beats      []beat          // send a heartbeat batch to a handshaken producer
-	drops      []*remoteEngine // forget a record: invalidate its incarnation, release its lists
-	release    []string        // Scheduler.ReleaseDelayed
-	loaded     []string        // Scheduler.LoadsDone, successes
-	failed     map[string]int  // Scheduler.LoadsDone, failures and their first bad block
-	missed     []string        // Scheduler.LoadsMissed
-
+	// drops: forget a record's link — invalidate its transfer peer's incarnation and release its
+	// descriptor lists. Synchronous. Emitted by tick (idle past engine_ttl), peerLost, forget
+	// (the worker saw the peer gone) and handshakeEnded (a link nobody waits for).
+	drops []*remoteLink
+	// handshakes: run the side-channel handshake with a new record, on a goroutine, and hand
+	// its outcome back (handshakeEnded). Emitted where a record is created (entry): arrived and
+	// matchedExternal (the proactive handshake of a consumer), tick (a heartbeat whose record
+	// was dropped) and the worker's own lookups (a load or a notification).
+	handshakes []handshakeJob
+	// loads: read remote KV into local blocks, on a goroutine, and hand the outcome back
+	// (loadFinished). Emitted by afterAlloc only.
+	loads []loadJob
+	// notifies: tell a producer that this engine will not read its blocks, on a goroutine.
+	// Emitted by afterAlloc (nothing to load) and finished (aborted before its read).
+	notifies []notice
 	// holdsExpired, when not zero, is a summary to log: that many decoder holds expired
-	// unclaimed since the previous summary, holdsSince before now.
+	// unclaimed since the previous summary, holdsSince before now (zero: since the start).
+	// Emitted by tick.
 	holdsExpired int
 	holdsSince   time.Duration
+	// beats: send a heartbeat batch to a handshaken producer, waiting up to a second.
+	// Synchronous. Emitted by tick only.
+	beats []beat
+	// release: Scheduler.ReleaseDelayed — a lease or hold ended (notification, tick) or a
+	// finished request's load ended (loadFinished).
+	release []string
+	// loaded and failed: one Scheduler.LoadsDone call — successes, and failures with their
+	// first bad block. missed: Scheduler.LoadsMissed — a decoder's hold that was gone. Emitted
+	// by loadFinished: when a load ends, or at once by afterAlloc once the connector is
+	// closing.
+	loaded []string
+	failed map[string]int
+	missed []string
 }
 
 // notice is a release notification for the producer named by params.
 type notice struct {
 	params *Params
-	msg    []byte // FormatRelease
+	msg    []byte // kvlease.FormatRelease
 }
 
 // beat is one heartbeat message for one producer.
@@ -117,11 +150,14 @@ type reqState struct {
 	tracked   bool // heartbeats are being sent for it
 	pullFromD bool // a bidirectional turn: P pulls D's blocks
 
-	// handshake is the record whose handshake the request's arrival started (nil when it
-	// started none). Its load waits for that handshake and fails with it: a failed record is
-	// forgotten at once, and a load that asked anew would start a second handshake whose
-	// outcome depends on when the load happened to start.
-	handshake *remoteEngine
+	// handshake names the record whose handshake was in progress when the request arrived
+	// (awaiting, until it ends), and handshakeErr the error it failed with. The request's load
+	// waits for that handshake and fails with it: a failed record is forgotten at once, and a
+	// load that asked anew would start a second handshake whose outcome depends on when the
+	// load happened to start.
+	handshake    handshakeJob
+	awaiting     bool
+	handshakeErr error
 }
 
 // loadJob is one request's pull of remote KV into its own blocks.
@@ -133,44 +169,47 @@ type loadJob struct {
 	localHit int     // tokens already in the leading blocks (a multiple of the block size)
 	count    int     // tokens to load after them
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
-	release  []byte  // the release notification the read carries (FormatRelease)
+	release  []byte  // the release notification the read carries (kvlease.FormatRelease)
 
-	handshake *remoteEngine // the handshake the request's arrival started, or nil (reqState.handshake)
+	// The handshake the request's arrival found in progress (reqState.handshake): awaiting, the
+	// worker waits for it before reading; handshakeErr, it failed and so does the load.
+	handshake    handshakeJob
+	awaiting     bool
+	handshakeErr error
 }
 
 // remoteKey names one incarnation of a remote engine: its engine id and its instance (random per
 // start). Records are keyed by both, so params naming a new address or a new instance of a
-// known engine never replace a healthy record by themselves.
+// known engine never replace a healthy record by themselves. While a record's handshake runs,
+// nothing but its end removes it: a key names at most one handshake in progress.
 type remoteKey struct{ engine, instance string }
 
-// remoteEngine is a producer this engine has handshaken with (or is handshaking with). The core
-// creates it; the worker runs the handshake, fills in the rest and closes ready.
-type remoteEngine struct {
-	key   remoteKey
-	id    string        // engine id, for messages
-	addr  string        // where the handshake went
-	ready chan struct{} // closed when the handshake ended; then err or the rest is set
-	err   error
+// String renders the key as engine/instance (logs and traces).
+func (key remoteKey) String() string { return key.engine + "/" + key.instance }
 
-	meta     AgentMetadata
-	offset   float64 // producer clock − our clock, seconds
-	peer     string  // transfer agent name
-	peerInc  uint64  // transfer agent incarnation
-	ratio    int     // local block size ÷ remote block size
-	layout   kvcache.Layout
-	kv, recs *transfer.PreparedList // the producer's blocks; its records then slots
-	local    *transfer.PreparedList
+// remoteRecord is the core's record of a producer it has handshaken with or is handshaking
+// with. The core creates it (entry) and asks for its handshake; the worker runs it and hands
+// the outcome back as a value (handshakeEnded).
+type remoteRecord struct {
+	key  remoteKey
+	addr string // where the handshake goes
+
+	// link is what the handshake built, nil while it runs; the core reads none of it but
+	// keeps it for the worker (remote, drops). peer and peerInc are the link's transfer agent.
+	link     *remoteLink
+	peer     string
+	peerInc  uint64
 	lastUsed time.Time
 }
 
-// done reports whether r's handshake ended, and whether it succeeded.
-func (r *remoteEngine) done() (ended, ok bool) {
-	select {
-	case <-r.ready:
-		return true, r.err == nil
-	default:
-		return false, false
-	}
+// handshaken reports whether r's handshake ended (a failed record is forgotten at once, so an
+// ended record is a handshaken one).
+func (r *remoteRecord) handshaken() bool { return r.link != nil }
+
+// handshakeJob asks the worker for the side-channel handshake with a new record.
+type handshakeJob struct {
+	key  remoteKey
+	addr string
 }
 
 // seconds is the engine's clock for the side channel and remote_blocks_expiry_time: seconds
@@ -178,7 +217,8 @@ func (r *remoteEngine) done() (ended, ok bool) {
 func (k *core) seconds(now time.Time) float64 { return now.Sub(k.epoch).Seconds() }
 
 // state returns the bookkeeping of seq, parsing its kv_transfer_params on first sight. Invalid
-// or refused params are logged and ignored: the request computes locally (spec §2.3).
+// or refused params are logged and ignored: the request computes locally (docs/architecture.md,
+// wire contract item 8).
 func (k *core) state(seq *engine.Sequence, now time.Time) *reqState {
 	st := k.reqs[seq.ID()]
 	if st != nil {
@@ -277,14 +317,17 @@ func (k *core) track(st *reqState, now time.Time) {
 	}
 	k.heartbeats.Track(heartbeatKey(st.params), st.params.Lease.String())
 	st.tracked = true
-	st.handshake, _ = k.entry(st.params, now) // vLLM's proactive handshake; the load waits for it
+	// vLLM's proactive handshake; the load waits for it.
+	if r, err := k.entry(st.params, now); err == nil && !r.handshaken() {
+		st.handshake, st.awaiting = handshakeJob{r.key, r.addr}, true
+	}
 }
 
 // trackedParams returns the params of a request heart-beating the producer incarnation key
-// (heartbeatKey), or nil.
+// (heartbeatKey), or nil; of the request with the least id when several do.
 func (k *core) trackedParams(key string) *Params {
-	for _, st := range k.reqs {
-		if st.tracked && heartbeatKey(st.params) == key {
+	for _, id := range slices.Sorted(maps.Keys(k.reqs)) {
+		if st := k.reqs[id]; st.tracked && heartbeatKey(st.params) == key {
 			return st.params
 		}
 	}
@@ -321,7 +364,7 @@ func (k *core) matchedExternal(seq *engine.Sequence, localHit int, now time.Time
 	if count <= 0 {
 		return 0, false
 	}
-	if t := k.cfg.Threshold(); count < t {
+	if t := k.cfg.threshold(); count < t {
 		return 0, false // cheaper to recompute than to pull (kv_recompute_threshold)
 	}
 	return count, true
@@ -367,7 +410,7 @@ func (k *core) release(p *Params, prompt []int32, fromD bool) []byte {
 	case len(prompt) >= p.RemoteNumTokens:
 		n = p.RemoteNumTokens
 	}
-	return []byte(FormatRelease(Release{ID: p.RemoteRequestID, Readers: 1, Token: p.Lease, Proven: n, Proof: ReleaseProof(p.Lease, prompt[:n])}))
+	return []byte(kvlease.FormatRelease(kvlease.Release{ID: p.RemoteRequestID, Readers: 1, Token: p.Lease, Proven: n, Proof: kvlease.Proof(p.Lease, prompt[:n])}))
 }
 
 // notifyFor asks the worker to tell the producer named by st's params that seq will not read
@@ -401,7 +444,9 @@ func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int,
 		fromD:    st.pullFromD,
 		release:  k.release(st.params, seq.Prompt(), st.pullFromD),
 
-		handshake: st.handshake,
+		handshake:    st.handshake,
+		awaiting:     st.awaiting,
+		handshakeErr: st.handshakeErr,
 	}
 	if k.closed {
 		k.loadFinished(j, j.localHit/k.geo.BlockSize, transfer.ErrClosed, true, now)
@@ -449,7 +494,7 @@ func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Tim
 func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable bool, now time.Time) map[string]any {
 	blocks := append([]int32(nil), seq.Blocks()...)
 	computed := seq.NumComputed()
-	var token LeaseToken
+	var token kvlease.Token
 	if _, err := io.ReadFull(k.random, token[:]); err != nil {
 		k.log.Error("drawing a lease token failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
@@ -471,11 +516,11 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		k.log.Error("publishing the held blocks' records failed; the blocks are freed", "request_id", seq.ID(), "err", err)
 		return nil
 	}
-	tag := LeaseTag(token, computed, blocks, gens)
+	tag := kvlease.Tag(token, computed, blocks, gens)
 	copy(k.slots[l.Slot*slotBytes:], tag[:])
 	lengths := releaseLengths(computed, seq.NumPromptTokens(), k.geo.BlockSize, !renewable)
-	l.Proofs = make(map[int][ReleaseProofBytes]byte, len(lengths))
-	for i, proof := range releaseProofs(token, seq.Tokens()[:computed], lengths) {
+	l.Proofs = make(map[int][kvlease.ProofBytes]byte, len(lengths))
+	for i, proof := range kvlease.Proofs(token, seq.Tokens()[:computed], lengths) {
 		l.Proofs[lengths[i]] = proof
 	}
 	p := Params{
@@ -533,14 +578,14 @@ func releaseLengths(numTokens, promptTokens, blockSize int, hold bool) []int {
 
 // clearSlot withdraws l's tag: from now on no reader accepts what it reads under l. The lease's
 // blocks must not be freed yet.
-func (k *core) clearSlot(l *Lease) {
+func (k *core) clearSlot(l *kvlease.Lease) {
 	if l.Slot < k.layout.NumBlocks {
 		clear(k.slots[l.Slot*slotBytes : (l.Slot+1)*slotBytes])
 	}
 }
 
 // endLease withdraws l's tag and lets the engine free its blocks.
-func (k *core) endLease(l *Lease) {
+func (k *core) endLease(l *kvlease.Lease) {
 	k.clearSlot(l)
 	k.out.release = append(k.out.release, l.RequestID)
 }
@@ -591,17 +636,17 @@ func (k *core) decline(raw map[string]any, now time.Time) {
 // proof: they only extend a lease (never shorten or end it), by 2/3 of kv_lease_duration past
 // the last one, and a decoder sends them only while a request waits to read.
 func (k *core) notification(peer, msg string, now time.Time) {
-	if hexTokens, ok := ParseHeartbeat(msg); ok {
-		tokens := make([]LeaseToken, 0, len(hexTokens))
+	if hexTokens, ok := kvlease.ParseHeartbeat(msg); ok {
+		tokens := make([]kvlease.Token, 0, len(hexTokens))
 		for _, h := range hexTokens {
-			if t, err := ParseLeaseToken(h); err == nil {
+			if t, err := kvlease.ParseToken(h); err == nil {
 				tokens = append(tokens, t)
 			}
 		}
 		k.leases.Heartbeat(tokens, now, k.cfg.LeaseDuration*2/3)
 		return
 	}
-	r, err := ParseRelease(msg)
+	r, err := kvlease.ParseRelease(msg)
 	if err != nil {
 		if ok, suppressed := k.quiet.allow("malformed", now); ok {
 			k.log.Warn("ignoring a malformed KV notification", "peer", peer, "message", clip(msg), "err", err, "similar_suppressed", suppressed)
@@ -613,7 +658,7 @@ func (k *core) notification(peer, msg string, now time.Time) {
 		k.endLease(l)
 	}
 	switch res {
-	case NotifyUnknown:
+	case kvlease.NotifyUnknown:
 		if k.metrics != nil {
 			k.metrics.CountNotificationAfterExpiry()
 		}
@@ -621,12 +666,12 @@ func (k *core) notification(peer, msg string, now time.Time) {
 			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(r.ID)),
 				"peer", peer, "similar_suppressed", suppressed)
 		}
-	case NotifyRefused:
+	case kvlease.NotifyRefused:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("refused", now); ok {
 			k.log.Warn("refusing a KV notification that presents another lease's token", "request_id", clip(r.ID), "peer", peer, "similar_suppressed", suppressed)
 		}
-	case NotifyUnproven:
+	case kvlease.NotifyUnproven:
 		k.counts.notifications.Add(1)
 		if ok, suppressed := k.quiet.allow("unproven", now); ok {
 			k.log.Warn("refusing a KV notification that does not prove the prompt its lease was issued for (copied kv_transfer_params, or a request for another prompt); the lease is kept",
@@ -654,7 +699,7 @@ func (k *core) tick(now time.Time) {
 			}
 			continue
 		}
-		k.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.notified))
+		k.log.Warn(fmt.Sprintf("Releasing expired KV blocks for request %s which were retrieved by %d remote worker(s) before lease expired.", l.RequestID, l.Notified()))
 		if k.metrics != nil {
 			k.metrics.CountExpiredRequest()
 		}
@@ -679,13 +724,13 @@ func (k *core) tick(now time.Time) {
 			}
 			continue
 		}
-		if _, ok := r.done(); ok { // still handshaking: this beat is skipped, the next one goes through
-			k.out.beats = append(k.out.beats, beat{r.peer, []byte(FormatHeartbeat(b.IDs))})
+		if r.handshaken() { // still handshaking: this beat is skipped, the next one goes through
+			k.out.beats = append(k.out.beats, beat{r.peer, []byte(kvlease.FormatHeartbeat(b.IDs))})
 		}
 	}
-	for _, r := range k.remotes {
-		if ended, _ := r.done(); ended && now.Sub(r.lastUsed) > k.cfg.EngineTTL {
-			k.log.Info("forgetting an idle remote engine", "remote_engine_id", r.id, "idle", now.Sub(r.lastUsed).String())
+	for _, r := range k.records() {
+		if r.handshaken() && now.Sub(r.lastUsed) > k.cfg.EngineTTL {
+			k.log.Info("forgetting an idle remote engine", "remote_engine_id", r.key.engine, "idle", now.Sub(r.lastUsed).String())
 			k.drop(r)
 		}
 	}
@@ -753,10 +798,22 @@ func (k *core) expiredHold(p *Params, offset float64, now time.Time) bool {
 	return k.seconds(now)+expiryMargin.Seconds() >= deadline
 }
 
+// records returns the remote records in the order of their keys, so that what the core decides
+// about several of them comes out in an order that does not depend on map iteration.
+func (k *core) records() []*remoteRecord {
+	out := make([]*remoteRecord, 0, len(k.remotes))
+	for _, key := range slices.SortedFunc(maps.Keys(k.remotes), func(a, b remoteKey) int {
+		return cmp.Or(strings.Compare(a.engine, b.engine), strings.Compare(a.instance, b.instance))
+	}) {
+		out = append(out, k.remotes[key])
+	}
+	return out
+}
+
 // entry returns the record of the producer incarnation named by p, creating it (and asking for
 // its handshake) if there is none. A known incarnation is used whatever address the params give
 // (proxies rewrite remote_host); a new one is handshaken at the address given.
-func (k *core) entry(p *Params, now time.Time) (*remoteEngine, error) {
+func (k *core) entry(p *Params, now time.Time) (*remoteRecord, error) {
 	key := remoteKey{p.RemoteEngineID, p.Instance}
 	r := k.remotes[key]
 	if r == nil {
@@ -766,60 +823,75 @@ func (k *core) entry(p *Params, now time.Time) (*remoteEngine, error) {
 		if k.handshaking >= maxHandshakes {
 			return nil, fmt.Errorf("%w: %d handshakes already in progress", ErrHandshake, k.handshaking)
 		}
-		r = &remoteEngine{key: key, id: p.RemoteEngineID, addr: joinHostPort(p.RemoteHost, p.RemotePort), ready: make(chan struct{})}
+		r = &remoteRecord{key: key, addr: joinHostPort(p.RemoteHost, p.RemotePort)}
 		k.remotes[key] = r
 		k.handshaking++
-		k.out.handshakes = append(k.out.handshakes, r)
+		k.out.handshakes = append(k.out.handshakes, handshakeJob{key: key, addr: r.addr})
 	}
 	r.lastUsed = now
 	return r, nil
 }
 
-// handshakeEnded records that r's handshake ended, with r.err set on failure (the worker closes
-// r.ready right after); a failed record is forgotten so that the next request tries again.
-func (k *core) handshakeEnded(r *remoteEngine) {
-	k.handshaking--
-	if r.err != nil && k.remotes[r.key] == r {
-		delete(k.remotes, r.key)
+// handshakeEnded records the outcome of the handshake with the record key: the link it built,
+// or the error it failed with. A failed record is forgotten so that the next request tries
+// again, and the requests whose arrival found that handshake in progress fail with it.
+func (k *core) handshakeEnded(key remoteKey, link *remoteLink, err error) {
+	r := k.remotes[key]
+	if r == nil || r.handshaken() {
+		// No handshake of key was in progress (cannot happen: only its end removes a record
+		// while it runs). Whatever it built is not kept.
+		if link != nil {
+			k.out.drops = append(k.out.drops, link)
+		}
+		return
 	}
+	k.handshaking--
+	for _, st := range k.reqs {
+		if st.awaiting && st.handshake.key == key {
+			st.awaiting, st.handshakeErr = false, err
+		}
+	}
+	if err != nil {
+		delete(k.remotes, key)
+		return
+	}
+	r.link, r.peer, r.peerInc = link, link.peer, link.peerInc
 }
 
-// forget drops r if it is still the current record of its engine incarnation.
-func (k *core) forget(r *remoteEngine) {
-	if k.remotes[r.key] == r {
+// forget drops the record of link's engine incarnation if link is still its link.
+func (k *core) forget(link *remoteLink) {
+	if r := k.remotes[link.key]; r != nil && r.link == link {
 		k.drop(r)
 	}
 }
 
 // drop removes r and asks the worker to forget its transfer peer.
-func (k *core) drop(r *remoteEngine) {
+func (k *core) drop(r *remoteRecord) {
 	if k.remotes[r.key] == r {
 		delete(k.remotes, r.key)
 	}
-	if _, ok := r.done(); ok && r.peer != "" {
-		k.out.drops = append(k.out.drops, r)
+	if r.handshaken() && r.peer != "" {
+		k.out.drops = append(k.out.drops, r.link)
 	}
 }
 
 // peerLost: the control connection to a producer's transfer agent ended. Its death is observed:
 // its records are dropped now (which unmaps its arena), not when engine_ttl passes.
 func (k *core) peerLost(name string, inc uint64) {
-	for _, r := range k.remotes {
-		if _, ok := r.done(); ok && r.peer == name && r.peerInc == inc {
-			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.id, "peer_addr", r.addr)
+	for _, r := range k.records() {
+		if r.handshaken() && r.peer == name && r.peerInc == inc {
+			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.key.engine, "peer_addr", r.addr)
 			k.drop(r)
 		}
 	}
 }
 
-// older returns the handshaken records of other incarnations of r's engine.
-func (k *core) older(r *remoteEngine) []*remoteEngine {
-	var out []*remoteEngine
-	for key, o := range k.remotes {
-		if o != r && key.engine == r.key.engine {
-			if _, ok := o.done(); ok {
-				out = append(out, o)
-			}
+// older returns the links of the handshaken records of other incarnations of key's engine.
+func (k *core) older(key remoteKey) []*remoteLink {
+	var out []*remoteLink
+	for _, o := range k.records() {
+		if o.key != key && o.key.engine == key.engine && o.handshaken() {
+			out = append(out, o.link)
 		}
 	}
 	return out
@@ -828,7 +900,7 @@ func (k *core) older(r *remoteEngine) []*remoteEngine {
 // authorizeRead decides a TCP READ: it presents a lease token (the tag), and every range must lie
 // inside the blocks leased under it, their records, or the lease's own slot.
 func (k *core) authorizeRead(tag []byte, descs []transfer.Desc) error {
-	var token LeaseToken
+	var token kvlease.Token
 	if len(tag) != len(token) {
 		return errors.New("the READ presents no lease token (a reader must present the token of the lease whose blocks it reads)")
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/fixture"
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/transfer"
@@ -22,6 +23,9 @@ import (
 // sockets, no goroutines. Each test reads the actions the core asks its worker to perform.
 
 const coreBlockSize = 4
+
+// t0 is when the tests' clocks start.
+var t0 = time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
 
 // countingReader is a deterministic token source: 0, 1, 2, … (tests only).
 type countingReader struct{ n byte }
@@ -73,13 +77,17 @@ func newCoreHarness(t *testing.T, kvConfig string) *coreHarness {
 		cfg: cfg, pool: pool, geo: geo, layout: layout, slots: kvcache.AlignedMemory(int(layout.SlotsBytes)),
 		log: testLogger(io.Discard), metrics: h.nixl, epoch: t0, engineID: "self", instance: "inst-self",
 		host: "self-host", port: 5600, random: &countingReader{}, reqs: map[string]*reqState{},
-		remotes: map[remoteKey]*remoteEngine{}, counts: &counters{}, peers: peers,
+		remotes: map[remoteKey]*remoteRecord{}, counts: &counters{}, peers: peers,
 	}
 	if cfg.AuthToken != "" {
 		h.k.paramsKey = paramsMACKey(cfg.AuthToken)
 	}
 	h.k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
-	h.sched, err = engine.NewScheduler(pool, engine.SchedulerConfig{MaxModelLen: 64, Connector: coreAdapter{h}})
+	scfg := engine.SchedulerConfig{MaxModelLen: 64, Connector: coreAdapter{h}}
+	if cfg.LoadFailurePolicy == PolicyRecompute {
+		scfg.LoadFailurePolicy = engine.FailurePolicyRecompute
+	}
+	h.sched, err = engine.NewScheduler(pool, scfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -87,43 +95,52 @@ func newCoreHarness(t *testing.T, kvConfig string) *coreHarness {
 }
 
 // coreAdapter is the engine.Connector of the harness: the core's hooks at the harness's clock.
+// Each hook's actions are checked against the contract (hookActions).
 type coreAdapter struct{ h *coreHarness }
 
-func (a coreAdapter) Arrived(seq *engine.Sequence) { a.h.k.arrived(seq, a.h.now); a.h.collect() }
+func (a coreAdapter) Arrived(seq *engine.Sequence) {
+	a.h.k.arrived(seq, a.h.now)
+	a.h.hookDone("Arrived")
+}
 func (a coreAdapter) MatchedExternal(seq *engine.Sequence, hit int) (int, bool) {
-	defer a.h.collect()
+	defer a.h.hookDone("MatchedExternal")
 	return a.h.k.matchedExternal(seq, hit, a.h.now)
 }
 func (a coreAdapter) AfterAlloc(seq *engine.Sequence, blocks []int32, n int) {
 	a.h.k.afterAlloc(seq, blocks, n, a.h.now)
-	a.h.collect()
+	a.h.hookDone("AfterAlloc")
 }
 func (a coreAdapter) Finished(seq *engine.Sequence, st engine.Status, _ time.Time) (bool, map[string]any) {
-	defer a.h.collect()
+	defer a.h.hookDone("Finished")
 	return a.h.k.finished(seq, st, a.h.now)
 }
-func (a coreAdapter) EvictHolds(blocks int) []string { return a.h.k.evictHolds(blocks, a.h.now) }
+func (a coreAdapter) EvictHolds(blocks int) []string {
+	defer a.h.hookDone("EvictHolds")
+	return a.h.k.evictHolds(blocks, a.h.now)
+}
+
+// hookDone collects the actions of a hook of the engine's step loop, failing the test if they
+// break the contract of actions: a hook never emits a synchronous action (beats, drops).
+func (h *coreHarness) hookDone(hook string) {
+	h.t.Helper()
+	a := h.k.take()
+	if err := hookActions(a); err != nil {
+		h.t.Errorf("the %s hook: %v", hook, err)
+	}
+	mergeActions(h.t, &h.acts, a)
+}
+
+// hookActions checks the actions of a step-loop hook: the loop must never wait for a heartbeat
+// (up to a second) or a peer's invalidation.
+func hookActions(a actions) error {
+	if len(a.beats) > 0 || len(a.drops) > 0 {
+		return fmt.Errorf("emitted synchronous actions (%d beats, %d drops): the engine's step loop would wait for them", len(a.beats), len(a.drops))
+	}
+	return nil
+}
 
 // collect moves the core's actions into the harness.
-func (h *coreHarness) collect() {
-	a := h.k.take()
-	h.acts.handshakes = append(h.acts.handshakes, a.handshakes...)
-	h.acts.loads = append(h.acts.loads, a.loads...)
-	h.acts.notifies = append(h.acts.notifies, a.notifies...)
-	h.acts.beats = append(h.acts.beats, a.beats...)
-	h.acts.drops = append(h.acts.drops, a.drops...)
-	h.acts.release = append(h.acts.release, a.release...)
-	h.acts.loaded = append(h.acts.loaded, a.loaded...)
-	h.acts.missed = append(h.acts.missed, a.missed...)
-	h.acts.holdsExpired += a.holdsExpired
-	h.acts.holdsSince = max(h.acts.holdsSince, a.holdsSince)
-	for id, b := range a.failed {
-		if h.acts.failed == nil {
-			h.acts.failed = map[string]int{}
-		}
-		h.acts.failed[id] = b
-	}
-}
+func (h *coreHarness) collect() { mergeActions(h.t, &h.acts, h.k.take()) }
 
 // takeActs returns and clears what the core asked for.
 func (h *coreHarness) takeActs() actions {
@@ -199,7 +216,7 @@ func TestCoreProducerLease(t *testing.T) {
 		t.Fatalf("P's params %+v %v", p, err)
 	}
 	slot := h.k.slots[p.LeaseSlot*slotBytes : p.LeaseSlot*slotBytes+16]
-	if tag := LeaseTag(p.Lease, 10, p.Blocks(), p.BlockGenerations); string(slot) != string(tag[:]) {
+	if tag := kvlease.Tag(p.Lease, 10, p.Blocks(), p.BlockGenerations); string(slot) != string(tag[:]) {
 		t.Error("the slot does not hold the lease's tag")
 	}
 	chain := kvcache.ChainHashes(prompt, coreBlockSize)
@@ -213,8 +230,8 @@ func TestCoreProducerLease(t *testing.T) {
 			t.Errorf("block %d record %+v, want %+v", i, rec, want)
 		}
 	}
-	release := func(tok LeaseToken, prompt []int32) string {
-		return FormatRelease(Release{ID: "p1", Readers: 1, Token: tok, Proven: len(prompt), Proof: ReleaseProof(tok, prompt)})
+	release := func(tok kvlease.Token, prompt []int32) string {
+		return kvlease.FormatRelease(kvlease.Release{ID: "p1", Readers: 1, Token: tok, Proven: len(prompt), Proof: kvlease.Proof(tok, prompt)})
 	}
 	wrong := p.Lease
 	wrong[0]++
@@ -235,137 +252,13 @@ func TestCoreProducerLease(t *testing.T) {
 	}
 }
 
-// TestCoreLeaseExpiryAndHeartbeats: a lease expires at its deadline, not before; heartbeats
-// with its token push the deadline; a decoder's hold is not renewed by them.
-func TestCoreLeaseExpiryAndHeartbeats(t *testing.T) {
-	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":30}}`)
-	p, _ := ParseParams(h.run("p1", ids(6), 1, template()))
-	for _, tc := range []struct {
-		at       time.Duration
-		beat     bool
-		released bool
-	}{
-		{29 * time.Second, false, false},
-		{29 * time.Second, true, false}, // extends to 29 + 20 = 49 s
-		{48 * time.Second, false, false},
-		{49 * time.Second, false, true},
-	} {
-		h.now = t0.Add(tc.at)
-		if tc.beat {
-			h.k.notification("d", FormatHeartbeat([]string{p.Lease.String(), strings.Repeat("0", 32)}), h.now)
-			continue
-		}
-		h.k.tick(h.now)
-		if a := h.takeActs(); (len(a.release) == 1) != tc.released {
-			t.Fatalf("at %v: released %v, want %v", tc.at, a.release, tc.released)
-		}
-	}
-	if got := h.nixl.TakeInterval().ExpiredRequests; got != 1 {
-		t.Errorf("counted %d expired requests, want 1", got)
-	}
-}
-
 // pullParams returns, as they travel, the params of a producer "P" (instance "i", at h:1) whose
 // two blocks hold 8 tokens under lease token tok, with tp_size given so that D heartbeats.
-func pullParams(t *testing.T, tok LeaseToken) map[string]any {
+func pullParams(t *testing.T, tok kvlease.Token) map[string]any {
 	t.Helper()
 	return viaJSON(t, (&Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1, 2}}, RemoteEngineID: "P", RemoteRequestID: "p1",
 		RemoteHost: "h", RemotePort: 1, TPSize: 1, RemoteNumTokens: 8, BlockGenerations: []uint64{1, 1}, Instance: "i",
 		Lease: tok, HasLease: true, LeaseSlot: 0}).Map())
-}
-
-// TestCoreConsumerHeartbeats: a decode request carrying P's params asks for P's handshake on
-// arrival and, once it is done, heartbeats P's lease every kv_lease_duration/6 (a batch due
-// while the handshake runs is skipped) until its load ends.
-func TestCoreConsumerHeartbeats(t *testing.T) {
-	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
-	tok := LeaseToken{9}
-	kv := pullParams(t, tok)
-	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
-		t.Fatal(err)
-	}
-	a := h.takeActs()
-	if len(a.handshakes) != 1 || a.handshakes[0].addr != "h:1" {
-		t.Fatalf("arrival: %+v", a)
-	}
-	r := a.handshakes[0]
-	h.k.tick(h.now) // the first batch is due at once, but the handshake has not ended: skipped
-	if a := h.takeActs(); len(a.beats) != 0 {
-		t.Fatalf("a beat before the handshake ended: %+v", a.beats)
-	}
-	r.peer, r.peerInc = "kvbridge-P", 5
-	close(r.ready)
-	h.k.handshakeEnded(r)
-	want := FormatHeartbeat([]string{tok.String()})
-	for _, tc := range []struct {
-		at   time.Duration
-		beat bool
-	}{{4 * time.Second, false}, {5 * time.Second, true}, {9 * time.Second, false}, {10 * time.Second, true}} {
-		h.now = t0.Add(tc.at)
-		h.k.tick(h.now)
-		a := h.takeActs()
-		if tc.beat != (len(a.beats) == 1) || (tc.beat && (a.beats[0].peer != "kvbridge-P" || string(a.beats[0].msg) != want)) {
-			t.Fatalf("at %v: beats %+v, want one %q: %v", tc.at, a.beats, want, tc.beat)
-		}
-	}
-	plan := h.sched.Schedule(h.now) // admission: the load starts
-	if len(plan.Work) != 0 {
-		t.Fatalf("the request ran before its load: %+v", plan)
-	}
-	a = h.takeActs()
-	if len(a.loads) != 1 || a.loads[0].count != 8 || a.loads[0].handshake != r {
-		t.Fatalf("admission: %+v", a)
-	}
-	h.k.loadFinished(a.loads[0], 0, nil, false, h.now)
-	if a := h.takeActs(); !slices.Equal(a.loaded, []string{"d1"}) {
-		t.Fatalf("a successful load: %+v", a)
-	}
-	h.now = h.now.Add(time.Minute)
-	h.k.tick(h.now)
-	if a := h.takeActs(); len(a.beats) != 0 {
-		t.Errorf("beats after the load ended: %+v", a.beats)
-	}
-}
-
-// TestCoreHeartbeatsAfterPeerLost: when the control link to a producer is lost while a request
-// still waits to read from it, the record is dropped and the next due beat asks for a new
-// handshake (it is skipped); the beat after that goes through, so the lease does not lapse.
-func TestCoreHeartbeatsAfterPeerLost(t *testing.T) {
-	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
-	tok := LeaseToken{9}
-	kv := pullParams(t, tok)
-	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
-		t.Fatal(err)
-	}
-	succeed := func(r *remoteEngine, inc uint64) {
-		r.peer, r.peerInc = "kvbridge-P", inc
-		close(r.ready)
-		h.k.handshakeEnded(r)
-	}
-	a := h.takeActs()
-	if len(a.handshakes) != 1 {
-		t.Fatalf("arrival: %+v", a)
-	}
-	succeed(a.handshakes[0], 1)
-	want := FormatHeartbeat([]string{tok.String()})
-	h.k.tick(h.now)
-	if a := h.takeActs(); len(a.beats) != 1 || string(a.beats[0].msg) != want {
-		t.Fatalf("first beat: %+v", a.beats)
-	}
-	h.k.peerLost("kvbridge-P", 1)
-	h.takeActs()
-	h.now = t0.Add(5 * time.Second)
-	h.k.tick(h.now)
-	a = h.takeActs()
-	if len(a.beats) != 0 || len(a.handshakes) != 1 || a.handshakes[0].addr != "h:1" {
-		t.Fatalf("the beat after the link was lost: beats %+v, handshakes %+v; want none and one to h:1", a.beats, a.handshakes)
-	}
-	succeed(a.handshakes[0], 2)
-	h.now = t0.Add(10 * time.Second)
-	h.k.tick(h.now)
-	if a := h.takeActs(); len(a.beats) != 1 || a.beats[0].peer != "kvbridge-P" || string(a.beats[0].msg) != want || len(a.handshakes) != 0 {
-		t.Fatalf("the beat after the new handshake: %+v", a)
-	}
 }
 
 // TestLoadFailsWithArrivalHandshake: a request whose arrival started a handshake that failed
@@ -373,7 +266,7 @@ func TestCoreHeartbeatsAfterPeerLost(t *testing.T) {
 // it does not start a second handshake, whose outcome would depend on when the load began.
 func TestLoadFailsWithArrivalHandshake(t *testing.T) {
 	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
-	kv := pullParams(t, LeaseToken{9})
+	kv := pullParams(t, kvlease.Token{9})
 	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
 		t.Fatal(err)
 	}
@@ -383,9 +276,7 @@ func TestLoadFailsWithArrivalHandshake(t *testing.T) {
 	}
 	r := a.handshakes[0]
 	cut := fmt.Errorf("%w with h:1: unexpected EOF", ErrHandshake)
-	r.err = cut
-	close(r.ready)
-	h.k.handshakeEnded(r)
+	h.k.handshakeEnded(r.key, nil, cut)
 	if h.k.remotes[r.key] != nil {
 		t.Fatal("the failed record stayed")
 	}
@@ -397,8 +288,57 @@ func TestLoadFailsWithArrivalHandshake(t *testing.T) {
 	// The worker's side of the load: with no connector around it (no side channel, no agent),
 	// anything beyond the failed handshake would panic.
 	c := &Connector{geo: h.k.geo}
-	if bad, err := c.load(t.Context(), a.loads[0]); !errors.Is(err, cut) || bad != 0 {
+	if bad, err := c.load(t.Context(), a.loads[0], nil); !errors.Is(err, cut) || bad != 0 {
 		t.Fatalf("load: first bad block %d, error %v; want block 0 and %v", bad, err, cut)
+	}
+}
+
+// TestLoadWaitsForArrivalHandshake: a request admitted while the handshake its arrival started
+// still runs gets a load that waits for that handshake (the worker's flight of it) and fails
+// with its error, whichever of the load and the handshake's end comes first.
+func TestLoadWaitsForArrivalHandshake(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+	kv := pullParams(t, kvlease.Token{9})
+	if _, err := h.sched.Add(&engine.Request{ID: "d1", Prompt: ids(8), MaxTokens: 4, KVTransfer: kv}, h.now); err != nil {
+		t.Fatal(err)
+	}
+	hs := h.takeActs().handshakes
+	if len(hs) != 1 {
+		t.Fatalf("arrival: %d handshakes", len(hs))
+	}
+	// The worker around the core, without agent or side channel: nothing here may reach them.
+	c := &Connector{core: h.k, geo: h.k.geo, log: testLogger(io.Discard), now: func() time.Time { return h.now },
+		flights: map[remoteKey]*flight{}, ctx: t.Context()}
+	h.sched.Schedule(h.now) // admission while the handshake runs: the load awaits it
+	loads := h.takeActs().loads
+	if len(loads) != 1 || !loads[0].awaiting {
+		t.Fatalf("admission: loads %+v", loads)
+	}
+	var f *flight
+	c.locked(func() { f = c.flightLocked(loads[0].handshake) }) // as takeLocked does
+	type result struct {
+		bad int
+		err error
+	}
+	done := make(chan result, 1)
+	c.wg.Add(1) // as takeLocked counted it for perform
+	go func() {
+		defer c.wg.Done()
+		bad, err := c.load(t.Context(), loads[0], f)
+		done <- result{bad, err}
+	}()
+	cut := fmt.Errorf("%w with h:1: unexpected EOF", ErrHandshake)
+	c.endHandshake(hs[0], nil, cut)
+	select {
+	case r := <-done:
+		if !errors.Is(r.err, cut) || r.bad != 0 {
+			t.Fatalf("load: first bad block %d, error %v; want block 0 and %v", r.bad, r.err, cut)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the load did not end with the handshake")
+	}
+	if len(c.flights) != 0 || h.k.remotes[hs[0].key] != nil {
+		t.Errorf("after the handshake failed: %d flights, record %v", len(c.flights), h.k.remotes[hs[0].key])
 	}
 }
 
@@ -448,7 +388,7 @@ func TestCoreLoadFinished(t *testing.T) {
 // verification refusal, not a failed transfer, not an error in the log. A producer's lease gone
 // before D read is still all three.
 func TestCoreHoldGoneIsAMiss(t *testing.T) {
-	p := &Params{RemoteBlockIDs: [][]int32{{7}}, RemoteNumTokens: 4, BlockGenerations: []uint64{1}, Lease: LeaseToken{9}}
+	p := &Params{RemoteBlockIDs: [][]int32{{7}}, RemoteNumTokens: 4, BlockGenerations: []uint64{1}, Lease: kvlease.Token{9}}
 	plan := readPlan{localIndex: []int{0}, remoteIndex: []int{0}, scratch: []int{0}}
 	_, cleared := verifyRead(loadJob{id: "r", params: p, prompt: ids(4)}, "D", coreBlockSize, plan, nil, make([]byte, 16))
 	if !errors.Is(cleared, errLeaseGone) {
@@ -552,7 +492,7 @@ func TestCoreEvictHolds(t *testing.T) {
 // host outside allowed_peers are refused and counted, and nothing is dialled.
 func TestCoreDeclineAndRefusals(t *testing.T) {
 	good := &Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1}}, RemoteEngineID: "P", RemoteRequestID: "p1",
-		RemoteHost: "10.1.2.3", RemotePort: 1, BlockGenerations: []uint64{1}, Instance: "i", Lease: LeaseToken{1}, HasLease: true, LeaseSlot: 0}
+		RemoteHost: "10.1.2.3", RemotePort: 1, BlockGenerations: []uint64{1}, Instance: "i", Lease: kvlease.Token{1}, HasLease: true, LeaseSlot: 0}
 	for _, tc := range []struct {
 		name    string
 		extra   string
@@ -581,53 +521,14 @@ func TestCoreDeclineAndRefusals(t *testing.T) {
 	}
 }
 
-// TestCoreRemoteRecords: records are keyed by engine incarnation; another address for a known
-// one reuses it; a lost peer and an idle one (engine_ttl) are dropped with their transfer peer.
-func TestCoreRemoteRecords(t *testing.T) {
-	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"engine_ttl":60}}`)
-	params := func(instance, host string) *Params {
-		return &Params{RemoteEngineID: "P", Instance: instance, RemoteHost: host, RemotePort: 1}
-	}
-	r1, _ := h.k.entry(params("i1", "a"), h.now)
-	r2, _ := h.k.entry(params("i1", "b"), h.now)
-	if r1 != r2 || len(h.takeActs().handshakes) != 1 {
-		t.Fatal("another address for a known incarnation made a new record")
-	}
-	r1.peer, r1.peerInc = "kvbridge-P", 1
-	close(r1.ready)
-	h.k.handshakeEnded(r1)
-	r3, _ := h.k.entry(params("i2", "b"), h.now)
-	r3.peer, r3.peerInc = "kvbridge-P", 2
-	close(r3.ready)
-	h.k.handshakeEnded(r3)
-	if older := h.k.older(r3); len(older) != 1 || older[0] != r1 {
-		t.Fatalf("older incarnations of r3: %v", older)
-	}
-	h.k.peerLost("kvbridge-P", 1)
-	if a := h.takeActs(); len(a.drops) != 1 || a.drops[0] != r1 || h.k.remotes[r1.key] != nil || h.k.remotes[r3.key] != r3 {
-		t.Fatalf("a lost incarnation: %+v", a.drops)
-	}
-	h.now = h.now.Add(61 * time.Second)
-	h.k.tick(h.now)
-	if a := h.takeActs(); len(a.drops) != 1 || a.drops[0] != r3 || len(h.k.remotes) != 0 {
-		t.Fatalf("an idle record after engine_ttl: %+v", a.drops)
-	}
-	failed, _ := h.k.entry(params("i3", "c"), h.now)
-	failed.err = errors.New("refused")
-	h.k.handshakeEnded(failed)
-	if h.k.remotes[failed.key] != nil {
-		t.Error("a failed handshake's record stayed")
-	}
-}
-
 // TestVerifyRead: what a read brought is used only if the slot holds the params' tag and each
 // record matches the reader's own prompt.
 func TestVerifyRead(t *testing.T) {
 	prompt := ids(10)
 	chain := kvcache.ChainHashes(prompt, coreBlockSize)
-	tok := LeaseToken{3}
+	tok := kvlease.Token{3}
 	p := &Params{RemoteBlockIDs: [][]int32{{7, 8, 9}}, RemoteNumTokens: 10, BlockGenerations: []uint64{4, 4, 5}, Lease: tok}
-	tag := LeaseTag(tok, 10, p.Blocks(), p.BlockGenerations)
+	tag := kvlease.Tag(tok, 10, p.Blocks(), p.BlockGenerations)
 	record := func(gen uint64, count int, hash kvcache.BlockHash) []byte {
 		b := make([]byte, kvcache.RecordBytes)
 		binary.LittleEndian.PutUint64(b, gen)

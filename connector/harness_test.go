@@ -32,16 +32,20 @@ import (
 // model is read-only, so sharing it only saves time.
 var models sync.Map
 
-func openModel(t testing.TB, name string) *model.Model {
+func openModel(t testing.TB, name string) *model.Model { return openModelKV(t, name, "") }
+
+// openModelKV is openModel with the KV cache dtype kv ("" or "auto": the model's own).
+func openModelKV(t testing.TB, name, kv string) *model.Model {
 	t.Helper()
-	if m, ok := models.Load(name); ok {
+	key := name + "|" + kv
+	if m, ok := models.Load(key); ok {
 		return m.(*model.Model)
 	}
-	m, err := model.Open(context.Background(), name, model.OpenOptions{})
+	m, err := model.Open(context.Background(), name, model.OpenOptions{KVCacheDType: kv})
 	if err != nil {
 		t.Fatal(err)
 	}
-	actual, loaded := models.LoadOrStore(name, m)
+	actual, loaded := models.LoadOrStore(key, m)
 	if loaded {
 		m.Close()
 	}
@@ -64,6 +68,9 @@ type nodeOptions struct {
 	logw      io.Writer
 	// maxRequests is the HTTP server's MaxConcurrentRequests (0: no limit).
 	maxRequests int
+
+	// kvCacheDType is the model's --kv-cache-dtype ("": the model's own).
+	kvCacheDType string
 }
 
 // node is one running engine with its HTTP server.
@@ -91,7 +98,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 	if o.numBlocks == 0 {
 		o.numBlocks = 256
 	}
-	m := openModel(t, o.model)
+	m := openModelKV(t, o.model, o.kvCacheDType)
 	geo := engine.KVGeometry(m, o.blockSize)
 	geo.Layout = o.layout
 	layout := connector.NewArenaLayout(geo.BlockBytes(), o.numBlocks)
@@ -118,7 +125,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 			t.Fatal(err)
 		}
 		mc := m.Config()
-		compat := connector.CompatFactors{Model: m.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim, NumLayers: mc.NumLayers, CacheDType: "float32"}
+		compat := connector.CompatFactors{Model: m.Name(), DType: "float32", NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim, NumLayers: mc.NumLayers, CacheDType: m.KVCacheDType()}
 		if o.compat != nil {
 			o.compat(&compat)
 		}

@@ -10,17 +10,6 @@ import (
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
-// ErrStaleBlocks reports a read of blocks that the producer freed and reused before the read
-// finished (its lease expired): the KV read is not the prompt's and must not be used.
-var ErrStaleBlocks = errors.New("KV blocks were reused by the producer before they were read")
-
-// ErrStaleProducer reports params that name a producer instance which has since restarted: the
-// blocks they name belong to someone else now.
-var ErrStaleProducer = errors.New("the producer restarted since these kv_transfer_params were issued")
-
-// ErrExpired reports a bidirectional read declined because the decoder's blocks expire too soon.
-var ErrExpired = errors.New("remote KV blocks expire too soon to be read")
-
 // loadTimeout bounds one load: handshake, READ and verification.
 const loadTimeout = 60 * time.Second
 
@@ -31,31 +20,21 @@ const expiryMargin = 5 * time.Second
 // and each new one costs a connection attempt.
 const maxHandshakes = 64
 
-// releaseLists releases r's descriptor lists (idempotent), once its handshake has succeeded.
-// Loads still using them fail, as they would against a dead peer.
-func (r *remoteEngine) releaseLists() {
-	select {
-	case <-r.ready:
-	default:
-		return
-	}
-	if r.err == nil && r.kv != nil {
-		r.kv.Release()
-		r.recs.Release()
-	}
-}
-
 // load reads the producer's KV for positions [localHit, localHit+count) into j's blocks and
 // verifies it against what the producer published. It returns the index (in j.blocks) of the
-// first block that could not be loaded.
-func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
+// first block that could not be loaded. f, when not nil, is the handshake the request's arrival
+// found in progress (loadJob.awaiting), which the load waits for.
+func (c *Connector) load(ctx context.Context, j loadJob, f *flight) (int, error) {
 	first := j.localHit / c.geo.BlockSize
-	if j.handshake != nil {
-		// The request fails with the handshake its arrival started (as in vLLM), not with a
-		// second one: a failed record is forgotten at once, so asking anew would start another
-		// handshake whose outcome depends on when this load began. A handshake that succeeded
-		// is not used directly: remote returns the current record.
-		if err := j.handshake.wait(ctx); err != nil {
+	// The request fails with the handshake its arrival started (as in vLLM), not with a second
+	// one: a failed record is forgotten at once, so asking anew would start another handshake
+	// whose outcome depends on when this load began. A handshake that succeeded is not used
+	// directly: remote returns the current record.
+	if j.handshakeErr != nil {
+		return first, j.handshakeErr
+	}
+	if f != nil {
+		if _, err := f.wait(ctx); err != nil {
 			return first, err
 		}
 	}
@@ -82,7 +61,7 @@ func (c *Connector) load(ctx context.Context, j loadJob) (int, error) {
 // read pulls j's KV from the handshaken producer r, then the producer's records of those blocks
 // and the lease's slot (the notification rides on that second read, which comes last), and
 // verifies them.
-func (c *Connector) read(ctx context.Context, j loadJob, r *remoteEngine) (int, error) {
+func (c *Connector) read(ctx context.Context, j loadJob, r *remoteLink) (int, error) {
 	first := j.localHit / c.geo.BlockSize
 	if j.fromD && c.core.expiredHold(j.params, r.offset, c.now()) {
 		c.log.Warn(fmt.Sprintf("Declining expired remote read for %s from engine %s", j.id, r.id))
@@ -154,7 +133,7 @@ type readPlan struct {
 // [k×b, (k+1)×b) and local block i holds [i×B, (i+1)×B) with B = ratio×b, so local block i is
 // filled from remote blocks i×ratio … i×ratio+ratio−1. Only blocks that hold positions in
 // [localHit, localHit+count) are read.
-func (c *Connector) plan(j loadJob, r *remoteEngine) (readPlan, error) {
+func (c *Connector) plan(j loadJob, r *remoteLink) (readPlan, error) {
 	bs := c.geo.BlockSize
 	rbs := r.meta.BlockSize
 	remote := j.params.Blocks()
@@ -192,7 +171,7 @@ func (c *Connector) plan(j loadJob, r *remoteEngine) (readPlan, error) {
 
 // postprocess turns raw remote-geometry bytes into local blocks: regrouping smaller remote
 // blocks, or permuting HND into NHD (enable_permute_local_kv).
-func (c *Connector) postprocess(j loadJob, r *remoteEngine, p readPlan) error {
+func (c *Connector) postprocess(j loadJob, r *remoteLink, p readPlan) error {
 	if r.ratio == 1 && r.layout == c.geo.Layout {
 		return nil
 	}
@@ -216,7 +195,7 @@ func (c *Connector) postprocess(j loadJob, r *remoteEngine, p readPlan) error {
 
 // forgetOn drops a remote engine whose agent restarted or disconnected, so that the next
 // request handshakes again; it returns err.
-func (c *Connector) forgetOn(r *remoteEngine, err error) error {
+func (c *Connector) forgetOn(r *remoteLink, err error) error {
 	if peerGone(err) {
 		c.forget(r)
 	}

@@ -6,10 +6,9 @@ import (
 	"fmt"
 	"math"
 	"strconv"
-)
 
-// ErrParams reports kv_transfer_params of the wrong shape; the message names the field.
-var ErrParams = errors.New("invalid kv_transfer_params")
+	"github.com/kvbridge/kvbridge/internal/kvlease"
+)
 
 // Extension keys kvbridge adds to kv_transfer_params. vLLM ignores keys it does not know.
 const (
@@ -23,7 +22,7 @@ const (
 	// before a restart are recognised as stale even when block ids and generations repeat.
 	KeyInstance = "kvbridge_instance"
 	// KeyLease carries the lease token (32 hex digits): the capability every read,
-	// notification and heartbeat about these blocks must present (see LeaseToken).
+	// notification and heartbeat about these blocks must present (see kvlease.Token).
 	KeyLease = "kvbridge_lease"
 	// KeyLeaseSlot is the index of the slot where the producer publishes the lease's tag.
 	KeyLeaseSlot = "kvbridge_lease_slot"
@@ -36,7 +35,8 @@ const (
 // lists for that producer.
 const maxRemoteBlocks = 1 << 20
 
-// Params is kv_transfer_params (spec §2.1): what one engine tells the next about KV it holds.
+// Params is kv_transfer_params (docs/architecture.md, "kv_transfer_params"): what one engine
+// tells the next about KV it holds.
 type Params struct {
 	DoRemoteDecode  bool
 	DoRemotePrefill bool
@@ -58,7 +58,7 @@ type Params struct {
 	BlockHashes            []string
 	Instance               string
 	// Lease is the lease token; HasLease says whether the params carried one.
-	Lease    LeaseToken
+	Lease    kvlease.Token
 	HasLease bool
 	// LeaseSlot is the producer's slot of the lease's tag; -1 when absent.
 	LeaseSlot int
@@ -75,7 +75,8 @@ func (p *Params) Blocks() []int32 {
 }
 
 // Complete reports whether p names remote blocks and everything needed to read them: block ids
-// and the remote engine, request, host and port (spec §2.3).
+// and the remote engine, request, host and port (docs/architecture.md, "kv_transfer_params";
+// wire contract item 8).
 func (p *Params) Complete() bool {
 	return p != nil && len(p.Blocks()) > 0 && p.RemoteEngineID != "" && p.RemoteRequestID != "" && p.RemoteHost != "" && p.RemotePort > 0
 }
@@ -119,7 +120,7 @@ func ParseParams(m map[string]any) (*Params, error) {
 		if err := asString(v, &hexTok); err != nil {
 			return err
 		}
-		tok, err := ParseLeaseToken(hexTok)
+		tok, err := kvlease.ParseToken(hexTok)
 		p.Lease, p.HasLease = tok, err == nil
 		return err
 	})

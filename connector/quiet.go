@@ -1,9 +1,6 @@
 package connector
 
-import (
-	"sync"
-	"time"
-)
+import "time"
 
 // quietInterval is how often a log line a remote client can trigger at will may be repeated
 // (vLLM's stats interval).
@@ -11,9 +8,9 @@ const quietInterval = 10 * time.Second
 
 // logLimiter lets one log line of each kind through per quietInterval and counts the ones it
 // held back, so that a flood of bad notifications or params costs bounded log volume. The zero
-// value is ready to use.
+// value is ready to use. Not safe for concurrent use (the core's, used under the Connector's
+// mutex).
 type logLimiter struct {
-	mu         sync.Mutex
 	last       map[string]time.Time
 	suppressed map[string]int
 }
@@ -21,8 +18,6 @@ type logLimiter struct {
 // allow reports whether a line of kind may be logged at now, and how many were held back since
 // the last one that was.
 func (l *logLimiter) allow(kind string, now time.Time) (ok bool, suppressed int) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
 	if l.last == nil {
 		l.last, l.suppressed = map[string]time.Time{}, map[string]int{}
 	}

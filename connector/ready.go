@@ -19,10 +19,7 @@ const readyTimeout = 2 * time.Second
 // payload (the transfer agent's metadata) is served. It returns the reason when not. It is what
 // an engine's readiness endpoint asks (openai Config.Ready).
 func (c *Connector) Ready(ctx context.Context) error {
-	c.mu.Lock()
-	closed := c.closed
-	c.mu.Unlock()
-	if closed {
+	if c.isClosed() {
 		return fmt.Errorf("connector %s: %w", c.cfg.EngineID, transfer.ErrClosed)
 	}
 	if _, ok := ctx.Deadline(); !ok {

@@ -1,13 +1,6 @@
 package connector
 
-import (
-	"errors"
-	"fmt"
-)
-
-// ErrWrongRole reports a request whose kv_transfer_params ask this engine for a leg its kv_role
-// cannot serve. The HTTP layer refuses such a request before the engine takes it.
-var ErrWrongRole = errors.New("kv_transfer_params ask for a leg this engine's kv_role does not serve")
+import "fmt"
 
 // CheckRole refuses kv_transfer_params that ask this engine for a leg its kv_role cannot serve,
 // so that a misconfigured deployment fails loudly instead of silently recomputing every prompt:

@@ -29,9 +29,13 @@ import (
 //	request  = msgpack array [bin "get_meta_msg", pp_rank int, tp_rank int]
 //	response = msgpack array [payload map, ts float64]
 //	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin,
-//	            "error": str, "error_code": str}
+//	            "error": str, "error_code": str, "kv_cache_dtype": str}
 //
-// agent_metadata_bytes is the msgpack map AgentMetadata, decoded only after the hash matched, so
+// kv_cache_dtype (kvbridge's addition; vLLM's peers neither send nor need it) is the producer's
+// KV dtype by kvcache's name, readable before the hash is compared, so that a consumer refusing
+// a producer names both dtypes when they are the cause (kvdtype.go).
+//
+// agent_metadata_bytes is the msgpack map agentMetadata, decoded only after the hash matched, so
 // a schema change fails with a clear error. ts is the responder's clock in seconds (its own
 // monotonic epoch, like Python's perf_counter): the consumer estimates the clock offset from the
 // sample with the smallest round trip. A connection may carry several requests; the server
@@ -79,8 +83,8 @@ var (
 	ErrIncompatible = errors.New("incompatible KV peer")
 )
 
-// AgentMetadata is what a producer publishes about its KV memory (vLLM's NixlAgentMetadata).
-type AgentMetadata struct {
+// agentMetadata is what a producer publishes about its KV memory (vLLM's NixlAgentMetadata).
+type agentMetadata struct {
 	EngineID      string `msgpack:"engine_id"`
 	AgentMetadata []byte `msgpack:"agent_metadata"` // the transfer agent's metadata blob
 	KVRegion      uint32 `msgpack:"kv_region"`      // region id of the blocks
@@ -102,6 +106,7 @@ type handshakePayload struct {
 	AgentMetadataBytes []byte `msgpack:"agent_metadata_bytes"`
 	Error              string `msgpack:"error,omitempty"`
 	ErrorCode          string `msgpack:"error_code,omitempty"`
+	KVCacheDType       string `msgpack:"kv_cache_dtype,omitempty"`
 }
 
 // CompatFactors are what two engines must agree on to exchange KV.
@@ -230,9 +235,10 @@ type sideChannelServer struct {
 	idle    time.Duration
 	auth    *sideAuth // nil: no auth token
 
-	refusals atomic.Int64 // connections refused for authentication
+	refusals atomic.Int64   // connections refused for authentication
+	wg       sync.WaitGroup // accept and serve
 
-	wg     sync.WaitGroup
+	// mu guards the fields below.
 	mu     sync.Mutex
 	conns  map[net.Conn]struct{}
 	closed bool
@@ -260,25 +266,38 @@ func (s *sideChannelServer) accept() {
 		if err != nil {
 			return
 		}
-		s.mu.Lock()
-		if s.closed {
-			s.mu.Unlock()
+		if !s.track(c) {
 			c.Close()
 			return
 		}
-		s.conns[c] = struct{}{}
-		s.wg.Add(1)
-		s.mu.Unlock()
 		go s.serve(c)
 	}
+}
+
+// track records a new connection, counting its goroutine, and reports false once the server is
+// closed.
+func (s *sideChannelServer) track(c net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.conns[c] = struct{}{}
+	s.wg.Add(1)
+	return true
+}
+
+// untrack forgets a connection that ended.
+func (s *sideChannelServer) untrack(c net.Conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.conns, c)
 }
 
 func (s *sideChannelServer) serve(c net.Conn) {
 	defer s.wg.Done()
 	defer func() {
-		s.mu.Lock()
-		delete(s.conns, c)
-		s.mu.Unlock()
+		s.untrack(c)
 		c.Close()
 	}()
 	r := bufio.NewReader(c)
@@ -359,19 +378,27 @@ func (s *sideChannelServer) authenticate(c net.Conn, r io.Reader, body []byte) (
 
 // close stops the listener and every connection, and waits for their goroutines. Idempotent.
 func (s *sideChannelServer) close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
+	first, err := s.shut()
+	if !first {
 		return nil
 	}
+	s.wg.Wait()
+	return err
+}
+
+// shut closes the listener and every connection, and reports whether this call did.
+func (s *sideChannelServer) shut() (first bool, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false, nil
+	}
 	s.closed = true
-	err := s.ln.Close()
+	err = s.ln.Close()
 	for c := range s.conns {
 		c.Close()
 	}
-	s.mu.Unlock()
-	s.wg.Wait()
-	return err
+	return true, err
 }
 
 // decodeResponse parses a handshake response frame: [payload map, ts float].
@@ -405,9 +432,12 @@ func decodeResponse(body []byte) (handshakePayload, float64, error) {
 
 // handshakeResult is what a consumer learns from a producer's side channel.
 type handshakeResult struct {
-	meta AgentMetadata
+	meta agentMetadata
 	// offset is the producer's clock minus ours, in seconds.
 	offset float64
+	// kvCacheDType is the producer's KV dtype ("" from a peer that does not say), also set
+	// when the hashes differ.
+	kvCacheDType string
 }
 
 // handshake fetches a producer's metadata from addr, checks the compatibility hash (unless
@@ -474,10 +504,10 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 		}
 	}
 	if enforce && payload.CompatibilityHash != localHash {
-		return handshakeResult{}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same --dtype, --quantization, --kv-cache-dtype and KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
+		return handshakeResult{kvCacheDType: payload.KVCacheDType}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same --dtype, --quantization, --kv-cache-dtype and KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
 			ErrIncompatible, localHash, payload.CompatibilityHash)
 	}
-	var meta AgentMetadata
+	var meta agentMetadata
 	if err := checkBody(payload.AgentMetadataBytes); err != nil {
 		//lint:ignore ST1005 vLLM's own words, which operators grep for
 		return fail(fmt.Errorf("Failed to decode NixlAgentMetadata: %w", err))
@@ -489,5 +519,5 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 	if meta.EngineID != wantEngine {
 		return handshakeResult{}, fmt.Errorf("%w: Remote NIXL agent engine ID mismatch. Expected %s, received %s", ErrIncompatible, wantEngine, meta.EngineID)
 	}
-	return handshakeResult{meta: meta, offset: offset}, nil
+	return handshakeResult{meta: meta, offset: offset, kvCacheDType: payload.KVCacheDType}, nil
 }

@@ -17,7 +17,7 @@ import (
 
 func testPayload(t testing.TB, engine string) handshakePayload {
 	t.Helper()
-	p, err := encodeMetadata("hash-1", AgentMetadata{EngineID: engine, NumBlocks: 4, BlockLen: 64, BlockSize: 16, KVCacheLayout: "HND", Version: ConnectorVersion})
+	p, err := encodeMetadata("hash-1", agentMetadata{EngineID: engine, NumBlocks: 4, BlockLen: 64, BlockSize: 16, KVCacheLayout: "HND", Version: ConnectorVersion})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,7 +95,7 @@ func FuzzSideChannelFrames(f *testing.F) {
 		_ = decodeRequest(body)
 		_, _, _ = decodeTagged(body)
 		if p, _, err := decodeResponse(body); err == nil {
-			var m AgentMetadata
+			var m agentMetadata
 			_ = msgpack.Unmarshal(p.AgentMetadataBytes, &m)
 		}
 		_, _ = readFrame(bytes.NewReader(body))
@@ -232,7 +232,7 @@ func TestSideChannelAuthReplay(t *testing.T) {
 func TestHandshakeBoundsNumBlocks(t *testing.T) {
 	p := startProducer(t, `{"kv_connector":"NixlConnector","kv_role":"kv_producer"}`, nil)
 	d := startProducer(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`, nil)
-	var meta AgentMetadata
+	var meta agentMetadata
 	if err := msgpack.Unmarshal(p.side.payload.AgentMetadataBytes, &meta); err != nil {
 		t.Fatal(err)
 	}

@@ -5,14 +5,9 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 	"github.com/kvbridge/kvbridge/kvcache"
 )
-
-// ErrVerification reports remote blocks that do not hold what their owner published for the
-// reader's prompt: the owner's lease slot does not hold the tag of the params the reader was
-// given, or a block's record (generation, token count, content hash) does not match the
-// reader's own prompt at that position. The KV read is not used.
-var ErrVerification = errors.New("remote KV blocks do not match what their owner published for this prompt")
 
 // errLeaseGone marks a read whose lease the producer no longer holds (or never held).
 var errLeaseGone = errors.New("no such lease")
@@ -27,7 +22,7 @@ var errLeaseGone = errors.New("no such lease")
 // used. A pure function: the core's decisions are testable without memory or sockets.
 func verifyRead(j loadJob, remoteID string, rbs int, plan readPlan, records [][]byte, slot []byte) (int, error) {
 	p := j.params
-	want := LeaseTag(p.Lease, p.RemoteNumTokens, p.Blocks(), p.BlockGenerations)
+	want := kvlease.Tag(p.Lease, p.RemoteNumTokens, p.Blocks(), p.BlockGenerations)
 	if len(slot) < len(want) || !bytes.Equal(slot[:len(want)], want[:]) {
 		return plan.firstLocal, fmt.Errorf("%w: %w: %w: request %s: engine %s holds no lease matching these kv_transfer_params (it expired, was released or evicted, or the params are not its own)",
 			errLeaseGone, ErrStaleBlocks, ErrVerification, j.id, remoteID)

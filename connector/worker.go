@@ -9,9 +9,10 @@ import (
 	"github.com/kvbridge/kvbridge/transfer"
 )
 
-// The worker side: the goroutine that feeds the core notifications and ticks, and perform, which
-// carries out the core's actions. Every goroutine started here is counted in c.wg and ends with
-// c.ctx (Close).
+// The worker side: the goroutine that feeds the core notifications and ticks, and the loop every
+// event goes through — apply hands the core the event under c.mu and takes what it asked for,
+// perform carries that out once c.mu is released. Every goroutine started here is counted in
+// c.wg and ends with c.ctx (Close).
 
 // worker hands the core the notifications from readers and the clock's ticks (lease expiry,
 // heartbeats, idle remote engines).
@@ -26,86 +27,111 @@ func (c *Connector) worker() {
 			if !ok {
 				return
 			}
-			c.mu.Lock()
-			c.core.notification(n.Peer, string(n.Msg), c.now())
-			c.performLocked()
+			c.event(func(k *core) { k.notification(n.Peer, string(n.Msg), c.now()) })
 		case <-c.tick:
-			c.mu.Lock()
-			c.core.tick(c.now())
-			c.performLocked()
+			c.event(func(k *core) { k.tick(c.now()) })
 		}
 	}
 }
 
-// performLocked takes the core's actions, unlocks c.mu (held by the caller) and performs them.
-// The goroutines it starts are counted in c.wg before c.mu is released: Close sets c.closed under
-// c.mu and then waits on c.wg, so a goroutine is either counted before Close waits or never
-// started (its instead runs).
-func (c *Connector) performLocked() {
-	a := c.core.take()
-	closed := c.closed
-	sched := c.sched
-	if n := len(a.handshakes) + len(a.loads) + len(a.notifies); !closed && n > 0 {
+// batch is what one event asked for, taken under c.mu and performed after it is released.
+type batch struct {
+	actions
+	closed bool      // the connector is closing: start no goroutine
+	sched  Scheduler // nil before Start
+	waits  []*flight // the handshake each of loads waits for before reading, or nil
+}
+
+// event hands the core one event (f, which may also touch what c.mu guards) and performs the
+// actions it emitted.
+func (c *Connector) event(f func(k *core)) { c.perform(c.apply(f)) }
+
+// apply runs f on the core under c.mu and takes the actions it emitted.
+func (c *Connector) apply(f func(k *core)) batch {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	f(c.core)
+	return c.takeLocked()
+}
+
+// takeLocked takes the core's actions. The goroutines they start are counted in c.wg before
+// c.mu is released: Close sets c.closed under c.mu and then waits on c.wg, so a goroutine is
+// either counted before Close waits or never started (its instead runs, see spawn). A load that
+// waits for a handshake gets that handshake's flight now, while the handshake is known to be in
+// progress.
+func (c *Connector) takeLocked() batch {
+	b := batch{actions: c.core.take(), closed: c.closed, sched: c.sched}
+	if n := len(b.handshakes) + len(b.loads) + len(b.notifies); !b.closed && n > 0 {
 		c.wg.Add(n)
 	}
-	c.mu.Unlock()
-	for _, r := range a.drops {
-		_ = c.agent.InvalidateIncarnation(r.peer, r.peerInc)
-		r.releaseLists()
+	for _, j := range b.loads {
+		var f *flight
+		if j.awaiting {
+			f = c.flightLocked(j.handshake)
+		}
+		b.waits = append(b.waits, f)
 	}
-	for _, r := range a.handshakes {
-		c.spawn(closed, func() { c.runHandshake(r) }, func() { c.abandonHandshake(r) })
+	return b
+}
+
+// perform carries out b, in the order the fields of actions document; c.mu is not held.
+func (c *Connector) perform(b batch) {
+	for _, l := range b.drops {
+		_ = c.agent.InvalidateIncarnation(l.peer, l.peerInc)
+		l.releaseLists()
 	}
-	for _, j := range a.loads {
-		c.spawn(closed, func() { c.runLoad(j) }, func() {
+	for _, h := range b.handshakes {
+		c.spawn(b.closed, func() { c.runHandshake(h) }, func() { c.endHandshake(h, nil, transfer.ErrClosed) })
+	}
+	for i, j := range b.loads {
+		f := b.waits[i]
+		c.spawn(b.closed, func() { c.runLoad(j, f) }, func() {
 			c.event(func(k *core) { k.loadFinished(j, j.localHit/c.geo.BlockSize, transfer.ErrClosed, true, c.now()) })
 		})
 	}
-	for _, n := range a.notifies {
-		c.spawn(closed, func() { c.notify(n) }, nil)
+	for _, n := range b.notifies {
+		c.spawn(b.closed, func() { c.notify(n) }, nil)
 	}
-	if a.holdsExpired > 0 {
+	if b.holdsExpired > 0 {
 		since := "since the engine started"
-		if a.holdsSince > 0 {
-			since = "in the last " + a.holdsSince.Round(time.Second).String()
+		if b.holdsSince > 0 {
+			since = "in the last " + b.holdsSince.Round(time.Second).String()
 		}
-		c.log.Info(fmt.Sprintf("%d decoder hold(s) of bidirectional turns expired unclaimed %s (decoder_kv_blocks_ttl): their next turns, if they come, are computed at P", a.holdsExpired, since),
-			"holds", a.holdsExpired)
+		c.log.Info(fmt.Sprintf("%d decoder hold(s) of bidirectional turns expired unclaimed %s (decoder_kv_blocks_ttl): their next turns, if they come, are computed at P", b.holdsExpired, since),
+			"holds", b.holdsExpired)
 	}
-	for _, b := range a.beats {
-		ctx, cancel := context.WithTimeout(c.ctx, time.Second)
-		if err := c.agent.SendNotif(ctx, b.peer, b.msg); err != nil {
-			c.log.Warn("sending a heartbeat failed", "peer", b.peer, "err", err)
-			if c.metrics != nil {
-				c.metrics.CountFailedNotification()
-			}
-		}
-		cancel()
+	for _, bt := range b.beats {
+		c.sendBeat(bt)
 	}
-	if sched == nil {
+	if b.sched == nil {
 		return
 	}
-	for _, id := range a.release {
-		sched.ReleaseDelayed(id)
+	for _, id := range b.release {
+		b.sched.ReleaseDelayed(id)
 	}
-	if len(a.loaded) > 0 || len(a.failed) > 0 {
-		sched.LoadsDone(a.loaded, a.failed)
+	if len(b.loaded) > 0 || len(b.failed) > 0 {
+		b.sched.LoadsDone(b.loaded, b.failed)
 	}
-	if len(a.missed) > 0 {
-		sched.LoadsMissed(a.missed)
+	if len(b.missed) > 0 {
+		b.sched.LoadsMissed(b.missed)
 	}
 }
 
-// event hands the core one event under c.mu and performs what it asks for.
-func (c *Connector) event(f func(*core)) {
-	c.mu.Lock()
-	f(c.core)
-	c.performLocked()
+// sendBeat sends one heartbeat batch, waiting at most a second for it.
+func (c *Connector) sendBeat(b beat) {
+	ctx, cancel := context.WithTimeout(c.ctx, time.Second)
+	defer cancel()
+	if err := c.agent.SendNotif(ctx, b.peer, b.msg); err != nil {
+		c.log.Warn("sending a heartbeat failed", "peer", b.peer, "err", err)
+		if c.metrics != nil {
+			c.metrics.CountFailedNotification()
+		}
+	}
 }
 
 // spawn runs fn on a goroutine the connector owns, or, once the connector is closing, runs
-// instead (when not nil) on the caller's goroutine. When not closed, the caller has already
-// counted the goroutine in c.wg while holding c.mu (see performLocked).
+// instead (when not nil) on the caller's goroutine. When not closed, the goroutine was already
+// counted in c.wg under c.mu (see takeLocked).
 func (c *Connector) spawn(closed bool, fn, instead func()) {
 	if closed {
 		if instead != nil {
@@ -119,11 +145,11 @@ func (c *Connector) spawn(closed bool, fn, instead func()) {
 	}()
 }
 
-// runLoad performs one load and reports it to the core.
-func (c *Connector) runLoad(j loadJob) {
+// runLoad performs one load (after the handshake f, when not nil) and reports it to the core.
+func (c *Connector) runLoad(j loadJob, f *flight) {
 	ctx, cancel := context.WithTimeout(c.ctx, loadTimeout)
 	defer cancel()
-	bad, err := c.load(ctx, j)
+	bad, err := c.load(ctx, j, f)
 	c.event(func(k *core) { k.loadFinished(j, bad, err, false, c.now()) })
 }
 
@@ -135,7 +161,7 @@ func (c *Connector) notify(n notice) {
 	defer cancel()
 	var err error
 	for attempt := 0; attempt < 2; attempt++ {
-		var r *remoteEngine
+		var r *remoteLink
 		if r, err = c.remote(ctx, p); err != nil {
 			break
 		}
@@ -158,17 +184,16 @@ func (c *Connector) peerLost(name string, inc uint64) {
 	c.event(func(k *core) { k.peerLost(name, inc) })
 }
 
-// forget drops r if it is still the current record of its engine incarnation, invalidating its
+// forget drops the record of l's engine incarnation if l is still its link, invalidating its
 // transfer peer and releasing its descriptor lists (a dead incarnation's arena is unmapped).
-func (c *Connector) forget(r *remoteEngine) {
-	c.event(func(k *core) { k.forget(r) })
+func (c *Connector) forget(l *remoteLink) {
+	c.event(func(k *core) { k.forget(l) })
 }
 
 // authorizeRead is the transfer agent's AuthorizeRead hook (see core.authorizeRead).
-func (c *Connector) authorizeRead(_ string, tag []byte, descs []transfer.Desc) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.core.authorizeRead(tag, descs)
+func (c *Connector) authorizeRead(_ string, tag []byte, descs []transfer.Desc) (err error) {
+	c.event(func(k *core) { err = k.authorizeRead(tag, descs) })
+	return err
 }
 
 func metricsSample(t transfer.RequestTelemetry) metrics.TransferSample {

@@ -4,6 +4,8 @@ import (
 	"net"
 	"testing"
 	"time"
+
+	"github.com/kvbridge/kvbridge/internal/kvlease"
 )
 
 // TestDeclineDuringClose: Decline (called from HTTP handlers, which may still run while the
@@ -18,7 +20,7 @@ func TestDeclineDuringClose(t *testing.T) {
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close() // nobody listens: each notification's handshake fails at once
 	p := &Params{DoRemotePrefill: true, RemoteBlockIDs: [][]int32{{1}}, RemoteEngineID: "P", RemoteRequestID: "p1",
-		RemoteHost: "127.0.0.1", RemotePort: port, BlockGenerations: []uint64{1}, Instance: "i", Lease: LeaseToken{1}, HasLease: true, LeaseSlot: 0}
+		RemoteHost: "127.0.0.1", RemotePort: port, BlockGenerations: []uint64{1}, Instance: "i", Lease: kvlease.Token{1}, HasLease: true, LeaseSlot: 0}
 	raw := viaJSON(t, p.Map())
 	for range 20 {
 		c := startProducer(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`, nil)

@@ -77,7 +77,8 @@ func (NoConnector) AfterAlloc(*Sequence, []int32, int) {}
 func (NoConnector) Finished(*Sequence, Status, time.Time) (bool, map[string]any) { return false, nil }
 
 // FailurePolicy is kv_load_failure_policy: what the scheduler does with a request whose
-// asynchronous KV load failed (spec §6).
+// asynchronous KV load failed (docs/architecture.md, wire contract items 29 and 30;
+// docs/reliability.md, "How the suite works").
 type FailurePolicy uint8
 
 const (

@@ -44,7 +44,7 @@ type Config struct {
 // default HND layout and m's KV cache dtype: the geometry of the pool an Engine for m needs.
 func KVGeometry(m *model.Model, blockSize int) kvcache.Geometry {
 	c := m.Config()
-	dt, _ := kvcache.ParseDType(m.KVCacheDType()) // the model only says float32 or bfloat16
+	dt, _ := kvcache.ParseDType(m.KVCacheDType()) // the model only says kvcache's names
 	return kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: blockSize, DType: dt}
 }
 
@@ -313,7 +313,7 @@ func (e *Engine) Stats() Stats {
 	return st
 }
 
-// Close stops the step loop: requests still live end with FinishReason "abort" and Err
+// Close stops the step loop: requests still live end with FinishAbort and Err
 // ErrClosed, blocks held for the connector are released, and the pool is full again. It waits for
 // the loop to exit and is idempotent.
 func (e *Engine) Close() error {

@@ -131,6 +131,14 @@ func (h *harness) addReq(r *Request) *Sequence {
 // step runs one Schedule/compute/Update round and returns the plan and the events.
 func (h *harness) step() (Plan, []Event) {
 	h.t.Helper()
+	plan := h.schedule()
+	return plan, h.compute(plan)
+}
+
+// schedule advances the clock one millisecond and returns the scheduler's next plan, after
+// checking it against the budget and max_num_seqs (a copy goes to h.plans).
+func (h *harness) schedule() Plan {
+	h.t.Helper()
 	h.now = h.now.Add(time.Millisecond)
 	plan := h.s.Schedule(h.now)
 	cp := plan
@@ -143,6 +151,13 @@ func (h *harness) step() (Plan, []Event) {
 	if len(plan.Work) > h.s.Config().MaxNumSeqs {
 		h.t.Fatalf("plan of %d requests exceeds max_num_seqs %d", len(plan.Work), h.s.Config().MaxNumSeqs)
 	}
+	return plan
+}
+
+// compute plays the model over plan (checking the KV below each Work's start, writing the
+// KV of its tokens, sampling where asked) and returns the events of Update.
+func (h *harness) compute(plan Plan) []Event {
+	h.t.Helper()
 	sampled := make([]int32, len(plan.Work))
 	for i, w := range plan.Work {
 		all := w.Seq.Tokens()
@@ -162,7 +177,7 @@ func (h *harness) step() (Plan, []Event) {
 			}
 		}
 	}
-	return plan, h.s.Update(h.now, sampled)
+	return h.s.Update(h.now, sampled)
 }
 
 // run steps until no request can make progress or maxSteps pass; it returns the events.

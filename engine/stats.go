@@ -34,8 +34,8 @@ type Stats struct {
 type RequestMetrics struct {
 	// ID is the request id.
 	ID string
-	// FinishReason is "stop", "length", "abort" or "error".
-	FinishReason string
+	// FinishReason is FinishStop, FinishLength, FinishAbort or FinishError.
+	FinishReason FinishReason
 	// PromptTokens, CachedTokens and CompletionTokens are the request's usage counts.
 	PromptTokens, CachedTokens, CompletionTokens int
 	// TTFT is the time from arrival to the first token (0 if there was none).

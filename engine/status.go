@@ -47,18 +47,18 @@ func (s Status) String() string {
 // Finished reports whether s is one of the finished states.
 func (s Status) Finished() bool { return s >= StatusFinishedStopped }
 
-// FinishReason returns the OpenAI finish_reason of a finished state ("stop", "length", "abort",
-// "error") and "" for the others.
-func (s Status) FinishReason() string {
+// FinishReason returns the OpenAI finish_reason of a finished state (FinishStop, FinishLength,
+// FinishAbort, FinishError) and "" for the others.
+func (s Status) FinishReason() FinishReason {
 	switch s {
 	case StatusFinishedStopped:
-		return "stop"
+		return FinishStop
 	case StatusFinishedLengthCapped:
-		return "length"
+		return FinishLength
 	case StatusFinishedAborted:
-		return "abort"
+		return FinishAbort
 	case StatusFinishedError:
-		return "error"
+		return FinishError
 	}
 	return ""
 }

@@ -14,8 +14,8 @@ type Output struct {
 	Text string
 	// Finished marks the last Output of the stream.
 	Finished bool
-	// FinishReason is "stop", "length", "abort" or "error" on the last Output.
-	FinishReason string
+	// FinishReason is FinishStop, FinishLength, FinishAbort or FinishError on the last Output.
+	FinishReason FinishReason
 	// PromptTokens, CachedTokens and CompletionTokens are the usage counts so far: CachedTokens
 	// is the prompt tokens not computed here (prefix-cache hit plus tokens loaded by the
 	// connector), CompletionTokens the tokens generated so far.
@@ -30,8 +30,8 @@ type Output struct {
 	PromptLogprobs []model.PositionLogprobs
 	// KVTransfer is the connector's kv_transfer_params, on the last Output, when it returned some.
 	KVTransfer map[string]any
-	// Err is set on the last Output of a request that ended with "error" (wrapping ErrForward or
-	// ErrKVLoad) or "abort" (ErrAborted, or ErrClosed when the engine closed).
+	// Err is set on the last Output of a request that ended with FinishError (wrapping ErrForward
+	// or ErrKVLoad) or FinishAbort (ErrAborted, or ErrClosed when the engine closed).
 	Err error
 }
 

@@ -5,8 +5,10 @@
 //
 // # Block layout
 //
-// KV is float32 (or, with Geometry.DType BFloat16, bfloat16), little-endian. One block holds BlockSize token slots of every layer, keys then
-// values, and is one contiguous byte range:
+// KV is float32 (or, with Geometry.DType BFloat16, bfloat16), little-endian, or one byte of FP8
+// a value (FP8E4M3, FP8E5M2: the codes, each a key or value divided by its layer's scale, which
+// the model keeps). One block holds BlockSize token slots of every layer, keys then values, and
+// is one contiguous byte range:
 //
 //	[layer][k, v][HND: head, slot, dim | NHD: slot, head, dim]
 //

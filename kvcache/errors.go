@@ -21,7 +21,7 @@ var (
 	// geometry.
 	ErrBufferSize = errors.New("kvcache: buffer size does not match the block geometry")
 	// ErrIncompatible reports a remote block geometry that cannot be converted into the local one
-	// (spec §8: different model shape, a larger remote block size, a non-integer ratio, or a layout
-	// change other than HND into NHD).
+	// (different model shape, a larger remote block size, a non-integer ratio, or a layout change
+	// other than HND into NHD; docs/architecture.md, "Heterogeneous KV geometry").
 	ErrIncompatible = errors.New("kvcache: incompatible remote KV geometry")
 )

@@ -71,15 +71,26 @@ const (
 	// BFloat16 stores each channel as a little-endian bfloat16 (2 bytes): vLLM's
 	// --kv-cache-dtype bfloat16.
 	BFloat16
+	// FP8E4M3 stores each channel as one byte of OCP FP8 E4M3 (torch.float8_e4m3fn), divided
+	// by its layer's key or value scale: vLLM's --kv-cache-dtype fp8 and fp8_e4m3.
+	FP8E4M3
+	// FP8E5M2 stores each channel as one byte of OCP FP8 E5M2 (torch.float8_e5m2), divided by
+	// its layer's scale: vLLM's --kv-cache-dtype fp8_e5m2.
+	FP8E5M2
 )
 
-// String returns "float32" or "bfloat16" (vLLM's names), or "DType(n)" for an invalid value.
+// String returns "float32", "bfloat16", "fp8_e4m3" or "fp8_e5m2" (vLLM's names), or
+// "DType(n)" for an invalid value.
 func (d DType) String() string {
 	switch d {
 	case Float32:
 		return "float32"
 	case BFloat16:
 		return "bfloat16"
+	case FP8E4M3:
+		return "fp8_e4m3"
+	case FP8E5M2:
+		return "fp8_e5m2"
 	}
 	return fmt.Sprintf("DType(%d)", uint8(d))
 }
@@ -91,21 +102,28 @@ func (d DType) Size() int {
 		return 4
 	case BFloat16:
 		return 2
+	case FP8E4M3, FP8E5M2:
+		return 1
 	}
 	return 0
 }
 
 // ParseDType parses vLLM's --kv-cache-dtype values kvbridge supports: "float32", "fp32",
-// "bfloat16", "bf16", and "auto", which the model resolves to its compute dtype
-// (model.OpenOptions.KVCacheDType) and which parses here as Float32 for checking a flag only.
+// "bfloat16", "bf16", "fp8" and "fp8_e4m3" (both FP8E4M3, as in vLLM), "fp8_e5m2", and "auto",
+// which the model resolves to its compute dtype (model.OpenOptions.KVCacheDType) and which
+// parses here as Float32 for checking a flag only.
 func ParseDType(s string) (DType, error) {
 	switch strings.ToLower(strings.TrimSpace(s)) {
 	case "", "auto", "float32", "fp32", "float":
 		return Float32, nil
 	case "bfloat16", "bf16":
 		return BFloat16, nil
+	case "fp8", "fp8_e4m3":
+		return FP8E4M3, nil
+	case "fp8_e5m2":
+		return FP8E5M2, nil
 	}
-	return 0, fmt.Errorf("kvcache: unknown KV cache dtype %q (want auto, float32 or bfloat16): %w", s, ErrGeometry)
+	return 0, fmt.Errorf("kvcache: unknown KV cache dtype %q (want auto, float32, bfloat16, fp8, fp8_e4m3 or fp8_e5m2): %w", s, ErrGeometry)
 }
 
 // Geometry is the shape of one KV block. Blocks hold the keys and values of every layer.
@@ -148,7 +166,7 @@ func (g Geometry) Validate() error {
 }
 
 // BlockBytes returns the size of one block: NumLayers × 2 × NumKVHeads × BlockSize × HeadDim ×
-// the value size (4 for float32, 2 for bfloat16).
+// the value size (4 for float32, 2 for bfloat16, 1 for FP8).
 func (g Geometry) BlockBytes() int {
 	return g.blockValues() * g.DType.Size()
 }

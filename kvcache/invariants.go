@@ -12,102 +12,128 @@ import (
 func (p *Pool) CheckInvariants() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	var errs []error
-	bad := func(format string, args ...any) {
-		if len(errs) < 20 {
-			errs = append(errs, fmt.Errorf("kvcache: invariant: "+format, args...))
+	var v violations
+	inHeap := p.checkFreeHeap(&v)
+	inLRU := p.checkLRU(&v)
+	hashed := 0
+	for i := range p.meta {
+		if p.meta[i].hashed {
+			hashed++
+		}
+		p.checkBlock(&v, int32(i), inHeap, inLRU)
+	}
+	if hashed != len(p.byHash) {
+		v.add("%d hashed blocks, prefix cache has %d entries", hashed, len(p.byHash))
+	}
+	for h, id := range p.byHash {
+		if id < 0 || int(id) >= p.n || !p.meta[id].hashed || p.meta[id].hash != h {
+			v.add("prefix cache entry %v → block %d does not match the block", h, id)
 		}
 	}
+	return errors.Join(v.errs...)
+}
+
+// violations collects the first 20 invariant violations found.
+type violations struct{ errs []error }
+
+// add records a violation, unless 20 are recorded already.
+func (v *violations) add(format string, args ...any) {
+	if len(v.errs) < 20 {
+		v.errs = append(v.errs, fmt.Errorf("kvcache: invariant: "+format, args...))
+	}
+}
+
+// checkFreeHeap checks the free heap's ids and order, and returns how many times each block is
+// in it. p.mu must be held.
+func (p *Pool) checkFreeHeap(v *violations) []int {
 	inHeap := make([]int, p.n)
 	for i, id := range p.free {
 		if id < 0 || int(id) >= p.n {
-			bad("free heap holds id %d", id)
+			v.add("free heap holds id %d", id)
 			continue
 		}
 		inHeap[id]++
 		if i > 0 && p.free[(i-1)/2] > id {
-			bad("free heap order broken at index %d", i)
+			v.add("free heap order broken at index %d", i)
 		}
 	}
+	return inHeap
+}
+
+// checkLRU checks the LRU list's links, tail and length, and returns how many times each block
+// is in it. p.mu must be held.
+func (p *Pool) checkLRU(v *violations) []int {
 	inLRU := make([]int, p.n)
 	count, prev := 0, noBlock
 	for id := p.lru.head; id != noBlock; id = p.meta[id].next {
 		if id < 0 || int(id) >= p.n {
-			bad("LRU list holds id %d", id)
+			v.add("LRU list holds id %d", id)
 			break
 		}
 		if count > p.n {
-			bad("LRU list has a cycle")
+			v.add("LRU list has a cycle")
 			break
 		}
 		inLRU[id]++
 		if p.meta[id].prev != prev {
-			bad("LRU block %d: prev %d, want %d", id, p.meta[id].prev, prev)
+			v.add("LRU block %d: prev %d, want %d", id, p.meta[id].prev, prev)
 		}
 		prev = id
 		count++
 	}
 	if prev != p.lru.tail {
-		bad("LRU tail %d, last linked block %d", p.lru.tail, prev)
+		v.add("LRU tail %d, last linked block %d", p.lru.tail, prev)
 	}
 	if count != p.lru.n {
-		bad("LRU length %d, counted %d", p.lru.n, count)
+		v.add("LRU length %d, counted %d", p.lru.n, count)
 	}
-	hashed := 0
-	for i := range p.meta {
-		m := &p.meta[i]
-		id := int32(i)
-		if m.ref < 0 {
-			bad("block %d: refcount %d", id, m.ref)
-		}
-		if m.ref > 0 && m.gen == 0 {
-			bad("block %d: referenced but never allocated", id)
-		}
-		if m.hashed {
-			hashed++
-			if !p.prefix {
-				bad("block %d: cached with prefix caching disabled", id)
-			}
-			if owner, ok := p.byHash[m.hash]; !ok || owner != id {
-				bad("block %d: hash %v maps to block %d (present %v)", id, m.hash, owner, ok)
-			}
-		} else if m.hash != (BlockHash{}) {
-			bad("block %d: stale hash %v", id, m.hash)
-		}
-		var want blockState
-		switch {
-		case m.ref > 0:
-			want = stateUsed
-		case m.hashed:
-			want = stateCachedFree
-		default:
-			want = stateFree
-		}
-		if m.state != want {
-			bad("block %d: state %d, want %d (ref %d, hashed %v)", id, m.state, want, m.ref, m.hashed)
-		}
-		wantHeap, wantLRU := 0, 0
-		switch want {
-		case stateFree:
-			wantHeap = 1
-		case stateCachedFree:
-			wantLRU = 1
-		}
-		if inHeap[id] != wantHeap || inLRU[id] != wantLRU {
-			bad("block %d (ref %d, hashed %v): %d times in the free heap, %d in the LRU list",
-				id, m.ref, m.hashed, inHeap[id], inLRU[id])
-		}
-		if want != stateCachedFree && (m.prev != noBlock || m.next != noBlock) {
-			bad("block %d: LRU links set outside the LRU list", id)
-		}
+	return inLRU
+}
+
+// checkBlock checks block id's reference count, hash, state, and its presence in the free
+// containers (inHeap, inLRU: how many times each block is in them). p.mu must be held.
+func (p *Pool) checkBlock(v *violations, id int32, inHeap, inLRU []int) {
+	m := &p.meta[id]
+	if m.ref < 0 {
+		v.add("block %d: refcount %d", id, m.ref)
 	}
-	if hashed != len(p.byHash) {
-		bad("%d hashed blocks, prefix cache has %d entries", hashed, len(p.byHash))
+	if m.ref > 0 && m.gen == 0 {
+		v.add("block %d: referenced but never allocated", id)
 	}
-	for h, id := range p.byHash {
-		if id < 0 || int(id) >= p.n || !p.meta[id].hashed || p.meta[id].hash != h {
-			bad("prefix cache entry %v → block %d does not match the block", h, id)
+	if m.hashed {
+		if !p.prefix {
+			v.add("block %d: cached with prefix caching disabled", id)
 		}
+		if owner, ok := p.byHash[m.hash]; !ok || owner != id {
+			v.add("block %d: hash %v maps to block %d (present %v)", id, m.hash, owner, ok)
+		}
+	} else if m.hash != (BlockHash{}) {
+		v.add("block %d: stale hash %v", id, m.hash)
 	}
-	return errors.Join(errs...)
+	var want blockState
+	switch {
+	case m.ref > 0:
+		want = stateUsed
+	case m.hashed:
+		want = stateCachedFree
+	default:
+		want = stateFree
+	}
+	if m.state != want {
+		v.add("block %d: state %d, want %d (ref %d, hashed %v)", id, m.state, want, m.ref, m.hashed)
+	}
+	wantHeap, wantLRU := 0, 0
+	switch want {
+	case stateFree:
+		wantHeap = 1
+	case stateCachedFree:
+		wantLRU = 1
+	}
+	if inHeap[id] != wantHeap || inLRU[id] != wantLRU {
+		v.add("block %d (ref %d, hashed %v): %d times in the free heap, %d in the LRU list",
+			id, m.ref, m.hashed, inHeap[id], inLRU[id])
+	}
+	if want != stateCachedFree && (m.prev != noBlock || m.next != noBlock) {
+		v.add("block %d: LRU links set outside the LRU list", id)
+	}
 }

@@ -6,8 +6,9 @@ import (
 )
 
 // BlockRatio checks that KV in the remote geometry can be received into the local one, with
-// vLLM's rules (spec §8), and returns the block-size ratio r = local.BlockSize / remote.BlockSize:
-// local block b is filled from the r consecutive remote-sized sub-blocks b×r … b×r+r−1.
+// vLLM's rules (docs/architecture.md, "Heterogeneous KV geometry"), and returns the block-size
+// ratio r = local.BlockSize / remote.BlockSize: local block b is filled from the r consecutive
+// remote-sized sub-blocks b×r … b×r+r−1.
 //
 //   - layers, KV heads, head size and dtype must be equal;
 //   - the remote block size must not be larger than the local one and must divide it;
@@ -80,8 +81,8 @@ func ConvertLayout(dst, src []byte, g Geometry, from, to Layout) error {
 	return nil
 }
 
-// RegroupBlocks assembles local blocks from smaller remote blocks (spec §8.2, vLLM's
-// kv_postprocess_blksize[_and_layout]_on_receive): src holds, for each local block, the r =
+// RegroupBlocks assembles local blocks from smaller remote blocks (docs/architecture.md,
+// "Heterogeneous KV geometry"; vLLM's kv_postprocess_blksize[_and_layout]_on_receive): src holds, for each local block, the r =
 // local.BlockSize/remote.BlockSize consecutive remote blocks in the remote geometry (as a raw read
 // places them); dst receives the same KV in the local geometry, local slot k×remote.BlockSize+s
 // coming from sub-block k, slot s. len(dst) == len(src) == m × local.BlockBytes() for m ≥ 1. The

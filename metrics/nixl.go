@@ -17,7 +17,8 @@ type TransferSample struct {
 	Descriptors  int           // descriptors in the transfer
 }
 
-// nixlVecs holds the labelled NIXL collectors of a Registry (spec §7.3).
+// nixlVecs holds the labelled NIXL collectors of a Registry (docs/architecture.md, wire contract
+// item 42).
 type nixlVecs struct {
 	xferTime, postTime, bytes, descriptors           *prometheus.HistogramVec
 	failedTransfers, failedNotifications, expiredReq *prometheus.CounterVec
@@ -74,7 +75,8 @@ func (v nixlVecs) forEngine(modelName, engine string) *NixlMetrics {
 }
 
 // NixlMetrics records the NIXL connector's transfer statistics of one engine: the Prometheus
-// series of spec §7.3 and the samples of the current logging interval (for KVTransferLogLine).
+// series of docs/architecture.md's wire contract item 42 and the samples of the current logging
+// interval (for KVTransferLogLine).
 // Safe for concurrent use.
 type NixlMetrics struct {
 	xferTime, postTime, bytes, descriptors prometheus.Observer

@@ -23,7 +23,8 @@ func (iv TransferInterval) Empty() bool {
 		iv.ExpiredRequests == 0
 }
 
-// KVTransferLogLine formats the interval as vLLM's log line (spec §7.2), with the two
+// KVTransferLogLine formats the interval as vLLM's log line (docs/architecture.md, wire contract
+// item 41; README.md, "Metrics"), with the two
 // recommended trailing keys:
 //
 //	KV Transfer metrics: Num successful transfers=3, Avg xfer time (ms)=2.0, P90 xfer time (ms)=2.8,

@@ -97,6 +97,7 @@ type packItem struct {
 type attnScratch struct {
 	xq, scores, acc, part []float32
 	kl, vl                kernel.Linear // chunks packed for this item only
+	wide                  []float32     // FP8 rows widened for the in-place kernels (kvfp8.go)
 }
 
 // tileTokens returns the number of a sequence's tokens in one attention work item.
@@ -229,7 +230,7 @@ func (m *Model) packValues(l *kernel.Linear, w *workspace, seqs []Seq, blockSize
 }
 
 // positionIter walks the stored keys and values of consecutive positions of one sequence and
-// KV head, resolving each block's view once. Bfloat16 values are widened into ring, whose last
+// KV head, resolving each block's view once. Bfloat16 and FP8 values are widened into ring, whose last
 // ringRows keys and values stay valid (a Linear's SetRows holds up to 16 rows at once).
 type positionIter struct {
 	w               *workspace
@@ -259,7 +260,7 @@ func (it *positionIter) next() (k, v []float32) {
 	}
 	o := it.slot * it.view.stride
 	it.slot++
-	if it.view.k16 == nil {
+	if it.view.k16 == nil && it.view.k8 == nil {
 		return it.view.k[o : o+it.hd], it.view.v[o : o+it.hd]
 	}
 	if it.ring == nil {
@@ -269,6 +270,10 @@ func (it *positionIter) next() (k, v []float32) {
 	it.next16++
 	k = it.ring[2*r*it.hd : (2*r+1)*it.hd]
 	v = it.ring[(2*r+1)*it.hd : (2*r+2)*it.hd]
+	if it.view.k8 != nil {
+		it.view.widenFP8(k, v, o)
+		return k, v
+	}
 	kernel.WidenBF16(k, it.view.k16[o:o+it.hd])
 	kernel.WidenBF16(v, it.view.v16[o:o+it.hd])
 	return k, v
@@ -314,6 +319,10 @@ func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo
 // touch reads the keys (or values) of rows slots from slot on in address order.
 func (v *headView) touch(slot, rows int, values bool) {
 	o := slot * v.stride
+	if v.k8 != nil {
+		v.touchFP8(o, rows, values)
+		return
+	}
 	if v.k16 != nil {
 		x := v.k16
 		if values {
@@ -422,11 +431,7 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 
 	// The values are read with the keys when the item's keys and values fit a core's L2 (so they
 	// are still there for the values pass), else just before use.
-	size := 4
-	if m.kvBF16 {
-		size = 2
-	}
-	ahead := (it.g1-it.g0)*(maxPos+1)*hd*2*size <= touchAheadBytes
+	ahead := (it.g1-it.g0)*(maxPos+1)*hd*2*m.kvValueBytes() <= touchAheadBytes
 	// Scores, chunk by chunk, for the rows that reach the chunk (up to the tile's last position,
 	// as a packed chunk holds), straight into the score rows.
 	for ch := range nch {
@@ -434,7 +439,9 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, ahead, func(g, j0, n int, v *headView, o int) {
 			r := (g-it.g0)*rows + r0
 			dst, q := scores[r*stride+lo+j0:], xq[r*hd:]
-			if v.k16 != nil {
+			if v.k8 != nil {
+				kernel.RowDots(dst, stride, q, hd, rows-r0, v.widenRows(sc, false, o, n, hd), hd, n, hd)
+			} else if v.k16 != nil {
 				kernel.RowDotsBF16(dst, stride, q, hd, rows-r0, v.k16[o:], v.stride, n, hd)
 			} else {
 				kernel.RowDots(dst, stride, q, hd, rows-r0, v.k[o:], v.stride, n, hd)
@@ -464,7 +471,9 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), true, ahead, func(g, j0, n int, v *headView, o int) {
 			gi := g - it.g0
 			d, p := dst[gi*rows*hd:], scores[(gi*rows+r0)*stride+lo+j0:]
-			if v.v16 != nil {
+			if v.v8 != nil {
+				kernel.AccumulateRows(d, hd, p, stride, nr, v.widenRows(sc, true, o, n, hd), hd, n, hd)
+			} else if v.v16 != nil {
 				kernel.AccumulateRowsBF16(d, hd, p, stride, nr, v.v16[o:], v.stride, n, hd)
 			} else {
 				kernel.AccumulateRows(d, hd, p, stride, nr, v.v[o:], v.stride, n, hd)

@@ -13,8 +13,9 @@ import (
 // which one a step used, nor on who wrote the KV (the model or a transfer); these tests force
 // each way and compare bits.
 
-func TestAttentionPathsAgree(t *testing.T) {
-	m := openTiny(t)
+func TestAttentionPathsAgree(t *testing.T) { forEachPrecision(t, testAttentionPathsAgree) }
+
+func testAttentionPathsAgree(t *testing.T, m *Model) {
 	c := m.cfg
 	prompt := randomTokens(150, c.VocabSize, 61)
 	var want [][]float32
@@ -33,7 +34,7 @@ func TestAttentionPathsAgree(t *testing.T) {
 				for _, chunk := range []int{150, 45, 1} {
 					name := fmt.Sprintf("block%d/prefillMin%d/inPlace%v/chunk%d", blockSize, prefillMin, inPlace, chunk)
 					m.prefillMin, m.inPlace = prefillMin, inPlace
-					kv := newTestKV(c, blockSize, nb, false)
+					kv := newTestKVFor(m, blockSize, nb, false)
 					got := decodeRun(t, m, kv, blockSize, blocks, prompt, chunk, 9)
 					gotKV := kvOf(kv, c, blocks, len(prompt)+9)
 					if want == nil {
@@ -58,6 +59,10 @@ func copyBlock(dst *testKV, db int, src *testKV, sb int) {
 		copy(dst.mem16[db*n:(db+1)*n], src.mem16[sb*n:(sb+1)*n])
 		return
 	}
+	if src.mem8 != nil {
+		copy(dst.mem8[db*n:(db+1)*n], src.mem8[sb*n:(sb+1)*n])
+		return
+	}
 	copy(dst.mem[db*n:(db+1)*n], src.mem[sb*n:(sb+1)*n])
 }
 
@@ -67,6 +72,9 @@ func transferred(c Config, src *testKV, srcBlocks []int32, n, nb int) (*testKV, 
 	dst := newTestKV(c, src.blockSize, 3*nb, false)
 	if src.mem16 != nil {
 		dst.mem16, dst.mem = make([]uint16, len(dst.mem)), nil
+	}
+	if src.mem8 != nil {
+		dst.mem8, dst.fp8, dst.mem = make([]uint8, len(dst.mem)), src.fp8, nil
 	}
 	blocks := make([]int32, nb)
 	for i := range blocks {

@@ -293,21 +293,9 @@ func (c *Config) parseRope(h hfConfig) error {
 	if present(h.RopeParameters) {
 		key, raw = "rope_parameters", h.RopeParameters
 	}
-	var r hfRope
-	if present(raw) {
-		var fields map[string]json.RawMessage
-		err := json.Unmarshal(raw, &fields)
-		for k, v := range fields {
-			if t := bytes.TrimSpace(v); len(t) > 0 && t[0] == '{' {
-				err = fmt.Errorf("%q holds parameters per layer type", k)
-			}
-		}
-		if err == nil {
-			err = json.Unmarshal(raw, &r)
-		}
-		if err != nil {
-			return fmt.Errorf("%w: %s: %w (want one object with rope_type; per-layer-type parameters are not supported)", ErrBadConfig, key, err)
-		}
+	r, err := decodeRope(key, raw)
+	if err != nil {
+		return err
 	}
 	switch {
 	case r.RopeTheta != nil:
@@ -326,42 +314,68 @@ func (c *Config) parseRope(h hfConfig) error {
 	if t == "" {
 		t = r.Type
 	}
-	factor := func() (float64, error) {
-		if r.Factor == nil || !(*r.Factor >= 1) {
-			return 0, fmt.Errorf("%w: %s.factor must be a number ≥ 1 for rope_type %q", ErrBadConfig, key, t)
-		}
-		return *r.Factor, nil
-	}
 	switch t {
 	case "", "default":
 		return nil
 	case "linear", "dynamic", "yarn", "llama3":
-		f, err := factor()
+		s, err := ropeScaling(key, t, r, h.MaxPositionEmbeddings)
 		if err != nil {
 			return err
-		}
-		s := &RopeScaling{Type: t, Factor: f, LowFreqFactor: r.LowFreqFactor, HighFreqFactor: r.HighFreqFactor,
-			OriginalMaxPositionEmbeddings: r.OriginalMaxPositionEmbeddings, BetaFast: r.BetaFast, BetaSlow: r.BetaSlow,
-			AttentionFactor: r.AttentionFactor, Mscale: r.Mscale, MscaleAllDim: r.MscaleAllDim,
-			NoTruncate: r.Truncate != nil && !*r.Truncate}
-		if t == "llama3" && (s.OriginalMaxPositionEmbeddings <= 0 || !(s.HighFreqFactor > s.LowFreqFactor) || !(s.LowFreqFactor > 0)) {
-			return fmt.Errorf("%w: %s for llama3 needs original_max_position_embeddings > 0 and 0 < low_freq_factor < high_freq_factor", ErrBadConfig, key)
-		}
-		if s.OriginalMaxPositionEmbeddings <= 0 {
-			s.OriginalMaxPositionEmbeddings = h.MaxPositionEmbeddings
-		}
-		if t == "yarn" {
-			if s.BetaFast == 0 {
-				s.BetaFast = 32
-			}
-			if s.BetaSlow == 0 {
-				s.BetaSlow = 1
-			}
 		}
 		c.RopeScaling = s
 		return nil
 	}
 	return fmt.Errorf("%w: %s.rope_type %q (supported: default, linear, dynamic, yarn, llama3)", ErrUnsupported, key, t)
+}
+
+// decodeRope decodes the RoPE object raw found at key (zero when absent); parameters per layer
+// type are refused.
+func decodeRope(key string, raw json.RawMessage) (hfRope, error) {
+	var r hfRope
+	if !present(raw) {
+		return r, nil
+	}
+	var fields map[string]json.RawMessage
+	err := json.Unmarshal(raw, &fields)
+	for k, v := range fields {
+		if t := bytes.TrimSpace(v); len(t) > 0 && t[0] == '{' {
+			err = fmt.Errorf("%q holds parameters per layer type", k)
+		}
+	}
+	if err == nil {
+		err = json.Unmarshal(raw, &r)
+	}
+	if err != nil {
+		return r, fmt.Errorf("%w: %s: %w (want one object with rope_type; per-layer-type parameters are not supported)", ErrBadConfig, key, err)
+	}
+	return r, nil
+}
+
+// ropeScaling checks and completes the scaling of rope_type t (linear, dynamic, yarn or llama3)
+// read at key; maxPos is the model's max_position_embeddings.
+func ropeScaling(key, t string, r hfRope, maxPos int) (*RopeScaling, error) {
+	if r.Factor == nil || !(*r.Factor >= 1) {
+		return nil, fmt.Errorf("%w: %s.factor must be a number ≥ 1 for rope_type %q", ErrBadConfig, key, t)
+	}
+	s := &RopeScaling{Type: t, Factor: *r.Factor, LowFreqFactor: r.LowFreqFactor, HighFreqFactor: r.HighFreqFactor,
+		OriginalMaxPositionEmbeddings: r.OriginalMaxPositionEmbeddings, BetaFast: r.BetaFast, BetaSlow: r.BetaSlow,
+		AttentionFactor: r.AttentionFactor, Mscale: r.Mscale, MscaleAllDim: r.MscaleAllDim,
+		NoTruncate: r.Truncate != nil && !*r.Truncate}
+	if t == "llama3" && (s.OriginalMaxPositionEmbeddings <= 0 || !(s.HighFreqFactor > s.LowFreqFactor) || !(s.LowFreqFactor > 0)) {
+		return nil, fmt.Errorf("%w: %s for llama3 needs original_max_position_embeddings > 0 and 0 < low_freq_factor < high_freq_factor", ErrBadConfig, key)
+	}
+	if s.OriginalMaxPositionEmbeddings <= 0 {
+		s.OriginalMaxPositionEmbeddings = maxPos
+	}
+	if t == "yarn" {
+		if s.BetaFast == 0 {
+			s.BetaFast = 32
+		}
+		if s.BetaSlow == 0 {
+			s.BetaSlow = 1
+		}
+	}
+	return s, nil
 }
 
 // validate checks that the dimensions are usable.

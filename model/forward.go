@@ -69,11 +69,13 @@ func (w *workspace) release() {
 	w.items, w.packItems = w.items[:0], w.packItems[:0]
 }
 
-// headView is one (layer, block, KV head) view of the KV store: float32 values (k, v) or
-// bfloat16 ones (k16, v16).
+// headView is one (layer, block, KV head) view of the KV store: float32 values (k, v),
+// bfloat16 ones (k16, v16) or FP8 codes (k8, v8) with their layer's quantization (fp8).
 type headView struct {
 	k, v     []float32
 	k16, v16 []uint16
+	k8, v8   []uint8
+	fp8      *fp8Layer
 	stride   int
 }
 
@@ -113,6 +115,9 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	}
 	if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
 		return fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
+	}
+	if _, ok := kv.(KVBlocksFP8); m.kvFP8 && !ok {
+		return fmt.Errorf("%w: the model's KV cache is %v but the store (%T) has no FP8 views", ErrBadInput, m.fp8, kv)
 	}
 	total := 0
 	for i, s := range seqs {
@@ -279,6 +284,11 @@ func (m *Model) resolveViews(w *workspace, kv KVBlocks, l, blockSize int, seqs [
 		base := w.viewBase[i]
 		for g := range nkv {
 			for b := range nb {
+				if m.kvFP8 {
+					k, v, stride := kv.(KVBlocksFP8).HeadViewFP8(l, int(s.Blocks[b]), g)
+					w.views[base+g*nb+b] = headView{k8: k, v8: v, fp8: &m.fp8Layers[l], stride: stride}
+					continue
+				}
 				if m.kvBF16 {
 					k, v, stride := kv.(KVBlocksBF16).HeadViewBF16(l, int(s.Blocks[b]), g)
 					w.views[base+g*nb+b] = headView{k16: k, v16: v, stride: stride}
@@ -324,6 +334,10 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 	for g := range c.NumKVHeads {
 		v := w.view(seqs, blockSize, si, g, b)
 		o := slot * v.stride
+		if m.kvFP8 {
+			m.storeFP8(v, o, row[qd+g*hd:qd+(g+1)*hd], row[qd+kd+g*hd:qd+kd+(g+1)*hd])
+			continue
+		}
 		if m.kvBF16 {
 			kernel.NarrowBF16(v.k16[o:o+hd], row[qd+g*hd:qd+(g+1)*hd])
 			kernel.NarrowBF16(v.v16[o:o+hd], row[qd+kd+g*hd:qd+kd+(g+1)*hd])

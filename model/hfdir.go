@@ -253,6 +253,9 @@ func loadWeights(ctx context.Context, dir string, cfg Config) (*weights, mappedF
 		if err != nil {
 			return nil, files, err
 		}
+		if s.scalar && len(shape) <= 1 && len(*s.vec) == 1 {
+			continue
+		}
 		if !slices.Equal(shape, s.shape) {
 			return nil, files, fmt.Errorf("%w: %s: tensor %s has shape %v, config wants %v", ErrBadWeights, dir, s.name, shape, s.shape)
 		}

@@ -86,7 +86,11 @@ func tensorsOf(c Config, w *weights) []namedTensor {
 			data = *s.vec
 		}
 		if data != nil {
-			out = append(out, namedTensor{name: s.name, shape: s.shape, data: data})
+			shape := s.shape
+			if s.scalar {
+				shape = []int{}
+			}
+			out = append(out, namedTensor{name: s.name, shape: shape, data: data})
 		}
 	}
 	return out

@@ -8,6 +8,8 @@ import (
 	"slices"
 	"sync"
 	"testing"
+
+	"github.com/kvbridge/kvbridge/model/kernel"
 )
 
 // openTiny opens kvbridge/tiny and closes it at the end of the test.
@@ -26,8 +28,9 @@ func openTinyWith(t testing.TB, prec precision) *Model {
 }
 
 // testPrecisions are the ways a model computes: float32; bfloat16 products with a float32 KV
-// cache; bfloat16 products with a bfloat16 KV cache; int8 weights (--quantization int8) with a
-// float32 KV cache.
+// cache; bfloat16 products with a bfloat16 KV cache; float32 products with an fp8_e4m3 KV cache;
+// bfloat16 products with an fp8_e5m2 one; int8 weights (--quantization int8) with a float32 KV
+// cache.
 var testPrecisions = []struct {
 	name string
 	prec precision
@@ -35,6 +38,8 @@ var testPrecisions = []struct {
 	{"float32", precision{}},
 	{"bfloat16", precision{bf16: true}},
 	{"bfloat16-kv", precision{bf16: true, kvBF16: true}},
+	{"fp8-kv", precision{kvFP8: true, fp8: kernel.E4M3}},
+	{"bfloat16-fp8_e5m2-kv", precision{bf16: true, kvFP8: true, fp8: kernel.E5M2}},
 	{"int8", precision{int8: true}},
 }
 

@@ -9,6 +9,8 @@ type testKV struct {
 	nhd                               bool
 	mem                               []float32 // float32 values, or nil
 	mem16                             []uint16  // bfloat16 values, or nil
+	mem8                              []uint8   // FP8 codes of format fp8 (scale 1), or nil
+	fp8                               kernel.FP8
 }
 
 func newTestKV(c Config, blockSize, numBlocks int, nhd bool) *testKV {
@@ -23,6 +25,9 @@ func newTestKVFor(m *Model, blockSize, numBlocks int, nhd bool) *testKV {
 	kv := newTestKV(m.cfg, blockSize, numBlocks, nhd)
 	if m.kvBF16 {
 		kv.mem16, kv.mem = make([]uint16, len(kv.mem)), nil
+	}
+	if m.kvFP8 {
+		kv.mem8, kv.fp8, kv.mem = make([]uint8, len(kv.mem)), m.fp8, nil
 	}
 	return kv
 }
@@ -51,9 +56,24 @@ func (s *testKV) HeadViewBF16(layer, block, head int) (k, v []uint16, stride int
 	return s.mem16[ko : ko+n], s.mem16[vo : vo+n], stride
 }
 
+// HeadViewFP8 implements KVBlocksFP8.
+func (s *testKV) HeadViewFP8(layer, block, head int) (k, v []uint8, stride int) {
+	ko, vo, n, stride := s.offsets(layer, block, head)
+	return s.mem8[ko : ko+n], s.mem8[vo : vo+n], stride
+}
+
 // position returns copies of the K and V of (layer, head, pos) under block table blocks, as
-// float32 (bfloat16 values widened).
+// float32 (bfloat16 and FP8 values widened, the latter with scale 1).
 func (s *testKV) position(blocks []int32, layer, head, pos int) (k, v []float32) {
+	if s.mem8 != nil {
+		kk, vv, stride := s.HeadViewFP8(layer, int(blocks[pos/s.blockSize]), head)
+		o := (pos % s.blockSize) * stride
+		for d := range s.headDim {
+			k = append(k, s.fp8.ToF32(kk[o+d]))
+			v = append(v, s.fp8.ToF32(vv[o+d]))
+		}
+		return k, v
+	}
 	if s.mem16 != nil {
 		kk, vv, stride := s.HeadViewBF16(layer, int(blocks[pos/s.blockSize]), head)
 		o := (pos % s.blockSize) * stride

@@ -2,8 +2,9 @@
 // store, its weights (Hugging Face safetensors directories or built-in random models) kept in
 // float32 or in the checkpoint's bfloat16 (OpenOptions.DType: products then take bfloat16
 // inputs and sum in float32; norms, softmax and RoPE stay float32; the KV store holds float32 or,
-// with OpenOptions.KVCacheDType, bfloat16) — or, with OpenOptions.Quantization int8, in int8
-// with products on int8 activations —, its tokenizer and chat template, and token sampling.
+// with OpenOptions.KVCacheDType, bfloat16 or FP8 scaled as vLLM scales it, kvfp8.go) — or, with
+// OpenOptions.Quantization int8, in int8 with products on int8 activations —, its tokenizer and
+// chat template, and token sampling.
 //
 // The forward pass is batch-invariant: a token's KV and logits are bit-identical whatever batch,
 // batch position or prefill chunking they are computed in. Disaggregated prefill/decode relies on
@@ -68,7 +69,8 @@ type OpenOptions struct {
 	// KVCacheDType is vLLM's --kv-cache-dtype: "auto" (or empty) follows the compute dtype, as
 	// vLLM's does (a bf16 checkpoint gets a bfloat16 KV cache, an f32 one or --dtype float32 a
 	// float32 one); "float32" keeps keys and values as float32, "bfloat16" rounds them to
-	// bfloat16 (2 bytes a value).
+	// bfloat16 (2 bytes a value); "fp8" or "fp8_e4m3", and "fp8_e5m2", store each key (value)
+	// divided by its layer's k_scale (v_scale) as one byte of FP8 (see kvfp8.go).
 	KVCacheDType string
 	// Quantization is vLLM's --quantization: "" (or "none") runs the weights as DType says;
 	// "int8" quantizes every weight matrix (lm_head and a tied embedding included) to int8 at
@@ -82,11 +84,13 @@ type OpenOptions struct {
 }
 
 // precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32;
-// int8: int8 weight matrices (OpenOptions.Quantization) whatever bf16 says.
+// kvFP8, an FP8 KV cache of format fp8; int8: int8 weight matrices (OpenOptions.Quantization)
+// whatever bf16 says.
 type precision struct {
-	bf16, kvBF16 bool
-	int8         bool
-	roundScale   func(float32) float32 // OpenOptions.Int8RoundScale
+	bf16, kvBF16, kvFP8 bool
+	fp8                 kernel.FP8
+	int8                bool
+	roundScale          func(float32) float32 // OpenOptions.Int8RoundScale
 }
 
 // ParseDType checks a compute dtype (OpenOptions.DType, vLLM's --dtype), case-insensitively,
@@ -131,8 +135,12 @@ func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 	case "float32", "fp32", "float":
 	case "bfloat16", "bf16":
 		p.kvBF16 = true
+	case "fp8", "fp8_e4m3":
+		p.kvFP8, p.fp8 = true, kernel.E4M3
+	case "fp8_e5m2":
+		p.kvFP8, p.fp8 = true, kernel.E5M2
 	default:
-		return p, fmt.Errorf("%w: KV cache dtype %q (want auto, float32 or bfloat16)", ErrUnsupported, opts.KVCacheDType)
+		return p, fmt.Errorf("%w: KV cache dtype %q (want auto, float32, bfloat16, fp8, fp8_e4m3 or fp8_e5m2)", ErrUnsupported, opts.KVCacheDType)
 	}
 	return p, nil
 }
@@ -183,6 +191,11 @@ type Model struct {
 	// never unmapped under a running step.
 	life   sync.RWMutex
 	closed atomic.Bool
+
+	// kvFP8: an FP8 KV cache of format fp8, quantized per layer as fp8Layers say (kvfp8.go).
+	kvFP8     bool
+	fp8       kernel.FP8
+	fp8Layers []fp8Layer
 }
 
 // decoderLayer holds one layer's packed weights.
@@ -273,8 +286,12 @@ func (m *Model) DType() string {
 }
 
 // KVCacheDType returns the type of the keys and values the model writes and reads: "float32",
-// or "bfloat16" (then Forward needs a KVBlocksBF16 store).
+// "bfloat16" (then Forward needs a KVBlocksBF16 store), "fp8_e4m3" or "fp8_e5m2" (a KVBlocksFP8
+// store).
 func (m *Model) KVCacheDType() string {
+	if m.kvFP8 {
+		return m.fp8.String()
+	}
 	if m.kvBF16 {
 		return "bfloat16"
 	}
@@ -339,11 +356,7 @@ func (m *Model) AttentionFLOPsPerToken(contextLen int) float64 {
 // (KVCacheDType's size each): what attention reads per position of a context at every step.
 func (m *Model) KVBytesPerToken() int64 {
 	c := m.cfg
-	size := 4
-	if m.kvBF16 {
-		size = 2
-	}
-	return int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * size)
+	return int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * m.kvValueBytes())
 }
 
 // PrefillFLOPs returns the floating-point operations of prefilling promptLen tokens from position

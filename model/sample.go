@@ -100,22 +100,7 @@ func (s *Sampler) Sample(logits []float32) int32 {
 		return Argmax(logits)
 	}
 	if s.p.MinP > 0 {
-		// vLLM masks p_i < min_p · p_max, that is logit_i − logit_max < ln(min_p).
-		maxL := math.Inf(-1)
-		for _, x := range c {
-			maxL = max(maxL, float64(x.logit))
-		}
-		// A MinP above 1 counts as 1 (only the most likely tokens), so the list never empties.
-		cut := min(math.Log(s.p.MinP), 0)
-		kept := c[:0]
-		for _, x := range c {
-			if float64(x.logit)-maxL >= cut {
-				kept = append(kept, x)
-			}
-		}
-		if len(kept) > 0 { // empty only if a logit is +Inf (+Inf − +Inf is NaN): keep them all
-			c = kept
-		}
+		c = keepMinP(c, s.p.MinP)
 	}
 	byLogit := func(a, b candidate) int {
 		if x := cmp.Compare(b.logit, a.logit); x != 0 {
@@ -162,6 +147,28 @@ func (s *Sampler) Sample(logits []float32) int32 {
 	return c[len(c)-1].id
 }
 
+// keepMinP drops the candidates less likely than minP times the most likely one, unless that
+// would drop them all.
+func keepMinP(c []candidate, minP float64) []candidate {
+	// vLLM masks p_i < min_p · p_max, that is logit_i − logit_max < ln(min_p).
+	maxL := math.Inf(-1)
+	for _, x := range c {
+		maxL = max(maxL, float64(x.logit))
+	}
+	// A MinP above 1 counts as 1 (only the most likely tokens), so the list never empties.
+	cut := min(math.Log(minP), 0)
+	kept := c[:0]
+	for _, x := range c {
+		if float64(x.logit)-maxL >= cut {
+			kept = append(kept, x)
+		}
+	}
+	if len(kept) > 0 { // empty only if a logit is +Inf (+Inf − +Inf is NaN): keep them all
+		return kept
+	}
+	return c
+}
+
 // Argmax returns the index of the largest logit, the lowest index on ties; NaN counts as -Inf.
 // It returns 0 for an empty slice.
 func Argmax(logits []float32) int32 {
@@ -186,31 +193,9 @@ func Argmax(logits []float32) int32 {
 func (s *Sampler) Process(logits []float32, prompt, output []int32) {
 	p := &s.p
 	if len(p.AllowedTokenIDs) > 0 {
-		if s.allowed == nil {
-			s.allowed = make([]uint64, (len(logits)+63)/64)
-			for _, id := range p.AllowedTokenIDs {
-				if id >= 0 && int(id) < len(logits) {
-					s.allowed[id/64] |= 1 << (id % 64)
-				}
-			}
-		}
-		for i := range logits {
-			if s.allowed[i/64]&(1<<(i%64)) == 0 {
-				logits[i] = float32(math.Inf(-1))
-			}
-		}
+		s.maskDisallowed(logits)
 	}
-	for _, w := range p.BadWords {
-		if len(w) == 0 || len(w) > len(output)+1 {
-			continue
-		}
-		prefix := w[:len(w)-1]
-		if slices.Equal(output[len(output)-len(prefix):], prefix) {
-			if last := w[len(w)-1]; last >= 0 && int(last) < len(logits) {
-				logits[last] = float32(math.Inf(-1))
-			}
-		}
-	}
+	maskBadWords(logits, p.BadWords, output)
 	for id, b := range p.LogitBias {
 		if id >= 0 && int(id) < len(logits) {
 			logits[id] += b
@@ -222,28 +207,7 @@ func (s *Sampler) Process(logits []float32, prompt, output []int32) {
 	}
 	s.countOutput(output)
 	if rep {
-		if !s.promptSeen {
-			s.promptSet = slices.Compact(slices.Sorted(slices.Values(prompt)))
-			s.promptSeen = true
-		}
-		penalize := func(id int32) {
-			if id < 0 || int(id) >= len(logits) {
-				return
-			}
-			if l := logits[id]; l > 0 {
-				logits[id] = l / float32(p.RepetitionPenalty)
-			} else {
-				logits[id] = l * float32(p.RepetitionPenalty)
-			}
-		}
-		for _, id := range s.promptSet {
-			penalize(id)
-		}
-		for id := range s.outCounts {
-			if _, inPrompt := slices.BinarySearch(s.promptSet, id); !inPrompt {
-				penalize(id)
-			}
-		}
+		s.penalizeRepetition(logits, prompt)
 	}
 	for id, n := range s.outCounts {
 		if id < 0 || int(id) >= len(logits) {
@@ -251,6 +215,68 @@ func (s *Sampler) Process(logits []float32, prompt, output []int32) {
 		}
 		logits[id] -= float32(p.FrequencyPenalty) * float32(n)
 		logits[id] -= float32(p.PresencePenalty)
+	}
+}
+
+// maskDisallowed masks the tokens outside AllowedTokenIDs (whose set it builds at the first
+// call).
+func (s *Sampler) maskDisallowed(logits []float32) {
+	if s.allowed == nil {
+		s.allowed = make([]uint64, (len(logits)+63)/64)
+		for _, id := range s.p.AllowedTokenIDs {
+			if id >= 0 && int(id) < len(logits) {
+				s.allowed[id/64] |= 1 << (id % 64)
+			}
+		}
+	}
+	for i := range logits {
+		if s.allowed[i/64]&(1<<(i%64)) == 0 {
+			logits[i] = float32(math.Inf(-1))
+		}
+	}
+}
+
+// maskBadWords masks the last token of each bad word whose prefix (all but that token) ends
+// output.
+func maskBadWords(logits []float32, badWords [][]int32, output []int32) {
+	for _, w := range badWords {
+		if len(w) == 0 || len(w) > len(output)+1 {
+			continue
+		}
+		prefix := w[:len(w)-1]
+		if slices.Equal(output[len(output)-len(prefix):], prefix) {
+			if last := w[len(w)-1]; last >= 0 && int(last) < len(logits) {
+				logits[last] = float32(math.Inf(-1))
+			}
+		}
+	}
+}
+
+// penalizeRepetition applies the repetition penalty to the tokens of the prompt and of the
+// output counted so far (countOutput), each once.
+func (s *Sampler) penalizeRepetition(logits []float32, prompt []int32) {
+	if !s.promptSeen {
+		s.promptSet = slices.Compact(slices.Sorted(slices.Values(prompt)))
+		s.promptSeen = true
+	}
+	penalty := float32(s.p.RepetitionPenalty)
+	penalize := func(id int32) {
+		if id < 0 || int(id) >= len(logits) {
+			return
+		}
+		if l := logits[id]; l > 0 {
+			logits[id] = l / penalty
+		} else {
+			logits[id] = l * penalty
+		}
+	}
+	for _, id := range s.promptSet {
+		penalize(id)
+	}
+	for id := range s.outCounts {
+		if _, inPrompt := slices.BinarySearch(s.promptSet, id); !inPrompt {
+			penalize(id)
+		}
 	}
 }
 

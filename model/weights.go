@@ -25,6 +25,9 @@ type layerWeights struct {
 	qb, kb, vb       []float32 // biases, nil when absent
 	qNorm, kNorm     []float32 // HeadDim, nil without QK norm
 	gate, up, down   matrix    // gate, up: Intermediate × Hidden; down: Hidden × Intermediate
+	// kScale, vScale, kvScale are an FP8 KV cache's scales (one value each), nil when the
+	// checkpoint has none (kvfp8.go).
+	kScale, vScale, kvScale []float32
 }
 
 // matrix is a row-major weight matrix held in memory as float32 (data), or as the raw
@@ -127,11 +130,13 @@ func newFused(pool *kernel.Pool, bf16 bool, out, in int, parts ...part) *kernel.
 }
 
 // tensorSpec is one HF tensor the architecture uses: its name, shape, whether it may be absent,
-// and the field receiving it (vec for vectors and the embedding, mat for projection matrices).
+// and the field receiving it (vec for vectors and the embedding, mat for projection matrices). A
+// scalar (shape nil) may be stored with shape [] or [1].
 type tensorSpec struct {
 	name     string
 	shape    []int
 	optional bool
+	scalar   bool
 	vec      *[]float32
 	mat      *matrix
 }
@@ -174,6 +179,15 @@ func (w *weights) specs(c Config) []tensorSpec {
 			tensorSpec{name: p + "self_attn.q_proj.bias", shape: []int{qd}, vec: &l.qb, optional: !c.AttentionBias},
 			tensorSpec{name: p + "self_attn.k_proj.bias", shape: []int{kd}, vec: &l.kb, optional: !c.AttentionBias},
 			tensorSpec{name: p + "self_attn.v_proj.bias", shape: []int{kd}, vec: &l.vb, optional: !c.AttentionBias})
+		ks, vs, kvs := kvScaleNames(p)
+		for _, n := range [...]struct {
+			names []string
+			vec   *[]float32
+		}{{ks, &l.kScale}, {vs, &l.vScale}, {kvs, &l.kvScale}} {
+			for _, name := range n.names {
+				s = append(s, tensorSpec{name: name, vec: n.vec, optional: true, scalar: true})
+			}
+		}
 	}
 	return s
 }
@@ -213,6 +227,14 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 		bf16:       prec.bf16,
 		kvBF16:     prec.kvBF16,
 		int8:       prec.int8,
+		kvFP8:      prec.kvFP8,
+		fp8:        prec.fp8,
+	}
+	if prec.kvFP8 {
+		var err error
+		if m.fp8Layers, err = newFP8Layers(w, prec.fp8); err != nil {
+			return nil, err
+		}
 	}
 	bf := prec.bf16
 	newFused := newFused

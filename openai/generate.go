@@ -131,24 +131,29 @@ type seqEvent struct {
 // runner drives a job's sequences: it adds them to the engine, forwards their outputs to one
 // channel and records what they produced. Its forwarding goroutines end by close.
 type runner struct {
-	s      *Server
-	j      *job
-	client context.Context // the HTTP request's context
-	ctx    context.Context // the sequences' context: cancelled to abort them all
-	cancel context.CancelFunc
-	events chan seqEvent
-	stop   chan struct{}
-	wg     sync.WaitGroup
-	// ended counts the sequences the engine has ended (their final output came); when all of
-	// the job's have, release gives the request's concurrency slots back.
-	ended   atomic.Int32
+	// Set by startJob, read-only afterwards.
+	s       *Server
+	j       *job
+	client  context.Context // the HTTP request's context
+	ctx     context.Context // the sequences' context: cancelled to abort them all
+	cancel  context.CancelFunc
+	events  chan seqEvent
+	stop    chan struct{}
 	release func()
-	res     []*seqResult
 	start   time.Time
 	// share: sequences 1.. are added once sequence 0 has computed the prompt, so that they
 	// find its blocks in the prefix cache. Sequence 0's forwarder adds them (addShared).
-	share    bool
+	share bool
+
+	// Owned by the collector (wait and what it calls).
+	res      []*seqResult
 	gotToken bool
+
+	// Safe for concurrent use.
+	wg sync.WaitGroup // the forwarding goroutines
+	// ended counts the sequences the engine has ended (their final output came); when all of
+	// the job's have, release gives the request's concurrency slots back.
+	ended atomic.Int32
 
 	mu     sync.Mutex
 	added  int       // sequences the engine took
@@ -230,7 +235,7 @@ func (rn *runner) forward(i int, in <-chan engine.Output) {
 			case o.Finished:
 				rn.seqEnded()
 			}
-			if i == 0 && first && rn.share && (!o.Finished || o.FinishReason == "stop" || o.FinishReason == "length") {
+			if i == 0 && first && rn.share && (!o.Finished || o.FinishReason == engine.FinishStop || o.FinishReason == engine.FinishLength) {
 				rn.addShared() // sequence 0 has computed the prompt
 			}
 			first = false
@@ -321,101 +326,135 @@ func (rn *runner) close() {
 // if the client went away, or an APIError for a sequence that ended in error (the others are
 // then aborted).
 func (rn *runner) wait(each func(i int, o engine.Output)) (*APIError, error) {
-	var (
-		done     = rn.client.Done()
-		grace    <-chan time.Time
-		timer    *time.Timer
-		failure  *APIError
-		finished int
-	)
-	defer func() {
-		if timer != nil {
-			timer.Stop()
-		}
-	}()
-	startGrace := func() {
-		if timer == nil {
-			timer = time.NewTimer(abortGrace)
-			grace = timer.C
-		}
-	}
-	pending := func() bool { // sequences added once sequence 0 has started, not counted yet
-		return rn.share && !rn.res[0].started && failure == nil && rn.client.Err() == nil
-	}
-	for finished < rn.numAdded() || pending() {
+	w := &waiter{rn: rn, each: each}
+	defer w.stopGrace()
+	done := rn.client.Done()
+	for w.finished < rn.numAdded() || w.pending() {
 		select {
 		case <-done:
 			done = nil
-			startGrace()
-			continue
-		case <-grace:
+			w.startGrace()
+		case <-w.grace:
 			rn.s.log.Warn("engine did not finish an aborted request in time", "request_id", rn.j.reqs[0].ID)
-			if rn.client.Err() != nil {
-				return nil, errClientGone
-			}
-			return failure, nil
+			return rn.outcome(w.failure)
 		case ev := <-rn.events:
-			r := rn.res[ev.idx]
-			o := ev.out
-			rn.record(ev.idx, o)
-			ok := !o.Finished || o.FinishReason == "stop" || o.FinishReason == "length"
-			if ev.idx == 0 && !r.started && ok && pending() {
-				// Sequence 0 has computed the prompt: its forwarder has added the others, which
-				// start from its cached blocks, or failed to.
-				rn.mu.Lock()
-				addErr := rn.addErr
-				rn.mu.Unlock()
-				if addErr != nil {
-					failure = addErr
-					startGrace()
-				}
-			}
-			r.started = true
-			if !o.Finished {
-				if each != nil && failure == nil {
-					each(ev.idx, o)
-				}
-				continue
-			}
-			finished++
-			rn.s.metrics.ObserveFinished(o.FinishReason, time.Since(rn.start))
-			switch o.FinishReason {
-			case "stop", "length":
-				r.finish = o.FinishReason
-				r.kv = o.KVTransfer
-				if each != nil && failure == nil {
-					each(ev.idx, o)
-				}
-				continue
-			}
-			if failure != nil || rn.client.Err() != nil {
-				continue // an abort we caused, or the client's
-			}
-			switch {
-			case o.FinishReason == "abort" && errors.Is(o.Err, engine.ErrClosed):
-				failure = unavailable()
-			case o.FinishReason == "abort":
-				rn.s.log.Error("request aborted by the engine", "request_id", rn.j.reqs[ev.idx].ID, "err", o.Err)
-				failure = internalError()
-			default: // "error": forward failure, KV load failure under policy fail, …
-				rn.s.log.Error("request failed", "request_id", rn.j.reqs[ev.idx].ID, "finish_reason", o.FinishReason, "err", o.Err)
-				failure = internalError()
-			}
-			rn.cancel() // the other sequences cannot make a response any more
-			startGrace()
+			w.take(ev)
 		}
 	}
-	if finished == len(rn.j.reqs) { // vLLM's parent request finished: its n and longest output
+	if w.finished == len(rn.j.reqs) { // vLLM's parent request finished: its n and longest output
 		longest := 0
 		for _, r := range rn.res {
 			longest = max(longest, r.usage.CompletionTokens)
 		}
 		rn.s.metrics.ObserveParentRequest(rn.j.p.n, longest)
 	}
+	return rn.outcome(w.failure)
+}
+
+// outcome is wait's result once it stops: errClientGone if the client went away, else failure.
+func (rn *runner) outcome(failure *APIError) (*APIError, error) {
 	if rn.client.Err() != nil {
 		return nil, errClientGone
 	}
 	return failure, nil
+}
+
+// waiter is the state of one runner.wait, owned by the collector goroutine.
+type waiter struct {
+	rn       *runner
+	each     func(i int, o engine.Output)
+	grace    <-chan time.Time // fires abortGrace after the client left or a sequence failed
+	timer    *time.Timer
+	failure  *APIError // the first sequence failure
+	finished int       // sequences whose final output was taken
+}
+
+// startGrace starts the wait for the engine's final outputs after an abort, once.
+func (w *waiter) startGrace() {
+	if w.timer == nil {
+		w.timer = time.NewTimer(abortGrace)
+		w.grace = w.timer.C
+	}
+}
+
+// stopGrace stops the grace timer, if started.
+func (w *waiter) stopGrace() {
+	if w.timer != nil {
+		w.timer.Stop()
+	}
+}
+
+// pending reports whether sequences are still to be added once sequence 0 has started (and so
+// are not counted yet).
+func (w *waiter) pending() bool {
+	rn := w.rn
+	return rn.share && !rn.res[0].started && w.failure == nil && rn.client.Err() == nil
+}
+
+// deliver hands an output to each, unless the request has failed.
+func (w *waiter) deliver(i int, o engine.Output) {
+	if w.each != nil && w.failure == nil {
+		w.each(i, o)
+	}
+}
+
+// take records one output of a sequence and, at a sequence's end, its finish or its failure;
+// a failure aborts the other sequences.
+func (w *waiter) take(ev seqEvent) {
+	rn := w.rn
+	r := rn.res[ev.idx]
+	o := ev.out
+	rn.record(ev.idx, o)
+	ok := !o.Finished || o.FinishReason == engine.FinishStop || o.FinishReason == engine.FinishLength
+	if ev.idx == 0 && !r.started && ok && w.pending() {
+		// Sequence 0 has computed the prompt: its forwarder has added the others, which
+		// start from its cached blocks, or failed to.
+		if addErr := rn.sharedAddErr(); addErr != nil {
+			w.failure = addErr
+			w.startGrace()
+		}
+	}
+	r.started = true
+	if !o.Finished {
+		w.deliver(ev.idx, o)
+		return
+	}
+	w.finished++
+	rn.s.metrics.ObserveFinished(string(o.FinishReason), time.Since(rn.start))
+	switch o.FinishReason {
+	case engine.FinishStop, engine.FinishLength:
+		r.finish = string(o.FinishReason)
+		r.kv = o.KVTransfer
+		w.deliver(ev.idx, o)
+		return
+	}
+	if w.failure != nil || rn.client.Err() != nil {
+		return // an abort we caused, or the client's
+	}
+	w.failure = rn.seqFailure(ev.idx, o)
+	rn.cancel() // the other sequences cannot make a response any more
+	w.startGrace()
+}
+
+// seqFailure maps sequence i's final output that ended it in neither stop nor length to the
+// response's error, logging what the client is not told.
+func (rn *runner) seqFailure(i int, o engine.Output) *APIError {
+	switch {
+	case o.FinishReason == engine.FinishAbort && errors.Is(o.Err, engine.ErrClosed):
+		return unavailable()
+	case o.FinishReason == engine.FinishAbort:
+		rn.s.log.Error("request aborted by the engine", "request_id", rn.j.reqs[i].ID, "err", o.Err)
+	default: // engine.FinishError: forward failure, KV load failure under policy fail, …
+		rn.s.log.Error("request failed", "request_id", rn.j.reqs[i].ID, "finish_reason", o.FinishReason, "err", o.Err)
+	}
+	return internalError()
+}
+
+// sharedAddErr returns why addShared could not add all the sequences, if it could not.
+func (rn *runner) sharedAddErr() *APIError {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	return rn.addErr
 }
 
 // record adds an output to its sequence's result and to the metrics.

@@ -44,211 +44,44 @@ type genParams struct {
 	kvTransfer                     map[string]any
 }
 
-// params validates the fields common to both routes. vocab is the tokenizer's size.
+// params validates the fields common to both routes. vocab is the tokenizer's size. The checks
+// run in a fixed order (the first failing one is reported): choices, prompt logprobs,
+// penalties, token lists, response format, lengths, sampling, stops, streaming, KV transfer.
 func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 	p := genParams{n: 1}
-	if c.N != nil {
-		if *c.N < 1 {
-			return p, badRequest("n", "n must be at least 1, got %d.", *c.N)
-		}
-		if *c.N > maxChoices {
-			return p, badRequest("n", "n must be at most %d, got %d.", maxChoices, *c.N)
-		}
-		p.n = int(*c.N)
+	if apiErr := choiceParams(c, &p); apiErr != nil {
+		return p, apiErr
 	}
-	p.bestOf = p.n
-	if c.BestOf != nil {
-		switch b := *c.BestOf; {
-		case b < jsonInt(p.n):
-			return p, badRequest("best_of", "best_of must be greater than or equal to n, got n=%d and best_of=%d.", p.n, b)
-		case b > maxChoices:
-			return p, badRequest("best_of", "best_of must be at most %d, got %d.", maxChoices, b)
-		case b > jsonInt(p.n) && c.Stream != nil && *c.Stream:
-			return p, badRequest("best_of", "best_of must equal n to stream, got n=%d and best_of=%d.", p.n, b)
-		}
-		p.bestOf = int(*c.BestOf)
+	if apiErr := s.promptLogprobParams(c, vocab, &p); apiErr != nil {
+		return p, apiErr
 	}
-	if c.UseBeamSearch != nil && *c.UseBeamSearch {
-		return p, unsupported("use_beam_search", "beam search")
+	if apiErr := penaltyParams(c, &p.sampling); apiErr != nil {
+		return p, apiErr
 	}
-	if c.PromptLogprobs != nil {
-		k := *c.PromptLogprobs
-		if k < -1 {
-			return p, badRequest("prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
-		}
-		if c.Stream != nil && *c.Stream && k != 0 {
-			return p, badRequest("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
-		}
-		if apiErr := s.checkNumLogprobs("prompt_logprobs", "prompt", k, vocab); apiErr != nil {
-			return p, apiErr
-		}
-		p.promptLogprobs, p.topPromptLogprobs = true, int(k)
+	if apiErr := logitBiasParam(c.LogitBias, vocab, &p.sampling); apiErr != nil {
+		return p, apiErr
 	}
-	penalty := func(name string, v *float64) (float64, *APIError) {
-		if v == nil {
-			return 0, nil
-		}
-		if !(*v >= -2 && *v <= 2) {
-			return 0, badRequest(name, "%s must be in [-2, 2], got %v.", name, *v)
-		}
-		return *v, nil
+	if apiErr := allowedTokensParam(c.AllowedTokenIDs, vocab, &p.sampling); apiErr != nil {
+		return p, apiErr
 	}
 	var apiErr *APIError
-	if p.sampling.PresencePenalty, apiErr = penalty("presence_penalty", c.PresencePenalty); apiErr != nil {
-		return p, apiErr
-	}
-	if p.sampling.FrequencyPenalty, apiErr = penalty("frequency_penalty", c.FrequencyPenalty); apiErr != nil {
-		return p, apiErr
-	}
-	if c.RepetitionPenalty != nil {
-		if r := *c.RepetitionPenalty; !(r > 0) || math.IsInf(r, 0) {
-			return p, badRequest("repetition_penalty", "repetition_penalty must be greater than zero, got %v.", r)
-		}
-		p.sampling.RepetitionPenalty = *c.RepetitionPenalty
-	}
-	if c.MinP != nil {
-		if m := *c.MinP; !(m >= 0 && m <= 1) {
-			return p, badRequest("min_p", "min_p must be in [0, 1], got %v.", m)
-		}
-		p.sampling.MinP = *c.MinP
-	}
-	if apiErr := checkCount("logit_bias", len(c.LogitBias), vocab, "entries (the vocabulary's size)"); apiErr != nil {
-		return p, apiErr
-	}
-	if len(c.LogitBias) > 0 {
-		p.sampling.LogitBias = make(map[int32]float32, len(c.LogitBias))
-		var bad []int64
-		for k, v := range c.LogitBias {
-			id, err := strconv.ParseInt(k, 10, 64)
-			if err != nil {
-				return p, badRequest("logit_bias", "Found token_id %q in logit_bias that is not an integer or string representing an integer.", k)
-			}
-			if id < 0 || id >= int64(vocab) {
-				bad = append(bad, id)
-				continue
-			}
-			// OpenAI and vLLM clamp a bias to [-100, 100].
-			p.sampling.LogitBias[int32(id)] = float32(max(-100, min(100, v)))
-		}
-		if len(bad) > 0 {
-			slices.Sort(bad)
-			more := ""
-			if len(bad) > maxListedIDs {
-				more = fmt.Sprintf(" (and %d more)", len(bad)-maxListedIDs)
-				bad = bad[:maxListedIDs]
-			}
-			return p, badRequest("logit_bias", "token_id(s) %v%s in logit_bias contain out-of-vocab token ids. Vocabulary size: %d", bad, more, vocab)
-		}
-	}
-	if c.AllowedTokenIDs != nil {
-		if len(c.AllowedTokenIDs) == 0 {
-			return p, badRequest("allowed_token_ids", "allowed_token_ids is not None and empty!")
-		}
-		if apiErr := checkCount("allowed_token_ids", len(c.AllowedTokenIDs), vocab, "ids (the vocabulary's size)"); apiErr != nil {
-			return p, apiErr
-		}
-		p.sampling.AllowedTokenIDs = make([]int32, 0, len(c.AllowedTokenIDs))
-		for _, id := range c.AllowedTokenIDs {
-			if id < 0 || int64(id) >= int64(vocab) {
-				return p, badRequest("allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!")
-			}
-			p.sampling.AllowedTokenIDs = append(p.sampling.AllowedTokenIDs, int32(id))
-		}
-	}
 	if p.sampling.BadWords, apiErr = s.badWords(c.BadWords); apiErr != nil {
 		return p, apiErr
 	}
 	if c.ResponseFormat != nil && c.ResponseFormat.Type != "" && c.ResponseFormat.Type != "text" {
 		return p, unsupported("response_format", "response_format "+c.ResponseFormat.Type)
 	}
-
-	// max_completion_tokens (the newer name) wins over max_tokens when both are given.
-	maxTok, maxParam := c.MaxTokens, "max_tokens"
-	if c.MaxCompletionTokens != nil {
-		maxTok, maxParam = c.MaxCompletionTokens, "max_completion_tokens"
-	}
-	if maxTok != nil {
-		if *maxTok < 1 {
-			return p, badRequest(maxParam, "%s must be at least 1, got %d.", maxParam, *maxTok)
-		}
-		p.maxTokens = int(min(int64(*maxTok), math.MaxInt32))
-	}
-	if c.MinTokens != nil {
-		if *c.MinTokens < 0 {
-			return p, badRequest("min_tokens", "min_tokens must be greater than or equal to 0, got %d.", *c.MinTokens)
-		}
-		if p.maxTokens > 0 && int64(*c.MinTokens) > int64(p.maxTokens) {
-			return p, badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", p.maxTokens, *c.MinTokens)
-		}
-		p.minTokens = int(min(int64(*c.MinTokens), math.MaxInt32))
-	}
-
-	gen := s.model.Generation()
-	p.sampling.Temperature, p.sampling.TopP, p.sampling.TopK = gen.Temperature, gen.TopP, gen.TopK
-	if c.Temperature != nil {
-		t := *c.Temperature
-		if t < 0 || math.IsNaN(t) || math.IsInf(t, 0) {
-			return p, badRequest("temperature", "temperature must be non-negative, got %v.", t)
-		}
-		p.sampling.Temperature = t
-	}
-	if p.sampling.Temperature < greedyEpsilon {
-		p.sampling.Temperature = 0
-	}
-	if c.TopP != nil {
-		tp := *c.TopP
-		if !(tp > 0 && tp <= 1) {
-			return p, badRequest("top_p", "top_p must be in (0, 1], got %v.", tp)
-		}
-		p.sampling.TopP = tp
-	}
-	if c.TopK != nil {
-		k := *c.TopK
-		if k < -1 {
-			return p, badRequest("top_k", "top_k must be 0 or -1 (disable), or at least 1, got %d.", k)
-		}
-		p.sampling.TopK = int(max(min(k, math.MaxInt32), 0))
-	}
-	if c.Seed != nil {
-		// The engine reads Seed 0 as "no seed"; an explicit seed 0 must still be reproducible.
-		p.sampling.Seed = int64(*c.Seed)
-		if p.sampling.Seed == 0 {
-			p.sampling.Seed = explicitSeedZero
-		}
-	}
-
-	if c.Stop != nil {
-		if apiErr := checkStops(*c.Stop); apiErr != nil {
-			return p, apiErr
-		}
-		for _, st := range *c.Stop {
-			if st != "" {
-				p.stop = append(p.stop, st)
-			}
-		}
-	}
-	if apiErr := checkCount("stop_token_ids", len(c.StopTokenIDs), vocab, "ids (the vocabulary's size)"); apiErr != nil {
+	if apiErr := lengthParams(c, &p); apiErr != nil {
 		return p, apiErr
 	}
-	for _, id := range c.StopTokenIDs {
-		if id < 0 || int64(id) >= int64(vocab) {
-			return p, badRequest("stop_token_ids", "Stop token id %d is out of vocabulary (size %d).", id, vocab)
-		}
-		p.stopTokenIDs = append(p.stopTokenIDs, int32(id))
+	if apiErr := s.samplingParams(c, &p.sampling); apiErr != nil {
+		return p, apiErr
 	}
-	p.ignoreEOS = c.IgnoreEOS != nil && *c.IgnoreEOS
-
-	p.stream = c.Stream != nil && *c.Stream
-	// As vLLM's validate_stream_options: stream_options with a field set needs stream (an
-	// empty object is falsy in Python, so {} passes).
-	if so := c.StreamOptions; !p.stream && so != nil && (so.IncludeUsage != nil || so.ContinuousUsageStats != nil) {
-		return p, badRequest("stream_options", "Stream options can only be defined when `stream=True`.")
+	if apiErr := stopParams(c, vocab, &p); apiErr != nil {
+		return p, apiErr
 	}
-	if p.stream && c.StreamOptions != nil {
-		p.streamOptions = true
-		// As in vLLM, include_usage defaults to true once stream_options is given: {} asks for usage.
-		p.includeUsage = c.StreamOptions.IncludeUsage == nil || *c.StreamOptions.IncludeUsage
-		p.continuousUsage = p.includeUsage && c.StreamOptions.ContinuousUsageStats != nil && *c.StreamOptions.ContinuousUsageStats
+	if apiErr := streamParams(c, &p); apiErr != nil {
+		return p, apiErr
 	}
 	if c.KVTransferParams != nil && s.cfg.CheckKV != nil {
 		if err := s.cfg.CheckKV(c.KVTransferParams); err != nil {
@@ -257,6 +90,252 @@ func (s *Server) params(c *commonRequest, vocab int) (genParams, *APIError) {
 	}
 	p.kvTransfer = c.KVTransferParams
 	return p, nil
+}
+
+// choiceParams applies n, best_of and use_beam_search.
+func choiceParams(c *commonRequest, p *genParams) *APIError {
+	if c.N != nil {
+		if *c.N < 1 {
+			return badRequest("n", "n must be at least 1, got %d.", *c.N)
+		}
+		if *c.N > maxChoices {
+			return badRequest("n", "n must be at most %d, got %d.", maxChoices, *c.N)
+		}
+		p.n = int(*c.N)
+	}
+	p.bestOf = p.n
+	if c.BestOf != nil {
+		switch b := *c.BestOf; {
+		case b < jsonInt(p.n):
+			return badRequest("best_of", "best_of must be greater than or equal to n, got n=%d and best_of=%d.", p.n, b)
+		case b > maxChoices:
+			return badRequest("best_of", "best_of must be at most %d, got %d.", maxChoices, b)
+		case b > jsonInt(p.n) && c.Stream != nil && *c.Stream:
+			return badRequest("best_of", "best_of must equal n to stream, got n=%d and best_of=%d.", p.n, b)
+		}
+		p.bestOf = int(*c.BestOf)
+	}
+	if c.UseBeamSearch != nil && *c.UseBeamSearch {
+		return unsupported("use_beam_search", "beam search")
+	}
+	return nil
+}
+
+// promptLogprobParams applies prompt_logprobs.
+func (s *Server) promptLogprobParams(c *commonRequest, vocab int, p *genParams) *APIError {
+	if c.PromptLogprobs == nil {
+		return nil
+	}
+	k := *c.PromptLogprobs
+	if k < -1 {
+		return badRequest("prompt_logprobs", "`prompt_logprobs` must be a positive value or -1.")
+	}
+	if c.Stream != nil && *c.Stream && k != 0 {
+		return badRequest("prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`.")
+	}
+	if apiErr := s.checkNumLogprobs("prompt_logprobs", "prompt", k, vocab); apiErr != nil {
+		return apiErr
+	}
+	p.promptLogprobs, p.topPromptLogprobs = true, int(k)
+	return nil
+}
+
+// penaltyParams applies presence_penalty, frequency_penalty, repetition_penalty and min_p.
+func penaltyParams(c *commonRequest, sp *model.SamplingParams) *APIError {
+	var apiErr *APIError
+	if sp.PresencePenalty, apiErr = penalty("presence_penalty", c.PresencePenalty); apiErr != nil {
+		return apiErr
+	}
+	if sp.FrequencyPenalty, apiErr = penalty("frequency_penalty", c.FrequencyPenalty); apiErr != nil {
+		return apiErr
+	}
+	if c.RepetitionPenalty != nil {
+		if r := *c.RepetitionPenalty; !(r > 0) || math.IsInf(r, 0) {
+			return badRequest("repetition_penalty", "repetition_penalty must be greater than zero, got %v.", r)
+		}
+		sp.RepetitionPenalty = *c.RepetitionPenalty
+	}
+	if c.MinP != nil {
+		if m := *c.MinP; !(m >= 0 && m <= 1) {
+			return badRequest("min_p", "min_p must be in [0, 1], got %v.", m)
+		}
+		sp.MinP = *c.MinP
+	}
+	return nil
+}
+
+// penalty checks an additive penalty (presence or frequency): in [-2, 2], 0 when not given.
+func penalty(name string, v *float64) (float64, *APIError) {
+	if v == nil {
+		return 0, nil
+	}
+	if !(*v >= -2 && *v <= 2) {
+		return 0, badRequest(name, "%s must be in [-2, 2], got %v.", name, *v)
+	}
+	return *v, nil
+}
+
+// logitBiasParam applies logit_bias: token ids (as strings) inside the vocabulary, biases
+// clamped to [-100, 100].
+func logitBiasParam(bias map[string]float64, vocab int, sp *model.SamplingParams) *APIError {
+	if apiErr := checkCount("logit_bias", len(bias), vocab, "entries (the vocabulary's size)"); apiErr != nil {
+		return apiErr
+	}
+	if len(bias) == 0 {
+		return nil
+	}
+	sp.LogitBias = make(map[int32]float32, len(bias))
+	var bad []int64
+	for k, v := range bias {
+		id, err := strconv.ParseInt(k, 10, 64)
+		if err != nil {
+			return badRequest("logit_bias", "Found token_id %q in logit_bias that is not an integer or string representing an integer.", k)
+		}
+		if id < 0 || id >= int64(vocab) {
+			bad = append(bad, id)
+			continue
+		}
+		// OpenAI and vLLM clamp a bias to [-100, 100].
+		sp.LogitBias[int32(id)] = float32(max(-100, min(100, v)))
+	}
+	if len(bad) > 0 {
+		slices.Sort(bad)
+		more := ""
+		if len(bad) > maxListedIDs {
+			more = fmt.Sprintf(" (and %d more)", len(bad)-maxListedIDs)
+			bad = bad[:maxListedIDs]
+		}
+		return badRequest("logit_bias", "token_id(s) %v%s in logit_bias contain out-of-vocab token ids. Vocabulary size: %d", bad, more, vocab)
+	}
+	return nil
+}
+
+// allowedTokensParam applies allowed_token_ids: when given, a non-empty list of ids inside the
+// vocabulary.
+func allowedTokensParam(ids []jsonInt, vocab int, sp *model.SamplingParams) *APIError {
+	if ids == nil {
+		return nil
+	}
+	if len(ids) == 0 {
+		return badRequest("allowed_token_ids", "allowed_token_ids is not None and empty!")
+	}
+	if apiErr := checkCount("allowed_token_ids", len(ids), vocab, "ids (the vocabulary's size)"); apiErr != nil {
+		return apiErr
+	}
+	sp.AllowedTokenIDs = make([]int32, 0, len(ids))
+	for _, id := range ids {
+		if id < 0 || int64(id) >= int64(vocab) {
+			return badRequest("allowed_token_ids", "allowed_token_ids contains out-of-vocab token id!")
+		}
+		sp.AllowedTokenIDs = append(sp.AllowedTokenIDs, int32(id))
+	}
+	return nil
+}
+
+// lengthParams applies max_tokens (or max_completion_tokens, the newer name, which wins when
+// both are given) and min_tokens.
+func lengthParams(c *commonRequest, p *genParams) *APIError {
+	maxTok, maxParam := c.MaxTokens, "max_tokens"
+	if c.MaxCompletionTokens != nil {
+		maxTok, maxParam = c.MaxCompletionTokens, "max_completion_tokens"
+	}
+	if maxTok != nil {
+		if *maxTok < 1 {
+			return badRequest(maxParam, "%s must be at least 1, got %d.", maxParam, *maxTok)
+		}
+		p.maxTokens = int(min(int64(*maxTok), math.MaxInt32))
+	}
+	if c.MinTokens != nil {
+		if *c.MinTokens < 0 {
+			return badRequest("min_tokens", "min_tokens must be greater than or equal to 0, got %d.", *c.MinTokens)
+		}
+		if p.maxTokens > 0 && int64(*c.MinTokens) > int64(p.maxTokens) {
+			return badRequest("min_tokens", "min_tokens must be less than or equal to max_tokens=%d, got %d.", p.maxTokens, *c.MinTokens)
+		}
+		p.minTokens = int(min(int64(*c.MinTokens), math.MaxInt32))
+	}
+	return nil
+}
+
+// samplingParams applies temperature, top_p and top_k over the model's generation defaults,
+// and seed.
+func (s *Server) samplingParams(c *commonRequest, sp *model.SamplingParams) *APIError {
+	gen := s.model.Generation()
+	sp.Temperature, sp.TopP, sp.TopK = gen.Temperature, gen.TopP, gen.TopK
+	if c.Temperature != nil {
+		t := *c.Temperature
+		if t < 0 || math.IsNaN(t) || math.IsInf(t, 0) {
+			return badRequest("temperature", "temperature must be non-negative, got %v.", t)
+		}
+		sp.Temperature = t
+	}
+	if sp.Temperature < greedyEpsilon {
+		sp.Temperature = 0
+	}
+	if c.TopP != nil {
+		tp := *c.TopP
+		if !(tp > 0 && tp <= 1) {
+			return badRequest("top_p", "top_p must be in (0, 1], got %v.", tp)
+		}
+		sp.TopP = tp
+	}
+	if c.TopK != nil {
+		k := *c.TopK
+		if k < -1 {
+			return badRequest("top_k", "top_k must be 0 or -1 (disable), or at least 1, got %d.", k)
+		}
+		sp.TopK = int(max(min(k, math.MaxInt32), 0))
+	}
+	if c.Seed != nil {
+		// The engine reads Seed 0 as "no seed"; an explicit seed 0 must still be reproducible.
+		sp.Seed = int64(*c.Seed)
+		if sp.Seed == 0 {
+			sp.Seed = explicitSeedZero
+		}
+	}
+	return nil
+}
+
+// stopParams applies stop (empty strings dropped), stop_token_ids and ignore_eos.
+func stopParams(c *commonRequest, vocab int, p *genParams) *APIError {
+	if c.Stop != nil {
+		if apiErr := checkStops(*c.Stop); apiErr != nil {
+			return apiErr
+		}
+		for _, st := range *c.Stop {
+			if st != "" {
+				p.stop = append(p.stop, st)
+			}
+		}
+	}
+	if apiErr := checkCount("stop_token_ids", len(c.StopTokenIDs), vocab, "ids (the vocabulary's size)"); apiErr != nil {
+		return apiErr
+	}
+	for _, id := range c.StopTokenIDs {
+		if id < 0 || int64(id) >= int64(vocab) {
+			return badRequest("stop_token_ids", "Stop token id %d is out of vocabulary (size %d).", id, vocab)
+		}
+		p.stopTokenIDs = append(p.stopTokenIDs, int32(id))
+	}
+	p.ignoreEOS = c.IgnoreEOS != nil && *c.IgnoreEOS
+	return nil
+}
+
+// streamParams applies stream and stream_options.
+func streamParams(c *commonRequest, p *genParams) *APIError {
+	p.stream = c.Stream != nil && *c.Stream
+	// As vLLM's validate_stream_options: stream_options with a field set needs stream (an
+	// empty object is falsy in Python, so {} passes).
+	if so := c.StreamOptions; !p.stream && so != nil && (so.IncludeUsage != nil || so.ContinuousUsageStats != nil) {
+		return badRequest("stream_options", "Stream options can only be defined when `stream=True`.")
+	}
+	if p.stream && c.StreamOptions != nil {
+		p.streamOptions = true
+		// As in vLLM, include_usage defaults to true once stream_options is given: {} asks for usage.
+		p.includeUsage = c.StreamOptions.IncludeUsage == nil || *c.StreamOptions.IncludeUsage
+		p.continuousUsage = p.includeUsage && c.StreamOptions.ContinuousUsageStats != nil && *c.StreamOptions.ContinuousUsageStats
+	}
+	return nil
 }
 
 // completionLogprobs applies completions' logprobs (an integer: how many alternatives) and, with

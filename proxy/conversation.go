@@ -199,7 +199,8 @@ func (c *ConversationCache) Bytes() int64 {
 
 // continues reports whether the request b is the exact continuation of t: for chat, its
 // messages are t's messages, then the assistant's answer, then at least one new message; for
-// completions, its prompt starts with t's prompt followed by the answer (spec §5.6).
+// completions, its prompt starts with t's prompt followed by the answer (docs/architecture.md,
+// wire contract item 38).
 func (t turn) continues(b body) bool {
 	if t.chat {
 		msgs, ok := canonicalMessages(b)

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -56,41 +57,67 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 		return err
 	}
 	defer resp.Body.Close()
+	d := &decodeRelay{l: l, w: w, r: r, inst: inst, reqID: reqID, o: o, ctx: ctx, cancel: cancel, detach: detach}
 	if resp.StatusCode/100 != 2 || !isSSE(resp) {
-		data, err := readAllIdle(resp.Body, l.cfg.IdleTimeout, cancel)
-		if err != nil {
-			err = legCause(ctx, err)
-			if r.Context().Err() == nil {
-				l.fail("decode", inst, reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
-			}
-			return err
+		return d.body(resp)
+	}
+	return d.stream(resp)
+}
+
+// decodeRelay relays D's answer to the client: the state of one decode leg once D answered.
+type decodeRelay struct {
+	l      *legs
+	w      http.ResponseWriter
+	r      *http.Request
+	inst   Instance
+	reqID  string
+	o      decodeOptions
+	ctx    context.Context // the leg's context (legContext)
+	cancel context.CancelCauseFunc
+	detach func()
+}
+
+// body relays an answer that is no stream (a JSON body, or an error), whole.
+func (d *decodeRelay) body(resp *http.Response) error {
+	l, w, o := d.l, d.w, d.o
+	data, err := readAllIdle(resp.Body, l.cfg.IdleTimeout, d.cancel)
+	if err != nil {
+		err = legCause(d.ctx, err)
+		if d.r.Context().Err() == nil {
+			l.fail("decode", d.inst, d.reqID, &legError{status: http.StatusBadGateway, code: codeDecodeFailed, msg: err.Error()}).write(w)
 		}
-		data, params := withoutParams(data)
-		if resp.StatusCode/100 == 2 && o.sawUsage != nil {
-			if u := usageOf(data); u != nil {
-				o.sawUsage(u)
-			}
-		}
-		if resp.StatusCode/100 == 2 && o.done != nil {
-			ans := answerOf(data)
-			ans.params = params
-			detach()
-			o.done(ans)
-		}
-		if o.first != nil {
-			o.first()
-		}
-		copyHeaders(w, resp, reqID)
-		w.Header().Del("Content-Length")
-		w.WriteHeader(resp.StatusCode)
-		_, err = w.Write(data)
 		return err
 	}
+	data, params := withoutParams(data)
+	if resp.StatusCode/100 == 2 && o.sawUsage != nil {
+		if u := usageOf(data); u != nil {
+			o.sawUsage(u)
+		}
+	}
+	if resp.StatusCode/100 == 2 && o.done != nil {
+		ans := answerOf(data)
+		ans.params = params
+		d.detach()
+		o.done(ans)
+	}
+	if o.first != nil {
+		o.first()
+	}
+	copyHeaders(w, resp, d.reqID)
+	w.Header().Del("Content-Length")
+	w.WriteHeader(resp.StatusCode)
+	_, err = w.Write(data)
+	return err
+}
+
+// stream relays D's successful stream an event at a time.
+func (d *decodeRelay) stream(resp *http.Response) error {
+	l, w, o := d.l, d.w, d.o
 	out := newSSEWriter(w)
-	copyHeaders(w, resp, reqID)
+	copyHeaders(w, resp, d.reqID)
 	w.WriteHeader(http.StatusOK)
 	_ = out.rc.Flush()
-	ir := newIdleReader(resp.Body, l.cfg.IdleTimeout, cancel)
+	ir := newIdleReader(resp.Body, l.cfg.IdleTimeout, d.cancel)
 	defer ir.close()
 	events := newEventReader(ir)
 	var ans *answer // nil: nobody reads it, so nothing is tracked
@@ -103,11 +130,11 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 			break
 		}
 		if err != nil {
-			err = legCause(ctx, err)
-			if r.Context().Err() != nil {
+			err = legCause(d.ctx, err)
+			if d.r.Context().Err() != nil {
 				return err // the client left before the end
 			}
-			l.cfg.Logger.Warn("proxy decode stream ended early", "instance", inst.String(), "request_id", reqID, "err", err)
+			l.cfg.Logger.Warn("proxy decode stream ended early", "instance", d.inst.String(), "request_id", d.reqID, "err", err)
 			// The 200 is gone: end the stream the way an engine does, so the client sees an
 			// error rather than a truncated success.
 			writeSSEError(w, "decode stream ended early: "+err.Error())
@@ -131,7 +158,7 @@ func (l *legs) decode(w http.ResponseWriter, r *http.Request, inst Instance, pat
 		}
 	}
 	// D's stream is over: finish the bookkeeping, then let the client have the end of it.
-	detach()
+	d.detach()
 	if o.done != nil {
 		o.done(ans)
 	}

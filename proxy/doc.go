@@ -13,7 +13,8 @@
 //   - the multi-turn proxy asks D for a stream with usage when the client streams (vLLM's always
 //     streams from D; an engine of kvbridge returns its params in JSON bodies too, so a client
 //     that asked for no stream gets D's own JSON answer, every choice and logprob in it),
-//     rewrites remote_host in P's params to P's HTTP host and in D's to D's (spec §5.5), and
+//     rewrites remote_host in P's params to P's HTTP host and in D's to D's (docs/architecture.md,
+//     wire contract item 36), and
 //     caches D's params per conversation.
 //
 // vLLM's multi-turn proxy removes max_completion_tokens from P's leg where the toy proxy sets it

@@ -65,9 +65,10 @@ const (
 	HeaderComputedTokens = "X-KVBridge-Prefill-Computed-Tokens"
 )
 
-// MultiTurn is the stateful multi-turn proxy (vLLM's disagg_proxy_multiturn, spec §5.5–5.6):
-// it remembers the kv_transfer_params D returns at the end of each turn, keyed by conversation
-// id, and sends them to P with the next turn so that P pulls the conversation's KV from D.
+// MultiTurn is the stateful multi-turn proxy (vLLM's disagg_proxy_multiturn; docs/architecture.md,
+// "Bidirectional", wire contract items 36–38): it remembers the kv_transfer_params D returns at
+// the end of each turn, keyed by conversation id, and sends them to P with the next turn so that P
+// pulls the conversation's KV from D.
 type MultiTurn struct {
 	legs
 	p, d    roundRobin

@@ -14,7 +14,8 @@ import (
 	"github.com/kvbridge/kvbridge/internal/httpdeadline"
 )
 
-// OneWay is the toy proxy's flow (spec §1): every request is prefilled on P and decoded on D.
+// OneWay is the toy proxy's flow (docs/architecture.md, "One-way", wire contract items 1–4):
+// every request is prefilled on P and decoded on D.
 type OneWay struct {
 	legs
 	p, d    roundRobin

@@ -51,7 +51,8 @@ var decodeOnlyFields = []string{"n", "best_of", "logprobs", "top_logprobs", "ech
 
 // prefillRequest derives P's request from the client's body: a shallow copy with params as
 // kv_transfer_params, stream off, max_tokens 1 (and max_completion_tokens 1 when present), and no
-// stream_options, min_tokens or min_completion_tokens (spec §1.3, conformance item 1), nor the
+// stream_options, min_tokens or min_completion_tokens (docs/architecture.md, wire contract item
+// 1), nor the
 // fields only D answers (decodeOnlyFields).
 func prefillRequest(b body, params map[string]any) body {
 	p := maps.Clone(b)

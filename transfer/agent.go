@@ -174,10 +174,23 @@ func readBootID() string {
 	return strings.TrimSpace(string(b))
 }
 
+// Locks. Every mutex of this package is taken in a small function that defers its unlock
+// (a wrapper that locks, and the work in a …Locked function that never unlocks), and struct
+// fields are grouped under the lock that guards them. No lock is held across a dial, a
+// read from the network, a UCX open or a channel send that can block: a caller takes a
+// snapshot or detaches state under the lock (peer.takeLink, peer.attach, Request.stopClock)
+// and acts after the unlock. Two exceptions are deliberate: a connection's write lock
+// (ctrlConn.wmu) is held across the write of one frame, which has a deadline, so that frames
+// never interleave; and Post sends work to the copy workers under postMu's read lock
+// (handOver), which the workers never take, so that Close (write lock) cannot close the
+// queue under a sender. Where two locks nest: Agent.peersMu before peer.mu, peer.dialMu
+// before peer.mu, Agent.regMu before the UCX engine's mapMu.
+
 // Agent is one process's transfer endpoint: it owns registered regions, loaded peer metadata,
 // connections, the SHM copy workers and the notification queue. All methods are safe for
 // concurrent use.
 type Agent struct {
+	// Set by NewAgent; read-only after.
 	name     string
 	inc      uint64
 	bootID   string
@@ -194,7 +207,8 @@ type Agent struct {
 	unixAddr string
 	unixPath string // socket file to remove on Close ("" for abstract)
 
-	regMu      sync.Mutex
+	regMu sync.Mutex
+	// guarded by regMu (regions is also read without it: a copy-on-write table).
 	regions    atomic.Pointer[regionTable]
 	nextRegion uint32
 	arenas     map[*Arena]*arenaExport
@@ -202,18 +216,20 @@ type Agent struct {
 	nextArena  uint32
 
 	peersMu sync.Mutex
-	peers   map[string]*peer
+	peers   map[string]*peer // guarded by peersMu
 
 	connMu sync.Mutex
+	// guarded by connMu (closed is set under postMu and read under connMu, so that no
+	// connection or goroutine is tracked after Close took its snapshot).
 	conns  map[net.Conn]struct{} // live connections (accepted and dialed), closed by Close
 	inCtrl map[string]*ctrlConn  // latest inbound control connection per peer name
 
-	postMu sync.RWMutex // Post dispatches under R; Close closes work under W
+	postMu sync.RWMutex // Post hands work over under R (handOver); Close sets closed and closes work under W
 	closed atomic.Bool
 	work   chan shmWork
 
 	notifMu sync.Mutex
-	notifs  chan Notif
+	notifs  chan Notif // sent on under notifMu (a full queue drops its oldest message)
 
 	reqSeq atomic.Uint64
 	stats  agentStats
@@ -356,9 +372,6 @@ func (a *Agent) Name() string { return a.name }
 // Incarnation returns the random id drawn when the agent started.
 func (a *Agent) Incarnation() uint64 { return a.inc }
 
-// BootID returns the host boot id used for same-host detection.
-func (a *Agent) BootID() string { return a.bootID }
-
 // Addrs returns the listen addresses: the TCP address ("" if disabled) and the Unix socket
 // address ("" if SHM is disabled; "@…" is an abstract socket).
 func (a *Agent) Addrs() (tcp, unix string) { return a.tcpAddr, a.unixAddr }
@@ -369,38 +382,24 @@ func (a *Agent) Addrs() (tcp, unix string) { return a.tcpAddr, a.unixAddr }
 // caller owns them). Close is idempotent and always returns nil.
 func (a *Agent) Close() error {
 	a.closeOnce.Do(func() {
-		a.postMu.Lock()
-		a.closed.Store(true)
-		a.postMu.Unlock()
+		a.underPostLock(func() { a.closed.Store(true) })
 		a.cancel()
 		a.closeListeners()
 
-		a.peersMu.Lock()
-		peers := make([]*peer, 0, len(a.peers))
-		for _, p := range a.peers {
-			peers = append(peers, p)
-		}
-		a.peers = map[string]*peer{}
-		a.peersMu.Unlock()
+		peers := a.takePeers()
 		var failed []*Request
 		for _, p := range peers {
 			failed = append(failed, p.retire(ErrClosed, "agent closed")...)
 		}
 
-		a.connMu.Lock()
-		for c := range a.conns {
-			c.Close()
-		}
-		a.connMu.Unlock()
+		a.closeConns()
 
 		if a.ucx != nil {
 			// Stops the UCX workers once they have closed every endpoint and resolved the
 			// operations in flight (canceled).
 			a.ucx.close()
 		}
-		a.postMu.Lock()
-		close(a.work)
-		a.postMu.Unlock()
+		a.underPostLock(func() { close(a.work) })
 		a.wg.Wait()
 		// A goroutine in Request.Wait may still be copying a chunk from a peer's mapping;
 		// the failed requests complete as soon as their chunks in progress are done.
@@ -413,6 +412,49 @@ func (a *Agent) Close() error {
 		close(a.notifs)
 	})
 	return nil
+}
+
+// underPostLock runs fn under postMu's write lock: no post is handing work over meanwhile.
+func (a *Agent) underPostLock(fn func()) {
+	a.postMu.Lock()
+	defer a.postMu.Unlock()
+	fn()
+}
+
+// takePeers removes and returns every loaded peer.
+func (a *Agent) takePeers() []*peer {
+	a.peersMu.Lock()
+	defer a.peersMu.Unlock()
+	peers := make([]*peer, 0, len(a.peers))
+	for _, p := range a.peers {
+		peers = append(peers, p)
+	}
+	a.peers = map[string]*peer{}
+	return peers
+}
+
+// closeConns closes every tracked connection (a close does not block).
+func (a *Agent) closeConns() {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	for c := range a.conns {
+		c.Close()
+	}
+}
+
+// handOver runs fn, which hands a post's units to the SHM copy workers or the UCX workers,
+// under postMu's read lock unless the agent is closed, and reports whether it ran. Close
+// takes the write lock before it closes the work queue and stops the workers, so work handed
+// over is never lost. fn may block on a full work queue while holding the read lock: the
+// workers that drain the queue never take postMu, and Close waits for it.
+func (a *Agent) handOver(fn func()) bool {
+	a.postMu.RLock()
+	defer a.postMu.RUnlock()
+	if a.closed.Load() {
+		return false
+	}
+	fn()
+	return true
 }
 
 // closeListeners closes the listeners (idempotent).
@@ -440,24 +482,30 @@ func (a *Agent) acceptLoop(ln net.Listener, isUnix bool) {
 			a.log.Warn("accept failed", "err", err)
 			return
 		}
-		a.connMu.Lock()
-		if a.closed.Load() {
-			a.connMu.Unlock()
+		if !a.trackAccepted(c) {
 			c.Close()
 			return
 		}
-		a.conns[c] = struct{}{}
-		a.wg.Add(1)
-		a.connMu.Unlock()
 		go func() {
 			defer a.wg.Done()
 			a.serveConn(c, isUnix)
 			c.Close()
-			a.connMu.Lock()
-			delete(a.conns, c)
-			a.connMu.Unlock()
+			a.untrack(c)
 		}()
 	}
+}
+
+// trackAccepted registers an accepted connection so Close can reach it, and counts the
+// goroutine that will serve it in a.wg; it returns false if the agent is closing.
+func (a *Agent) trackAccepted(c net.Conn) bool {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	if a.closed.Load() {
+		return false
+	}
+	a.conns[c] = struct{}{}
+	a.wg.Add(1)
+	return true
 }
 
 // trackOutbound registers a dialed connection so Close can reach it; it returns false (and
@@ -476,8 +524,8 @@ func (a *Agent) trackOutbound(c net.Conn) bool {
 // untrack removes a connection registered with trackOutbound or acceptLoop.
 func (a *Agent) untrack(c net.Conn) {
 	a.connMu.Lock()
+	defer a.connMu.Unlock()
 	delete(a.conns, c)
-	a.connMu.Unlock()
 }
 
 // goTracked starts fn on a goroutine owned by the agent, unless the agent is closing.

@@ -21,7 +21,8 @@ type Arena struct {
 	mem  []byte
 	size int64
 
-	mu     sync.Mutex
+	mu sync.Mutex
+	// guarded by mu
 	regs   int // regions registered (all agents)
 	closed bool
 }
@@ -100,8 +101,8 @@ func (a *Arena) pin() error {
 // unpin drops one registered region.
 func (a *Arena) unpin() {
 	a.mu.Lock()
+	defer a.mu.Unlock()
 	a.regs--
-	a.mu.Unlock()
 }
 
 // exportFD returns a new descriptor for the arena's memfd to pass to a peer, read-only

@@ -17,7 +17,7 @@ import (
 //	dialer   → listener  AUTH      {Proof: P(dialer)}
 //	listener → dialer    HELLO_ACK | ERROR
 //
-// P(side) = Auth.Proof(side, transcript), where the transcript holds the hello fields, the
+// P(side) = Auth.proof(side, transcript), where the transcript holds the hello fields, the
 // arenas asked for, the listener's name and incarnation and both nonces. Each side checks
 // the other's proof with hmac.Equal against the one it computes itself; a proof is bound to
 // both nonces, so one captured on a connection is worthless on any other. Both sides draw
@@ -35,18 +35,18 @@ const authNonceBytes = 32
 // maxAuthBytes bounds a CHALLENGE or AUTH payload.
 const maxAuthBytes = 1024
 
-// AuthSide names the side of a connection a proof is for.
-type AuthSide uint8
+// authSide names the side of a connection a proof is for.
+type authSide uint8
 
 const (
-	// AuthDialer is the side that opened the connection.
-	AuthDialer AuthSide = 1
-	// AuthListener is the side that accepted it.
-	AuthListener AuthSide = 2
+	// authDialer is the side that opened the connection.
+	authDialer authSide = 1
+	// authListener is the side that accepted it.
+	authListener authSide = 2
 )
 
-// HelloInfo is what the dialer announced in its hello.
-type HelloInfo struct {
+// helloInfo is what the dialer announced in its hello.
+type helloInfo struct {
 	Role            string // "control", "data", "metadata" or "arenas"
 	From            string // dialing agent
 	FromIncarnation uint64
@@ -54,10 +54,10 @@ type HelloInfo struct {
 	ToIncarnation   uint64 // 0 when fetching metadata by address
 }
 
-// AuthTranscript is everything a proof covers: what the dialer announced, the listener's
+// authTranscript is everything a proof covers: what the dialer announced, the listener's
 // identity, and the nonces both sides drew for this connection.
-type AuthTranscript struct {
-	Hello               HelloInfo
+type authTranscript struct {
+	Hello               helloInfo
 	Arenas              []uint32 // arena ids whose fds the dialer asked for (Unix)
 	Listener            string   // the listening agent's name
 	ListenerIncarnation uint64   // the listening agent's incarnation
@@ -65,37 +65,40 @@ type AuthTranscript struct {
 	ListenerNonce       []byte
 }
 
-// Authenticator computes the proofs of the connection handshake. The agent draws the nonces
-// and compares proofs itself (with hmac.Equal), so an implementation only computes: it must
-// return the same proof for the same side and transcript, bind every field of the transcript
-// and the side, and be safe for concurrent use. NewHMACAuth returns the shared-secret one.
+// Authenticator authenticates every connection of an agent (Config.Auth); NewHMACAuth
+// returns the shared-secret one. It computes the proofs of the connection handshake; the
+// agent draws the nonces and compares proofs itself (with hmac.Equal).
 type Authenticator interface {
-	Proof(side AuthSide, t *AuthTranscript) ([]byte, error)
+	// proof returns the same proof for the same side and transcript, binds every field of
+	// the transcript and the side, and is safe for concurrent use.
+	proof(side authSide, t *authTranscript) ([]byte, error)
 }
 
-// HMACAuth authenticates with a shared secret: a proof is HMAC-SHA256(secret, context ‖ side ‖
-// transcript), every field length-prefixed or fixed-size so that no two transcripts encode
-// alike.
-type HMACAuth struct {
+// hmacAuthenticator authenticates with a shared secret: a proof is HMAC-SHA256(secret,
+// context ‖ side ‖ transcript), every field length-prefixed or fixed-size so that no two
+// transcripts encode alike.
+type hmacAuthenticator struct {
 	key []byte
 }
 
-// ErrEmptySecret is returned by NewHMACAuth for an empty secret.
-var ErrEmptySecret = errors.New("transfer: empty shared secret")
+// errEmptySecret is returned by NewHMACAuth for an empty secret.
+var errEmptySecret = errors.New("transfer: empty shared secret")
 
-// NewHMACAuth returns an Authenticator keyed with secret (copied).
-func NewHMACAuth(secret []byte) (*HMACAuth, error) {
+// NewHMACAuth returns an Authenticator keyed with secret (copied): a proof is
+// HMAC-SHA256(secret, context ‖ side ‖ transcript). Both agents of a connection need the same
+// secret. An empty secret is an error.
+func NewHMACAuth(secret []byte) (Authenticator, error) {
 	if len(secret) == 0 {
-		return nil, ErrEmptySecret
+		return nil, errEmptySecret
 	}
-	return &HMACAuth{key: append([]byte(nil), secret...)}, nil
+	return &hmacAuthenticator{key: append([]byte(nil), secret...)}, nil
 }
 
 // authContext separates these proofs from any other use of the secret.
 const authContext = "kvbridge transfer connection auth v1"
 
-// Proof returns HMAC-SHA256 over the side and the transcript.
-func (a *HMACAuth) Proof(side AuthSide, t *AuthTranscript) ([]byte, error) {
+// proof returns HMAC-SHA256 over the side and the transcript.
+func (a *hmacAuthenticator) proof(side authSide, t *authTranscript) ([]byte, error) {
 	m := hmac.New(sha256.New, a.key)
 	writeField(m, []byte(authContext))
 	m.Write([]byte{byte(side)})
@@ -146,14 +149,14 @@ type authProof struct {
 }
 
 // transcript builds the transcript of a connection.
-func transcript(h *hello, listener string, listenerInc uint64, listenerNonce []byte) *AuthTranscript {
-	return &AuthTranscript{Hello: h.info(), Arenas: h.Arenas, Listener: listener, ListenerIncarnation: listenerInc,
+func transcript(h *hello, listener string, listenerInc uint64, listenerNonce []byte) *authTranscript {
+	return &authTranscript{Hello: h.info(), Arenas: h.Arenas, Listener: listener, ListenerIncarnation: listenerInc,
 		DialerNonce: h.Nonce, ListenerNonce: listenerNonce}
 }
 
 // checkProof computes side's proof over t and compares it with got in constant time.
-func checkProof(auth Authenticator, side AuthSide, t *AuthTranscript, got []byte) bool {
-	want, err := auth.Proof(side, t)
+func checkProof(auth Authenticator, side authSide, t *authTranscript, got []byte) bool {
+	want, err := auth.proof(side, t)
 	return err == nil && len(want) > 0 && hmac.Equal(want, got)
 }
 

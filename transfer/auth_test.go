@@ -206,11 +206,11 @@ func TestAuthReplay(t *testing.T) {
 
 	// A legitimate exchange, as a peer with the secret would run it.
 	c1, ch1 := rawDial(t, addr, h)
-	proof, err := auth.Proof(AuthDialer, transcript(&h, ch1.Name, ch1.Inc, ch1.Nonce))
+	proof, err := auth.proof(authDialer, transcript(&h, ch1.Name, ch1.Inc, ch1.Nonce))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !checkProof(auth, AuthListener, transcript(&h, ch1.Name, ch1.Inc, ch1.Nonce), ch1.Proof) {
+	if !checkProof(auth, authListener, transcript(&h, ch1.Name, ch1.Inc, ch1.Nonce), ch1.Proof) {
 		t.Fatal("the listener's proof does not verify")
 	}
 	rawAuth(t, c1, proof)

@@ -17,7 +17,7 @@
 //   - PrepareLocal / PrepareRemote validate descriptor lists once and pick the backend for
 //     the remote list; MakeRequest pairs descriptors by index and merges runs that are
 //     contiguous on both sides; Post starts the transfer without waiting for data movement;
-//     Done, Wait and Status report completion. Every post has a deadline (ErrTimeout).
+//     Done, Wait and Err report completion. Every post has a deadline (ErrTimeout).
 //   - A notification attached to a post is delivered by the engine itself once the data is
 //     complete (READ: after it landed locally; WRITE: after the peer acknowledged it).
 //     SendNotif sends standalone messages. Receivers read Notifications or DrainNotifs;

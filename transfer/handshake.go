@@ -73,8 +73,8 @@ type arenaGrant struct {
 }
 
 // info returns the HelloInfo view of h.
-func (h *hello) info() HelloInfo {
-	return HelloInfo{Role: roleName(h.Role), From: h.From, FromIncarnation: h.FromInc, To: h.To, ToIncarnation: h.ToInc}
+func (h *hello) info() helloInfo {
+	return helloInfo{Role: roleName(h.Role), From: h.From, FromIncarnation: h.FromInc, To: h.To, ToIncarnation: h.ToInc}
 }
 
 // Frame limits for what a listener accepts from a peer before and after the hello.
@@ -211,40 +211,45 @@ func (a *Agent) handshake(c net.Conn, addr string, h hello, payload []byte) (*di
 			return nil, err
 		}
 	}
+	res, err := a.acceptAnswer(addr, &h, ch, hdr, body, fds)
+	if err != nil {
+		closeFDs()
+		return nil, err
+	}
+	res.conn = c
+	return res, nil
+}
+
+// acceptAnswer checks the listener's final answer to a hello (after its challenge ch, if
+// it sent one): a HELLO_ACK from the agent the hello named, with as many arena grants as
+// fds. On error the caller closes the fds.
+func (a *Agent) acceptAnswer(addr string, h *hello, ch *challenge, hdr wire.Header, body []byte, fds []int) (*dialResult, error) {
 	switch hdr.Op {
 	case wire.OpError:
-		closeFDs()
 		return nil, newErr("connect", h.To, kindForCode(hdr.Count), fmt.Sprintf("refused by peer at %s: %s", addr, body), nil)
 	case wire.OpHelloAck:
 	default:
-		closeFDs()
 		return nil, fmt.Errorf("%w: unexpected %v during handshake", ErrProtocol, hdr.Op)
 	}
 	if a.cfg.Auth != nil && ch == nil {
-		closeFDs()
 		why := fmt.Sprintf("peer at %s accepted the connection without authenticating: it has no shared secret configured, this agent has one", addr)
 		a.countAuthRefusal("dialer", h.To, addr, roleName(h.Role), why)
 		return nil, newErr("connect", h.To, ErrPermission, why, nil)
 	}
-	res := &dialResult{conn: c, fds: fds}
+	res := &dialResult{fds: fds}
 	if _, err := checkMsgpack(body, 4); err != nil {
-		closeFDs()
 		return nil, err
 	}
 	if err := msgpack.Unmarshal(body, &res.ack); err != nil {
-		closeFDs()
 		return nil, fmt.Errorf("%w: hello ack: %v", ErrProtocol, err)
 	}
 	if len(res.ack.Grants) != len(fds) {
-		closeFDs()
 		return nil, fmt.Errorf("%w: %d arena grants for %d fds", ErrProtocol, len(res.ack.Grants), len(fds))
 	}
 	if ch != nil && (res.ack.Name != ch.Name || res.ack.Inc != ch.Inc) {
-		closeFDs()
 		return nil, fmt.Errorf("%w: acknowledged as %s/%016x after a challenge from %s/%016x", ErrProtocol, res.ack.Name, res.ack.Inc, ch.Name, ch.Inc)
 	}
 	if h.To != "" && (res.ack.Name != h.To || (h.ToInc != 0 && res.ack.Inc != h.ToInc)) {
-		closeFDs()
 		return nil, newErr("connect", h.To, ErrStaleIncarnation,
 			fmt.Sprintf("answered by %s/%016x, expected %s/%016x", res.ack.Name, res.ack.Inc, h.To, h.ToInc), nil)
 	}
@@ -271,7 +276,7 @@ func (a *Agent) answerChallenge(c net.Conn, addr string, h *hello, body []byte) 
 		return nil, newErr("connect", h.To, ErrStaleIncarnation, fmt.Sprintf("challenged by %s/%016x, expected %s", ch.Name, ch.Inc, h.To), nil)
 	}
 	t := transcript(h, ch.Name, ch.Inc, ch.Nonce)
-	proof, err := a.cfg.Auth.Proof(AuthDialer, t)
+	proof, err := a.cfg.Auth.proof(authDialer, t)
 	if err != nil {
 		return nil, newErr("connect", h.To, ErrPermission, "computing the authentication proof", err)
 	}
@@ -282,7 +287,7 @@ func (a *Agent) answerChallenge(c net.Conn, addr string, h *hello, body []byte) 
 	if _, err := c.Write(encodeFrame(wire.Header{Op: wire.OpAuth}, payload)); err != nil {
 		return nil, err
 	}
-	if !checkProof(a.cfg.Auth, AuthListener, t, ch.Proof) {
+	if !checkProof(a.cfg.Auth, authListener, t, ch.Proof) {
 		why := fmt.Sprintf("peer %s at %s failed to prove the shared secret: the secrets differ (or it is not the agent it claims)", ch.Name, addr)
 		a.countAuthRefusal("dialer", ch.Name, addr, roleName(h.Role), why)
 		// Read the listener's verdict on our proof (bounded by the handshake deadline) so

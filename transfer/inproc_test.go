@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -54,7 +55,7 @@ func TestReadWrite(t *testing.T) {
 				if tel.Err != nil || tel.Bytes != int64(len(lidx))*block || tel.Backend.String() != be || tel.Descs != len(lidx) || tel.TransferDuration <= 0 {
 					t.Fatalf("telemetry %+v", tel)
 				}
-				if st, err := req.Status(); st != StatusDone || err != nil {
+				if st, err := req.status(); st != statusDone || err != nil {
 					t.Fatalf("status %v %v", st, err)
 				}
 				// Repost: same request, different data.
@@ -367,23 +368,28 @@ func TestStalledConnectionTimesOut(t *testing.T) {
 				t.Fatal(err)
 			}
 			ll, rl := p.lists(t, 1<<20, &PrepareOptions{Backends: []string{"TCP"}})
-			req, err := p.ini.MakeRequest(op, ll, seq(8), rl, seq(8), &RequestOptions{Timeout: 300 * time.Millisecond})
+			req, err := p.ini.MakeRequest(op, ll, seq(8), rl, seq(8), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer req.Release()
 			px.stall()
 			ctx := testCtx(t)
-			if err := req.Post(ctx, nil); err != nil {
+			// The stalled post's deadline is short (its context's); the repost after the
+			// stall has the request's own, so that a loaded machine has time to move 8 MiB
+			// through the proxy.
+			stallCtx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+			defer cancel()
+			if err := req.Post(stallCtx, nil); err != nil {
 				t.Fatal(err)
 			}
 			wantKind(t, req.Post(ctx, nil), ErrRepostActive)
-			if st, _ := req.Status(); st != StatusInProgress && st != StatusFailed {
+			if st, _ := req.status(); st != statusInProgress && st != statusFailed {
 				t.Fatalf("status %v", st)
 			}
 			err = req.Wait(ctx)
 			wantKind(t, err, ErrTimeout)
-			if st, serr := req.Status(); st != StatusFailed || !errors.Is(serr, ErrTimeout) {
+			if st, serr := req.status(); st != statusFailed || !errors.Is(serr, ErrTimeout) {
 				t.Fatalf("status %v %v", st, serr)
 			}
 			px.unstall()
@@ -684,7 +690,7 @@ func TestMetadata(t *testing.T) {
 		t.Fatal(err)
 	}
 	tcpAddr, unixAddr := p.tgt.Addrs()
-	if m.Name != "target" || m.Incarnation != p.tgt.Incarnation() || m.BootID != p.tgt.BootID() ||
+	if m.Name != "target" || m.Incarnation != p.tgt.Incarnation() || m.BootID != p.tgt.bootID ||
 		len(m.Regions) != 1 || m.TCPAddrs[0] != tcpAddr || m.UnixAddr != unixAddr {
 		t.Fatalf("decoded %+v", m.metaWire)
 	}

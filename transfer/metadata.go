@@ -115,9 +115,22 @@ func (a *Agent) LocalMetadata() []byte {
 		m.UCXWorkers = a.ucx.workerAddrs()
 		m.ProcStart, _ = procStart(os.Getpid())
 	}
+	a.publishRegions(&m)
+	sort.Slice(m.Arenas, func(i, j int) bool { return m.Arenas[i].ID < m.Arenas[j].ID })
+	sort.Slice(m.UCXArenas, func(i, j int) bool { return m.UCXArenas[i].ID < m.UCXArenas[j].ID })
+	b, err := m.encode()
+	if err != nil {
+		// Encoding plain structs of strings, integers and bytes cannot fail.
+		panic(fmt.Sprintf("transfer: encoding metadata: %v", err))
+	}
+	return b
+}
+
+// publishRegions adds the regions peers may access and their shared arenas to m.
+func (a *Agent) publishRegions(m *metaWire) {
 	a.regMu.Lock()
-	t := a.regions.Load()
-	for _, r := range t.byID {
+	defer a.regMu.Unlock()
+	for _, r := range a.regions.Load().byID {
 		if r == nil || r.perm == 0 {
 			continue
 		}
@@ -131,15 +144,6 @@ func (a *Agent) LocalMetadata() []byte {
 			}
 		}
 	}
-	a.regMu.Unlock()
-	sort.Slice(m.Arenas, func(i, j int) bool { return m.Arenas[i].ID < m.Arenas[j].ID })
-	sort.Slice(m.UCXArenas, func(i, j int) bool { return m.UCXArenas[i].ID < m.UCXArenas[j].ID })
-	b, err := m.encode()
-	if err != nil {
-		// Encoding plain structs of strings, integers and bytes cannot fail.
-		panic(fmt.Sprintf("transfer: encoding metadata: %v", err))
-	}
-	return b
 }
 
 // encode returns the blob in m's format version: format 1 carries metaCore alone.
@@ -169,32 +173,48 @@ func (m *remoteMeta) region(id uint32) *metaRegion {
 // decodeMetadata parses and validates a peer's metadata blob. Any defect is ErrProtocol
 // (or ErrNotSupported for another format version); it never panics on any input.
 func decodeMetadata(b []byte) (*remoteMeta, error) {
-	bad := func(format string, args ...any) (*remoteMeta, error) {
-		return nil, newErr("load", "", ErrProtocol, "metadata: "+fmt.Sprintf(format, args...), nil)
+	m, err := parseMetadata(b)
+	if err != nil {
+		return nil, err
 	}
+	for _, check := range [...]func() error{m.checkIdentity, m.checkArenas, m.checkRegions, m.checkUCX} {
+		if err := check(); err != nil {
+			return nil, err
+		}
+	}
+	return m, nil
+}
+
+// badMetadata is the error for a defective metadata blob.
+func badMetadata(format string, args ...any) error {
+	return newErr("load", "", ErrProtocol, "metadata: "+fmt.Sprintf(format, args...), nil)
+}
+
+// parseMetadata decodes a metadata blob of a format this build reads.
+func parseMetadata(b []byte) (*remoteMeta, error) {
 	if len(b) == 0 {
-		return bad("empty")
+		return nil, badMetadata("empty")
 	}
 	if len(b) > maxMetadataBytes {
-		return bad("%d bytes exceed the limit of %d", len(b), maxMetadataBytes)
+		return nil, badMetadata("%d bytes exceed the limit of %d", len(b), maxMetadataBytes)
 	}
 	n, err := checkMsgpack(b, 4)
 	if err != nil {
 		return nil, newErr("load", "", ErrProtocol, "metadata", err)
 	}
 	if n != len(b) {
-		return bad("%d trailing bytes", len(b)-n)
+		return nil, badMetadata("%d trailing bytes", len(b)-n)
 	}
 	// The version is the first array element; read it before the rest so a future format
 	// is reported as such rather than as garbage.
 	dec := msgpack.NewDecoder(bytes.NewReader(b))
 	alen, err := dec.DecodeArrayLen()
 	if err != nil || alen < 1 {
-		return bad("not an array")
+		return nil, badMetadata("not an array")
 	}
 	v, err := dec.DecodeUint64()
 	if err != nil {
-		return bad("version: %v", err)
+		return nil, badMetadata("version: %v", err)
 	}
 	m := &remoteMeta{}
 	switch v {
@@ -208,92 +228,123 @@ func decodeMetadata(b []byte) (*remoteMeta, error) {
 		return nil, newErr("load", "", ErrNotSupported, fmt.Sprintf("metadata format version %d (this build reads %d and %d)", v, metadataVersion, metadataVersionUCX), nil)
 	}
 	if err != nil {
-		return bad("%v", err)
+		return nil, badMetadata("%v", err)
 	}
+	return m, nil
+}
+
+// checkIdentity checks the agent's name, incarnation and addresses.
+func (m *remoteMeta) checkIdentity() error {
 	if m.Name == "" || len(m.Name) > maxNameLen || !utf8.ValidString(m.Name) || strings.ContainsAny(m.Name, "\x00\n") {
-		return bad("invalid agent name %q", m.Name)
+		return badMetadata("invalid agent name %q", m.Name)
 	}
 	if m.Incarnation == 0 {
-		return bad("zero incarnation")
+		return badMetadata("zero incarnation")
 	}
 	if len(m.BootID) > 64 {
-		return bad("boot id too long")
+		return badMetadata("boot id too long")
 	}
 	if len(m.UnixAddr) > 108 {
-		return bad("unix address too long")
+		return badMetadata("unix address too long")
 	}
 	if len(m.TCPAddrs) > maxAddrs {
-		return bad("%d TCP addresses", len(m.TCPAddrs))
+		return badMetadata("%d TCP addresses", len(m.TCPAddrs))
 	}
 	for _, s := range m.TCPAddrs {
 		if s == "" || len(s) > 256 {
-			return bad("invalid TCP address %q", s)
+			return badMetadata("invalid TCP address %q", s)
 		}
 	}
+	return nil
+}
+
+// checkArenas checks the arena table and indexes it (arenaSize).
+func (m *remoteMeta) checkArenas() error {
 	if len(m.Arenas) > maxArenas || len(m.Regions) > maxRegions {
-		return bad("%d arenas, %d regions", len(m.Arenas), len(m.Regions))
+		return badMetadata("%d arenas, %d regions", len(m.Arenas), len(m.Regions))
 	}
 	m.arenaSize = make(map[uint32]uint64, len(m.Arenas))
 	for _, ar := range m.Arenas {
 		if ar.ID == 0 || ar.Size == 0 || ar.Size > 1<<46 {
-			return bad("invalid arena %d of %d bytes", ar.ID, ar.Size)
+			return badMetadata("invalid arena %d of %d bytes", ar.ID, ar.Size)
 		}
 		if _, dup := m.arenaSize[ar.ID]; dup {
-			return bad("arena %d listed twice", ar.ID)
+			return badMetadata("arena %d listed twice", ar.ID)
 		}
 		m.arenaSize[ar.ID] = ar.Size
 	}
+	return nil
+}
+
+// checkRegions checks the region table: sorted unique ids, valid permissions, each region
+// inside its arena.
+func (m *remoteMeta) checkRegions() error {
 	for i, r := range m.Regions {
 		if r.ID == 0 || r.Len == 0 || r.Len > 1<<46 {
-			return bad("invalid region %d of %d bytes", r.ID, r.Len)
+			return badMetadata("invalid region %d of %d bytes", r.ID, r.Len)
 		}
 		if i > 0 && m.Regions[i-1].ID >= r.ID {
-			return bad("regions not sorted by unique id at %d", r.ID)
+			return badMetadata("regions not sorted by unique id at %d", r.ID)
 		}
 		if r.Perm == 0 || Perm(r.Perm)&^PermReadWrite != 0 {
-			return bad("region %d has invalid permission %#x", r.ID, r.Perm)
+			return badMetadata("region %d has invalid permission %#x", r.ID, r.Perm)
 		}
-		if r.Arena != 0 {
-			sz, ok := m.arenaSize[r.Arena]
-			if !ok {
-				return bad("region %d refers to unknown arena %d", r.ID, r.Arena)
-			}
-			if r.ArenaOff > sz || r.Len > sz-r.ArenaOff {
-				return bad("region %d [%d,+%d) outside arena %d of %d bytes", r.ID, r.ArenaOff, r.Len, r.Arena, sz)
-			}
-		} else if r.ArenaOff != 0 {
-			return bad("region %d has an arena offset but no arena", r.ID)
+		if err := m.checkPlacement(&r); err != nil {
+			return err
 		}
 	}
+	return nil
+}
+
+// checkPlacement checks that region r lies inside its arena (if it has one).
+func (m *remoteMeta) checkPlacement(r *metaRegion) error {
+	if r.Arena == 0 {
+		if r.ArenaOff != 0 {
+			return badMetadata("region %d has an arena offset but no arena", r.ID)
+		}
+		return nil
+	}
+	sz, ok := m.arenaSize[r.Arena]
+	if !ok {
+		return badMetadata("region %d refers to unknown arena %d", r.ID, r.Arena)
+	}
+	if r.ArenaOff > sz || r.Len > sz-r.ArenaOff {
+		return badMetadata("region %d [%d,+%d) outside arena %d of %d bytes", r.ID, r.ArenaOff, r.Len, r.Arena, sz)
+	}
+	return nil
+}
+
+// checkUCX checks the UCX worker addresses and arena keys and indexes the keys (ucxArena).
+func (m *remoteMeta) checkUCX() error {
 	if len(m.UCXWorkers) > maxUCXWorkers {
-		return bad("%d UCX workers", len(m.UCXWorkers))
+		return badMetadata("%d UCX workers", len(m.UCXWorkers))
 	}
 	for i, w := range m.UCXWorkers {
 		if len(w) == 0 || len(w) > maxUCXBlob {
-			return bad("UCX worker address %d of %d bytes", i, len(w))
+			return badMetadata("UCX worker address %d of %d bytes", i, len(w))
 		}
 	}
 	if len(m.UCXArenas) > 0 && len(m.UCXWorkers) == 0 {
-		return bad("UCX arena keys without a UCX worker")
+		return badMetadata("UCX arena keys without a UCX worker")
 	}
 	m.ucxArena = make(map[uint32]*metaUCXArena, len(m.UCXArenas))
 	for i := range m.UCXArenas {
 		ua := &m.UCXArenas[i]
 		if _, ok := m.arenaSize[ua.ID]; !ok {
-			return bad("UCX key for unknown arena %d", ua.ID)
+			return badMetadata("UCX key for unknown arena %d", ua.ID)
 		}
 		if m.ucxArena[ua.ID] != nil {
-			return bad("UCX key for arena %d listed twice", ua.ID)
+			return badMetadata("UCX key for arena %d listed twice", ua.ID)
 		}
 		if len(ua.Rkey) == 0 || len(ua.Rkey) > maxUCXBlob {
-			return bad("UCX key of arena %d has %d bytes", ua.ID, len(ua.Rkey))
+			return badMetadata("UCX key of arena %d has %d bytes", ua.ID, len(ua.Rkey))
 		}
 		if ua.Base > 1<<63-1-m.arenaSize[ua.ID] {
-			return bad("UCX arena %d at %#x overflows", ua.ID, ua.Base)
+			return badMetadata("UCX arena %d at %#x overflows", ua.ID, ua.Base)
 		}
 		m.ucxArena[ua.ID] = ua
 	}
-	return m, nil
+	return nil
 }
 
 // procStart returns the start time of process pid (field 22 of /proc/PID/stat, clock ticks

@@ -86,9 +86,7 @@ func (a *Agent) SendNotif(ctx context.Context, peer string, msg []byte) error {
 		}
 		return nil
 	}
-	a.connMu.Lock()
-	cc := a.inCtrl[peer]
-	a.connMu.Unlock()
+	cc := a.inboundCtrl(peer)
 	if cc == nil {
 		if a.ucx != nil {
 			if ok, err := a.ucx.sendInbound(ctx, peer, msg, deadline); ok {
@@ -116,7 +114,8 @@ type ctrlConn struct {
 	peerInc uint64
 	unix    bool
 
-	wmu  sync.Mutex
+	wmu sync.Mutex
+	// guarded by wmu: one frame is written at a time.
 	seq  uint64
 	wbuf []byte
 
@@ -177,4 +176,11 @@ func (cc *ctrlConn) readLoop() error {
 // close closes the connection (idempotent).
 func (cc *ctrlConn) close() {
 	cc.closeOnce.Do(func() { cc.c.Close() })
+}
+
+// inboundCtrl returns peer's latest inbound control connection, or nil.
+func (a *Agent) inboundCtrl(peer string) *ctrlConn {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	return a.inCtrl[peer]
 }

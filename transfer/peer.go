@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -37,8 +38,12 @@ type peer struct {
 	inc  uint64
 	meta atomic.Pointer[remoteMeta]
 
-	dialMu   sync.Mutex // serialises connection attempts (held while dialing, p.mu is not)
-	mu       sync.Mutex
+	// dialMu serialises connection attempts: it is held while dialing, p.mu never is, so
+	// requests in flight (which take p.mu) never wait for the network.
+	dialMu sync.Mutex
+
+	mu sync.Mutex
+	// guarded by mu: the link (connections, mappings) and the requests in flight.
 	gone     error  // sentinel once retired (stale, invalidated, closed)
 	goneWhy  string // detail for gone
 	uconn    *ctrlConn
@@ -72,21 +77,27 @@ func (a *Agent) LoadRemote(blob []byte) (string, error) {
 	if a.closed.Load() {
 		return "", newErr("load", m.Name, ErrClosed, "agent closed", nil)
 	}
+	if old := a.installPeer(m); old != nil {
+		old.retire(ErrStaleIncarnation, fmt.Sprintf("incarnation %016x replaced by %016x", old.inc, m.Incarnation))
+	}
+	return m.Name, nil
+}
+
+// installPeer makes m the metadata of the peer it names: in place for the incarnation
+// already loaded, else as a new peer. It returns the peer that m replaced, for the caller
+// to retire.
+func (a *Agent) installPeer(m *remoteMeta) (replaced *peer) {
 	a.peersMu.Lock()
+	defer a.peersMu.Unlock()
 	old := a.peers[m.Name]
 	if old != nil && old.inc == m.Incarnation {
 		old.meta.Store(m)
-		a.peersMu.Unlock()
-		return m.Name, nil
+		return nil
 	}
 	p := &peer{a: a, name: m.Name, inc: m.Incarnation, maps: map[uint32]*mapping{}, inflight: map[*Request]uint64{}}
 	p.meta.Store(m)
 	a.peers[m.Name] = p
-	a.peersMu.Unlock()
-	if old != nil {
-		old.retire(ErrStaleIncarnation, fmt.Sprintf("incarnation %016x replaced by %016x", old.inc, m.Incarnation))
-	}
-	return m.Name, nil
+	return old
 }
 
 // InvalidateRemote forgets a peer: its connections close, its requests in flight fail with
@@ -109,19 +120,28 @@ func (a *Agent) InvalidateIncarnation(name string, inc uint64) error {
 // invalidate forgets the peer loaded under name if its incarnation is inc (0: any
 // incarnation) and retires it.
 func (a *Agent) invalidate(name string, inc uint64) error {
+	p := a.removePeer(name, inc)
+	switch {
+	case p != nil:
+		p.retire(ErrNotFound, "peer metadata invalidated")
+		return nil
+	case inc == 0:
+		return newErr("invalidate", name, ErrNotFound, "no metadata loaded", nil)
+	}
+	return newErr("invalidate", name, ErrNotFound, fmt.Sprintf("incarnation %016x is not loaded", inc), nil)
+}
+
+// removePeer removes and returns the peer loaded under name if its incarnation is inc (0:
+// any incarnation), or returns nil.
+func (a *Agent) removePeer(name string, inc uint64) *peer {
 	a.peersMu.Lock()
+	defer a.peersMu.Unlock()
 	p := a.peers[name]
 	if p == nil || (inc != 0 && p.inc != inc) {
-		a.peersMu.Unlock()
-		if inc == 0 {
-			return newErr("invalidate", name, ErrNotFound, "no metadata loaded", nil)
-		}
-		return newErr("invalidate", name, ErrNotFound, fmt.Sprintf("incarnation %016x is not loaded", inc), nil)
+		return nil
 	}
 	delete(a.peers, name)
-	a.peersMu.Unlock()
-	p.retire(ErrNotFound, "peer metadata invalidated")
-	return nil
+	return p
 }
 
 // Peer returns what is known about a loaded peer.
@@ -142,19 +162,25 @@ func (a *Agent) Peer(name string) (PeerInfo, bool) {
 	if len(m.UCXWorkers) > 0 {
 		info.Offers = append(info.Offers, BackendUCX)
 	}
+	info.Backends, info.UCXLanes = p.connected()
+	return info, true
+}
+
+// connected returns the backends whose connections are up, and the UCX link's lanes.
+func (p *peer) connected() (backends []Backend, lanes []string) {
 	p.mu.Lock()
+	defer p.mu.Unlock()
 	if p.uconn != nil {
-		info.Backends = append(info.Backends, BackendSHM)
+		backends = append(backends, BackendSHM)
 	}
 	if p.data != nil {
-		info.Backends = append(info.Backends, BackendTCP)
+		backends = append(backends, BackendTCP)
 	}
 	if p.ux != nil {
-		info.Backends = append(info.Backends, BackendUCX)
-		info.UCXLanes = p.ux.transports()
+		backends = append(backends, BackendUCX)
+		lanes = p.ux.transports()
 	}
-	p.mu.Unlock()
-	return info, true
+	return backends, lanes
 }
 
 // Connect pre-establishes the connections to a loaded peer for the given backends (default:
@@ -186,6 +212,24 @@ func (a *Agent) lookupPeer(name string) *peer {
 // goneErr returns the error for using a retired peer (callers hold p.mu).
 func (p *peer) goneErrLocked(op string) error {
 	return newErr(op, p.name, p.gone, p.goneWhy, nil)
+}
+
+// whileLive runs fn under p.mu unless the peer is retired, and returns fn's error or the
+// retired peer's (for operation op). fn must not block: it installs or inspects the link.
+func (p *peer) whileLive(op string, fn func() error) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.gone != nil {
+		return p.goneErrLocked(op)
+	}
+	return fn()
+}
+
+// retired reports whether the peer is retired.
+func (p *peer) retired() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.gone != nil
 }
 
 // sameHost reports whether the peer runs on this host.
@@ -278,16 +322,12 @@ func joinReasons(r []string) string {
 func (p *peer) ensure(ctx context.Context, b Backend) error {
 	p.dialMu.Lock()
 	defer p.dialMu.Unlock()
-	p.mu.Lock()
-	if p.gone != nil {
-		err := p.goneErrLocked("connect")
-		p.mu.Unlock()
-		return err
-	}
-	up := (b == BackendSHM && p.uconn != nil) || (b == BackendTCP && p.data != nil) || (b == BackendUCX && p.ux != nil)
-	p.mu.Unlock()
-	if up {
+	var up bool
+	if err := p.whileLive("connect", func() error {
+		up = (b == BackendSHM && p.uconn != nil) || (b == BackendTCP && p.data != nil) || (b == BackendUCX && p.ux != nil)
 		return nil
+	}); err != nil || up {
+		return err
 	}
 	switch b {
 	case BackendSHM:
@@ -311,55 +351,78 @@ type notifRoute interface {
 // connection. With no route yet, prefer decides which one is made (SHM or UCX only if
 // usable; 0 = the agent's preference).
 func (p *peer) route(ctx context.Context, prefer Backend) (notifRoute, error) {
-	get := func() (notifRoute, error) {
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		if p.gone != nil {
-			return nil, p.goneErrLocked("notify")
-		}
-		return p.routeLocked(), nil
-	}
-	if rt, err := get(); rt != nil || err != nil {
+	if rt, err := p.liveRoute(); rt != nil || err != nil {
 		return rt, err
 	}
 	p.dialMu.Lock()
 	defer p.dialMu.Unlock()
-	if rt, err := get(); rt != nil || err != nil {
+	if rt, err := p.liveRoute(); rt != nil || err != nil {
 		return rt, err
 	}
+	if err := p.connectRoute(ctx, prefer); err != nil {
+		return nil, err
+	}
+	return p.liveRoute()
+}
+
+// liveRoute returns the current notification route (nil if none), or the retired peer's
+// error.
+func (p *peer) liveRoute() (rt notifRoute, err error) {
+	err = p.whileLive("notify", func() error {
+		rt = p.routeLocked()
+		return nil
+	})
+	return rt, err
+}
+
+// connectRoute connects a notification route (see route). Callers hold dialMu.
+func (p *peer) connectRoute(ctx context.Context, prefer Backend) error {
 	if prefer == 0 {
 		prefer = p.a.backends[0]
 	}
 	var firstErr error
 	if prefer == BackendUCX && p.ucxUsable(nil) == "" {
 		if firstErr = p.connectUCX(ctx); firstErr == nil {
-			return get()
+			return nil
 		}
 	}
 	if prefer == BackendSHM && p.a.enabled(BackendSHM) && p.shmUsable(nil) == "" {
 		if firstErr = p.connectSHM(ctx); firstErr == nil {
-			return get()
+			return nil
 		}
 	}
 	if p.tcpUsable() == "" {
-		if err := p.connectTCPCtrl(ctx); err != nil {
-			return nil, err
-		}
-		return get()
+		return p.connectTCPCtrl(ctx)
 	}
 	if prefer != BackendUCX && p.ucxUsable(nil) == "" {
 		err := p.connectUCX(ctx)
 		if err == nil {
-			return get()
+			return nil
 		}
 		if firstErr == nil {
 			firstErr = err
 		}
 	}
 	if firstErr != nil {
-		return nil, firstErr
+		return firstErr
 	}
-	return nil, newErr("notify", p.name, ErrNotSupported, "peer offers no usable control connection", nil)
+	return newErr("notify", p.name, ErrNotSupported, "peer offers no usable control connection", nil)
+}
+
+// currentRoute returns the current notification route, or nil.
+func (p *peer) currentRoute() notifRoute {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.routeLocked()
+}
+
+// detach forgets request r as in flight if it still is for post gen.
+func (p *peer) detach(r *Request, gen uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.inflight[r] == gen {
+		delete(p.inflight, r)
+	}
 }
 
 // routeLocked returns the current notification route, or nil (callers hold p.mu). All
@@ -382,16 +445,15 @@ func (p *peer) connectUCX(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	p.mu.Lock()
-	if p.gone != nil {
-		err = p.goneErrLocked("connect")
-		p.mu.Unlock()
+	var watch bool
+	if err := p.whileLive("connect", func() error {
+		p.ux = l
+		watch = p.procWait == nil && p.sameHost()
+		return nil
+	}); err != nil {
 		l.close()
 		return err
 	}
-	p.ux = l
-	watch := p.procWait == nil && p.sameHost()
-	p.mu.Unlock()
 	p.a.stats.connects.Add(1)
 	lanes := l.transports()
 	p.a.log.Info("transfer UCX link up", "peer", p.name, "lanes", strings.Join(lanes, "; "))
@@ -411,35 +473,52 @@ func (p *peer) connectUCX(ctx context.Context) error {
 // dialMu.
 func (p *peer) connectSHM(ctx context.Context) error {
 	m := p.meta.Load()
-	p.mu.Lock()
-	var want []uint32
+	ids := make([]uint32, 0, len(m.Arenas))
 	for _, ar := range m.Arenas {
-		if p.maps[ar.ID] == nil {
-			want = append(want, ar.ID)
-		}
+		ids = append(ids, ar.ID)
 	}
-	p.mu.Unlock()
-	res, err := p.a.dial(ctx, "unix", m.UnixAddr, hello{Role: roleControl, To: p.name, ToInc: p.inc, Arenas: want})
+	res, err := p.a.dial(ctx, "unix", m.UnixAddr, hello{Role: roleControl, To: p.name, ToInc: p.inc, Arenas: p.notMapped(ids)})
 	if err != nil {
 		return err
 	}
 	cc := newCtrlConn(p.a, res.conn, p.name, p.inc, true)
-	p.mu.Lock()
-	if p.gone != nil {
-		err = p.goneErrLocked("connect")
-	} else {
-		err = p.mapGrantsLocked(res.ack.Grants, res.fds)
-	}
-	res.fds = nil
-	if err == nil {
-		p.uconn = cc
-	}
-	p.mu.Unlock()
-	if err != nil {
+	if err := p.mapGrants(res, func() { p.uconn = cc }); err != nil {
 		res.conn.Close()
 		return err
 	}
 	return p.startWatch(cc)
+}
+
+// notMapped returns the arena ids in ids that are not mapped yet.
+func (p *peer) notMapped(ids []uint32) []uint32 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	var want []uint32
+	for _, id := range ids {
+		if p.maps[id] == nil {
+			want = append(want, id)
+		}
+	}
+	return want
+}
+
+// mapGrants maps the arena fds res received unless the peer is retired, closing them either
+// way, then, if mapping succeeded, runs install (may be nil) under p.mu.
+func (p *peer) mapGrants(res *dialResult, install func()) error {
+	fds := res.fds
+	res.fds = nil
+	err := p.whileLive("connect", func() error {
+		err := p.mapGrantsLocked(res.ack.Grants, fds)
+		fds = nil
+		if err == nil && install != nil {
+			install()
+		}
+		return err
+	})
+	for _, fd := range fds { // the peer was retired: mapGrantsLocked did not run
+		unix.Close(fd)
+	}
+	return err
 }
 
 // startWatch tracks an installed control connection and starts its reader.
@@ -492,14 +571,7 @@ func (p *peer) mapGrantsLocked(grants []arenaGrant, fds []int) error {
 func (p *peer) fetchArenas(ctx context.Context, ids []uint32) error {
 	p.dialMu.Lock()
 	defer p.dialMu.Unlock()
-	p.mu.Lock()
-	var want []uint32
-	for _, id := range ids {
-		if p.maps[id] == nil {
-			want = append(want, id)
-		}
-	}
-	p.mu.Unlock()
+	want := p.notMapped(ids)
 	if len(want) == 0 {
 		return nil
 	}
@@ -508,15 +580,7 @@ func (p *peer) fetchArenas(ctx context.Context, ids []uint32) error {
 		return err
 	}
 	defer res.conn.Close()
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.gone != nil {
-		for _, fd := range res.fds {
-			unix.Close(fd)
-		}
-		return p.goneErrLocked("connect")
-	}
-	return p.mapGrantsLocked(res.ack.Grants, res.fds)
+	return p.mapGrants(res, nil)
 }
 
 // connectTCP dials the TCP data connections. Callers hold dialMu.
@@ -543,15 +607,13 @@ func (p *peer) connectTCP(ctx context.Context) error {
 		}
 		conns = append(conns, newDataConn(p, res.conn, budget))
 	}
-	p.mu.Lock()
-	if p.gone != nil {
-		err := p.goneErrLocked("connect")
-		p.mu.Unlock()
+	if err := p.whileLive("connect", func() error {
+		p.data, p.budget = conns, budget
+		return nil
+	}); err != nil {
 		abort()
 		return err
 	}
-	p.data, p.budget = conns, budget
-	p.mu.Unlock()
 	for _, c := range conns {
 		if !c.start() {
 			p.teardownConn(nil, c, "agent closed")
@@ -570,14 +632,10 @@ func (p *peer) connectTCPCtrl(ctx context.Context) error {
 		return err
 	}
 	cc := newCtrlConn(p.a, res.conn, p.name, p.inc, false)
-	p.mu.Lock()
-	if p.gone != nil {
-		err = p.goneErrLocked("connect")
-	} else {
+	if err := p.whileLive("connect", func() error {
 		p.tconn = cc
-	}
-	p.mu.Unlock()
-	if err != nil {
+		return nil
+	}); err != nil {
 		res.conn.Close()
 		return err
 	}
@@ -599,10 +657,7 @@ func (p *peer) watch(cc *ctrlConn) {
 	if !p.teardownConn(cc, nil, fmt.Sprintf("control connection lost: %v", err)) {
 		return
 	}
-	p.mu.Lock()
-	gone := p.gone != nil
-	p.mu.Unlock()
-	if f := p.a.cfg.OnPeerLost; f != nil && !gone {
+	if f := p.a.cfg.OnPeerLost; f != nil && !p.retired() {
 		f(p.name, p.inc)
 	}
 }
@@ -610,19 +665,7 @@ func (p *peer) watch(cc *ctrlConn) {
 // teardownConn tears the link down if cc (or dc) is still part of it, and reports whether it
 // was; a connection no longer part of the link is just closed.
 func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) bool {
-	p.mu.Lock()
-	current := false
-	if cc != nil && (p.uconn == cc || p.tconn == cc) {
-		current = true
-	}
-	if dc != nil {
-		for _, c := range p.data {
-			if c == dc {
-				current = true
-			}
-		}
-	}
-	p.mu.Unlock()
+	current := p.isCurrent(cc, dc)
 	switch {
 	case current && dc != nil:
 		p.teardownData(why)
@@ -634,14 +677,20 @@ func (p *peer) teardownConn(cc *ctrlConn, dc *dataConn, why string) bool {
 	return current
 }
 
+// isCurrent reports whether cc (or dc) is part of the link.
+func (p *peer) isCurrent(cc *ctrlConn, dc *dataConn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if cc != nil && (p.uconn == cc || p.tconn == cc) {
+		return true
+	}
+	return dc != nil && slices.Contains(p.data, dc)
+}
+
 // teardownData closes the TCP data connections and fails the TCP requests in flight; SHM
 // requests and the control connection are not affected. The next TCP post reconnects.
 func (p *peer) teardownData(why string) {
-	p.mu.Lock()
-	data := p.data
-	p.data, p.budget = nil, nil
-	reqs := p.takeInflightLocked(BackendTCP)
-	p.mu.Unlock()
+	data, reqs := p.takeData()
 	if len(data) > 0 {
 		p.a.stats.disconnects.Add(1)
 		p.a.log.Info("transfer data connections lost", "peer", p.name, "err", why)
@@ -654,13 +703,19 @@ func (p *peer) teardownData(why string) {
 	}
 }
 
+// takeData detaches the TCP data connections and the TCP requests in flight.
+func (p *peer) takeData() ([]*dataConn, map[*Request]uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	data := p.data
+	p.data, p.budget = nil, nil
+	return data, p.takeInflightLocked(BackendTCP)
+}
+
 // teardown closes every connection to the peer and fails its requests in flight with kind.
 // The peer stays loaded: the next request reconnects.
 func (p *peer) teardown(kind error, why string) {
-	p.mu.Lock()
-	conns := p.takeConnsLocked()
-	reqs := p.takeInflightLocked(0)
-	p.mu.Unlock()
+	conns, reqs := p.takeLink()
 	if len(conns.data) > 0 || conns.u != nil || conns.t != nil || conns.ux != nil {
 		p.a.stats.disconnects.Add(1)
 		p.a.log.Info("transfer peer disconnected", "peer", p.name, "err", why)
@@ -671,22 +726,20 @@ func (p *peer) teardown(kind error, why string) {
 	}
 }
 
+// takeLink detaches every connection and every request in flight.
+func (p *peer) takeLink() (linkConns, map[*Request]uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.takeConnsLocked(), p.takeInflightLocked(0)
+}
+
 // retire marks the peer gone (stale incarnation, invalidated, agent closed), closes its
 // connections and fails its requests with kind. It returns the requests it failed.
 func (p *peer) retire(kind error, why string) []*Request {
-	p.mu.Lock()
-	if p.gone != nil {
-		p.mu.Unlock()
+	conns, reqs, unmap, ok := p.markGone(kind, why)
+	if !ok {
 		return nil
 	}
-	p.gone, p.goneWhy = kind, why
-	if p.procWait != nil {
-		p.procWait.Close() // ends watchProcess
-	}
-	conns := p.takeConnsLocked()
-	reqs := p.takeInflightLocked(0)
-	unmap := p.lists == 0
-	p.mu.Unlock()
 	conns.close()
 	failed := make([]*Request, 0, len(reqs))
 	for r, gen := range reqs {
@@ -698,6 +751,22 @@ func (p *peer) retire(kind error, why string) []*Request {
 		p.unmapAll()
 	}
 	return failed
+}
+
+// markGone retires the peer under p.mu, unless it already is (ok false): it detaches the
+// link and the requests in flight, and reports whether no prepared list is left.
+func (p *peer) markGone(kind error, why string) (conns linkConns, reqs map[*Request]uint64, unmap, ok bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.gone != nil {
+		return linkConns{}, nil, false, false
+	}
+	p.gone, p.goneWhy = kind, why
+	if p.procWait != nil {
+		p.procWait.Close() // ends watchProcess
+	}
+	conns, reqs = p.takeConnsLocked(), p.takeInflightLocked(0)
+	return conns, reqs, p.lists == 0, true
 }
 
 // linkConns is a snapshot of a peer's connections.
@@ -749,13 +818,18 @@ func (p *peer) takeInflightLocked(b Backend) map[*Request]uint64 {
 
 // dropList forgets a prepared list; the last one of a retired peer unmaps its arenas.
 func (p *peer) dropList() {
-	p.mu.Lock()
-	p.lists--
-	unmap := p.lists == 0 && p.gone != nil && p.gone != ErrClosed
-	p.mu.Unlock()
-	if unmap {
+	if p.listDropped() {
 		p.unmapAll()
 	}
+}
+
+// listDropped counts a prepared list less and reports whether the mappings are to be
+// unmapped now.
+func (p *peer) listDropped() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.lists--
+	return p.lists == 0 && p.gone != nil && p.gone != ErrClosed
 }
 
 // unmapAll unmaps the peer's arenas (once). Callers guarantee nothing copies any more.

@@ -122,14 +122,12 @@ func (a *Agent) PrepareRemote(ctx context.Context, peerName string, descs []Desc
 			return nil, err
 		}
 	}
-	p.mu.Lock()
-	if p.gone != nil {
-		err := p.goneErrLocked("prepare")
-		p.mu.Unlock()
+	if err := p.whileLive("prepare", func() error {
+		p.lists++
+		return nil
+	}); err != nil {
 		return nil, err
 	}
-	p.lists++
-	p.mu.Unlock()
 	l.refs.Store(1)
 	return l, nil
 }
@@ -138,16 +136,11 @@ func (a *Agent) PrepareRemote(ctx context.Context, peerName string, descs []Desc
 // appeared since the connection was made.
 func (l *PreparedList) resolveSHM(ctx context.Context, m *remoteMeta) error {
 	p := l.peer
-	var missing []uint32
-	p.mu.Lock()
+	ids := make([]uint32, 0, len(l.descs))
 	for _, d := range l.descs {
-		r := m.region(d.Region)
-		if p.maps[r.Arena] == nil {
-			missing = append(missing, r.Arena)
-		}
+		ids = append(ids, m.region(d.Region).Arena)
 	}
-	p.mu.Unlock()
-	if len(missing) > 0 {
+	if missing := p.notMapped(ids); len(missing) > 0 {
 		if err := p.fetchArenas(ctx, dedup(missing)); err != nil {
 			return err
 		}

@@ -52,19 +52,27 @@ func (p *faultProxy) accept() {
 			c.Close()
 			continue
 		}
-		p.mu.Lock()
-		if p.closed {
-			p.mu.Unlock()
+		if !p.track(c, u) {
 			c.Close()
 			u.Close()
 			return
 		}
-		p.conns = append(p.conns, c, u)
-		p.wg.Add(2)
-		p.mu.Unlock()
 		go p.pipe(u, c)
 		go p.pipe(c, u)
 	}
+}
+
+// track records a proxied pair of connections and counts its two pipes in p.wg; false once
+// the proxy is closed.
+func (p *faultProxy) track(c, u net.Conn) bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.closed {
+		return false
+	}
+	p.conns = append(p.conns, c, u)
+	p.wg.Add(2)
+	return true
 }
 
 // pipe copies src to dst, honouring stalls.
@@ -91,16 +99,20 @@ func (p *faultProxy) pipe(dst, src net.Conn) {
 
 // wait blocks while the proxy is stalled; false once it is closed.
 func (p *faultProxy) wait() bool {
-	p.mu.Lock()
-	ch, closed := p.resume, p.closed
-	p.mu.Unlock()
+	ch, closed := p.state()
 	if closed {
 		return false
 	}
 	<-ch
+	_, closed = p.state()
+	return !closed
+}
+
+// state returns the channel closed when forwarding resumes, and whether the proxy is closed.
+func (p *faultProxy) state() (resume chan struct{}, closed bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return !p.closed
+	return p.resume, p.closed
 }
 
 // stall stops forwarding (data already read by the proxy is held back).
@@ -125,29 +137,42 @@ func (p *faultProxy) unstall() {
 
 // cut closes every proxied connection (the proxy keeps accepting).
 func (p *faultProxy) cut() {
-	p.mu.Lock()
-	conns := p.conns
-	p.conns = nil
-	p.mu.Unlock()
-	for _, c := range conns {
+	for _, c := range p.takeConns() {
 		c.Close()
 	}
 }
 
-// close shuts the proxy down and waits for its goroutines.
-func (p *faultProxy) close() {
+// takeConns detaches the proxied connections.
+func (p *faultProxy) takeConns() []net.Conn {
 	p.mu.Lock()
+	defer p.mu.Unlock()
+	conns := p.conns
+	p.conns = nil
+	return conns
+}
+
+// markClosed closes the proxy to new connections and stalls, and returns the proxied
+// connections; first is false if it was closed already.
+func (p *faultProxy) markClosed() (conns []net.Conn, first bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	if p.closed {
-		p.mu.Unlock()
-		return
+		return nil, false
 	}
 	p.closed = true
 	if p.stalled {
 		close(p.resume)
 		p.stalled = false
 	}
-	conns := p.conns
-	p.mu.Unlock()
+	return p.conns, true
+}
+
+// close shuts the proxy down and waits for its goroutines.
+func (p *faultProxy) close() {
+	conns, first := p.markClosed()
+	if !first {
+		return
+	}
 	p.ln.Close()
 	for _, c := range conns {
 		c.Close()

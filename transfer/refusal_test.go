@@ -44,16 +44,16 @@ func TestRefusalThenDeadlineAbortsBusyStripe(t *testing.T) {
 			t.Fatal("the target did not receive both READ frames")
 		}
 	}
-	req.mu.Lock()
-	gen := req.gen
-	req.mu.Unlock()
+	gen := req.currentGen()
 	s0 := &req.stripes[0]
 	if !s0.startRead(gen) {
 		t.Fatal("stripe 0 is not awaiting its payload")
 	}
-	s0.mu.Lock()
-	c0 := s0.conn
-	s0.mu.Unlock()
+	c0 := func() *dataConn {
+		s0.mu.Lock()
+		defer s0.mu.Unlock()
+		return s0.conn
+	}()
 	req.fail(gen, ErrPermission, "refused by the peer: test", nil)
 	if c0.ctx.Err() != nil {
 		t.Fatal("a refusal closed the connection of a stripe reading its payload")
@@ -61,10 +61,12 @@ func TestRefusalThenDeadlineAbortsBusyStripe(t *testing.T) {
 	// The deadline passes now: the test moves it and fires the request's timer, rather than
 	// giving the request a short timeout, which a loaded machine could reach before the
 	// refusal (the first error would then be the timeout, not the refusal).
-	req.mu.Lock()
-	req.deadline = time.Now()
-	req.timer.Reset(0)
-	req.mu.Unlock()
+	func() {
+		req.mu.Lock()
+		defer req.mu.Unlock()
+		req.deadline = time.Now()
+		req.timer.Reset(0)
+	}()
 	select {
 	case <-c0.ctx.Done(): // the deadline aborted the busy stripe's connection
 	case <-ctx.Done():

@@ -9,33 +9,33 @@ import (
 	"time"
 )
 
-// Status is the state of a request.
-type Status int
+// postState is the state of a request's current post.
+type postState int
 
 const (
-	// StatusIdle: made, never posted.
-	StatusIdle Status = iota
-	// StatusInProgress: posted, not finished.
-	StatusInProgress
-	// StatusDone: the last post completed successfully (and its notification was sent).
-	StatusDone
-	// StatusFailed: the last post failed; Err tells why.
-	StatusFailed
+	// statusIdle: made, never posted.
+	statusIdle postState = iota
+	// statusInProgress: posted, not finished.
+	statusInProgress
+	// statusDone: the last post completed successfully (and its notification was sent).
+	statusDone
+	// statusFailed: the last post failed; Err tells why.
+	statusFailed
 )
 
-// String returns the status name.
-func (s Status) String() string {
+// String returns the state name.
+func (s postState) String() string {
 	switch s {
-	case StatusIdle:
+	case statusIdle:
 		return "IDLE"
-	case StatusInProgress:
+	case statusInProgress:
 		return "IN_PROGRESS"
-	case StatusDone:
+	case statusDone:
 		return "DONE"
-	case StatusFailed:
+	case statusFailed:
 		return "FAILED"
 	}
-	return fmt.Sprintf("Status(%d)", int(s))
+	return fmt.Sprintf("postState(%d)", int(s))
 }
 
 // RequestOptions tunes MakeRequest and CreateRequest.
@@ -65,6 +65,7 @@ type run struct {
 // Request is a transfer between local memory and one peer, made from prepared lists. It can
 // be posted any number of times, one post at a time.
 type Request struct {
+	// Set by MakeRequest (owned by CreateRequest) before the request is shared; read-only after.
 	a       *Agent
 	id      uint64
 	op      Op
@@ -82,13 +83,14 @@ type Request struct {
 	stripes []stripe   // TCP plan
 	ucx     *ucxPlan   // UCX plan
 
+	// Atomic: read by the units of the current post without mu.
 	ucxLink atomic.Pointer[ucxLink] // the UCX link of the current post
+	pending atomic.Int64            // units of the current post not yet resolved
+	failed  atomic.Bool             // the current post has failed (units skip work)
 
-	pending atomic.Int64 // units of the current post not yet resolved
-	failed  atomic.Bool  // the current post has failed (units skip work)
-
-	mu        sync.Mutex
-	state     Status
+	mu sync.Mutex
+	// guarded by mu: the current post (generation gen) and its outcome.
+	state     postState
 	gen       uint64
 	finished  uint64 // last generation that finished
 	err       error
@@ -108,107 +110,169 @@ type Request struct {
 // are contiguous on both sides are merged into one run (so N adjacent KV blocks cost one
 // copy or one range). Validation happens here, once; Post does no per-descriptor checks.
 func (a *Agent) MakeRequest(op Op, local *PreparedList, localIdx []int, remote *PreparedList, remoteIdx []int, opts *RequestOptions) (*Request, error) {
-	if op != Read && op != Write {
-		return nil, newErr("make", "", ErrInvalidParam, fmt.Sprintf("unknown op %d", op), nil)
-	}
-	if local == nil || local.peer != nil || local.a != a {
-		return nil, newErr("make", "", ErrInvalidParam, "local list must be prepared with PrepareLocal on this agent", nil)
-	}
-	if remote == nil || remote.peer == nil || remote.a != a {
-		return nil, newErr("make", "", ErrInvalidParam, "remote list must be prepared with PrepareRemote on this agent", nil)
+	if err := a.checkLists(op, local, remote); err != nil {
+		return nil, err
 	}
 	peerName := remote.peer.name
-	if local.released.Load() || remote.released.Load() {
-		return nil, newErr("make", peerName, ErrInvalidParam, "prepared list released", nil)
-	}
 	if len(localIdx) != len(remoteIdx) {
 		return nil, newErr("make", peerName, ErrMismatch, fmt.Sprintf("%d local and %d remote indices", len(localIdx), len(remoteIdx)), nil)
 	}
 	if len(localIdx) == 0 {
 		return nil, newErr("make", peerName, ErrInvalidParam, "no descriptors", nil)
 	}
-	var meta *remoteMeta
-	if !remote.allPerm.allows(op) {
-		meta = remote.peer.meta.Load()
-	}
-	var regions *regionTable
-	if remote.backend == BackendUCX {
-		regions = a.regions.Load()
-	}
 	r := &Request{a: a, id: a.reqSeq.Add(1), op: op, peer: remote.peer, local: local, remote: remote,
 		backend: remote.backend, timeout: a.cfg.RequestTimeout, descs: len(localIdx), done: make(chan struct{})}
 	close(r.done) // never posted: Done is already closed
-	if opts != nil && opts.Timeout > 0 {
+	if err := r.setOptions(opts); err != nil {
+		return nil, err
+	}
+	if err := r.pair(localIdx, remoteIdx); err != nil {
+		return nil, err
+	}
+	if err := r.plan(); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// checkLists checks MakeRequest's op and lists.
+func (a *Agent) checkLists(op Op, local, remote *PreparedList) error {
+	if op != Read && op != Write {
+		return newErr("make", "", ErrInvalidParam, fmt.Sprintf("unknown op %d", op), nil)
+	}
+	if local == nil || local.peer != nil || local.a != a {
+		return newErr("make", "", ErrInvalidParam, "local list must be prepared with PrepareLocal on this agent", nil)
+	}
+	if remote == nil || remote.peer == nil || remote.a != a {
+		return newErr("make", "", ErrInvalidParam, "remote list must be prepared with PrepareRemote on this agent", nil)
+	}
+	if local.released.Load() || remote.released.Load() {
+		return newErr("make", remote.peer.name, ErrInvalidParam, "prepared list released", nil)
+	}
+	return nil
+}
+
+// setOptions applies MakeRequest's options.
+func (r *Request) setOptions(opts *RequestOptions) error {
+	if opts == nil {
+		return nil
+	}
+	if opts.Timeout > 0 {
 		r.timeout = opts.Timeout
 	}
-	if opts != nil && len(opts.Tag) > 0 {
-		if op != Read {
-			return nil, newErr("make", peerName, ErrInvalidParam, "a tag is carried by READ requests only", nil)
-		}
-		if len(opts.Tag) > maxTagBytes {
-			return nil, newErr("make", peerName, ErrInvalidParam, fmt.Sprintf("tag of %d bytes exceeds %d", len(opts.Tag), maxTagBytes), nil)
-		}
-		r.tag = append([]byte(nil), opts.Tag...)
+	if len(opts.Tag) == 0 {
+		return nil
 	}
-	runs := make([]run, 0, len(localIdx))
-	var lReg, rReg uint32
-	var lEnd, rEnd int64
+	if r.op != Read {
+		return newErr("make", r.peer.name, ErrInvalidParam, "a tag is carried by READ requests only", nil)
+	}
+	if len(opts.Tag) > maxTagBytes {
+		return newErr("make", r.peer.name, ErrInvalidParam, fmt.Sprintf("tag of %d bytes exceeds %d", len(opts.Tag), maxTagBytes), nil)
+	}
+	r.tag = append([]byte(nil), opts.Tag...)
+	return nil
+}
+
+// pairCheck is what every descriptor pair of a request is checked against.
+type pairCheck struct {
+	meta    *remoteMeta  // the peer's regions, when the remote list's permissions do not cover op
+	regions *regionTable // the local regions, for UCX (arena memory only)
+}
+
+// pair checks the descriptor pairs and merges them into runs.
+func (r *Request) pair(localIdx, remoteIdx []int) error {
+	var pc pairCheck
+	if !r.remote.allPerm.allows(r.op) {
+		pc.meta = r.peer.meta.Load()
+	}
+	if r.backend == BackendUCX {
+		pc.regions = r.a.regions.Load()
+	}
+	b := runBuilder{runs: make([]run, 0, len(localIdx))}
 	for k, li := range localIdx {
 		ri := remoteIdx[k]
-		if li < 0 || li >= len(local.descs) {
-			return nil, descErr("make", peerName, k, ErrInvalidParam, "local index %d outside [0,%d)", li, len(local.descs))
+		if err := r.checkPair(&pc, k, li, ri); err != nil {
+			return err
 		}
-		if ri < 0 || ri >= len(remote.descs) {
-			return nil, descErr("make", peerName, k, ErrInvalidParam, "remote index %d outside [0,%d)", ri, len(remote.descs))
-		}
-		ld, rd := local.descs[li], remote.descs[ri]
-		if ld.Length != rd.Length {
-			return nil, descErr("make", peerName, k, ErrMismatch, "local length %d, remote length %d", ld.Length, rd.Length)
-		}
-		if meta != nil {
-			if reg := meta.region(rd.Region); reg == nil || !Perm(reg.Perm).allows(op) {
-				return nil, descErr("make", peerName, k, ErrPermission, "peer region %d does not grant %v", rd.Region, op)
-			}
-		}
-		if regions != nil {
-			// UCX reads and writes local memory after Post returns: only arena memory (off
-			// the Go heap) may be handed to it.
-			if reg := regions.get(ld.Region); reg == nil || reg.arena == nil {
-				return nil, descErr("make", peerName, k, ErrNotSupported, "local region %d is not in an arena: UCX moves arena memory only", ld.Region)
-			}
-		}
-		r.bytes += ld.Length
-		if len(runs) > 0 && ld.Region == lReg && ld.Offset == lEnd && rd.Region == rReg && rd.Offset == rEnd {
-			last := &runs[len(runs)-1]
-			last.local = last.local[:len(last.local)+int(ld.Length)]
-			if last.remote != nil {
-				last.remote = last.remote[:len(last.remote)+int(rd.Length)]
-			}
-		} else {
-			rn := run{local: local.bufs[li], region: rd.Region, off: rd.Offset}
-			if remote.bufs != nil {
-				rn.remote = remote.bufs[ri]
-			}
-			if remote.raddrs != nil {
-				rn.raddr, rn.rarena = remote.raddrs[ri], remote.rarenas[ri]
-			}
-			runs = append(runs, rn)
-		}
-		lReg, lEnd, rReg, rEnd = ld.Region, ld.Offset+ld.Length, rd.Region, rd.Offset+rd.Length
+		r.bytes += r.local.descs[li].Length
+		b.add(r.local, li, r.remote, ri)
 	}
-	r.runs = runs
+	r.runs = b.runs
+	return nil
+}
+
+// checkPair checks pair k: local descriptor li and remote descriptor ri.
+func (r *Request) checkPair(pc *pairCheck, k, li, ri int) error {
+	local, remote, peerName := r.local, r.remote, r.peer.name
+	if li < 0 || li >= len(local.descs) {
+		return descErr("make", peerName, k, ErrInvalidParam, "local index %d outside [0,%d)", li, len(local.descs))
+	}
+	if ri < 0 || ri >= len(remote.descs) {
+		return descErr("make", peerName, k, ErrInvalidParam, "remote index %d outside [0,%d)", ri, len(remote.descs))
+	}
+	ld, rd := local.descs[li], remote.descs[ri]
+	if ld.Length != rd.Length {
+		return descErr("make", peerName, k, ErrMismatch, "local length %d, remote length %d", ld.Length, rd.Length)
+	}
+	if pc.meta != nil {
+		if reg := pc.meta.region(rd.Region); reg == nil || !Perm(reg.Perm).allows(r.op) {
+			return descErr("make", peerName, k, ErrPermission, "peer region %d does not grant %v", rd.Region, r.op)
+		}
+	}
+	if pc.regions != nil {
+		// UCX reads and writes local memory after Post returns: only arena memory (off
+		// the Go heap) may be handed to it.
+		if reg := pc.regions.get(ld.Region); reg == nil || reg.arena == nil {
+			return descErr("make", peerName, k, ErrNotSupported, "local region %d is not in an arena: UCX moves arena memory only", ld.Region)
+		}
+	}
+	return nil
+}
+
+// runBuilder merges consecutive descriptor pairs that are contiguous on both sides into runs.
+type runBuilder struct {
+	runs       []run
+	lReg, rReg uint32 // regions of the last pair
+	lEnd, rEnd int64  // ends of the last pair
+}
+
+// add appends pair (local descriptor li, remote descriptor ri), extending the last run when
+// the pair continues it on both sides.
+func (b *runBuilder) add(local *PreparedList, li int, remote *PreparedList, ri int) {
+	ld, rd := local.descs[li], remote.descs[ri]
+	if len(b.runs) > 0 && ld.Region == b.lReg && ld.Offset == b.lEnd && rd.Region == b.rReg && rd.Offset == b.rEnd {
+		last := &b.runs[len(b.runs)-1]
+		last.local = last.local[:len(last.local)+int(ld.Length)]
+		if last.remote != nil {
+			last.remote = last.remote[:len(last.remote)+int(rd.Length)]
+		}
+	} else {
+		rn := run{local: local.bufs[li], region: rd.Region, off: rd.Offset}
+		if remote.bufs != nil {
+			rn.remote = remote.bufs[ri]
+		}
+		if remote.raddrs != nil {
+			rn.raddr, rn.rarena = remote.raddrs[ri], remote.rarenas[ri]
+		}
+		b.runs = append(b.runs, rn)
+	}
+	b.lReg, b.lEnd, b.rReg, b.rEnd = ld.Region, ld.Offset+ld.Length, rd.Region, rd.Offset+rd.Length
+}
+
+// plan cuts the runs into the units of the request's backend.
+func (r *Request) plan() error {
 	switch r.backend {
 	case BackendSHM:
-		if op == Write && !remote.shmWritable {
-			return nil, descErr("make", peerName, -1, ErrPermission, "the peer shared its arena read-only")
+		if r.op == Write && !r.remote.shmWritable {
+			return descErr("make", r.peer.name, -1, ErrPermission, "the peer shared its arena read-only")
 		}
 		r.planChunks()
 	case BackendTCP:
 		r.planStripes()
 	case BackendUCX:
-		r.planUCX(a.ucx.numWorkers())
+		r.planUCX(r.a.ucx.numWorkers())
 	}
-	return r, nil
+	return nil
 }
 
 // CreateRequest is the one-shot form: it prepares local and remote (identity indices) and
@@ -267,32 +331,57 @@ func (r *Request) Descs() (before, after int) { return r.descs, len(r.runs) }
 // ErrRepostActive while a previous post is in progress, ErrStaleIncarnation if the peer was
 // replaced, and with a connection error if a broken link cannot be re-established.
 func (r *Request) Post(ctx context.Context, notif []byte) error {
-	a := r.a
+	pp, err := r.begin(ctx, notif)
+	if err != nil {
+		return err
+	}
+	dst, err := r.attach(ctx, &pp)
+	if err != nil {
+		r.finishEarly(pp.gen, err)
+		return r.Err()
+	}
+	r.startClock(ctx, &pp)
+	r.dispatch(pp.gen, dst)
+	return nil
+}
+
+// post is what Post carries from one step to the next: the post's generation and the facts
+// about it that the later steps need without taking r.mu again.
+type post struct {
+	gen       uint64
+	start     time.Time
+	deadline  time.Time
+	needRoute bool // a notification is attached and travels on a control route (not UCX)
+}
+
+// begin starts a new post: it checks the request can be posted, pins both lists and resets
+// the post's state.
+func (r *Request) begin(ctx context.Context, notif []byte) (post, error) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.beginLocked(ctx, notif)
+}
+
+// beginLocked is begin under r.mu.
+func (r *Request) beginLocked(ctx context.Context, notif []byte) (post, error) {
 	switch {
 	case r.released:
-		r.mu.Unlock()
-		return r.errf("post", ErrInvalidParam, "request released")
-	case r.state == StatusInProgress:
-		r.mu.Unlock()
-		return r.errf("post", ErrRepostActive, "")
-	case a.closed.Load():
-		r.mu.Unlock()
-		return r.errf("post", ErrClosed, "agent closed")
+		return post{}, r.errf("post", ErrInvalidParam, "request released")
+	case r.state == statusInProgress:
+		return post{}, r.errf("post", ErrRepostActive, "")
+	case r.a.closed.Load():
+		return post{}, r.errf("post", ErrClosed, "agent closed")
 	}
 	if !r.local.acquire() {
-		r.mu.Unlock()
-		return r.errf("post", ErrInvalidParam, "local list released")
+		return post{}, r.errf("post", ErrInvalidParam, "local list released")
 	}
 	if !r.remote.acquire() {
 		r.local.release()
-		r.mu.Unlock()
-		return r.errf("post", ErrInvalidParam, "remote list released")
+		return post{}, r.errf("post", ErrInvalidParam, "remote list released")
 	}
 	start := time.Now()
 	r.gen++
-	gen := r.gen
-	r.state = StatusInProgress
+	r.state = statusInProgress
 	r.err = nil
 	r.failed.Store(false)
 	r.done = make(chan struct{})
@@ -306,64 +395,99 @@ func (r *Request) Post(ctx context.Context, notif []byte) error {
 		r.deadline = cd
 	}
 	r.tel = RequestTelemetry{}
-	r.mu.Unlock()
+	return post{gen: r.gen, start: start, deadline: r.deadline, needRoute: notif != nil && r.backend != BackendUCX}, nil
+}
 
+// destination is where the units of a post go: the peer's TCP data connections (starting
+// with connection rr) or its UCX link; SHM units go to the agent's copy workers.
+type destination struct {
+	conns []*dataConn
+	rr    int
+	link  *ucxLink
+}
+
+// attach makes the post visible to the peer's failure paths once the connections it needs
+// are up. A link broken since the last post (same incarnation) is re-established once,
+// bounded by the post's deadline: the only case where Post waits for the network, and it
+// does so holding no lock.
+func (r *Request) attach(ctx context.Context, pp *post) (destination, error) {
 	p := r.peer
-	var conns []*dataConn
-	var link *ucxLink
-	var rr int
 	for attempt := 0; ; attempt++ {
-		p.mu.Lock()
-		if p.gone != nil {
-			err := p.goneErrLocked("post")
-			p.mu.Unlock()
-			r.finishEarly(gen, err)
-			return r.Err()
+		dst, up, err := p.attach(r, pp)
+		if err != nil || up {
+			return dst, err
 		}
-		var up bool
-		switch r.backend {
-		case BackendSHM:
-			up = p.uconn != nil
-		case BackendTCP:
-			up = p.data != nil
-		case BackendUCX:
-			up = p.ux != nil // which also carries the notification
-		}
-		if up && (r.notif == nil || r.backend == BackendUCX || p.routeLocked() != nil) {
-			// Arm every unit before the request becomes visible to failure paths.
-			r.arm(gen)
-			conns = p.data
-			link = p.ux
-			if r.backend == BackendUCX {
-				r.ucxLink.Store(link)
-			}
-			rr = p.rr
-			p.rr++
-			p.inflight[r] = gen
-			p.mu.Unlock()
-			break
-		}
-		p.mu.Unlock()
 		if attempt > 0 {
-			r.finishEarly(gen, newErr("post", p.name, ErrRemoteDisconnect, "connection lost while connecting", nil))
-			return r.Err()
+			return dst, newErr("post", p.name, ErrRemoteDisconnect, "connection lost while connecting", nil)
 		}
-		// A link broken since the last post (same incarnation) is re-established here,
-		// bounded by the request's deadline; the only case where Post waits for the network.
-		cctx, cancel := context.WithDeadline(ctx, r.deadline)
-		err := p.ensure(cctx, r.backend)
-		if err == nil && r.notif != nil && r.backend != BackendUCX {
-			_, err = p.route(cctx, r.backend)
-		}
-		cancel()
-		if err != nil {
-			r.finishEarly(gen, err)
-			return r.Err()
+		if err := r.reconnect(ctx, pp); err != nil {
+			return dst, err
 		}
 	}
+}
 
+// reconnect re-establishes the connections the post needs (see attach).
+func (r *Request) reconnect(ctx context.Context, pp *post) error {
+	cctx, cancel := context.WithDeadline(ctx, pp.deadline)
+	defer cancel()
+	if err := r.peer.ensure(cctx, r.backend); err != nil {
+		return err
+	}
+	if pp.needRoute {
+		_, err := r.peer.route(cctx, r.backend)
+		return err
+	}
+	return nil
+}
+
+// attach registers post pp of r as in flight on the peer if the connections its backend
+// needs (and its notification's route) are up, and reports whether they were. The post's
+// units are armed before the request becomes visible to failure paths.
+func (p *peer) attach(r *Request, pp *post) (destination, bool, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.attachLocked(r, pp)
+}
+
+// attachLocked is attach under p.mu.
+func (p *peer) attachLocked(r *Request, pp *post) (destination, bool, error) {
+	if p.gone != nil {
+		return destination{}, false, p.goneErrLocked("post")
+	}
+	var up bool
+	switch r.backend {
+	case BackendSHM:
+		up = p.uconn != nil
+	case BackendTCP:
+		up = p.data != nil
+	case BackendUCX:
+		up = p.ux != nil // which also carries the notification
+	}
+	if !up || (pp.needRoute && p.routeLocked() == nil) {
+		return destination{}, false, nil
+	}
+	r.arm(pp.gen)
+	if r.backend == BackendUCX {
+		r.ucxLink.Store(p.ux)
+	}
+	dst := destination{conns: p.data, rr: p.rr, link: p.ux}
+	p.rr++
+	p.inflight[r] = pp.gen
+	return dst, true, nil
+}
+
+// startClock arms the post's deadline timer and its context's cancellation.
+func (r *Request) startClock(ctx context.Context, pp *post) {
 	r.mu.Lock()
-	r.postDur = time.Since(start) // everything but handing the units over
+	defer r.mu.Unlock()
+	r.startClockLocked(ctx, pp)
+}
+
+// startClockLocked is startClock under r.mu. The callbacks it arms run on goroutines of their
+// own and take r.mu there.
+func (r *Request) startClockLocked(ctx context.Context, pp *post) {
+	gen := pp.gen
+	r.postDur = time.Since(pp.start) // everything but handing the units over
 	d := time.Until(r.deadline)
 	if r.timer == nil {
 		r.timer = time.AfterFunc(d, r.onDeadline)
@@ -379,32 +503,31 @@ func (r *Request) Post(ctx context.Context, notif []byte) error {
 			}
 		})
 	}
-	r.mu.Unlock()
+}
 
+// dispatch hands the armed units of post gen to whoever moves them. It holds no lock of the
+// request or the peer: the sends below may block on full queues.
+func (r *Request) dispatch(gen uint64, dst destination) {
 	switch r.backend {
-	case BackendSHM, BackendUCX:
-		// Under postMu, Close waits until the work is handed over before stopping workers.
-		a.postMu.RLock()
-		switch {
-		case a.closed.Load():
-			a.postMu.RUnlock()
-			r.fail(gen, ErrClosed, "agent closed", nil)
-		case r.backend == BackendSHM:
+	case BackendSHM:
+		if !r.a.handOver(func() {
 			for i := range r.chunks {
-				a.work <- shmWork{c: &r.chunks[i], gen: gen}
+				r.a.work <- shmWork{c: &r.chunks[i], gen: gen}
 			}
-			a.postMu.RUnlock()
-		default:
-			a.ucx.dispatch(link, r, gen)
-			a.postMu.RUnlock()
+		}) {
+			r.fail(gen, ErrClosed, "agent closed", nil)
+		}
+	case BackendUCX:
+		if !r.a.handOver(func() { r.a.ucx.dispatch(dst.link, r, gen) }) {
+			r.fail(gen, ErrClosed, "agent closed", nil)
 		}
 	default:
 		// Stripe i goes to connection (rr+i) mod k: one lock and one wake-up per connection.
+		conns := dst.conns
 		for j := range min(len(conns), len(r.stripes)) {
-			conns[(rr+j)%len(conns)].enqueue(r.stripes, j, len(conns), gen)
+			conns[(dst.rr+j)%len(conns)].enqueue(r.stripes, j, len(conns), gen)
 		}
 	}
-	return nil
 }
 
 // arm resets the units of the plan for post gen.
@@ -437,21 +560,26 @@ func (r *Request) errf(op string, kind error, detail string) error {
 // onDeadline is the timer callback: it fails the current post if its deadline has passed
 // (a late callback of an earlier post finds a later deadline and does nothing).
 func (r *Request) onDeadline() {
+	if gen, passed := r.deadlinePassed(); passed {
+		r.fail(gen, ErrTimeout, fmt.Sprintf("deadline of %v exceeded", r.timeout), nil)
+	}
+}
+
+// deadlinePassed reports whether the deadline of the active post has passed, and that post's
+// generation; when it has not, it sets the timer again for the time left.
+func (r *Request) deadlinePassed() (uint64, bool) {
 	r.mu.Lock()
-	gen, dl, active := r.gen, r.deadline, r.state == StatusInProgress
-	r.mu.Unlock()
-	if !active {
-		return
+	defer r.mu.Unlock()
+	if r.state != statusInProgress {
+		return 0, false
 	}
-	if now := time.Now(); now.Before(dl) {
-		r.mu.Lock()
-		if r.gen == gen && r.timer != nil {
-			r.timer.Reset(dl.Sub(now))
+	if now := time.Now(); now.Before(r.deadline) {
+		if r.timer != nil {
+			r.timer.Reset(r.deadline.Sub(now))
 		}
-		r.mu.Unlock()
-		return
+		return 0, false
 	}
-	r.fail(gen, ErrTimeout, fmt.Sprintf("deadline of %v exceeded", r.timeout), nil)
+	return r.gen, true
 }
 
 // fail records the first error of post gen and abandons its units: queued work is dropped at
@@ -464,21 +592,36 @@ func (r *Request) onDeadline() {
 // first error is the one reported, so the deadline holds even if the peer stalls then.
 func (r *Request) fail(gen uint64, kind error, detail string, cause error) {
 	abort := !errors.Is(kind, ErrPermission) && !errors.Is(kind, ErrInvalidDescriptor)
-	r.mu.Lock()
-	if r.gen != gen || r.state != StatusInProgress {
-		r.mu.Unlock()
-		return
-	}
-	if r.err != nil {
-		r.mu.Unlock()
+	first, active := r.recordFailure(gen, kind, detail, cause)
+	switch {
+	case !active:
+	case !first:
 		if abort && r.backend == BackendTCP {
 			r.abortStripes(gen)
 		}
-		return
+	default:
+		r.failed.Store(true)
+		r.abandon(gen, detail, abort)
+	}
+}
+
+// recordFailure records the error of post gen unless it has one already. It reports whether
+// this was the post's first error and whether post gen is still in progress.
+func (r *Request) recordFailure(gen uint64, kind error, detail string, cause error) (first, active bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.gen != gen || r.state != statusInProgress {
+		return false, false
+	}
+	if r.err != nil {
+		return false, true
 	}
 	r.err = &Error{Op: r.op.String(), Peer: r.peer.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: kind, Detail: detail, Cause: cause}
-	r.mu.Unlock()
-	r.failed.Store(true)
+	return true, true
+}
+
+// abandon abandons the units of failed post gen (abort: TCP stripes busy reading are cut).
+func (r *Request) abandon(gen uint64, detail string, abort bool) {
 	switch r.backend {
 	case BackendSHM:
 		for i := range r.chunks {
@@ -514,25 +657,61 @@ func (r *Request) unitDone() {
 
 // finishEarly ends post gen before any unit was dispatched.
 func (r *Request) finishEarly(gen uint64, err error) {
+	r.setEarlyErr(gen, err)
+	r.finish()
+}
+
+// setEarlyErr records err as the error of post gen unless it has one.
+func (r *Request) setEarlyErr(gen uint64, err error) {
 	r.mu.Lock()
+	defer r.mu.Unlock()
 	if r.gen == gen && r.err == nil {
 		r.err = withRequest(err, r.op.String(), r.peer.name, r.id, r.backend)
 	}
-	r.mu.Unlock()
-	r.finish()
 }
 
 // finish completes the current post: it sends the notification (if the data is complete),
 // records telemetry and closes Done. A UCX notification is sent by worker 0 and the post
-// completes when UCX has taken it.
+// completes when UCX has taken it. The notification is sent holding no lock.
 func (r *Request) finish() {
-	r.mu.Lock()
-	if r.finished == r.gen {
-		r.mu.Unlock()
+	o, ok := r.stopClock()
+	if !ok {
 		return // already finished (defensive: finish runs once per post)
 	}
+	if o.err != nil || o.notif == nil {
+		r.complete(o.err)
+		return
+	}
+	if r.backend == BackendUCX {
+		// finish may run on a UCX worker's goroutine: it must not wait for worker 0.
+		r.ucxLink.Load().sendAsync(o.notif, notifDeadline(o.deadline), func(e error) {
+			if e != nil {
+				e = r.notifErr(e)
+			}
+			r.complete(e)
+		})
+		return
+	}
+	r.complete(r.sendNotif(o.notif, o.deadline))
+}
+
+// outcome is what a finished post leaves for its completion: its error, and the
+// notification to send if it succeeded, with the post's deadline.
+type outcome struct {
+	err      error
+	notif    []byte
+	deadline time.Time
+}
+
+// stopClock marks the current post finished and stops its timer and context callback, and
+// returns the post's outcome; ok is false if the post had already finished.
+func (r *Request) stopClock() (o outcome, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.finished == r.gen {
+		return outcome{}, false
+	}
 	r.finished = r.gen
-	err, notif, dl := r.err, r.notif, r.deadline
 	if r.timer != nil {
 		r.timer.Stop()
 	}
@@ -540,63 +719,38 @@ func (r *Request) finish() {
 		r.stopCtx()
 		r.stopCtx = nil
 	}
-	r.mu.Unlock()
+	return outcome{err: r.err, notif: r.notif, deadline: r.deadline}, true
+}
+
+// sendNotif sends the completion notification on the peer's control route; a write failure
+// tears the control connection down.
+func (r *Request) sendNotif(notif []byte, dl time.Time) error {
 	p := r.peer
-	if err == nil && notif != nil {
-		if r.backend == BackendUCX {
-			// finish may run on a UCX worker's goroutine: it must not wait for worker 0.
-			r.ucxLink.Load().sendAsync(notif, notifDeadline(dl), func(e error) {
-				if e != nil {
-					e = &Error{Op: r.op.String(), Peer: p.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: ErrRemoteDisconnect, Detail: "sending the notification", Cause: e}
-				}
-				r.complete(e)
-			})
-			return
-		}
-		p.mu.Lock()
-		rt := p.routeLocked()
-		p.mu.Unlock()
-		if rt == nil {
-			err = r.errf(r.op.String(), ErrRemoteDisconnect, "control connection lost before the notification")
-		} else if e := rt.send(notif, notifDeadline(dl)); e != nil {
-			err = &Error{Op: r.op.String(), Peer: p.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: ErrRemoteDisconnect, Detail: "sending the notification", Cause: e}
-			if cc, ok := rt.(*ctrlConn); ok {
-				p.teardownConn(cc, nil, "notification write failed")
-			}
-		}
+	rt := p.currentRoute()
+	if rt == nil {
+		return r.errf(r.op.String(), ErrRemoteDisconnect, "control connection lost before the notification")
 	}
-	r.complete(err)
+	if e := rt.send(notif, notifDeadline(dl)); e != nil {
+		if cc, ok := rt.(*ctrlConn); ok {
+			p.teardownConn(cc, nil, "notification write failed")
+		}
+		return r.notifErr(e)
+	}
+	return nil
+}
+
+// notifErr is the error of a post whose notification could not be sent.
+func (r *Request) notifErr(cause error) error {
+	return &Error{Op: r.op.String(), Peer: r.peer.name, Request: r.id, Desc: -1, Backend: r.backend, Kind: ErrRemoteDisconnect, Detail: "sending the notification", Cause: cause}
 }
 
 // complete records the outcome of the current post, telemetry, and closes Done.
 func (r *Request) complete(err error) {
 	end := time.Now()
-	p := r.peer
-	r.mu.Lock()
-	gen := r.gen
-	r.mu.Unlock()
-	p.mu.Lock()
-	if p.inflight[r] == gen {
-		delete(p.inflight, r)
-	}
-	p.mu.Unlock()
+	r.peer.detach(r, r.currentGen())
 	r.local.release()
 	r.remote.release()
-
-	r.mu.Lock()
-	r.err = err
-	if err == nil {
-		r.state = StatusDone
-	} else {
-		r.state = StatusFailed
-	}
-	r.tel = RequestTelemetry{Request: r.id, Peer: p.name, Op: r.op, Backend: r.backend, PostTime: r.postStart,
-		PostDuration: r.postDur, TransferDuration: end.Sub(r.postStart), Bytes: r.bytes, Descs: r.descs,
-		MergedDescs: len(r.runs), Err: err}
-	tel := r.tel
-	owned := r.owned && r.released
-	done := r.done
-	r.mu.Unlock()
+	tel, owned, done := r.record(err, end)
 	// Counters and the hook see the post before any waiter wakes up.
 	r.a.stats.record(&tel)
 	if h := r.a.cfg.OnComplete; h != nil {
@@ -607,6 +761,30 @@ func (r *Request) complete(err error) {
 		r.local.Release()
 		r.remote.Release()
 	}
+}
+
+// currentGen returns the generation of the current post.
+func (r *Request) currentGen() uint64 {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.gen
+}
+
+// record sets the outcome and telemetry of the current post. It returns the telemetry,
+// whether the request's own lists are to be released now, and the post's Done channel.
+func (r *Request) record(err error, end time.Time) (RequestTelemetry, bool, chan struct{}) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.err = err
+	if err == nil {
+		r.state = statusDone
+	} else {
+		r.state = statusFailed
+	}
+	r.tel = RequestTelemetry{Request: r.id, Peer: r.peer.name, Op: r.op, Backend: r.backend, PostTime: r.postStart,
+		PostDuration: r.postDur, TransferDuration: end.Sub(r.postStart), Bytes: r.bytes, Descs: r.descs,
+		MergedDescs: len(r.runs), Err: err}
+	return r.tel, r.owned && r.released, r.done
 }
 
 // Done returns a channel closed when the current post completes or fails (already closed
@@ -622,9 +800,7 @@ func (r *Request) Done() <-chan struct{} {
 // waiting goroutine lends a hand: it copies chunks no worker has started yet, which saves
 // the wake-up latency of small transfers.
 func (r *Request) Wait(ctx context.Context) error {
-	r.mu.Lock()
-	done, gen, active := r.done, r.gen, r.state == StatusInProgress
-	r.mu.Unlock()
+	done, gen, active := r.current()
 	if active && r.backend == BackendSHM && ctx.Err() == nil {
 		r.help(gen)
 	}
@@ -636,11 +812,19 @@ func (r *Request) Wait(ctx context.Context) error {
 	}
 }
 
-// Status returns the state of the current post without blocking, and its error if failed.
-func (r *Request) Status() (Status, error) {
+// current returns the current post's Done channel and generation, and whether it is in
+// progress.
+func (r *Request) current() (done chan struct{}, gen uint64, active bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.state == StatusFailed {
+	return r.done, r.gen, r.state == statusInProgress
+}
+
+// status returns the state of the current post without blocking, and its error if failed.
+func (r *Request) status() (postState, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.state == statusFailed {
 		return r.state, r.err
 	}
 	return r.state, nil
@@ -650,7 +834,7 @@ func (r *Request) Status() (Status, error) {
 func (r *Request) Err() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.state == StatusFailed {
+	if r.state == statusFailed {
 		return r.err
 	}
 	return nil
@@ -667,20 +851,25 @@ func (r *Request) Telemetry() RequestTelemetry {
 // it cannot be posted again. Lists created by CreateRequest are released once the request
 // is idle. Release does not wait; use Done to know when the memory is no longer touched.
 func (r *Request) Release() {
-	r.mu.Lock()
-	if r.released {
-		r.mu.Unlock()
-		return
-	}
-	r.released = true
-	active, gen := r.state == StatusInProgress, r.gen
-	r.mu.Unlock()
-	if active {
-		r.fail(gen, ErrCanceled, "request released", nil)
-		return // finish releases owned lists
-	}
-	if r.owned {
+	first, active, gen := r.markReleased()
+	switch {
+	case !first:
+	case active:
+		r.fail(gen, ErrCanceled, "request released", nil) // finish releases owned lists
+	case r.owned:
 		r.local.Release()
 		r.remote.Release()
 	}
+}
+
+// markReleased marks the request released. It reports whether it was not already, and
+// whether a post (generation gen) is in progress.
+func (r *Request) markReleased() (first, active bool, gen uint64) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.released {
+		return false, false, 0
+	}
+	r.released = true
+	return true, r.state == statusInProgress, r.gen
 }

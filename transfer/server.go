@@ -22,40 +22,63 @@ func (a *Agent) serveConn(c net.Conn, isUnix bool) {
 		tuneTCP(tc)
 	}
 	_ = c.SetDeadline(time.Now().Add(a.cfg.DialTimeout))
-	var hb [wire.HeaderSize]byte
-	hdr, err := readHeader(c, hb[:], wire.Limits{MaxControl: maxHelloBytes})
-	if err != nil {
-		a.refuse(ErrProtocol)
+	h, ok := a.readHello(c)
+	if !ok || !a.authenticate(c, h) {
 		return
 	}
-	if hdr.Op != wire.OpHello {
-		a.refuse(ErrProtocol)
-		_, _ = c.Write(errorFrame(0, 0, ErrProtocol, "expected HELLO"))
-		return
-	}
-	body, err := readPayload(c, hdr.Length)
-	if err != nil {
-		return
-	}
-	var h hello
-	if _, err := checkMsgpack(body, 3); err != nil {
-		a.refuse(ErrProtocol)
-		_, _ = c.Write(errorFrame(0, 0, ErrProtocol, err.Error()))
-		return
-	}
-	if err := msgpack.Unmarshal(body, &h); err != nil || h.Version != 1 || h.From == "" || len(h.From) > maxNameLen {
-		a.refuse(ErrProtocol)
-		_, _ = c.Write(errorFrame(0, 0, ErrProtocol, "malformed hello"))
-		return
-	}
-	if !a.authenticate(c, &h) {
-		return
-	}
-	if msg, kind := a.checkHello(c, &h, isUnix); kind != nil {
+	if msg, kind := a.checkHello(c, h, isUnix); kind != nil {
 		a.refuse(kind)
 		_, _ = c.Write(errorFrame(0, 0, kind, msg))
 		return
 	}
+	if !a.acknowledge(c, h, isUnix) {
+		return
+	}
+	_ = c.SetDeadline(time.Time{})
+	switch h.Role {
+	case roleControl:
+		a.serveControl(c, h, isUnix)
+	case roleData:
+		_ = a.serveData(c, h.From)
+	}
+}
+
+// readHello reads and decodes the HELLO that opens every connection; a malformed one is
+// refused (answered and counted) and ok is false.
+func (a *Agent) readHello(c net.Conn) (h *hello, ok bool) {
+	var hb [wire.HeaderSize]byte
+	hdr, err := readHeader(c, hb[:], wire.Limits{MaxControl: maxHelloBytes})
+	if err != nil {
+		a.refuse(ErrProtocol)
+		return nil, false
+	}
+	if hdr.Op != wire.OpHello {
+		a.refuse(ErrProtocol)
+		_, _ = c.Write(errorFrame(0, 0, ErrProtocol, "expected HELLO"))
+		return nil, false
+	}
+	body, err := readPayload(c, hdr.Length)
+	if err != nil {
+		return nil, false
+	}
+	h = new(hello)
+	if _, err := checkMsgpack(body, 3); err != nil {
+		a.refuse(ErrProtocol)
+		_, _ = c.Write(errorFrame(0, 0, ErrProtocol, err.Error()))
+		return nil, false
+	}
+	if err := msgpack.Unmarshal(body, h); err != nil || h.Version != 1 || h.From == "" || len(h.From) > maxNameLen {
+		a.refuse(ErrProtocol)
+		_, _ = c.Write(errorFrame(0, 0, ErrProtocol, "malformed hello"))
+		return nil, false
+	}
+	return h, true
+}
+
+// acknowledge answers an accepted hello with HELLO_ACK: the metadata for a metadata fetch,
+// the arena grants and fds for a Unix control or arena connection. It reports whether the
+// connection goes on.
+func (a *Agent) acknowledge(c net.Conn, h *hello, isUnix bool) bool {
 	ack := helloAck{Name: a.name, Inc: a.inc}
 	var fds []int
 	switch h.Role {
@@ -68,32 +91,39 @@ func (a *Agent) serveConn(c net.Conn, isUnix bool) {
 			if err != nil {
 				a.refuse(kindOf(err))
 				_, _ = c.Write(errorFrame(0, 0, kindOf(err), err.Error()))
-				return
+				return false
 			}
 		}
 	}
-	err = sendAck(c, &ack, fds)
+	err := sendAck(c, &ack, fds)
 	for _, fd := range fds {
 		unix.Close(fd)
 	}
-	if err != nil {
-		return
-	}
-	_ = c.SetDeadline(time.Time{})
-	switch h.Role {
-	case roleControl:
-		cc := newCtrlConn(a, c, h.From, h.FromInc, isUnix)
-		a.connMu.Lock()
-		a.inCtrl[h.From] = cc
-		a.connMu.Unlock()
-		_ = cc.readLoop()
-		a.connMu.Lock()
-		if a.inCtrl[h.From] == cc {
-			delete(a.inCtrl, h.From)
-		}
-		a.connMu.Unlock()
-	case roleData:
-		_ = a.serveData(c, h.From)
+	return err == nil
+}
+
+// serveControl reads an inbound control connection until it ends; while it lasts it is the
+// peer's latest inbound control connection.
+func (a *Agent) serveControl(c net.Conn, h *hello, isUnix bool) {
+	cc := newCtrlConn(a, c, h.From, h.FromInc, isUnix)
+	a.setInCtrl(h.From, cc)
+	defer a.clearInCtrl(h.From, cc)
+	_ = cc.readLoop()
+}
+
+// setInCtrl records cc as peer's latest inbound control connection.
+func (a *Agent) setInCtrl(peer string, cc *ctrlConn) {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	a.inCtrl[peer] = cc
+}
+
+// clearInCtrl forgets cc as peer's inbound control connection unless a later one replaced it.
+func (a *Agent) clearInCtrl(peer string, cc *ctrlConn) {
+	a.connMu.Lock()
+	defer a.connMu.Unlock()
+	if a.inCtrl[peer] == cc {
+		delete(a.inCtrl, peer)
 	}
 }
 
@@ -158,7 +188,7 @@ func (a *Agent) authenticate(c net.Conn, h *hello) bool {
 		return refuse(ErrBackend, "drawing a nonce failed")
 	}
 	t := transcript(h, a.name, a.inc, nonce)
-	proof, err := auth.Proof(AuthListener, t)
+	proof, err := auth.proof(authListener, t)
 	if err != nil {
 		return refuse(ErrBackend, "computing the authentication proof failed")
 	}
@@ -190,38 +220,26 @@ func (a *Agent) authenticate(c net.Conn, h *hello) bool {
 	if err := msgpack.Unmarshal(body, &ans); err != nil {
 		return refuse(ErrProtocol, "malformed AUTH")
 	}
-	if !checkProof(auth, AuthDialer, t, ans.Proof) {
+	if !checkProof(auth, authDialer, t, ans.Proof) {
 		return refuse(ErrPermission, fmt.Sprintf("authentication failed: the proof of dialer %q does not match (the shared secrets differ)", h.From))
 	}
 	return true
 }
 
-// exportArenas returns grants and fresh fds for the wanted arena ids. Arenas without any peer-visible region are never exported; an arena is
-// passed writable only if one of its regions grants PermWrite.
+// exportArenas returns grants and fresh fds for the wanted arena ids. Arenas without any
+// peer-visible region are never exported; an arena is passed writable only if one of its
+// regions grants PermWrite.
 func (a *Agent) exportArenas(want []uint32) ([]arenaGrant, []int, error) {
-	a.regMu.Lock()
-	var exs []*arenaExport
-	for _, id := range want {
-		ex := a.arenaByID[id]
-		if ex == nil || ex.readers+ex.writers == 0 {
-			a.regMu.Unlock()
-			return nil, nil, newErr("export", "", ErrNotFound, fmt.Sprintf("arena %d is not shared", id), nil)
-		}
-		exs = append(exs, ex)
+	exs, grants, err := a.sharedArenas(want)
+	if err != nil {
+		return nil, nil, err
 	}
-	grants := make([]arenaGrant, 0, len(exs))
-	writable := make([]bool, 0, len(exs))
-	for _, ex := range exs {
-		grants = append(grants, arenaGrant{ID: ex.id, Size: uint64(ex.a.Size()), Writable: ex.writers > 0})
-		writable = append(writable, ex.writers > 0)
-	}
-	a.regMu.Unlock()
 	if len(exs) > maxFDsPerAck {
 		return nil, nil, newErr("export", "", ErrNotSupported, fmt.Sprintf("%d arenas in one handshake (max %d)", len(exs), maxFDsPerAck), nil)
 	}
 	fds := make([]int, 0, len(exs))
 	for i, ex := range exs {
-		fd, err := ex.a.exportFD(writable[i])
+		fd, err := ex.a.exportFD(grants[i].Writable)
 		if err != nil {
 			for _, f := range fds {
 				unix.Close(f)
@@ -231,6 +249,24 @@ func (a *Agent) exportArenas(want []uint32) ([]arenaGrant, []int, error) {
 		fds = append(fds, fd)
 	}
 	return grants, fds, nil
+}
+
+// sharedArenas returns the wanted arenas and their grants, or ErrNotFound if one of them
+// has no peer-visible region.
+func (a *Agent) sharedArenas(want []uint32) ([]*arenaExport, []arenaGrant, error) {
+	a.regMu.Lock()
+	defer a.regMu.Unlock()
+	exs := make([]*arenaExport, 0, len(want))
+	grants := make([]arenaGrant, 0, len(want))
+	for _, id := range want {
+		ex := a.arenaByID[id]
+		if ex == nil || ex.readers+ex.writers == 0 {
+			return nil, nil, newErr("export", "", ErrNotFound, fmt.Sprintf("arena %d is not shared", id), nil)
+		}
+		exs = append(exs, ex)
+		grants = append(grants, arenaGrant{ID: ex.id, Size: uint64(ex.a.Size()), Writable: ex.writers > 0})
+	}
+	return exs, grants, nil
 }
 
 // refuse counts a refused peer request or connection by kind.
@@ -243,125 +279,171 @@ func (a *Agent) refuse(kind error) { a.stats.refused.add(kind) }
 // reads. Refused requests are answered with an ERROR frame (the stream stays in sync);
 // malformed frames end the connection.
 func (a *Agent) serveData(c net.Conn, peer string) error {
-	lim := a.dataLimits()
-	var hb, ob [wire.HeaderSize]byte
-	var rc syscall.RawConn
+	s := &dataServer{a: a, c: c, peer: peer, lim: a.dataLimits()}
 	if sc, ok := c.(syscall.Conn); ok {
-		rc, _ = sc.SyscallConn()
+		s.rc, _ = sc.SyscallConn()
 	}
-	var (
-		rbuf   []byte
-		ranges []wire.Range
-		iov    [][]byte
-		out    net.Buffers
-		scr    [][]byte
-		descs  []Desc
-	)
 	for {
-		h, err := readHeader(c, hb[:], lim)
-		if err != nil {
-			if isProtocol(err) {
-				a.refuse(ErrProtocol)
-			}
+		if err := s.serveFrame(); err != nil {
 			return err
 		}
-		var op Op
-		switch h.Op {
-		case wire.OpReadReq:
-			op = Read
-		case wire.OpWriteData:
-			op = Write
-		default:
-			a.refuse(ErrProtocol)
-			_, _ = c.Write(errorFrame(h.Req, h.Seq, ErrProtocol, "unexpected "+h.Op.String()+" on a data connection"))
-			return ErrProtocol
-		}
-		n := int(h.Count) * wire.RangeSize
-		m := n
-		if op == Read {
-			m += int(h.Length) // the tag (bounded by lim.MaxTag)
-		}
-		if cap(rbuf) < m {
-			rbuf = make([]byte, m)
-		}
-		rbuf = rbuf[:m]
-		if _, err := io.ReadFull(c, rbuf); err != nil {
-			return err
-		}
-		tag := rbuf[n:]
-		ranges, err = wire.AppendRanges(ranges[:0], rbuf[:n])
-		if err != nil {
-			a.refuse(ErrProtocol)
-			return err
-		}
-		// Validate every range before touching memory.
-		t := a.regions.Load()
-		iov = iov[:0]
-		var total uint64
-		var kind error
-		var detail string
-		for i, r := range ranges {
-			b, d, k := t.lookupRange(r.Region, r.Offset, r.Length, op)
-			if k != nil {
-				kind, detail = k, fmt.Sprintf("range %d: %s", i, d)
-				break
-			}
-			iov = append(iov, b)
-			total += r.Length
-		}
-		if kind == nil && total > lim.MaxPayload {
-			kind, detail = ErrInvalidDescriptor, fmt.Sprintf("%d bytes in one frame exceed %d", total, lim.MaxPayload)
-		}
-		if kind == nil && op == Write && total != h.Length {
-			kind, detail = ErrInvalidDescriptor, fmt.Sprintf("payload of %d bytes for ranges of %d bytes", h.Length, total)
-		}
-		if kind == nil && op == Read && a.cfg.AuthorizeRead != nil {
-			descs = descs[:0]
-			for _, r := range ranges {
-				descs = append(descs, Desc{Region: r.Region, Offset: int64(r.Offset), Length: int64(r.Length)})
-			}
-			if err := a.authorizeRead(peer, tag, descs); err != nil {
-				kind, detail = ErrPermission, "read not authorized: "+err.Error()
-				a.stats.readsDenied.Add(1)
-				a.log.Warn("transfer READ refused", "peer", peer, "transfer_request", h.Req, "stripe", h.Seq, "err", err.Error())
-			}
-		}
-		if op == Write {
-			if kind != nil {
-				if err := discard(c, h.Length); err != nil {
-					return err
-				}
-			} else {
-				scr = append(scr[:0], iov...)
-				if err := readvFull(c, rc, scr); err != nil {
-					return err
-				}
-				a.stats.servedWrite.Add(int64(total))
-			}
-		}
-		if kind != nil {
-			a.refuse(kind)
-			if _, err := c.Write(errorFrame(h.Req, h.Seq, kind, detail)); err != nil {
-				return err
-			}
-			continue
-		}
-		if op == Write {
-			(&wire.Header{Op: wire.OpWriteAck, Req: h.Req, Seq: h.Seq}).Encode(ob[:])
-			if _, err := c.Write(ob[:]); err != nil {
-				return err
-			}
-			continue
-		}
-		(&wire.Header{Op: wire.OpReadData, Req: h.Req, Seq: h.Seq, Length: total}).Encode(ob[:])
-		out = append(out[:0], ob[:])
-		out = append(out, iov...)
-		bufs := out
-		if _, err := bufs.WriteTo(c); err != nil {
-			return err
-		}
-		a.stats.servedRead.Add(int64(total))
 	}
+}
+
+// dataServer serves one TCP data connection (serveData); its buffers are reused from frame
+// to frame.
+type dataServer struct {
+	a    *Agent
+	c    net.Conn
+	rc   syscall.RawConn // for readv(2); nil if c is not a socket
+	peer string
+	lim  wire.Limits
+
+	hb, ob [wire.HeaderSize]byte
+	rbuf   []byte
+	ranges []wire.Range
+	iov    [][]byte // the registered memory of the frame's ranges
+	out    net.Buffers
+	scr    [][]byte
+	descs  []Desc
+}
+
+// refusal is why a frame is refused: a sentinel (nil: not refused) and a detail.
+type refusal struct {
+	kind   error
+	detail string
+}
+
+// serveFrame serves one READ or WRITE frame.
+func (s *dataServer) serveFrame() error {
+	h, op, tag, err := s.readFrame()
+	if err != nil {
+		return err
+	}
+	total, ref := s.check(h, op, tag)
+	if op == Write {
+		if err := s.receive(h, total, ref.kind != nil); err != nil {
+			return err
+		}
+	}
+	if ref.kind != nil {
+		s.a.refuse(ref.kind)
+		_, err := s.c.Write(errorFrame(h.Req, h.Seq, ref.kind, ref.detail))
+		return err
+	}
+	if op == Write {
+		(&wire.Header{Op: wire.OpWriteAck, Req: h.Req, Seq: h.Seq}).Encode(s.ob[:])
+		_, err := s.c.Write(s.ob[:])
+		return err
+	}
+	return s.sendRead(h, total)
+}
+
+// readFrame reads a frame's header and ranges (and a READ's tag, which aliases s.rbuf).
+func (s *dataServer) readFrame() (wire.Header, Op, []byte, error) {
+	h, err := readHeader(s.c, s.hb[:], s.lim)
+	if err != nil {
+		if isProtocol(err) {
+			s.a.refuse(ErrProtocol)
+		}
+		return h, 0, nil, err
+	}
+	var op Op
+	switch h.Op {
+	case wire.OpReadReq:
+		op = Read
+	case wire.OpWriteData:
+		op = Write
+	default:
+		s.a.refuse(ErrProtocol)
+		_, _ = s.c.Write(errorFrame(h.Req, h.Seq, ErrProtocol, "unexpected "+h.Op.String()+" on a data connection"))
+		return h, 0, nil, ErrProtocol
+	}
+	n := int(h.Count) * wire.RangeSize
+	m := n
+	if op == Read {
+		m += int(h.Length) // the tag (bounded by lim.MaxTag)
+	}
+	if cap(s.rbuf) < m {
+		s.rbuf = make([]byte, m)
+	}
+	s.rbuf = s.rbuf[:m]
+	if _, err := io.ReadFull(s.c, s.rbuf); err != nil {
+		return h, op, nil, err
+	}
+	s.ranges, err = wire.AppendRanges(s.ranges[:0], s.rbuf[:n])
+	if err != nil {
+		s.a.refuse(ErrProtocol)
+		return h, op, nil, err
+	}
+	return h, op, s.rbuf[n:], nil
+}
+
+// check validates every range of the frame before any memory is touched, and asks
+// Config.AuthorizeRead about a READ. It fills s.iov and returns the frame's byte count.
+func (s *dataServer) check(h wire.Header, op Op, tag []byte) (uint64, refusal) {
+	t := s.a.regions.Load()
+	s.iov = s.iov[:0]
+	var total uint64
+	for i, r := range s.ranges {
+		b, d, k := t.lookupRange(r.Region, r.Offset, r.Length, op)
+		if k != nil {
+			return total, refusal{k, fmt.Sprintf("range %d: %s", i, d)}
+		}
+		s.iov = append(s.iov, b)
+		total += r.Length
+	}
+	switch {
+	case total > s.lim.MaxPayload:
+		return total, refusal{ErrInvalidDescriptor, fmt.Sprintf("%d bytes in one frame exceed %d", total, s.lim.MaxPayload)}
+	case op == Write && total != h.Length:
+		return total, refusal{ErrInvalidDescriptor, fmt.Sprintf("payload of %d bytes for ranges of %d bytes", h.Length, total)}
+	case op == Read && s.a.cfg.AuthorizeRead != nil:
+		return total, s.authorize(h, tag)
+	}
+	return total, refusal{}
+}
+
+// authorize asks Config.AuthorizeRead about a READ frame's ranges.
+func (s *dataServer) authorize(h wire.Header, tag []byte) refusal {
+	s.descs = s.descs[:0]
+	for _, r := range s.ranges {
+		s.descs = append(s.descs, Desc{Region: r.Region, Offset: int64(r.Offset), Length: int64(r.Length)})
+	}
+	err := s.a.authorizeRead(s.peer, tag, s.descs)
+	if err == nil {
+		return refusal{}
+	}
+	s.a.stats.readsDenied.Add(1)
+	s.a.log.Warn("transfer READ refused", "peer", s.peer, "transfer_request", h.Req, "stripe", h.Seq, "err", err.Error())
+	return refusal{ErrPermission, "read not authorized: " + err.Error()}
+}
+
+// receive reads a WRITE frame's payload into registered memory, or drops it when the frame
+// is refused (the stream stays in sync).
+func (s *dataServer) receive(h wire.Header, total uint64, refused bool) error {
+	if refused {
+		return discard(s.c, h.Length)
+	}
+	s.scr = append(s.scr[:0], s.iov...)
+	if err := readvFull(s.c, s.rc, s.scr); err != nil {
+		return err
+	}
+	s.a.stats.servedWrite.Add(int64(total))
+	return nil
+}
+
+// sendRead answers a READ frame with its ranges, written from registered memory.
+func (s *dataServer) sendRead(h wire.Header, total uint64) error {
+	(&wire.Header{Op: wire.OpReadData, Req: h.Req, Seq: h.Seq, Length: total}).Encode(s.ob[:])
+	s.out = append(s.out[:0], s.ob[:])
+	s.out = append(s.out, s.iov...)
+	bufs := s.out
+	if _, err := bufs.WriteTo(s.c); err != nil {
+		return err
+	}
+	s.a.stats.servedRead.Add(int64(total))
+	return nil
 }
 
 // authorizeRead calls Config.AuthorizeRead; a panic in it refuses the read.

@@ -40,7 +40,8 @@ type stripe struct {
 	frame []byte   // encoded header + ranges
 	bytes int64
 
-	mu        sync.Mutex
+	mu sync.Mutex
+	// guarded by mu: the stripe's state in post gen.
 	gen       uint64
 	st        uint8
 	abandoned bool // the request failed while the stripe was busy
@@ -119,8 +120,8 @@ func (r *Request) planStripes() {
 // arm resets the stripe for post gen.
 func (s *stripe) arm(gen uint64) {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	s.gen, s.st, s.abandoned, s.aborted, s.acked, s.ackErr, s.conn = gen, stQueued, false, false, false, nil, nil
-	s.mu.Unlock()
 }
 
 // queued reports whether the stripe is still waiting for post gen.
@@ -146,53 +147,64 @@ func (s *stripe) claim(gen uint64, c *dataConn) bool {
 	return true
 }
 
-// afterWrite ends the writer's use of a WRITE stripe's memory.
-func (s *stripe) afterWrite(gen uint64, err error) {
-	s.mu.Lock()
-	if s.gen != gen || s.st != stBusy {
-		s.mu.Unlock()
-		return
-	}
-	switch {
-	case err != nil || s.abandoned:
-		s.st = stDone
-		s.mu.Unlock()
-		if err != nil {
-			s.r.failErr(gen, err)
-		}
-		s.r.unitDone()
-	case s.acked:
-		s.st = stDone
-		e := s.ackErr
-		s.mu.Unlock()
-		if e != nil {
-			s.r.failErr(gen, e)
-		}
-		s.r.unitDone()
-	default:
-		s.st = stSent
-		s.mu.Unlock()
-	}
-}
-
-// response records the target's answer (WRITE_ACK, or ERROR for either op).
-func (s *stripe) response(gen uint64, err error) {
-	s.mu.Lock()
-	if s.gen != gen || s.st == stDone || s.st == stQueued {
-		s.mu.Unlock()
-		return
-	}
-	if s.st == stBusy {
-		s.acked, s.ackErr = true, err
-		s.mu.Unlock()
-		return
-	}
-	s.st = stDone
-	s.mu.Unlock()
+// resolve ends the stripe's part in post gen: err, if not nil, fails the post, then the
+// unit is done. Callers hold no lock of the stripe (the last unit finishes the request).
+func (s *stripe) resolve(gen uint64, err error) {
 	if err != nil {
 		s.r.failErr(gen, err)
 	}
 	s.r.unitDone()
+}
+
+// afterWrite ends the writer's use of a WRITE stripe's memory.
+func (s *stripe) afterWrite(gen uint64, err error) {
+	if done, e := s.written(gen, err); done {
+		s.resolve(gen, e)
+	}
+}
+
+// written moves a busy WRITE stripe on once its payload was written (err: the write's
+// error). It is done, with the error to report, when the write failed, the post was
+// abandoned or the target's answer came already; otherwise it waits for that answer.
+func (s *stripe) written(gen uint64, err error) (done bool, _ error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.gen != gen || s.st != stBusy {
+		return false, nil
+	}
+	switch {
+	case err != nil || s.abandoned:
+		s.st = stDone
+		return true, err
+	case s.acked:
+		s.st = stDone
+		return true, s.ackErr
+	}
+	s.st = stSent
+	return false, nil
+}
+
+// response records the target's answer (WRITE_ACK, or ERROR for either op).
+func (s *stripe) response(gen uint64, err error) {
+	if s.answered(gen, err) {
+		s.resolve(gen, err)
+	}
+}
+
+// answered records the target's answer and reports whether the stripe is done; a WRITE
+// stripe still being written keeps the answer for written.
+func (s *stripe) answered(gen uint64, err error) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.gen != gen || s.st == stDone || s.st == stQueued {
+		return false
+	}
+	if s.st == stBusy {
+		s.acked, s.ackErr = true, err
+		return false
+	}
+	s.st = stDone
+	return true
 }
 
 // startRead moves a sent READ stripe to busy before its payload is read into local memory.
@@ -208,13 +220,15 @@ func (s *stripe) startRead(gen uint64) bool {
 
 // finishRead resolves a READ stripe after its payload was read (or the read failed).
 func (s *stripe) finishRead(gen uint64, err error) {
+	s.setDone()
+	s.resolve(gen, err)
+}
+
+// setDone marks the stripe done.
+func (s *stripe) setDone() {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	s.st = stDone
-	s.mu.Unlock()
-	if err != nil {
-		s.r.failErr(gen, err)
-	}
-	s.r.unitDone()
 }
 
 // abandon resolves the stripe of a failed post gen: at once if it is not touching local
@@ -223,29 +237,35 @@ func (s *stripe) finishRead(gen uint64, err error) {
 // and the payload is flowing) when the payload has been read. Closing a healthy connection
 // would fail every other request in flight on the link. A stripe left to finish may be
 // abandoned again with abort (a later failure of the same post: see Request.fail); its
-// connection is closed once.
+// connection is closed once, outside the stripe's lock.
 func (s *stripe) abandon(gen uint64, abort bool) {
+	done, closeConn := s.markAbandoned(gen, abort)
+	if closeConn != nil {
+		closeConn.abort()
+	}
+	if done {
+		s.r.unitDone()
+	}
+}
+
+// markAbandoned marks the stripe of failed post gen abandoned. It reports whether the stripe
+// is done now, and the connection to close (nil: none).
+func (s *stripe) markAbandoned(gen uint64, abort bool) (done bool, closeConn *dataConn) {
 	s.mu.Lock()
+	defer s.mu.Unlock()
 	if s.gen != gen || s.st == stDone {
-		s.mu.Unlock()
-		return
+		return false, nil
 	}
-	if s.st == stBusy {
-		c := s.conn
-		s.abandoned = true
-		closeConn := abort && !s.aborted && c != nil
-		if closeConn {
-			s.aborted = true
-		}
-		s.mu.Unlock()
-		if closeConn {
-			c.abort()
-		}
-		return
+	if s.st != stBusy {
+		s.st = stDone
+		return true, nil
 	}
-	s.st = stDone
-	s.mu.Unlock()
-	s.r.unitDone()
+	s.abandoned = true
+	if abort && !s.aborted && s.conn != nil {
+		s.aborted = true
+		return false, s.conn
+	}
+	return false, nil
 }
 
 // failErr fails post gen with err (an *Error keeps its kind; anything else is a broken
@@ -274,11 +294,13 @@ type dataConn struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 
-	qmu   sync.Mutex
+	qmu sync.Mutex
+	// guarded by qmu
 	queue []unit
 	head  int
-	wake  chan struct{}
-	fifo  chan unit // stripes sent, in order, awaiting their response
+
+	wake chan struct{}
+	fifo chan unit // stripes sent, in order, awaiting their response
 
 	closeOnce sync.Once
 }
@@ -327,32 +349,44 @@ func (c *dataConn) fail(err error) {
 
 // enqueue hands stripes[first], stripes[first+step], … to the writer.
 func (c *dataConn) enqueue(stripes []stripe, first, step int, gen uint64) {
-	c.qmu.Lock()
-	for i := first; i < len(stripes); i += step {
-		c.queue = append(c.queue, unit{s: &stripes[i], gen: gen})
-	}
-	c.qmu.Unlock()
+	c.push(stripes, first, step, gen)
 	select {
 	case c.wake <- struct{}{}:
 	default:
 	}
 }
 
+// push appends the units to the queue.
+func (c *dataConn) push(stripes []stripe, first, step int, gen uint64) {
+	c.qmu.Lock()
+	defer c.qmu.Unlock()
+	for i := first; i < len(stripes); i += step {
+		c.queue = append(c.queue, unit{s: &stripes[i], gen: gen})
+	}
+}
+
+// pop takes the next unit off the queue, if there is one.
+func (c *dataConn) pop() (unit, bool) {
+	c.qmu.Lock()
+	defer c.qmu.Unlock()
+	if c.head == len(c.queue) {
+		return unit{}, false
+	}
+	u := c.queue[c.head]
+	c.queue[c.head] = unit{}
+	c.head++
+	if c.head == len(c.queue) {
+		c.queue, c.head = c.queue[:0], 0
+	}
+	return u, true
+}
+
 // next returns the next queued unit, or false once the connection is closed.
 func (c *dataConn) next() (unit, bool) {
 	for {
-		c.qmu.Lock()
-		if c.head < len(c.queue) {
-			u := c.queue[c.head]
-			c.queue[c.head] = unit{}
-			c.head++
-			if c.head == len(c.queue) {
-				c.queue, c.head = c.queue[:0], 0
-			}
-			c.qmu.Unlock()
+		if u, ok := c.pop(); ok {
 			return u, true
 		}
-		c.qmu.Unlock()
 		select {
 		case <-c.wake:
 		case <-c.ctx.Done():

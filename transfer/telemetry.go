@@ -146,12 +146,24 @@ func (a *Agent) Stats() Stats {
 		Fallbacks: s.fallbacks.Load(), Connects: s.connects.Load(), Disconnects: s.disconnects.Load(),
 		RegisteredBytes: s.registeredBytes.Load(), MappedBytes: s.mappedBytes.Load(),
 	}
-	a.peersMu.Lock()
-	for _, p := range a.peers {
-		p.mu.Lock()
-		st.InflightRequests += int64(len(p.inflight))
-		p.mu.Unlock()
-	}
-	a.peersMu.Unlock()
+	st.InflightRequests = a.inflightRequests()
 	return st
+}
+
+// inflightRequests counts the requests in flight to every peer.
+func (a *Agent) inflightRequests() int64 {
+	a.peersMu.Lock()
+	defer a.peersMu.Unlock()
+	var n int64
+	for _, p := range a.peers {
+		n += p.inflightCount()
+	}
+	return n
+}
+
+// inflightCount counts the requests in flight to the peer.
+func (p *peer) inflightCount() int64 {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return int64(len(p.inflight))
 }

@@ -213,21 +213,36 @@ func (l *PreparedList) resolveUCX(m *remoteMeta) error {
 //
 //lint:ignore U1000 used by ucx_cgo.go, which only the ucx build tag compiles
 func (p *peer) teardownUCX(link *ucxLink, why string) {
-	p.mu.Lock()
-	if p.ux != link {
-		p.mu.Unlock()
+	reqs, current := p.takeUCX(link)
+	if !current {
 		link.close()
 		return
 	}
-	p.ux = nil
-	reqs := p.takeInflightLocked(BackendUCX)
-	p.mu.Unlock()
 	p.a.stats.disconnects.Add(1)
 	p.a.log.Info("transfer UCX link lost", "peer", p.name, "err", why)
 	link.close()
 	for r, gen := range reqs {
 		r.fail(gen, ErrRemoteDisconnect, why, nil)
 	}
+}
+
+// takeUCX detaches link, if it is still the peer's, and the UCX requests in flight; current
+// reports whether it was.
+func (p *peer) takeUCX(link *ucxLink) (reqs map[*Request]uint64, current bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.ux != link {
+		return nil, false
+	}
+	p.ux = nil
+	return p.takeInflightLocked(BackendUCX), true
+}
+
+// currentUCX returns the peer's UCX link, or nil.
+func (p *peer) currentUCX() *ucxLink {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.ux
 }
 
 // watchProcess watches the peer process (same host) so that its exit tears the UCX link down
@@ -255,14 +270,16 @@ func (p *peer) watchProcess() {
 		f.Close()
 		return
 	}
-	p.mu.Lock()
-	if p.gone != nil || p.procWait != nil {
-		p.mu.Unlock()
+	if err := p.whileLive("watch", func() error {
+		if p.procWait != nil {
+			return ErrInUse // watched already
+		}
+		p.procWait = f
+		return nil
+	}); err != nil {
 		f.Close()
 		return
 	}
-	p.procWait = f
-	p.mu.Unlock()
 	if !p.a.goTracked(func() {
 		err := rc.Read(func(fd uintptr) bool {
 			pfd := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
@@ -272,10 +289,7 @@ func (p *peer) watchProcess() {
 		if err != nil {
 			return // retired: the pidfd was closed
 		}
-		p.mu.Lock()
-		l := p.ux
-		p.mu.Unlock()
-		if l != nil {
+		if l := p.currentUCX(); l != nil {
 			l.abort(fmt.Sprintf("peer process %d exited", m.PID))
 		}
 	}) {

@@ -54,12 +54,13 @@ type ucxEngine struct {
 	addrs   [][]byte
 	nextID  atomic.Uint64
 
-	mapMu  sync.Mutex
+	mapMu sync.Mutex
+	// guarded by mapMu
 	maps   map[*ucxMapping]struct{}
-	closed bool // under mapMu
+	closed bool
 
 	inMu    sync.Mutex
-	inbound map[string]*ucxInbound
+	inbound map[string]*ucxInbound // guarded by inMu
 
 	closeOnce sync.Once
 }
@@ -130,29 +131,39 @@ func (e *ucxEngine) numWorkers() int { return len(e.workers) }
 // releases the context. Idempotent.
 func (e *ucxEngine) close() {
 	e.closeOnce.Do(func() {
-		e.inMu.Lock()
-		for _, in := range e.inbound {
-			if in.link != nil {
-				in.link.close()
-			}
-		}
-		e.inbound = map[string]*ucxInbound{}
-		e.inMu.Unlock()
+		e.closeInbound()
 		for _, w := range e.workers {
 			w.beginStop()
 		}
 		for _, w := range e.workers {
 			w.stop()
 		}
-		e.mapMu.Lock()
-		e.closed = true
-		for m := range e.maps {
-			C.kvb_mem_unmap(e.ctx, C.ucp_mem_h(m.memh))
-		}
-		e.maps = nil
-		e.mapMu.Unlock()
+		e.unmapAll()
 		C.kvb_context_destroy(e.ctx)
 	})
+}
+
+// closeInbound closes and forgets the links to the peers that said hello.
+func (e *ucxEngine) closeInbound() {
+	e.inMu.Lock()
+	defer e.inMu.Unlock()
+	for _, in := range e.inbound {
+		if in.link != nil {
+			in.link.close()
+		}
+	}
+	e.inbound = map[string]*ucxInbound{}
+}
+
+// unmapAll unregisters every arena and refuses later registrations.
+func (e *ucxEngine) unmapAll() {
+	e.mapMu.Lock()
+	defer e.mapMu.Unlock()
+	e.closed = true
+	for m := range e.maps {
+		C.kvb_mem_unmap(e.ctx, C.ucp_mem_h(m.memh))
+	}
+	e.maps = nil
 }
 
 // mapArena registers an arena with UCX and packs its remote key.
@@ -306,36 +317,51 @@ func (e *ucxEngine) hello(name string, inc uint64, addr []byte) {
 
 // sendInbound sends msg to a peer that said hello over UCX (false if none did).
 func (e *ucxEngine) sendInbound(ctx context.Context, name string, msg []byte, deadline time.Time) (bool, error) {
-	e.inMu.Lock()
-	in := e.inbound[name]
-	var l *ucxLink
-	if in != nil && in.link != nil && !in.link.closed.Load() {
-		l = in.link
-	}
-	e.inMu.Unlock()
+	in, l := e.inboundLink(name)
 	if in == nil {
 		return false, nil
 	}
 	if l == nil {
+		// Opening the link waits for UCX: no lock is held.
 		nl := e.newLink(name, nil)
 		if err := e.open(ctx, nl, 1, func(int) []byte { return in.addr }); err != nil {
 			return true, err
 		}
-		e.inMu.Lock()
-		switch cur := e.inbound[name]; {
-		case cur != in:
-			e.inMu.Unlock()
-			nl.close()
-			return true, newErr("notify", name, ErrStaleIncarnation, "the peer restarted", nil)
-		case in.link != nil && !in.link.closed.Load():
-			l = in.link
-			nl.close()
-		default:
-			in.link, l = nl, nl
+		var err error
+		if l, err = e.installInbound(name, in, nl); err != nil {
+			return true, err
 		}
-		e.inMu.Unlock()
 	}
 	return true, l.send(msg, deadline)
+}
+
+// inboundLink returns the hello of the peer named name (nil if none) and its open link (nil
+// if none).
+func (e *ucxEngine) inboundLink(name string) (*ucxInbound, *ucxLink) {
+	e.inMu.Lock()
+	defer e.inMu.Unlock()
+	in := e.inbound[name]
+	if in != nil && in.link != nil && !in.link.closed.Load() {
+		return in, in.link
+	}
+	return in, nil
+}
+
+// installInbound makes nl the link to the peer that said hello in, unless another link was
+// opened meanwhile (then nl is closed and that one returned) or the peer restarted.
+func (e *ucxEngine) installInbound(name string, in *ucxInbound, nl *ucxLink) (*ucxLink, error) {
+	e.inMu.Lock()
+	defer e.inMu.Unlock()
+	switch cur := e.inbound[name]; {
+	case cur != in:
+		nl.close()
+		return nil, newErr("notify", name, ErrStaleIncarnation, "the peer restarted", nil)
+	case in.link != nil && !in.link.closed.Load():
+		nl.close()
+		return in.link, nil
+	}
+	in.link = nl
+	return nl, nil
 }
 
 // dropInbound forgets the answer route over l.
@@ -427,19 +453,24 @@ func (l *ucxLink) sendAsync(msg []byte, deadline time.Time, done func(error)) {
 	var once sync.Once
 	var timer *time.Timer
 	var tmu sync.Mutex
+	stopTimer := func() {
+		tmu.Lock()
+		defer tmu.Unlock()
+		if timer != nil {
+			timer.Stop()
+		}
+	}
 	fin := func(err error) {
 		once.Do(func() {
-			tmu.Lock()
-			if timer != nil {
-				timer.Stop()
-			}
-			tmu.Unlock()
+			stopTimer()
 			done(err)
 		})
 	}
-	tmu.Lock()
-	timer = time.AfterFunc(time.Until(deadline), func() { l.abort("notification not sent before its deadline") })
-	tmu.Unlock()
+	func() {
+		tmu.Lock()
+		defer tmu.Unlock()
+		timer = time.AfterFunc(time.Until(deadline), func() { l.abort("notification not sent before its deadline") })
+	}()
 	w := l.e.workers[0]
 	if !w.submit(func() { w.sendAM(l, C.KVB_AM_MSG, msg, fin) }) {
 		fin(newErr("notify", l.peer, ErrClosed, "agent closed", nil))
@@ -465,7 +496,8 @@ type ucxWorker struct {
 	rc   syscall.RawConn
 	done chan struct{}
 
-	mu       sync.Mutex
+	mu sync.Mutex
+	// guarded by mu
 	cmds     []func()
 	signaled bool
 	stopped  bool
@@ -629,20 +661,29 @@ func (w *ucxWorker) wait(timeout time.Duration) {
 
 // submit queues fn for the worker goroutine; false once the worker is stopped.
 func (w *ucxWorker) submit(fn func()) bool {
-	w.mu.Lock()
-	if w.stopped {
-		w.mu.Unlock()
+	wake, ok := w.queue(fn)
+	if !ok {
 		return false
 	}
-	w.cmds = append(w.cmds, fn)
-	wake := !w.signaled
-	w.signaled = true
-	w.mu.Unlock()
 	if wake {
 		var one = [8]byte{1}
 		_, _ = unix.Write(w.wake, one[:])
 	}
 	return true
+}
+
+// queue appends fn to the commands unless the worker is stopped (ok false); wake reports
+// whether the worker needs a wake-up (written by the caller, outside w.mu).
+func (w *ucxWorker) queue(fn func()) (wake, ok bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.stopped {
+		return false, false
+	}
+	w.cmds = append(w.cmds, fn)
+	wake = !w.signaled
+	w.signaled = true
+	return wake, true
 }
 
 // hasCommands reports whether commands are waiting.
@@ -654,15 +695,21 @@ func (w *ucxWorker) hasCommands() bool {
 
 // runCommands runs the queued commands in order.
 func (w *ucxWorker) runCommands() {
-	w.mu.Lock()
-	cmds := w.cmds
-	w.cmds = nil
-	w.signaled = false
-	w.mu.Unlock()
+	cmds := w.takeCommands()
 	for i, fn := range cmds {
 		fn()
 		cmds[i] = nil
 	}
+}
+
+// takeCommands takes the queued commands.
+func (w *ucxWorker) takeCommands() []func() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	cmds := w.cmds
+	w.cmds = nil
+	w.signaled = false
+	return cmds
 }
 
 // stop makes the worker close every endpoint, drain and exit (beginStop), and waits for it.
@@ -677,12 +724,9 @@ func (w *ucxWorker) stop() {
 // worker), so a stalled or dead peer never leaves an endpoint open when the worker is
 // destroyed.
 func (w *ucxWorker) beginStop() {
-	w.mu.Lock()
-	if w.stopped {
-		w.mu.Unlock()
+	if w.isStopped() {
 		return
 	}
-	w.mu.Unlock()
 	w.submit(func() {
 		w.stopping = true
 		for _, l := range w.links {
@@ -690,9 +734,21 @@ func (w *ucxWorker) beginStop() {
 			w.closeEP(l)
 		}
 	})
+	w.setStopped()
+}
+
+// isStopped reports whether the worker takes no more commands.
+func (w *ucxWorker) isStopped() bool {
 	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.stopped
+}
+
+// setStopped makes the worker take no more commands.
+func (w *ucxWorker) setStopped() {
+	w.mu.Lock()
+	defer w.mu.Unlock()
 	w.stopped = true
-	w.mu.Unlock()
 }
 
 // forceCloseAll closes every endpoint of the worker still open, canceling what is in flight.

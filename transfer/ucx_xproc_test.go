@@ -85,7 +85,7 @@ func TestUCXPeerKilledMidTransfer(t *testing.T) {
 			if err := req.Post(ctx, []byte("x")); err != nil {
 				t.Fatal(err)
 			}
-			if st, _ := req.Status(); st != StatusInProgress {
+			if st, _ := req.status(); st != statusInProgress {
 				t.Fatalf("status %v while the peer is stopped", st)
 			}
 			peer.kill()

@@ -464,7 +464,7 @@ func TestPeerKilledMidTransfer(t *testing.T) {
 	if err := tcpReq.Post(ctx, nil); err != nil {
 		t.Fatal(err)
 	}
-	if st, _ := tcpReq.Status(); st != StatusInProgress {
+	if st, _ := tcpReq.status(); st != statusInProgress {
 		t.Fatalf("status %v while the peer is stopped", st)
 	}
 	if err := shmReq.Post(ctx, []byte("x")); err != nil {

@@ -16,7 +16,7 @@ import (
 
 func TestRunTiny(t *testing.T) {
 	r, err := Run(t.Context(), Options{Model: "kvbridge/tiny", PromptLen: 40, DecodeTokens: 3, Chunk: 16, Batches: []int{1, 3},
-		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"float32", "bfloat16"}, DecodeSteps: 2, Repeat: 1, PeakDuration: 10 * time.Millisecond})
+		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"float32", "bfloat16", "fp8"}, DecodeSteps: 2, Repeat: 1, PeakDuration: 10 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -25,7 +25,7 @@ func TestRunTiny(t *testing.T) {
 	for _, d := range r.Runs {
 		runs = append(runs, run{d.DType, d.KVCacheDType})
 	}
-	if want := []run{{"float32", "float32"}, {"float32", "bfloat16"}, {"bfloat16", "float32"}, {"bfloat16", "bfloat16"}}; !slices.Equal(runs, want) {
+	if want := []run{{"float32", "float32"}, {"float32", "bfloat16"}, {"float32", "fp8_e4m3"}, {"bfloat16", "float32"}, {"bfloat16", "bfloat16"}, {"bfloat16", "fp8_e4m3"}}; !slices.Equal(runs, want) {
 		t.Fatalf("runs %v, want %v", runs, want)
 	}
 	m, err := model.Open(t.Context(), "kvbridge/tiny", model.OpenOptions{})
@@ -43,10 +43,7 @@ func TestRunTiny(t *testing.T) {
 		if d.PrefillTokensPerS <= 0 || d.PrefillGFLOPS <= 0 || d.DecodeTokensPerS <= 0 || len(d.Batched) != 4 {
 			t.Fatalf("non-positive figure in %+v", d)
 		}
-		size := 4
-		if d.KVCacheDType == "bfloat16" {
-			size = 2
-		}
+		size := map[string]int{"float32": 4, "bfloat16": 2, "fp8_e4m3": 1}[d.KVCacheDType] // the weights+KV bound counts these
 		if want := int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * size); d.KVBytesPerTok != want {
 			t.Fatalf("%s/%s: %d KV bytes a token, want %d", d.DType, d.KVCacheDType, d.KVBytesPerTok, want)
 		}
@@ -84,15 +81,15 @@ func TestRunTiny(t *testing.T) {
 			t.Fatalf("context 20: batch 3 over batch 1 %g, want %g (batch 1 at the same context)", three.OverBatch1, three.TokensPerS/one.TokensPerS)
 		}
 	}
-	if r.Runs[2].WeightBytes >= r.Runs[0].WeightBytes {
-		t.Fatalf("bfloat16 weights %d bytes, float32 %d", r.Runs[2].WeightBytes, r.Runs[0].WeightBytes)
+	if r.Runs[3].WeightBytes >= r.Runs[0].WeightBytes {
+		t.Fatalf("bfloat16 weights %d bytes, float32 %d", r.Runs[3].WeightBytes, r.Runs[0].WeightBytes)
 	}
 	var table bytes.Buffer
 	if err := r.WriteTable(&table); err != nil {
 		t.Fatal(err)
 	}
 	for _, want := range []string{"prefill compute", "decode batch 3 (context 8)", "decode batch 3 (context 20)", "VDPBF16PS peak", "bf16 peak",
-		"float32, KV bfloat16", "bfloat16, KV float32", "step bound", "roofline"} {
+		"float32, KV bfloat16", "bfloat16, KV float32", "bfloat16, KV fp8_e4m3", "step bound", "roofline"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
@@ -114,7 +111,7 @@ func TestRunTiny(t *testing.T) {
 			} `json:"batched"`
 		} `json:"runs"`
 	}
-	if err := json.Unmarshal(b, &js); err != nil || js.PeakGFLOPS <= 0 || len(js.Runs) != 4 || js.Runs[1].Batched[3].StepBoundTokensPerS <= 0 {
+	if err := json.Unmarshal(b, &js); err != nil || js.PeakGFLOPS <= 0 || len(js.Runs) != 6 || js.Runs[1].Batched[3].StepBoundTokensPerS <= 0 {
 		t.Fatalf("json: %v %+v", err, js)
 	}
 }

@@ -61,21 +61,9 @@ type client struct {
 // refill, the request cap is reached, the benchmark stops, or a request fails with an error.
 func (c *client) run(ctx context.Context) {
 	defer func() { c.emit(ctx, clientEvent{exited: true}) }()
-	active := map[string]*Conversation{}
-	var order []string // active ids in insertion order (random sampling)
-	var ring []string  // round-robin deque: take from the back, requeue at the front
-	turns := map[string]int{}
+	set := activeSet{active: map[string]*Conversation{}, turns: map[string]int{}}
 	successes, failures := 0, 0
 	queueEmpty := false
-	remove := func(id string) {
-		delete(active, id)
-		for i, x := range order {
-			if x == id {
-				order = append(order[:i], order[i+1:]...)
-				break
-			}
-		}
-	}
 	for !queueEmpty {
 		if c.cfg.maxRequests > 0 && successes+failures >= c.cfg.maxRequests {
 			c.logf(ctx, "client %d reached its request limit (%d)", c.id, c.cfg.maxRequests)
@@ -84,60 +72,21 @@ func (c *client) run(ctx context.Context) {
 		if c.stopped(ctx) {
 			return
 		}
-		for len(active) < c.cfg.activeQuota && !queueEmpty {
-			conv, ok := <-c.tasks
-			if !ok {
-				queueEmpty = true
-				break
-			}
-			if c.cfg.skipFirstTurn {
-				turns[conv.ID] += 2
-			}
-			if turns[conv.ID] < len(conv.Messages) {
-				active[conv.ID] = conv
-				order = append(order, conv.ID)
-				ring = append(ring, conv.ID)
-				c.verbosef(ctx, "client %d will use conversation ID %s (active conversations %d)", c.id, conv.ID, len(active))
-			} else {
-				c.verbosef(ctx, "client %d will not use conversation ID %s (all %d messages already sent)", c.id, conv.ID, len(conv.Messages))
-			}
-		}
-		if len(active) == 0 || queueEmpty {
+		queueEmpty = c.refill(ctx, &set)
+		if len(set.active) == 0 || queueEmpty {
 			return
 		}
-		var id string
-		if c.cfg.random {
-			id = order[c.rng.IntN(len(order))]
-		} else {
-			id = ring[len(ring)-1]
-			ring = ring[:len(ring)-1]
-		}
-		conv := active[id]
-		turns[id]++
-		cur := turns[id]
+		id := set.pick(c)
+		conv := set.active[id]
+		set.turns[id]++
+		cur := set.turns[id]
 		c.verbosef(ctx, "client %d using conversation ID %s (turn: %d)", c.id, id, cur)
 
 		began := time.Now()
-		var (
-			st      *RequestStats
-			lastErr error
-		)
-		for attempt := 0; attempt <= c.cfg.maxRetries; attempt++ {
-			st, lastErr = c.sendTurn(ctx, conv, cur)
-			if lastErr == nil {
-				break
-			}
-			if ctx.Err() != nil || errors.Is(lastErr, errMismatch) {
-				break
-			}
-			c.logf(ctx, "client %d: conversation %s, turn %d (attempt %d of %d): %v", c.id, id, (cur+1)/2, attempt+1, c.cfg.maxRetries+1, lastErr)
-			if attempt < c.cfg.maxRetries && !c.sleep(ctx, backoff(c.rng, attempt)) {
-				break
-			}
-		}
+		st, lastErr := c.sendWithRetries(ctx, conv, cur)
 		if lastErr != nil {
 			failures++
-			remove(id)
+			set.remove(id)
 			c.emit(ctx, clientEvent{failed: true})
 			if errors.Is(lastErr, errMismatch) {
 				c.logf(ctx, "client %d: %v", c.id, lastErr)
@@ -148,18 +97,7 @@ func (c *client) run(ctx context.Context) {
 		} else {
 			successes++
 			c.emit(ctx, clientEvent{sample: st})
-			turns[id]++
-			limit := len(conv.Messages)
-			if c.cfg.maxTurns > 0 {
-				limit = min(limit, c.cfg.maxTurns)
-			}
-			if turns[id] >= limit {
-				remove(id)
-				c.verbosef(ctx, "client %d finished conversation ID %s", c.id, id)
-				c.emit(ctx, clientEvent{finished: conv})
-			} else if !c.cfg.random {
-				ring = append([]string{id}, ring...)
-			}
+			c.turnDone(ctx, &set, conv)
 		}
 		if c.cfg.requestRate > 0 {
 			mean := time.Duration(float64(time.Second)/c.cfg.requestRate) - time.Since(began)
@@ -168,6 +106,99 @@ func (c *client) run(ctx context.Context) {
 			}
 		}
 	}
+}
+
+// activeSet is a client's active conversations.
+type activeSet struct {
+	active map[string]*Conversation
+	order  []string // active ids in insertion order (random sampling)
+	ring   []string // round-robin deque: take from the back, requeue at the front
+	turns  map[string]int
+}
+
+// remove drops conversation id from the active set.
+func (a *activeSet) remove(id string) {
+	delete(a.active, id)
+	for i, x := range a.order {
+		if x == id {
+			a.order = append(a.order[:i], a.order[i+1:]...)
+			break
+		}
+	}
+}
+
+// pick takes the conversation whose turn is next: a random one, or the round robin's next.
+func (a *activeSet) pick(c *client) string {
+	if c.cfg.random {
+		return a.order[c.rng.IntN(len(a.order))]
+	}
+	id := a.ring[len(a.ring)-1]
+	a.ring = a.ring[:len(a.ring)-1]
+	return id
+}
+
+// refill fills the active set up to the client's quota from the shared queue; it reports
+// whether the queue ran dry.
+func (c *client) refill(ctx context.Context, a *activeSet) (queueEmpty bool) {
+	for len(a.active) < c.cfg.activeQuota {
+		conv, ok := <-c.tasks
+		if !ok {
+			return true
+		}
+		if c.cfg.skipFirstTurn {
+			a.turns[conv.ID] += 2
+		}
+		if a.turns[conv.ID] < len(conv.Messages) {
+			a.active[conv.ID] = conv
+			a.order = append(a.order, conv.ID)
+			a.ring = append(a.ring, conv.ID)
+			c.verbosef(ctx, "client %d will use conversation ID %s (active conversations %d)", c.id, conv.ID, len(a.active))
+		} else {
+			c.verbosef(ctx, "client %d will not use conversation ID %s (all %d messages already sent)", c.id, conv.ID, len(conv.Messages))
+		}
+	}
+	return false
+}
+
+// turnDone counts conv's answered turn: the conversation is finished at its last message (or
+// --max-turns), else requeued for round robin.
+func (c *client) turnDone(ctx context.Context, a *activeSet, conv *Conversation) {
+	id := conv.ID
+	a.turns[id]++
+	limit := len(conv.Messages)
+	if c.cfg.maxTurns > 0 {
+		limit = min(limit, c.cfg.maxTurns)
+	}
+	if a.turns[id] >= limit {
+		a.remove(id)
+		c.verbosef(ctx, "client %d finished conversation ID %s", c.id, id)
+		c.emit(ctx, clientEvent{finished: conv})
+	} else if !c.cfg.random {
+		a.ring = append([]string{id}, a.ring...)
+	}
+}
+
+// sendWithRetries sends user turn cur of conv, retrying a failure (but not a mismatch, or once
+// ctx ended) up to --max-retries times with exponential backoff.
+func (c *client) sendWithRetries(ctx context.Context, conv *Conversation, cur int) (*RequestStats, error) {
+	var (
+		st      *RequestStats
+		lastErr error
+	)
+	for attempt := 0; attempt <= c.cfg.maxRetries; attempt++ {
+		st, lastErr = c.sendTurn(ctx, conv, cur)
+		if lastErr == nil {
+			break
+		}
+		if ctx.Err() != nil || errors.Is(lastErr, errMismatch) {
+			break
+		}
+		c.logf(ctx, "client %d: conversation %s, turn %d (attempt %d of %d): %v", c.id, conv.ID, (cur+1)/2, attempt+1, c.cfg.maxRetries+1, lastErr)
+		if attempt < c.cfg.maxRetries && !c.sleep(ctx, backoff(c.rng, attempt)) {
+			break
+		}
+	}
+	return st, lastErr
 }
 
 // sendTurn sends messages[:cur] of conv (ending with user turn cur) and, on success, stores the

@@ -69,63 +69,78 @@ func ParseGenConfig(data []byte) (*GenConfig, error) {
 		return nil, configErr("filetype", fmt.Sprintf("must be %q, got %s", GenFileType, top["filetype"]))
 	}
 	c := &GenConfig{}
+	if err := c.parseScalars(top); err != nil {
+		return nil, err
+	}
+	if err := c.parseDistributions(top); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// parseScalars reads num_conversations, text_files and print_stats.
+func (c *GenConfig) parseScalars(top map[string]json.RawMessage) error {
 	if err := json.Unmarshal(top["num_conversations"], &c.NumConversations); err != nil {
-		return nil, configErr("num_conversations", "must be an integer, got "+string(top["num_conversations"]))
+		return configErr("num_conversations", "must be an integer, got "+string(top["num_conversations"]))
 	}
 	if c.NumConversations <= 0 {
-		return nil, configErr("num_conversations", fmt.Sprintf("must be larger than zero, got %d", c.NumConversations))
+		return configErr("num_conversations", fmt.Sprintf("must be larger than zero, got %d", c.NumConversations))
 	}
 	if err := json.Unmarshal(top["text_files"], &c.TextFiles); err != nil || bytes.Equal(bytes.TrimSpace(top["text_files"]), []byte("null")) {
-		return nil, configErr("text_files", "must be a list of file names, got "+string(top["text_files"]))
+		return configErr("text_files", "must be a list of file names, got "+string(top["text_files"]))
 	}
 	if len(c.TextFiles) == 0 {
-		return nil, configErr("text_files", "must list at least one file")
+		return configErr("text_files", "must list at least one file")
 	}
 	for i, f := range c.TextFiles {
 		if f == "" {
-			return nil, configErr(fmt.Sprintf("text_files[%d]", i), "empty file name")
+			return configErr(fmt.Sprintf("text_files[%d]", i), "empty file name")
 		}
 	}
 	if v, ok := top["print_stats"]; ok {
 		if err := json.Unmarshal(v, &c.PrintStats); err != nil {
-			return nil, configErr("print_stats", "must be true or false, got "+string(v))
+			return configErr("print_stats", "must be true or false, got "+string(v))
 		}
 	}
+	return nil
+}
+
+// parseDistributions reads the distributions of the prompt_input and prompt_output sections.
+func (c *GenConfig) parseDistributions(top map[string]json.RawMessage) error {
 	sections := map[string]map[string]json.RawMessage{}
 	for _, s := range []string{"prompt_input", "prompt_output"} {
 		var m map[string]json.RawMessage
 		if err := json.Unmarshal(top[s], &m); err != nil || m == nil {
-			return nil, configErr(s, "must be an object")
+			return configErr(s, "must be an object")
 		}
 		sections[s] = m
 	}
-	dist := func(section, key string, optional bool) (Distribution, error) {
-		raw, ok := sections[section][key]
-		if !ok {
-			if optional {
-				return Constant{Value: 0}, nil
+	for _, d := range []struct {
+		into         *Distribution
+		section, key string
+		optional     bool
+	}{
+		{&c.NumTurns, "prompt_input", "num_turns", false},
+		{&c.InputNumTokens, "prompt_input", "num_tokens", false},
+		{&c.CommonPrefixNumTokens, "prompt_input", "common_prefix_num_tokens", true},
+		{&c.PrefixNumTokens, "prompt_input", "prefix_num_tokens", false},
+		{&c.OutputNumTokens, "prompt_output", "num_tokens", false},
+	} {
+		raw, ok := sections[d.section][d.key]
+		switch {
+		case ok:
+			dist, err := parseDistribution(d.section+"."+d.key, raw)
+			if err != nil {
+				return err
 			}
-			return nil, configErr(section+"."+key, "missing required key")
+			*d.into = dist
+		case d.optional:
+			*d.into = Constant{Value: 0}
+		default:
+			return configErr(d.section+"."+d.key, "missing required key")
 		}
-		return parseDistribution(section+"."+key, raw)
 	}
-	var err error
-	if c.NumTurns, err = dist("prompt_input", "num_turns", false); err != nil {
-		return nil, err
-	}
-	if c.InputNumTokens, err = dist("prompt_input", "num_tokens", false); err != nil {
-		return nil, err
-	}
-	if c.CommonPrefixNumTokens, err = dist("prompt_input", "common_prefix_num_tokens", true); err != nil {
-		return nil, err
-	}
-	if c.PrefixNumTokens, err = dist("prompt_input", "prefix_num_tokens", false); err != nil {
-		return nil, err
-	}
-	if c.OutputNumTokens, err = dist("prompt_output", "num_tokens", false); err != nil {
-		return nil, err
-	}
-	return c, nil
+	return nil
 }
 
 // Params returns the "Conversations Generation Parameters" block of the report, in order.

@@ -203,136 +203,185 @@ func parseDistribution(name string, raw json.RawMessage) (Distribution, error) {
 	} else if err := json.Unmarshal(v, &kind); err != nil {
 		return nil, configErr(name+".distribution", "must be a string")
 	}
-	num := func(key string, required bool) (float64, bool, bool, error) {
-		v, ok := obj[key]
-		if !ok {
-			if required {
-				return 0, false, false, configErr(name, fmt.Sprintf("missing key %q (distribution %q)", key, kind))
-			}
-			return 0, false, false, nil
-		}
-		var n json.Number
-		if t := bytes.TrimSpace(v); len(t) > 0 && t[0] == '"' {
-			return 0, false, false, configErr(name+"."+key, "must be a number, got "+string(v))
-		}
-		if err := json.Unmarshal(v, &n); err != nil {
-			return 0, false, false, configErr(name+"."+key, "must be a number, got "+string(v))
-		}
-		f, err := n.Float64()
-		if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
-			return 0, false, false, configErr(name+"."+key, "must be a finite number, got "+n.String())
-		}
-		isInt := !strings.ContainsAny(n.String(), ".eE")
-		return f, true, isInt, nil
-	}
-	optMax := func() (float64, error) {
-		m, ok, _, err := num("max", false)
-		if err != nil {
-			return 0, err
-		}
-		if ok && m < 0 {
-			return 0, configErr(name+".max", "must not be negative")
-		}
-		return m, nil
-	}
+	d := distObject{name: name, kind: kind, obj: obj}
 	switch kind {
 	case "constant":
-		v, _, _, err := num("value", true)
-		if err != nil {
-			return nil, err
-		}
-		if v < 0 {
-			return nil, configErr(name+".value", "must not be negative")
-		}
-		return Constant{Value: v}, nil
+		return d.constant()
 	case "uniform":
-		lo, _, loInt, err := num("min", true)
-		if err != nil {
-			return nil, err
-		}
-		hi, _, hiInt, err := num("max", true)
-		if err != nil {
-			return nil, err
-		}
-		if lo <= 0 {
-			return nil, configErr(name+".min", fmt.Sprintf("must be > 0, got %s", fmtNum(lo)))
-		}
-		if lo > hi {
-			return nil, configErr(name, fmt.Sprintf("min %s is larger than max %s", fmtNum(lo), fmtNum(hi)))
-		}
-		return Uniform{Min: lo, Max: hi, Integer: loInt && hiInt}, nil
+		return d.uniform()
 	case "lognormal":
-		m, err := optMax()
-		if err != nil {
-			return nil, err
-		}
-		if avg, ok, _, err := num("average", false); err != nil {
-			return nil, err
-		} else if ok {
-			if _, has := obj["mean"]; has {
-				return nil, configErr(name, `give either "average" (and optional "median_ratio") or "mean" and "sigma", not both`)
-			}
-			if _, has := obj["sigma"]; has {
-				return nil, configErr(name, `give either "average" (and optional "median_ratio") or "mean" and "sigma", not both`)
-			}
-			if avg < 1 {
-				return nil, configErr(name+".average", fmt.Sprintf("must be ≥ 1, got %s", fmtNum(avg)))
-			}
-			ratio, ok, _, err := num("median_ratio", false)
-			if err != nil {
-				return nil, err
-			}
-			if !ok {
-				ratio = 0.85
-			}
-			if ratio <= 0 || ratio >= 1 {
-				return nil, configErr(name+".median_ratio", fmt.Sprintf("must be in (0, 1), got %s", fmtNum(ratio)))
-			}
-			return Lognormal{Average: avg, MedianRatio: ratio, Max: m}, nil
-		}
-		mean, _, _, err := num("mean", true)
-		if err != nil {
-			return nil, err
-		}
-		sigma, _, _, err := num("sigma", true)
-		if err != nil {
-			return nil, err
-		}
-		if mean <= 0 {
-			return nil, configErr(name+".mean", fmt.Sprintf("must be > 0, got %s", fmtNum(mean)))
-		}
-		if sigma < 0 {
-			return nil, configErr(name+".sigma", fmt.Sprintf("must not be negative, got %s", fmtNum(sigma)))
-		}
-		return Lognormal{Mean: mean, Sigma: sigma, Max: m}, nil
+		return d.lognormal()
 	case "zipf":
-		alpha, _, _, err := num("alpha", true)
-		if err != nil {
-			return nil, err
-		}
-		if alpha <= 1 {
-			return nil, configErr(name+".alpha", fmt.Sprintf("must be > 1, got %s", fmtNum(alpha)))
-		}
-		m, err := optMax()
-		if err != nil {
-			return nil, err
-		}
-		return Zipf{Alpha: alpha, Max: m}, nil
+		return d.zipf()
 	case "poisson":
-		alpha, _, _, err := num("alpha", true)
-		if err != nil {
-			return nil, err
-		}
-		if alpha < 0 {
-			return nil, configErr(name+".alpha", fmt.Sprintf("must not be negative, got %s", fmtNum(alpha)))
-		}
-		m, err := optMax()
-		if err != nil {
-			return nil, err
-		}
-		return Poisson{Alpha: alpha, Max: m}, nil
+		return d.poisson()
 	}
 	return nil, configErr(name+".distribution", fmt.Sprintf("unknown distribution %q (want constant, uniform, lognormal, zipf or poisson)", kind))
+}
+
+// distObject is a distribution object being parsed: its keys, its kind (the "distribution"
+// key) and the name that prefixes its errors.
+type distObject struct {
+	name, kind string
+	obj        map[string]json.RawMessage
+}
+
+// num reads the number at key: its value, whether it was given and whether it is written as an
+// integer. A missing key is an error when required.
+func (d distObject) num(key string, required bool) (v float64, given, isInt bool, err error) {
+	raw, ok := d.obj[key]
+	if !ok {
+		if required {
+			return 0, false, false, configErr(d.name, fmt.Sprintf("missing key %q (distribution %q)", key, d.kind))
+		}
+		return 0, false, false, nil
+	}
+	var n json.Number
+	if t := bytes.TrimSpace(raw); len(t) > 0 && t[0] == '"' {
+		return 0, false, false, configErr(d.name+"."+key, "must be a number, got "+string(raw))
+	}
+	if err := json.Unmarshal(raw, &n); err != nil {
+		return 0, false, false, configErr(d.name+"."+key, "must be a number, got "+string(raw))
+	}
+	f, err := n.Float64()
+	if err != nil || math.IsInf(f, 0) || math.IsNaN(f) {
+		return 0, false, false, configErr(d.name+"."+key, "must be a finite number, got "+n.String())
+	}
+	return f, true, !strings.ContainsAny(n.String(), ".eE"), nil
+}
+
+// required reads the number at key, which must be given.
+func (d distObject) required(key string) (float64, error) {
+	v, _, _, err := d.num(key, true)
+	return v, err
+}
+
+// optMax reads the optional, non-negative "max" (0 when not given).
+func (d distObject) optMax() (float64, error) {
+	m, ok, _, err := d.num("max", false)
+	if err != nil {
+		return 0, err
+	}
+	if ok && m < 0 {
+		return 0, configErr(d.name+".max", "must not be negative")
+	}
+	return m, nil
+}
+
+// constant reads {"distribution": "constant", "value": v}, v ≥ 0.
+func (d distObject) constant() (Distribution, error) {
+	v, err := d.required("value")
+	if err != nil {
+		return nil, err
+	}
+	if v < 0 {
+		return nil, configErr(d.name+".value", "must not be negative")
+	}
+	return Constant{Value: v}, nil
+}
+
+// uniform reads a uniform over [min, max], 0 < min ≤ max; integer when both are written so.
+func (d distObject) uniform() (Distribution, error) {
+	lo, _, loInt, err := d.num("min", true)
+	if err != nil {
+		return nil, err
+	}
+	hi, _, hiInt, err := d.num("max", true)
+	if err != nil {
+		return nil, err
+	}
+	if lo <= 0 {
+		return nil, configErr(d.name+".min", fmt.Sprintf("must be > 0, got %s", fmtNum(lo)))
+	}
+	if lo > hi {
+		return nil, configErr(d.name, fmt.Sprintf("min %s is larger than max %s", fmtNum(lo), fmtNum(hi)))
+	}
+	return Uniform{Min: lo, Max: hi, Integer: loInt && hiInt}, nil
+}
+
+// lognormal reads a lognormal given either by "average" (and optional "median_ratio") or by
+// "mean" and "sigma".
+func (d distObject) lognormal() (Distribution, error) {
+	m, err := d.optMax()
+	if err != nil {
+		return nil, err
+	}
+	if avg, ok, _, err := d.num("average", false); err != nil {
+		return nil, err
+	} else if ok {
+		return d.lognormalAverage(avg, m)
+	}
+	mean, err := d.required("mean")
+	if err != nil {
+		return nil, err
+	}
+	sigma, err := d.required("sigma")
+	if err != nil {
+		return nil, err
+	}
+	if mean <= 0 {
+		return nil, configErr(d.name+".mean", fmt.Sprintf("must be > 0, got %s", fmtNum(mean)))
+	}
+	if sigma < 0 {
+		return nil, configErr(d.name+".sigma", fmt.Sprintf("must not be negative, got %s", fmtNum(sigma)))
+	}
+	return Lognormal{Mean: mean, Sigma: sigma, Max: m}, nil
+}
+
+// lognormalAverage reads the rest of a lognormal given by its average avg, capped at m.
+func (d distObject) lognormalAverage(avg, m float64) (Distribution, error) {
+	if _, has := d.obj["mean"]; has {
+		return nil, configErr(d.name, `give either "average" (and optional "median_ratio") or "mean" and "sigma", not both`)
+	}
+	if _, has := d.obj["sigma"]; has {
+		return nil, configErr(d.name, `give either "average" (and optional "median_ratio") or "mean" and "sigma", not both`)
+	}
+	if avg < 1 {
+		return nil, configErr(d.name+".average", fmt.Sprintf("must be ≥ 1, got %s", fmtNum(avg)))
+	}
+	ratio, ok, _, err := d.num("median_ratio", false)
+	if err != nil {
+		return nil, err
+	}
+	if !ok {
+		ratio = 0.85
+	}
+	if ratio <= 0 || ratio >= 1 {
+		return nil, configErr(d.name+".median_ratio", fmt.Sprintf("must be in (0, 1), got %s", fmtNum(ratio)))
+	}
+	return Lognormal{Average: avg, MedianRatio: ratio, Max: m}, nil
+}
+
+// zipf reads a Zipf with alpha > 1 and an optional max.
+func (d distObject) zipf() (Distribution, error) {
+	alpha, err := d.required("alpha")
+	if err != nil {
+		return nil, err
+	}
+	if alpha <= 1 {
+		return nil, configErr(d.name+".alpha", fmt.Sprintf("must be > 1, got %s", fmtNum(alpha)))
+	}
+	m, err := d.optMax()
+	if err != nil {
+		return nil, err
+	}
+	return Zipf{Alpha: alpha, Max: m}, nil
+}
+
+// poisson reads a Poisson with alpha ≥ 0 and an optional max.
+func (d distObject) poisson() (Distribution, error) {
+	alpha, err := d.required("alpha")
+	if err != nil {
+		return nil, err
+	}
+	if alpha < 0 {
+		return nil, configErr(d.name+".alpha", fmt.Sprintf("must not be negative, got %s", fmtNum(alpha)))
+	}
+	m, err := d.optMax()
+	if err != nil {
+		return nil, err
+	}
+	return Poisson{Alpha: alpha, Max: m}, nil
 }
 
 // roundInt rounds v to the nearest integer (halves away from zero), saturating at the int range.

@@ -31,36 +31,59 @@ func WriteExcel(path string, s *Summary, samples []RequestStats, verbose bool) e
 	if _, err := f.NewSheet(raw); err != nil {
 		return err
 	}
-	// row writes values from column A of 0-based row r.
-	var werr error
-	row := func(sheet string, r int, vals ...any) {
-		if werr != nil {
-			return
-		}
-		cell, err := excelize.CoordinatesToCellName(1, r+1)
-		if err == nil {
-			for i, v := range vals {
-				if f, ok := v.(float64); ok && (math.IsNaN(f) || math.IsInf(f, 0)) {
-					vals[i] = nil // pandas writes NaN as an empty cell
-				}
+	x := &sheetWriter{f: f}
+	x.summary(summary, s)
+	x.raw(raw, samples, verbose)
+	if x.err != nil {
+		return fmt.Errorf("excel %s: %w", path, x.err)
+	}
+	if err := f.SaveAs(path); err != nil {
+		return fmt.Errorf("excel %s: %w", path, err)
+	}
+	return nil
+}
+
+// sheetWriter writes rows into a workbook, keeping the first error.
+type sheetWriter struct {
+	f   *excelize.File
+	err error
+}
+
+// row writes values from column A of 0-based row r.
+func (x *sheetWriter) row(sheet string, r int, vals ...any) {
+	if x.err != nil {
+		return
+	}
+	cell, err := excelize.CoordinatesToCellName(1, r+1)
+	if err == nil {
+		for i, v := range vals {
+			if f, ok := v.(float64); ok && (math.IsNaN(f) || math.IsInf(f, 0)) {
+				vals[i] = nil // pandas writes NaN as an empty cell
 			}
-			err = f.SetSheetRow(sheet, cell, &vals)
 		}
-		werr = err
+		err = x.f.SetSheetRow(sheet, cell, &vals)
 	}
-	params := func(r int, ps Params) {
-		keys, vals := make([]any, len(ps)), make([]any, len(ps))
-		for i, p := range ps {
-			keys[i], vals[i] = p.Key, p.Value
-		}
-		row(summary, r, keys...)
-		row(summary, r+1, vals...)
+	x.err = err
+}
+
+// params writes ps as two rows from 0-based row r: the keys, then the values.
+func (x *sheetWriter) params(sheet string, r int, ps Params) {
+	keys, vals := make([]any, len(ps)), make([]any, len(ps))
+	for i, p := range ps {
+		keys[i], vals[i] = p.Key, p.Value
 	}
+	x.row(sheet, r, keys...)
+	x.row(sheet, r+1, vals...)
+}
+
+// summary writes the Summary sheet: the parameters, the generation parameters, and per warm-up
+// window its runtime and the describe() table of every metric.
+func (x *sheetWriter) summary(sheet string, s *Summary) {
 	start := 0
-	params(start, s.Parameters)
+	x.params(sheet, start, s.Parameters)
 	start += 1 + 3
 	if len(s.GenerationParameters) > 0 {
-		params(start-1, s.GenerationParameters)
+		x.params(sheet, start-1, s.GenerationParameters)
 		start += 1 + 3
 	}
 	for _, w := range s.Windows {
@@ -68,7 +91,7 @@ func WriteExcel(path string, s *Summary, samples []RequestStats, verbose bool) e
 		if s.WarmupRuntimeSec != nil {
 			wp = append(wp, Param{"warmup_runtime_sec", *s.WarmupRuntimeSec}, Param{"total_runtime_incl_warmup_sec", w.RuntimeSec + *s.WarmupRuntimeSec})
 		}
-		params(start, wp)
+		x.params(sheet, start, wp)
 		start += 1 + 2
 		names := MetricNames()
 		cols, _ := w.Metrics[names[0]].columns()
@@ -76,41 +99,30 @@ func WriteExcel(path string, s *Summary, samples []RequestStats, verbose bool) e
 		for _, c := range cols {
 			header = append(header, c)
 		}
-		row(summary, start, header...)
+		x.row(sheet, start, header...)
 		for i, name := range names {
 			_, vals := w.Metrics[name].columns()
 			line := []any{name}
 			for _, v := range vals {
 				line = append(line, v)
 			}
-			row(summary, start+1+i, line...)
+			x.row(sheet, start+1+i, line...)
 		}
 		start += 1 + len(names) + 3
 	}
+}
 
+// raw writes the Raw data sheet: one row per request, sorted by start time, with (verbose) the
+// time since the previous turn of the same conversation.
+func (x *sheetWriter) raw(sheet string, samples []RequestStats, verbose bool) {
 	// The rows are ordered through index permutations; samples itself is only read.
 	header := []any{"ttft_ms", "tpot_ms", "latency_ms", "start_time_ms", "input_num_turns", "input_num_tokens",
 		"output_num_tokens", "output_num_chunks", "output_num_first_chunk_tokens", "approx_cached_percent",
 		"conversation_id", "client_id"}
-	between := map[int]float64{}
+	var between map[int]float64
 	if verbose {
 		header = append(header, "time_between_user_turns_sec")
-		idx := make([]int, len(samples))
-		for i := range idx {
-			idx[i] = i
-		}
-		slices.SortStableFunc(idx, func(a, b int) int {
-			if c := cmp.Compare(samples[a].ConversationID, samples[b].ConversationID); c != 0 {
-				return c
-			}
-			return cmpFloat(samples[a].StartTimeMs, samples[b].StartTimeMs)
-		})
-		for k := 1; k < len(idx); k++ {
-			a, b := samples[idx[k-1]], samples[idx[k]]
-			if a.ConversationID == b.ConversationID {
-				between[idx[k]] = (b.StartTimeMs - a.StartTimeMs) / 1000
-			}
-		}
+		between = timeBetweenTurns(samples)
 	}
 	header = append(header, "end_time_ms")
 	order := make([]int, len(samples))
@@ -118,7 +130,7 @@ func WriteExcel(path string, s *Summary, samples []RequestStats, verbose bool) e
 		order[i] = i
 	}
 	slices.SortStableFunc(order, func(a, b int) int { return cmpFloat(samples[a].StartTimeMs, samples[b].StartTimeMs) })
-	row(raw, 0, header...)
+	x.row(sheet, 0, header...)
 	for k, i := range order {
 		r := samples[i]
 		line := []any{r.TTFTMs, r.TPOTMs, r.LatencyMs, r.StartTimeMs, r.InputNumTurns, r.InputNumTokens, r.OutputNumTokens,
@@ -130,13 +142,29 @@ func WriteExcel(path string, s *Summary, samples []RequestStats, verbose bool) e
 			}
 			line = append(line, v)
 		}
-		row(raw, k+1, append(line, r.StartTimeMs+r.LatencyMs)...)
+		x.row(sheet, k+1, append(line, r.StartTimeMs+r.LatencyMs)...)
 	}
-	if werr != nil {
-		return fmt.Errorf("excel %s: %w", path, werr)
+}
+
+// timeBetweenTurns returns, by sample index, the seconds since the previous sample of the same
+// conversation (none for a conversation's first).
+func timeBetweenTurns(samples []RequestStats) map[int]float64 {
+	between := map[int]float64{}
+	idx := make([]int, len(samples))
+	for i := range idx {
+		idx[i] = i
 	}
-	if err := f.SaveAs(path); err != nil {
-		return fmt.Errorf("excel %s: %w", path, err)
+	slices.SortStableFunc(idx, func(a, b int) int {
+		if c := cmp.Compare(samples[a].ConversationID, samples[b].ConversationID); c != 0 {
+			return c
+		}
+		return cmpFloat(samples[a].StartTimeMs, samples[b].StartTimeMs)
+	})
+	for k := 1; k < len(idx); k++ {
+		a, b := samples[idx[k-1]], samples[idx[k]]
+		if a.ConversationID == b.ConversationID {
+			between[idx[k]] = (b.StartTimeMs - a.StartTimeMs) / 1000
+		}
 	}
-	return nil
+	return between
 }

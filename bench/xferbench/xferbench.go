@@ -211,128 +211,152 @@ func Run(ctx context.Context, opts Options) ([]Row, error) {
 		return nil, err
 	}
 
-	tcpCeil := map[int64]float64{}
-	var rows []Row
-	rng := rand.New(rand.NewPCG(o.Seed, 7))
-	var lanes []string
+	m := &matrix{o: &o, agent: agent, peerName: peerName, remoteRegion: remoteRegion, lreg: lreg,
+		local: local, mirror: mirror, size: size, tcpCeil: map[int64]float64{}, rng: rand.New(rand.NewPCG(o.Seed, 7))}
 	for _, block := range o.Blocks {
-		slots := int(size / block)
-		ll, err := agent.PrepareLocal(transfer.BlockDescs(lreg.ID(), 0, block, slots))
-		if err != nil {
-			return rows, err
+		if err := m.runBlock(ctx, block); err != nil {
+			return m.rows, err
 		}
-		rls := make([]*transfer.PreparedList, 0, len(o.Backends))
-		release := func() {
-			ll.Release()
-			for _, rl := range rls {
-				rl.Release()
-			}
-		}
-		for _, be := range o.Backends {
-			rl, err := agent.PrepareRemote(ctx, peerName, transfer.BlockDescs(remoteRegion, 0, block, slots), &transfer.PrepareOptions{Backends: []string{be}})
-			if err != nil {
-				release()
-				return rows, fmt.Errorf("xferbench: backend %s: %w", be, err)
-			}
-			rls = append(rls, rl)
-			if be == "UCX" && lanes == nil {
-				info, _ := agent.Peer(peerName)
-				lanes = info.UCXLanes
-				o.logf("UCX lanes: %s", strings.Join(lanes, "; "))
-			}
-		}
-		if slices.Contains(o.Backends, "TCP") {
-			if _, ok := tcpCeil[block]; !ok {
-				g, err := tcpStreamGBps(ctx, block)
-				if err != nil {
-					release()
-					return rows, err
-				}
-				tcpCeil[block] = g
-				o.logf("raw loopback TCP stream of one hot %s buffer: %.2f GB/s", sizeName(block), g)
-			}
-		}
-		for _, op := range o.Ops {
-			for _, batch := range o.Batches {
-				if block*int64(batch) > o.MaxBytes {
-					continue
-				}
-				lidx := rng.Perm(slots)[:batch]
-				ridx := rng.Perm(slots)[:batch]
-				memcpyCeil := func() float64 {
-					return memcpyGBps(local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.iters(block*int64(batch), true))
-				}
-				tcpCeilFn := func() float64 {
-					g, err := tcpSameBytesGBps(ctx, local.Bytes(), mirror.Bytes(), block, lidx, ridx, o.tcpIters(block*int64(batch)))
-					if err != nil {
-						o.logf("tcp ceiling: %v", err)
-					}
-					return g
-				}
-				cells := make([]*cell, 0, len(rls))
-				for i, rl := range rls {
-					c := &cell{backend: o.Backends[i], rl: rl, ceil: memcpyCeil, ceiling: "memcpy"}
-					if c.backend == "TCP" || (c.backend == "UCX" && ucxOverTCP(lanes)) {
-						c.ceil, c.ceiling = tcpCeilFn, "tcp_stream"
-					}
-					if err := c.prepare(ctx, &o, agent, op, ll, lidx, ridx, block, local.Bytes(), mirror.Bytes()); err != nil {
-						for _, c := range cells {
-							c.req.Release()
-						}
-						release()
-						return rows, err
-					}
-					cells = append(cells, c)
-				}
-				// Rounds interleave the backends (each round after its own ceiling run), so
-				// that every backend meets the same machine and ratios between them mean
-				// something on a shared, noisy host.
-				for range o.Rounds {
-					for _, c := range cells {
-						if err := c.round(ctx); err != nil {
-							for _, c := range cells {
-								c.req.Release()
-							}
-							release()
-							return rows, err
-						}
-					}
-				}
-				byBackend := map[string]float64{}
-				for _, c := range cells {
-					byBackend[c.backend] = c.best
-				}
-				for _, c := range cells {
-					row := c.row(op, block, len(lidx))
-					if row.Backend == "TCP" {
-						row.TCPHotGBps = tcpCeil[block]
-					}
-					if row.Backend == "UCX" {
-						if g := byBackend["TCP"]; g > 0 {
-							row.VsTCP = row.GBps / g
-						}
-						if g := byBackend["SHM"]; g > 0 {
-							row.VsSHM = row.GBps / g
-						}
-					}
-					o.logf("%-3s %-5s %7s x %-4d %7.2f GB/s  ceiling %6.2f  ratio %.2f", row.Backend, row.Op, sizeName(block), batch, row.GBps, row.CeilingGBps, row.Ratio)
-					rows = append(rows, row)
-					c.req.Release()
-				}
-			}
-		}
-		release()
 	}
 	// Report in backend, op, block, batch order.
 	rank := func(r Row) [4]int {
 		return [4]int{slices.Index(o.Backends, r.Backend), slices.IndexFunc(o.Ops, func(op transfer.Op) bool { return op.String() == r.Op }),
 			slices.Index(o.Blocks, r.BlockBytes), slices.Index(o.Batches, r.Batch)}
 	}
-	slices.SortStableFunc(rows, func(a, b Row) int {
+	slices.SortStableFunc(m.rows, func(a, b Row) int {
 		ra, rb := rank(a), rank(b)
 		return slices.Compare(ra[:], rb[:])
 	})
-	return rows, nil
+	return m.rows, nil
+}
+
+// matrix is one Run's setup and results.
+type matrix struct {
+	o             *Options
+	agent         *transfer.Agent
+	peerName      string
+	remoteRegion  uint32
+	lreg          *transfer.Region
+	local, mirror *transfer.Arena
+	size          int64
+	tcpCeil       map[int64]float64 // raw TCP stream ceiling by block size
+	lanes         []string          // UCX lanes, once a UCX list is prepared
+	rng           *rand.Rand
+	rows          []Row
+}
+
+// runBlock measures the rows of one block size: every op and batch over every backend.
+func (m *matrix) runBlock(ctx context.Context, block int64) error {
+	o := m.o
+	slots := int(m.size / block)
+	ll, err := m.agent.PrepareLocal(transfer.BlockDescs(m.lreg.ID(), 0, block, slots))
+	if err != nil {
+		return err
+	}
+	rls := make([]*transfer.PreparedList, 0, len(o.Backends))
+	defer func() {
+		ll.Release()
+		for _, rl := range rls {
+			rl.Release()
+		}
+	}()
+	for _, be := range o.Backends {
+		rl, err := m.agent.PrepareRemote(ctx, m.peerName, transfer.BlockDescs(m.remoteRegion, 0, block, slots), &transfer.PrepareOptions{Backends: []string{be}})
+		if err != nil {
+			return fmt.Errorf("xferbench: backend %s: %w", be, err)
+		}
+		rls = append(rls, rl)
+		if be == "UCX" && m.lanes == nil {
+			info, _ := m.agent.Peer(m.peerName)
+			m.lanes = info.UCXLanes
+			o.logf("UCX lanes: %s", strings.Join(m.lanes, "; "))
+		}
+	}
+	if slices.Contains(o.Backends, "TCP") {
+		if _, ok := m.tcpCeil[block]; !ok {
+			g, err := tcpStreamGBps(ctx, block)
+			if err != nil {
+				return err
+			}
+			m.tcpCeil[block] = g
+			o.logf("raw loopback TCP stream of one hot %s buffer: %.2f GB/s", sizeName(block), g)
+		}
+	}
+	for _, op := range o.Ops {
+		for _, batch := range o.Batches {
+			if block*int64(batch) > o.MaxBytes {
+				continue
+			}
+			if err := m.runRow(ctx, op, block, slots, batch, ll, rls); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// runRow measures one row (op, block, batch) over the backends' prepared lists rls.
+func (m *matrix) runRow(ctx context.Context, op transfer.Op, block int64, slots, batch int, ll *transfer.PreparedList, rls []*transfer.PreparedList) error {
+	o := m.o
+	lidx := m.rng.Perm(slots)[:batch]
+	ridx := m.rng.Perm(slots)[:batch]
+	memcpyCeil := func() float64 {
+		return memcpyGBps(m.local.Bytes(), m.mirror.Bytes(), block, lidx, ridx, o.iters(block*int64(batch), true))
+	}
+	tcpCeilFn := func() float64 {
+		g, err := tcpSameBytesGBps(ctx, m.local.Bytes(), m.mirror.Bytes(), block, lidx, ridx, o.tcpIters(block*int64(batch)))
+		if err != nil {
+			o.logf("tcp ceiling: %v", err)
+		}
+		return g
+	}
+	cells := make([]*cell, 0, len(rls))
+	defer func() {
+		for _, c := range cells {
+			c.req.Release()
+		}
+	}()
+	for i, rl := range rls {
+		c := &cell{backend: o.Backends[i], rl: rl, ceil: memcpyCeil, ceiling: "memcpy"}
+		if c.backend == "TCP" || (c.backend == "UCX" && ucxOverTCP(m.lanes)) {
+			c.ceil, c.ceiling = tcpCeilFn, "tcp_stream"
+		}
+		if err := c.prepare(ctx, o, m.agent, op, ll, lidx, ridx, block, m.local.Bytes(), m.mirror.Bytes()); err != nil {
+			return err
+		}
+		cells = append(cells, c)
+	}
+	// Rounds interleave the backends (each round after its own ceiling run), so
+	// that every backend meets the same machine and ratios between them mean
+	// something on a shared, noisy host.
+	for range o.Rounds {
+		for _, c := range cells {
+			if err := c.round(ctx); err != nil {
+				return err
+			}
+		}
+	}
+	byBackend := map[string]float64{}
+	for _, c := range cells {
+		byBackend[c.backend] = c.best
+	}
+	for _, c := range cells {
+		row := c.row(op, block, len(lidx))
+		if row.Backend == "TCP" {
+			row.TCPHotGBps = m.tcpCeil[block]
+		}
+		if row.Backend == "UCX" {
+			if g := byBackend["TCP"]; g > 0 {
+				row.VsTCP = row.GBps / g
+			}
+			if g := byBackend["SHM"]; g > 0 {
+				row.VsSHM = row.GBps / g
+			}
+		}
+		o.logf("%-3s %-5s %7s x %-4d %7.2f GB/s  ceiling %6.2f  ratio %.2f", row.Backend, row.Op, sizeName(block), batch, row.GBps, row.CeilingGBps, row.Ratio)
+		m.rows = append(m.rows, row)
+	}
+	return nil
 }
 
 // ucxOverTCP reports whether UCX moves data over TCP (then the TCP stream is its ceiling).

@@ -59,7 +59,7 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 			}
 			for _, d := range opts.KVCacheDTypes {
 				if _, err := kvcache.ParseDType(d); err != nil {
-					return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", d)
+					return usageError("--kv-cache-dtype %q: want "+kvCacheDTypes, d)
 				}
 			}
 			if cpuProfile != "" {
@@ -96,7 +96,7 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 	f.IntVar(&opts.DecodeTokens, "decode-tokens", 32, "tokens to decode after the prompt (0: none)")
 	f.IntVar(&opts.Chunk, "chunk", 0, "prefill chunk size in tokens (0: the whole prompt in one step)")
 	f.IntSliceVar(&opts.Batches, "batch", []int{1, 8, 32}, "batch sizes of the batched decode")
-	f.StringSliceVar(&opts.KVCacheDTypes, "kv-cache-dtype", []string{"auto"}, "KV cache dtypes each dtype is measured with (auto = the dtype's own, float32, bfloat16)")
+	f.StringSliceVar(&opts.KVCacheDTypes, "kv-cache-dtype", []string{"auto"}, "KV cache dtypes each dtype is measured with (auto = the dtype's own, float32, bfloat16, fp8, fp8_e4m3, fp8_e5m2)")
 	f.StringSliceVar(&opts.Quantizations, "quantization", []string{"none"}, "weight quantizations each dtype is measured with (none, int8: its bound counts int8 weights plus their scales)")
 	f.IntSliceVar(&opts.DecodeContexts, "decode-context", []int{128}, "contexts of the sequences of the batched decode")
 	f.IntVar(&opts.DecodeSteps, "decode-steps", 16, "timed steps at each batch size")

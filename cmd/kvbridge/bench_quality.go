@@ -48,7 +48,7 @@ itself does not run.`,
 			}
 			for _, d := range kvDTypes {
 				if _, err := kvcache.ParseDType(d); err != nil {
-					return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", d)
+					return usageError("--kv-cache-dtype %q: want "+kvCacheDTypes, d)
 				}
 			}
 			for _, q := range qs {
@@ -94,7 +94,7 @@ itself does not run.`,
 	f.IntVar(&opts.Batch, "batch", 8, "prompts per forward pass (the results do not depend on it)")
 	f.Uint64Var(&opts.Seed, "seed", 1, "seed of the random prompts")
 	f.StringSliceVar(&dtypes, "dtype", []string{"float32"}, "dtypes of the variants (auto, bfloat16, float32)")
-	f.StringSliceVar(&kvDTypes, "kv-cache-dtype", []string{"auto"}, "KV cache dtypes of the variants (auto, float32, bfloat16)")
+	f.StringSliceVar(&kvDTypes, "kv-cache-dtype", []string{"auto"}, "KV cache dtypes of the variants (auto, float32, bfloat16, fp8, fp8_e4m3, fp8_e5m2)")
 	f.StringSliceVar(&qs, "quantization", []string{"int8"}, "weight quantizations of the variants (none, int8)")
 	f.BoolVar(&noBaseline, "no-q8-0", false, "leave out the simulated llama.cpp Q8_0 baseline")
 	f.StringVar(&jsonPath, "json", "", "also write the results as JSON to this file")

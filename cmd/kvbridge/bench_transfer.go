@@ -18,10 +18,10 @@ import (
 // nixlbench-like matrix between this process and a re-executed peer process.
 func newBenchTransferCmd() *cobra.Command {
 	var (
-		backends, ops, blocks, batches string
+		matrix                         matrixFlags
 		iters, warmup, rounds, workers int
 		streams, ucxWorkers            int
-		maxBytes, jsonPath             string
+		jsonPath                       string
 		notify, quiet, peer            bool
 	)
 	cmd := &cobra.Command{
@@ -43,47 +43,8 @@ measured in interleaved rounds, and UCX rows also report their ratio to the TCP 
 				return xferbench.RunPeer(ctx, os.Stdin, os.Stdout)
 			}
 			opts := xferbench.Options{Iters: iters, Warmup: warmup, Rounds: rounds, Workers: workers, Streams: streams, UCXWorkers: ucxWorkers, Notify: notify}
-			var err error
-			if opts.Backends, err = splitList(backends); err != nil {
-				return usageError("--backends: %v", err)
-			}
-			if _, err := transfer.ParseBackends(opts.Backends); err != nil {
-				return usageError("--backends: %v", err)
-			}
-			opNames, err := splitList(ops)
-			if err != nil {
-				return usageError("--ops: %v", err)
-			}
-			for _, o := range opNames {
-				switch strings.ToUpper(o) {
-				case "READ":
-					opts.Ops = append(opts.Ops, transfer.Read)
-				case "WRITE":
-					opts.Ops = append(opts.Ops, transfer.Write)
-				default:
-					return usageError("--ops: unknown op %q (READ, WRITE)", o)
-				}
-			}
-			if opts.Blocks, err = parseSizes(blocks); err != nil {
-				return usageError("--blocks: %v", err)
-			}
-			bs, err := splitList(batches)
-			if err != nil {
-				return usageError("--batches: %v", err)
-			}
-			for _, b := range bs {
-				n, err := strconv.Atoi(b)
-				if err != nil || n <= 0 {
-					return usageError("--batches: invalid batch %q", b)
-				}
-				opts.Batches = append(opts.Batches, n)
-			}
-			if maxBytes != "" {
-				mb, err := parseSizes(maxBytes)
-				if err != nil || len(mb) != 1 {
-					return usageError("--max-bytes: invalid size %q", maxBytes)
-				}
-				opts.MaxBytes = mb[0]
+			if err := matrix.apply(&opts); err != nil {
+				return err
 			}
 			if !quiet {
 				opts.Log = cmd.ErrOrStderr()
@@ -114,14 +75,14 @@ measured in interleaved rounds, and UCX rows also report their ratio to the TCP 
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&backends, "backends", "SHM,TCP", "backends to measure, in order (SHM, TCP, UCX)")
-	f.StringVar(&ops, "ops", "READ,WRITE", "operations to measure")
-	f.StringVar(&blocks, "blocks", "4K,16K,64K,256K,1M,4M", "block sizes (K, M suffixes = KiB, MiB)")
-	f.StringVar(&batches, "batches", "1,4,16,64,256,1024", "descriptors per request")
+	f.StringVar(&matrix.backends, "backends", "SHM,TCP", "backends to measure, in order (SHM, TCP, UCX)")
+	f.StringVar(&matrix.ops, "ops", "READ,WRITE", "operations to measure")
+	f.StringVar(&matrix.blocks, "blocks", "4K,16K,64K,256K,1M,4M", "block sizes (K, M suffixes = KiB, MiB)")
+	f.StringVar(&matrix.batches, "batches", "1,4,16,64,256,1024", "descriptors per request")
 	f.IntVar(&iters, "iters", 0, "timed posts per round (0 = automatic, by bytes moved)")
 	f.IntVar(&rounds, "rounds", 3, "rounds per row, each after a ceiling run; the best of each is reported")
 	f.IntVar(&warmup, "warmup", 3, "untimed posts per row")
-	f.StringVar(&maxBytes, "max-bytes", "256M", "skip rows whose request (block × batch) is larger")
+	f.StringVar(&matrix.maxBytes, "max-bytes", "256M", "skip rows whose request (block × batch) is larger")
 	f.IntVar(&workers, "workers", 0, "SHM copy workers (0 = GOMAXPROCS)")
 	f.IntVar(&streams, "streams", 0, "TCP connections per peer (0 = engine default)")
 	f.IntVar(&ucxWorkers, "ucx-workers", 0, "UCX workers per agent (0 = engine default)")
@@ -131,6 +92,67 @@ measured in interleaved rounds, and UCX rows also report their ratio to the TCP 
 	f.BoolVar(&peer, "peer", false, "run as the benchmark's peer process (internal)")
 	_ = f.MarkHidden("peer")
 	return cmd
+}
+
+// matrixFlags are the flags of `kvbridge bench transfer` that choose the matrix.
+type matrixFlags struct {
+	backends, ops, blocks, batches, maxBytes string
+}
+
+// apply checks the flags and sets the matrix of opts from them.
+func (m matrixFlags) apply(opts *xferbench.Options) error {
+	var err error
+	if opts.Backends, err = splitList(m.backends); err != nil {
+		return usageError("--backends: %v", err)
+	}
+	if _, err := transfer.ParseBackends(opts.Backends); err != nil {
+		return usageError("--backends: %v", err)
+	}
+	if opts.Ops, err = parseOps(m.ops); err != nil {
+		return err
+	}
+	if opts.Blocks, err = parseSizes(m.blocks); err != nil {
+		return usageError("--blocks: %v", err)
+	}
+	bs, err := splitList(m.batches)
+	if err != nil {
+		return usageError("--batches: %v", err)
+	}
+	for _, b := range bs {
+		n, err := strconv.Atoi(b)
+		if err != nil || n <= 0 {
+			return usageError("--batches: invalid batch %q", b)
+		}
+		opts.Batches = append(opts.Batches, n)
+	}
+	if m.maxBytes != "" {
+		mb, err := parseSizes(m.maxBytes)
+		if err != nil || len(mb) != 1 {
+			return usageError("--max-bytes: invalid size %q", m.maxBytes)
+		}
+		opts.MaxBytes = mb[0]
+	}
+	return nil
+}
+
+// parseOps reads --ops: READ and WRITE, in any case.
+func parseOps(s string) ([]transfer.Op, error) {
+	names, err := splitList(s)
+	if err != nil {
+		return nil, usageError("--ops: %v", err)
+	}
+	var ops []transfer.Op
+	for _, o := range names {
+		switch strings.ToUpper(o) {
+		case "READ":
+			ops = append(ops, transfer.Read)
+		case "WRITE":
+			ops = append(ops, transfer.Write)
+		default:
+			return nil, usageError("--ops: unknown op %q (READ, WRITE)", o)
+		}
+	}
+	return ops, nil
 }
 
 // splitList splits a comma-separated flag value.

@@ -118,7 +118,8 @@ func TestServeSizingFlagErrors(t *testing.T) {
 		{"VLLM_CPU_KVCACHE_SPACE=8589934592", nil, "VLLM_CPU_KVCACHE_SPACE"}, // 2^33 GiB = 2^63 bytes
 		{"VLLM_CPU_KVCACHE_SPACE=NaN", nil, "VLLM_CPU_KVCACHE_SPACE"},
 		{"", []string{"--dtype", "half"}, "--dtype"},
-		{"", []string{"--kv-cache-dtype", "fp8"}, "--kv-cache-dtype"},
+		{"", []string{"--kv-cache-dtype", "fp8_inc"}, "--kv-cache-dtype"},
+		{"", []string{"--kv-cache-dtype", "fp8", "--calculate-kv-scales"}, "--calculate-kv-scales"},
 	} {
 		args := append([]string{"serve", "kvbridge/tiny", "--port", "0"}, tc.args...)
 		cmd := exec.Command(os.Args[0], args...)

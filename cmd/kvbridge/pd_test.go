@@ -33,6 +33,12 @@ func TestCrossProcessPDBF16KV(t *testing.T) {
 	crossProcessPD(t, []string{"SHM", "TCP"}, "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16")
 }
 
+// TestCrossProcessPDFP8KV adds an FP8 KV cache (--kv-cache-dtype fp8: 1 byte a value moved
+// between the engines) to bfloat16 products, over both backends.
+func TestCrossProcessPDFP8KV(t *testing.T) {
+	crossProcessPD(t, []string{"SHM", "TCP"}, "--dtype", "bfloat16", "--kv-cache-dtype", "fp8")
+}
+
 // crossProcessPD runs the P/D topology over each backend with the extra serve flags.
 func crossProcessPD(t *testing.T, backends []string, extra ...string) {
 	serveArgs := func(more ...string) []string { return append(append(serveArgs(), extra...), more...) }

@@ -159,7 +159,8 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.BoolVar(&f.promptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details (cached and transferred prompt tokens)")
 	fl.BoolVar(&f.forceIncludeUsage, "enable-force-include-usage", false, "end every stream with a usage chunk")
 	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
-	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (the model's dtype, as --dtype resolves it), float32 or bfloat16")
+	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (the model's dtype, as --dtype resolves it), float32, bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2 (one byte a value, scaled by the checkpoint's k_scale/v_scale, else 1.0)")
+	fl.Bool("calculate-kv-scales", false, "FP8 KV scales from the first batch; not supported (the checkpoint's scales, else 1.0, are used)")
 	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization: int8 (weights quantized at load to int8 in groups of 32, products on int8 activations), or none")
 	f.log.register(fl)
 	// Only whether they were given matters (checkVLLMFlags), so their values are not kept.
@@ -194,7 +195,10 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 		return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", f.dtype)
 	}
 	if _, err := kvcache.ParseDType(f.kvCacheDType); err != nil {
-		return usageError("--kv-cache-dtype %q: want auto, float32 or bfloat16", f.kvCacheDType)
+		return usageError("--kv-cache-dtype %q: want "+kvCacheDTypes, f.kvCacheDType)
+	}
+	if changed("calculate-kv-scales") {
+		return usageError("--calculate-kv-scales: not supported: scales computed from the first batch would differ between a prefill and a decode engine; an FP8 KV cache uses the checkpoint's k_scale/v_scale, else 1.0, as vLLM does without the flag")
 	}
 	for _, names := range [][]string{pythonOnlyFlags, pythonOnlyBools} {
 		for _, name := range names {
@@ -251,83 +255,28 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if err := f.checkVLLMFlags(log, changed); err != nil {
 		return instance.Config{}, err
 	}
-	if f.port < 0 || f.port > 65535 {
-		return instance.Config{}, usageError("--port %d is not a port number", f.port)
+	if err := f.checkLimits(); err != nil {
+		return instance.Config{}, err
 	}
-	if f.transferPort < 0 || f.transferPort > 65535 {
-		return instance.Config{}, usageError("--kv-transfer-port %d is not a port number", f.transferPort)
+	kvLayout, err := f.kvLayout()
+	if err != nil {
+		return instance.Config{}, err
 	}
-	if f.writeTimeout <= 0 {
-		return instance.Config{}, usageError("--write-timeout %v must be positive", f.writeTimeout)
+	kvMem, err := f.kvMemory()
+	if err != nil {
+		return instance.Config{}, err
 	}
-	if f.blockSize <= 0 || f.blockSize > kvcache.MaxBlockSize {
-		return instance.Config{}, usageError("--block-size %d must be between 1 and %d", f.blockSize, kvcache.MaxBlockSize)
+	kvCfg, err := f.kvTransfer(log)
+	if err != nil {
+		return instance.Config{}, err
 	}
-	if f.maxNumSeqs <= 0 || f.maxNumBatchedTokens <= 0 || f.maxModelLen < 0 || f.numBlocksOverride < 0 {
-		return instance.Config{}, usageError("--max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks-override must be positive")
+	port, err := sideChannelPort()
+	if err != nil {
+		return instance.Config{}, err
 	}
-	kvLayout := kvcache.HND
-	if f.kvCacheLayout != "" {
-		l, err := kvcache.ParseLayout(f.kvCacheLayout)
-		if err != nil {
-			return instance.Config{}, usageError("--kv-cache-layout: %v", err)
-		}
-		kvLayout = l
-	}
-	var kvMem int64
-	switch {
-	case f.kvCacheMemory != "":
-		if f.memoryUtilization != 0 {
-			return instance.Config{}, usageError("--kv-cache-memory-bytes and --gpu-memory-utilization both size the KV cache: give one")
-		}
-		v, err := parseBytes(f.kvCacheMemory)
-		if err != nil {
-			return instance.Config{}, usageError("--kv-cache-memory-bytes: %v", err)
-		}
-		kvMem = v
-	case f.memoryUtilization != 0:
-		if !(f.memoryUtilization > 0 && f.memoryUtilization <= 1) {
-			return instance.Config{}, usageError("--gpu-memory-utilization %g must be in (0, 1]", f.memoryUtilization)
-		}
-	case os.Getenv("VLLM_CPU_KVCACHE_SPACE") != "":
-		gib, err := strconv.ParseFloat(os.Getenv("VLLM_CPU_KVCACHE_SPACE"), 64)
-		// inf, or more than 2^33 GiB, would overflow int64 bytes (and a negative size would
-		// silently mean the default).
-		if err != nil || !(gib > 0) || !(gib*(1<<30) < math.Ldexp(1, 63)) {
-			return instance.Config{}, usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive, finite number of GiB below 2^33", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
-		}
-		kvMem = int64(gib * (1 << 30))
-	}
-	var err error
-	var kvCfg *connector.Config
-	if f.kvTransferConfig != "" {
-		kvCfg, err = connector.ParseConfig([]byte(f.kvTransferConfig), log)
-		if err != nil {
-			return instance.Config{}, usageError("%v", err)
-		}
-		if !kvCfg.Enabled() {
-			kvCfg = nil
-		}
-	}
-
-	port := 0
-	if v := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_PORT"); v != "" {
-		p, err := strconv.Atoi(v)
-		if err != nil || p < 0 || p > 65535 {
-			return instance.Config{}, usageError("VLLM_NIXL_SIDE_CHANNEL_PORT=%q is not a port number", v)
-		}
-		port = p
-		if p == 0 {
-			port = -1 // pick a free port
-		}
-	}
-	var chatTemplate string
-	if f.chatTemplate != "" {
-		src, err := os.ReadFile(f.chatTemplate)
-		if err != nil {
-			return instance.Config{}, usageError("--chat-template: %v", err)
-		}
-		chatTemplate = string(src)
+	chatTemplate, err := f.readChatTemplate()
+	if err != nil {
+		return instance.Config{}, err
 	}
 	cfg := instance.Config{
 		Model:                 f.model,
@@ -366,6 +315,111 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		DataParallelSize:      f.dataParallelSize,
 	}
 	return cfg, nil
+}
+
+// checkLimits checks the ports, the write timeout and the sizes of the cache and the batch.
+func (f serveFlags) checkLimits() error {
+	if f.port < 0 || f.port > 65535 {
+		return usageError("--port %d is not a port number", f.port)
+	}
+	if f.transferPort < 0 || f.transferPort > 65535 {
+		return usageError("--kv-transfer-port %d is not a port number", f.transferPort)
+	}
+	if f.writeTimeout <= 0 {
+		return usageError("--write-timeout %v must be positive", f.writeTimeout)
+	}
+	if f.blockSize <= 0 || f.blockSize > kvcache.MaxBlockSize {
+		return usageError("--block-size %d must be between 1 and %d", f.blockSize, kvcache.MaxBlockSize)
+	}
+	if f.maxNumSeqs <= 0 || f.maxNumBatchedTokens <= 0 || f.maxModelLen < 0 || f.numBlocksOverride < 0 {
+		return usageError("--max-num-seqs, --max-num-batched-tokens, --max-model-len and --num-gpu-blocks-override must be positive")
+	}
+	return nil
+}
+
+// kvLayout returns --kv-cache-layout (default HND).
+func (f serveFlags) kvLayout() (kvcache.Layout, error) {
+	if f.kvCacheLayout == "" {
+		return kvcache.HND, nil
+	}
+	l, err := kvcache.ParseLayout(f.kvCacheLayout)
+	if err != nil {
+		return l, usageError("--kv-cache-layout: %v", err)
+	}
+	return l, nil
+}
+
+// kvMemory returns the KV cache's size in bytes from --kv-cache-memory-bytes or
+// VLLM_CPU_KVCACHE_SPACE (0: the default, or --gpu-memory-utilization, which it checks).
+func (f serveFlags) kvMemory() (int64, error) {
+	switch {
+	case f.kvCacheMemory != "":
+		if f.memoryUtilization != 0 {
+			return 0, usageError("--kv-cache-memory-bytes and --gpu-memory-utilization both size the KV cache: give one")
+		}
+		v, err := parseBytes(f.kvCacheMemory)
+		if err != nil {
+			return 0, usageError("--kv-cache-memory-bytes: %v", err)
+		}
+		return v, nil
+	case f.memoryUtilization != 0:
+		if !(f.memoryUtilization > 0 && f.memoryUtilization <= 1) {
+			return 0, usageError("--gpu-memory-utilization %g must be in (0, 1]", f.memoryUtilization)
+		}
+	case os.Getenv("VLLM_CPU_KVCACHE_SPACE") != "":
+		gib, err := strconv.ParseFloat(os.Getenv("VLLM_CPU_KVCACHE_SPACE"), 64)
+		// inf, or more than 2^33 GiB, would overflow int64 bytes (and a negative size would
+		// silently mean the default).
+		if err != nil || !(gib > 0) || !(gib*(1<<30) < math.Ldexp(1, 63)) {
+			return 0, usageError("VLLM_CPU_KVCACHE_SPACE=%q is not a positive, finite number of GiB below 2^33", os.Getenv("VLLM_CPU_KVCACHE_SPACE"))
+		}
+		return int64(gib * (1 << 30)), nil
+	}
+	return 0, nil
+}
+
+// kvTransfer parses --kv-transfer-config; nil when not given or not enabled.
+func (f serveFlags) kvTransfer(log *slog.Logger) (*connector.Config, error) {
+	if f.kvTransferConfig == "" {
+		return nil, nil
+	}
+	kvCfg, err := connector.ParseConfig([]byte(f.kvTransferConfig), log)
+	if err != nil {
+		return nil, usageError("%v", err)
+	}
+	if !kvCfg.Enabled() {
+		return nil, nil
+	}
+	return kvCfg, nil
+}
+
+// sideChannelPort reads VLLM_NIXL_SIDE_CHANNEL_PORT: 0 when unset (the default), −1 for 0 (pick
+// a free port).
+func sideChannelPort() (int, error) {
+	v := os.Getenv("VLLM_NIXL_SIDE_CHANNEL_PORT")
+	if v == "" {
+		return 0, nil
+	}
+	p, err := strconv.Atoi(v)
+	if err != nil || p < 0 || p > 65535 {
+		return 0, usageError("VLLM_NIXL_SIDE_CHANNEL_PORT=%q is not a port number", v)
+	}
+	if p == 0 {
+		return -1, nil // pick a free port
+	}
+	return p, nil
+}
+
+// readChatTemplate reads the --chat-template file, if given.
+func (f serveFlags) readChatTemplate() (string, error) {
+	if f.chatTemplate == "" {
+		return "", nil
+	}
+	src, err := os.ReadFile(f.chatTemplate)
+	if err != nil {
+		return "", usageError("--chat-template: %v", err)
+	}
+	return string(src), nil
 }
 
 // statsInterval is VLLM_LOG_STATS_INTERVAL (seconds); 0 (the instance's default) when unset.

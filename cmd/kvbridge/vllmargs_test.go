@@ -126,7 +126,7 @@ func TestServeVLLMFlags(t *testing.T) {
 		{[]string{"-pp", "2"}, "--pipeline-parallel-size 2"},
 		{[]string{"-q", "awq"}, "--quantization awq"},
 		{[]string{"--dtype", "float16"}, `--dtype "float16"`},
-		{[]string{"--kv-cache-dtype", "fp8"}, `--kv-cache-dtype "fp8"`},
+		{[]string{"--kv-cache-dtype", "fp8_inc"}, `--kv-cache-dtype "fp8_inc"`},
 		{[]string{"--max-logprobs", "-3"}, "--max-logprobs -3"},
 	} {
 		f, err := parse(c.args...)

@@ -38,7 +38,7 @@ var allowed = map[string][]string{
 	// serving
 	"openai":    {"engine", "metrics", "model", "model/tokenizer", "internal/buildinfo", "internal/httpdeadline"},
 	"proxy":     {"internal/httpdeadline"},
-	"connector": {"engine", "kvcache", "metrics", "transfer", "internal/msgpackcheck"},
+	"connector": {"engine", "kvcache", "metrics", "transfer", "internal/kvlease", "internal/msgpackcheck"},
 	// core
 	"engine":   {"kvcache", "model", "model/tokenizer"},
 	"metrics":  {"stats"},
@@ -50,7 +50,7 @@ var allowed = map[string][]string{
 	"model/tokenizer": {},
 	// leaves
 	"stats": {}, "plot": {}, "apiclient": {}, "faultproxy": {}, "netns": {},
-	"internal/msgpackcheck": {}, "internal/procmem": {}, "internal/buildinfo": {}, "internal/httpdeadline": {},
+	"internal/msgpackcheck": {}, "internal/kvlease": {}, "internal/procmem": {}, "internal/buildinfo": {}, "internal/httpdeadline": {},
 	"internal/fixture": {"internal/promtext"}, "internal/promtext": {}, "transfer/internal/wire": {},
 	// tests only
 	"reliability": {}, "deploy/kubernetes": {}, "deploy/grafana": {}, "internal/layers": {},

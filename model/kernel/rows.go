@@ -98,7 +98,7 @@ func AccumulateRowsBF16(acc []float32, ldacc int, p []float32, ldp, rows int, v 
 // them, which streams from memory faster than a burst of prefetches, whose requests wait for
 // free miss buffers and stall the work behind them. It changes no data and no result; in the
 // portable build it does nothing.
-func Touch[T float32 | uint16](x []T) {
+func Touch[T float32 | uint16 | uint8](x []T) {
 	if defaultImpl.touch != nil && len(x) > 0 {
 		defaultImpl.touch(unsafe.Pointer(unsafe.SliceData(x)), len(x)*int(unsafe.Sizeof(x[0])))
 	}

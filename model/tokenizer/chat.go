@@ -259,11 +259,7 @@ func boundedRange(args []jinja.Value, left *int) (jinja.Value, error) {
 // that print nothing; Jinja whitespace control (which only looks at neighbouring text) is
 // unaffected. The scan mirrors ardanlabs/jinja's scanner; {% raw %} blocks are left alone.
 func guardMacros(src string) string {
-	type insertion struct {
-		at   int
-		text string
-	}
-	var ins []insertion
+	var ins []macroGuard
 	inRaw := false
 	for i := 0; i+1 < len(src); {
 		if src[i] != '{' || (src[i+1] != '{' && src[i+1] != '%' && src[i+1] != '#') {
@@ -271,45 +267,7 @@ func guardMacros(src string) string {
 			continue
 		}
 		kind := src[i+1]
-		closer := "}}"
-		switch kind {
-		case '%':
-			closer = "%}"
-		case '#':
-			closer = "#}"
-		}
-		tagStart := i
-		j := i + 2
-		if j < len(src) && src[j] == '-' {
-			j++
-		}
-		contentStart := j
-		contentEnd, tagEnd := -1, -1
-		for j < len(src) {
-			c := src[j]
-			if kind != '#' && (c == '\'' || c == '"') {
-				j++
-				for j < len(src) && src[j] != c {
-					if src[j] == '\\' && j+1 < len(src) {
-						j++
-					}
-					j++
-				}
-				if j < len(src) {
-					j++
-				}
-				continue
-			}
-			if c == '-' && j+2 < len(src) && src[j+1] == closer[0] && src[j+2] == closer[1] {
-				contentEnd, tagEnd = j, j+3
-				break
-			}
-			if j+1 < len(src) && c == closer[0] && src[j+1] == closer[1] {
-				contentEnd, tagEnd = j, j+2
-				break
-			}
-			j++
-		}
+		contentStart, contentEnd, tagEnd := scanTag(src, i)
 		if tagEnd < 0 {
 			break // unterminated tag: the compiler reports it
 		}
@@ -324,9 +282,9 @@ func guardMacros(src string) string {
 			case kw == "raw":
 				inRaw = true
 			case kw == "macro":
-				ins = append(ins, insertion{tagEnd, "{{ " + guardEnter + "() }}"})
+				ins = append(ins, macroGuard{tagEnd, "{{ " + guardEnter + "() }}"})
 			case kw == "endmacro":
-				ins = append(ins, insertion{tagStart, "{{ " + guardLeave + "() }}"})
+				ins = append(ins, macroGuard{i, "{{ " + guardLeave + "() }}"})
 			}
 		}
 		i = tagEnd
@@ -343,6 +301,63 @@ func guardMacros(src string) string {
 	}
 	b.WriteString(src[prev:])
 	return b.String()
+}
+
+// macroGuard is a guard tag guardMacros inserts at offset at.
+type macroGuard struct {
+	at   int
+	text string
+}
+
+// scanTag scans the tag opening at src[i] ("{{", "{%" or "{#", with an optional "-"): its
+// contents are src[contentStart:contentEnd] and it ends before tagEnd, or tagEnd is -1 when it
+// is unterminated. Outside comments, string literals are skipped.
+func scanTag(src string, i int) (contentStart, contentEnd, tagEnd int) {
+	kind := src[i+1]
+	closer := "}}"
+	switch kind {
+	case '%':
+		closer = "%}"
+	case '#':
+		closer = "#}"
+	}
+	j := i + 2
+	if j < len(src) && src[j] == '-' {
+		j++
+	}
+	contentStart = j
+	for j < len(src) {
+		c := src[j]
+		if kind != '#' && (c == '\'' || c == '"') {
+			j = skipString(src, j)
+			continue
+		}
+		if c == '-' && j+2 < len(src) && src[j+1] == closer[0] && src[j+2] == closer[1] {
+			return contentStart, j, j + 3
+		}
+		if j+1 < len(src) && c == closer[0] && src[j+1] == closer[1] {
+			return contentStart, j, j + 2
+		}
+		j++
+	}
+	return contentStart, -1, -1
+}
+
+// skipString returns the index just past the string literal opening at src[j] (len(src) when
+// it is unterminated); a backslash escapes the next character.
+func skipString(src string, j int) int {
+	c := src[j]
+	j++
+	for j < len(src) && src[j] != c {
+		if src[j] == '\\' && j+1 < len(src) {
+			j++
+		}
+		j++
+	}
+	if j < len(src) {
+		j++
+	}
+	return j
 }
 
 // pythonStrip gives the argument-less whitespace-stripping calls of a template — the trim filter

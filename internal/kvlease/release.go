@@ -1,4 +1,4 @@
-package connector
+package kvlease
 
 import (
 	"crypto/hmac"
@@ -16,7 +16,7 @@ import (
 // vLLM sends "<request id>:<readers>" and "HB:<request id>,…"; kvbridge's carry the lease
 // token instead of (heartbeats) or beside (completions) the request id, so that nobody but the
 // holder of the params can extend another request's lease, and a completion also carries a
-// proof that its sender holds the prompt the lease was issued for (ReleaseProof), so that
+// proof that its sender holds the prompt the lease was issued for (Proof), so that
 // params copied into a request for another prompt cannot end it either.
 
 // HeartbeatPrefix starts a heartbeat notification: "HB:" followed by comma-joined lease tokens.
@@ -37,25 +37,25 @@ func ParseHeartbeat(msg string) ([]string, bool) {
 	return strings.Split(rest, ","), true
 }
 
-// ReleaseProofBytes is the length of a release notification's proof.
-const ReleaseProofBytes = 16
+// ProofBytes is the length of a release notification's proof.
+const ProofBytes = 16
 
-// ReleaseProof proves that the sender of a release notification holds tokens, the leading
-// tokens of the prompt the lease was issued for: the first ReleaseProofBytes of HMAC-SHA256
+// Proof proves that the sender of a release notification holds tokens, the leading
+// tokens of the prompt the lease was issued for: the first ProofBytes of HMAC-SHA256
 // keyed by the lease token over a context string, the tokens and their count. The owner of the
 // blocks computed the proofs it accepts when it issued the lease (Lease.Proofs); anybody can
 // compute a proof for a prompt it holds, nobody for one it does not hold.
-func ReleaseProof(token LeaseToken, tokens []int32) [ReleaseProofBytes]byte {
-	return releaseProofs(token, tokens, []int{len(tokens)})[0]
+func Proof(token Token, tokens []int32) [ProofBytes]byte {
+	return Proofs(token, tokens, []int{len(tokens)})[0]
 }
 
-// releaseProofs returns ReleaseProof(token, tokens[:n]) for each n of lengths (ascending, each at
+// Proofs returns Proof(token, tokens[:n]) for each n of lengths (ascending, each at
 // most len(tokens)), hashing the tokens once: the count comes last, so that one MAC state runs
 // through the prefixes and is cloned at each length.
-func releaseProofs(token LeaseToken, tokens []int32, lengths []int) [][ReleaseProofBytes]byte {
+func Proofs(token Token, tokens []int32, lengths []int) [][ProofBytes]byte {
 	m := hmac.New(sha256.New, token[:])
 	m.Write([]byte("kvbridge release v1"))
-	out := make([][ReleaseProofBytes]byte, len(lengths))
+	out := make([][ProofBytes]byte, len(lengths))
 	var b [8]byte
 	done := 0
 	for i, n := range lengths {
@@ -72,7 +72,7 @@ func releaseProofs(token LeaseToken, tokens []int32, lengths []int) [][ReleasePr
 				clone, err = c.Clone()
 			}
 			if !ok || err != nil {
-				out[i] = ReleaseProof(token, tokens[:n])
+				out[i] = Proof(token, tokens[:n])
 				continue
 			}
 			h = clone
@@ -86,13 +86,13 @@ func releaseProofs(token LeaseToken, tokens []int32, lengths []int) [][ReleasePr
 
 // Release is a parsed release notification: one of Readers readers of the blocks leased to
 // request ID under Token is done with them, and proves that it holds the first Proven tokens
-// of the lease's prompt (Proof, see ReleaseProof).
+// of the lease's prompt (Proof, see Proof).
 type Release struct {
 	ID      string
 	Readers int
-	Token   LeaseToken
+	Token   Token
 	Proven  int
-	Proof   [ReleaseProofBytes]byte
+	Proof   [ProofBytes]byte
 }
 
 // FormatRelease renders r as "<id>:<readers>:<token>:<proven>:<proof>" (token and proof in
@@ -109,7 +109,7 @@ var errNotification = errors.New("malformed KV notification")
 func ParseRelease(msg string) (Release, error) {
 	var r Release
 	rest, proof, ok := cutLast(msg, ':')
-	if !ok || len(proof) != 2*ReleaseProofBytes {
+	if !ok || len(proof) != 2*ProofBytes {
 		return r, fmt.Errorf("%w: no release proof", errNotification)
 	}
 	if _, err := hex.Decode(r.Proof[:], []byte(proof)); err != nil {
@@ -124,7 +124,7 @@ func ParseRelease(msg string) (Release, error) {
 	if !ok {
 		return r, fmt.Errorf("%w: no lease token", errNotification)
 	}
-	if r.Token, err = ParseLeaseToken(tok); err != nil {
+	if r.Token, err = ParseToken(tok); err != nil {
 		return r, fmt.Errorf("%w: %v", errNotification, err)
 	}
 	id, n, ok := cutLast(rest, ':')
@@ -145,4 +145,12 @@ func cutLast(s string, sep byte) (before, after string, found bool) {
 		return s, "", false
 	}
 	return s[:i], s[i+1:], true
+}
+
+// clip shortens an untrusted string for messages.
+func clip(s string) string {
+	if len(s) > 80 {
+		return s[:80] + "…"
+	}
+	return s
 }

@@ -1,4 +1,4 @@
-package connector
+package kvlease
 
 import (
 	"crypto/hmac"
@@ -10,20 +10,20 @@ import (
 	"time"
 )
 
-// LeaseToken is a lease's capability: 128 random bits the owner of the blocks issues with the
+// Token is a lease's capability: 128 random bits the owner of the blocks issues with the
 // kv_transfer_params that name them. Every READ of the blocks (as the transfer request's tag),
 // every completion notification and every heartbeat must present it; the owner checks it, and
-// publishes a tag derived from it (LeaseTag) for readers that map its memory. A completion
-// notification must also prove the lease's prompt (ReleaseProof): the token alone, copied into
+// publishes a tag derived from it (Tag) for readers that map its memory. A completion
+// notification must also prove the lease's prompt (Proof): the token alone, copied into
 // a request for another prompt, cannot end the lease.
-type LeaseToken [16]byte
+type Token [16]byte
 
 // String returns the token in hex, as kv_transfer_params carry it.
-func (t LeaseToken) String() string { return hex.EncodeToString(t[:]) }
+func (t Token) String() string { return hex.EncodeToString(t[:]) }
 
-// ParseLeaseToken parses the 32 hex digits of a token.
-func ParseLeaseToken(s string) (LeaseToken, error) {
-	var t LeaseToken
+// ParseToken parses the 32 hex digits of a token.
+func ParseToken(s string) (Token, error) {
+	var t Token
 	if len(s) != 2*len(t) {
 		return t, fmt.Errorf("a lease token has %d hex digits, got %d characters", 2*len(t), len(s))
 	}
@@ -33,12 +33,12 @@ func ParseLeaseToken(s string) (LeaseToken, error) {
 	return t, nil
 }
 
-// LeaseTag is what the owner of a lease publishes in the lease's slot while it lasts: the first
+// Tag is what the owner of a lease publishes in the lease's slot while it lasts: the first
 // 16 bytes of SHA-256 over the token, the number of tokens the blocks hold, and the block ids and
 // generations. A reader that holds the params computes the same tag: a match proves that the
 // params are exactly those of a lease alive when the slot was read — which holds its blocks
 // unchanged since before the reader read them.
-func LeaseTag(token LeaseToken, numTokens int, blocks []int32, gens []uint64) [16]byte {
+func Tag(token Token, numTokens int, blocks []int32, gens []uint64) [16]byte {
 	h := sha256.New()
 	h.Write([]byte("kvbridge lease v1"))
 	h.Write(token[:])
@@ -65,7 +65,7 @@ type Lease struct {
 	// RequestID is the local request id the remote names in notifications.
 	RequestID string
 	// Token is the lease's capability; Slot the index of the slot its tag is published in.
-	Token LeaseToken
+	Token Token
 	Slot  int
 	// Blocks are the held block ids.
 	Blocks []int32
@@ -76,16 +76,19 @@ type Lease struct {
 	Renewable bool
 	// Created is when the lease began.
 	Created time.Time
-	// Proofs are the release proofs (ReleaseProof) the lease accepts, by the number of leading
+	// Proofs are the release proofs (Proof) the lease accepts, by the number of leading
 	// tokens of its prompt they prove: a notification ends the lease only from a reader that
 	// holds the prompt it was issued for. Nil accepts none: the lease then ends only by expiry,
 	// eviction or release.
-	Proofs map[int][ReleaseProofBytes]byte
+	Proofs map[int][ProofBytes]byte
 	// notified counts read notifications received so far.
 	notified int
-	// held indexes Blocks (built by LeaseTable.Add).
+	// held indexes Blocks (built by Table.Add).
 	held map[int32]struct{}
 }
+
+// Notified returns how many read notifications the lease received.
+func (l *Lease) Notified() int { return l.notified }
 
 // Holds reports whether block is one of the lease's blocks.
 func (l *Lease) Holds(block int32) bool {
@@ -116,13 +119,13 @@ const (
 	NotifyUnproven
 )
 
-// LeaseTable holds leases and decides when they end. It is a pure state machine: the caller
+// Table holds leases and decides when they end. It is a pure state machine: the caller
 // passes the time, publishes and clears the slots, and frees the blocks of every lease it
 // returns. Slots are handed out lowest first and reused once their lease has left the table.
 // Not safe for concurrent use.
-type LeaseTable struct {
+type Table struct {
 	leases  map[string]*Lease
-	byToken map[LeaseToken]*Lease
+	byToken map[Token]*Lease
 	free    []int // released slots
 	next    int   // slots below next have been handed out
 }
@@ -130,10 +133,10 @@ type LeaseTable struct {
 // Add starts holding blocks for id until deadline under token, and returns the new lease with
 // its slot. A second Add for the same id replaces the first and returns the replaced lease so
 // its blocks can be freed (its slot is reused).
-func (t *LeaseTable) Add(id string, token LeaseToken, blocks []int32, now, deadline time.Time, renewable bool) (l, replaced *Lease) {
+func (t *Table) Add(id string, token Token, blocks []int32, now, deadline time.Time, renewable bool) (l, replaced *Lease) {
 	if t.leases == nil {
 		t.leases = make(map[string]*Lease)
-		t.byToken = make(map[LeaseToken]*Lease)
+		t.byToken = make(map[Token]*Lease)
 	}
 	if old := t.leases[id]; old != nil {
 		t.remove(old)
@@ -156,26 +159,36 @@ func (t *LeaseTable) Add(id string, token LeaseToken, blocks []int32, now, deadl
 }
 
 // remove takes l out of the table and frees its slot.
-func (t *LeaseTable) remove(l *Lease) {
+func (t *Table) remove(l *Lease) {
 	delete(t.leases, l.RequestID)
 	delete(t.byToken, l.Token)
 	t.free = append(t.free, l.Slot)
 }
 
 // Len returns the number of held leases.
-func (t *LeaseTable) Len() int { return len(t.leases) }
+func (t *Table) Len() int { return len(t.leases) }
 
 // Get returns the lease of id, or nil.
-func (t *LeaseTable) Get(id string) *Lease { return t.leases[id] }
+func (t *Table) Get(id string) *Lease { return t.leases[id] }
+
+// Leases returns the held leases, ordered by request id.
+func (t *Table) Leases() []*Lease {
+	out := make([]*Lease, 0, len(t.leases))
+	for _, l := range t.leases {
+		out = append(out, l)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].RequestID < out[j].RequestID })
+	return out
+}
 
 // ByToken returns the lease whose token is token, or nil.
-func (t *LeaseTable) ByToken(token LeaseToken) *Lease { return t.byToken[token] }
+func (t *Table) ByToken(token Token) *Lease { return t.byToken[token] }
 
 // Notify records one release notification (see ParseRelease; r.Readers is the number of
 // readers expected) and returns the lease once all of them have reported; the lease then leaves
 // the table. A notification whose token is not the lease's is refused, one whose proof is not
 // one of the lease's Proofs is unproven; neither changes anything.
-func (t *LeaseTable) Notify(r Release) (*Lease, NotifyResult) {
+func (t *Table) Notify(r Release) (*Lease, NotifyResult) {
 	l := t.leases[r.ID]
 	switch {
 	case l == nil:
@@ -196,8 +209,9 @@ func (t *LeaseTable) Notify(r Release) (*Lease, NotifyResult) {
 }
 
 // Heartbeat extends the renewable leases of tokens to at least now+extension; it never shortens
-// one and ignores unknown tokens (spec §4.4). It returns how many leases it extended.
-func (t *LeaseTable) Heartbeat(tokens []LeaseToken, now time.Time, extension time.Duration) int {
+// one and ignores unknown tokens (docs/architecture.md, wire contract item 26). It returns how
+// many leases it extended.
+func (t *Table) Heartbeat(tokens []Token, now time.Time, extension time.Duration) int {
 	n := 0
 	for _, tok := range tokens {
 		l := t.byToken[tok]
@@ -213,7 +227,7 @@ func (t *LeaseTable) Heartbeat(tokens []LeaseToken, now time.Time, extension tim
 }
 
 // Release removes the lease of id (its request was aborted or its reader gave up) and returns it.
-func (t *LeaseTable) Release(id string) *Lease {
+func (t *Table) Release(id string) *Lease {
 	l := t.leases[id]
 	if l != nil {
 		t.remove(l)
@@ -224,7 +238,7 @@ func (t *LeaseTable) Release(id string) *Lease {
 // Expire removes and returns every lease whose deadline is not after now. It sweeps every entry,
 // not only the earliest (vllm#58222): heartbeats and long decoder TTLs reorder deadlines.
 // The result is ordered by deadline, then id.
-func (t *LeaseTable) Expire(now time.Time) []*Lease {
+func (t *Table) Expire(now time.Time) []*Lease {
 	var out []*Lease
 	for _, l := range t.leases {
 		if !l.Deadline.After(now) {
@@ -245,7 +259,7 @@ func (t *LeaseTable) Expire(now time.Time) []*Lease {
 
 // EvictOldestHold removes and returns the oldest non-renewable lease (a decoder's hold for a
 // next turn, which is a cache), or nil when there is none. Ties go to the smaller id.
-func (t *LeaseTable) EvictOldestHold() *Lease {
+func (t *Table) EvictOldestHold() *Lease {
 	var oldest *Lease
 	for _, l := range t.leases {
 		if l.Renewable {
@@ -262,7 +276,7 @@ func (t *LeaseTable) EvictOldestHold() *Lease {
 }
 
 // NextDeadline returns the earliest deadline, and false when the table is empty.
-func (t *LeaseTable) NextDeadline() (time.Time, bool) {
+func (t *Table) NextDeadline() (time.Time, bool) {
 	var next time.Time
 	for _, l := range t.leases {
 		if next.IsZero() || l.Deadline.Before(next) {

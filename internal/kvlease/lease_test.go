@@ -1,4 +1,4 @@
-package connector
+package kvlease
 
 import (
 	"reflect"
@@ -10,19 +10,28 @@ import (
 
 var t0 = time.Date(2026, 11, 29, 10, 0, 0, 0, time.UTC)
 
+// ids returns n prompt tokens: 100, 101, ….
+func ids(n int32) []int32 {
+	out := make([]int32, n)
+	for i := range out {
+		out[i] = 100 + int32(i)
+	}
+	return out
+}
+
 // proven returns a release of the lease of id under tok by one of readers readers holding
 // prompt, and adds the proof of prompt to l's accepted ones.
-func proven(l *Lease, id string, tok LeaseToken, readers int, prompt []int32) Release {
+func proven(l *Lease, id string, tok Token, readers int, prompt []int32) Release {
 	if l.Proofs == nil {
-		l.Proofs = map[int][ReleaseProofBytes]byte{}
+		l.Proofs = map[int][ProofBytes]byte{}
 	}
-	l.Proofs[len(prompt)] = ReleaseProof(l.Token, prompt)
-	return Release{ID: id, Readers: readers, Token: tok, Proven: len(prompt), Proof: ReleaseProof(tok, prompt)}
+	l.Proofs[len(prompt)] = Proof(l.Token, prompt)
+	return Release{ID: id, Readers: readers, Token: tok, Proven: len(prompt), Proof: Proof(tok, prompt)}
 }
 
 func TestLeaseNotifyFreesAfterAllReaders(t *testing.T) {
-	var tab LeaseTable
-	tok := LeaseToken{7}
+	var tab Table
+	tok := Token{7}
 	lease, _ := tab.Add("p1", tok, []int32{1, 2}, t0, t0.Add(30*time.Second), true)
 	r := proven(lease, "p1", tok, 2, ids(5))
 	if l, res := tab.Notify(r); l != nil || res != NotifyCounted {
@@ -42,8 +51,8 @@ func TestLeaseNotifyFreesAfterAllReaders(t *testing.T) {
 // another length, or a proof made for another token), neither counts as a reader nor ends the
 // lease.
 func TestLeaseNotifyNeedsTheTokenAndTheProof(t *testing.T) {
-	var tab LeaseTable
-	tok := LeaseToken{1}
+	var tab Table
+	tok := Token{1}
 	l, _ := tab.Add("victim", tok, []int32{4}, t0, t0.Add(30*time.Second), true)
 	good := proven(l, "victim", tok, 1, ids(6))
 	other := ids(7)[1:] // six other tokens
@@ -51,11 +60,11 @@ func TestLeaseNotifyNeedsTheTokenAndTheProof(t *testing.T) {
 		r    Release
 		want NotifyResult
 	}{
-		"another token":         {Release{ID: "victim", Readers: 1, Token: LeaseToken{2}, Proven: 6, Proof: good.Proof}, NotifyRefused},
-		"another prompt":        {Release{ID: "victim", Readers: 1, Token: tok, Proven: 6, Proof: ReleaseProof(tok, other)}, NotifyUnproven},
-		"a shorter prefix":      {Release{ID: "victim", Readers: 1, Token: tok, Proven: 5, Proof: ReleaseProof(tok, ids(5))}, NotifyUnproven},
-		"nothing proven":        {Release{ID: "victim", Readers: 1, Token: tok, Proven: 0, Proof: ReleaseProof(tok, nil)}, NotifyUnproven},
-		"another token's proof": {Release{ID: "victim", Readers: 1, Token: tok, Proven: 6, Proof: ReleaseProof(LeaseToken{2}, ids(6))}, NotifyUnproven},
+		"another token":         {Release{ID: "victim", Readers: 1, Token: Token{2}, Proven: 6, Proof: good.Proof}, NotifyRefused},
+		"another prompt":        {Release{ID: "victim", Readers: 1, Token: tok, Proven: 6, Proof: Proof(tok, other)}, NotifyUnproven},
+		"a shorter prefix":      {Release{ID: "victim", Readers: 1, Token: tok, Proven: 5, Proof: Proof(tok, ids(5))}, NotifyUnproven},
+		"nothing proven":        {Release{ID: "victim", Readers: 1, Token: tok, Proven: 0, Proof: Proof(tok, nil)}, NotifyUnproven},
+		"another token's proof": {Release{ID: "victim", Readers: 1, Token: tok, Proven: 6, Proof: Proof(Token{2}, ids(6))}, NotifyUnproven},
 	} {
 		for range 3 {
 			if l, res := tab.Notify(tc.r); l != nil || res != tc.want {
@@ -69,17 +78,17 @@ func TestLeaseNotifyNeedsTheTokenAndTheProof(t *testing.T) {
 }
 
 func TestLeaseHeartbeatExtendsNeverShortens(t *testing.T) {
-	var tab LeaseTable
-	a, ttl := LeaseToken{1}, LeaseToken{2}
+	var tab Table
+	a, ttl := Token{1}, Token{2}
 	tab.Add("a", a, nil, t0, t0.Add(30*time.Second), true)
 	tab.Add("ttl", ttl, nil, t0, t0.Add(30*time.Second), false)
-	if n := tab.Heartbeat([]LeaseToken{a, ttl, {9}}, t0.Add(25*time.Second), 20*time.Second); n != 1 {
+	if n := tab.Heartbeat([]Token{a, ttl, {9}}, t0.Add(25*time.Second), 20*time.Second); n != 1 {
 		t.Errorf("extended %d leases, want 1 (decoder TTLs are not renewed, unknown tokens ignored)", n)
 	}
 	if got := tab.Get("a").Deadline; !got.Equal(t0.Add(45 * time.Second)) {
 		t.Errorf("deadline = %v, want now+20s", got)
 	}
-	tab.Heartbeat([]LeaseToken{a}, t0, 20*time.Second) // would shorten: ignored
+	tab.Heartbeat([]Token{a}, t0, 20*time.Second) // would shorten: ignored
 	if got := tab.Get("a").Deadline; !got.Equal(t0.Add(45 * time.Second)) {
 		t.Errorf("a heartbeat shortened the lease to %v", got)
 	}
@@ -87,13 +96,13 @@ func TestLeaseHeartbeatExtendsNeverShortens(t *testing.T) {
 
 // TestLeaseExpireSweepsEveryEntry is vllm#58222: an unexpired entry must not hide expired ones.
 func TestLeaseExpireSweepsEveryEntry(t *testing.T) {
-	var tab LeaseTable
-	renewed := LeaseToken{4}
-	tab.Add("long", LeaseToken{1}, nil, t0, t0.Add(480*time.Second), false)
-	tab.Add("b", LeaseToken{2}, nil, t0, t0.Add(30*time.Second), true)
-	tab.Add("a", LeaseToken{3}, nil, t0, t0.Add(30*time.Second), true)
+	var tab Table
+	renewed := Token{4}
+	tab.Add("long", Token{1}, nil, t0, t0.Add(480*time.Second), false)
+	tab.Add("b", Token{2}, nil, t0, t0.Add(30*time.Second), true)
+	tab.Add("a", Token{3}, nil, t0, t0.Add(30*time.Second), true)
 	tab.Add("renewed", renewed, nil, t0, t0.Add(10*time.Second), true)
-	tab.Heartbeat([]LeaseToken{renewed}, t0.Add(5*time.Second), 100*time.Second)
+	tab.Heartbeat([]Token{renewed}, t0.Add(5*time.Second), 100*time.Second)
 	got := tab.Expire(t0.Add(31 * time.Second))
 	var ids []string
 	for _, l := range got {
@@ -110,10 +119,10 @@ func TestLeaseExpireSweepsEveryEntry(t *testing.T) {
 // TestLeaseSlotsAreReused: every live lease has its own slot; a slot is handed out again only
 // after its lease left the table.
 func TestLeaseSlotsAreReused(t *testing.T) {
-	var tab LeaseTable
+	var tab Table
 	slots := map[int]string{}
 	for i, id := range []string{"a", "b", "c"} {
-		l, _ := tab.Add(id, LeaseToken{byte(i + 1)}, nil, t0, t0.Add(time.Minute), true)
+		l, _ := tab.Add(id, Token{byte(i + 1)}, nil, t0, t0.Add(time.Minute), true)
 		if other, dup := slots[l.Slot]; dup {
 			t.Fatalf("%s got slot %d, held by %s", id, l.Slot, other)
 		}
@@ -121,10 +130,10 @@ func TestLeaseSlotsAreReused(t *testing.T) {
 	}
 	freed := tab.Get("b").Slot
 	tab.Release("b")
-	if l, _ := tab.Add("d", LeaseToken{9}, nil, t0, t0.Add(time.Minute), true); l.Slot != freed {
+	if l, _ := tab.Add("d", Token{9}, nil, t0, t0.Add(time.Minute), true); l.Slot != freed {
 		t.Errorf("d got slot %d, want b's freed slot %d", l.Slot, freed)
 	}
-	if l, _ := tab.Add("e", LeaseToken{10}, nil, t0, t0.Add(time.Minute), true); l.Slot != 3 {
+	if l, _ := tab.Add("e", Token{10}, nil, t0, t0.Add(time.Minute), true); l.Slot != 3 {
 		t.Errorf("e got slot %d, want 3", l.Slot)
 	}
 }
@@ -132,10 +141,10 @@ func TestLeaseSlotsAreReused(t *testing.T) {
 // TestEvictOldestHold: decoder holds (non-renewable) are evicted oldest first; a producer's
 // leases never are.
 func TestEvictOldestHold(t *testing.T) {
-	var tab LeaseTable
-	tab.Add("lease", LeaseToken{1}, []int32{1}, t0, t0.Add(time.Minute), true)
-	tab.Add("new", LeaseToken{2}, []int32{2}, t0.Add(2*time.Second), t0.Add(time.Hour), false)
-	tab.Add("old", LeaseToken{3}, []int32{3}, t0.Add(time.Second), t0.Add(time.Hour), false)
+	var tab Table
+	tab.Add("lease", Token{1}, []int32{1}, t0, t0.Add(time.Minute), true)
+	tab.Add("new", Token{2}, []int32{2}, t0.Add(2*time.Second), t0.Add(time.Hour), false)
+	tab.Add("old", Token{3}, []int32{3}, t0.Add(time.Second), t0.Add(time.Hour), false)
 	var got []string
 	for l := tab.EvictOldestHold(); l != nil; l = tab.EvictOldestHold() {
 		got = append(got, l.RequestID)
@@ -143,25 +152,25 @@ func TestEvictOldestHold(t *testing.T) {
 	if !reflect.DeepEqual(got, []string{"old", "new"}) || tab.Len() != 1 || tab.Get("lease") == nil {
 		t.Errorf("evicted %v, left %d; want [old new] and the producer's lease kept", got, tab.Len())
 	}
-	if tab.ByToken(LeaseToken{3}) != nil {
+	if tab.ByToken(Token{3}) != nil {
 		t.Error("an evicted hold is still found by its token")
 	}
 }
 
 func TestLeaseTagBindsTheParams(t *testing.T) {
-	tok := LeaseToken{1, 2, 3}
-	base := LeaseTag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 2})
+	tok := Token{1, 2, 3}
+	base := Tag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 2})
 	for name, tag := range map[string][16]byte{
-		"token":       LeaseTag(LeaseToken{1, 2, 4}, 37, []int32{4, 5, 6}, []uint64{1, 1, 2}),
-		"tokens":      LeaseTag(tok, 36, []int32{4, 5, 6}, []uint64{1, 1, 2}),
-		"blocks":      LeaseTag(tok, 37, []int32{4, 5, 7}, []uint64{1, 1, 2}),
-		"generations": LeaseTag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 3}),
+		"token":       Tag(Token{1, 2, 4}, 37, []int32{4, 5, 6}, []uint64{1, 1, 2}),
+		"tokens":      Tag(tok, 36, []int32{4, 5, 6}, []uint64{1, 1, 2}),
+		"blocks":      Tag(tok, 37, []int32{4, 5, 7}, []uint64{1, 1, 2}),
+		"generations": Tag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 3}),
 	} {
 		if tag == base {
 			t.Errorf("changing the %s leaves the tag unchanged", name)
 		}
 	}
-	if LeaseTag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 2}) != base {
+	if Tag(tok, 37, []int32{4, 5, 6}, []uint64{1, 1, 2}) != base {
 		t.Error("the tag is not deterministic")
 	}
 }
@@ -204,8 +213,8 @@ func TestNotificationFormats(t *testing.T) {
 	if ids, ok := ParseHeartbeat(FormatHeartbeat([]string{"a", "b"})); !ok || !reflect.DeepEqual(ids, []string{"a", "b"}) {
 		t.Errorf("heartbeat round trip = %v %v", ids, ok)
 	}
-	tok := LeaseToken{0xab, 1}
-	r := Release{ID: "cmpl-x:y:z-0", Readers: 1, Token: tok, Proven: 40, Proof: [ReleaseProofBytes]byte{0xcd, 2}}
+	tok := Token{0xab, 1}
+	r := Release{ID: "cmpl-x:y:z-0", Readers: 1, Token: tok, Proven: 40, Proof: [ProofBytes]byte{0xcd, 2}}
 	msg := FormatRelease(r)
 	if msg != "cmpl-x:y:z-0:1:ab010000000000000000000000000000:40:cd020000000000000000000000000000" {
 		t.Errorf("release message %q", msg)
@@ -216,7 +225,7 @@ func TestNotificationFormats(t *testing.T) {
 	if got, err := ParseRelease(msg); err != nil || got != r {
 		t.Errorf("ParseRelease = %+v %v, want %+v", got, err, r)
 	}
-	proof := ":" + strings.Repeat("0", 2*ReleaseProofBytes)
+	proof := ":" + strings.Repeat("0", 2*ProofBytes)
 	for _, bad := range []string{
 		"req:1",
 		"req:1:" + tok.String(), // the format before release proofs
@@ -225,7 +234,7 @@ func TestNotificationFormats(t *testing.T) {
 		"req:1:xyz:4" + proof,
 		"req:x:" + tok.String() + ":4" + proof,
 		"req:1:" + tok.String() + ":-1" + proof,
-		"req:1:" + tok.String() + ":4:" + strings.Repeat("z", 2*ReleaseProofBytes),
+		"req:1:" + tok.String() + ":4:" + strings.Repeat("z", 2*ProofBytes),
 		"req:1:" + tok.String() + ":4:abcd",
 	} {
 		if _, err := ParseRelease(bad); err == nil {
@@ -237,27 +246,27 @@ func TestNotificationFormats(t *testing.T) {
 // TestReleaseProofBindsTokenAndPrompt: the proof changes with the token, any token of the
 // prompt and its length.
 func TestReleaseProofBindsTokenAndPrompt(t *testing.T) {
-	tok := LeaseToken{5}
+	tok := Token{5}
 	prompt := ids(20)
-	base := ReleaseProof(tok, prompt)
+	base := Proof(tok, prompt)
 	edited := slices.Clone(prompt)
 	edited[13]++
-	for name, p := range map[string][ReleaseProofBytes]byte{
-		"token":  ReleaseProof(LeaseToken{6}, prompt),
-		"prompt": ReleaseProof(tok, edited),
-		"length": ReleaseProof(tok, prompt[:19]),
+	for name, p := range map[string][ProofBytes]byte{
+		"token":  Proof(Token{6}, prompt),
+		"prompt": Proof(tok, edited),
+		"length": Proof(tok, prompt[:19]),
 	} {
 		if p == base {
 			t.Errorf("changing the %s leaves the proof unchanged", name)
 		}
 	}
-	if ReleaseProof(tok, slices.Clone(prompt)) != base {
+	if Proof(tok, slices.Clone(prompt)) != base {
 		t.Error("the proof is not deterministic")
 	}
 	// The owner's proofs of several prefixes, hashed in one pass, are the readers'.
 	lengths := []int{0, 4, 8, 19, 20}
-	for i, p := range releaseProofs(tok, prompt, lengths) {
-		if p != ReleaseProof(tok, prompt[:lengths[i]]) {
+	for i, p := range Proofs(tok, prompt, lengths) {
+		if p != Proof(tok, prompt[:lengths[i]]) {
 			t.Errorf("the proof of the first %d tokens differs from a reader's", lengths[i])
 		}
 	}

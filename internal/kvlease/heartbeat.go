@@ -1,4 +1,4 @@
-package connector
+package kvlease
 
 import (
 	"sort"
@@ -7,7 +7,8 @@ import (
 
 // HeartbeatTracker is the decoder's list of remote leases whose blocks it has yet to read (by
 // their tokens, in hex), grouped by producer incarnation (heartbeatKey: engine id and
-// instance); it says when a heartbeat batch is due (every lease/6, spec §4.4).
+// instance); it says when a heartbeat batch is due (every lease/6, docs/architecture.md, wire
+// contract item 24).
 // A pure state machine: the caller passes the time and sends the batches. Not safe for
 // concurrent use.
 type HeartbeatTracker struct {
