@@ -12,17 +12,19 @@ import (
 
 // TestRunTiny runs the comparison small on kvbridge/tiny: the float32 variant is the reference
 // itself (KL 0, full agreement), int8 and the Q8_0 simulation move the distributions a little
-// (KL > 0 but small, nearly full agreement), and the table and JSON carry every row.
+// (KL > 0 but small, nearly full agreement), as does an fp8 KV cache through the same options,
+// and the table and JSON carry every row.
 func TestRunTiny(t *testing.T) {
 	r, err := Run(t.Context(), Options{Model: model.Tiny, Prompts: 5, Positions: 6, Batch: 2, Variants: []Variant{
 		{Name: "float32", Open: model.OpenOptions{DType: "float32"}},
 		{Name: "int8", Open: model.OpenOptions{Quantization: "int8"}},
 		Q8_0(),
+		{Name: "fp8 KV", Open: model.OpenOptions{DType: "float32", KVCacheDType: "fp8"}},
 	}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(r.Rows) != 3 || r.Prompts != 5 || r.Positions != 6 {
+	if len(r.Rows) != 4 || r.Prompts != 5 || r.Positions != 6 {
 		t.Fatalf("result %+v", r)
 	}
 	if f := r.Rows[0]; f.MeanKL != 0 || f.MaxKL != 0 || f.Top1 != 1 || f.Quantization != "none" {
@@ -33,7 +35,8 @@ func TestRunTiny(t *testing.T) {
 			t.Errorf("%s: %+v", row.Name, row)
 		}
 	}
-	if r.Rows[1].Quantization != "int8" || r.Rows[2].Quantization != "Q8_0 (simulated)" || r.Rows[1].WeightBytes >= r.Rows[0].WeightBytes/3 {
+	if r.Rows[1].Quantization != "int8" || r.Rows[2].Quantization != "Q8_0 (simulated)" || r.Rows[1].WeightBytes >= r.Rows[0].WeightBytes/3 ||
+		r.Rows[3].KVCacheDType != "fp8_e4m3" || r.Rows[3].Quantization != "none" {
 		t.Errorf("rows %+v", r.Rows)
 	}
 	var table bytes.Buffer
