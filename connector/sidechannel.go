@@ -117,6 +117,9 @@ type CompatFactors struct {
 	HeadSize   int
 	NumLayers  int
 	CacheDType string
+	// Quantization is the weights' quantization ("" or "int8", vLLM's --quantization): the
+	// KV a quantized model computes differs from the unquantized model's.
+	Quantization string
 }
 
 // CompatibilityHash returns the SHA-256 hex of the canonical JSON of the factors, the connector
@@ -131,6 +134,7 @@ func CompatibilityHash(f CompatFactors) string {
 		"head_size":                  f.HeadSize,
 		"num_hidden_layers":          f.NumLayers,
 		"cache_dtype":                f.CacheDType,
+		"quantization":               f.Quantization,
 		"transfer_mode":              "pull",
 	}
 	data, _ := json.Marshal(m) // map keys are sorted
@@ -500,7 +504,7 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 		}
 	}
 	if enforce && payload.CompatibilityHash != localHash {
-		return handshakeResult{kvCacheDType: payload.KVCacheDType}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
+		return handshakeResult{kvCacheDType: payload.KVCacheDType}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same --dtype, --quantization, --kv-cache-dtype and KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
 			ErrIncompatible, localHash, payload.CompatibilityHash)
 	}
 	var meta agentMetadata

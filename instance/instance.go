@@ -52,9 +52,9 @@ type Config struct {
 	OpenedModel *model.Model
 	// ChatTemplate, if set, is a Jinja template source replacing the model's.
 	ChatTemplate string
-	// Tokenizer, Revision, DType and KVCacheDType are model.OpenOptions' (vLLM's --tokenizer,
-	// --revision, --dtype and --kv-cache-dtype).
-	Tokenizer, Revision, DType, KVCacheDType string
+	// Tokenizer, Revision, DType, KVCacheDType and Quantization are model.OpenOptions' (vLLM's
+	// --tokenizer, --revision, --dtype, --kv-cache-dtype and --quantization).
+	Tokenizer, Revision, DType, KVCacheDType, Quantization string
 	// Host and Port are where the HTTP server listens; Port 0 picks a free port.
 	Host string
 	Port int
@@ -228,7 +228,7 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	in.Model = cfg.OpenedModel
 	if in.Model == nil {
 		m, err := model.Open(ctx, cfg.Model, model.OpenOptions{ChatTemplate: cfg.ChatTemplate, Tokenizer: cfg.Tokenizer,
-			Revision: cfg.Revision, DType: cfg.DType, KVCacheDType: cfg.KVCacheDType})
+			Revision: cfg.Revision, DType: cfg.DType, KVCacheDType: cfg.KVCacheDType, Quantization: cfg.Quantization})
 		if err != nil {
 			return nil, err
 		}
@@ -241,6 +241,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 		"weights_mb", math.Round(float64(in.Model.WeightBytes()) / 1e6), "kernel", kernel.Implementation()}
 	if in.Model.DType() == "bfloat16" {
 		loaded = append(loaded, "bf16_products", kernel.BF16Products())
+	}
+	if q := in.Model.Quantization(); q != "" {
+		loaded = append(loaded, "quantization", q, "int8_products", kernel.Int8Products())
 	}
 	cfg.Logger.Info("model loaded", loaded...)
 	if s := in.Model.Config().RopeScaling; s != nil && s.Type == "dynamic" {

@@ -128,31 +128,31 @@ func TestStartSizesTheKVCacheByMemoryUtilization(t *testing.T) {
 }
 
 // TestConnectorCompatCoversDTypes: the connector's compatibility factors carry the model's
-// --dtype and --kv-cache-dtype, so engines that would exchange KV of another precision hash
-// differently and the handshake refuses them.
+// --dtype, --kv-cache-dtype and --quantization, so engines that would exchange KV of another
+// precision hash differently and the handshake refuses them.
 func TestConnectorCompatCoversDTypes(t *testing.T) {
 	hashes := map[string]string{}
-	for _, tc := range []struct{ dtype, kv string }{{"float32", "auto"}, {"bfloat16", "float32"}, {"bfloat16", "auto"}} {
+	for _, tc := range []struct{ dtype, kv, q string }{{"float32", "auto", ""}, {"bfloat16", "float32", ""}, {"bfloat16", "auto", ""}, {"float32", "auto", "int8"}} {
 		kv, err := connector.ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_producer"}`), nil)
 		if err != nil {
 			t.Fatal(err)
 		}
 		var compat connector.CompatFactors
-		in, _, err := start(t, Config{NumBlocks: 64, DType: tc.dtype, KVCacheDType: tc.kv, KVTransfer: kv, SideChannelPort: -1,
+		in, _, err := start(t, Config{NumBlocks: 64, DType: tc.dtype, KVCacheDType: tc.kv, Quantization: tc.q, KVTransfer: kv, SideChannelPort: -1,
 			ConnectorHooks: func(o *connector.Options) { compat = o.Compat }})
 		if err != nil {
 			t.Fatal(err)
 		}
-		if compat.DType != in.Model.DType() || compat.CacheDType != in.Model.KVCacheDType() || in.Pool.Geometry().DType.String() != in.Model.KVCacheDType() {
+		if compat.DType != in.Model.DType() || compat.CacheDType != in.Model.KVCacheDType() || compat.Quantization != tc.q || in.Pool.Geometry().DType.String() != in.Model.KVCacheDType() {
 			t.Fatalf("--dtype %s --kv-cache-dtype %s: compat %+v, model %s/%s, pool %v", tc.dtype, tc.kv, compat, in.Model.DType(), in.Model.KVCacheDType(), in.Pool.Geometry().DType)
 		}
 		h := connector.CompatibilityHash(compat)
 		for k, other := range hashes {
 			if other == h {
-				t.Fatalf("%s/%s hashes like %s", tc.dtype, tc.kv, k)
+				t.Fatalf("%s/%s/%s hashes like %s", tc.dtype, tc.kv, tc.q, k)
 			}
 		}
-		hashes[tc.dtype+"/"+tc.kv] = h
+		hashes[tc.dtype+"/"+tc.kv+"/"+tc.q] = h
 	}
 }
 

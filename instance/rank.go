@@ -152,7 +152,7 @@ func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.Arena
 		Config: cfg.KVTransfer, Pool: rk.Pool, Arena: rk.arena, Layout: layout,
 		Compat: connector.CompatFactors{
 			Model: m.Name(), DType: m.DType(), NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
-			NumLayers: mc.NumLayers, CacheDType: m.KVCacheDType(),
+			NumLayers: mc.NumLayers, CacheDType: m.KVCacheDType(), Quantization: m.Quantization(),
 		},
 		SideChannelAddr: net.JoinHostPort(listen, strconv.Itoa(cfg.SideChannelPort)),
 		AdvertiseHost:   cfg.SideChannelHost,

@@ -29,7 +29,8 @@ func openTinyWith(t testing.TB, prec precision) *Model {
 
 // testPrecisions are the ways a model computes: float32; bfloat16 products with a float32 KV
 // cache; bfloat16 products with a bfloat16 KV cache; float32 products with an fp8_e4m3 KV cache;
-// bfloat16 products with an fp8_e5m2 one.
+// bfloat16 products with an fp8_e5m2 one; int8 weights (--quantization int8) with a float32 KV
+// cache.
 var testPrecisions = []struct {
 	name string
 	prec precision
@@ -39,6 +40,7 @@ var testPrecisions = []struct {
 	{"bfloat16-kv", precision{bf16: true, kvBF16: true}},
 	{"fp8-kv", precision{kvFP8: true, fp8: kernel.E4M3}},
 	{"bfloat16-fp8_e5m2-kv", precision{bf16: true, kvFP8: true, fp8: kernel.E5M2}},
+	{"int8", precision{int8: true}},
 }
 
 // forEachPrecision runs test on kvbridge/tiny in every precision: each invariant holds in each.

@@ -2,8 +2,9 @@
 // store, its weights (Hugging Face safetensors directories or built-in random models) kept in
 // float32 or in the checkpoint's bfloat16 (OpenOptions.DType: products then take bfloat16
 // inputs and sum in float32; norms, softmax and RoPE stay float32; the KV store holds float32 or,
-// with OpenOptions.KVCacheDType, bfloat16 or FP8 scaled as vLLM scales it, kvfp8.go), its
-// tokenizer and chat template, and token sampling.
+// with OpenOptions.KVCacheDType, bfloat16 or FP8 scaled as vLLM scales it, kvfp8.go) — or, with
+// OpenOptions.Quantization int8, in int8 with products on int8 activations —, its tokenizer and
+// chat template, and token sampling.
 //
 // The forward pass is batch-invariant: a token's KV and logits are bit-identical whatever batch,
 // batch position or prefill chunking they are computed in. Disaggregated prefill/decode relies on
@@ -71,13 +72,25 @@ type OpenOptions struct {
 	// bfloat16 (2 bytes a value); "fp8" or "fp8_e4m3", and "fp8_e5m2", store each key (value)
 	// divided by its layer's k_scale (v_scale) as one byte of FP8 (see kvfp8.go).
 	KVCacheDType string
+	// Quantization is vLLM's --quantization: "" (or "none") runs the weights as DType says;
+	// "int8" quantizes every weight matrix (lm_head and a tied embedding included) to int8 at
+	// load, in groups of 32 inputs with a float32 scale each, and runs the products on int8
+	// activations quantized the same way per token (see ParseQuantization).
+	Quantization string
+	// Int8RoundScale, if not nil, rounds every scale of int8 weights and activations once its
+	// group is quantized (with Quantization int8; see kernel.NewLinearInt8ScaledFrom): kvbridge
+	// bench quality simulates llama.cpp's Q8_0 (float16 scales) with it.
+	Int8RoundScale func(float32) float32
 }
 
 // precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32;
-// kvFP8, an FP8 KV cache of format fp8.
+// kvFP8, an FP8 KV cache of format fp8; int8: int8 weight matrices (OpenOptions.Quantization)
+// whatever bf16 says.
 type precision struct {
 	bf16, kvBF16, kvFP8 bool
 	fp8                 kernel.FP8
+	int8                bool
+	roundScale          func(float32) float32 // OpenOptions.Int8RoundScale
 }
 
 // ParseDType checks a compute dtype (OpenOptions.DType, vLLM's --dtype), case-insensitively,
@@ -106,6 +119,10 @@ func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 	if err != nil {
 		return p, err
 	}
+	if p.int8, err = parseInt8(opts.Quantization); err != nil {
+		return p, err
+	}
+	p.roundScale = opts.Int8RoundScale
 	switch dt {
 	case "auto":
 		p.bf16 = ckpt == "bfloat16" || ckpt == "float16"
@@ -139,8 +156,10 @@ type Model struct {
 	// checkpoint; with tiedEmbed the embedding is head's weights and embed is empty.
 	embed     matrix
 	tiedEmbed bool
-	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache.
+	// bf16: bfloat16 products (OpenOptions.DType); kvBF16: a bfloat16 KV cache; int8: int8
+	// weight matrices (OpenOptions.Quantization).
 	bf16, kvBF16 bool
+	int8         bool
 	files        mappedFiles // the checkpoint files embed reads; closed by Close
 	layer        []decoderLayer
 	norm         []float32
@@ -294,7 +313,8 @@ func (m *Model) Generation() GenerationConfig {
 }
 
 // WeightBytes returns the weight bytes one decode step streams from memory, each matrix in its
-// storage type (2 bytes a weight for bf16 and f16 checkpoints, 4 for float32): every projection
+// storage type (2 bytes a weight for bf16 and f16 checkpoints, 4 for float32, 1 plus a float32
+// scale per 32 with --quantization int8): every projection
 // matrix, every norm vector and lm_head (the embedding lookup of one row is not counted).
 // Memory bandwidth divided by this bounds decode tokens/s.
 func (m *Model) WeightBytes() int64 { return m.weightBytes }

@@ -226,6 +226,7 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 		inPlace:    kernel.RowKernels(cfg.HeadDim),
 		bf16:       prec.bf16,
 		kvBF16:     prec.kvBF16,
+		int8:       prec.int8,
 		kvFP8:      prec.kvFP8,
 		fp8:        prec.fp8,
 	}
@@ -236,6 +237,12 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 		}
 	}
 	bf := prec.bf16
+	newFused := newFused
+	if prec.int8 {
+		newFused = func(pool *kernel.Pool, _ bool, out, in int, parts ...part) *kernel.Linear {
+			return newFusedInt8(pool, prec.roundScale, out, in, parts...)
+		}
+	}
 	var bytes int64
 	for i := range w.layers {
 		l := &w.layers[i]

@@ -36,6 +36,10 @@ type Options struct {
 	// KVCacheDTypes are the --kv-cache-dtype values each dtype is measured with (default auto:
 	// keys and values in the dtype measured).
 	KVCacheDTypes []string
+	// Quantizations are the --quantization values each dtype and KV cache dtype is measured
+	// with (default none; "int8": int8 weights, whose bound counts a byte a weight plus the
+	// scales).
+	Quantizations []string
 	// PromptLen is the number of prompt tokens prefilled (default 1024).
 	PromptLen int
 	// Chunk is the prefill chunk size in tokens; 0 prefills the whole prompt in one step.
@@ -75,6 +79,9 @@ func (o *Options) defaults() {
 	if len(o.KVCacheDTypes) == 0 {
 		o.KVCacheDTypes = []string{"auto"}
 	}
+	if len(o.Quantizations) == 0 {
+		o.Quantizations = []string{""}
+	}
 	if o.PromptLen <= 0 {
 		o.PromptLen = 1024
 	}
@@ -113,6 +120,8 @@ type Result struct {
 	GOMAXPROCS int    `json:"gomaxprocs"`
 	// BF16Products is how bfloat16 products run: "VDPBF16PS" or "portable Go".
 	BF16Products string `json:"bf16_products"`
+	// Int8Products is how int8 products run (--quantization int8): "VPDPBUSD" or "portable Go".
+	Int8Products string `json:"int8_products"`
 	PromptLen    int    `json:"prompt_len"`
 	PrefillChunk int    `json:"prefill_chunk"`
 	DecodeTokens int    `json:"decode_tokens"`
@@ -135,8 +144,11 @@ type Result struct {
 
 // DTypeResult is one dtype's figures (with one KV cache dtype).
 type DTypeResult struct {
-	DType         string `json:"dtype"`
-	KVCacheDType  string `json:"kv_cache_dtype"`
+	DType        string `json:"dtype"`
+	KVCacheDType string `json:"kv_cache_dtype"`
+	// Quantization is the weights' quantization ("int8"; empty: none). WeightBytes then counts
+	// one byte a weight plus the float32 scales.
+	Quantization  string `json:"quantization,omitempty"`
 	WeightBytes   int64  `json:"weight_bytes"`
 	KVBytesPerTok int64  `json:"kv_bytes_per_token"`
 	// ResidentAfterLoad is the process's resident memory right after loading the model (before
@@ -206,7 +218,8 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	progress := stack.Printer(opts.Progress)
 	r := &Result{
 		Kernel: kernel.Implementation(), GOMAXPROCS: runtime.GOMAXPROCS(0), BF16Products: kernel.BF16Products(),
-		PromptLen: opts.PromptLen, PrefillChunk: opts.Chunk, DecodeTokens: opts.DecodeTokens, DecodeSteps: opts.DecodeSteps, Repeat: opts.Repeat,
+		Int8Products: kernel.Int8Products(),
+		PromptLen:    opts.PromptLen, PrefillChunk: opts.Chunk, DecodeTokens: opts.DecodeTokens, DecodeSteps: opts.DecodeSteps, Repeat: opts.Repeat,
 	}
 	if r.PrefillChunk <= 0 || r.PrefillChunk > opts.PromptLen {
 		r.PrefillChunk = opts.PromptLen
@@ -215,11 +228,13 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	r.measureCeilings(opts.PeakDuration / 2)
 	for _, dt := range opts.DTypes {
 		for _, kvdt := range opts.KVCacheDTypes {
-			d, err := runDType(ctx, opts, r, dt, kvdt, progress)
-			if err != nil {
-				return nil, err
+			for _, q := range opts.Quantizations {
+				d, err := runDType(ctx, opts, r, model.OpenOptions{DType: dt, KVCacheDType: kvdt, Quantization: q}, progress)
+				if err != nil {
+					return nil, err
+				}
+				r.Runs = append(r.Runs, *d)
 			}
-			r.Runs = append(r.Runs, *d)
 		}
 	}
 	progress("measuring ceilings again")
@@ -230,15 +245,15 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	return r, nil
 }
 
-// runDType measures one dtype with one KV cache dtype.
-func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType string, progress func(string, ...any)) (*DTypeResult, error) {
-	progress("loading %s (dtype %s, KV cache %s)", opts.Model, dtype, kvDType)
+// runDType measures one dtype with one KV cache dtype and one quantization (those of open).
+func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptions, progress func(string, ...any)) (*DTypeResult, error) {
+	progress("loading %s (dtype %s, KV cache %s, quantization %q)", opts.Model, open.DType, open.KVCacheDType, open.Quantization)
 	// Return the previous dtype's model and pool to the OS, so the resident figure is this
 	// one's: the first collection empties the sync.Pools still holding the closed model's
 	// scratch, the second frees what they held.
 	debug.FreeOSMemory()
 	debug.FreeOSMemory()
-	m, err := model.Open(ctx, opts.Model, model.OpenOptions{DType: dtype, KVCacheDType: kvDType})
+	m, err := model.Open(ctx, opts.Model, open)
 	if err != nil {
 		return nil, err
 	}
@@ -256,7 +271,7 @@ func runDType(ctx context.Context, opts Options, r *Result, dtype, kvDType strin
 	}
 	d := &DTypeResult{
 		DType: m.DType(), KVCacheDType: m.KVCacheDType(), WeightBytes: m.WeightBytes(), ResidentAfterLoad: resident,
-		KVBytesPerTok: m.KVBytesPerToken(),
+		KVBytesPerTok: m.KVBytesPerToken(), Quantization: m.Quantization(),
 	}
 
 	// One pool for the prompt and for the batches (not at once): the largest batch's sequences
@@ -370,19 +385,23 @@ func faultIn(mem []byte) {
 	}
 }
 
-// name names the run: its dtype, and its KV cache dtype where that is not the dtype's own
-// (what --kv-cache-dtype auto gives).
+// name names the run: its dtype, its KV cache dtype where that is not the dtype's own (what
+// --kv-cache-dtype auto gives), and its quantization.
 func (d *DTypeResult) name() string {
-	if d.KVCacheDType == d.DType {
-		return d.DType
+	n := d.DType
+	if d.KVCacheDType != d.DType {
+		n += ", KV " + d.KVCacheDType
 	}
-	return d.DType + ", KV " + d.KVCacheDType
+	if d.Quantization != "" {
+		n += ", " + d.Quantization + " weights"
+	}
+	return n
 }
 
 // ratios fills the figures that depend on the ceilings.
 func (d *DTypeResult) ratios(r *Result) {
 	peak := r.PeakGFLOPS
-	if d.DType == "bfloat16" && r.PeakBF16GFLOPS > 0 {
+	if d.DType == "bfloat16" && d.Quantization == "" && r.PeakBF16GFLOPS > 0 {
 		peak = r.PeakBF16GFLOPS
 	}
 	bw, w := r.ReadGBps*1e9, float64(d.WeightBytes)
@@ -485,14 +504,14 @@ func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts O
 
 // WriteTable prints the result as tables with ratios to the ceilings.
 func (r *Result) WriteTable(w io.Writer) error {
-	fmt.Fprintf(w, "kvbridge bench engine: %s, kernel %s (bfloat16 products: %s), GOMAXPROCS %d\n", r.Model, r.Kernel, r.BF16Products, r.GOMAXPROCS)
+	fmt.Fprintf(w, "kvbridge bench engine: %s, kernel %s (bfloat16 products: %s, int8 products: %s), GOMAXPROCS %d\n", r.Model, r.Kernel, r.BF16Products, r.Int8Products, r.GOMAXPROCS)
 	fmt.Fprintf(w, "ceilings (best of before/after): float32 FMA peak %.1f GFLOP/s, VDPBF16PS peak %.1f GFLOP/s, memory read %.1f GB/s (all cores), memcpy %.1f GB/s (one goroutine)\n",
 		r.PeakGFLOPS, r.PeakBF16GFLOPS, r.ReadGBps, r.MemcpyGBps)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintf(tw, "figure (best of %d runs)\tdtype\tmeasured\tceiling\tratio\t\n", r.Repeat)
 	for _, d := range r.Runs {
 		peakName := "float32 peak"
-		if d.DType == "bfloat16" {
+		if d.DType == "bfloat16" && d.Quantization == "" {
 			peakName = "bf16 peak"
 		}
 		name := d.name()
@@ -523,7 +542,8 @@ func (r *Result) WriteTable(w io.Writer) error {
 	r.writeTargets(w)
 	_, err := fmt.Fprintf(w, "peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2) or VDPBF16PS (× lanes × 4)\n"+
 		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step and sequence\n"+
-		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch\n"+
+		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch (int8 weights: a byte each plus a float32 scale per 32)\n"+
+		"int8 weights' compute is compared with the float32 FMA peak (no VPDPBUSD peak is measured)\n"+
 		"step bound = batch ÷ (max(weight bytes ÷ bandwidth, product FLOPs ÷ dtype peak) + max(KV bytes ÷ bandwidth, attention FLOPs ÷ float32 peak)):\n"+
 		"  each layer's attention waits for its products and its next products for attention; × batch 1 = the step bound ÷ batch 1's measured tok/s\n"+
 		"roofline = batch ÷ max((weight + KV bytes) ÷ bandwidth, all FLOPs ÷ peak): memory and compute fully overlapped\n",

@@ -24,14 +24,15 @@ func newBenchEngineCmd() *cobra.Command {
 		Use:   "engine",
 		Short: "Measure prefill and decode speed of the model against this machine's ceilings",
 		Long: `Prefills a random prompt into a paged KV pool and decodes greedily from it, then decodes
-batches of sequences (one pass over the weights per step for the whole batch), for each --dtype.
+batches of sequences (one pass over the weights per step for the whole batch), for each --dtype
+(and each --kv-cache-dtype and --quantization).
 Prints prefill tokens/s and GFLOP/s against the measured float32 FMA or VDPBF16PS peak, and
 decode tokens/s at each batch size and context against the bound set by batch × memory read
 bandwidth ÷ weight bytes, the one that adds the context's KV reads, and the step bound that
 counts weights, KV reads and compute (each layer's products, then its attention), with what
 that bound allows over batch 1. Ceilings are measured in the same run; quote ratios.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
+		RunE: func(cmd *cobra.Command, _ []string) (err error) {
 			opts.Progress = cmd.ErrOrStderr()
 			if opts.DecodeTokens == 0 {
 				opts.DecodeTokens = -1 // the flag's 0 means none; Options' 0 means the default
@@ -49,6 +50,11 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 			for _, d := range opts.DTypes {
 				if _, err := model.ParseDType(d); err != nil {
 					return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", d)
+				}
+			}
+			for i, q := range opts.Quantizations {
+				if opts.Quantizations[i], err = model.ParseQuantization(q); err != nil {
+					return usageError("--quantization %q: want none or int8", q)
 				}
 			}
 			for _, d := range opts.KVCacheDTypes {
@@ -91,6 +97,7 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 	f.IntVar(&opts.Chunk, "chunk", 0, "prefill chunk size in tokens (0: the whole prompt in one step)")
 	f.IntSliceVar(&opts.Batches, "batch", []int{1, 8, 32}, "batch sizes of the batched decode")
 	f.StringSliceVar(&opts.KVCacheDTypes, "kv-cache-dtype", []string{"auto"}, "KV cache dtypes each dtype is measured with (auto = the dtype's own, float32, bfloat16, fp8, fp8_e4m3, fp8_e5m2)")
+	f.StringSliceVar(&opts.Quantizations, "quantization", []string{"none"}, "weight quantizations each dtype is measured with (none, int8: its bound counts int8 weights plus their scales)")
 	f.IntSliceVar(&opts.DecodeContexts, "decode-context", []int{128}, "contexts of the sequences of the batched decode")
 	f.IntVar(&opts.DecodeSteps, "decode-steps", 16, "timed steps at each batch size")
 	f.IntVar(&opts.BlockSize, "block-size", kvcache.DefaultBlockSize, "KV block size in tokens")

@@ -161,7 +161,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.dtype, "dtype", "auto", "matrix products: auto (the checkpoint's dtype; float32 for built-in models), bfloat16 or float32")
 	fl.StringVar(&f.kvCacheDType, "kv-cache-dtype", "auto", "KV cache values: auto (the model's dtype, as --dtype resolves it), float32, bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2 (one byte a value, scaled by the checkpoint's k_scale/v_scale, else 1.0)")
 	fl.Bool("calculate-kv-scales", false, "FP8 KV scales from the first batch; not supported (the checkpoint's scales, else 1.0, are used)")
-	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization; not supported")
+	fl.StringVarP(&f.quantization, "quantization", "q", "", "weight quantization: int8 (weights quantized at load to int8 in groups of 32, products on int8 activations), or none")
 	f.log.register(fl)
 	// Only whether they were given matters (checkVLLMFlags), so their values are not kept.
 	for _, name := range pythonOnlyFlags {
@@ -187,8 +187,9 @@ func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool)
 		return usageError("--data-parallel-size %d must be at least 1", f.dataParallelSize)
 	case f.maxLogprobs < -1 || f.maxLogprobs == 0:
 		return usageError("--max-logprobs %d must be -1 (the vocabulary) or at least 1", f.maxLogprobs)
-	case f.quantization != "":
-		return usageError("--quantization %s: kvbridge runs the checkpoint's weights (bfloat16 or float32); quantization is not supported", f.quantization)
+	}
+	if _, err := model.ParseQuantization(f.quantization); err != nil {
+		return usageError("--quantization %s: want int8 (or none); checkpoints in other quantized formats are not supported", f.quantization)
 	}
 	if _, err := model.ParseDType(f.dtype); err != nil {
 		return usageError("--dtype %q: want auto, bfloat16 or float32 (float16 is not supported on the CPU)", f.dtype)
@@ -310,6 +311,7 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		Revision:              f.revision,
 		DType:                 f.dtype,
 		KVCacheDType:          f.kvCacheDType,
+		Quantization:          f.quantization,
 		DataParallelSize:      f.dataParallelSize,
 	}
 	return cfg, nil

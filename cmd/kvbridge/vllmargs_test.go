@@ -111,6 +111,9 @@ func TestServeVLLMFlags(t *testing.T) {
 	if !cfg.DisableLogStats || !cfg.ForceIncludeUsage || !cfg.PromptTokensDetails || cfg.MaxLogprobs != 5 {
 		t.Errorf("config: %+v", cfg)
 	}
+	if f, _ := parse("-q", "int8"); func() string { c, _ := f.instanceConfig(slog.New(slog.DiscardHandler)); return c.Quantization }() != "int8" {
+		t.Error("-q int8 does not reach the instance's config")
+	}
 	if f, _ := parse(); func() bool { c, _ := f.instanceConfig(slog.New(slog.DiscardHandler)); return c.PromptTokensDetails }() {
 		t.Error("prompt tokens details on by default (vLLM has them off)")
 	}

@@ -17,7 +17,7 @@ const module = "github.com/kvbridge/kvbridge/"
 // test, so that a new package is placed in the table before it lands.
 var allowed = map[string][]string{
 	// command
-	"cmd/kvbridge": {"bench/bidibench", "bench/enginebench", "bench/multiturn", "bench/pdbench", "bench/soak",
+	"cmd/kvbridge": {"bench/bidibench", "bench/enginebench", "bench/multiturn", "bench/pdbench", "bench/quality", "bench/soak",
 		"bench/xferbench", "check", "demo", "conversation", "instance", "proxy", "connector", "openai", "engine",
 		"kvcache", "model", "transfer", "internal/buildinfo"},
 	// runs
@@ -27,6 +27,7 @@ var allowed = map[string][]string{
 	"bench/pdbench":     {"stack", "apiclient", "stats", "instance", "netns", "proxy", "model", "kvcache", "engine", "model/kernel"},
 	"bench/soak":        {"stack", "apiclient", "faultproxy", "connector", "instance", "proxy", "model"},
 	"bench/enginebench": {"model", "model/kernel", "kvcache", "stack", "internal/procmem"},
+	"bench/quality":     {"model", "model/kernel", "kvcache", "stack"},
 	"bench/xferbench":   {"transfer", "stats"},
 	"bench/multiturn":   {"apiclient", "stats", "model", "model/tokenizer", "plot"},
 	// workload

@@ -16,9 +16,12 @@ const (
 	BF16
 	// F16 stores IEEE 754 half-precision weights (2 bytes each).
 	F16
+	// I8 stores int8 weights with a float32 scale per group of Int8Group inputs (see
+	// NewLinearInt8From).
+	I8
 )
 
-// String returns "float32", "bfloat16" or "float16".
+// String returns "float32", "bfloat16", "float16" or "int8".
 func (d DType) String() string {
 	switch d {
 	case F32:
@@ -27,14 +30,19 @@ func (d DType) String() string {
 		return "bfloat16"
 	case F16:
 		return "float16"
+	case I8:
+		return "int8"
 	}
 	return fmt.Sprintf("DType(%d)", uint8(d))
 }
 
-// Size returns the bytes of one weight.
+// Size returns the bytes of one weight (without an I8 Linear's scales).
 func (d DType) Size() int {
-	if d == F32 {
+	switch d {
+	case F32:
 		return 4
+	case I8:
+		return 1
 	}
 	return 2
 }

@@ -17,7 +17,8 @@ const panelWidth = 64
 //   - F32: panel p holds in rows of 64 floats: W[p*64+j][k] at w[p*in*64 + k*64 + j];
 //   - BF16: panel p holds ceil(in/2) rows of 64 pairs: W[p*64+j][k] at
 //     h[p*kp*128 + (k/2)*128 + 2j + k%2] (kp = ceil(in/2)), the pair of an odd in padded with 0;
-//   - F16: panel p holds in rows of 64 halves: W[p*64+j][k] at h[p*in*64 + k*64 + j].
+//   - F16: panel p holds in rows of 64 halves: W[p*64+j][k] at h[p*in*64 + k*64 + j];
+//   - I8: int8 values with a float32 scale per group of 32 inputs (see int8.go).
 //
 // Widening a bfloat16 or float16 weight to float32 is exact, so a Linear computes the same
 // bits whatever its storage holds the same values in.
@@ -25,9 +26,10 @@ type Linear struct {
 	out, in int
 	panels  int // ceil(out / panelWidth)
 	dtype   DType
-	bf16Dot bool      // BF16 weights times bfloat16-rounded activations (NewLinearBF16Dot)
-	w       []float32 // F32 panels
-	h       []uint16  // BF16 or F16 panels
+	bf16Dot bool         // BF16 weights times bfloat16-rounded activations (NewLinearBF16Dot)
+	w       []float32    // F32 panels
+	h       []uint16     // BF16 or F16 panels
+	i8      *int8Weights // I8 panels and scales (NewLinearInt8From)
 	pool    *Pool
 	impl    *impl
 }
@@ -109,8 +111,13 @@ func (l *Linear) panel16Len() int {
 func (l *Linear) DType() DType { return l.dtype }
 
 // Bytes returns the bytes of the out × in weights in their storage type (without the panels'
-// padding): what one pass over the matrix reads from memory.
-func (l *Linear) Bytes() int64 { return int64(l.out) * int64(l.in) * int64(l.dtype.Size()) }
+// padding; an I8 Linear's scales included): what one pass over the matrix reads from memory.
+func (l *Linear) Bytes() int64 {
+	if l.i8 != nil {
+		return l.int8Bytes()
+	}
+	return int64(l.out) * int64(l.in) * int64(l.dtype.Size())
+}
 
 // Row writes row n of W (the weights of output n), widened to float32, into dst (len ≥ in):
 // a tied embedding's lookup reads the lm_head Linear this way. It panics if n is out of range.
@@ -136,6 +143,8 @@ func (l *Linear) Row(n int, dst []float32) {
 		for k := range dst {
 			dst[k] = F16ToF32(h[k*panelWidth+j])
 		}
+	case I8:
+		l.int8Row(n, dst)
 	}
 }
 
@@ -220,6 +229,10 @@ func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows
 	}
 	if l.bf16Dot {
 		l.applyBF16Dot(dst, ldc, x, lda, rows)
+		return
+	}
+	if l.i8 != nil {
+		l.applyInt8(dst, ldc, x, lda, rows)
 		return
 	}
 	s := l.schedule(rows)
