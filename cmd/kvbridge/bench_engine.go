@@ -1,7 +1,6 @@
 package main
 
 import (
-	"fmt"
 	"os"
 
 	"github.com/spf13/cobra"
@@ -77,16 +76,7 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 			if err != nil {
 				return err
 			}
-			if err := r.WriteTable(cmd.OutOrStdout()); err != nil {
-				return err
-			}
-			if jsonPath != "" {
-				if err := r.WriteJSON(jsonPath); err != nil {
-					return err
-				}
-				fmt.Fprintf(cmd.ErrOrStderr(), "wrote %s\n", jsonPath)
-			}
-			return nil
+			return writeBenchReport(cmd, r, jsonPath)
 		},
 	}
 	f := cmd.Flags()

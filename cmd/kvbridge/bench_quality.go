@@ -1,7 +1,6 @@
 package main
 
 import (
-	"fmt"
 	"strings"
 
 	"github.com/spf13/cobra"
@@ -75,16 +74,7 @@ itself does not run.`,
 			if err != nil {
 				return err
 			}
-			if err := r.WriteTable(cmd.OutOrStdout()); err != nil {
-				return err
-			}
-			if jsonPath != "" {
-				if err := r.WriteJSON(jsonPath); err != nil {
-					return err
-				}
-				fmt.Fprintf(cmd.ErrOrStderr(), "wrote %s\n", jsonPath)
-			}
-			return nil
+			return writeBenchReport(cmd, r, jsonPath)
 		},
 	}
 	f := cmd.Flags()
