@@ -90,25 +90,41 @@ func (f FP8) FromF32(x float32) uint8 {
 }
 
 // FP8Table is the dequantization of a KV cache in one format with one scale: code b stands for
-// f.ToF32(b)·scale, rounded once to float32 (exact for scale 1). It holds the 256 values for
-// the portable path, which looks them up; the AVX-512 kernel computes them (the same bits).
+// f.ToF32(b)·scale, rounded once to float32 (exact for scale 1). The widening kernels read its
+// values (portable Go), its values' bytes (AVX-512 VBMI) or compute them (AVX-512F): the same
+// bits.
 type FP8Table struct {
 	format FP8
 	scale  float32
 	vals   [256]float32
+	// planes[k][b] is byte k of vals[b], b < 0x80; mirrored reports that vals[b|0x80] is
+	// vals[b] with its sign bit flipped for every b, as IEEE multiplication gives unless the
+	// scale is a NaN: then the planes are not used.
+	planes   [4][128]uint8
+	mirrored bool
 }
 
 // NewFP8Table returns the table of format f with scale.
 func NewFP8Table(f FP8, scale float32) *FP8Table {
-	t := &FP8Table{format: f, scale: scale}
+	t := &FP8Table{format: f, scale: scale, mirrored: true}
 	for b := range t.vals {
 		t.vals[b] = f.ToF32(uint8(b)) * scale
+	}
+	for b := range 128 {
+		bits := math.Float32bits(t.vals[b])
+		for k := range t.planes {
+			t.planes[k][b] = uint8(bits >> (8 * k))
+		}
+		if math.Float32bits(t.vals[b|0x80]) != bits^1<<31 {
+			t.mirrored = false
+		}
 	}
 	return t
 }
 
 // WidenFP8 writes the dequantized values of the FP8 codes src into dst (len ≥ len(src)): with
-// AVX-512, 16 codes an instruction sequence; else a table lookup a code.
+// AVX-512 VBMI, 64 codes a byte-table lookup and interleave; with AVX-512F, 16 codes computed
+// at a time; else a table lookup a code.
 func WidenFP8(dst []float32, src []uint8, t *FP8Table) {
 	widenFP8(dst[:len(src)], src, t)
 }

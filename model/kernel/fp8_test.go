@@ -85,17 +85,17 @@ func TestFP8Slices(t *testing.T) {
 // fp8Scales are the scales the kernels are checked with: exact ones, non-powers of two, ones
 // whose products are float32 subnormals (or underflow to zero) or overflow to infinity, and a
 // negative one.
-var fp8Scales = []float32{1, 0.037, 4, 0.3, 1.7e-38, 1e-42, 3e-30, 2.5e36, -0.75, 1.0 / 3}
+var fp8Scales = []float32{1, 0.037, 4, 0.3, 1.7e-38, 1e-42, 3e-30, 2.5e36, -0.75, 1.0 / 3, float32(math.NaN())}
 
-// TestWidenFP8Kernels checks WidenFP8 (the AVX-512 kernel where the CPU has it) against the
-// portable table lookup, bit for bit, for all 256 codes of both formats times every scale —
-// subnormal codes, ±0, the largest finite values, E5M2's infinities and both formats' NaNs —
-// and for random codes at every length up to 70 (the kernel's 64-, 16- and masked tail steps),
-// leaving dst past len(src) untouched.
+// TestWidenFP8Kernels checks every widening kernel the CPU has (and WidenFP8's choice) against
+// the portable table lookup, bit for bit, for all 256 codes of both formats times every scale —
+// subnormal codes, ±0, the largest finite values, E5M2's infinities and both formats' NaNs,
+// subnormal, infinite and NaN products — and for random codes at every length up to 70 (the
+// kernels' 64-, 16-code and masked tail steps), leaving dst past len(src) untouched.
 func TestWidenFP8Kernels(t *testing.T) {
-	if !hasFP8Asm() {
-		t.Log("no AVX-512: WidenFP8 is the portable path itself")
-	}
+	ks := fp8Widens()
+	ks["WidenFP8"] = WidenFP8
+	t.Logf("kernels: %d (generic, WidenFP8 and those of this CPU)", len(ks))
 	r := rand.New(rand.NewPCG(7, 8))
 	all := make([]uint8, 256)
 	for i := range all {
@@ -104,18 +104,26 @@ func TestWidenFP8Kernels(t *testing.T) {
 	check := func(format FP8, scale float32, src []uint8) {
 		t.Helper()
 		tab := NewFP8Table(format, scale)
-		got, want := make([]float32, len(src)+1), make([]float32, len(src)+1)
-		got[len(src)] = 7
-		WidenFP8(got, src, tab)
-		widenFP8Generic(want, src, tab)
+		want := make([]float32, len(src))
 		for i, b := range src {
-			if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
-				t.Fatalf("%v scale %g, %d codes: code %#02x at %d widened to %08x, the table holds %08x",
-					format, scale, len(src), b, i, math.Float32bits(got[i]), math.Float32bits(want[i]))
-			}
+			want[i] = tab.vals[b]
 		}
-		if got[len(src)] != 7 {
-			t.Fatalf("%v: %d codes: wrote past len(src)", format, len(src))
+		for name, widen := range ks {
+			if name == "vbmi" && !tab.mirrored {
+				continue
+			}
+			got := make([]float32, len(src)+1)
+			got[len(src)] = 7
+			widen(got, src, tab)
+			for i, b := range src {
+				if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+					t.Fatalf("%s, %v scale %g, %d codes: code %#02x at %d widened to %08x, the table holds %08x",
+						name, format, scale, len(src), b, i, math.Float32bits(got[i]), math.Float32bits(want[i]))
+				}
+			}
+			if got[len(src)] != 7 {
+				t.Fatalf("%s, %v: %d codes: wrote past len(src)", name, format, len(src))
+			}
 		}
 	}
 	for _, format := range []FP8{E4M3, E5M2} {
