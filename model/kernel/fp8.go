@@ -123,8 +123,8 @@ func NewFP8Table(f FP8, scale float32) *FP8Table {
 }
 
 // WidenFP8 writes the dequantized values of the FP8 codes src into dst (len ≥ len(src)): with
-// AVX-512 VBMI, 64 codes a byte-table lookup and interleave; with AVX-512F, 16 codes computed
-// at a time; else a table lookup a code.
+// AVX-512 VBMI, 64 codes at a time looked up in t's bytes; with AVX-512F, 16 codes at a time
+// computed; else a table lookup a code.
 func WidenFP8(dst []float32, src []uint8, t *FP8Table) {
 	widenFP8(dst[:len(src)], src, t)
 }
@@ -148,7 +148,7 @@ func widenFP8Generic(dst []float32, src []uint8, t *FP8Table) {
 
 // NarrowFP8 writes the FP8 codes of src divided by scale into dst (len ≥ len(src)), each
 // quotient saturated and rounded as FromF32 does: vLLM's quantization of a KV cache entry
-// (x / k_scale, then the cast). With AVX-512 it converts 16 values an instruction sequence.
+// (x / k_scale, then the cast). With AVX-512, 16 values at a time.
 func NarrowFP8(dst []uint8, src []float32, f FP8, scale float32) {
 	narrowFP8(dst[:len(src)], src, f, scale)
 }
