@@ -61,8 +61,8 @@ func widenFP8Computed(dst []float32, src []uint8, t *FP8Table) {
 	k(&dst[0], &src[0], len(src), t.scale)
 }
 
-// fp8Widens lists the widening kernels usable here, portable Go first (for tests; the VBMI
-// one only for mirrored tables).
+// fp8Widens names the widening kernels usable here, portable Go among them (for tests; "vbmi"
+// takes mirrored tables only).
 func fp8Widens() map[string]func(dst []float32, src []uint8, t *FP8Table) {
 	ks := map[string]func(dst []float32, src []uint8, t *FP8Table){"generic": widenFP8Generic}
 	if hasFP8Asm() {
