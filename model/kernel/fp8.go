@@ -89,40 +89,72 @@ func (f FP8) FromF32(x float32) uint8 {
 	return sign | uint8(b>>shift)
 }
 
-// FP8Table holds the float32 value of each of the 256 FP8 codes of one format times one scale:
-// a KV cache's dequantization, a table lookup per value.
-type FP8Table [256]float32
+// FP8Table is the dequantization of a KV cache in one format with one scale: code b stands for
+// f.ToF32(b)·scale, rounded once to float32 (exact for scale 1). The widening kernels read its
+// values (portable Go), its values' bytes (AVX-512 VBMI) or compute them (AVX-512F): the same
+// bits.
+type FP8Table struct {
+	format FP8
+	scale  float32
+	vals   [256]float32
+	// planes[k][b] is byte k of vals[b], b < 0x80; mirrored reports that vals[b|0x80] is
+	// vals[b] with its sign bit flipped for every b, as IEEE multiplication gives unless the
+	// scale is a NaN: then the planes are not used.
+	planes   [4][128]uint8
+	mirrored bool
+}
 
-// NewFP8Table returns the table of format f with scale: entry b is f.ToF32(b)·scale, rounded
-// once to float32 (exact for scale 1).
+// NewFP8Table returns the table of format f with scale.
 func NewFP8Table(f FP8, scale float32) *FP8Table {
-	t := new(FP8Table)
-	for b := range t {
-		t[b] = f.ToF32(uint8(b)) * scale
+	t := &FP8Table{format: f, scale: scale, mirrored: true}
+	for b := range t.vals {
+		t.vals[b] = f.ToF32(uint8(b)) * scale
+	}
+	for b := range 128 {
+		bits := math.Float32bits(t.vals[b])
+		for k := range t.planes {
+			t.planes[k][b] = uint8(bits >> (8 * k))
+		}
+		if math.Float32bits(t.vals[b|0x80]) != bits^1<<31 {
+			t.mirrored = false
+		}
 	}
 	return t
 }
 
-// WidenFP8 writes the dequantized values of the FP8 codes src into dst (len ≥ len(src)), eight
-// codes a load (1.4 times as fast as one at a time, measured).
+// WidenFP8 writes the dequantized values of the FP8 codes src into dst (len ≥ len(src)): with
+// AVX-512 VBMI, 64 codes at a time looked up in t's bytes; with AVX-512F, 16 codes at a time
+// computed; else a table lookup a code.
 func WidenFP8(dst []float32, src []uint8, t *FP8Table) {
+	widenFP8(dst[:len(src)], src, t)
+}
+
+// widenFP8Generic is WidenFP8 in portable Go, eight codes a load (1.4 times as fast as one at a
+// time, measured).
+func widenFP8Generic(dst []float32, src []uint8, t *FP8Table) {
 	dst = dst[:len(src)]
+	v := &t.vals
 	i := 0
 	for ; i+8 <= len(src); i += 8 {
 		w := binary.LittleEndian.Uint64(src[i:])
 		d := dst[i : i+8 : i+8]
-		d[0], d[1], d[2], d[3] = t[uint8(w)], t[uint8(w>>8)], t[uint8(w>>16)], t[uint8(w>>24)]
-		d[4], d[5], d[6], d[7] = t[uint8(w>>32)], t[uint8(w>>40)], t[uint8(w>>48)], t[uint8(w>>56)]
+		d[0], d[1], d[2], d[3] = v[uint8(w)], v[uint8(w>>8)], v[uint8(w>>16)], v[uint8(w>>24)]
+		d[4], d[5], d[6], d[7] = v[uint8(w>>32)], v[uint8(w>>40)], v[uint8(w>>48)], v[uint8(w>>56)]
 	}
 	for ; i < len(src); i++ {
-		dst[i] = t[src[i]]
+		dst[i] = v[src[i]]
 	}
 }
 
 // NarrowFP8 writes the FP8 codes of src divided by scale into dst (len ≥ len(src)), each
 // quotient saturated and rounded as FromF32 does: vLLM's quantization of a KV cache entry
-// (x / k_scale, then the cast).
+// (x / k_scale, then the cast). With AVX-512, 16 values at a time.
 func NarrowFP8(dst []uint8, src []float32, f FP8, scale float32) {
+	narrowFP8(dst[:len(src)], src, f, scale)
+}
+
+// narrowFP8Generic is NarrowFP8 in portable Go.
+func narrowFP8Generic(dst []uint8, src []float32, f FP8, scale float32) {
 	dst = dst[:len(src)]
 	for i, x := range src {
 		dst[i] = f.FromF32(x / scale)
