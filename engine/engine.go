@@ -38,6 +38,15 @@ type Config struct {
 	Connector Connector
 	// Observer receives per-request metrics; nil = none.
 	Observer Observer
+	// KVEvents receives the pool's prefix-cache events (kvcache.Pool.TakeEvents) once per step
+	// when set; the pool must record them (kvcache.PoolConfig.RecordEvents). nil = none.
+	KVEvents KVEventSink
+}
+
+// KVEventSink takes the KV cache events of one engine step, oldest first, on the step loop: it
+// must not block (a publisher queues them and drops the oldest when it falls behind).
+type KVEventSink interface {
+	PublishKVEvents(events []kvcache.Event)
 }
 
 // KVGeometry returns the KV block geometry of m's layers with blockSize tokens per block, in the
@@ -642,8 +651,14 @@ func (e *Engine) shutdown(now time.Time) {
 	e.publish()
 }
 
-// publish stores the scheduler's counters for Stats.
+// publish stores the scheduler's counters for Stats and hands the step's KV cache events to
+// the sink.
 func (e *Engine) publish() {
+	if e.cfg.KVEvents != nil {
+		if evs := e.pool.TakeEvents(); len(evs) > 0 {
+			e.cfg.KVEvents.PublishKVEvents(evs)
+		}
+	}
 	s := e.sched.Stats()
 	e.statsMu.Lock()
 	e.stats = Stats{
