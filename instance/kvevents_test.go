@@ -1,0 +1,347 @@
+package instance
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os/exec"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/kvevents"
+	"github.com/kvbridge/kvbridge/model"
+)
+
+// subscriberScript is the independent subscriber: Python, written from vLLM's schema.
+const subscriberScript = "../kvevents/testdata/kv_events_subscriber.py"
+
+// pyEvent is an event as the subscriber prints it: vLLM's field names.
+type pyEvent struct {
+	Type        string   `json:"type"`
+	BlockHashes []uint64 `json:"block_hashes"`
+	Parent      *uint64  `json:"parent_block_hash"`
+	TokenIDs    []int32  `json:"token_ids"`
+	BlockSize   int      `json:"block_size"`
+	LoraID      *int     `json:"lora_id"`
+	Medium      *string  `json:"medium"`
+	LoraName    *string  `json:"lora_name"`
+}
+
+// pyBatch is a KVEventBatch as the subscriber prints it.
+type pyBatch struct {
+	TS     float64   `json:"ts"`
+	Rank   *int      `json:"rank"`
+	Events []pyEvent `json:"events"`
+}
+
+// pySeqBatch is a batch with its sequence number.
+type pySeqBatch struct {
+	Seq   uint64  `json:"seq"`
+	Batch pyBatch `json:"batch"`
+}
+
+// pyLine is one line of the subscriber's output.
+type pyLine struct {
+	Ready *struct {
+		Port int `json:"port"`
+	} `json:"ready"`
+	Live *struct {
+		Topic string `json:"topic"`
+		pySeqBatch
+	} `json:"live"`
+	Replay *struct {
+		Start   uint64       `json:"start"`
+		Batches []pySeqBatch `json:"batches"`
+	} `json:"replay"`
+	Error string `json:"error"`
+}
+
+// pythonWithZMQ returns a Python interpreter that has pyzmq and msgpack, or skips the test.
+func pythonWithZMQ(t *testing.T) string {
+	for _, py := range []string{"python3", "/usr/bin/python3"} {
+		if exec.Command(py, "-c", "import zmq, msgpack").Run() == nil {
+			return py
+		}
+	}
+	t.Skip("no python3 with zmq and msgpack (Debian: apt-get install python3-zmq python3-msgpack): the independent subscriber cannot run")
+	return ""
+}
+
+// subscriber runs the Python subscriber, bound on a free loopback port.
+type subscriber struct {
+	t     *testing.T
+	lines chan pyLine
+	stdin interface{ Write([]byte) (int, error) }
+	port  int
+}
+
+func startSubscriber(t *testing.T, topic string) *subscriber {
+	py := pythonWithZMQ(t)
+	cmd := exec.Command(py, subscriberScript, "--bind", "tcp://127.0.0.1", "--topic", topic)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stderr = &testWriter{t}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	s := &subscriber{t: t, lines: make(chan pyLine, 1024), stdin: stdin}
+	go func() {
+		defer close(s.lines)
+		sc := bufio.NewScanner(stdout)
+		sc.Buffer(nil, 64<<20)
+		for sc.Scan() {
+			var l pyLine
+			if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
+				l.Error = fmt.Sprintf("unparsable line %q: %v", sc.Text(), err)
+			}
+			s.lines <- l
+		}
+	}()
+	t.Cleanup(func() {
+		stdin.Close() // EOF: the subscriber exits
+		if err := cmd.Wait(); err != nil {
+			t.Errorf("subscriber: %v", err)
+		}
+	})
+	l := s.next(time.Minute)
+	if l.Ready == nil {
+		t.Fatalf("subscriber's first line %+v, want ready", l)
+	}
+	s.port = l.Ready.Port
+	return s
+}
+
+// next returns the subscriber's next line, failing on an error line or after d.
+func (s *subscriber) next(d time.Duration) pyLine {
+	s.t.Helper()
+	select {
+	case l, ok := <-s.lines:
+		if !ok {
+			s.t.Fatal("the subscriber exited")
+		}
+		if l.Error != "" {
+			s.t.Fatalf("subscriber: %s", l.Error)
+		}
+		return l
+	case <-time.After(d):
+		s.t.Fatalf("no line from the subscriber within %v", d)
+	}
+	return pyLine{}
+}
+
+// testWriter logs a child's stderr.
+type testWriter struct{ t *testing.T }
+
+func (w *testWriter) Write(p []byte) (int, error) {
+	w.t.Logf("subscriber stderr: %s", p)
+	return len(p), nil
+}
+
+// TestKVEventsToIndependentSubscriber runs an engine with --kv-events-config whose PUB socket
+// connects to a Python subscriber written from vLLM's schema, drives the prefix cache through
+// stores, a prefix hit that extends a chain, eviction by a request that needs the whole pool,
+// and preemption, and checks: every batch decodes by vLLM's schema with data_parallel_rank 0;
+// the stores of known prompts carry vLLM's external hashes of their chains, their parents and
+// tokens; the evicted blocks are removed; a consumer that applies the whole stream (replayed
+// from sequence 0 by an anonymous DEALER) knows exactly as many blocks as the pool caches; and
+// the live batches are the replayed ones.
+func TestKVEventsToIndependentSubscriber(t *testing.T) {
+	sub := startSubscriber(t, "kvbridge")
+	evCfg, err := kvevents.ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq",
+		"endpoint": "tcp://127.0.0.1:%d", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kvbridge"}`, sub.port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const bs, blocks = 4, 64
+	in, _, err := start(t, Config{NumBlocks: blocks, BlockSize: bs, PrefixCaching: true, KVEvents: &evCfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pub := in.Ranks[0].KVEvents
+	hc := &http.Client{}
+	defer hc.CloseIdleConnections()
+	ids := func(from, n int) []int32 {
+		out := make([]int32, n)
+		for i := range out {
+			out[i] = int32(from + i)
+		}
+		return out
+	}
+	run := func(prompt []int32, maxTokens int) {
+		t.Helper()
+		complete(t, hc, in, map[string]any{"model": model.Tiny, "prompt": prompt, "max_tokens": maxTokens, "ignore_eos": true, "temperature": 0})
+	}
+
+	// The subscription reaches the engine some time after it connects: warm up with one-block
+	// prompts until a batch arrives (a poll with a deadline; the replay below gets what was
+	// missed).
+	var live []pySeqBatch
+	deadline := time.Now().Add(time.Minute)
+	for i := 0; len(live) == 0; i++ {
+		if time.Now().After(deadline) {
+			t.Fatal("no batch reached the subscriber")
+		}
+		run(ids(3000+8*i, 5), 1)
+		select {
+		case l := <-sub.lines:
+			if l.Error != "" || l.Live == nil {
+				t.Fatalf("subscriber: %+v", l)
+			}
+			live = append(live, l.Live.pySeqBatch)
+		case <-time.After(100 * time.Millisecond): // a poll interval
+		}
+	}
+
+	a := ids(1000, 10) // two full blocks
+	run(a, 1)
+	a3 := append(slices.Clone(a[:8]), ids(2000, 8)...) // hits a's two blocks, stores two more
+	run(a3, 1)
+	b := ids(100, 240) // needs 61 of the 64 blocks: evicts cached ones
+	run(b, 1)
+	for try := 0; try < 5 && in.Engine.Stats().Preemptions == 0; try++ {
+		complete(t, hc, in, map[string]any{"model": model.Tiny, "prompt": "Grow until the pool is short.", "max_tokens": 100,
+			"ignore_eos": true, "n": 3, "temperature": 1, "seed": try})
+	}
+	if in.Engine.Stats().Preemptions == 0 {
+		t.Fatal("no preemption: the pool is too large for this test")
+	}
+
+	// A last prompt's store, once it arrives live, follows every earlier event (batches are
+	// sent in order, and the requests before it had finished). Then replay everything from 0.
+	sentinel := ids(3900, 5)
+	run(sentinel, 1)
+	last := kvevents.ExternalHash(kvcache.ChainHashes(sentinel, bs)[0])
+	var total uint64
+	for total == 0 {
+		l := sub.next(time.Minute)
+		if l.Live == nil {
+			t.Fatalf("subscriber: %+v", l)
+		}
+		live = append(live, l.Live.pySeqBatch)
+		for _, e := range l.Live.Batch.Events {
+			if e.Type == "BlockStored" && slices.Contains(e.BlockHashes, last) {
+				total = l.Live.Seq + 1
+			}
+		}
+	}
+	if _, err := fmt.Fprintf(sub.stdin, "replay 0 tcp://%s\n", pub.ReplayAddr()); err != nil {
+		t.Fatal(err)
+	}
+	var replayed []pySeqBatch
+	for replayed == nil {
+		l := sub.next(time.Minute)
+		switch {
+		case l.Live != nil:
+			live = append(live, l.Live.pySeqBatch)
+		case l.Replay != nil:
+			replayed = l.Replay.Batches
+			if replayed == nil {
+				t.Fatal("empty replay")
+			}
+		}
+	}
+	if uint64(len(replayed)) < total {
+		t.Fatalf("replayed %d batches, %d were sent", len(replayed), total)
+	}
+	for i, r := range replayed {
+		if r.Seq != uint64(i) {
+			t.Fatalf("replayed batch %d has sequence %d", i, r.Seq)
+		}
+		if r.Batch.Rank == nil || *r.Batch.Rank != 0 {
+			t.Fatalf("batch %d: data_parallel_rank %v, want 0", i, r.Batch.Rank)
+		}
+	}
+	// The live batches are the replayed ones, in order with no gap after the first.
+	for i, l := range live {
+		if i > 0 && l.Seq != live[i-1].Seq+1 {
+			t.Fatalf("live sequence %d after %d", l.Seq, live[i-1].Seq)
+		}
+		if l.Seq >= uint64(len(replayed)) {
+			continue
+		}
+		got, _ := json.Marshal(l.Batch)
+		want, _ := json.Marshal(replayed[l.Seq].Batch)
+		if string(got) != string(want) {
+			t.Fatalf("live batch %d %s, replayed %s", l.Seq, got, want)
+		}
+	}
+
+	// Apply the stream as a consumer would.
+	cached := map[uint64]bool{}
+	var stores []pyEvent
+	removed := map[uint64]bool{}
+	for _, r := range replayed {
+		for _, e := range r.Batch.Events {
+			switch e.Type {
+			case "BlockStored":
+				if e.BlockSize != bs || len(e.TokenIDs) != bs*len(e.BlockHashes) || e.LoraID != nil || e.LoraName != nil ||
+					e.Medium == nil || *e.Medium != "GPU" {
+					t.Fatalf("seq %d: store %+v", r.Seq, e)
+				}
+				if e.Parent != nil && !cached[*e.Parent] {
+					t.Fatalf("seq %d: store under parent %#x, which the consumer does not know", r.Seq, *e.Parent)
+				}
+				for _, h := range e.BlockHashes {
+					if cached[h] {
+						t.Fatalf("seq %d: %#x stored twice", r.Seq, h)
+					}
+					cached[h] = true
+				}
+				stores = append(stores, e)
+			case "BlockRemoved":
+				for _, h := range e.BlockHashes {
+					if !cached[h] {
+						t.Fatalf("seq %d: %#x removed but not stored", r.Seq, h)
+					}
+					delete(cached, h)
+					removed[h] = true
+				}
+			default:
+				t.Fatalf("seq %d: unexpected %s", r.Seq, e.Type)
+			}
+		}
+	}
+	if len(cached) != in.Pool.NumCached() {
+		t.Errorf("the consumer knows %d cached blocks, the pool caches %d", len(cached), in.Pool.NumCached())
+	}
+	ext := func(tokens []int32) []uint64 {
+		var out []uint64
+		for _, h := range kvcache.ChainHashes(tokens, bs) {
+			out = append(out, kvevents.ExternalHash(h))
+		}
+		return out
+	}
+	find := func(hashes []uint64) *pyEvent {
+		for i := range stores {
+			if slices.Equal(stores[i].BlockHashes, hashes) {
+				return &stores[i]
+			}
+		}
+		return nil
+	}
+	ha, ha3 := ext(a), ext(a3)
+	if e := find(ha); e == nil || e.Parent != nil || !slices.Equal(e.TokenIDs, a[:8]) {
+		t.Errorf("store of a's two blocks from the root: %+v", e)
+	}
+	if e := find(ha3[2:4]); e == nil || e.Parent == nil || *e.Parent != ha[1] || !slices.Equal(e.TokenIDs, a3[8:16]) {
+		t.Errorf("store of a3's two new blocks under a's second: %+v", e)
+	}
+	if e := find(ext(b)); e == nil || !slices.Equal(e.TokenIDs, b) {
+		t.Errorf("store of b's 60 blocks: %+v", e)
+	}
+	if !removed[ha[0]] && !removed[ha[1]] && !removed[ha3[2]] && !removed[ha3[3]] {
+		t.Error("b needed the whole pool, yet no block of a or a3 was removed")
+	}
+	if d := pub.Dropped(); d != 0 {
+		t.Errorf("%d batches dropped", d)
+	}
+}
