@@ -78,7 +78,7 @@ var pythonOnlyFlags = []string{
 	"data-parallel-backend", "data-parallel-address", "data-parallel-rpc-port", "data-parallel-size-local",
 	"data-parallel-rank", "data-parallel-start-rank", "max-parallel-loading-workers", "tokenizer-mode",
 	"root-path", "middleware", "allowed-origins", "allowed-methods", "allowed-headers",
-	"max-log-len", "kv-events-config",
+	"max-log-len",
 }
 
 // pythonOnlyBools are the boolean flags of the same kind.
