@@ -1,150 +1,18 @@
 package instance
 
 import (
-	"bufio"
 	"encoding/json"
 	"fmt"
 	"net/http"
-	"os/exec"
 	"slices"
 	"testing"
 	"time"
 
+	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/kvevents"
 	"github.com/kvbridge/kvbridge/model"
 )
-
-// subscriberScript is the independent subscriber: Python, written from vLLM's schema.
-const subscriberScript = "../kvevents/testdata/kv_events_subscriber.py"
-
-// pyEvent is an event as the subscriber prints it: vLLM's field names.
-type pyEvent struct {
-	Type        string   `json:"type"`
-	BlockHashes []uint64 `json:"block_hashes"`
-	Parent      *uint64  `json:"parent_block_hash"`
-	TokenIDs    []int32  `json:"token_ids"`
-	BlockSize   int      `json:"block_size"`
-	LoraID      *int     `json:"lora_id"`
-	Medium      *string  `json:"medium"`
-	LoraName    *string  `json:"lora_name"`
-}
-
-// pyBatch is a KVEventBatch as the subscriber prints it.
-type pyBatch struct {
-	TS     float64   `json:"ts"`
-	Rank   *int      `json:"rank"`
-	Events []pyEvent `json:"events"`
-}
-
-// pySeqBatch is a batch with its sequence number.
-type pySeqBatch struct {
-	Seq   uint64  `json:"seq"`
-	Batch pyBatch `json:"batch"`
-}
-
-// pyLine is one line of the subscriber's output.
-type pyLine struct {
-	Ready *struct {
-		Port int `json:"port"`
-	} `json:"ready"`
-	Live *struct {
-		Topic string `json:"topic"`
-		pySeqBatch
-	} `json:"live"`
-	Replay *struct {
-		Start   uint64       `json:"start"`
-		Batches []pySeqBatch `json:"batches"`
-	} `json:"replay"`
-	Error string `json:"error"`
-}
-
-// pythonWithZMQ returns a Python interpreter that has pyzmq and msgpack, or skips the test.
-func pythonWithZMQ(t *testing.T) string {
-	for _, py := range []string{"python3", "/usr/bin/python3"} {
-		if exec.Command(py, "-c", "import zmq, msgpack").Run() == nil {
-			return py
-		}
-	}
-	t.Skip("no python3 with zmq and msgpack (Debian: apt-get install python3-zmq python3-msgpack): the independent subscriber cannot run")
-	return ""
-}
-
-// subscriber runs the Python subscriber, bound on a free loopback port.
-type subscriber struct {
-	t     *testing.T
-	lines chan pyLine
-	stdin interface{ Write([]byte) (int, error) }
-	port  int
-}
-
-func startSubscriber(t *testing.T, topic string) *subscriber {
-	py := pythonWithZMQ(t)
-	cmd := exec.Command(py, subscriberScript, "--bind", "tcp://127.0.0.1", "--topic", topic)
-	stdin, err := cmd.StdinPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stderr = &testWriter{t}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	s := &subscriber{t: t, lines: make(chan pyLine, 1024), stdin: stdin}
-	go func() {
-		defer close(s.lines)
-		sc := bufio.NewScanner(stdout)
-		sc.Buffer(nil, 64<<20)
-		for sc.Scan() {
-			var l pyLine
-			if err := json.Unmarshal(sc.Bytes(), &l); err != nil {
-				l.Error = fmt.Sprintf("unparsable line %q: %v", sc.Text(), err)
-			}
-			s.lines <- l
-		}
-	}()
-	t.Cleanup(func() {
-		stdin.Close() // EOF: the subscriber exits
-		if err := cmd.Wait(); err != nil {
-			t.Errorf("subscriber: %v", err)
-		}
-	})
-	l := s.next(time.Minute)
-	if l.Ready == nil {
-		t.Fatalf("subscriber's first line %+v, want ready", l)
-	}
-	s.port = l.Ready.Port
-	return s
-}
-
-// next returns the subscriber's next line, failing on an error line or after d.
-func (s *subscriber) next(d time.Duration) pyLine {
-	s.t.Helper()
-	select {
-	case l, ok := <-s.lines:
-		if !ok {
-			s.t.Fatal("the subscriber exited")
-		}
-		if l.Error != "" {
-			s.t.Fatalf("subscriber: %s", l.Error)
-		}
-		return l
-	case <-time.After(d):
-		s.t.Fatalf("no line from the subscriber within %v", d)
-	}
-	return pyLine{}
-}
-
-// testWriter logs a child's stderr.
-type testWriter struct{ t *testing.T }
-
-func (w *testWriter) Write(p []byte) (int, error) {
-	w.t.Logf("subscriber stderr: %s", p)
-	return len(p), nil
-}
 
 // TestKVEventsToIndependentSubscriber runs an engine with --kv-events-config whose PUB socket
 // connects to a Python subscriber written from vLLM's schema, drives the prefix cache through
@@ -155,9 +23,9 @@ func (w *testWriter) Write(p []byte) (int, error) {
 // from sequence 0 by an anonymous DEALER) knows exactly as many blocks as the pool caches; and
 // the live batches are the replayed ones.
 func TestKVEventsToIndependentSubscriber(t *testing.T) {
-	sub := startSubscriber(t, "kvbridge")
+	sub := fixture.StartKVSubscriber(t, "kvbridge")
 	evCfg, err := kvevents.ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq",
-		"endpoint": "tcp://127.0.0.1:%d", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kvbridge"}`, sub.port))
+		"endpoint": "tcp://127.0.0.1:%d", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kvbridge"}`, sub.Port))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -184,20 +52,15 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 	// The subscription reaches the engine some time after it connects: warm up with one-block
 	// prompts until a batch arrives (a poll with a deadline; the replay below gets what was
 	// missed).
-	var live []pySeqBatch
+	var live []fixture.KVBatch
 	deadline := time.Now().Add(time.Minute)
 	for i := 0; len(live) == 0; i++ {
 		if time.Now().After(deadline) {
 			t.Fatal("no batch reached the subscriber")
 		}
 		run(ids(3000+8*i, 5), 1)
-		select {
-		case l := <-sub.lines:
-			if l.Error != "" || l.Live == nil {
-				t.Fatalf("subscriber: %+v", l)
-			}
-			live = append(live, l.Live.pySeqBatch)
-		case <-time.After(100 * time.Millisecond): // a poll interval
+		if b, ok := sub.Live(100 * time.Millisecond); ok { // a poll interval
+			live = append(live, b)
 		}
 	}
 
@@ -222,33 +85,16 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 	last := kvevents.ExternalHash(kvcache.ChainHashes(sentinel, bs)[0])
 	var total uint64
 	for total == 0 {
-		l := sub.next(time.Minute)
-		if l.Live == nil {
-			t.Fatalf("subscriber: %+v", l)
-		}
-		live = append(live, l.Live.pySeqBatch)
-		for _, e := range l.Live.Batch.Events {
+		b := sub.NextLive()
+		live = append(live, b)
+		for _, e := range b.Events {
 			if e.Type == "BlockStored" && slices.Contains(e.BlockHashes, last) {
-				total = l.Live.Seq + 1
+				total = b.Seq + 1
 			}
 		}
 	}
-	if _, err := fmt.Fprintf(sub.stdin, "replay 0 tcp://%s\n", pub.ReplayAddr()); err != nil {
-		t.Fatal(err)
-	}
-	var replayed []pySeqBatch
-	for replayed == nil {
-		l := sub.next(time.Minute)
-		switch {
-		case l.Live != nil:
-			live = append(live, l.Live.pySeqBatch)
-		case l.Replay != nil:
-			replayed = l.Replay.Batches
-			if replayed == nil {
-				t.Fatal("empty replay")
-			}
-		}
-	}
+	replayed, more := sub.Replay("tcp://"+pub.ReplayAddr().String(), 0)
+	live = append(live, more...)
 	if uint64(len(replayed)) < total {
 		t.Fatalf("replayed %d batches, %d were sent", len(replayed), total)
 	}
@@ -256,8 +102,8 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 		if r.Seq != uint64(i) {
 			t.Fatalf("replayed batch %d has sequence %d", i, r.Seq)
 		}
-		if r.Batch.Rank == nil || *r.Batch.Rank != 0 {
-			t.Fatalf("batch %d: data_parallel_rank %v, want 0", i, r.Batch.Rank)
+		if r.Rank == nil || *r.Rank != 0 {
+			t.Fatalf("batch %d: data_parallel_rank %v, want 0", i, r.Rank)
 		}
 	}
 	// The live batches are the replayed ones, in order with no gap after the first.
@@ -268,8 +114,8 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 		if l.Seq >= uint64(len(replayed)) {
 			continue
 		}
-		got, _ := json.Marshal(l.Batch)
-		want, _ := json.Marshal(replayed[l.Seq].Batch)
+		got, _ := json.Marshal(l)
+		want, _ := json.Marshal(replayed[l.Seq])
 		if string(got) != string(want) {
 			t.Fatalf("live batch %d %s, replayed %s", l.Seq, got, want)
 		}
@@ -277,10 +123,10 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 
 	// Apply the stream as a consumer would.
 	cached, everStored := map[uint64]bool{}, map[uint64]bool{}
-	var stores []pyEvent
+	var stores []fixture.KVEvent
 	removed := map[uint64]bool{}
 	for _, r := range replayed {
-		for _, e := range r.Batch.Events {
+		for _, e := range r.Events {
 			switch e.Type {
 			case "BlockStored":
 				if e.BlockSize != bs || len(e.TokenIDs) != bs*len(e.BlockHashes) || e.LoraID != nil || e.LoraName != nil ||
@@ -323,7 +169,7 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 		}
 		return out
 	}
-	find := func(hashes []uint64) *pyEvent {
+	find := func(hashes []uint64) *fixture.KVEvent {
 		for i := range stores {
 			if slices.Equal(stores[i].BlockHashes, hashes) {
 				return &stores[i]

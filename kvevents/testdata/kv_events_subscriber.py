@@ -119,7 +119,7 @@ def main():
     port = sub.bind_to_random_port(args.bind)
     emit({"ready": {"port": port}})
 
-    dealer = None
+    dealers = {}  # replay endpoint -> DEALER
     poller = zmq.Poller()
     poller.register(sub, zmq.POLLIN)
     poller.register(sys.stdin.fileno(), zmq.POLLIN)
@@ -140,11 +140,11 @@ def main():
                 return
             cmd = line.split()
             if cmd[0] == "replay":
-                if dealer is None:
-                    dealer = ctx.socket(zmq.DEALER)  # anonymous: no identity set
-                    dealer.connect(cmd[2])
+                if cmd[2] not in dealers:
+                    dealers[cmd[2]] = ctx.socket(zmq.DEALER)  # anonymous: no identity set
+                    dealers[cmd[2]].connect(cmd[2])
                 try:
-                    emit({"replay": {"start": int(cmd[1]), "batches": replay(dealer, int(cmd[1]))}})
+                    emit({"replay": {"start": int(cmd[1]), "batches": replay(dealers[cmd[2]], int(cmd[1]))}})
                 except SchemaError as e:
                     emit({"error": str(e)})
 
