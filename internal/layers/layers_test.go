@@ -33,7 +33,7 @@ var allowed = map[string][]string{
 	// workload
 	"conversation": {"stack", "apiclient", "stats", "instance", "proxy", "model", "model/tokenizer", "kvcache"},
 	// assembly
-	"stack":    {"instance", "proxy", "connector", "faultproxy", "model"},
+	"stack":    {"instance", "proxy", "connector", "faultproxy", "kvevents", "model"},
 	"instance": {"openai", "connector", "engine", "kvcache", "kvevents", "metrics", "model", "model/kernel", "transfer", "internal/procmem"},
 	// serving
 	"openai":    {"engine", "metrics", "model", "model/tokenizer", "internal/buildinfo", "internal/httpdeadline"},
