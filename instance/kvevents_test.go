@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/kvevents"
@@ -192,5 +193,61 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 	}
 	if d := pub.Dropped(); d != 0 {
 		t.Errorf("%d batches dropped", d)
+	}
+}
+
+// TestKVEventsPerDataParallelRank: with two ranks, rank 1 publishes on the endpoints with vLLM's
+// rank offset (ipc paths get "_dp1") and stamps its batches data_parallel_rank 1, as the
+// independent subscriber decodes them from rank 1's replay socket.
+func TestKVEventsPerDataParallelRank(t *testing.T) {
+	sub := fixture.StartKVSubscriber(t, "")
+	dir := t.TempDir()
+	evCfg, err := kvevents.ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "ipc://%s/pub", "replay_endpoint": "ipc://%s/replay"}`, dir, dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	in, _, err := start(t, Config{NumBlocks: 32, PrefixCaching: true, DataParallelSize: 2, KVEvents: &evCfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, rk := range in.Ranks {
+		suffix := ""
+		if rk.Index > 0 {
+			suffix = fmt.Sprintf("_dp%d", rk.Index)
+		}
+		if got, want := rk.KVEvents.Addr().String(), dir+"/pub"+suffix; got != want {
+			t.Errorf("rank %d publishes on %s, want %s", rk.Index, got, want)
+		}
+		if got, want := rk.KVEvents.ReplayAddr().String(), dir+"/replay"+suffix; got != want {
+			t.Errorf("rank %d replays on %s, want %s", rk.Index, got, want)
+		}
+		// One full block computed on this rank's engine.
+		prompt := make([]int32, 20)
+		for i := range prompt {
+			prompt[i] = int32(100*rk.Index + i + 1)
+		}
+		st, err := rk.Engine.Add(t.Context(), &engine.Request{Prompt: prompt, MaxTokens: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for range st.C() {
+		}
+		// The step's events are published after its output: replay until they are there.
+		want := kvevents.ExternalHash(kvcache.ChainHashes(prompt, kvcache.DefaultBlockSize)[0])
+		deadline := time.Now().Add(time.Minute)
+		for found := false; !found; {
+			if time.Now().After(deadline) {
+				t.Fatalf("rank %d: its store never reached the replay socket", rk.Index)
+			}
+			batches, _ := sub.Replay("ipc://"+dir+"/replay"+suffix, 0)
+			for _, b := range batches {
+				if b.Rank == nil || *b.Rank != rk.Index {
+					t.Fatalf("rank %d published a batch of data_parallel_rank %v", rk.Index, b.Rank)
+				}
+				for _, e := range b.Events {
+					found = found || slices.Contains(e.BlockHashes, want)
+				}
+			}
+		}
 	}
 }
