@@ -162,6 +162,9 @@ func startKVEvents(cfg Config, rk *Rank, reg *metrics.Registry) error {
 		return fmt.Errorf("start the KV cache event publisher: %w", err)
 	}
 	rk.KVEvents = pub
+	if !cfg.PrefixCaching {
+		cfg.Logger.Warn("KV cache events are enabled but prefix caching is not: no block is cached, so none is published")
+	}
 	labels := prometheus.Labels{metrics.LabelModelName: cfg.ServedModelNames[0], metrics.LabelEngine: strconv.Itoa(cfg.dpRank)}
 	dropped := prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name:        "kvbridge:kv_events_dropped_total",

@@ -42,9 +42,10 @@ type Publisher struct {
 	sent    uint64  // batches sent (the next sequence number)
 	closed  bool
 
-	wake      chan struct{} // buffered 1: the queue grew
-	quit      chan struct{} // closed by Close
-	done      chan struct{} // closed when the goroutine has returned
+	wake      chan struct{}  // buffered 1: the queue grew
+	quit      chan struct{}  // closed by Close
+	done      chan struct{}  // closed when the publishing goroutine has returned
+	dialing   sync.WaitGroup // the connecting goroutine (connect mode)
 	closeOnce sync.Once
 }
 
@@ -66,8 +67,10 @@ func Start(opts Options) (*Publisher, error) {
 		opts: opts, log: opts.Logger, topic: []byte(cfg.Topic),
 		wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{}),
 	}
-	// The PUB socket's connections outlive no Close: its context is cancelled there.
-	p.pub = zmq4.NewPub(context.Background(), zmq4.WithDialerMaxRetries(-1), zmq4.WithDialerRetry(time.Second))
+	// The PUB socket's goroutines (zmq4's, and its dialer's retries and reconnections) end when
+	// Close closes it, which cancels its context.
+	p.pub = zmq4.NewPub(context.Background(), zmq4.WithDialerMaxRetries(-1), zmq4.WithDialerRetry(dialRetry),
+		zmq4.WithAutomaticReconnect(!ep.bind))
 	if err := p.pub.SetOption(zmq4.OptionHWM, cfg.HWM); err != nil {
 		p.pub.Close()
 		return nil, fmt.Errorf("kvevents: set hwm %d: %w", cfg.HWM, err)
@@ -77,13 +80,10 @@ func Start(opts Options) (*Publisher, error) {
 		zep = "ipc://" + ep.addr
 	}
 	if ep.bind {
-		err = p.pub.Listen(zep)
-	} else {
-		err = p.dial(zep)
-	}
-	if err != nil {
-		p.pub.Close()
-		return nil, fmt.Errorf("kvevents: endpoint %s: %w", cfg.Endpoint, err)
+		if err := p.pub.Listen(zep); err != nil {
+			p.pub.Close()
+			return nil, fmt.Errorf("kvevents: endpoint %s: %w", cfg.Endpoint, err)
+		}
 	}
 	if cfg.ReplayEndpoint != "" {
 		if p.replay, err = startReplay(cfg.ReplayEndpoint, cfg.BufferSteps, p.log); err != nil {
@@ -91,29 +91,34 @@ func Start(opts Options) (*Publisher, error) {
 			return nil, fmt.Errorf("kvevents: replay_endpoint %s: %w", cfg.ReplayEndpoint, err)
 		}
 	}
+	if !ep.bind {
+		// As a ZeroMQ connect, in the background: batches sent before a subscriber listens are
+		// dropped, as a PUB socket drops what no subscriber is connected for.
+		p.dialing.Add(1)
+		go p.connect(zep)
+	}
 	go p.run()
 	p.log.Info("publishing KV cache events", "endpoint", cfg.Endpoint, "bound", ep.bind, "addr", p.Addr(),
 		"replay_addr", p.ReplayAddr(), "topic", cfg.Topic, "dp_rank", opts.Rank)
 	return p, nil
 }
 
-// dial connects the PUB socket to a subscriber that binds. zmq4's Dial retries until the peer
-// listens; a subscriber that is not there yet is an error at start-up, as a refused connection.
-func (p *Publisher) dial(ep string) error {
-	errc := make(chan error, 1)
-	go func() { errc <- p.pub.Dial(ep) }()
-	select {
-	case err := <-errc:
-		return err
-	case <-time.After(dialTimeout):
-		p.pub.Close() // ends the dial
-		<-errc
-		return fmt.Errorf("no subscriber listening after %v", dialTimeout)
+// connect dials the subscriber that binds endpoint until it answers or Close closes the socket.
+func (p *Publisher) connect(ep string) {
+	defer p.dialing.Done()
+	if err := p.pub.Dial(ep); err != nil {
+		select {
+		case <-p.quit: // closed while dialing
+		default:
+			p.log.Warn("kvevents: cannot connect the KV event publisher", "endpoint", ep, "err", err)
+		}
+		return
 	}
+	p.log.Debug("kvevents: connected to the subscriber", "endpoint", ep)
 }
 
-// dialTimeout bounds connecting the PUB socket at start-up.
-const dialTimeout = 10 * time.Second
+// dialRetry is the pause between two attempts to connect the PUB socket.
+const dialRetry = 250 * time.Millisecond
 
 // Addr returns the PUB socket's address when it is bound (its port when the endpoint asked for
 // port 0), else nil.
@@ -224,14 +229,17 @@ func (p *Publisher) Close() error {
 		p.closed = true
 		p.mu.Unlock()
 		close(p.quit)
-		<-p.done
 		var errs []error
 		if p.replay != nil {
 			errs = append(errs, p.replay.close())
 		}
+		// The publishing goroutine has sent what was queued before the socket closes; closing
+		// it ends a dial in progress.
+		<-p.done
 		if e := p.pub.Close(); e != nil && !errors.Is(e, net.ErrClosed) {
 			errs = append(errs, e)
 		}
+		p.dialing.Wait()
 		err = errors.Join(errs...)
 	})
 	return err

@@ -299,3 +299,61 @@ func TestStartFails(t *testing.T) {
 		t.Fatal("Start succeeded on an inactive config")
 	}
 }
+
+// TestConnectBeforeSubscriber: in connect mode the publisher starts while no subscriber
+// listens (as a ZeroMQ connect, it does not wait), reaches the subscriber once it binds, and a
+// Close during a dial returns.
+func TestConnectBeforeSubscriber(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // free: the subscriber binds it below
+	cfg, err := ParseConfig(`{"enable_kv_cache_events": true, "endpoint": "tcp://` + addr + `"}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Start(Options{Config: cfg, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	p.PublishKVEvents(storedEvent(1)) // no subscriber yet: dropped, never blocks
+
+	// A second publisher, closed while it still dials nobody.
+	p2, err := Start(Options{Config: cfg, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p2.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sub := zmq4.NewSub(ctx)
+	defer sub.Close()
+	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.Listen("tcp://" + addr); err != nil {
+		t.Fatalf("listen on the freed port %s: %v", addr, err)
+	}
+	msgs := receiver(sub)
+	deadline := time.Now().Add(recvTimeout)
+	for {
+		if time.Now().After(deadline) {
+			t.Fatal("no batch reached the subscriber that bound late")
+		}
+		p.PublishKVEvents(storedEvent(7))
+		select {
+		case m := <-msgs:
+			if len(m.Frames) != 3 {
+				t.Fatalf("message %q", m.Frames)
+			}
+			return
+		case <-time.After(50 * time.Millisecond): // a poll interval
+		}
+	}
+}
