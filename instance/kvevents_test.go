@@ -18,9 +18,9 @@ import (
 // TestKVEventsToIndependentSubscriber runs an engine with --kv-events-config whose PUB socket
 // connects to a Python subscriber written from vLLM's schema, drives the prefix cache through
 // stores, a prefix hit that extends a chain, eviction by a request that needs the whole pool,
-// and preemption, and checks: every batch decodes by vLLM's schema with data_parallel_rank 0;
+// preemption and a reset of the prefix cache, and checks: every batch decodes by vLLM's schema with data_parallel_rank 0;
 // the stores of known prompts carry vLLM's external hashes of their chains, their parents and
-// tokens; the evicted blocks are removed; a consumer that applies the whole stream (replayed
+// tokens; the evicted blocks are removed; the reset is one AllBlocksCleared; a consumer that applies the whole stream (replayed
 // from sequence 0 by an anonymous DEALER) knows exactly as many blocks as the pool caches; and
 // the live batches are the replayed ones.
 func TestKVEventsToIndependentSubscriber(t *testing.T) {
@@ -79,6 +79,12 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 		t.Fatal("no preemption: the pool is too large for this test")
 	}
 
+	// With every request finished, a reset drops the prefix cache: one AllBlocksCleared.
+	hashesBefore := in.Pool.NumCached()
+	if ok, err := in.Engine.ResetPrefixCache(t.Context()); err != nil || !ok || in.Pool.NumCached() != 0 {
+		t.Fatalf("reset: %v %v, %d blocks cached (%d before)", ok, err, in.Pool.NumCached(), hashesBefore)
+	}
+
 	// A last prompt's store, once it arrives live, follows every earlier event (batches are
 	// sent in order, and the requests before it had finished). Then replay everything from 0.
 	sentinel := ids(3900, 5)
@@ -124,6 +130,7 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 
 	// Apply the stream as a consumer would.
 	cached, everStored := map[uint64]bool{}, map[uint64]bool{}
+	cleared := 0
 	var stores []fixture.KVEvent
 	removed := map[uint64]bool{}
 	for _, r := range replayed {
@@ -155,10 +162,16 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 					delete(cached, h)
 					removed[h] = true
 				}
+			case "AllBlocksCleared":
+				clear(cached)
+				cleared++
 			default:
 				t.Fatalf("seq %d: unexpected %s", r.Seq, e.Type)
 			}
 		}
+	}
+	if cleared != 1 {
+		t.Errorf("%d AllBlocksCleared, want 1 (the reset)", cleared)
 	}
 	if len(cached) != in.Pool.NumCached() {
 		t.Errorf("the consumer knows %d cached blocks, the pool caches %d", len(cached), in.Pool.NumCached())
