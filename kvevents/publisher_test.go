@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -355,5 +356,70 @@ func TestConnectBeforeSubscriber(t *testing.T) {
 			return
 		case <-time.After(50 * time.Millisecond): // a poll interval
 		}
+	}
+}
+
+// TestReplayRefusesBadRequests: a malformed replay request (wrong frames, a sequence number
+// longer than 8 bytes) gets no answer and does not end the connection; the next good one is
+// answered. A connection that sends garbage instead of ZMTP is dropped without harm.
+func TestReplayRefusesBadRequests(t *testing.T) {
+	cfg, err := ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "ipc://%s/kv", "replay_endpoint": "tcp://127.0.0.1:0", "buffer_steps": 2}`, t.TempDir()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Start(Options{Config: cfg, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	for i := range 3 {
+		p.PublishKVEvents(storedEvent(int32(i)))
+	}
+	// Sent counts a batch once it is kept and sent: wait for all three (with a deadline).
+	for deadline := time.Now().Add(recvTimeout); p.Sent() < 3; runtime.Gosched() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of 3 batches sent", p.Sent())
+		}
+	}
+	raw, err := net.Dial("tcp", p.ReplayAddr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := raw.Write([]byte("GET / HTTP/1.1\r\n\r\n")); err != nil {
+		t.Fatal(err)
+	}
+	raw.Close()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dealer := zmq4.NewDealer(ctx, zmq4.WithID(zmq4.SocketIdentity("r")))
+	defer dealer.Close()
+	if err := dealer.Dial("tcp://" + p.ReplayAddr().String()); err != nil {
+		t.Fatal(err)
+	}
+	replies := receiver(dealer)
+	for _, bad := range []zmq4.Msg{
+		zmq4.NewMsgFrom([]byte{}, make([]byte, 9)),
+		zmq4.NewMsgFrom(make([]byte, 8)),
+		zmq4.NewMsgFrom([]byte("x"), make([]byte, 8)),
+	} {
+		if err := dealer.Send(bad); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := dealer.Send(zmq4.NewMsgFrom([]byte{}, []byte{0})); err != nil { // a 1-byte start: 0
+		t.Fatal(err)
+	}
+	// buffer_steps 2: batches 1 and 2 are kept, then the end marker.
+	var got []uint64
+	for {
+		m := next(t, replies)
+		if bytes.Equal(m.Frames[1], endSeq) {
+			break
+		}
+		got = append(got, binary.BigEndian.Uint64(m.Frames[1]))
+	}
+	if !slices.Equal(got, []uint64{1, 2}) {
+		t.Fatalf("replayed %v, want the last 2 of 3 batches, 1 and 2", got)
 	}
 }
