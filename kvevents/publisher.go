@@ -99,7 +99,7 @@ func Start(opts Options) (*Publisher, error) {
 	}
 	go p.run()
 	p.log.Info("publishing KV cache events", "endpoint", cfg.Endpoint, "bound", ep.bind, "addr", p.Addr(),
-		"replay_addr", p.ReplayAddr(), "topic", cfg.Topic, "dp_rank", opts.Rank)
+		"replay_addr", p.ReplayAddr(), "topic", cfg.Topic)
 	return p, nil
 }
 
