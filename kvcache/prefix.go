@@ -50,14 +50,15 @@ func (p *Pool) Lookup(hashes []BlockHash) int {
 // prefix cache under hash. It does nothing if another block already caches hash, if id is already
 // cached under hash, or if prefix caching is disabled (the id is still checked). It fails for an
 // id out of range (ErrBadBlock), a free block (ErrNotAllocated) or a block cached under another
-// hash (ErrHashConflict).
+// hash (ErrHashConflict). A block it registers is logged as EventStored (PoolConfig.RecordEvents)
+// without its parent and tokens, which CacheBlock gives.
 func (p *Pool) Cache(id int32, hash BlockHash) error {
 	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash})
 }
 
 // CacheBlock is Cache for a block whose chain parent and tokens are known (BlockTable.Commit's
 // case): the Stored event it records (PoolConfig.RecordEvents) carries them, as vLLM's
-// BlockStored does. tokens is not retained beyond the event.
+// BlockStored does. The event holds a copy of tokens.
 func (p *Pool) CacheBlock(id int32, parent, hash BlockHash, tokens []int32) error {
 	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash, Parent: parent, Tokens: tokens})
 }
