@@ -38,6 +38,15 @@ type Config struct {
 	Connector Connector
 	// Observer receives per-request metrics; nil = none.
 	Observer Observer
+	// KVEvents receives the pool's prefix-cache events (kvcache.Pool.TakeEvents) once per step
+	// when set; the pool must record them (kvcache.PoolConfig.RecordEvents). nil = none.
+	KVEvents KVEventSink
+}
+
+// KVEventSink takes the KV cache events of one engine step, oldest first, on the step loop: it
+// must not block (a publisher queues them and drops the oldest when it falls behind).
+type KVEventSink interface {
+	PublishKVEvents(events []kvcache.Event)
 }
 
 // KVGeometry returns the KV block geometry of m's layers with blockSize tokens per block, in the
@@ -111,6 +120,7 @@ const (
 	cmdLoadsDone
 	cmdLoadsMissed
 	cmdRelease
+	cmdResetPrefixCache
 )
 
 // command is an event for the step loop.
@@ -120,6 +130,7 @@ type command struct {
 	id     string
 	ok     []string
 	failed map[string]int
+	reply  chan<- bool // cmdResetPrefixCache's result, buffered 1
 }
 
 // New starts an engine for m over pool. The pool's geometry must be KVGeometry(m, BlockSize);
@@ -302,6 +313,25 @@ func (e *Engine) ReleaseDelayed(id string) {
 	e.post(command{kind: cmdRelease, id: id})
 }
 
+// ResetPrefixCache drops every block from the prefix cache on the step loop, as vLLM's
+// reset_prefix_cache (kvcache.Pool.ResetPrefixCache): only when no block is in use — no request
+// running or waiting with blocks, none held for the connector. It reports whether it did; the
+// reset's KV cache event is published with that loop turn. ctx bounds the wait.
+func (e *Engine) ResetPrefixCache(ctx context.Context) (bool, error) {
+	reply := make(chan bool, 1)
+	if !e.post(command{kind: cmdResetPrefixCache, reply: reply}) {
+		return false, fmt.Errorf("engine: reset the prefix cache: %w", ErrClosed)
+	}
+	select {
+	case ok := <-reply:
+		return ok, nil
+	case <-ctx.Done():
+		return false, ctx.Err()
+	case <-e.done:
+		return false, fmt.Errorf("engine: reset the prefix cache: %w", ErrClosed)
+	}
+}
+
 // Stats returns a snapshot of the engine's gauges and counters.
 func (e *Engine) Stats() Stats {
 	e.statsMu.Lock()
@@ -426,6 +456,8 @@ func (e *Engine) apply(now time.Time, c command) {
 		if e.sched.ReleaseDelayed(c.id) {
 			e.unreserve(c.id)
 		}
+	case cmdResetPrefixCache:
+		c.reply <- e.pool.ResetPrefixCache()
 	}
 }
 
@@ -642,8 +674,14 @@ func (e *Engine) shutdown(now time.Time) {
 	e.publish()
 }
 
-// publish stores the scheduler's counters for Stats.
+// publish stores the scheduler's counters for Stats and hands the step's KV cache events to
+// the sink.
 func (e *Engine) publish() {
+	if e.cfg.KVEvents != nil {
+		if evs := e.pool.TakeEvents(); len(evs) > 0 {
+			e.cfg.KVEvents.PublishKVEvents(evs)
+		}
+	}
 	s := e.sched.Stats()
 	e.statsMu.Lock()
 	e.stats = Stats{

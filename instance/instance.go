@@ -22,6 +22,7 @@ import (
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/kvevents"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/model/kernel"
@@ -101,6 +102,9 @@ type Config struct {
 	ForceIncludeUsage bool
 	// KVTransfer configures the NixlConnector; nil means none.
 	KVTransfer *connector.Config
+	// KVEvents is --kv-events-config: when active, every rank publishes its KV cache events
+	// (rank i on the endpoints' ports + i, as vLLM). nil means none.
+	KVEvents *kvevents.Config
 	// SideChannelHost and SideChannelPort place the connector's side channel
 	// (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); the defaults are connector.DefaultSideChannelHost and
 	// connector.DefaultSideChannelPort. Port -1 picks a free port.

@@ -13,6 +13,7 @@ import (
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/kvevents"
 	"github.com/kvbridge/kvbridge/metrics"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/openai"
@@ -31,6 +32,8 @@ type Rank struct {
 	Connector *connector.Connector // nil without KVTransfer
 	Pool      *kvcache.Pool
 	Metrics   *metrics.EngineMetrics
+	// KVEvents publishes the rank's KV cache events; nil without an active KVEvents config.
+	KVEvents *kvevents.Publisher
 
 	server    *openai.Server
 	arena     *transfer.Arena
@@ -52,6 +55,10 @@ func (cfg Config) rank(i int) Config {
 	}
 	if cfg.TransferPort != 0 {
 		cfg.TransferPort += i
+	}
+	if cfg.KVEvents != nil {
+		ev := cfg.KVEvents.ForRank(i)
+		cfg.KVEvents = &ev
 	}
 	if cfg.KVTransfer != nil {
 		kv := *cfg.KVTransfer
@@ -76,9 +83,10 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	if rk.arena, err = transfer.NewArena("kvcache", layout.Size); err != nil {
 		return nil, fmt.Errorf("allocate the KV cache: %w", err)
 	}
+	events := cfg.KVEvents != nil && cfg.KVEvents.Active()
 	rk.Pool, err = kvcache.NewPool(rk.arena.Bytes(), kvcache.PoolConfig{
 		Geometry: geo, NumBlocks: cfg.NumBlocks, PrefixCaching: cfg.PrefixCaching,
-		RecordTable: layout.RecordTable(rk.arena.Bytes()),
+		RecordTable: layout.RecordTable(rk.arena.Bytes()), RecordEvents: events,
 	})
 	if err != nil {
 		return rk, err
@@ -87,6 +95,12 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 		BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks, MaxModelLen: cfg.MaxModelLen,
 		MaxNumSeqs: cfg.MaxNumSeqs, MaxNumBatchedTokens: cfg.MaxNumBatchedTokens,
 		PrefixCaching: cfg.PrefixCaching, Seed: cfg.Seed, Observer: engineObserver{rk.Metrics},
+	}
+	if events {
+		if err := startKVEvents(cfg, rk, reg); err != nil {
+			return rk, err
+		}
+		ecfg.KVEvents = rk.KVEvents
 	}
 	if kv := cfg.KVTransfer; kv != nil {
 		if rk.Connector, err = startConnector(cfg, m, rk, layout); err != nil {
@@ -141,6 +155,28 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	return rk, nil
 }
 
+// startKVEvents starts rk's KV cache event publisher and registers its drop counter.
+func startKVEvents(cfg Config, rk *Rank, reg *metrics.Registry) error {
+	pub, err := kvevents.Start(kvevents.Options{Config: *cfg.KVEvents, Rank: cfg.dpRank, BlockSize: cfg.BlockSize, Logger: cfg.Logger})
+	if err != nil {
+		return fmt.Errorf("start the KV cache event publisher: %w", err)
+	}
+	rk.KVEvents = pub
+	if !cfg.PrefixCaching {
+		cfg.Logger.Warn("KV cache events are enabled but prefix caching is not: no block is cached, so none is published")
+	}
+	labels := prometheus.Labels{metrics.LabelModelName: cfg.ServedModelNames[0], metrics.LabelEngine: strconv.Itoa(cfg.dpRank)}
+	dropped := prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name:        "kvbridge:kv_events_dropped_total",
+		Help:        "KV cache event batches dropped because the publisher's queue (max_queue_size) was full.",
+		ConstLabels: labels,
+	}, func() float64 { return float64(pub.Dropped()) })
+	if err := reg.Prometheus().Register(dropped); err != nil {
+		return fmt.Errorf("register the KV event drop counter: %w", err)
+	}
+	return nil
+}
+
 // startConnector starts the NixlConnector of rk; cfg is the rank's, with its defaults applied.
 func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.ArenaLayout) (*connector.Connector, error) {
 	listen := cfg.SideChannelHost
@@ -172,6 +208,9 @@ func (rk *Rank) close() error {
 	var errs []error
 	if rk.Engine != nil {
 		errs = append(errs, rk.Engine.Close())
+	}
+	if rk.KVEvents != nil { // after the engine: its last events are sent
+		errs = append(errs, rk.KVEvents.Close())
 	}
 	if rk.Connector != nil {
 		errs = append(errs, rk.Connector.Close())

@@ -89,7 +89,11 @@ func (t *BlockTable) Commit(p *Pool, tokens []int32, numComputed int) error {
 		t.hashes = AppendChainHashes(t.hashes, parent, tokens[start:full*t.blockSize], t.blockSize)
 	}
 	for i := t.numCached; i < full; i++ {
-		if err := p.Cache(t.ids[i], t.hashes[i]); err != nil {
+		var parent BlockHash
+		if i > 0 {
+			parent = t.hashes[i-1]
+		}
+		if err := p.CacheBlock(t.ids[i], parent, t.hashes[i], tokens[i*t.blockSize:(i+1)*t.blockSize]); err != nil {
 			t.numCached = i
 			return fmt.Errorf("kvcache: commit block %d of the table: %w", i, err)
 		}

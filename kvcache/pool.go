@@ -22,6 +22,9 @@ type PoolConfig struct {
 	// content hash once Publish is called. A remote reader that reads a block and then its
 	// record knows whether the block holds what it expects.
 	RecordTable []byte
+	// RecordEvents keeps a log of the prefix cache's changes for TakeEvents (events.go): the
+	// source of the KV cache events an engine publishes. Off, the pool records nothing.
+	RecordEvents bool
 }
 
 // Pool is a paged KV block pool over caller-owned memory. All methods are safe for concurrent
@@ -42,6 +45,9 @@ type Pool struct {
 	lru    lruList
 	byHash map[BlockHash]int32 // prefix cache: hash → block
 	recs   *recordTable        // published records (PoolConfig.RecordTable), or nil
+
+	recordEvents bool    // PoolConfig.RecordEvents
+	events       []Event // recorded since the last TakeEvents
 }
 
 // NewPool makes a pool over mem, which must be 64-byte aligned and hold at least
@@ -83,18 +89,19 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 		}
 	}
 	p := &Pool{
-		recs:   recs,
-		geo:    g,
-		bb:     bb,
-		n:      n,
-		prefix: cfg.PrefixCaching,
-		mem:    mem,
-		f32:    unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/4),
-		u16:    unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/2),
-		meta:   make([]blockMeta, n),
-		free:   make(idHeap, 0, n),
-		lru:    newLRU(),
-		byHash: make(map[BlockHash]int32),
+		recs:         recs,
+		recordEvents: cfg.RecordEvents,
+		geo:          g,
+		bb:           bb,
+		n:            n,
+		prefix:       cfg.PrefixCaching,
+		mem:          mem,
+		f32:          unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/4),
+		u16:          unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/2),
+		meta:         make([]blockMeta, n),
+		free:         make(idHeap, 0, n),
+		lru:          newLRU(),
+		byHash:       make(map[BlockHash]int32),
 	}
 	for i := range n {
 		p.meta[i].prev, p.meta[i].next = noBlock, noBlock

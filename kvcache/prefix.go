@@ -50,8 +50,21 @@ func (p *Pool) Lookup(hashes []BlockHash) int {
 // prefix cache under hash. It does nothing if another block already caches hash, if id is already
 // cached under hash, or if prefix caching is disabled (the id is still checked). It fails for an
 // id out of range (ErrBadBlock), a free block (ErrNotAllocated) or a block cached under another
-// hash (ErrHashConflict).
+// hash (ErrHashConflict). A block it registers is logged as EventStored (PoolConfig.RecordEvents)
+// without its parent and tokens, which CacheBlock gives.
 func (p *Pool) Cache(id int32, hash BlockHash) error {
+	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash})
+}
+
+// CacheBlock is Cache for a block whose chain parent and tokens are known (BlockTable.Commit's
+// case): the Stored event it records (PoolConfig.RecordEvents) carries them, as vLLM's
+// BlockStored does. The event holds a copy of tokens.
+func (p *Pool) CacheBlock(id int32, parent, hash BlockHash, tokens []int32) error {
+	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash, Parent: parent, Tokens: tokens})
+}
+
+// cache is Cache, recording stored when the block enters the prefix cache.
+func (p *Pool) cache(id int32, hash BlockHash, stored Event) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.checkUsed("cache", id); err != nil {
@@ -73,6 +86,10 @@ func (p *Pool) Cache(id int32, hash BlockHash) error {
 	m.hashed = true
 	m.hash = hash
 	p.byHash[hash] = id
+	if p.recordEvents && stored.Tokens != nil {
+		stored.Tokens = append([]int32(nil), stored.Tokens...)
+	}
+	p.record(stored)
 	return nil
 }
 
@@ -103,12 +120,13 @@ func (p *Pool) Evict(ids ...int32) error {
 	return errors.Join(errs...)
 }
 
-// uncache drops block id's hash from the prefix cache. p.mu must be held.
+// uncache drops block id's hash from the prefix cache, recording EventRemoved. p.mu must be held.
 func (p *Pool) uncache(id int32) {
 	m := &p.meta[id]
 	if !m.hashed {
 		return
 	}
+	p.record(Event{Kind: EventRemoved, Hash: m.hash})
 	delete(p.byHash, m.hash)
 	m.hashed = false
 	m.hash = BlockHash{}

@@ -14,6 +14,7 @@ import (
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/faultproxy"
 	"github.com/kvbridge/kvbridge/instance"
+	"github.com/kvbridge/kvbridge/kvevents"
 	"github.com/kvbridge/kvbridge/model"
 )
 
@@ -61,6 +62,8 @@ type EngineConfig struct {
 	KVCacheDType string
 	// PrefixCaching turns the engine's prefix cache on.
 	PrefixCaching bool
+	// KVEvents is --kv-events-config (nil: no KV cache events).
+	KVEvents *kvevents.Config
 	// DataParallelSize is the engine's number of data-parallel ranks (default 1; see
 	// instance.Rank). Fault proxies in the side channel or transfer paths, and
 	// AdvertiseTransfer, need a single rank.
@@ -171,7 +174,7 @@ func (cfg EngineConfig) instanceConfig() instance.Config {
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
 		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true, DataParallelSize: cfg.DataParallelSize,
 		KVCacheDType:          cfg.KVCacheDType,
-		MaxConcurrentRequests: cfg.MaxConcurrentRequests, WriteTimeout: cfg.WriteTimeout,
+		MaxConcurrentRequests: cfg.MaxConcurrentRequests, WriteTimeout: cfg.WriteTimeout, KVEvents: cfg.KVEvents,
 	}
 	if ic.SideChannelPort == 0 {
 		ic.SideChannelPort = -1 // a free port, not the default 5600

@@ -24,7 +24,7 @@ func usageError(format string, args ...any) error {
 //	--kv-transfer-config '{"kv_role":"kv_producer"}'
 //	--kv-transfer-config.kv_role kv_producer
 //	--kv-transfer-config.kv_connector_extra_config.backends+ TCP
-var jsonFlags = []string{"kv-transfer-config", "compilation-config"}
+var jsonFlags = []string{"kv-transfer-config", "kv-events-config", "compilation-config"}
 
 // multiValueFlags take one or more values like argparse's nargs="+": "--decoder-hosts a b" is
 // rewritten to "--decoder-hosts a --decoder-hosts b".

@@ -16,6 +16,7 @@ import (
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/kvevents"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/openai"
 )
@@ -37,6 +38,7 @@ type serveFlags struct {
 	prefixCaching       bool
 	noPrefixCaching     bool
 	kvTransferConfig    string
+	kvEventsConfig      string
 	enforceEager        bool
 	tensorParallelSize  int
 	chatTemplate        string
@@ -76,7 +78,7 @@ var pythonOnlyFlags = []string{
 	"data-parallel-backend", "data-parallel-address", "data-parallel-rpc-port", "data-parallel-size-local",
 	"data-parallel-rank", "data-parallel-start-rank", "max-parallel-loading-workers", "tokenizer-mode",
 	"root-path", "middleware", "allowed-origins", "allowed-methods", "allowed-headers",
-	"max-log-len", "kv-events-config",
+	"max-log-len",
 }
 
 // pythonOnlyBools are the boolean flags of the same kind.
@@ -139,6 +141,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.BoolVar(&f.prefixCaching, "enable-prefix-caching", true, "reuse the KV of identical prompt prefixes")
 	fl.BoolVar(&f.noPrefixCaching, "no-enable-prefix-caching", false, "disable prefix caching")
 	fl.StringVar(&f.kvTransferConfig, "kv-transfer-config", "", "NixlConnector configuration as JSON (dotted keys such as --kv-transfer-config.kv_role also work)")
+	fl.StringVar(&f.kvEventsConfig, "kv-events-config", "", "KV cache events publisher as JSON with vLLM's keys: enable_kv_cache_events, publisher (zmq or null), endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size")
 	fl.BoolVar(&f.enforceEager, "enforce-eager", false, "accepted for vLLM compatibility; no effect (no CUDA graphs on CPU)")
 	fl.IntVarP(&f.tensorParallelSize, "tensor-parallel-size", "t", 1, "tensor parallelism; only 1 is supported")
 	fl.StringVar(&f.chatTemplate, "chat-template", "", "Jinja chat template file (default: the model's, else ChatML)")
@@ -270,6 +273,10 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if err != nil {
 		return instance.Config{}, err
 	}
+	evCfg, err := f.kvEvents()
+	if err != nil {
+		return instance.Config{}, err
+	}
 	port, err := sideChannelPort()
 	if err != nil {
 		return instance.Config{}, err
@@ -297,6 +304,7 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		MaxConcurrentRequests: f.maxConcurrent,
 		WriteTimeout:          f.writeTimeout,
 		KVTransfer:            kvCfg,
+		KVEvents:              evCfg,
 		SideChannelHost:       os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST"),
 		SideChannelPort:       port,
 		TransferPort:          f.transferPort,
@@ -391,6 +399,21 @@ func (f serveFlags) kvTransfer(log *slog.Logger) (*connector.Config, error) {
 		return nil, nil
 	}
 	return kvCfg, nil
+}
+
+// kvEvents parses --kv-events-config; nil when not given or publishing nothing.
+func (f serveFlags) kvEvents() (*kvevents.Config, error) {
+	if f.kvEventsConfig == "" {
+		return nil, nil
+	}
+	cfg, err := kvevents.ParseConfig(f.kvEventsConfig)
+	if err != nil {
+		return nil, usageError("%v", err)
+	}
+	if !cfg.Active() {
+		return nil, nil
+	}
+	return &cfg, nil
 }
 
 // sideChannelPort reads VLLM_NIXL_SIDE_CHANNEL_PORT: 0 when unset (the default), −1 for 0 (pick

@@ -19,7 +19,7 @@ var allowed = map[string][]string{
 	// command
 	"cmd/kvbridge": {"bench/bidibench", "bench/enginebench", "bench/multiturn", "bench/pdbench", "bench/quality", "bench/soak",
 		"bench/xferbench", "check", "demo", "conversation", "instance", "proxy", "connector", "openai", "engine",
-		"kvcache", "model", "transfer", "internal/buildinfo"},
+		"kvcache", "kvevents", "model", "transfer", "internal/buildinfo"},
 	// runs
 	"check":             {"internal/promtext"},
 	"demo":              {"stack", "conversation", "apiclient", "model", "plot"},
@@ -33,8 +33,8 @@ var allowed = map[string][]string{
 	// workload
 	"conversation": {"stack", "apiclient", "stats", "instance", "proxy", "model", "model/tokenizer", "kvcache"},
 	// assembly
-	"stack":    {"instance", "proxy", "connector", "faultproxy", "model"},
-	"instance": {"openai", "connector", "engine", "kvcache", "metrics", "model", "model/kernel", "transfer", "internal/procmem"},
+	"stack":    {"instance", "proxy", "connector", "faultproxy", "kvevents", "model"},
+	"instance": {"openai", "connector", "engine", "kvcache", "kvevents", "metrics", "model", "model/kernel", "transfer", "internal/procmem"},
 	// serving
 	"openai":    {"engine", "metrics", "model", "model/tokenizer", "internal/buildinfo", "internal/httpdeadline"},
 	"proxy":     {"internal/httpdeadline"},
@@ -45,6 +45,7 @@ var allowed = map[string][]string{
 	"transfer": {"internal/msgpackcheck", "transfer/internal/wire"},
 	// base
 	"kvcache":         {},
+	"kvevents":        {"kvcache"},
 	"model":           {"model/kernel", "model/tokenizer"},
 	"model/kernel":    {},
 	"model/tokenizer": {},
