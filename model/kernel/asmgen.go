@@ -161,6 +161,81 @@ func tile512(wk, mr, unroll int) {
 	p("RET")
 }
 
+// tile512bf16x1p2 is tile512bf16x1 over two consecutive whole BF16 panels at once (128 columns,
+// the second panel ceil(k/2)·256 bytes after the first): chains Z0..Z3 and Z4..Z7, raw pairs in
+// Z24..Z27 and Z16..Z19, widened weights in Z28..Z31 and Z20..Z23. Each lane is the same chain
+// as in tile512bf16x1 (even k, then odd k, k ascending).
+func tile512bf16x1p2() {
+	const name = "tile512bf16x1p2"
+	text(name+"(a *float32, w *uint16, k int, c *float32)", "$0-32")
+	for i := range 8 {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ w+8(FP), BX")
+	p("MOVQ k+16(FP), CX")
+	p("LEAQ 1(CX), DX")
+	p("SHRQ $1, DX")
+	p("SHLQ $8, DX")
+	p("ADDQ BX, DX")
+	step := func(j int, evenOnly bool) {
+		for v := range 4 {
+			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
+			p("VMOVDQU32 %d(DX), Z%d", j*256+v*64, 16+v)
+		}
+		for half := range 2 {
+			if half == 1 && evenOnly {
+				break
+			}
+			for v := range 4 {
+				if half == 0 {
+					p("VPSLLD $16, Z%d, Z%d", 24+v, 28+v)
+					p("VPSLLD $16, Z%d, Z%d", 16+v, 20+v)
+				} else {
+					p("VPANDD.BCST hi16<>(SB), Z%d, Z%d", 24+v, 28+v)
+					p("VPANDD.BCST hi16<>(SB), Z%d, Z%d", 16+v, 20+v)
+				}
+			}
+			for v := range 4 {
+				p("VFMADD231PS.BCST %d(DI), Z%d, Z%d", 4*(2*j+half), 28+v, v)
+				p("VFMADD231PS.BCST %d(DI), Z%d, Z%d", 4*(2*j+half), 20+v, 4+v)
+			}
+		}
+	}
+	p("CMPQ CX, $8")
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range 4 {
+		step(j, false)
+	}
+	p("ADDQ $1024, BX")
+	p("ADDQ $1024, DX")
+	p("ADDQ $32, DI")
+	p("SUBQ $8, CX")
+	p("CMPQ CX, $8")
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("CMPQ CX, $2")
+	p("JLT %s_last", name)
+	step(0, false)
+	p("ADDQ $256, BX")
+	p("ADDQ $256, DX")
+	p("ADDQ $8, DI")
+	p("SUBQ $2, CX")
+	p("JMP %s_tail", name)
+	label(name + "_last")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0, true)
+	label(name + "_store")
+	p("MOVQ c+24(FP), DI")
+	for v := range 8 {
+		p("VMOVUPS Z%d, %d(DI)", v, 64*v)
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
 // columnMasks loads the column mask argument at maskArg ("mask+48(FP)") into K1..K4, 16
 // columns each.
 func columnMasks(maskArg string) {
@@ -1387,6 +1462,63 @@ func tileDot512(mr, unroll int) {
 	p("RET")
 }
 
+// tileDot512x1p2 is tileDot512x1 over two consecutive whole panels at once (128 columns, the
+// second panel kp·256 bytes after the first): 8 chains Z0..Z7 (Z0..Z3 the first panel's, Z4..Z7
+// the second's), the pairs of the first panel in Z24..Z27 and of the second in Z16..Z19. Each
+// lane is the same chain as in tileDot512x1; the two streams and twice the independent chains
+// keep more of the weights in flight.
+func tileDot512x1p2() {
+	const name = "tileDot512x1p2"
+	text(name+"(a *uint32, w *uint16, kp int, c *float32)", "$0-32")
+	for i := range 8 {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ w+8(FP), BX")
+	p("MOVQ kp+16(FP), CX")
+	p("MOVQ CX, DX")
+	p("SHLQ $8, DX")
+	p("ADDQ BX, DX")
+	step := func(j int) {
+		for v := range 4 {
+			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
+			p("VMOVDQU32 %d(DX), Z%d", j*256+v*64, 16+v)
+		}
+		for v := range 4 {
+			vdpbf16psBcst(v, 24+v, 0, 4*j)
+			vdpbf16psBcst(4+v, 16+v, 0, 4*j)
+		}
+	}
+	p("CMPQ CX, $4")
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range 4 {
+		step(j)
+	}
+	p("ADDQ $1024, BX")
+	p("ADDQ $1024, DX")
+	p("ADDQ $16, DI")
+	p("SUBQ $4, CX")
+	p("CMPQ CX, $4")
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0)
+	p("ADDQ $256, BX")
+	p("ADDQ $256, DX")
+	p("ADDQ $4, DI")
+	p("DECQ CX")
+	p("JMP %s_tail", name)
+	label(name + "_store")
+	p("MOVQ c+24(FP), DI")
+	for v := range 8 {
+		p("VMOVUPS Z%d, %d(DI)", v, 64*v)
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
 // toBF16Pairs512 rounds n floats to bfloat16 (VCVTNE2PS2BF16: nearest even, denormals to zero)
 // into ceil(n/2) dwords of pairs, 32 floats at a time; the tail is loaded under masks (missing
 // floats read as zero) and stored under a word mask.
@@ -1504,6 +1636,7 @@ func main() {
 			tile512(wk, mr, 4)
 		}
 	}
+	tile512bf16x1p2()
 	for mr := 1; mr <= maxRows; mr++ {
 		tile256(mr, 4)
 	}
@@ -1541,6 +1674,7 @@ func main() {
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4)
 	}
+	tileDot512x1p2()
 	toBF16Pairs512()
 	widenBF16x512()
 	dotBF16Probe()

@@ -160,6 +160,9 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 		s.panelGroup = (s.panels + 2*l.pool.Workers() - 1) / (2 * l.pool.Workers())
 		s.panelGroups = (s.panels + s.panelGroup - 1) / s.panelGroup
 	}
+	if rows == 1 && l.impl.tileDot2 != nil {
+		s.pairPanels()
+	}
 	if s.tasks() == 1 {
 		l.dotTask(dst, ldc, pairs, kp, rows, s, 0)
 		return
@@ -186,6 +189,13 @@ func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s
 	if t1-t0 > 1 && kp > 2*kBlock {
 		n := (kp + kBlock - 1) / kBlock
 		kb = (kp + n - 1) / n
+	}
+	if rows == 1 && l.impl.tileDot2 != nil {
+		// Two whole panels at a time: two weight streams and twice the independent chains
+		// (measured 3–10% more of the read bandwidth than one panel at a time).
+		for ; p0+1 < p1 && (p0+2)*panelWidth <= l.out; p0 += 2 {
+			l.impl.tileDot2(dst[p0*panelWidth:], a, l.h[p0*stride:(p0+2)*stride], kp)
+		}
 	}
 	for p := p0; p < p1; p++ {
 		w := l.h[p*stride : (p+1)*stride]

@@ -16,6 +16,7 @@ var avx512Impl = &impl{
 	mr:        6,
 	tile:      tileAVX512,
 	tile16:    tile16AVX512,
+	tileBF162: tileBF162AVX512,
 	widenBF16: widenBF16AVX512,
 	dot:       dotAVX512,
 	axpy:      axpyAVX512,
@@ -66,6 +67,7 @@ var avx2Impl = &impl{
 var avx512BF16Impl = func() *impl {
 	im := *avx512Impl
 	im.tileDot, im.toPairs, im.dpLoop = tileDotAVX512, toPairsAVX512, dpLoopAVX512
+	im.tileDot2 = tileDot2AVX512
 	return &im
 }()
 
@@ -127,6 +129,15 @@ func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr
 	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], cn)
 }
 
+// tileDot2AVX512 checks bounds, then runs the one-row VDPBF16PS kernel over two consecutive
+// whole panels.
+func tileDot2AVX512(c []float32, a []uint32, w []uint16, kp int) {
+	_ = a[kp-1]
+	_ = w[2*kp*2*panelWidth-1]
+	_ = c[2*panelWidth-1]
+	tileDot512x1p2(&a[0], &w[0], kp, &c[0])
+}
+
 // toPairsAVX512 rounds src to bfloat16 pairs with VCVTNE2PS2BF16.
 func toPairsAVX512(dst []uint32, src []float32) {
 	if len(src) == 0 {
@@ -155,6 +166,7 @@ func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, m
 func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x1p2(a *float32, w *uint16, k int, c *float32)
 
 func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
@@ -167,6 +179,15 @@ func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, ma
 var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64){
 	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
 	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
+}
+
+// tileBF162AVX512 checks bounds, then runs the one-row kernel over two consecutive whole BF16
+// panels.
+func tileBF162AVX512(c []float32, a []float32, w []uint16, k int) {
+	_ = a[k-1]
+	_ = w[2*((k+1)/2)*2*panelWidth-1]
+	_ = c[2*panelWidth-1]
+	tile512bf16x1p2(&a[0], &w[0], k, &c[0])
 }
 
 // tile16AVX512 is tileAVX512 for BF16 or F16 panels.
@@ -330,6 +351,7 @@ func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, ma
 func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x1p2(a *uint32, w *uint16, kp int, c *float32)
 
 //go:noescape
 func toBF16Pairs512(dst *uint32, src *float32, n int)

@@ -236,6 +236,9 @@ func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows
 		return
 	}
 	s := l.schedule(rows)
+	if rows == 1 && l.dtype == BF16 && l.impl.tileBF162 != nil {
+		s.pairPanels()
+	}
 	if s.tasks() == 1 {
 		l.task(dst, ldc, x, lda, rows, s, 0)
 		return
@@ -284,6 +287,15 @@ func (l *Linear) schedule(rows int) schedule {
 	return s
 }
 
+// pairPanels makes the panel groups even (when there is more than one), so that a one-row
+// product's tasks run the two-panel kernels over whole pairs.
+func (s *schedule) pairPanels() {
+	if s.panelGroup%2 == 1 && s.panelGroup < s.panels {
+		s.panelGroup++
+		s.panelGroups = (s.panels + s.panelGroup - 1) / s.panelGroup
+	}
+}
+
 func (s schedule) count() int {
 	return ((s.tiles + s.tileGroup - 1) / s.tileGroup) * ((s.panels + s.panelGroup - 1) / s.panelGroup)
 }
@@ -295,6 +307,13 @@ func (l *Linear) task(dst []float32, ldc int, x []float32, lda int, rows int, s 
 	t0, t1 := tg*s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup)
 	p0, p1 := pg*s.panelGroup, min(s.panels, (pg+1)*s.panelGroup)
 	in, out := l.in, l.out
+	if rows == 1 && l.dtype == BF16 && l.impl.tileBF162 != nil {
+		// Two whole panels at a time: two weight streams and twice the independent chains.
+		stride := l.panel16Len()
+		for ; p0+1 < p1 && (p0+2)*panelWidth <= out; p0 += 2 {
+			l.impl.tileBF162(dst[p0*panelWidth:], x, l.h[p0*stride:(p0+2)*stride], in)
+		}
+	}
 	var wide []float32 // a 16-bit panel widened, for implementations without 16-bit tiles
 	for p := p0; p < p1; p++ {
 		col := p * panelWidth
