@@ -161,45 +161,49 @@ func tile512(wk, mr, unroll int) {
 	p("RET")
 }
 
-// tile512bf16x1p2 is tile512bf16x1 over two consecutive whole BF16 panels at once (128 columns,
-// the second panel ceil(k/2)·256 bytes after the first): chains Z0..Z3 and Z4..Z7, raw pairs in
-// Z24..Z27 and Z16..Z19, widened weights in Z28..Z31 and Z20..Z23. Each lane is the same chain
-// as in tile512bf16x1 (even k, then odd k, k ascending).
-func tile512bf16x1p2() {
-	const name = "tile512bf16x1p2"
+// tile512bf16x1p computes one row over np (2 or 4) consecutive whole BF16 panels at once (64·np
+// columns; panel i ceil(k/2)·256 bytes after panel i−1) in float32, as tile512bf16x1 does one:
+// chains Z(4i+v) for panel i; per panel and pair of k its raw pairs go to Z16..Z19 and the
+// widened weights to Z20..Z23 (the register renamer lets the panels overlap). Each lane is the
+// same chain as in tile512bf16x1 (even k, then odd k, k ascending).
+func tile512bf16x1p(np int) {
+	name := fmt.Sprintf("tile512bf16x1p%d", np)
 	text(name+"(a *float32, w *uint16, k int, c *float32)", "$0-32")
-	for i := range 8 {
+	for i := range 4 * np {
 		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
 	}
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ w+8(FP), BX")
 	p("MOVQ k+16(FP), CX")
-	p("LEAQ 1(CX), DX")
-	p("SHRQ $1, DX")
-	p("SHLQ $8, DX")
-	p("ADDQ BX, DX")
+	p("LEAQ 1(CX), AX")
+	p("SHRQ $1, AX")
+	p("SHLQ $8, AX")
+	widePanels(np)
 	step := func(j int, evenOnly bool) {
-		for v := range 4 {
-			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
-			p("VMOVDQU32 %d(DX), Z%d", j*256+v*64, 16+v)
-		}
-		for half := range 2 {
-			if half == 1 && evenOnly {
-				break
-			}
+		for i := range np {
 			for v := range 4 {
-				if half == 0 {
-					p("VPSLLD $16, Z%d, Z%d", 24+v, 28+v)
-					p("VPSLLD $16, Z%d, Z%d", 16+v, 20+v)
-				} else {
-					p("VPANDD.BCST hi16<>(SB), Z%d, Z%d", 24+v, 28+v)
-					p("VPANDD.BCST hi16<>(SB), Z%d, Z%d", 16+v, 20+v)
+				p("VMOVDQU32 %d(%s), Z%d", j*256+v*64, widePanelRegs[i], 16+v)
+			}
+			for half := range 2 {
+				if half == 1 && evenOnly {
+					break
+				}
+				for v := range 4 {
+					if half == 0 {
+						p("VPSLLD $16, Z%d, Z%d", 16+v, 20+v)
+					} else {
+						p("VPANDD.BCST hi16<>(SB), Z%d, Z%d", 16+v, 20+v)
+					}
+				}
+				for v := range 4 {
+					p("VFMADD231PS.BCST %d(DI), Z%d, Z%d", 4*(2*j+half), 20+v, 4*i+v)
 				}
 			}
-			for v := range 4 {
-				p("VFMADD231PS.BCST %d(DI), Z%d, Z%d", 4*(2*j+half), 28+v, v)
-				p("VFMADD231PS.BCST %d(DI), Z%d, Z%d", 4*(2*j+half), 20+v, 4+v)
-			}
+		}
+	}
+	advance := func(bytes int) {
+		for _, r := range widePanelRegs[:np] {
+			p("ADDQ $%d, %s", bytes, r)
 		}
 	}
 	p("CMPQ CX, $8")
@@ -208,8 +212,7 @@ func tile512bf16x1p2() {
 	for j := range 4 {
 		step(j, false)
 	}
-	p("ADDQ $1024, BX")
-	p("ADDQ $1024, DX")
+	advance(1024)
 	p("ADDQ $32, DI")
 	p("SUBQ $8, CX")
 	p("CMPQ CX, $8")
@@ -218,8 +221,7 @@ func tile512bf16x1p2() {
 	p("CMPQ CX, $2")
 	p("JLT %s_last", name)
 	step(0, false)
-	p("ADDQ $256, BX")
-	p("ADDQ $256, DX")
+	advance(256)
 	p("ADDQ $8, DI")
 	p("SUBQ $2, CX")
 	p("JMP %s_tail", name)
@@ -229,7 +231,7 @@ func tile512bf16x1p2() {
 	step(0, true)
 	label(name + "_store")
 	p("MOVQ c+24(FP), DI")
-	for v := range 8 {
+	for v := range 4 * np {
 		p("VMOVUPS Z%d, %d(DI)", v, 64*v)
 	}
 	p("VZEROUPPER")
@@ -1462,31 +1464,50 @@ func tileDot512(mr, unroll int) {
 	p("RET")
 }
 
-// tileDot512x1p2 is tileDot512x1 over two consecutive whole panels at once (128 columns, the
-// second panel kp·256 bytes after the first): 8 chains Z0..Z7 (Z0..Z3 the first panel's, Z4..Z7
-// the second's), the pairs of the first panel in Z24..Z27 and of the second in Z16..Z19. Each
-// lane is the same chain as in tileDot512x1; the two streams and twice the independent chains
-// keep more of the weights in flight.
-func tileDot512x1p2() {
-	const name = "tileDot512x1p2"
+// widePanelRegs are the pointer registers of the one-row kernels' panels: panel i of np at
+// wide[i] (BX, then BX+stride, …).
+var widePanelRegs = []string{"BX", "DX", "R8", "R9"}
+
+// widePanels loads the panel pointers of a one-row kernel: the first panel at w, the next ones
+// stride bytes apart (stride held in AX; clobbers AX).
+func widePanels(np int) {
+	for i := 1; i < np; i++ {
+		p("LEAQ (%s)(AX*1), %s", widePanelRegs[i-1], widePanelRegs[i])
+	}
+}
+
+// tileDot512x1p computes one row over np (2 or 4) consecutive whole panels at once (64·np
+// columns; panel i kp·256 bytes after panel i−1): chains Z(4i+v) for panel i, its pairs in
+// Z(16+4i+v). Each lane is the same chain as in tileDot512x1 (zero, one VDPBF16PS per pair of k,
+// k ascending); np streams and 4·np independent chains keep more of the weights in flight than
+// one panel at a time.
+func tileDot512x1p(np int) {
+	name := fmt.Sprintf("tileDot512x1p%d", np)
 	text(name+"(a *uint32, w *uint16, kp int, c *float32)", "$0-32")
-	for i := range 8 {
+	for i := range 4 * np {
 		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
 	}
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ w+8(FP), BX")
 	p("MOVQ kp+16(FP), CX")
-	p("MOVQ CX, DX")
-	p("SHLQ $8, DX")
-	p("ADDQ BX, DX")
+	p("MOVQ CX, AX")
+	p("SHLQ $8, AX")
+	widePanels(np)
 	step := func(j int) {
-		for v := range 4 {
-			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
-			p("VMOVDQU32 %d(DX), Z%d", j*256+v*64, 16+v)
+		for i := range np {
+			for v := range 4 {
+				p("VMOVDQU32 %d(%s), Z%d", j*256+v*64, widePanelRegs[i], 16+4*i+v)
+			}
 		}
-		for v := range 4 {
-			vdpbf16psBcst(v, 24+v, 0, 4*j)
-			vdpbf16psBcst(4+v, 16+v, 0, 4*j)
+		for i := range np {
+			for v := range 4 {
+				vdpbf16psBcst(4*i+v, 16+4*i+v, 0, 4*j)
+			}
+		}
+	}
+	advance := func(bytes int) {
+		for _, r := range widePanelRegs[:np] {
+			p("ADDQ $%d, %s", bytes, r)
 		}
 	}
 	p("CMPQ CX, $4")
@@ -1495,8 +1516,7 @@ func tileDot512x1p2() {
 	for j := range 4 {
 		step(j)
 	}
-	p("ADDQ $1024, BX")
-	p("ADDQ $1024, DX")
+	advance(1024)
 	p("ADDQ $16, DI")
 	p("SUBQ $4, CX")
 	p("CMPQ CX, $4")
@@ -1505,14 +1525,13 @@ func tileDot512x1p2() {
 	p("TESTQ CX, CX")
 	p("JEQ %s_store", name)
 	step(0)
-	p("ADDQ $256, BX")
-	p("ADDQ $256, DX")
+	advance(256)
 	p("ADDQ $4, DI")
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
 	p("MOVQ c+24(FP), DI")
-	for v := range 8 {
+	for v := range 4 * np {
 		p("VMOVUPS Z%d, %d(DI)", v, 64*v)
 	}
 	p("VZEROUPPER")
@@ -1636,7 +1655,8 @@ func main() {
 			tile512(wk, mr, 4)
 		}
 	}
-	tile512bf16x1p2()
+	tile512bf16x1p(2)
+	tile512bf16x1p(4)
 	for mr := 1; mr <= maxRows; mr++ {
 		tile256(mr, 4)
 	}
@@ -1674,7 +1694,8 @@ func main() {
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4)
 	}
-	tileDot512x1p2()
+	tileDot512x1p(2)
+	tileDot512x1p(4)
 	toBF16Pairs512()
 	widenBF16x512()
 	dotBF16Probe()

@@ -12,17 +12,17 @@ import (
 
 // avx512Impl uses zmm registers: 6×64 Linear tiles (24 accumulators), masked vector tails.
 var avx512Impl = &impl{
-	name:      "avx512",
-	mr:        6,
-	tile:      tileAVX512,
-	tile16:    tile16AVX512,
-	tileBF162: tileBF162AVX512,
-	widenBF16: widenBF16AVX512,
-	dot:       dotAVX512,
-	axpy:      axpyAVX512,
-	scale:     scaleAVX512,
-	add:       addAVX512,
-	siluMul:   siluMulAVX512,
+	name:         "avx512",
+	mr:           6,
+	tile:         tileAVX512,
+	tile16:       tile16AVX512,
+	tileBF16Wide: tileBF16WideAVX512,
+	widenBF16:    widenBF16AVX512,
+	dot:          dotAVX512,
+	axpy:         axpyAVX512,
+	scale:        scaleAVX512,
+	add:          addAVX512,
+	siluMul:      siluMulAVX512,
 
 	normScale:  normScaleAVX512,
 	rope:       ropeAVX512,
@@ -67,7 +67,7 @@ var avx2Impl = &impl{
 var avx512BF16Impl = func() *impl {
 	im := *avx512Impl
 	im.tileDot, im.toPairs, im.dpLoop = tileDotAVX512, toPairsAVX512, dpLoopAVX512
-	im.tileDot2 = tileDot2AVX512
+	im.tileDotWide = tileDotWideAVX512
 	return &im
 }()
 
@@ -129,12 +129,16 @@ func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr
 	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], cn)
 }
 
-// tileDot2AVX512 checks bounds, then runs the one-row VDPBF16PS kernel over two consecutive
-// whole panels.
-func tileDot2AVX512(c []float32, a []uint32, w []uint16, kp int) {
+// tileDotWideAVX512 checks bounds, then runs the one-row VDPBF16PS kernel over np (2 or 4)
+// consecutive whole panels.
+func tileDotWideAVX512(c []float32, a []uint32, w []uint16, kp, np int) {
 	_ = a[kp-1]
-	_ = w[2*kp*2*panelWidth-1]
-	_ = c[2*panelWidth-1]
+	_ = w[np*kp*2*panelWidth-1]
+	_ = c[np*panelWidth-1]
+	if np == 4 {
+		tileDot512x1p4(&a[0], &w[0], kp, &c[0])
+		return
+	}
 	tileDot512x1p2(&a[0], &w[0], kp, &c[0])
 }
 
@@ -167,6 +171,7 @@ func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, m
 func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512bf16x1p2(a *float32, w *uint16, k int, c *float32)
+func tile512bf16x1p4(a *float32, w *uint16, k int, c *float32)
 
 func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
@@ -181,12 +186,16 @@ var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, 
 	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
 }
 
-// tileBF162AVX512 checks bounds, then runs the one-row kernel over two consecutive whole BF16
-// panels.
-func tileBF162AVX512(c []float32, a []float32, w []uint16, k int) {
+// tileBF16WideAVX512 checks bounds, then runs the one-row kernel over np (2 or 4) consecutive
+// whole BF16 panels.
+func tileBF16WideAVX512(c []float32, a []float32, w []uint16, k, np int) {
 	_ = a[k-1]
-	_ = w[2*((k+1)/2)*2*panelWidth-1]
-	_ = c[2*panelWidth-1]
+	_ = w[np*((k+1)/2)*2*panelWidth-1]
+	_ = c[np*panelWidth-1]
+	if np == 4 {
+		tile512bf16x1p4(&a[0], &w[0], k, &c[0])
+		return
+	}
 	tile512bf16x1p2(&a[0], &w[0], k, &c[0])
 }
 
@@ -352,6 +361,7 @@ func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, ma
 func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 func tileDot512x1p2(a *uint32, w *uint16, kp int, c *float32)
+func tileDot512x1p4(a *uint32, w *uint16, kp int, c *float32)
 
 //go:noescape
 func toBF16Pairs512(dst *uint32, src *float32, n int)
