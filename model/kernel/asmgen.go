@@ -1465,7 +1465,7 @@ func tileDot512(mr, unroll int) {
 }
 
 // widePanelRegs are the pointer registers of the one-row kernels' panels: panel i of np at
-// wide[i] (BX, then BX+stride, …).
+// widePanelRegs[i] (BX, then BX+stride, …).
 var widePanelRegs = []string{"BX", "DX", "R8", "R9"}
 
 // widePanels loads the panel pointers of a one-row kernel: the first panel at w, the next ones
