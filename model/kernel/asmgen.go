@@ -161,6 +161,83 @@ func tile512(wk, mr, unroll int) {
 	p("RET")
 }
 
+// tile512bf16x1p computes one row over np (2 or 4) consecutive whole BF16 panels at once (64·np
+// columns; panel i ceil(k/2)·256 bytes after panel i−1) in float32, as tile512bf16x1 does one:
+// chains Z(4i+v) for panel i; per panel and pair of k its raw pairs go to Z16..Z19 and the
+// widened weights to Z20..Z23 (the register renamer lets the panels overlap). Each lane is the
+// same chain as in tile512bf16x1 (even k, then odd k, k ascending).
+func tile512bf16x1p(np int) {
+	name := fmt.Sprintf("tile512bf16x1p%d", np)
+	text(name+"(a *float32, w *uint16, k int, c *float32)", "$0-32")
+	for i := range 4 * np {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ w+8(FP), BX")
+	p("MOVQ k+16(FP), CX")
+	p("LEAQ 1(CX), AX")
+	p("SHRQ $1, AX")
+	p("SHLQ $8, AX")
+	widePanels(np)
+	step := func(j int, evenOnly bool) {
+		for i := range np {
+			for v := range 4 {
+				p("VMOVDQU32 %d(%s), Z%d", j*256+v*64, widePanelRegs[i], 16+v)
+			}
+			for half := range 2 {
+				if half == 1 && evenOnly {
+					break
+				}
+				for v := range 4 {
+					if half == 0 {
+						p("VPSLLD $16, Z%d, Z%d", 16+v, 20+v)
+					} else {
+						p("VPANDD.BCST hi16<>(SB), Z%d, Z%d", 16+v, 20+v)
+					}
+				}
+				for v := range 4 {
+					p("VFMADD231PS.BCST %d(DI), Z%d, Z%d", 4*(2*j+half), 20+v, 4*i+v)
+				}
+			}
+		}
+	}
+	advance := func(bytes int) {
+		for _, r := range widePanelRegs[:np] {
+			p("ADDQ $%d, %s", bytes, r)
+		}
+	}
+	p("CMPQ CX, $8")
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range 4 {
+		step(j, false)
+	}
+	advance(1024)
+	p("ADDQ $32, DI")
+	p("SUBQ $8, CX")
+	p("CMPQ CX, $8")
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("CMPQ CX, $2")
+	p("JLT %s_last", name)
+	step(0, false)
+	advance(256)
+	p("ADDQ $8, DI")
+	p("SUBQ $2, CX")
+	p("JMP %s_tail", name)
+	label(name + "_last")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0, true)
+	label(name + "_store")
+	p("MOVQ c+24(FP), DI")
+	for v := range 4 * np {
+		p("VMOVUPS Z%d, %d(DI)", v, 64*v)
+	}
+	p("VZEROUPPER")
+	p("RET")
+}
+
 // columnMasks loads the column mask argument at maskArg ("mask+48(FP)") into K1..K4, 16
 // columns each.
 func columnMasks(maskArg string) {
@@ -1311,10 +1388,13 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 // rows' activations as bfloat16 pairs (one dword per pair of k, lda dwords per row), w the panel
 // (256 bytes per pair of k). Accumulators Z0..Z4mr-1 (row m, vector v in Z(4m+v)), the panel's
 // pairs in Z24..Z27; each row's pair is broadcast from memory by the VDPBF16PS itself. Every
-// lane is one output element: zero, then one VDPBF16PS per pair of k, k ascending. Each pair of
-// k also prefetches 64 bytes from pf on (the caller points pf at the share of the next panel this
-// tile brings into the cache, so the next panel streams from memory while this one is computed
-// from the cache).
+// lane is one output element: zero, then one VDPBF16PS per pair of k, k ascending. With two or
+// more rows each pair of k also prefetches 64 bytes from pf on (the caller points pf at the share
+// of the next panel this tile brings into the cache, so the next panel streams from memory while
+// this one is computed from the cache). The one-row kernel (batch-1 decode, a single stream
+// through consecutive panels) prefetches nothing: the hardware prefetchers follow its stream,
+// and its prefetch per pair (of lines it had already loaded) made the stream 15–20% slower in
+// passes over 320 MB of decode-shaped weights alternated with passes without it.
 //
 // With cont nonzero the accumulators start from c's values instead of zero (under the column
 // mask), continuing chains that an earlier call over the preceding pairs of k stored there: a
@@ -1345,7 +1425,9 @@ func tileDot512(mr, unroll int) {
 		for v := range 4 {
 			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
 		}
-		p("PREFETCHT0 %d(R10)", 64*j)
+		if mr > 1 {
+			p("PREFETCHT0 %d(R10)", 64*j)
+		}
 		for m := range mr {
 			for v := range 4 {
 				vdpbf16psBcst(4*m+v, 24+v, m, 4*j)
@@ -1378,6 +1460,80 @@ func tileDot512(mr, unroll int) {
 	label(name + "_store")
 	columnMasks("mask+48(FP)")
 	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
+	p("VZEROUPPER")
+	p("RET")
+}
+
+// widePanelRegs are the pointer registers of the one-row kernels' panels: panel i of np at
+// widePanelRegs[i] (BX, then BX+stride, …).
+var widePanelRegs = []string{"BX", "DX", "R8", "R9"}
+
+// widePanels loads the panel pointers of a one-row kernel: the first panel at w, the next ones
+// stride bytes apart (stride held in AX; clobbers AX).
+func widePanels(np int) {
+	for i := 1; i < np; i++ {
+		p("LEAQ (%s)(AX*1), %s", widePanelRegs[i-1], widePanelRegs[i])
+	}
+}
+
+// tileDot512x1p computes one row over np (2 or 4) consecutive whole panels at once (64·np
+// columns; panel i kp·256 bytes after panel i−1): chains Z(4i+v) for panel i, its pairs in
+// Z(16+4i+v). Each lane is the same chain as in tileDot512x1 (zero, one VDPBF16PS per pair of k,
+// k ascending); np streams and 4·np independent chains keep more of the weights in flight than
+// one panel at a time.
+func tileDot512x1p(np int) {
+	name := fmt.Sprintf("tileDot512x1p%d", np)
+	text(name+"(a *uint32, w *uint16, kp int, c *float32)", "$0-32")
+	for i := range 4 * np {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("MOVQ a+0(FP), DI")
+	p("MOVQ w+8(FP), BX")
+	p("MOVQ kp+16(FP), CX")
+	p("MOVQ CX, AX")
+	p("SHLQ $8, AX")
+	widePanels(np)
+	step := func(j int) {
+		for i := range np {
+			for v := range 4 {
+				p("VMOVDQU32 %d(%s), Z%d", j*256+v*64, widePanelRegs[i], 16+4*i+v)
+			}
+		}
+		for i := range np {
+			for v := range 4 {
+				vdpbf16psBcst(4*i+v, 16+4*i+v, 0, 4*j)
+			}
+		}
+	}
+	advance := func(bytes int) {
+		for _, r := range widePanelRegs[:np] {
+			p("ADDQ $%d, %s", bytes, r)
+		}
+	}
+	p("CMPQ CX, $4")
+	p("JLT %s_tail", name)
+	label(name + "_loop")
+	for j := range 4 {
+		step(j)
+	}
+	advance(1024)
+	p("ADDQ $16, DI")
+	p("SUBQ $4, CX")
+	p("CMPQ CX, $4")
+	p("JGE %s_loop", name)
+	label(name + "_tail")
+	p("TESTQ CX, CX")
+	p("JEQ %s_store", name)
+	step(0)
+	advance(256)
+	p("ADDQ $4, DI")
+	p("DECQ CX")
+	p("JMP %s_tail", name)
+	label(name + "_store")
+	p("MOVQ c+24(FP), DI")
+	for v := range 4 * np {
+		p("VMOVUPS Z%d, %d(DI)", v, 64*v)
+	}
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -1499,6 +1655,8 @@ func main() {
 			tile512(wk, mr, 4)
 		}
 	}
+	tile512bf16x1p(2)
+	tile512bf16x1p(4)
 	for mr := 1; mr <= maxRows; mr++ {
 		tile256(mr, 4)
 	}
@@ -1536,6 +1694,8 @@ func main() {
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4)
 	}
+	tileDot512x1p(2)
+	tileDot512x1p(4)
 	toBF16Pairs512()
 	widenBF16x512()
 	dotBF16Probe()

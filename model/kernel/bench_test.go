@@ -3,6 +3,7 @@ package kernel
 import (
 	"fmt"
 	"math/rand/v2"
+	"sync"
 	"testing"
 	"time"
 )
@@ -172,4 +173,82 @@ func BenchmarkRepack(b *testing.B) {
 			NewLinearOn(pool, store, 64, 64)
 		}
 	})
+}
+
+// BenchmarkGEMVStream is batch-1 decode's weight stream: one-row products over a stack of
+// matrices far larger than the last-level cache (Qwen3-0.6B's fused qkv, o_proj, fused gate/up
+// and down_proj, repeated to about 320 MB of weights), each read once per pass as a decode step
+// reads its layers. It reports the weight bytes read per second and their ratio to the all-core
+// read bandwidth measured right after over a buffer allocated beforehand (so the two share the
+// machine's load): the fraction of the memory bound the products reach.
+func BenchmarkGEMVStream(b *testing.B) {
+	shapes := [][2]int{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}}
+	buf := make([]float32, 64<<20)
+	for i := range buf {
+		buf[i] = 1 // fault the pages in
+	}
+	for _, kind := range []string{"bfloat16", "bf16dot", "int8"} {
+		b.Run(kind, func(b *testing.B) {
+			if kind == "bf16dot" && BF16Products() != "VDPBF16PS" {
+				b.Skip("no VDPBF16PS")
+			}
+			pool := NewPool(0)
+			defer pool.Close()
+			r := rand.New(rand.NewPCG(1, 1))
+			var ls []*Linear
+			var bytes int64
+			for bytes < 320<<20 {
+				s := shapes[len(ls)%len(shapes)]
+				var l *Linear
+				if kind == "int8" {
+					w := randSlice(r, s[0]*s[1])
+					l = NewLinearInt8From(pool, s[0], s[1], func(n int, dst []float32) { copy(dst, w[n*s[1]:(n+1)*s[1]]) })
+				} else {
+					l = benchWeights(pool, BF16, s[0], s[1])
+					l.bf16Dot = kind == "bf16dot"
+				}
+				ls = append(ls, l)
+				bytes += l.Bytes()
+			}
+			x, dst := randSlice(r, 3072), make([]float32, 6144)
+			b.SetBytes(bytes)
+			b.ResetTimer()
+			for b.Loop() {
+				for _, l := range ls {
+					l.Apply(dst, x, 1)
+				}
+			}
+			gbps := float64(bytes) * float64(b.N) / b.Elapsed().Seconds() / 1e9
+			bw := readShares(buf, pool.Workers())
+			b.ReportMetric(bw, "readGB/s")
+			b.ReportMetric(gbps/bw, "ofReadBW")
+		})
+	}
+}
+
+// readShares is [ReadGBps] over buf, already faulted in: workers goroutines each read their
+// share for about 200ms; it returns their summed rate in GB/s.
+func readShares(buf []float32, workers int) float64 {
+	n := len(buf) / workers
+	rates := make([]float64, workers)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Go(func() {
+			share := buf[w*n : (w+1)*n]
+			t0 := time.Now()
+			for passes := 1; ; passes++ {
+				defaultImpl.readSum(share)
+				if el := time.Since(t0); passes >= 2 && el >= 200*time.Millisecond {
+					rates[w] = float64(passes*n*4) / el.Seconds()
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	var total float64
+	for _, r := range rates {
+		total += r
+	}
+	return total / 1e9
 }

@@ -160,6 +160,9 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 		s.panelGroup = (s.panels + 2*l.pool.Workers() - 1) / (2 * l.pool.Workers())
 		s.panelGroups = (s.panels + s.panelGroup - 1) / s.panelGroup
 	}
+	if rows == 1 && l.impl.tileDotWide != nil {
+		s.widePanels()
+	}
 	if s.tasks() == 1 {
 		l.dotTask(dst, ldc, pairs, kp, rows, s, 0)
 		return
@@ -186,6 +189,15 @@ func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s
 	if t1-t0 > 1 && kp > 2*kBlock {
 		n := (kp + kBlock - 1) / kBlock
 		kb = (kp + n - 1) / n
+	}
+	if rows == 1 && l.impl.tileDotWide != nil {
+		// Four (or two) whole panels at a time: as many weight streams and independent chains
+		// (two panels measured 10–14% more of the read bandwidth than one, four 5–15% more
+		// than two).
+		for np := widePanelRun(p0, p1, l.out); np > 0; np = widePanelRun(p0, p1, l.out) {
+			l.impl.tileDotWide(dst[p0*panelWidth:], a, l.h[p0*stride:(p0+np)*stride], kp, np)
+			p0 += np
+		}
 	}
 	for p := p0; p < p1; p++ {
 		w := l.h[p*stride : (p+1)*stride]

@@ -90,13 +90,14 @@ func dotChainRef(x, w []float32) float32 {
 // TestLinearBF16DotMatchesChain: every implementation computes each output of a
 // bfloat16-product Linear as the specified chain (rows of all tile heights, odd and even widths,
 // partial panels, k long enough for several blocks of pairs when several row tiles share a
-// panel), and the result is batch-invariant.
+// panel, one row over pairs of whole panels and a lone whole or partial panel after them), and
+// the result is batch-invariant.
 func TestLinearBF16DotMatchesChain(t *testing.T) {
 	r := rand.New(rand.NewPCG(43, 44))
 	pool := NewPool(2)
 	defer pool.Close()
 	for _, im := range candidateImpls() {
-		for _, sh := range [][2]int{{1, 1}, {3, 5}, {17, 33}, {64, 64}, {65, 129}, {130, 96}, {193, 31}, {384, 2*(2*kBlock+1) + 45}} {
+		for _, sh := range [][2]int{{1, 1}, {3, 5}, {17, 33}, {64, 64}, {65, 129}, {130, 96}, {193, 31}, {192, 33}, {256, 1025}, {384, 2*(2*kBlock+1) + 45}} {
 			out, in := sh[0], sh[1]
 			w := randSlice(r, out*in)
 			h, _ := to16(w, BF16)

@@ -15,6 +15,10 @@ type impl struct {
 	// tile16 is tile for BF16 or F16 panels (see Linear), widening each weight exactly before
 	// its FMA; nil: the panel is widened into a float32 copy and tile runs on that.
 	tile16 func(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int)
+	// tileBF16Wide is tile16 for one row of BF16 panels over np (2 or 4) consecutive whole
+	// panels (k > 0; c gets np·panelWidth columns, each the same chain as tile16 computes); nil:
+	// tile16 per panel.
+	tileBF16Wide func(c []float32, a []float32, w []uint16, k, np int)
 
 	// tileDot is tile for bfloat16 products (see bf16.go): a holds activation pairs, lda pairs
 	// apart, w kp pairs of a BF16 panel; toPairs rounds floats to pairs. nil: portable Go.
@@ -22,6 +26,10 @@ type impl struct {
 	// chains continue from the values in c (an earlier call computed the preceding pairs).
 	tileDot func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool)
 	toPairs func(dst []uint32, src []float32)
+	// tileDotWide is tileDot for one row over np (2 or 4) consecutive whole panels (kp > 0; c
+	// gets np·panelWidth columns, each the same chain as tileDot computes); nil: tileDot per
+	// panel.
+	tileDotWide func(c []float32, a []uint32, w []uint16, kp, np int)
 	// dpLoop is fmaLoop for bfloat16 products (nil without them).
 	dpLoop func(n int) float64
 

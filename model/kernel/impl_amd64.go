@@ -12,16 +12,17 @@ import (
 
 // avx512Impl uses zmm registers: 6×64 Linear tiles (24 accumulators), masked vector tails.
 var avx512Impl = &impl{
-	name:      "avx512",
-	mr:        6,
-	tile:      tileAVX512,
-	tile16:    tile16AVX512,
-	widenBF16: widenBF16AVX512,
-	dot:       dotAVX512,
-	axpy:      axpyAVX512,
-	scale:     scaleAVX512,
-	add:       addAVX512,
-	siluMul:   siluMulAVX512,
+	name:         "avx512",
+	mr:           6,
+	tile:         tileAVX512,
+	tile16:       tile16AVX512,
+	tileBF16Wide: tileBF16WideAVX512,
+	widenBF16:    widenBF16AVX512,
+	dot:          dotAVX512,
+	axpy:         axpyAVX512,
+	scale:        scaleAVX512,
+	add:          addAVX512,
+	siluMul:      siluMulAVX512,
 
 	normScale:  normScaleAVX512,
 	rope:       ropeAVX512,
@@ -66,6 +67,7 @@ var avx2Impl = &impl{
 var avx512BF16Impl = func() *impl {
 	im := *avx512Impl
 	im.tileDot, im.toPairs, im.dpLoop = tileDotAVX512, toPairsAVX512, dpLoopAVX512
+	im.tileDotWide = tileDotWideAVX512
 	return &im
 }()
 
@@ -109,7 +111,8 @@ var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c 
 
 // tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
 // masked off at the store. pf (kp×32 values, else the tile's own panel) is prefetched on the
-// way. With cont the chains continue from c.
+// way by tiles of two or more rows (the one-row kernel leaves its stream to the hardware). With
+// cont the chains continue from c.
 func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool) {
 	_ = a[(mr-1)*lda+kp-1]
 	_ = w[kp*2*panelWidth-1]
@@ -125,6 +128,19 @@ func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr
 		cn = 1
 	}
 	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], cn)
+}
+
+// tileDotWideAVX512 checks bounds, then runs the one-row VDPBF16PS kernel over np (2 or 4)
+// consecutive whole panels.
+func tileDotWideAVX512(c []float32, a []uint32, w []uint16, kp, np int) {
+	_ = a[kp-1]
+	_ = w[np*kp*2*panelWidth-1]
+	_ = c[np*panelWidth-1]
+	if np == 4 {
+		tileDot512x1p4(&a[0], &w[0], kp, &c[0])
+		return
+	}
+	tileDot512x1p2(&a[0], &w[0], kp, &c[0])
 }
 
 // toPairsAVX512 rounds src to bfloat16 pairs with VCVTNE2PS2BF16.
@@ -155,6 +171,8 @@ func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, m
 func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x1p2(a *float32, w *uint16, k int, c *float32)
+func tile512bf16x1p4(a *float32, w *uint16, k int, c *float32)
 
 func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
 func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
@@ -167,6 +185,19 @@ func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, ma
 var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64){
 	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
 	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
+}
+
+// tileBF16WideAVX512 checks bounds, then runs the one-row kernel over np (2 or 4) consecutive
+// whole BF16 panels.
+func tileBF16WideAVX512(c []float32, a []float32, w []uint16, k, np int) {
+	_ = a[k-1]
+	_ = w[np*((k+1)/2)*2*panelWidth-1]
+	_ = c[np*panelWidth-1]
+	if np == 4 {
+		tile512bf16x1p4(&a[0], &w[0], k, &c[0])
+		return
+	}
+	tile512bf16x1p2(&a[0], &w[0], k, &c[0])
 }
 
 // tile16AVX512 is tileAVX512 for BF16 or F16 panels.
@@ -330,6 +361,8 @@ func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, ma
 func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x1p2(a *uint32, w *uint16, kp int, c *float32)
+func tileDot512x1p4(a *uint32, w *uint16, kp int, c *float32)
 
 //go:noescape
 func toBF16Pairs512(dst *uint32, src *float32, n int)

@@ -61,7 +61,8 @@ type int8Weights struct {
 	roundScale func(float32) float32
 }
 
-// int8TileFunc computes rows [0,mr) × columns [0,ncols) of one int8 panel (see tileInt8Generic).
+// int8TileFunc computes rows [0,mr) × columns [0,ncols) of one int8 panel (see tileInt8Generic),
+// or with mr = 1 and ncols = 2·panelWidth of two consecutive whole panels (w holds both).
 type int8TileFunc func(c []float32, ldc int, a int8Acts, w []byte, groups, mr, ncols int)
 
 // int8Acts are quantized activation rows: row m's int8 values at q[m*ldq:], its scales at
@@ -315,6 +316,13 @@ func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows in
 	}
 	run := func(t int) {
 		p0, p1 := t*l.panels/tasks, (t+1)*l.panels/tasks
+		if rows == 1 {
+			// One row: two whole panels per kernel call (two weight streams, twice the chains).
+			pb := groups * int8GroupBytes
+			for ; p0+1 < p1 && (p0+2)*panelWidth <= l.out; p0 += 2 {
+				l.i8.tile(dst[p0*panelWidth:], ldc, a, l.i8.b[p0*pb:(p0+2)*pb], groups, 1, 2*panelWidth)
+			}
+		}
 		for p := p0; p < p1; p++ {
 			w := l.i8.b[p*groups*int8GroupBytes : (p+1)*groups*int8GroupBytes]
 			col := p * panelWidth
@@ -335,6 +343,12 @@ func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows in
 // tileInt8Generic is the portable chain of int8 products (see the top of int8.go) for rows
 // [0,mr) × columns [0,ncols) of an int8 panel.
 func tileInt8Generic(c []float32, ldc int, a int8Acts, w []byte, groups, mr, ncols int) {
+	if ncols > panelWidth { // two whole panels
+		for q := range 2 {
+			tileInt8Generic(c[q*panelWidth:], ldc, a, w[q*groups*int8GroupBytes:], groups, mr, panelWidth)
+		}
+		return
+	}
 	_ = w[groups*int8GroupBytes-1]
 	for m := range mr {
 		r := a.at(m)

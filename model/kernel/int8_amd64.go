@@ -26,11 +26,24 @@ func tileI8x2(a *int8, lda int, d *float32, corr *int32, lds int, w *byte, group
 //go:noescape
 func tileI8x3(a *int8, lda int, d *float32, corr *int32, lds int, w *byte, groups int, c *float32, ldc int, mask uint64)
 
+//go:noescape
+func tileI8x1p2(a *int8, d *float32, corr *int32, w *byte, groups int, c *float32)
+
 // tileInt8VNNI checks bounds, then runs the VPDPBUSD kernel for mr rows; columns ≥ ncols are
-// masked off at the store.
+// masked off at the store. One row over two whole panels (ncols = 2·panelWidth) runs the
+// two-panel kernel.
 func tileInt8VNNI(c []float32, ldc int, a int8Acts, w []byte, groups, mr, ncols int) {
-	if groups == 0 || mr < 1 || mr > int8TileRows {
+	if groups == 0 || mr < 1 || mr > int8TileRows || ncols > panelWidth && mr != 1 {
 		tileInt8Generic(c, ldc, a, w, groups, mr, ncols)
+		return
+	}
+	if ncols > panelWidth {
+		_ = a.q[groups*Int8Group-1]
+		_ = a.d[groups-1]
+		_ = a.corr[groups-1]
+		_ = w[2*groups*int8GroupBytes-1]
+		_ = c[2*panelWidth-1]
+		tileI8x1p2(&a.q[0], &a.d[0], &a.corr[0], &w[0], groups, &c[0])
 		return
 	}
 	_ = a.q[(mr-1)*a.ldq+groups*Int8Group-1]

@@ -38,7 +38,8 @@ func applyInt8With(tile int8TileFunc, pool *Pool, w, x []float32, out, in, rows 
 }
 
 // TestInt8KernelsAgree: the VPDPBUSD kernels give exactly the bits of the portable Go chain, for
-// every tile height, partial panels, k that are not multiples of the group, and rows of any
+// every tile height, partial panels, k that are not multiples of the group, one row over pairs of
+// whole panels (520 columns: tasks of two and three panels, a partial one last), and rows of any
 // magnitude (all-zero groups included).
 func TestInt8KernelsAgree(t *testing.T) {
 	tiles := int8Tiles()
@@ -46,7 +47,7 @@ func TestInt8KernelsAgree(t *testing.T) {
 		t.Skip("no AVX-512 VNNI on this CPU: only the portable kernel")
 	}
 	r := rand.New(rand.NewPCG(8, 8))
-	for _, out := range []int{1, 63, 64, 130} {
+	for _, out := range []int{1, 63, 64, 130, 520} {
 		for _, in := range []int{1, 31, 32, 33, 96, 320} {
 			for _, rows := range []int{1, 2, 3, 4, 7} {
 				w, x := randInt8Matrix(r, out*in), randInt8Matrix(r, rows*in)

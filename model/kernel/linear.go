@@ -236,6 +236,9 @@ func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows
 		return
 	}
 	s := l.schedule(rows)
+	if rows == 1 && l.dtype == BF16 && l.impl.tileBF16Wide != nil {
+		s.widePanels()
+	}
 	if s.tasks() == 1 {
 		l.task(dst, ldc, x, lda, rows, s, 0)
 		return
@@ -284,6 +287,26 @@ func (l *Linear) schedule(rows int) schedule {
 	return s
 }
 
+// widePanels rounds the panel groups up to a multiple of 4 panels (when there is more than one
+// group), so that a one-row product's tasks run the four-panel kernels over whole quadruples.
+func (s *schedule) widePanels() {
+	if s.panelGroup%4 != 0 && s.panelGroup < s.panels {
+		s.panelGroup = min(s.panels, (s.panelGroup+3)/4*4)
+		s.panelGroups = (s.panels + s.panelGroup - 1) / s.panelGroup
+	}
+}
+
+// widePanelRun returns how many of the panels [p0, p1) of an out-column matrix a one-row wide
+// kernel computes next: 4 or 2 whole panels, or 0 (one panel at a time from here).
+func widePanelRun(p0, p1, out int) int {
+	for _, np := range []int{4, 2} {
+		if p0+np <= p1 && (p0+np)*panelWidth <= out {
+			return np
+		}
+	}
+	return 0
+}
+
 func (s schedule) count() int {
 	return ((s.tiles + s.tileGroup - 1) / s.tileGroup) * ((s.panels + s.panelGroup - 1) / s.panelGroup)
 }
@@ -295,6 +318,14 @@ func (l *Linear) task(dst []float32, ldc int, x []float32, lda int, rows int, s 
 	t0, t1 := tg*s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup)
 	p0, p1 := pg*s.panelGroup, min(s.panels, (pg+1)*s.panelGroup)
 	in, out := l.in, l.out
+	if rows == 1 && l.dtype == BF16 && l.impl.tileBF16Wide != nil {
+		// Four (or two) whole panels at a time: as many weight streams and independent chains.
+		stride := l.panel16Len()
+		for np := widePanelRun(p0, p1, out); np > 0; np = widePanelRun(p0, p1, out) {
+			l.impl.tileBF16Wide(dst[p0*panelWidth:], x, l.h[p0*stride:(p0+np)*stride], in, np)
+			p0 += np
+		}
+	}
 	var wide []float32 // a 16-bit panel widened, for implementations without 16-bit tiles
 	for p := p0; p < p1; p++ {
 		col := p * panelWidth

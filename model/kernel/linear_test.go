@@ -281,14 +281,15 @@ func to16(w []float32, dtype DType) ([]uint16, []float32) {
 // TestLinear16MatchesChain: a Linear storing bfloat16 or float16 weights computes every output
 // element with the chain of an F32 Linear holding the same (exactly widened) values, on every
 // implementation (native 16-bit tiles or a widened panel), for odd and even widths, and its Row
-// returns the widened weights.
+// returns the widened weights. The extra shapes give one row whole pairs of bfloat16 panels with
+// an odd k (the two-panel kernel's unpaired last k) and a lone whole panel after them.
 func TestLinear16MatchesChain(t *testing.T) {
 	r := rand.New(rand.NewPCG(31, 32))
 	pool := NewPool(2)
 	defer pool.Close()
 	for _, im := range candidateImpls() {
 		for _, dtype := range []DType{BF16, F16} {
-			for _, sh := range testShapes {
+			for _, sh := range append(testShapes, [2]int{192, 33}, [2]int{256, 255}) {
 				out, in := sh[0], sh[1]
 				h, wide := to16(randSlice(r, out*in), dtype)
 				l := newLinear16(im, pool, dtype, out, in, func(n int, dst []uint16) { copy(dst, h[n*in:(n+1)*in]) })
