@@ -305,42 +305,24 @@ func TestStartFails(t *testing.T) {
 // listens (as a ZeroMQ connect, it does not wait), reaches the subscriber once it binds, and a
 // Close during a dial returns.
 func TestConnectBeforeSubscriber(t *testing.T) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	addr := ln.Addr().String()
-	ln.Close() // free: the subscriber binds it below
-	cfg, err := ParseConfig(`{"enable_kv_cache_events": true, "endpoint": "tcp://` + addr + `"}`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p, err := Start(Options{Config: cfg, BlockSize: 4})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close()
-	p.PublishKVEvents(storedEvent(1)) // no subscriber yet: dropped, never blocks
-
-	// A second publisher, closed while it still dials nobody.
-	p2, err := Start(Options{Config: cfg, BlockSize: 4})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := p2.Close(); err != nil {
-		t.Fatal(err)
-	}
-
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	sub := zmq4.NewSub(ctx)
+	// The subscriber binds a port found free and released before the publisher starts; another
+	// process may take it in between, so a failed bind starts over on a new port.
+	var p *Publisher
+	var sub zmq4.Socket
+	var err error
+	for attempt := 0; ; attempt++ {
+		p, sub, err = startBeforeSubscriber(t, ctx)
+		if err == nil {
+			break
+		}
+		if attempt == 4 {
+			t.Fatalf("listen on a freed port, 5 times: %v", err)
+		}
+	}
+	defer p.Close()
 	defer sub.Close()
-	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
-		t.Fatal(err)
-	}
-	if err := sub.Listen("tcp://" + addr); err != nil {
-		t.Fatalf("listen on the freed port %s: %v", addr, err)
-	}
 	msgs := receiver(sub)
 	deadline := time.Now().Add(recvTimeout)
 	for {
@@ -357,6 +339,47 @@ func TestConnectBeforeSubscriber(t *testing.T) {
 		case <-time.After(50 * time.Millisecond): // a poll interval
 		}
 	}
+}
+
+// startBeforeSubscriber starts a publisher in connect mode towards a free port nobody listens
+// on, publishes once (dropped: no subscriber yet, and it must not block), starts and closes a
+// second publisher while it still dials nobody, and then binds a subscriber on that port.
+func startBeforeSubscriber(t *testing.T, ctx context.Context) (*Publisher, zmq4.Socket, error) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // free: the subscriber binds it below
+	cfg, err := ParseConfig(`{"enable_kv_cache_events": true, "endpoint": "tcp://` + addr + `"}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := Start(Options{Config: cfg, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p.PublishKVEvents(storedEvent(1))
+
+	p2, err := Start(Options{Config: cfg, BlockSize: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p2.Close(); err != nil {
+		t.Fatal(err)
+	}
+
+	sub := zmq4.NewSub(ctx)
+	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
+		t.Fatal(err)
+	}
+	if err := sub.Listen("tcp://" + addr); err != nil {
+		sub.Close()
+		p.Close()
+		return nil, nil, fmt.Errorf("%s: %w", addr, err)
+	}
+	return p, sub, nil
 }
 
 // TestReplayRefusesBadRequests: a malformed replay request (wrong frames, a sequence number
