@@ -51,7 +51,7 @@ var allowed = map[string][]string{
 	"model/tokenizer": {},
 	// leaves
 	"stats": {}, "plot": {}, "apiclient": {}, "faultproxy": {}, "netns": {},
-	"internal/msgpackcheck": {}, "internal/kvlease": {}, "internal/procmem": {}, "internal/buildinfo": {}, "internal/httpdeadline": {},
+	"internal/msgpackcheck": {}, "internal/kvlease": {}, "internal/blockhash": {}, "internal/procmem": {}, "internal/buildinfo": {}, "internal/httpdeadline": {},
 	"internal/fixture": {"internal/promtext"}, "internal/promtext": {}, "transfer/internal/wire": {},
 	// tests only
 	"reliability": {}, "deploy/kubernetes": {}, "deploy/grafana": {}, "internal/layers": {},
