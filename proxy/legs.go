@@ -15,8 +15,11 @@ import (
 
 // Config configures a proxy. Prefill and Decode must not be empty.
 type Config struct {
-	// Prefill and Decode are the engines, chosen round-robin with independent cursors.
+	// Prefill and Decode are the engines, chosen as Routing says (default round-robin with
+	// independent cursors).
 	Prefill, Decode []Instance
+	// Routing is the choice of engines (route.go).
+	Routing RoutingConfig
 	// APIKey, when set, is sent as "Authorization: Bearer <key>" to engines when the client sent no
 	// Authorization header of its own (the Python proxies read $OPENAI_API_KEY).
 	APIKey string

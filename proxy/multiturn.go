@@ -71,7 +71,7 @@ const (
 // pulls the conversation's KV from D.
 type MultiTurn struct {
 	legs
-	p, d    roundRobin
+	route   *router
 	cache   *ConversationCache // the in-memory store, or nil
 	redis   *redisStore        // the Redis store, or nil
 	store   conversationStore
@@ -109,8 +109,6 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	}
 	mt := &MultiTurn{
 		legs:      newLegs(cfg.Config),
-		p:         roundRobin{list: cfg.Prefill},
-		d:         roundRobin{list: cfg.Decode},
 		require:   cfg.RequireConversationID,
 		mux:       http.NewServeMux(),
 		reg:       prometheus.NewRegistry(),
@@ -135,6 +133,10 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	}
 	var err error
 	if mt.sealer, err = newSealer(cfg.StoreKey); err != nil {
+		_ = mt.store.close()
+		return nil, err
+	}
+	if mt.route, err = newRouter(cfg.Config, &mt.legs, mt.reg); err != nil {
 		_ = mt.store.close()
 		return nil, err
 	}
@@ -194,7 +196,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	mt.handler = httpdeadline.Bound(mt.mux, mt.legs.cfg.WriteTimeout, func() { mt.stalled.Add(1) })
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
-	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
+	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval, recovered: mt.route.engineRestarted}
 	if mt.redis != nil {
 		mt.health.ping = mt.redis.ping
 	}
@@ -202,7 +204,9 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	mt.mux.HandleFunc("GET /healthcheck", mt.handleHealth)
 	mt.mux.HandleFunc("GET /ready", mt.handleReady)
 	mt.mux.Handle("GET /metrics", promhttp.HandlerFor(mt.reg, promhttp.HandlerOpts{}))
-	mt.mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) { relayGet(w, r, &mt.legs, mt.d.pick(), "/v1/models") })
+	mt.mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) {
+		relayGet(w, r, &mt.legs, mt.route.d.list[mt.route.d.roundRobin()], "/v1/models")
+	})
 	mt.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "NotFoundError", "not_found", fmt.Sprintf("%s %s is not a route of this proxy", r.Method, r.URL.Path))
 	})
@@ -212,9 +216,10 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 // ServeHTTP implements http.Handler.
 func (mt *MultiTurn) ServeHTTP(w http.ResponseWriter, r *http.Request) { mt.handler.ServeHTTP(w, r) }
 
-// Close releases idle connections to the engines and the store's connections. It is
-// idempotent.
+// Close stops the KV event subscribers and releases idle connections to the engines and the
+// store's connections. It is idempotent.
 func (mt *MultiTurn) Close() error {
+	mt.route.close()
 	if t, ok := mt.cfg.Transport.(interface{ CloseIdleConnections() }); ok {
 		t.CloseIdleConnections()
 	}
@@ -357,20 +362,20 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	if conv == "" {
 		mt.cfg.Logger.Warn("No conversation_id provided — KV cache reuse disabled for this request", "request_id", reqID)
 	}
-	pInst, dInst := mt.p.pick(), mt.d.pick()
+	var dInst Instance
 	pparams, cacheState := prefillTemplate(), "off"
 	if conv != "" {
 		cacheState = "miss"
 		// A turn is reused only when the history continues and its decoder is one of ours: an
 		// entry from a shared store (Redis) naming another host is not trusted with the
 		// client's request (nor with its Authorization header), whoever wrote it.
-		if t, found := mt.takeTurn(r.Context(), conv); found && t.continues(b) && mt.d.has(t.decoder) {
+		if t, found := mt.takeTurn(r.Context(), conv); found && t.continues(b) && mt.route.d.has(t.decoder) {
 			cacheState = "hit"
 			pparams = maps.Clone(t.params)
 			pparams["do_remote_decode"] = true
 			pparams["do_remote_prefill"] = false
 			if mt.healthy(t.decoder) {
-				dInst = t.decoder // the decoder that holds the conversation decodes again
+				dInst = t.decoder // the decoder that holds the conversation decodes again; else by load
 			}
 			mt.m.hits.Inc()
 		} else {
@@ -380,7 +385,9 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 			mt.m.misses.Inc()
 		}
 	}
+	pInst, pDone := mt.route.pickPrefill(r.Context(), &mt.legs, path, reqID, r.Header, b)
 	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams))
+	pDone()
 	mt.m.leg.WithLabelValues("prefill").Observe(time.Since(start).Seconds())
 	if lerr != nil {
 		if lerr.body == nil {
@@ -419,6 +426,13 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		}
 		dbody["stream_options"] = so
 	}
+	var dDone func()
+	if dInst == (Instance{}) {
+		dInst, dDone = mt.route.pickDecode()
+	} else {
+		dInst, dDone = mt.route.takeDecode(dInst)
+	}
+	defer dDone()
 	dstart := time.Now()
 	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
 		usage:       wantUsage,

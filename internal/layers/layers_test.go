@@ -37,7 +37,7 @@ var allowed = map[string][]string{
 	"instance": {"openai", "connector", "engine", "kvcache", "kvevents", "metrics", "model", "model/kernel", "transfer", "internal/procmem"},
 	// serving
 	"openai":    {"engine", "metrics", "model", "model/tokenizer", "internal/buildinfo", "internal/httpdeadline"},
-	"proxy":     {"internal/httpdeadline"},
+	"proxy":     {"internal/httpdeadline", "internal/blockhash", "internal/msgpackcheck"},
 	"connector": {"engine", "kvcache", "metrics", "transfer", "internal/kvlease", "internal/msgpackcheck"},
 	// core
 	"engine":   {"kvcache", "model", "model/tokenizer"},

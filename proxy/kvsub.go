@@ -1,0 +1,229 @@
+package proxy
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"sync/atomic"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+)
+
+// A subscriber per event source: a ZMQ SUB socket dialled to an engine's (or one DP rank's)
+// --kv-events-config endpoint, feeding the index. Messages are [topic, seq (8 bytes big-endian),
+// payload] (docs/kv-events.md). The sequence decides (kvSeq, no I/O): the next one is applied;
+// a gap is replayed from the engine's replay socket when one is configured, else the source is
+// marked stale; a sequence that goes back (the engine restarted: a new incarnation starts at 0)
+// resets the source first. A lost connection is dialled again, with backoff, until Close.
+
+// kvSubTimeouts bound the subscriber's network calls.
+const (
+	kvDialTimeout   = 2 * time.Second
+	kvReplayTimeout = 10 * time.Second
+	kvMaxBackoff    = 2 * time.Second
+	// kvMaxReplay bounds the batches one replay may ask for; a larger gap marks the source stale.
+	kvMaxReplay = 100_000
+)
+
+// kvSourceConfig is one event source: where it publishes, its replay socket ("" without) and
+// the engine (prefiller position) it belongs to.
+type kvSourceConfig struct {
+	endpoint, replay string
+	engine           int
+}
+
+// kvSeq is the sequence state machine of one source.
+type kvSeq struct {
+	next    uint64
+	started bool
+}
+
+// kvSeqAction is what a batch's sequence number asks of the subscriber before the batch is
+// applied.
+type kvSeqAction struct {
+	reset bool   // a new incarnation: empty the source first
+	gap   bool   // batches [from, seq) were missed
+	from  uint64 // the first missed batch
+}
+
+// observe returns what a live batch's seq asks for and advances the state past it.
+func (s *kvSeq) observe(seq uint64) (a kvSeqAction) {
+	switch {
+	case !s.started:
+		// The first batch seen: batches before it (if seq > 0) were published before we came.
+		a = kvSeqAction{gap: seq > 0, from: 0}
+	case seq == s.next:
+	case seq > s.next:
+		a = kvSeqAction{gap: true, from: s.next}
+	default:
+		// The sequence went back: the engine restarted (replayed batches never come here).
+		a = kvSeqAction{reset: true, gap: seq > 0, from: 0}
+	}
+	s.started, s.next = true, seq+1
+	return a
+}
+
+// kvSubscriber keeps one source of the index up to date.
+type kvSubscriber struct {
+	src   int
+	cfg   kvSourceConfig
+	topic string
+	ix    *kvIndex
+	log   *slog.Logger
+	seq   kvSeq
+	// Counters for the metrics: batches and events applied, gaps seen, replays that filled them,
+	// resets (new incarnations and AllBlocksCleared), malformed batches.
+	batches, events, gaps, replayed, resets, malformed atomic.Uint64
+	connected                                          atomic.Bool
+}
+
+// run subscribes until ctx ends.
+func (s *kvSubscriber) run(ctx context.Context) {
+	backoff := 50 * time.Millisecond
+	for ctx.Err() == nil {
+		err := s.session(ctx)
+		s.connected.Store(false)
+		if ctx.Err() != nil {
+			return
+		}
+		s.log.Debug("KV events: subscription lost; dialling again", "endpoint", s.cfg.endpoint, "err", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(backoff):
+		}
+		backoff = min(2*backoff, kvMaxBackoff)
+	}
+}
+
+// session dials the source once and applies its messages until the connection fails.
+func (s *kvSubscriber) session(ctx context.Context) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	sock := zmq4.NewSub(ctx, zmq4.WithDialerTimeout(kvDialTimeout), zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(discardLogger()))
+	defer sock.Close()
+	if err := sock.SetOption(zmq4.OptionSubscribe, s.topic); err != nil {
+		return err
+	}
+	if err := sock.Dial(s.cfg.endpoint); err != nil {
+		return err
+	}
+	s.connected.Store(true)
+	for {
+		msg, err := sock.Recv()
+		if err != nil {
+			return err
+		}
+		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
+			s.malformed.Add(1)
+			s.log.Debug("KV events: a message that is not [topic, seq, payload]", "endpoint", s.cfg.endpoint, "frames", len(msg.Frames))
+			continue
+		}
+		s.handle(ctx, binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2])
+	}
+}
+
+// handle applies one live batch, after what its sequence number asks for.
+func (s *kvSubscriber) handle(ctx context.Context, seq uint64, payload []byte) {
+	a := s.seq.observe(seq)
+	if a.reset {
+		s.log.Info("KV events: the engine's sequence started again (a new incarnation); its index entries are reset", "endpoint", s.cfg.endpoint, "seq", seq)
+		s.ix.reset(s.src)
+		s.resets.Add(1)
+	}
+	if a.gap {
+		s.gaps.Add(1)
+		if err := s.replay(ctx, a.from, seq); err != nil {
+			s.ix.setStale(s.src, true)
+			s.log.Warn("KV events: batches missed and not replayed; routing uses this engine's index as it is (stale) until the engine clears or restarts",
+				"endpoint", s.cfg.endpoint, "from", a.from, "to", seq, "err", err)
+		} else {
+			s.replayed.Add(1)
+		}
+	}
+	s.apply(payload)
+}
+
+// apply decodes a batch and applies its events to the index.
+func (s *kvSubscriber) apply(payload []byte) {
+	b, err := decodeKVBatch(payload)
+	if err != nil {
+		s.malformed.Add(1)
+		s.ix.setStale(s.src, true)
+		s.log.Warn("KV events: a batch that does not decode; the engine's index is stale", "endpoint", s.cfg.endpoint, "err", err)
+		return
+	}
+	for _, ev := range b.events {
+		switch ev.kind {
+		case kvBlockStored:
+			s.ix.store(s.src, ev.hashes, ev.blockSize)
+		case kvBlockRemoved:
+			s.ix.remove(s.src, ev.hashes)
+		case kvAllBlocksCleared:
+			s.ix.reset(s.src)
+			s.resets.Add(1)
+		}
+	}
+	s.batches.Add(1)
+	s.events.Add(uint64(len(b.events)))
+}
+
+// errNoReplay is replay's answer without a replay endpoint.
+var errNoReplay = errors.New("no replay endpoint (--kv-events-replay)")
+
+// replay asks the source's replay socket for batches [from, until) and applies them: a DEALER
+// sends [empty, from] and reads [empty, seq, payload] until seq -1 (docs/kv-events.md). It fails
+// when the engine no longer keeps the first missed batch.
+func (s *kvSubscriber) replay(ctx context.Context, from, until uint64) error {
+	if s.cfg.replay == "" {
+		return errNoReplay
+	}
+	if until-from > kvMaxReplay {
+		return fmt.Errorf("%d batches missed, more than the %d a replay may ask for", until-from, kvMaxReplay)
+	}
+	ctx, cancel := context.WithTimeout(ctx, kvReplayTimeout)
+	defer cancel()
+	sock := zmq4.NewDealer(ctx, zmq4.WithDialerTimeout(kvDialTimeout), zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(discardLogger()))
+	defer sock.Close()
+	if err := sock.Dial(s.cfg.replay); err != nil {
+		return err
+	}
+	start := binary.BigEndian.AppendUint64(nil, from)
+	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
+		return err
+	}
+	want := from
+	for want < until {
+		msg, err := sock.Recv()
+		if err != nil {
+			return fmt.Errorf("replay: %w", err)
+		}
+		f := msg.Frames
+		if len(f) > 0 && len(f[0]) == 0 {
+			f = f[1:] // the delimiter
+		}
+		if len(f) != 2 || len(f[0]) != 8 {
+			return fmt.Errorf("replay: a reply of %d frames", len(f))
+		}
+		seq := binary.BigEndian.Uint64(f[0])
+		switch {
+		case seq == ^uint64(0):
+			return fmt.Errorf("replay: the engine keeps batches only from a later one than %d", want)
+		case seq < want:
+			continue
+		case seq > want:
+			return fmt.Errorf("replay: batch %d came where %d was missed (no longer kept)", seq, want)
+		}
+		s.apply(f[1])
+		want++
+	}
+	return nil
+}
+
+// discardLogger silences zmq4's own logger (failures reach the subscriber as errors).
+func discardLogger() *log.Logger { return log.New(io.Discard, "", 0) }
