@@ -224,6 +224,20 @@ func decodeHashes(d *msgpack.Decoder) ([]uint64, error) {
 	}
 	out := make([]uint64, 0, max(n, 0))
 	for range max(n, 0) {
+		c, err := d.PeekCode()
+		if err != nil {
+			return nil, err
+		}
+		if c == 0xc4 || c == 0xc5 || c == 0xc6 { // bin 8, 16, 32
+			h, err := d.DecodeBytes()
+			if err != nil {
+				return nil, err
+			}
+			var last [8]byte
+			copy(last[8-min(len(h), 8):], h[max(len(h)-8, 0):])
+			out = append(out, binary.BigEndian.Uint64(last[:]))
+			continue
+		}
 		v, err := d.DecodeInterfaceLoose()
 		if err != nil {
 			return nil, err
@@ -233,10 +247,6 @@ func decodeHashes(d *msgpack.Decoder) ([]uint64, error) {
 			out = append(out, h)
 		case int64:
 			out = append(out, uint64(h))
-		case []byte:
-			var last [8]byte
-			copy(last[8-min(len(h), 8):], h[max(len(h)-8, 0):])
-			out = append(out, binary.BigEndian.Uint64(last[:]))
 		default:
 			return nil, fmt.Errorf("a hash of type %T, want an integer or bytes", v)
 		}
