@@ -1,0 +1,278 @@
+package proxy_test
+
+import (
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvbridge/kvbridge/instance"
+	"github.com/kvbridge/kvbridge/internal/fixture"
+	"github.com/kvbridge/kvbridge/kvevents"
+	"github.com/kvbridge/kvbridge/proxy"
+)
+
+// KV-aware routing through real engines: prefillers that publish their KV cache events (vLLM's
+// hashes from a shared PYTHONHASHSEED), one decoder, the proxy subscribed to every prefiller,
+// and a single engine without a connector as the reference for outputs.
+
+// prefiller is an engine publishing KV events, with the endpoints a proxy subscribes to.
+type prefiller struct {
+	in             *instance.Instance
+	events, replay string
+}
+
+func startPrefillers(t *testing.T, n int) []prefiller {
+	t.Helper()
+	out := make([]prefiller, n)
+	for i := range out {
+		ev, err := kvevents.ParseConfig(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://127.0.0.1:0"}`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := startEngine(t, "kv_producer", 4096, func(c *instance.Config) { c.KVEvents = &ev; c.DevMode = true })
+		pub := in.Ranks[0].KVEvents
+		out[i] = prefiller{in: in, events: "tcp://127.0.0.1:" + strconv.Itoa(pub.Addr().(*net.TCPAddr).Port),
+			replay: "tcp://" + pub.ReplayAddr().String()}
+	}
+	return out
+}
+
+// routingConfig is the proxy's config for kv-aware routing over ps and d, with their replay
+// sockets when replay.
+func routingConfig(t *testing.T, ps []prefiller, d *instance.Instance, replay bool) proxy.Config {
+	t.Helper()
+	seed, seeded := os.LookupEnv("PYTHONHASHSEED")
+	cfg := proxy.Config{Decode: []proxy.Instance{instanceOf(t, d.URL)},
+		Routing: proxy.RoutingConfig{Policy: proxy.KVAware, HashSeed: seed, HashSeeded: seeded}}
+	for _, p := range ps {
+		cfg.Prefill = append(cfg.Prefill, instanceOf(t, p.in.URL))
+		cfg.Routing.KVEvents = append(cfg.Routing.KVEvents, p.events)
+		if replay {
+			cfg.Routing.KVEventsReplay = append(cfg.Routing.KVEventsReplay, p.replay)
+		}
+	}
+	return cfg
+}
+
+// complete asks url for a greedy completion of prompt and returns its text.
+func complete(t *testing.T, url, prompt string) string {
+	t.Helper()
+	resp, raw := do(t, http.MethodPost, url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("%s: %d %s", url, resp.StatusCode, raw)
+	}
+	var out struct {
+		Choices []struct {
+			Text string `json:"text"`
+		} `json:"choices"`
+	}
+	if err := json.Unmarshal(raw, &out); err != nil || len(out.Choices) != 1 {
+		t.Fatalf("%s: %v %s", url, err, raw)
+	}
+	return out.Choices[0].Text
+}
+
+// sameAsSingle sends prompt through the proxy and to the single engine and checks the answers
+// are the same.
+func sameAsSingle(t *testing.T, px, single, prompt string) {
+	t.Helper()
+	if got, want := complete(t, px, prompt), complete(t, single, prompt); got != want {
+		t.Fatalf("through the proxy %q, single engine %q (prompt %.30q…)", got, want, prompt)
+	}
+}
+
+// indexed returns the proxy's kvbridge:proxy_kv_index_blocks per prefiller.
+func indexed(t *testing.T, px string, ps []prefiller) []float64 {
+	t.Helper()
+	s := fixture.Scrape(t, http.DefaultClient, px)
+	out := make([]float64, len(ps))
+	for i, p := range ps {
+		out[i] = s.Sum("kvbridge:proxy_kv_index_blocks", "instance", instanceOf(t, p.in.URL).String())
+	}
+	return out
+}
+
+// waitIndexed polls the proxy's index (its /metrics, one round trip a poll) until cond holds of
+// its per-prefiller block counts, under a deadline.
+func waitIndexed(t *testing.T, px string, ps []prefiller, what string, cond func([]float64) bool) []float64 {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for {
+		n := indexed(t, px, ps)
+		if cond(n) {
+			return n
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: the proxy's index never got there: %v", what, n)
+		}
+	}
+}
+
+// prefixHits returns each prefiller's vllm:prefix_cache_hits_total (tokens).
+func prefixHits(t *testing.T, ps []prefiller) []float64 {
+	t.Helper()
+	out := make([]float64, len(ps))
+	for i, p := range ps {
+		out[i] = fixture.Scrape(t, http.DefaultClient, p.in.URL).Sum("vllm:prefix_cache_hits_total")
+	}
+	return out
+}
+
+func promptTokens(t *testing.T, url, prompt string) int {
+	t.Helper()
+	resp, raw := do(t, http.MethodPost, url+"/tokenize", map[string]any{"model": "kvbridge/tiny", "prompt": prompt})
+	var out struct {
+		Count int `json:"count"`
+	}
+	if resp.StatusCode != http.StatusOK || json.Unmarshal(raw, &out) != nil {
+		t.Fatalf("tokenize: %d %s", resp.StatusCode, raw)
+	}
+	return out.Count
+}
+
+// sharedPrefix is a system prompt of several blocks, distinct from block 0 for each k.
+func sharedPrefix(k int) string {
+	return fmt.Sprintf("System %d: you are assistant number %d. ", k, k) + strings.Repeat(fmt.Sprintf("Rule %d says be brief and kind. ", k), 8)
+}
+
+// TestKVAwareRoutesToTheHolder: with 3 prefillers, a request whose prompt shares a prefix with an
+// earlier one goes to the prefiller that computed it (its prefix-cache hits grow, the others'
+// do not), once the proxy has indexed that prefiller's events; every answer is the single
+// engine's.
+func TestKVAwareRoutesToTheHolder(t *testing.T) {
+	fixture.SeedBlockHashes(t)
+	ps := startPrefillers(t, 3)
+	d, single := startEngine(t, "kv_consumer", 4096), startEngine(t, "", 4096)
+	px := startProxy(t, routingConfig(t, ps, d, true))
+	for k := range 3 {
+		prefix := sharedPrefix(k)
+		full := promptTokens(t, ps[0].in.URL, prefix) / 16 // the blocks the prefix fills
+		if full < 3 {
+			t.Fatalf("the prefix fills %d blocks; the test wants several", full)
+		}
+		before := indexed(t, px.URL, ps)
+		sameAsSingle(t, px.URL, single.URL, prefix+"First user: what is a cat?")
+		holder := -1
+		waitIndexed(t, px.URL, ps, "the first request's blocks", func(n []float64) bool {
+			for i := range n {
+				if n[i]-before[i] >= float64(full) {
+					holder = i
+					return true
+				}
+			}
+			return false
+		})
+		hits := prefixHits(t, ps)
+		sameAsSingle(t, px.URL, single.URL, prefix+"Second user: and a dog?")
+		after := prefixHits(t, ps)
+		for i := range ps {
+			grew := after[i] - hits[i]
+			switch {
+			case i == holder && grew < float64(full*16):
+				t.Errorf("prefix %d: prefiller %d holds it but its prefix-cache hits grew by %v tokens (want ≥ %d): the request went elsewhere", k, i, grew, full*16)
+			case i != holder && grew != 0:
+				t.Errorf("prefix %d: prefiller %d, not the holder (%d), hit %v tokens", k, i, holder, grew)
+			}
+		}
+	}
+	s := fixture.Scrape(t, http.DefaultClient, px.URL)
+	if hit := s.Sum("kvbridge:proxy_route_total", "policy", proxy.KVAware, "reason", "hit"); hit != 3 {
+		t.Errorf("kvbridge:proxy_route_total{reason=hit} = %v, want 3 (one per second request)", hit)
+	}
+	if s.Sum("kvbridge:proxy_route_prefix_tokens_sum") < 3*3*16 {
+		t.Errorf("kvbridge:proxy_route_prefix_tokens_sum = %v", s.Sum("kvbridge:proxy_route_prefix_tokens_sum"))
+	}
+}
+
+// TestKVAwareLateSubscriberReplays: a proxy that subscribes after a prefiller cached a prompt
+// sees the prefiller's next batch with a sequence number past 0 and replays what it missed from
+// the replay socket, so the prompt's next user is routed to that prefiller. Without replay
+// endpoints the same gap marks the index stale, and the request is still answered, as a single
+// engine answers it.
+func TestKVAwareLateSubscriberReplays(t *testing.T) {
+	fixture.SeedBlockHashes(t)
+	ps := startPrefillers(t, 2)
+	d, single := startEngine(t, "kv_consumer", 4096), startEngine(t, "", 4096)
+	prefix := sharedPrefix(7)
+	complete(t, ps[1].in.URL, prefix+"Before the proxy.")
+	// Its store is published (to no subscriber) before any proxy subscribes.
+	for deadline := time.Now().Add(time.Minute); ps[1].in.Ranks[0].KVEvents.Sent() == 0; {
+		if time.Now().After(deadline) {
+			t.Fatal("prefiller 1 never published its store")
+		}
+		runtime.Gosched()
+	}
+	full := promptTokens(t, ps[0].in.URL, prefix) / 16
+	for _, replay := range []bool{true, false} {
+		t.Run(fmt.Sprintf("replay=%v", replay), func(t *testing.T) {
+			cfg := routingConfig(t, ps, d, replay)
+			px := startProxy(t, cfg)
+			// Another prompt sent to the holder directly until the proxy applies one of its
+			// batches (a subscription takes effect at the publisher some time after the dial).
+			deadline := time.Now().Add(time.Minute)
+			for i := 0; ; i++ {
+				complete(t, ps[1].in.URL, fmt.Sprintf("Sentinel %d of %v: ", i, replay)+strings.Repeat("x y z ", 10))
+				s := fixture.Scrape(t, http.DefaultClient, px.URL)
+				if s.Sum("kvbridge:proxy_kv_event_batches_total", "instance", cfg.Prefill[1].String()) > 0 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("the proxy never applied a batch of prefiller 1")
+				}
+			}
+			s := fixture.Scrape(t, http.DefaultClient, px.URL)
+			stale := s.Sum("kvbridge:proxy_kv_index_stale", "instance", cfg.Prefill[1].String())
+			replays := s.Sum("kvbridge:proxy_kv_event_replays_total", "instance", cfg.Prefill[1].String())
+			if replay && (stale != 0 || replays < 1) {
+				t.Fatalf("with replay: stale %v, %v replays", stale, replays)
+			}
+			if !replay && stale != 1 {
+				t.Fatalf("without replay: stale %v, want 1", stale)
+			}
+			hits := prefixHits(t, ps)
+			sameAsSingle(t, px.URL, single.URL, prefix+"A user after the proxy came.")
+			grew := prefixHits(t, ps)[1] - hits[1]
+			if replay && grew < float64(full*16) {
+				t.Errorf("with replay, the holder's prefix-cache hits grew by %v tokens, want ≥ %d", grew, full*16)
+			}
+		})
+	}
+}
+
+// TestKVAwareDegradesNeverFails: a prefiller whose events cannot be had (nothing listens at its
+// endpoint) and a prefix cache cleared under the index (AllBlocksCleared) give worse choices,
+// never errors: every answer is the single engine's.
+func TestKVAwareDegradesNeverFails(t *testing.T) {
+	fixture.SeedBlockHashes(t)
+	ps := startPrefillers(t, 2)
+	d, single := startEngine(t, "kv_consumer", 4096), startEngine(t, "", 4096)
+	cfg := routingConfig(t, ps, d, false)
+	cfg.Routing.KVEvents[0] = "tcp://" + fixture.DeadAddr(t)
+	px := startProxy(t, cfg)
+	prefix := sharedPrefix(3)
+	for i := range 4 {
+		sameAsSingle(t, px.URL, single.URL, prefix+fmt.Sprintf("User %d.", i))
+	}
+	// Clear prefiller 1's cache: its index empties on AllBlocksCleared.
+	waitIndexed(t, px.URL, ps, "prefiller 1's blocks", func(n []float64) bool { return n[1] > 0 })
+	resp, raw := do(t, http.MethodPost, ps[1].in.URL+"/reset_prefix_cache", nil)
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("reset_prefix_cache: %d %s", resp.StatusCode, raw)
+	}
+	waitIndexed(t, px.URL, ps, "the cleared cache", func(n []float64) bool { return n[1] == 0 })
+	sameAsSingle(t, px.URL, single.URL, prefix+"User after the reset.")
+	s := fixture.Scrape(t, http.DefaultClient, px.URL)
+	if s.Sum("kvbridge:proxy_kv_events_connected", "instance", cfg.Prefill[0].String()) != 0 {
+		t.Error("connected to an endpoint nothing listens at")
+	}
+	if s.Sum("kvbridge:proxy_route_total") != 5 {
+		t.Errorf("%v routing decisions counted, want 5", s.Sum("kvbridge:proxy_route_total"))
+	}
+}
