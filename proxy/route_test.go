@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"runtime"
 	"strconv"
@@ -12,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/kvevents"
@@ -272,5 +274,67 @@ func TestKVAwareDegradesNeverFails(t *testing.T) {
 	}
 	if s.Sum("kvbridge:proxy_route_total") != 5 {
 		t.Errorf("%v routing decisions counted, want 5", s.Sum("kvbridge:proxy_route_total"))
+	}
+}
+
+// TestMultiTurnKVAware: the multi-turn proxy routes by KV too. Two conversations with their own
+// system prompts over two bidirectional prefillers that publish events: each conversation's later
+// turns go to the prefiller that computed its first (its prefix-cache hits grow, the other's do
+// not), its decoder stays the conversation's, and every answer equals the single engine's.
+func TestMultiTurnKVAware(t *testing.T) {
+	fixture.SeedBlockHashes(t)
+	var ps []prefiller
+	for range 2 {
+		ev, err := kvevents.ParseConfig(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://127.0.0.1:0"}`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		kv, err := connector.ParseConfig([]byte(`{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"bidirectional_kv_xfer":true}}`), nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		in := startInstance(t, instance.Config{OpenedModel: openTiny(t), Host: "127.0.0.1", NumBlocks: 1024, MaxModelLen: 8192,
+			PrefixCaching: true, SideChannelPort: -1, KVTransfer: kv, PromptTokensDetails: true, KVEvents: &ev})
+		pub := in.Ranks[0].KVEvents
+		ps = append(ps, prefiller{in: in, events: "tcp://127.0.0.1:" + strconv.Itoa(pub.Addr().(*net.TCPAddr).Port), replay: "tcp://" + pub.ReplayAddr().String()})
+	}
+	d, single := startBidirectional(t, "kv_consumer", true), startEngine(t, "", 8192)
+	cfg := routingConfig(t, ps, d, true)
+	mt, err := proxy.NewMultiTurn(proxy.MultiTurnConfig{Config: cfg})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(mt)
+	t.Cleanup(func() { srv.Close(); mt.Close() })
+	via, ref := chatClient{t, srv.URL}, chatClient{t, single.URL}
+	for c := range 2 {
+		conv := fmt.Sprintf("conv-%d", c)
+		msgs := []map[string]any{{"role": "system", "content": sharedPrefix(10 + c)}}
+		holder := -1
+		for turn := 1; turn <= 3; turn++ {
+			msgs = append(msgs, map[string]any{"role": "user", "content": fmt.Sprintf("Turn %d of %s: say more.", turn, conv)})
+			before := indexed(t, srv.URL, ps)
+			hits := prefixHits(t, ps)
+			got, want := via.send(conv, msgs, turn == 2, 12), ref.send("", msgs, false, 12)
+			if got.status != http.StatusOK || got.text != want.text {
+				t.Fatalf("%s turn %d: %d %q, single engine %q (%s)", conv, turn, got.status, got.text, want.text, got.raw)
+			}
+			grew := prefixHits(t, ps)
+			if holder >= 0 && (grew[holder] == hits[holder] || grew[1-holder] != hits[1-holder]) {
+				t.Errorf("%s turn %d: prefix-cache hits %v → %v; want growth on prefiller %d only", conv, turn, hits, grew, holder)
+			}
+			if holder < 0 { // the first turn: who computed it, once the proxy has indexed it
+				waitIndexed(t, srv.URL, ps, conv+"'s first turn", func(n []float64) bool {
+					for i := range n {
+						if n[i] >= before[i]+3 {
+							holder = i
+							return true
+						}
+					}
+					return false
+				})
+			}
+			msgs = append(msgs, map[string]any{"role": "assistant", "content": got.text})
+		}
 	}
 }
