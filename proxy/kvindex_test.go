@@ -1,8 +1,14 @@
 package proxy
 
 import (
+	"context"
+	"log/slog"
 	"runtime"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/kvbridge/kvbridge/internal/blockhash"
 )
 
 // TestKVIndexLongestPrefix: per engine, the consecutive blocks of a chain it holds from block 0,
@@ -105,4 +111,79 @@ func BenchmarkKVIndexEvents(b *testing.B) {
 		copy(prev, batch)
 	}
 	b.ReportMetric(float64(b.N*32)/b.Elapsed().Seconds(), "block-events/s")
+}
+
+// BenchmarkKVSubscriberApply measures the events per second one subscriber decodes and indexes:
+// each op is a batch of vLLM's msgpack with a BlockStored of 16 blocks and a BlockRemoved of the
+// 16 before (2 events, 32 block hashes).
+func BenchmarkKVSubscriberApply(b *testing.B) {
+	ix := newKVIndex([]int{0}, 1, DefaultKVIndexBlocks)
+	sub := &kvSubscriber{ix: ix, log: slog.New(slog.DiscardHandler)}
+	const batches = 1024
+	payloads := make([][]byte, batches)
+	var h uint64
+	for i := range payloads {
+		st, rm := make([]any, 16), make([]any, 16)
+		for j := range st {
+			rm[j] = h * 0x9e3779b97f4a7c15
+			h++
+			st[j] = (h + 15) * 0x9e3779b97f4a7c15
+		}
+		payloads[i] = vllmBatch(b, 0, stored(st, 16), map[string]any{"type": kvBlockRemoved, "block_hashes": rm, "medium": "GPU"})
+	}
+	i := 0
+	for b.Loop() {
+		sub.apply(payloads[i%batches])
+		i++
+	}
+	if sub.malformed.Load() != 0 {
+		b.Fatal("malformed batches")
+	}
+	b.ReportMetric(float64(b.N*2)/b.Elapsed().Seconds(), "events/s")
+	b.ReportMetric(float64(b.N*32)/b.Elapsed().Seconds(), "block-hashes/s")
+}
+
+// BenchmarkKVAwareChoice measures the proxy's CPU for one kv-aware choice of a prompt given as
+// token ids (no /tokenize call): hashing its chain (sha256, 1024 tokens: 64 blocks) and asking
+// the index of 3 prefillers, each holding 100 000 blocks.
+func BenchmarkKVAwareChoice(b *testing.B) {
+	cfg := Config{Prefill: make([]Instance, 3), Decode: []Instance{{Host: "d", Port: 1}}, Logger: slog.New(slog.DiscardHandler)}
+	for i := range cfg.Prefill {
+		cfg.Prefill[i] = Instance{Host: "p", Port: i + 1}
+	}
+	h, err := blockhash.New(blockhash.SHA256, "0", true)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rt := &router{cfg: RoutingConfig{Policy: KVAware}, log: cfg.Logger, p: newPool(cfg.Prefill), d: newPool(cfg.Decode), hasher: h,
+		ix: newKVIndex([]int{0, 1, 2}, 3, DefaultKVIndexBlocks)}
+	rt.routed = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "r"}, []string{"policy", "reason"})
+	rt.prefixTokens = prometheus.NewHistogram(prometheus.HistogramOpts{Name: "p"})
+	prompt := make([]any, 1024)
+	toks := make([]int32, 1024)
+	for i := range prompt {
+		prompt[i], toks[i] = float64(i%500), int32(i%500)
+	}
+	for e := range 3 {
+		fill := make([]uint64, 100_000)
+		for i := range fill {
+			fill[i] = uint64(e*1_000_000+i) * 0x9e3779b97f4a7c15
+		}
+		ix := rt.ix
+		ix.store(e, fill, 16)
+	}
+	chain := h.Chain(toks, 16)
+	ext := make([]uint64, 40)
+	for i := range ext {
+		ext[i] = chain[i].External()
+	}
+	rt.ix.store(1, ext, 16) // prefiller 1 holds 40 of the 64 blocks
+	var l legs
+	for b.Loop() {
+		inst, release := rt.pickPrefill(context.Background(), &l, "/v1/completions", "id", nil, body{"prompt": prompt})
+		release()
+		if inst != cfg.Prefill[1] {
+			b.Fatalf("chose %v", inst)
+		}
+	}
 }
