@@ -247,8 +247,8 @@ func TestKVAwareLateSubscriberReplays(t *testing.T) {
 }
 
 // TestKVAwareDegradesNeverFails: a prefiller whose events cannot be had (nothing listens at its
-// endpoint) and a prefix cache cleared under the index (AllBlocksCleared) give worse choices,
-// never errors: every answer is the single engine's.
+// endpoint), a prefix cache cleared under the index (AllBlocksCleared) and a /tokenize that
+// does not answer in time give worse choices, never errors: every answer is the single engine's.
 func TestKVAwareDegradesNeverFails(t *testing.T) {
 	fixture.SeedBlockHashes(t)
 	ps := startPrefillers(t, 2)
@@ -280,6 +280,18 @@ func TestKVAwareDegradesNeverFails(t *testing.T) {
 	}
 	if s.Sum("kvbridge:proxy_route_total") != 5 {
 		t.Errorf("%v routing decisions counted, want 5", s.Sum("kvbridge:proxy_route_total"))
+	}
+
+	// A /tokenize that cannot answer in time: least-loaded, counted as no-tokens.
+	cfg2 := routingConfig(t, ps, d, false)
+	cfg2.Routing.TokenizeTimeout = time.Nanosecond
+	px2 := startProxy(t, cfg2)
+	for i := 0; fixture.Scrape(t, http.DefaultClient, px2.URL).Sum("kvbridge:proxy_route_total", "reason", "no-tokens") == 0; i++ {
+		// Until the proxy has seen a store (its block size), it routes without an index.
+		sameAsSingle(t, px2.URL, single.URL, prefix+fmt.Sprintf("Impatient user %d.", i))
+		if i == 100 {
+			t.Fatal("no decision without tokens in 100 requests")
+		}
 	}
 }
 
