@@ -26,9 +26,10 @@ import (
 //	cost_i = (n − m_i) + LoadWeight · n · inflight_i
 //
 // with n the prompt's full blocks, m_i the blocks of its prefix engine i holds, inflight_i the
-// proxy's prefill legs running on i, LoadWeight = 1: a request queued ahead costs about a prompt's
-// prefill, so a full hit is worth one request in flight and a hot prefix spreads over the
-// engines instead of melting one (Dynamo's KV router weighs overlap against load the same way).
+// proxy's prefill legs running on i, LoadWeight = 0.5: a request queued ahead costs about half a
+// prompt's prefill (requests that share prefixes mostly hit), so a full hit is worth two requests
+// in flight, and a hot prefix spreads over the engines once its holder runs two more than
+// another instead of melting one (Dynamo's KV router weighs overlap against load the same way).
 // Ties go to the fewer in flight, then in turn. Without tokens (the /tokenize call failed) or
 // without an index, kv-aware falls back to least-loaded; it never fails a request.
 
@@ -50,7 +51,7 @@ const (
 )
 
 // loadWeight is LoadWeight of the cost above.
-const loadWeight = 1
+const loadWeight = 0.5
 
 // Defaults of RoutingConfig.
 const (
