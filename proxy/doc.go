@@ -38,4 +38,10 @@
 // /health) keeps the toy proxy's 200 JSON and adds each engine's state from a probe of its
 // /health and the store's from a Redis PING; /ready answers 503 when no prefiller, no decoder or
 // the store answers.
+//
+// Engines are chosen as vLLM's toy proxy does, round-robin, or (route.go) by load, or by KV: with
+// the prefillers' KV cache events (kvsub.go, decoded from vLLM's schema) the proxy keeps an index
+// of the block hashes each holds (kvindex.go) and sends a prompt to the prefiller holding the
+// longest prefix of its block-hash chain, weighted by load; it never fails a request for want of
+// an index or of tokens.
 package proxy

@@ -333,23 +333,27 @@ func (rt *router) engineRestarted(inst Instance) {
 
 // pickPrefill chooses the prefiller of a request and counts it in flight until release.
 func (rt *router) pickPrefill(ctx context.Context, l *legs, path, reqID string, hdr http.Header, b body) (Instance, func()) {
+	var (
+		i                 int
+		reason            = reasonPolicy
+		prefix, promptLen = 0, -1
+	)
 	switch rt.cfg.Policy {
 	case RoundRobin:
-		rt.routed.WithLabelValues(RoundRobin, reasonPolicy).Inc()
-		return rt.p.take(rt.p.roundRobin())
+		i = rt.p.roundRobin()
 	case LeastLoaded:
-		rt.routed.WithLabelValues(LeastLoaded, reasonPolicy).Inc()
-		return rt.p.take(rt.p.leastLoaded())
+		i = rt.p.leastLoaded()
+	default:
+		i, reason, prefix, promptLen = rt.kvChoice(ctx, l, path, reqID, hdr, b)
+		if reason == reasonHit || reason == reasonMiss || reason == reasonStale {
+			rt.prefixTokens.Observe(float64(prefix))
+		}
 	}
-	i, reason, prefix, promptLen := rt.kvChoice(ctx, l, path, reqID, hdr, b)
-	rt.routed.WithLabelValues(KVAware, reason).Inc()
-	if reason == reasonHit || reason == reasonMiss || reason == reasonStale {
-		rt.prefixTokens.Observe(float64(prefix))
-	}
+	rt.routed.WithLabelValues(rt.cfg.Policy, reason).Inc()
 	inst, release := rt.p.take(i)
 	if rt.log.Enabled(ctx, slog.LevelDebug) {
-		rt.log.Debug("route", "request_id", reqID, "policy", KVAware, "reason", reason, "instance", inst.String(),
-			"prefix_tokens", prefix, "prompt_tokens", promptLen, "in_flight", strconv.FormatInt(rt.p.inflight[i].Load(), 10))
+		rt.log.Debug("route", "request_id", reqID, "policy", rt.cfg.Policy, "reason", reason, "instance", inst.String(),
+			"prefix_tokens", prefix, "prompt_tokens", promptLen, "in_flight", rt.p.inflight[i].Load())
 	}
 	return inst, release
 }
