@@ -215,3 +215,30 @@ func TestKVSubscriberGapAndRestart(t *testing.T) {
 		t.Fatalf("after the restart the index still holds the old incarnation's block: %+v", got)
 	}
 }
+
+// TestOffsetEndpoint: rank r's endpoint, as vLLM's offset_endpoint_port, and the forms refused.
+func TestOffsetEndpoint(t *testing.T) {
+	for _, c := range []struct {
+		ep   string
+		r    int
+		want string
+	}{
+		{"tcp://10.0.0.1:5557", 0, "tcp://10.0.0.1:5557"},
+		{"tcp://10.0.0.1:5557", 3, "tcp://10.0.0.1:5560"},
+		{"tcp://[::1]:5557", 1, "tcp://[::1]:5558"},
+		{"ipc:///tmp/kv", 0, "ipc:///tmp/kv"},
+		{"ipc:///tmp/kv", 2, "ipc:///tmp/kv_dp2"},
+	} {
+		if got, err := offsetEndpoint(c.ep, c.r); err != nil || got != c.want {
+			t.Errorf("offsetEndpoint(%q, %d) = %q, %v; want %q", c.ep, c.r, got, err, c.want)
+		}
+	}
+	for _, ep := range []string{"", "tcp://*:5557", "tcp://host", "tcp://host:0", "tcp://host:65535x", "inproc://x", "ipc://", "udp://h:1"} {
+		if _, err := offsetEndpoint(ep, 1); err == nil {
+			t.Errorf("offsetEndpoint(%q) accepted", ep)
+		}
+	}
+	if _, err := offsetEndpoint("tcp://h:65535", 1); err == nil {
+		t.Error("a port beyond 65535 accepted")
+	}
+}

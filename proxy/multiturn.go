@@ -136,7 +136,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 		_ = mt.store.close()
 		return nil, err
 	}
-	if mt.route, err = newRouter(cfg.Config, &mt.legs, mt.reg); err != nil {
+	if mt.route, err = newRouter(cfg.Config, mt.reg); err != nil {
 		_ = mt.store.close()
 		return nil, err
 	}

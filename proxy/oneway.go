@@ -38,7 +38,7 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 		mux:  http.NewServeMux(),
 	}
 	var err error
-	if o.route, err = newRouter(cfg, &o.legs, o.reg); err != nil {
+	if o.route, err = newRouter(cfg, o.reg); err != nil {
 		return nil, err
 	}
 	o.mux.Handle("GET /metrics", promhttp.HandlerFor(o.reg, promhttp.HandlerOpts{}))

@@ -171,7 +171,7 @@ func ParsePolicy(s string) (string, error) {
 }
 
 // newRouter returns the router of cfg and starts its subscribers; reg receives its metrics.
-func newRouter(cfg Config, legs *legs, reg prometheus.Registerer) (*router, error) {
+func newRouter(cfg Config, reg prometheus.Registerer) (*router, error) {
 	rc := cfg.Routing
 	if rc.Policy == "" {
 		rc.Policy = RoundRobin

@@ -356,3 +356,32 @@ func TestMultiTurnKVAware(t *testing.T) {
 		}
 	}
 }
+
+// TestKVEventsPerDataParallelRank: a prefiller with two data-parallel ranks publishes each rank's
+// events on the endpoint with vLLM's rank offset (ipc paths get "_dp1"); with --kv-events-dp 2
+// the proxy subscribes to both (and to both replay sockets), so its index holds every block
+// either rank caches.
+func TestKVEventsPerDataParallelRank(t *testing.T) {
+	fixture.SeedBlockHashes(t)
+	dir := t.TempDir()
+	ev, err := kvevents.ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "ipc://%s/pub", "replay_endpoint": "ipc://%s/replay"}`, dir, dir))
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := startEngine(t, "kv_producer", 4096, func(c *instance.Config) { c.KVEvents = &ev; c.DataParallelSize = 2 })
+	d := startEngine(t, "kv_consumer", 4096)
+	ps := []prefiller{{in: p, events: "ipc://" + dir + "/pub", replay: "ipc://" + dir + "/replay"}}
+	cfg := routingConfig(t, ps, d, true)
+	cfg.Routing.KVEventsDP = 2
+	px := startProxy(t, cfg)
+	// Different prompts straight to P until both ranks have published (the engine spreads
+	// requests over its ranks by load), then until the index holds what both ranks cache.
+	for i := 0; p.Ranks[0].KVEvents.Sent() == 0 || p.Ranks[1].KVEvents.Sent() == 0; i++ {
+		if i == 200 {
+			t.Fatal("200 prompts and a rank has published nothing")
+		}
+		complete(t, p.URL, fmt.Sprintf("Prompt %d: ", i)+strings.Repeat("tell me about ranks ", 4))
+	}
+	cached := func() float64 { return float64(p.Ranks[0].Pool.NumCached() + p.Ranks[1].Pool.NumCached()) }
+	waitIndexed(t, px.URL, ps, "both ranks' blocks", func(n []float64) bool { return n[0] == cached() })
+}
