@@ -41,18 +41,38 @@ type kvSourceConfig struct {
 type kvSeq struct {
 	next    uint64
 	started bool
+	// dupLo…dupHi were applied from a replay on connecting; the same batches arriving live
+	// (published while the subscription took effect) are duplicates, until a later one comes.
+	dupLo, dupHi uint64
+	dups         bool
 }
 
 // kvSeqAction is what a batch's sequence number asks of the subscriber before the batch is
 // applied.
 type kvSeqAction struct {
+	dup   bool   // already applied from a replay: skip it
 	reset bool   // a new incarnation: empty the source first
 	gap   bool   // batches [from, seq) were missed
 	from  uint64 // the first missed batch
 }
 
+// replayed records that batches [from, next) were applied from a replay made on connecting.
+func (s *kvSeq) replayed(from, next uint64) {
+	if next <= from {
+		return
+	}
+	s.dupLo, s.dupHi, s.dups = from, next-1, true
+	s.started, s.next = true, max(s.next, next)
+}
+
 // observe returns what a live batch's seq asks for and advances the state past it.
 func (s *kvSeq) observe(seq uint64) (a kvSeqAction) {
+	if s.dups {
+		if seq >= s.dupLo && seq <= s.dupHi {
+			return kvSeqAction{dup: true}
+		}
+		s.dups = seq < s.dupLo // a restart's low sequence does not end the window; a later one does
+	}
 	switch {
 	case !s.started:
 		// The first batch seen: batches before it (if seq > 0) were published before we came.
@@ -76,7 +96,8 @@ type kvSubscriber struct {
 	ix    *kvIndex
 	log   *slog.Logger
 	seq   kvSeq
-	// Counters for the metrics: batches and events applied, gaps seen, replays that filled them,
+	// Counters for the metrics: batches and events applied, gaps seen, replays that applied
+	// batches (a gap's, or what was published before the subscription took effect),
 	// resets (new incarnations and AllBlocksCleared), malformed batches.
 	batches, events, gaps, replayed, resets, malformed atomic.Uint64
 	connected                                          atomic.Bool
@@ -114,6 +135,23 @@ func (s *kvSubscriber) session(ctx context.Context) error {
 		return err
 	}
 	s.connected.Store(true)
+	if s.cfg.replay != "" {
+		// What was published before the subscription took effect (a PUB socket drops it) is
+		// asked of the replay socket now, rather than when a later batch shows the gap: there
+		// may be none for a long while.
+		from := s.seq.next
+		next, err := s.replay(ctx, from, replayToEnd)
+		s.seq.replayed(from, next)
+		if next > from {
+			s.replayed.Add(1)
+		}
+		if errors.Is(err, errLost) {
+			s.ix.setStale(s.src, true)
+			s.log.Warn("KV events: batches missed and no longer kept; routing uses this engine's index as it is (stale)", "endpoint", s.cfg.endpoint, "err", err)
+		} else if err != nil {
+			s.log.Debug("KV events: no replay on connecting", "endpoint", s.cfg.replay, "err", err)
+		}
+	}
 	for {
 		msg, err := sock.Recv()
 		if err != nil {
@@ -131,6 +169,9 @@ func (s *kvSubscriber) session(ctx context.Context) error {
 // handle applies one live batch, after what its sequence number asks for.
 func (s *kvSubscriber) handle(ctx context.Context, seq uint64, payload []byte) {
 	a := s.seq.observe(seq)
+	if a.dup {
+		return
+	}
 	if a.reset {
 		s.log.Info("KV events: the engine's sequence started again (a new incarnation); its index entries are reset", "endpoint", s.cfg.endpoint, "seq", seq)
 		s.ix.reset(s.src)
@@ -138,7 +179,7 @@ func (s *kvSubscriber) handle(ctx context.Context, seq uint64, payload []byte) {
 	}
 	if a.gap {
 		s.gaps.Add(1)
-		if err := s.replay(ctx, a.from, seq); err != nil {
+		if _, err := s.replay(ctx, a.from, seq); err != nil {
 			s.ix.setStale(s.src, true)
 			s.log.Warn("KV events: batches missed and not replayed; routing uses this engine's index as it is (stale) until the engine clears or restarts",
 				"endpoint", s.cfg.endpoint, "from", a.from, "to", seq, "err", err)
@@ -173,56 +214,74 @@ func (s *kvSubscriber) apply(payload []byte) {
 	s.events.Add(uint64(len(b.events)))
 }
 
-// errNoReplay is replay's answer without a replay endpoint.
-var errNoReplay = errors.New("no replay endpoint (--kv-events-replay)")
+// errNoReplay is replay's answer without a replay endpoint; errLost wraps its answer when the
+// engine no longer keeps batches asked for.
+var (
+	errNoReplay = errors.New("no replay endpoint (--kv-events-replay)")
+	errLost     = errors.New("batches no longer kept")
+)
 
-// replay asks the source's replay socket for batches [from, until) and applies them: a DEALER
-// sends [empty, from] and reads [empty, seq, payload] until seq -1 (docs/kv-events.md). It fails
-// when the engine no longer keeps the first missed batch.
-func (s *kvSubscriber) replay(ctx context.Context, from, until uint64) error {
+// replayToEnd asks replay for every batch the engine keeps from its start.
+const replayToEnd = ^uint64(0)
+
+// replay asks the source's replay socket for batches from `from` and applies them in order, up
+// to until (exclusive) or, with replayToEnd, to the reply's end: a DEALER sends [empty, from]
+// and reads [empty, seq, payload] until seq -1 (docs/kv-events.md). It returns the sequence
+// number after the last batch applied. Batches the engine no longer keeps are errLost (with
+// replayToEnd, those it does keep are still applied).
+func (s *kvSubscriber) replay(ctx context.Context, from, until uint64) (uint64, error) {
 	if s.cfg.replay == "" {
-		return errNoReplay
+		return from, errNoReplay
 	}
-	if until-from > kvMaxReplay {
-		return fmt.Errorf("%d batches missed, more than the %d a replay may ask for", until-from, kvMaxReplay)
+	if until != replayToEnd && until-from > kvMaxReplay {
+		return from, fmt.Errorf("%w: %d batches missed, more than the %d a replay may ask for", errLost, until-from, kvMaxReplay)
 	}
 	ctx, cancel := context.WithTimeout(ctx, kvReplayTimeout)
 	defer cancel()
 	sock := zmq4.NewDealer(ctx, zmq4.WithDialerTimeout(kvDialTimeout), zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(discardLogger()))
 	defer sock.Close()
 	if err := sock.Dial(s.cfg.replay); err != nil {
-		return err
+		return from, err
 	}
-	start := binary.BigEndian.AppendUint64(nil, from)
-	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, start)); err != nil {
-		return err
+	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, binary.BigEndian.AppendUint64(nil, from))); err != nil {
+		return from, err
 	}
 	want := from
-	for want < until {
+	var lost error
+	for n := 0; until == replayToEnd || want < until; n++ {
+		if n > kvMaxReplay {
+			return want, fmt.Errorf("%w: the replay goes on beyond %d batches", errLost, kvMaxReplay)
+		}
 		msg, err := sock.Recv()
 		if err != nil {
-			return fmt.Errorf("replay: %w", err)
+			return want, fmt.Errorf("replay: %w", err)
 		}
 		f := msg.Frames
 		if len(f) > 0 && len(f[0]) == 0 {
 			f = f[1:] // the delimiter
 		}
 		if len(f) != 2 || len(f[0]) != 8 {
-			return fmt.Errorf("replay: a reply of %d frames", len(f))
+			return want, fmt.Errorf("replay: a reply of %d frames", len(f))
 		}
 		seq := binary.BigEndian.Uint64(f[0])
 		switch {
-		case seq == ^uint64(0):
-			return fmt.Errorf("replay: the engine keeps batches only from a later one than %d", want)
+		case seq == ^uint64(0): // the end
+			if until == replayToEnd {
+				return want, lost
+			}
+			return want, fmt.Errorf("%w: the engine keeps none from %d", errLost, want)
 		case seq < want:
 			continue
 		case seq > want:
-			return fmt.Errorf("replay: batch %d came where %d was missed (no longer kept)", seq, want)
+			lost = fmt.Errorf("%w: batches %d to %d", errLost, want, seq-1)
+			if until != replayToEnd {
+				return want, lost
+			}
 		}
 		s.apply(f[1])
-		want++
+		want = seq + 1
 	}
-	return nil
+	return want, lost
 }
 
 // discardLogger silences zmq4's own logger (failures reach the subscriber as errors).

@@ -148,6 +148,23 @@ func TestKVSeq(t *testing.T) {
 	if got := late.observe(7); got != (kvSeqAction{gap: true, from: 0}) {
 		t.Errorf("joining at seq 7: %+v, want a replay from 0", got)
 	}
+	// Batches 0–4 replayed on connecting: the same arriving live are duplicates, the next is
+	// not; a restart's low sequence after the window is one.
+	var r kvSeq
+	r.replayed(0, 5)
+	for seq, want := range []kvSeqAction{{dup: true}, {dup: true}, {dup: true}, {dup: true}, {dup: true}, {}} {
+		if got := r.observe(uint64(seq)); got != want {
+			t.Errorf("after a replay of 0–4, seq %d: %+v, want %+v", seq, got, want)
+		}
+	}
+	if got := r.observe(3); got != (kvSeqAction{reset: true, gap: true}) {
+		t.Errorf("seq 3 after 5: %+v, want a new incarnation", got)
+	}
+	var again kvSeq
+	again.replayed(10, 10) // nothing replayed: no window
+	if got := again.observe(10); got != (kvSeqAction{gap: true}) {
+		t.Errorf("nothing replayed, then seq 10: %+v", got)
+	}
 }
 
 // TestKVSubscriberGapAndRestart runs a subscriber against a PUB socket of the test's that
