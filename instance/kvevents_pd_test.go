@@ -106,6 +106,9 @@ func TestKVEventsAcrossPD(t *testing.T) {
 				t.Fatalf("%s: batch %d has sequence %d, rank %v", name, i, b.Seq, b.Rank)
 			}
 			for _, e := range b.Events {
+				if e.Type == "BlockStored" && !slices.Equal(e.VLLMHashes, e.BlockHashes) {
+					t.Fatalf("%s: batch %d stores %v; vLLM's hashes of its tokens (computed by the subscriber) are %v", name, i, e.BlockHashes, e.VLLMHashes)
+				}
 				for _, h := range e.BlockHashes {
 					switch e.Type {
 					case "BlockStored":

@@ -144,6 +144,9 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 					e.Medium == nil || *e.Medium != "GPU" {
 					t.Fatalf("seq %d: store %+v", r.Seq, e)
 				}
+				if !slices.Equal(e.VLLMHashes, e.BlockHashes) {
+					t.Fatalf("seq %d: store of %v; vLLM's hashes of its tokens (computed by the subscriber) are %v", r.Seq, e.BlockHashes, e.VLLMHashes)
+				}
 				// The parent was stored before, though it may have left the cache since: a
 				// request whose block duplicated a cached one's content (computed at the same
 				// time) keeps its copy after the cached one is reused, and chains on from it.
