@@ -5,7 +5,8 @@
 // Per policy it reports the prefillers' prefix-cache hit rate next to an oracle's (at each
 // request, the longest prefix any prefiller holds, read from the pools themselves), TTFT p50 and
 // p99, the most loaded prefiller against the mean, this process's CPU per request, and how many
-// answers differ from the first policy's (routing must change none).
+// answers differ from the first policy's (routing must change none). An unmeasured pass warms
+// the process up first, so that no policy pays for running first.
 //
 // See docs/architecture.md for where the package sits among kvbridge's packages.
 package routebench
@@ -164,6 +165,12 @@ func Run(ctx context.Context, opts Options) ([]Row, error) {
 		return nil, err
 	}
 	work := b.workload(m.Config().VocabSize)
+	// One unmeasured pass first: the first run in a fresh process is slower (allocations, page
+	// faults, connections), which would count against whichever policy came first.
+	progress("warm-up: the workload once through %s, not measured", opts.Policies[0])
+	if _, _, err := b.run(ctx, opts.Policies[0], work); err != nil {
+		return nil, err
+	}
 	var rows []Row
 	var first [][]string
 	for _, policy := range opts.Policies {
