@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"hash/fnv"
 	"io"
 	"log"
 	"log/slog"
@@ -96,6 +97,8 @@ type kvSubscriber struct {
 	ix    *kvIndex
 	log   *slog.Logger
 	seq   kvSeq
+	// lastSum is the fingerprint of the last batch applied, to recognise the engine on reconnecting.
+	lastSum uint64
 	// Counters for the metrics: batches and events applied, gaps seen, replays that applied
 	// batches (a gap's, or what was published before the subscription took effect),
 	// resets (new incarnations and AllBlocksCleared), malformed batches.
@@ -135,23 +138,7 @@ func (s *kvSubscriber) session(ctx context.Context) error {
 		return err
 	}
 	s.connected.Store(true)
-	if s.cfg.replay != "" {
-		// What was published before the subscription took effect (a PUB socket drops it) is
-		// asked of the replay socket now, rather than when a later batch shows the gap: there
-		// may be none for a long while.
-		from := s.seq.next
-		next, err := s.replay(ctx, from, replayToEnd)
-		s.seq.replayed(from, next)
-		if next > from {
-			s.replayed.Add(1)
-		}
-		if errors.Is(err, errLost) {
-			s.ix.setStale(s.src, true)
-			s.log.Warn("KV events: batches missed and no longer kept; routing uses this engine's index as it is (stale)", "endpoint", s.cfg.endpoint, "err", err)
-		} else if err != nil {
-			s.log.Debug("KV events: no replay on connecting", "endpoint", s.cfg.replay, "err", err)
-		}
-	}
+	s.resume(ctx)
 	for {
 		msg, err := sock.Recv()
 		if err != nil {
@@ -164,6 +151,72 @@ func (s *kvSubscriber) session(ctx context.Context) error {
 		}
 		s.handle(ctx, binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2])
 	}
+}
+
+// resume runs when the subscriber (re)connects. After a lost connection it first tells whether
+// the engine is the one it followed: the replay socket must still hold the last batch applied,
+// byte for byte; a different batch, or none that far, is a new incarnation (it restarted), whose
+// sequence may already have passed the old one's, and the source is reset. Then what was
+// published before the subscription took effect (a PUB socket drops it) is replayed now, rather
+// than when a later batch shows the gap: there may be none for a long while. Without a replay
+// endpoint a reconnection cannot tell a restart from a network blip, and resets the source.
+func (s *kvSubscriber) resume(ctx context.Context) {
+	if s.cfg.replay == "" {
+		if s.seq.started {
+			s.restarted("reconnected without a replay endpoint")
+		}
+		return
+	}
+	if s.seq.started {
+		same, err := s.sameIncarnation(ctx)
+		switch {
+		case err != nil:
+			s.ix.setStale(s.src, true)
+			s.log.Warn("KV events: reconnected, and the replay socket cannot tell whether the engine restarted; its index is stale", "endpoint", s.cfg.endpoint, "err", err)
+		case !same:
+			s.restarted("reconnected to a new incarnation")
+		}
+	}
+	from := s.seq.next
+	next, err := s.replay(ctx, from, replayToEnd)
+	s.seq.replayed(from, next)
+	if next > from {
+		s.replayed.Add(1)
+	}
+	if errors.Is(err, errLost) {
+		s.ix.setStale(s.src, true)
+		s.log.Warn("KV events: batches missed and no longer kept; routing uses this engine's index as it is (stale)", "endpoint", s.cfg.endpoint, "err", err)
+	} else if err != nil {
+		s.log.Debug("KV events: no replay on connecting", "endpoint", s.cfg.replay, "err", err)
+	}
+}
+
+// restarted resets the source and the sequence: what comes next is all the engine holds.
+func (s *kvSubscriber) restarted(why string) {
+	s.log.Info("KV events: "+why+"; the engine's index entries are reset", "endpoint", s.cfg.endpoint)
+	s.ix.reset(s.src)
+	s.resets.Add(1)
+	s.seq = kvSeq{}
+}
+
+// sameIncarnation asks the replay socket for the last batch applied and compares it.
+func (s *kvSubscriber) sameIncarnation(ctx context.Context) (bool, error) {
+	last := s.seq.next - 1
+	sock, cancel, err := s.askReplay(ctx, last)
+	if err != nil {
+		return false, err
+	}
+	defer cancel()
+	seq, payload, err := nextReply(sock)
+	switch {
+	case err != nil:
+		return false, err
+	case seq == ^uint64(0): // it keeps nothing from there: its newest batch is older
+		return false, nil
+	case seq > last:
+		return false, fmt.Errorf("%w: batch %d (the last applied)", errLost, last)
+	}
+	return seq == last && fnv64(payload) == s.lastSum, nil
 }
 
 // handle applies one live batch, after what its sequence number asks for.
@@ -192,6 +245,7 @@ func (s *kvSubscriber) handle(ctx context.Context, seq uint64, payload []byte) {
 
 // apply decodes a batch and applies its events to the index.
 func (s *kvSubscriber) apply(payload []byte) {
+	s.lastSum = fnv64(payload)
 	b, err := decodeKVBatch(payload)
 	if err != nil {
 		s.malformed.Add(1)
@@ -236,34 +290,21 @@ func (s *kvSubscriber) replay(ctx context.Context, from, until uint64) (uint64, 
 	if until != replayToEnd && until-from > kvMaxReplay {
 		return from, fmt.Errorf("%w: %d batches missed, more than the %d a replay may ask for", errLost, until-from, kvMaxReplay)
 	}
-	ctx, cancel := context.WithTimeout(ctx, kvReplayTimeout)
+	sock, cancel, err := s.askReplay(ctx, from)
+	if err != nil {
+		return from, err
+	}
 	defer cancel()
-	sock := zmq4.NewDealer(ctx, zmq4.WithDialerTimeout(kvDialTimeout), zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(discardLogger()))
-	defer sock.Close()
-	if err := sock.Dial(s.cfg.replay); err != nil {
-		return from, err
-	}
-	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, binary.BigEndian.AppendUint64(nil, from))); err != nil {
-		return from, err
-	}
 	want := from
 	var lost error
 	for n := 0; until == replayToEnd || want < until; n++ {
 		if n > kvMaxReplay {
 			return want, fmt.Errorf("%w: the replay goes on beyond %d batches", errLost, kvMaxReplay)
 		}
-		msg, err := sock.Recv()
+		seq, payload, err := nextReply(sock)
 		if err != nil {
-			return want, fmt.Errorf("replay: %w", err)
+			return want, err
 		}
-		f := msg.Frames
-		if len(f) > 0 && len(f[0]) == 0 {
-			f = f[1:] // the delimiter
-		}
-		if len(f) != 2 || len(f[0]) != 8 {
-			return want, fmt.Errorf("replay: a reply of %d frames", len(f))
-		}
-		seq := binary.BigEndian.Uint64(f[0])
 		switch {
 		case seq == ^uint64(0): // the end
 			if until == replayToEnd {
@@ -278,10 +319,50 @@ func (s *kvSubscriber) replay(ctx context.Context, from, until uint64) (uint64, 
 				return want, lost
 			}
 		}
-		s.apply(f[1])
+		s.apply(payload)
 		want = seq + 1
 	}
 	return want, lost
+}
+
+// askReplay dials the replay socket and asks for the batches from `from`; the returned cancel
+// closes the socket. The whole exchange is bounded by kvReplayTimeout.
+func (s *kvSubscriber) askReplay(ctx context.Context, from uint64) (zmq4.Socket, func(), error) {
+	ctx, cancelCtx := context.WithTimeout(ctx, kvReplayTimeout)
+	sock := zmq4.NewDealer(ctx, zmq4.WithDialerTimeout(kvDialTimeout), zmq4.WithDialerMaxRetries(0), zmq4.WithLogger(discardLogger()))
+	cancel := func() { sock.Close(); cancelCtx() }
+	if err := sock.Dial(s.cfg.replay); err != nil {
+		cancel()
+		return nil, nil, err
+	}
+	if err := sock.Send(zmq4.NewMsgFrom([]byte{}, binary.BigEndian.AppendUint64(nil, from))); err != nil {
+		cancel()
+		return nil, nil, err
+	}
+	return sock, cancel, nil
+}
+
+// nextReply reads one replay reply: [empty, seq, payload] (seq -1 and an empty payload at the end).
+func nextReply(sock zmq4.Socket) (uint64, []byte, error) {
+	msg, err := sock.Recv()
+	if err != nil {
+		return 0, nil, fmt.Errorf("replay: %w", err)
+	}
+	f := msg.Frames
+	if len(f) > 0 && len(f[0]) == 0 {
+		f = f[1:] // the delimiter
+	}
+	if len(f) != 2 || len(f[0]) != 8 {
+		return 0, nil, fmt.Errorf("replay: a reply of %d frames", len(f))
+	}
+	return binary.BigEndian.Uint64(f[0]), f[1], nil
+}
+
+// fnv64 is FNV-1a of b: a batch's fingerprint (its timestamp makes two batches differ).
+func fnv64(b []byte) uint64 {
+	h := fnv.New64a()
+	_, _ = h.Write(b)
+	return h.Sum64()
 }
 
 // discardLogger silences zmq4's own logger (failures reach the subscriber as errors).

@@ -385,3 +385,52 @@ func TestKVEventsPerDataParallelRank(t *testing.T) {
 	cached := func() float64 { return float64(p.Ranks[0].Pool.NumCached() + p.Ranks[1].Pool.NumCached()) }
 	waitIndexed(t, px.URL, ps, "both ranks' blocks", func(n []float64) bool { return n[0] == cached() })
 }
+
+// TestKVAwareEngineRestart: a prefiller restarts on the same ports (a new incarnation, its cache
+// empty, its sequence from 0): the proxy's subscriber dials it again and resets its entries, so
+// the prefix it held is no longer a hit, and the request that shares it is answered as the single
+// engine answers it.
+func TestKVAwareEngineRestart(t *testing.T) {
+	fixture.SeedBlockHashes(t)
+	ps := startPrefillers(t, 2)
+	d, single := startEngine(t, "kv_consumer", 4096), startEngine(t, "", 4096)
+	cfg := routingConfig(t, ps, d, true)
+	px := startProxy(t, cfg)
+	prefix := sharedPrefix(5)
+	before := indexed(t, px.URL, ps)
+	sameAsSingle(t, px.URL, single.URL, prefix+"Before the restart.")
+	holder := -1
+	waitIndexed(t, px.URL, ps, "the first request's blocks", func(n []float64) bool {
+		for i := range n {
+			if n[i] >= before[i]+3 {
+				holder = i
+				return true
+			}
+		}
+		return false
+	})
+	old := ps[holder].in
+	pubPort := old.Ranks[0].KVEvents.Addr().(*net.TCPAddr).Port
+	replayAddr := old.Ranks[0].KVEvents.ReplayAddr().String()
+	if err := old.Close(); err != nil {
+		t.Fatal(err)
+	}
+	ev, err := kvevents.ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "tcp://*:%d", "replay_endpoint": "tcp://%s"}`, pubPort, replayAddr))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ps[holder].in = startEngine(t, "kv_producer", 4096, func(c *instance.Config) { c.KVEvents = &ev; c.DevMode = true; c.Port = old.Addr.Port })
+	// Prompts straight to the new incarnation until the proxy has reset the old one's entries.
+	inst := cfg.Prefill[holder].String()
+	for i := 0; fixture.Scrape(t, http.DefaultClient, px.URL).Sum("kvbridge:proxy_kv_index_resets_total", "instance", inst) == 0; i++ {
+		if i == 2000 {
+			t.Fatal("the proxy never reset the restarted prefiller's entries")
+		}
+		complete(t, ps[holder].in.URL, fmt.Sprintf("After the restart %d: ", i)+strings.Repeat("x y ", 10))
+	}
+	hits := fixture.Scrape(t, http.DefaultClient, px.URL).Sum("kvbridge:proxy_route_total", "reason", "hit")
+	sameAsSingle(t, px.URL, single.URL, prefix+"After the restart.")
+	if now := fixture.Scrape(t, http.DefaultClient, px.URL).Sum("kvbridge:proxy_route_total", "reason", "hit"); now != hits {
+		t.Errorf("a hit counted on the restarted prefiller's old entries (%v → %v)", hits, now)
+	}
+}
