@@ -54,7 +54,10 @@ const (
 
 // Config is the parsed --kv-transfer-config. The zero value is "no connector".
 type Config struct {
-	// Connector is kv_connector; only "NixlConnector" is supported.
+	// Connector is kv_connector: "NixlConnector" or its synonym "NixlPullConnector" (the
+	// decoder READs the prefiller's blocks), or "NixlPushConnector" (the decoder registers
+	// destination blocks and the prefiller WRITEs into them, push.go). P and D must run the
+	// same mode: it is part of the compatibility hash.
 	Connector string
 	// Role is kv_role.
 	Role Role
@@ -105,6 +108,25 @@ func (c *Config) threshold() int {
 		return 64
 	}
 	return 0
+}
+
+// The accepted kv_connector names.
+const (
+	ConnectorNixl = "NixlConnector"
+	ConnectorPull = "NixlPullConnector" // vLLM's name for the pull connector, a synonym
+	ConnectorPush = "NixlPushConnector"
+)
+
+// Push reports whether the connector runs in push mode (kv_connector NixlPushConnector).
+func (c *Config) Push() bool { return c != nil && c.Connector == ConnectorPush }
+
+// TransferMode is the transfer_mode of this engine's params and compatibility hash: "push" or
+// "pull".
+func (c *Config) TransferMode() string {
+	if c.Push() {
+		return "push"
+	}
+	return "pull"
 }
 
 // Enabled reports whether a connector is configured.
@@ -241,8 +263,10 @@ func (c *Config) validate(log *slog.Logger) error {
 		}
 		return nil
 	}
-	if c.Connector != "NixlConnector" {
-		return fmt.Errorf("%w: kv_connector %q is not supported; kvbridge implements \"NixlConnector\"", ErrConfig, c.Connector)
+	switch c.Connector {
+	case ConnectorNixl, ConnectorPull, ConnectorPush:
+	default:
+		return fmt.Errorf("%w: kv_connector %q is not supported; kvbridge implements \"NixlConnector\" (also spelled \"NixlPullConnector\") and \"NixlPushConnector\"", ErrConfig, c.Connector)
 	}
 	switch c.Role {
 	case RoleProducer, RoleConsumer:

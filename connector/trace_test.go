@@ -156,7 +156,7 @@ func (tr *traceRun) run(t *testing.T, d *datadriven.TestData) string {
 		var inc uint64
 		d.ScanArgs(t, "peer", &peer)
 		d.ScanArgs(t, "inc", &inc)
-		h.k.peerLost(peer, inc)
+		h.k.peerLost(peer, inc, h.now)
 	case "forget":
 		var key string
 		d.ScanArgs(t, "key", &key)

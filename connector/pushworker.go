@@ -1,0 +1,162 @@
+package connector
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// The worker's side of push mode (push.go): sending a decoder's registration once the
+// producer's handshake is done, and the producer's WRITE into the registered blocks with the
+// completion attached. Both run on goroutines the connector owns, with deadlines.
+
+// registerTimeout bounds a registration: the producer's handshake and the send.
+const registerTimeout = 10 * time.Second
+
+// runRegister sends a decoder's registration (or cancel) j to the producer named by its params,
+// after the handshake f when not nil. A registration that cannot be sent ends the request's
+// load at once.
+func (c *Connector) runRegister(j registerJob, f *flight) {
+	ctx, cancel := context.WithTimeout(c.ctx, registerTimeout)
+	defer cancel()
+	err := c.register(ctx, j, f)
+	if err == nil {
+		return
+	}
+	if j.cancel {
+		c.log.Warn("telling a push producer to free its blocks failed; it frees them at lease expiry", "request_id", j.id,
+			"remote_engine_id", j.params.RemoteEngineID, "err", err)
+		if c.metrics != nil {
+			c.metrics.CountFailedNotification()
+		}
+		return
+	}
+	c.event(func(k *core) { k.pushFailed(j.id, j.nonce, fmt.Errorf("push registration with engine %s: %w", j.params.RemoteEngineID, err), c.now()) })
+}
+
+// register waits for the producer's handshake, checks that it can write into this engine's
+// blocks, records the producer's agent with the core and sends j.
+func (c *Connector) register(ctx context.Context, j registerJob, f *flight) error {
+	if j.handshakeErr != nil {
+		return j.handshakeErr
+	}
+	if f != nil {
+		if _, err := f.wait(ctx); err != nil {
+			return err
+		}
+	}
+	r, err := c.remote(ctx, j.params)
+	if err != nil {
+		return err
+	}
+	if err := c.pushGeometry(r); err != nil {
+		return err
+	}
+	if !j.cancel {
+		waiting := false
+		c.event(func(k *core) { waiting = k.pushRegistered(j.id, j.nonce, r.peer, r.peerInc) })
+		if !waiting {
+			return nil // expired or failed meanwhile: nobody waits for this registration
+		}
+	}
+	return c.forgetOn(r, c.agent.SendNotif(ctx, r.peer, j.msg))
+}
+
+// pushGeometry refuses a push between engines whose blocks differ: a producer WRITEs its blocks
+// byte for byte into the decoder's (regrouping and permuting are a reader's post-processing,
+// pull only).
+func (c *Connector) pushGeometry(r *remoteLink) error {
+	if r.ratio != 1 || r.meta.BlockSize != c.geo.BlockSize || r.layout != c.geo.Layout {
+		return fmt.Errorf("%w: push needs the same block size and KV layout on both engines: engine %s has block size %d (%s), this engine %d (%s)",
+			ErrIncompatible, r.id, r.meta.BlockSize, r.layout, c.geo.BlockSize, c.geo.Layout)
+	}
+	return nil
+}
+
+// runPush WRITEs a finished request's KV into the decoder's registered blocks and tells the core
+// that the write ended (the request's lease ends). A write that cannot be posted or fails is
+// reported to the decoder at once.
+func (c *Connector) runPush(j pushJob) {
+	ctx, cancel := context.WithTimeout(c.ctx, loadTimeout)
+	defer cancel()
+	r, err := c.push(ctx, j)
+	if err != nil {
+		c.log.Error("NIXL transfer failure: push_failed", "request_id", j.id, "remote_engine_id", j.reg.EngineID,
+			"remote_request_id", j.reg.RequestID, "num_blocks", len(j.reg.BlockIDs), "err", err)
+		if c.metrics != nil && !errors.Is(err, ErrExpired) {
+			c.metrics.CountFailedTransfer()
+		}
+		if r != nil && peerGone(err) {
+			c.forget(r)
+		}
+		c.sendPushNotice(pushNotice{peer: j.peer, msg: encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, Error: err.Error()})})
+	}
+	c.event(func(k *core) { k.pushEnded(j.id) })
+}
+
+// push handshakes the decoder that registered (its side channel), checks that the registration
+// came from that engine's own transfer agent, and writes.
+func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
+	dp := &Params{RemoteEngineID: j.reg.EngineID, Instance: j.reg.Instance, RemoteHost: j.reg.Host, RemotePort: j.reg.Port}
+	r, err := c.remote(ctx, dp)
+	if err != nil {
+		return nil, err
+	}
+	if r.peer != j.peer {
+		// Only the engine that owns the blocks may name them: a registration relayed by
+		// another agent, naming another engine's blocks, is refused.
+		return nil, fmt.Errorf("%w: the registration came from transfer agent %s, but engine %s's agent is %s", ErrVerification, j.peer, r.id, r.peer)
+	}
+	if err := c.pushGeometry(r); err != nil {
+		return nil, err
+	}
+	// The decoder frees its blocks at its deadline: never post a write that could land later.
+	left := time.Duration((j.reg.Expiry - r.offset - c.clockSeconds()) * float64(time.Second))
+	if left < 2*expiryMargin {
+		if c.metrics != nil {
+			c.metrics.CountExpiredRequest()
+		}
+		return r, fmt.Errorf("%w: request %s: the decoder's blocks expire in %s", ErrExpired, j.id, left.Round(time.Millisecond))
+	}
+	local, remote := pushTail(j, c.geo.BlockSize)
+	for _, b := range remote {
+		if b >= r.meta.NumBlocks {
+			return r, fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, b, r.id, r.meta.NumBlocks)
+		}
+	}
+	done := encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest})
+	if len(local) == 0 {
+		return r, c.forgetOn(r, c.agent.SendNotif(ctx, r.peer, done))
+	}
+	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin)}
+	w, err := c.agent.MakeRequest(transfer.Write, r.local, local, r.kv, remote, opts)
+	if err != nil {
+		return r, err
+	}
+	defer w.Release()
+	if err := w.Post(ctx, done); err != nil {
+		return r, err
+	}
+	if err := w.Wait(ctx); err != nil {
+		return r, err
+	}
+	if c.metrics != nil {
+		c.metrics.ObserveTransfer(metricsSample(w.Telemetry()))
+	}
+	return r, nil
+}
+
+// sendPushNotice sends a failure completion to a decoder's agent, waiting at most a second.
+func (c *Connector) sendPushNotice(n pushNotice) {
+	ctx, cancel := context.WithTimeout(c.ctx, time.Second)
+	defer cancel()
+	if err := c.agent.SendNotif(ctx, n.peer, n.msg); err != nil {
+		c.log.Warn("telling a push decoder that its KV will not come failed; it gives up at its lease", "peer", n.peer, "err", err)
+		if c.metrics != nil {
+			c.metrics.CountFailedNotification()
+		}
+	}
+}
