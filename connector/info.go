@@ -9,6 +9,14 @@ type Info struct {
 	Role Role `json:"kv_role"`
 	// EngineID is engine_id (with several data-parallel ranks, rank 0's).
 	EngineID string `json:"engine_id"`
+	// RemoteHost, RemotePort and TPSize are what this engine puts into the kv_transfer_params
+	// it issues (remote_host, remote_port: its side channel; tp_size), so that a proxy sending
+	// both legs of a push at once can address the decoder to this prefiller before it answers.
+	RemoteHost string `json:"remote_host"`
+	RemotePort int    `json:"remote_port"`
+	TPSize     int    `json:"tp_size"`
+	// TransferMode is "push" (kv_connector NixlPushConnector) or "pull".
+	TransferMode string `json:"transfer_mode"`
 	// Bidirectional is kv_connector_extra_config.bidirectional_kv_xfer.
 	Bidirectional bool `json:"bidirectional_kv_xfer"`
 	// AuthToken says whether an auth token is set (the config key or KVBRIDGE_KV_AUTH_TOKEN).
@@ -37,6 +45,7 @@ func (c *Connector) Info() Info {
 	st := c.agent.Stats()
 	return Info{
 		Connector: c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
+		RemoteHost: c.core.host, RemotePort: c.core.port, TPSize: 1, TransferMode: c.cfg.TransferMode(),
 		AuthToken: c.auth != nil, CompatibilityHash: c.hash, EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
 		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead,
 		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(),

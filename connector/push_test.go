@@ -1,0 +1,172 @@
+package connector_test
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"maps"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/kvbridge/kvbridge/internal/fixture"
+)
+
+// pushCfg is a NixlPushConnector config of role with the transfer backends (nil: automatic).
+func pushCfg(role string, backends ...string) string {
+	extra := ""
+	if len(backends) > 0 {
+		extra = fmt.Sprintf(`,"kv_connector_extra_config":{"backends":["%s"]}`, strings.Join(backends, `","`))
+	}
+	return fmt.Sprintf(`{"kv_connector":"NixlPushConnector","kv_role":"%s"%s}`, role, extra)
+}
+
+// pushDecodeParams are what vLLM's toy push proxy sends D from P's answer: P's coordinates, no
+// remote_block_ids.
+func pushDecodeParams(pkv map[string]any) map[string]any {
+	out := map[string]any{"do_remote_prefill": true, "do_remote_decode": false}
+	for _, k := range []string{"remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"} {
+		out[k] = pkv[k]
+	}
+	return out
+}
+
+// pushSerial runs the serial flow (vLLM's toy push proxy): P first, then D with P's coordinates.
+func pushSerial(t *testing.T, p, d *node, prompt []int, maxTokens int) result {
+	t.Helper()
+	pkv := prefill(t, p, prompt)
+	if pkv["transfer_mode"] != "push" {
+		t.Fatalf("P's params carry transfer_mode %v, want push", pkv["transfer_mode"])
+	}
+	status, r := decode(t, d, prompt, pushDecodeParams(pkv), maxTokens)
+	if status != 200 {
+		t.Fatalf("decode: %d %s", status, r.Raw)
+	}
+	return r
+}
+
+// newPushID draws a rendezvous id as a proxy would.
+func newPushID(t *testing.T) string {
+	var b [16]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		t.Fatal(err)
+	}
+	return hex.EncodeToString(b[:])
+}
+
+// pushConcurrent runs both legs at once (kvbridge's proxies): D learns P's coordinates from P's
+// GET /v1/kv_transfer report, both legs carry the same push_id.
+func pushConcurrent(t *testing.T, p, d *node, prompt []int, maxTokens int) result {
+	t.Helper()
+	info := p.conn.Info()
+	id := newPushID(t)
+	dkv := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+		"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": info.TPSize, "push_id": id}
+	pkv := template()
+	pkv["push_id"] = id
+	var wg sync.WaitGroup
+	var pstatus int
+	var pr result
+	wg.Go(func() {
+		pstatus, pr = post(t, p.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": pkv})
+	})
+	status, r := decode(t, d, prompt, dkv, maxTokens)
+	wg.Wait()
+	if pstatus != 200 || pr.KVParams["transfer_mode"] != "push" {
+		t.Fatalf("prefill leg: %d %s", pstatus, pr.Raw)
+	}
+	if status != 200 {
+		t.Fatalf("decode leg: %d %s", status, r.Raw)
+	}
+	return r
+}
+
+// pushedBytes returns the bytes P wrote since the last call.
+func pushedBytes(n *node) int64 {
+	var b int64
+	for _, s := range n.em.Nixl().TakeInterval().Transfers {
+		b += s.Bytes
+	}
+	return b
+}
+
+// waitPushed returns the bytes P wrote since the last call, waiting until they are at least want:
+// P records its write after the completion reached D, so D may answer first.
+func waitPushed(t *testing.T, n *node, want int64) int64 {
+	t.Helper()
+	var got int64
+	eventually(t, fmt.Sprintf("P to record %d bytes written", want), func() bool {
+		got += pushedBytes(n)
+		return got >= want
+	})
+	return got
+}
+
+// TestPushMatchesSingleEngine: push P/D answers exactly as a single engine, over SHM and TCP, in
+// the serial flow (vLLM's toy push proxy) and with both legs at once (push_id); D registers only
+// the blocks its prefix cache lacks and P writes only those (vllm#48758); every pool is full
+// again afterwards.
+func TestPushMatchesSingleEngine(t *testing.T) {
+	for _, backend := range []string{"SHM", "TCP"} {
+		t.Run(backend, func(t *testing.T) {
+			p := startNode(t, "P", nodeOptions{kvConfig: pushCfg("kv_producer", backend)})
+			d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", backend), prefix: true})
+			if info := d.conn.Info(); info.TransferMode != "push" || info.Connector != "NixlPushConnector" {
+				t.Fatalf("D reports %+v", info)
+			}
+			bb := int64(d.pool.BlockBytes())
+			for i, flow := range []struct {
+				name string
+				run  func(*testing.T, *node, *node, []int, int) result
+			}{{"serial", pushSerial}, {"concurrent", pushConcurrent}} {
+				for _, n := range []int{5, 70, 200} {
+					prompt := tokens(n, 31*i+n)
+					want := singleOutput(t, prompt, 6)
+					pushedBytes(p)
+					r := flow.run(t, p, d, prompt, 6)
+					if r.Text != want {
+						t.Errorf("%s, %d tokens: D answered %q, a single engine %q", flow.name, n, r.Text, want)
+					}
+					blocks := int64((n + 15) / 16)
+					if got := waitPushed(t, p, blocks*bb); got != blocks*bb {
+						t.Errorf("%s, %d tokens: P wrote %d bytes, want %d blocks (%d)", flow.name, n, got, blocks, blocks*bb)
+					}
+					if got := external(r); got != n-1 {
+						t.Errorf("%s, %d tokens: %d tokens came from P, want %d (the last one is recomputed)", flow.name, n, got, n-1)
+					}
+					// The same prompt again: D's prefix cache holds its full blocks, so it
+					// registers only the last, partial one, and P writes only that.
+					r = flow.run(t, p, d, prompt, 6)
+					if r.Text != want {
+						t.Errorf("%s, %d tokens, again: D answered %q, want %q", flow.name, n, r.Text, want)
+					}
+					if wantB := int64(n%16+15) / 16 * bb; n <= 16 {
+						waitPushed(t, p, blocks*bb)
+					} else if got := waitPushed(t, p, wantB); got != wantB {
+						t.Errorf("%s, %d tokens, again: P wrote %d bytes, want only the partial last block (%d)", flow.name, n, got, wantB)
+					}
+				}
+			}
+			p.waitPoolFull(t)
+			d.waitPoolFull(t)
+		})
+	}
+}
+
+// TestPushModeMismatchIsAHandshakeError: a pull prefiller and a push decoder refuse each other at
+// the handshake, naming both transfer modes; the request fails (policy fail) and no block leaks.
+func TestPushModeMismatchIsAHandshakeError(t *testing.T) {
+	var log fixture.LogBuffer
+	p := startNode(t, "P", nodeOptions{kvConfig: producerCfg})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer"), logw: &log})
+	prompt := tokens(40, 3)
+	kv := prefill(t, p, prompt)
+	status, r := decode(t, d, prompt, maps.Clone(kv), 4)
+	if status != 500 {
+		t.Fatalf("status %d, want 500: %s", status, r.Raw)
+	}
+	if !strings.Contains(log.String(), "runs transfer_mode pull, this engine push") {
+		t.Errorf("the handshake error does not name both modes: %s", log.String())
+	}
+	d.waitPoolFull(t)
+}
