@@ -5,9 +5,11 @@ import (
 	"encoding/hex"
 	"fmt"
 	"maps"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/kvbridge/kvbridge/internal/fixture"
 )
@@ -169,4 +171,127 @@ func TestPushModeMismatchIsAHandshakeError(t *testing.T) {
 		t.Errorf("the handshake error does not name both modes: %s", log.String())
 	}
 	d.waitPoolFull(t)
+}
+
+// pushConfigWith is pushCfg of role with a failure policy and a lease duration in seconds.
+func pushConfigWith(role, policy string, lease int) string {
+	return fmt.Sprintf(`{"kv_connector":"NixlPushConnector","kv_role":"%s","kv_load_failure_policy":"%s","kv_connector_extra_config":{"kv_lease_duration":%d}}`, role, policy, lease)
+}
+
+// decodeOnly sends D only its leg of a concurrent push (the proxy dropped P's), in the background.
+func decodeOnly(t *testing.T, p, d *node, prompt []int, maxTokens int) <-chan result {
+	info := p.conn.Info()
+	dkv := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+		"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": newPushID(t)}
+	out := make(chan result, 1)
+	go func() {
+		status, r := decode(t, d, prompt, dkv, maxTokens)
+		if status != 200 {
+			r.FinishReason = fmt.Sprintf("status %d", status)
+		}
+		out <- r
+	}()
+	eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
+	return out
+}
+
+// TestPushOneLegDropped: D's registration for a push_id whose request never reaches P waits at P
+// (parked) and at D (its destination lease); at D's lease expiry D frees and recomputes
+// (policy recompute), counting an expired request; P drops the parked registration at its own
+// expiry and tells D, which no longer waits: "Unrecognized request", counted on both sides as a
+// notification after expiry. Pools are full again.
+func TestPushOneLegDropped(t *testing.T) {
+	var dlog fixture.LogBuffer
+	pclock, dclock := newFakeClock(), newFakeClock()
+	ptick, dtick := make(chan time.Time), make(chan time.Time)
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30), now: pclock.Now, tick: ptick})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "recompute", 30), now: dclock.Now, tick: dtick, logw: &dlog})
+	prompt := tokens(50, 9)
+	want := singleOutput(t, prompt, 5)
+	got := decodeOnly(t, p, d, prompt, 5)
+	dclock.Advance(31 * time.Second)
+	dtick <- time.Time{}
+	if r := <-got; r.Text != want {
+		t.Fatalf("D answered %q (%s), want the single engine's %q", r.Text, r.FinishReason, want)
+	}
+	d.waitPoolFull(t)
+	pclock.Advance(31 * time.Second)
+	ptick <- time.Time{}
+	eventually(t, "P to drop the parked registration", func() bool { return p.conn.Info().PushParked == 0 })
+	eventually(t, "D to count P's late refusal", func() bool {
+		return fixture.Scrape(t, http.DefaultClient, d.srv.URL).Sum("vllm:nixl_num_notifications_after_expiry_total") == 1
+	})
+	pm, dm := fixture.Scrape(t, http.DefaultClient, p.srv.URL), fixture.Scrape(t, http.DefaultClient, d.srv.URL)
+	if pm.Sum("vllm:nixl_num_notifications_after_expiry_total") != 1 || dm.Sum("vllm:nixl_num_kv_expired_reqs_total") != 1 {
+		t.Errorf("P counted %v notifications after expiry, D %v expired requests; want 1 each",
+			pm.Sum("vllm:nixl_num_notifications_after_expiry_total"), dm.Sum("vllm:nixl_num_kv_expired_reqs_total"))
+	}
+	if !strings.Contains(dlog.String(), "Unrecognized request") {
+		t.Errorf("D logged no \"Unrecognized request\": %s", dlog.String())
+	}
+	p.waitPoolFull(t)
+}
+
+// TestPushProducerGoneFailsAtOnce: P's transfer agent goes away while D waits for its push; D
+// fails the request at once (policy fail: HTTP 500), without waiting for its lease (D's clock
+// never moves), and frees its blocks.
+func TestPushProducerGoneFailsAtOnce(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30)})
+	clock := newFakeClock()
+	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "fail", 30), now: clock.Now, tick: make(chan time.Time)})
+	got := decodeOnly(t, p, d, tokens(40, 4), 4)
+	if err := p.conn.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if r := <-got; r.FinishReason != "status 500" {
+		t.Fatalf("D answered %q (%s), want a 500", r.Text, r.FinishReason)
+	}
+	d.waitPoolFull(t)
+}
+
+// TestPushRefusesAnotherPrompt: D's registration for P's request with another prompt (copied
+// params) is refused by P, which tells D at once: D fails that request (policy fail, its clock
+// never moves) and P keeps the blocks for the right reader, which then gets them — never KV of
+// another prompt, and no block leaks.
+func TestPushRefusesAnotherPrompt(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30)})
+	clock := newFakeClock()
+	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "fail", 30), now: clock.Now, tick: make(chan time.Time)})
+	prompt, other := tokens(40, 5), tokens(40, 6)
+	kv := pushDecodeParams(prefill(t, p, prompt))
+	if status, r := decode(t, d, other, kv, 4); status != 500 {
+		t.Fatalf("another prompt with P's params: %d %s, want 500", status, r.Raw)
+	}
+	if n := p.conn.AuthRefusals().Notifications; n != 1 {
+		t.Errorf("P counted %d refused registrations, want 1", n)
+	}
+	status, r := decode(t, d, prompt, kv, 4)
+	if want := singleOutput(t, prompt, 4); status != 200 || r.Text != want {
+		t.Fatalf("the right reader: %d %q, want %q", status, r.Text, want)
+	}
+	p.waitPoolFull(t)
+	d.waitPoolFull(t)
+}
+
+// TestPushWithoutRegistrationExpires: a push P whose decoder never registers (the proxy dropped
+// D's leg) holds the blocks for kv_lease_duration, then frees them and counts an expired
+// request.
+func TestPushWithoutRegistrationExpires(t *testing.T) {
+	clock := newFakeClock()
+	tick := make(chan time.Time)
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30), now: clock.Now, tick: tick})
+	kv := template()
+	kv["push_id"] = newPushID(t)
+	if status, r := post(t, p.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": tokens(40, 2), "max_tokens": 1, "kv_transfer_params": kv}); status != 200 {
+		t.Fatal(r.Raw)
+	}
+	if p.pool.NumFree() == p.pool.NumBlocks() {
+		t.Fatal("P did not hold the blocks for the decoder")
+	}
+	clock.Advance(31 * time.Second)
+	tick <- time.Time{}
+	p.waitPoolFull(t)
+	if got := fixture.Scrape(t, http.DefaultClient, p.srv.URL).Sum("vllm:nixl_num_kv_expired_reqs_total"); got != 1 {
+		t.Errorf("vllm:nixl_num_kv_expired_reqs_total = %v, want 1", got)
+	}
 }
