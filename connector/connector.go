@@ -302,6 +302,7 @@ func (c *Connector) Close() error {
 	if !c.markClosed() {
 		return nil
 	}
+	c.event(func(k *core) { k.closePushes(c.now()) })
 	if c.cancel != nil {
 		c.cancel()
 	}

@@ -672,9 +672,6 @@ func (k *core) decline(raw map[string]any, now time.Time) {
 // proof: they only extend a lease (never shorten or end it), by 2/3 of kv_lease_duration past
 // the last one, and a decoder sends them only while a request waits to read.
 func (k *core) notification(peer, msg string, now time.Time) {
-	if k.pushMessage(peer, msg, now) {
-		return
-	}
 	if hexTokens, ok := kvlease.ParseHeartbeat(msg); ok {
 		tokens := make([]kvlease.Token, 0, len(hexTokens))
 		for _, h := range hexTokens {

@@ -167,9 +167,10 @@ type pushSource struct {
 
 // parkedRegistration is a registration that named a push_id before its request finished.
 type parkedRegistration struct {
-	peer string
-	reg  pushRegistration
-	at   time.Time
+	peer    string
+	peerInc uint64
+	reg     pushRegistration
+	at      time.Time
 }
 
 // pushDest is D's request waiting for a push into its blocks.
@@ -205,7 +206,8 @@ type registerJob struct {
 // pushJob asks the worker to WRITE a finished request's KV into a decoder's registered blocks.
 type pushJob struct {
 	id        string
-	peer      string // the agent the registration came from
+	peer      string // the agent the registration came from, and its incarnation
+	peerInc   uint64
 	reg       pushRegistration
 	blocks    []int32 // the request's blocks on this engine
 	numTokens int
@@ -406,7 +408,7 @@ func (k *core) pushReady(seq *engine.Sequence, pushID string, now time.Time) {
 	k.push.byPushID[pushID] = src.id
 	if pr, ok := k.push.parked[pushID]; ok {
 		delete(k.push.parked, pushID)
-		k.claim(src, pr.peer, pr.reg, now)
+		k.claim(src, pr.peer, pr.peerInc, pr.reg, now)
 	}
 }
 
@@ -420,8 +422,8 @@ func (k *core) dropSource(id string) {
 	}
 }
 
-// registered applies a registration from peer (P).
-func (k *core) registered(peer, body string, now time.Time) {
+// registered applies a registration from the agent peer, incarnation inc (P).
+func (k *core) registered(peer string, inc uint64, body string, now time.Time) {
 	var reg pushRegistration
 	err := decodePush(body, &reg)
 	if err == nil {
@@ -444,7 +446,7 @@ func (k *core) registered(peer, body string, now time.Time) {
 	src := k.push.sources[id]
 	switch {
 	case src != nil:
-		k.claim(src, peer, reg, now)
+		k.claim(src, peer, inc, reg, now)
 	case reg.RemoteRequestID == "" && len(reg.BlockIDs) > 0:
 		// Both legs at once: the request may not have finished prefill yet (or not arrived).
 		if _, dup := k.push.parked[reg.PushID]; dup || len(k.push.parked) >= maxParkedRegistrations {
@@ -452,7 +454,7 @@ func (k *core) registered(peer, body string, now time.Time) {
 			k.refusePush(peer, reg, "registration refused: another one for this push_id is waiting, or too many are")
 			return
 		}
-		k.push.parked[reg.PushID] = parkedRegistration{peer: peer, reg: reg, at: now}
+		k.push.parked[reg.PushID] = parkedRegistration{peer: peer, peerInc: inc, reg: reg, at: now}
 	case len(reg.BlockIDs) == 0:
 		// A cancel for a request this engine does not hold: nothing to free.
 	default:
@@ -470,9 +472,20 @@ func (k *core) registered(peer, body string, now time.Time) {
 // claim matches a registration with a held request: a cancel for the same prompt frees the
 // blocks; a registration for the same prompt starts the write, stretching the lease over it.
 // Anything else is refused and the blocks are kept for the right reader.
-func (k *core) claim(src *pushSource, peer string, reg pushRegistration, now time.Time) {
+func (k *core) claim(src *pushSource, peer string, inc uint64, reg pushRegistration, now time.Time) {
 	l := k.leases.Get(src.id)
+	known := k.remotes[remoteKey{reg.EngineID, reg.Instance}]
 	switch {
+	case known != nil && known.handshaken() && (known.peer != peer || known.peerInc != inc):
+		// Only the engine that owns the blocks may name them (the worker checks it again
+		// after a handshake, for an engine not handshaken yet).
+		k.counts.notifications.Add(1)
+		if ok, suppressed := k.quiet.allow("refused", now); ok {
+			k.log.Warn("refusing a KV push registration naming blocks of an engine whose transfer agent did not send it; the blocks are kept",
+				"request_id", clip(src.id), "peer", peer, "named_engine", clip(reg.EngineID), "similar_suppressed", suppressed)
+		}
+		k.refusePush(peer, reg, "the registration did not come from the engine it names")
+		return
 	case l == nil:
 		k.refusePush(peer, reg, "unrecognized request: its KV is no longer held")
 		return
@@ -496,7 +509,7 @@ func (k *core) claim(src *pushSource, peer string, reg pushRegistration, now tim
 	if d := now.Add(loadTimeout + expiryMargin); d.After(l.Deadline) {
 		l.Deadline = d // the blocks stay held while the write reads them; pushEnded frees them
 	}
-	k.out.pushes = append(k.out.pushes, pushJob{id: src.id, peer: peer, reg: reg, blocks: src.blocks, numTokens: src.numTokens, digest: src.digest})
+	k.out.pushes = append(k.out.pushes, pushJob{id: src.id, peer: peer, peerInc: inc, reg: reg, blocks: src.blocks, numTokens: src.numTokens, digest: src.digest})
 }
 
 // refusePush answers a registration with a failure completion, so that its decoder applies its
@@ -508,10 +521,29 @@ func (k *core) refusePush(peer string, reg pushRegistration, why string) {
 	k.out.pushNotices = append(k.out.pushNotices, pushNotice{peer: peer, msg: encodePush(pushDonePrefix, pushCompletion{RequestID: reg.RequestID, Nonce: reg.Nonce, Error: why})})
 }
 
-// pushEnded: the write of request id ended; its lease ends and the blocks are freed.
-func (k *core) pushEnded(id string) {
+// pushEnded: the write of request id ended; its lease ends and the blocks are freed. With
+// wrongSender nothing was written: the registration did not come from the engine it names, so
+// the request keeps its blocks for its real decoder, under its lease.
+func (k *core) pushEnded(id string, wrongSender bool) {
+	if wrongSender {
+		k.counts.notifications.Add(1)
+		if src := k.push.sources[id]; src != nil {
+			src.claimed = false
+		}
+		return
+	}
 	if l := k.leases.Get(id); l != nil {
 		k.endLease(l)
+	}
+}
+
+// closePushes fails every push this engine still waits for: the connector is closing and no
+// completion will be read.
+func (k *core) closePushes(now time.Time) {
+	for _, id := range slices.Sorted(maps.Keys(k.reqs)) {
+		if st := k.reqs[id]; st.push != nil {
+			k.finishPush(st, st.push.job.localHit/k.geo.BlockSize, fmt.Errorf("request %s: %w", id, errors.New("the connector closed before the push completed")), true, now)
+		}
 	}
 }
 
@@ -522,10 +554,11 @@ func (k *core) malformed(peer, msg string, err error, now time.Time) {
 	}
 }
 
-// pushMessage dispatches a push notification; it reports whether msg was one.
-func (k *core) pushMessage(peer, msg string, now time.Time) bool {
+// pushMessage applies a push notification from the agent peer, incarnation inc; it reports
+// whether msg was one.
+func (k *core) pushMessage(peer string, inc uint64, msg string, now time.Time) bool {
 	if body, ok := strings.CutPrefix(msg, pushRegPrefix); ok {
-		k.registered(peer, body, now)
+		k.registered(peer, inc, body, now)
 		return true
 	}
 	if body, ok := strings.CutPrefix(msg, pushDonePrefix); ok {

@@ -2,8 +2,12 @@ package connector_test
 
 import (
 	"crypto/rand"
+	"crypto/sha256"
+	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"github.com/kvbridge/kvbridge/transfer"
+	"github.com/vmihailenco/msgpack/v5"
 	"maps"
 	"net/http"
 	"strings"
@@ -294,4 +298,85 @@ func TestPushWithoutRegistrationExpires(t *testing.T) {
 	if got := fixture.Scrape(t, http.DefaultClient, p.srv.URL).Sum("vllm:nixl_num_kv_expired_reqs_total"); got != 1 {
 		t.Errorf("vllm:nixl_num_kv_expired_reqs_total = %v, want 1", got)
 	}
+}
+
+// TestPushDecoderGone: D's transfer agent goes away after it registered for a push_id: D's
+// request fails at once (its connector closed), and P, whose request then finishes prefill,
+// cannot write: it frees the blocks at once (P's clock never moves) instead of at lease expiry.
+func TestPushDecoderGone(t *testing.T) {
+	clock := newFakeClock()
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30), now: clock.Now, tick: make(chan time.Time)})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "fail", 30)})
+	prompt := tokens(40, 8)
+	info := p.conn.Info()
+	id := newPushID(t)
+	dkv := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+		"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}
+	got := make(chan int, 1)
+	go func() {
+		status, _ := decode(t, d, prompt, dkv, 4)
+		got <- status
+	}()
+	eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
+	if err := d.conn.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if status := <-got; status != 500 {
+		t.Fatalf("D's request: %d, want 500", status)
+	}
+	kv := template()
+	kv["push_id"] = id
+	if status, r := post(t, p.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv}); status != 200 {
+		t.Fatal(r.Raw)
+	}
+	p.waitPoolFull(t)
+	// The handshake with D and the push failed (each counted), and so did telling D.
+	m := fixture.Scrape(t, http.DefaultClient, p.srv.URL)
+	if got, notes := m.Sum("vllm:nixl_num_failed_transfers_total"), m.Sum("vllm:nixl_num_failed_notifications_total"); got != 3 || notes != 1 {
+		t.Errorf("P counted %v failed transfers and %v failed notifications, want 3 and 1", got, notes)
+	}
+	d.waitPoolFull(t)
+}
+
+// TestPushRegistrationFromAnotherAgent: an agent that is not D sends P a registration naming D's
+// engine and blocks, for P's request and its prompt. P handshakes D, sees that D's agent did not
+// send it, writes nothing, keeps the blocks, and the real D then gets them.
+func TestPushRegistrationFromAnotherAgent(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30)})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "fail", 30)})
+	prompt := tokens(40, 10)
+	pkv := prefill(t, p, prompt)
+	attacker, err := transfer.NewAgent("kvbridge-attacker", transfer.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer attacker.Close()
+	peer, err := attacker.LoadRemote(p.conn.Agent().LocalMetadata())
+	if err != nil {
+		t.Fatal(err)
+	}
+	digest := sha256.New()
+	for _, tok := range prompt {
+		_ = binary.Write(digest, binary.LittleEndian, int32(tok))
+	}
+	reg, _ := msgpack.Marshal(map[string]any{
+		"engine_id": d.conn.EngineID(), "instance": "", "host": "127.0.0.1", "port": d.conn.Info().RemotePort,
+		"request_id": "victim", "remote_request_id": pkv["remote_request_id"], "nonce": make([]byte, 16),
+		"first_block": 0, "block_ids": []int32{0, 1, 2}, "num_tokens": len(prompt), "prompt_digest": digest.Sum(nil),
+		"expiry": 1e9, "remote_block_size": 16, "transfer_mode": "push",
+	})
+	pushedBytes(p)
+	if err := attacker.SendNotif(t.Context(), peer, append([]byte("PUSH_REG:"), reg...)); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "P to refuse the registration", func() bool { return p.conn.AuthRefusals().Notifications == 1 })
+	if got := pushedBytes(p); got != 0 {
+		t.Fatalf("P wrote %d bytes for a registration D did not send", got)
+	}
+	status, r := decode(t, d, prompt, pushDecodeParams(pkv), 4)
+	if want := singleOutput(t, prompt, 4); status != 200 || r.Text != want {
+		t.Fatalf("the real decoder: %d %q, want %q", status, r.Text, want)
+	}
+	p.waitPoolFull(t)
+	d.waitPoolFull(t)
 }

@@ -83,6 +83,13 @@ func (c *Connector) runPush(j pushJob) {
 	ctx, cancel := context.WithTimeout(c.ctx, loadTimeout)
 	defer cancel()
 	r, err := c.push(ctx, j)
+	if errors.Is(err, errWrongSender) {
+		c.log.Warn("refusing a KV push registration naming blocks of an engine whose transfer agent did not send it; the blocks are kept",
+			"request_id", j.id, "peer", j.peer, "named_engine", j.reg.EngineID, "err", err)
+		c.sendPushNotice(pushNotice{peer: j.peer, msg: encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, Error: err.Error()})})
+		c.event(func(k *core) { k.pushEnded(j.id, true) })
+		return
+	}
 	if err != nil {
 		c.log.Error("NIXL transfer failure: push_failed", "request_id", j.id, "remote_engine_id", j.reg.EngineID,
 			"remote_request_id", j.reg.RequestID, "num_blocks", len(j.reg.BlockIDs), "err", err)
@@ -94,8 +101,11 @@ func (c *Connector) runPush(j pushJob) {
 		}
 		c.sendPushNotice(pushNotice{peer: j.peer, msg: encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, Error: err.Error()})})
 	}
-	c.event(func(k *core) { k.pushEnded(j.id) })
+	c.event(func(k *core) { k.pushEnded(j.id, false) })
 }
+
+// errWrongSender: a registration named an engine whose transfer agent did not send it.
+var errWrongSender = errors.New("the registration did not come from the engine it names")
 
 // push handshakes the decoder that registered (its side channel), checks that the registration
 // came from that engine's own transfer agent, and writes.
@@ -105,10 +115,11 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 	if err != nil {
 		return nil, err
 	}
-	if r.peer != j.peer {
-		// Only the engine that owns the blocks may name them: a registration relayed by
-		// another agent, naming another engine's blocks, is refused.
-		return nil, fmt.Errorf("%w: the registration came from transfer agent %s, but engine %s's agent is %s", ErrVerification, j.peer, r.id, r.peer)
+	if r.peer != j.peer || r.peerInc != j.peerInc {
+		// Only the engine that owns the blocks may name them: a registration sent by another
+		// agent (or another incarnation), naming another engine's blocks, is refused.
+		return nil, fmt.Errorf("%w: it came from transfer agent %s (incarnation %x), engine %s's agent is %s (incarnation %x)",
+			errWrongSender, j.peer, j.peerInc, r.id, r.peer, r.peerInc)
 	}
 	if err := c.pushGeometry(r); err != nil {
 		return nil, err

@@ -27,7 +27,11 @@ func (c *Connector) worker() {
 			if !ok {
 				return
 			}
-			c.event(func(k *core) { k.notification(n.Peer, string(n.Msg), c.now()) })
+			c.event(func(k *core) {
+				if !k.pushMessage(n.Peer, n.Incarnation, string(n.Msg), c.now()) {
+					k.notification(n.Peer, string(n.Msg), c.now())
+				}
+			})
 		case <-c.tick:
 			c.event(func(k *core) { k.tick(c.now()) })
 		}
@@ -108,7 +112,7 @@ func (c *Connector) perform(b batch) {
 		})
 	}
 	for _, j := range b.pushes {
-		c.spawn(b.closed, func() { c.runPush(j) }, func() { c.event(func(k *core) { k.pushEnded(j.id) }) })
+		c.spawn(b.closed, func() { c.runPush(j) }, func() { c.event(func(k *core) { k.pushEnded(j.id, false) }) })
 	}
 	for _, n := range b.pushNotices {
 		c.spawn(b.closed, func() { c.sendPushNotice(n) }, nil)
