@@ -141,7 +141,7 @@ func New(opts Options) (*Connector, error) {
 		cfg: cfg, pool: c.pool, geo: c.geo, layout: c.layout, log: c.log, metrics: c.metrics,
 		epoch: c.now(), engineID: cfg.EngineID, peers: peers, random: rand.Reader,
 		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteRecord{}, counts: &c.counts,
-		push: pushState{sources: map[string]*pushSource{}, byPushID: map[string]string{}, parked: map[string]parkedRegistration{}},
+		push: newPushState(),
 	}
 	k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
 	c.core = k

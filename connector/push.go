@@ -190,6 +190,11 @@ type pushState struct {
 	parked   map[string]parkedRegistration
 }
 
+// newPushState returns empty push bookkeeping.
+func newPushState() pushState {
+	return pushState{sources: map[string]*pushSource{}, byPushID: map[string]string{}, parked: map[string]parkedRegistration{}}
+}
+
 // registerJob asks the worker to send a registration to the producer named by params.
 type registerJob struct {
 	id     string
@@ -502,7 +507,7 @@ func (k *core) claim(src *pushSource, peer string, inc uint64, reg pushRegistrat
 		k.refusePush(peer, reg, "the registration's prompt is not the request's")
 		return
 	case len(reg.BlockIDs) == 0:
-		k.endLease(l)
+		k.endLease(k.leases.Release(src.id))
 		return
 	}
 	src.claimed = true
@@ -532,7 +537,7 @@ func (k *core) pushEnded(id string, wrongSender bool) {
 		}
 		return
 	}
-	if l := k.leases.Get(id); l != nil {
+	if l := k.leases.Release(id); l != nil {
 		k.endLease(l)
 	}
 }
