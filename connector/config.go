@@ -299,6 +299,10 @@ func (c *Config) validate(log *slog.Logger) error {
 	if c.LeaseDuration < time.Second {
 		return fmt.Errorf("%w: kv_connector_extra_config.kv_lease_duration must be at least 1 second", ErrConfig)
 	}
+	if c.Push() && c.LeaseDuration < minPushLease {
+		return fmt.Errorf("%w: kv_connector_extra_config.kv_lease_duration must be at least %s with NixlPushConnector: a decoder's registered blocks wait that long for the write, and a prefiller posts none within %s of their end",
+			ErrConfig, minPushLease, expiryMargin)
+	}
 	if c.DecoderBlocksTTL <= 0 || c.EngineTTL <= 0 {
 		return fmt.Errorf("%w: decoder_kv_blocks_ttl and engine_ttl must be positive", ErrConfig)
 	}

@@ -52,6 +52,10 @@ const (
 	pushDonePrefix = "PUSH_DONE:"
 )
 
+// minPushLease is the least kv_lease_duration of push mode: a decoder's destination lease must
+// outlast the margin within which a prefiller posts no write (expiryMargin), with room to write.
+const minPushLease = 3 * expiryMargin
+
 // maxParkedRegistrations bounds the registrations P keeps for push_ids whose request has not
 // finished prefill yet.
 const maxParkedRegistrations = 1024

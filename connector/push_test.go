@@ -5,7 +5,9 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"errors"
 	"fmt"
+	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/transfer"
 	"github.com/vmihailenco/msgpack/v5"
 	"maps"
@@ -378,5 +380,85 @@ func TestPushRegistrationFromAnotherAgent(t *testing.T) {
 		t.Fatalf("the real decoder: %d %q, want %q", status, r.Text, want)
 	}
 	p.waitPoolFull(t)
+	d.waitPoolFull(t)
+}
+
+// TestPushWriteRefusedNotifiesAtOnce: a write P must not post — the decoder's blocks end within
+// the margin — is refused and reported to D at once: D fails the request (policy fail: 500)
+// although its own clock never reaches its deadline, and P frees its blocks and counts an
+// expired request. D's clock is set back after its handshake, so its registration's deadline
+// is two seconds away on P's clock.
+func TestPushWriteRefusedNotifiesAtOnce(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30)})
+	clock := newFakeClock()
+	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "fail", 30), now: clock.Now, tick: make(chan time.Time)})
+	first, second := tokens(30, 1), tokens(30, 2)
+	if r := pushSerial(t, p, d, first, 3); r.Text != singleOutput(t, first, 3) {
+		t.Fatalf("the first push answered %q", r.Text)
+	}
+	clock.Advance(-28 * time.Second)
+	if status, r := decode(t, d, second, pushDecodeParams(prefill(t, p, second)), 3); status != 500 {
+		t.Fatalf("status %d, want 500: %s", status, r.Raw)
+	}
+	p.waitPoolFull(t)
+	d.waitPoolFull(t)
+	if got := fixture.Scrape(t, http.DefaultClient, p.srv.URL).Sum("vllm:nixl_num_kv_expired_reqs_total"); got != 1 {
+		t.Errorf("P counted %v expired requests, want 1", got)
+	}
+}
+
+// TestPushConfigNeedsALongEnoughLease: push mode refuses a kv_lease_duration shorter than its
+// write margin allows, naming the key.
+func TestPushConfigNeedsALongEnoughLease(t *testing.T) {
+	_, err := connector.ParseConfig([]byte(pushConfigWith("kv_consumer", "fail", 10)), nil)
+	if !errors.Is(err, connector.ErrConfig) || !strings.Contains(err.Error(), "kv_lease_duration") {
+		t.Fatalf("got %v", err)
+	}
+	for _, name := range []string{"NixlPullConnector", "NixlConnector", "NixlPushConnector"} {
+		cfg, err := connector.ParseConfig([]byte(`{"kv_connector":"`+name+`","kv_role":"kv_producer"}`), nil)
+		if err != nil || cfg.Connector != name || cfg.Push() != (name == "NixlPushConnector") {
+			t.Errorf("%s: %+v, %v", name, cfg, err)
+		}
+	}
+}
+
+// TestPushBidirectional: with bidirectional_kv_xfer, push carries each turn's prompt P → D while
+// the earlier turns come back D → P by pull, as in pull mode: turn 2's P pulls the history from
+// D's hold (verified), computes the rest and pushes; D registers only what its prefix cache
+// lacks. Both answers equal a single engine's; after D's holds expire every pool is full.
+func TestPushBidirectional(t *testing.T) {
+	cfg := func(role string) string {
+		return fmt.Sprintf(`{"kv_connector":"NixlPushConnector","kv_role":%q,"kv_connector_extra_config":{"bidirectional_kv_xfer":true,"kv_recompute_threshold":0}}`, role)
+	}
+	dclock := newFakeClock()
+	dtick := make(chan time.Time)
+	p := startNode(t, "P", nodeOptions{kvConfig: cfg("kv_producer")})
+	d := startNode(t, "D", nodeOptions{kvConfig: cfg("kv_consumer"), prefix: true, now: dclock.Now, tick: dtick})
+	first := tokens(100, 40)
+	r := pushSerial(t, p, d, first, 20)
+	if r.Text != singleOutput(t, first, 20) || r.KVParams == nil || r.KVParams["transfer_mode"] != "pull" {
+		t.Fatalf("turn 1: %q, D's params %v", r.Text, r.KVParams)
+	}
+	answer := openModel(t, "kvbridge/tiny").Tokenizer().Encode(r.Text)
+	next := append(append(append([]int(nil), first...), toInts(answer)...), tokens(10, 41)...)
+	status, pr := prefillFromD(t, p, next, r.KVParams)
+	if status != 200 || pr.KVParams["transfer_mode"] != "push" {
+		t.Fatalf("turn 2 prefill: %d %s", status, pr.Raw)
+	}
+	if got := external(pr); got < 96 {
+		t.Errorf("turn 2's P pulled %d tokens from D, want at least the first prompt's 6 full blocks (96)", got)
+	}
+	pushedBytes(p)
+	status, r2 := decode(t, d, next, pushDecodeParams(pr.KVParams), 6)
+	if want := singleOutput(t, next, 6); status != 200 || r2.Text != want {
+		t.Fatalf("turn 2: %d %q, want %q", status, r2.Text, want)
+	}
+	// D's prefix cache holds turn 1's prompt and answer: it registered only the blocks after.
+	if got, all := waitPushed(t, p, 1), int64((len(next)+15)/16*d.pool.BlockBytes()); got >= all-int64(6*d.pool.BlockBytes()) {
+		t.Errorf("P wrote %d bytes of turn 2's %d: D registered blocks its prefix cache holds", got, all)
+	}
+	p.waitPoolFull(t)
+	dclock.Advance(481 * time.Second)
+	dtick <- dclock.Now()
 	d.waitPoolFull(t)
 }

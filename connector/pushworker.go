@@ -126,7 +126,7 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 	}
 	// The decoder frees its blocks at its deadline: never post a write that could land later.
 	left := time.Duration((j.reg.Expiry - r.offset - c.clockSeconds()) * float64(time.Second))
-	if left < 2*expiryMargin {
+	if left < expiryMargin {
 		if c.metrics != nil {
 			c.metrics.CountExpiredRequest()
 		}
@@ -142,7 +142,7 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 	if len(local) == 0 {
 		return r, c.forgetOn(r, c.agent.SendNotif(ctx, r.peer, done))
 	}
-	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin)}
+	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)}
 	w, err := c.agent.MakeRequest(transfer.Write, r.local, local, r.kv, remote, opts)
 	if err != nil {
 		return r, err
