@@ -157,6 +157,9 @@ func New(opts Options) (*Connector, error) {
 		return nil, err
 	}
 	tc.AuthorizeRead = c.authorizeRead
+	if cfg.Push() {
+		tc.AuthorizeWrite = c.authorizeWrite // producers write only into blocks registered with them
+	}
 	tc.OnPeerLost = c.peerLost
 	agent, err := transfer.NewAgent("kvbridge-"+cfg.EngineID, tc)
 	if err != nil {

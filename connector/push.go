@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/msgpackcheck"
+	"github.com/kvbridge/kvbridge/transfer"
 )
 
 // Push mode (kv_connector NixlPushConnector, vLLM's PR #35264): the decoder allocates blocks for
@@ -185,6 +186,7 @@ type pushDest struct {
 	peerInc  uint64
 	job      loadJob
 	digest   []byte
+	blocks   map[int32]struct{} // the registered blocks: the only ones the producer may write
 }
 
 // pushState is the core's push bookkeeping.
@@ -263,9 +265,12 @@ func (k *core) pushAfterAlloc(st *reqState, seq *engine.Sequence, blocks []int32
 		return
 	}
 	deadline := now.Add(k.cfg.LeaseDuration)
-	d := &pushDest{nonce: nonce, deadline: deadline, job: j, digest: promptDigest(seq.Prompt())}
+	d := &pushDest{nonce: nonce, deadline: deadline, job: j, digest: promptDigest(seq.Prompt()), blocks: map[int32]struct{}{}}
 	reg := k.registration(st.params, seq, d)
 	reg.FirstBlock, reg.BlockIDs, reg.Expiry = first, append([]int32(nil), blocks[first:last+1]...), k.seconds(deadline)
+	for _, b := range reg.BlockIDs {
+		d.blocks[b] = struct{}{}
+	}
 	st.loading, st.push = true, d
 	if k.closed {
 		k.finishPush(st, first, errors.New("the connector is closing"), true, now)
@@ -591,4 +596,33 @@ func pushTail(j pushJob, blockSize int) (local, remote []int) {
 		remote = append(remote, int(b))
 	}
 	return local, remote
+}
+
+// authorizeWrite decides a TCP WRITE into this engine (D): every range must lie inside blocks a
+// request registered with the writing agent and still waits for.
+func (k *core) authorizeWrite(peer string, descs []transfer.Desc) error {
+	blockLen := int64(k.pool.BlockBytes())
+	for i, d := range descs {
+		if d.Region != k.kvRegion || d.Offset < 0 || d.Length <= 0 {
+			return fmt.Errorf("range %d: not KV blocks", i)
+		}
+		for b := d.Offset / blockLen; b <= (d.Offset+d.Length-1)/blockLen; b++ {
+			if !k.registeredWith(peer, int32(b)) {
+				return fmt.Errorf("range %d: block %d is not registered with agent %s for a push", i, b, clip(peer))
+			}
+		}
+	}
+	return nil
+}
+
+// registeredWith reports whether a request waiting for a push from the agent peer registered block.
+func (k *core) registeredWith(peer string, block int32) bool {
+	for _, st := range k.reqs {
+		if d := st.push; d != nil && d.peer == peer {
+			if _, ok := d.blocks[block]; ok {
+				return true
+			}
+		}
+	}
+	return false
 }

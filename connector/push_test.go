@@ -462,3 +462,55 @@ func TestPushBidirectional(t *testing.T) {
 	dtick <- dclock.Now()
 	d.waitPoolFull(t)
 }
+
+// TestPushWritesOnlyIntoRegisteredBlocks: a push decoder's KV region accepts WRITEs, but over TCP
+// only into blocks a waiting request registered with the writing agent: another agent's WRITE
+// into D's blocks is refused (ErrPermission) and counted, and D's answers stay right.
+func TestPushWritesOnlyIntoRegisteredBlocks(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{kvConfig: pushCfg("kv_producer", "TCP")})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", "TCP")})
+	attacker, err := transfer.NewAgent("kvbridge-attacker", transfer.Config{Backends: []string{"TCP"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer attacker.Close()
+	peer, err := attacker.LoadRemote(d.conn.Agent().LocalMetadata())
+	if err != nil {
+		t.Fatal(err)
+	}
+	junk := make([]byte, d.pool.BlockBytes())
+	for i := range junk {
+		junk[i] = 0x7f
+	}
+	src, err := attacker.RegisterBytes(junk, transfer.PermRead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	refused := 0
+	for region := uint32(0); region < 4; region++ {
+		req, err := attacker.CreateRequest(t.Context(), transfer.Write, []transfer.Desc{src.Desc(0, int64(len(junk)))}, peer,
+			[]transfer.Desc{{Region: region, Offset: 0, Length: int64(len(junk))}}, &transfer.RequestOptions{Backends: []string{"TCP"}})
+		if err != nil {
+			continue // no such region, or not writable
+		}
+		if err = req.Post(t.Context(), nil); err == nil {
+			err = req.Wait(t.Context())
+		}
+		req.Release()
+		if err == nil {
+			t.Fatalf("a WRITE into D's region %d succeeded over %s", region, req.Backend())
+		}
+		if errors.Is(err, transfer.ErrPermission) {
+			refused++
+		}
+	}
+	if st := d.conn.Agent().Stats(); refused != 1 || st.WritesDenied != 1 {
+		t.Fatalf("%d WRITEs refused for their permission, D denied %d; want the KV region's one", refused, st.WritesDenied)
+	}
+	prompt := tokens(40, 12)
+	if r := pushSerial(t, p, d, prompt, 4); r.Text != singleOutput(t, prompt, 4) {
+		t.Fatalf("D answered %q after the attack", r.Text)
+	}
+	p.waitPoolFull(t)
+	d.waitPoolFull(t)
+}

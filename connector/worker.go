@@ -221,6 +221,13 @@ func (c *Connector) authorizeRead(_ string, tag []byte, descs []transfer.Desc) (
 	return err
 }
 
+// authorizeWrite is the transfer agent's AuthorizeWrite hook in push mode (see
+// core.authorizeWrite).
+func (c *Connector) authorizeWrite(peer string, descs []transfer.Desc) (err error) {
+	c.event(func(k *core) { err = k.authorizeWrite(peer, descs) })
+	return err
+}
+
 func metricsSample(t transfer.RequestTelemetry) metrics.TransferSample {
 	return metrics.TransferSample{Duration: t.TransferDuration, PostDuration: t.PostDuration, Bytes: t.Bytes, Descriptors: t.MergedDescs}
 }
