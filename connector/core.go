@@ -156,11 +156,11 @@ func (k *core) take() actions {
 // reqState is the core's bookkeeping of one live request.
 type reqState struct {
 	params    *Params
-	processed bool // AfterAlloc ran: never read twice (vLLM's _remote_blocks_processed)
-	loading   bool // a load owns the request's blocks
-	finished  bool // the engine finished the request while it was loading
-	tracked   bool // heartbeats are being sent for it
-	pullFromD bool // a bidirectional turn: P pulls D's blocks
+	processed bool      // AfterAlloc ran: never read twice (vLLM's _remote_blocks_processed)
+	loading   bool      // a load owns the request's blocks
+	finished  bool      // the engine finished the request while it was loading
+	tracked   bool      // heartbeats are being sent for it
+	pullFromD bool      // a bidirectional turn: P pulls D's blocks
 	push      *pushDest // a push decoder's registration, while it waits for the write
 
 	// handshake names the record whose handshake was in progress when the request arrived

@@ -34,7 +34,9 @@ func (c *Connector) runRegister(j registerJob, f *flight) {
 		}
 		return
 	}
-	c.event(func(k *core) { k.pushFailed(j.id, j.nonce, fmt.Errorf("push registration with engine %s: %w", j.params.RemoteEngineID, err), c.now()) })
+	c.event(func(k *core) {
+		k.pushFailed(j.id, j.nonce, fmt.Errorf("push registration with engine %s: %w", j.params.RemoteEngineID, err), c.now())
+	})
 }
 
 // register waits for the producer's handshake, checks that it can write into this engine's
