@@ -49,11 +49,10 @@ func (c *Connector) Info() Info {
 	var parked int
 	c.locked(func() { parked = len(c.core.push.parked) })
 	return Info{
-		PushParked: parked,
-		Connector:  c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
+		Connector: c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
 		RemoteHost: c.core.host, RemotePort: c.core.port, TPSize: 1, TransferMode: c.cfg.TransferMode(),
 		AuthToken: c.auth != nil, CompatibilityHash: c.hash, EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
 		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead,
-		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(),
+		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(), PushParked: parked,
 	}
 }
