@@ -505,14 +505,20 @@ func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Tim
 	}
 	delete(k.reqs, seq.ID())
 	if p == nil || (status != engine.StatusFinishedStopped && status != engine.StatusFinishedLengthCapped) {
+		if p != nil && p.DoRemoteDecode {
+			k.pushAbandoned(p.PushID, "the prefill request was aborted or failed")
+		}
 		return false, nil // aborted or failed: free at once, no params (conformance item 7)
 	}
 	var params map[string]any
 	switch {
 	case p.DoRemoteDecode:
 		params = k.holdForReader(seq, k.cfg.LeaseDuration, true, now)
-		if params != nil && k.cfg.Push() {
+		switch {
+		case params != nil && k.cfg.Push():
 			k.pushReady(seq, p.PushID, now)
+		case params == nil:
+			k.pushAbandoned(p.PushID, "the prefill's blocks could not be held")
 		}
 	case p.DoRemotePrefill && k.cfg.Bidirectional:
 		params = k.holdForReader(seq, k.cfg.DecoderBlocksTTL, false, now)

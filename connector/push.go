@@ -426,6 +426,15 @@ func (k *core) pushReady(seq *engine.Sequence, pushID string, now time.Time) {
 	}
 }
 
+// pushAbandoned tells the decoder whose registration for pushID is parked that the request
+// ended without KV to push, so that it applies its failure policy at once.
+func (k *core) pushAbandoned(pushID, why string) {
+	if pr, ok := k.push.parked[pushID]; ok && pushID != "" {
+		delete(k.push.parked, pushID)
+		k.refusePush(pr.peer, pr.reg, why)
+	}
+}
+
 // dropSource forgets a request's push source when its lease ends.
 func (k *core) dropSource(id string) {
 	if src := k.push.sources[id]; src != nil {

@@ -63,6 +63,7 @@ import (
 //	push-ended id=p1 to=D [err=TEXT] [wrong-sender] P's write of p1 ended; its completion (or
 //	                                               failure) reaches D, unless wrong-sender
 //	deliver-notices to=D                           P's failure notices reach D
+//	abort id=p1                                    the request is aborted (its client left)
 func TestCoreTraces(t *testing.T) {
 	datadriven.Walk(t, "testdata/core", func(t *testing.T, path string) {
 		tr := &traceRun{t: t, cores: map[string]*coreHarness{}, params: map[string]map[string]any{},
@@ -200,6 +201,14 @@ func (tr *traceRun) run(t *testing.T, d *datadriven.TestData) string {
 		h.k.decline(tr.params[id], h.now)
 	case "state":
 		return tr.state(h)
+	case "abort":
+		var id string
+		d.ScanArgs(t, "id", &id)
+		ev, ok := h.sched.Finish(id, engine.StatusFinishedAborted, h.now)
+		if !ok {
+			d.Fatalf(t, "%s is not live", id)
+		}
+		tr.finished(t, ev, &out)
 	case "register":
 		return tr.register(t, d, h)
 	case "push-ended":
