@@ -97,6 +97,10 @@ type Config struct {
 	// kv_transfer_params may name; params naming any other host are refused before any
 	// connection. Nil allows every host (see peers.go).
 	AllowedPeers []string
+	// PushLayerwise is push_layerwise (NixlPushConnector, prefiller): write each layer's KV of a
+	// prefill chunk as soon as the layer is computed, to a decoder that registered before the
+	// prefill ended (both legs at once), instead of the whole request when it ends.
+	PushLayerwise bool
 }
 
 // threshold returns the effective kv_recompute_threshold.
@@ -247,6 +251,8 @@ func (p *fieldParser) extra(c *Config, extra map[string]any) {
 			c.AuthToken = p.str(name, v)
 		case "allowed_peers":
 			c.AllowedPeers = p.strings(name, v) // an empty list allows no host
+		case "push_layerwise":
+			c.PushLayerwise = p.boolean(name, v)
 		case "enable_cross_layers_blocks":
 			// Accepted: kvbridge blocks are always contiguous across layers.
 		default:

@@ -104,6 +104,7 @@ type Connector struct {
 	localLists map[int]*transfer.PreparedList
 	scrList    *transfer.PreparedList
 	flights    map[remoteKey]*flight // handshakes in progress that somebody waits for
+	streams    map[string]*stream    // layer-by-layer pushes by request id (pushstream.go)
 	closed     bool
 }
 
@@ -125,6 +126,7 @@ func New(opts Options) (*Connector, error) {
 		hash:       CompatibilityHash(withMode(opts.Compat, cfg.TransferMode())),
 		localLists: map[int]*transfer.PreparedList{},
 		flights:    map[remoteKey]*flight{},
+		streams:    map[string]*stream{},
 		tick:       opts.Tick,
 	}
 	peers, err := newPeerFilter(cfg.AllowedPeers)

@@ -162,6 +162,8 @@ type reqState struct {
 	tracked   bool      // heartbeats are being sent for it
 	pullFromD bool      // a bidirectional turn: P pulls D's blocks
 	push      *pushDest // a push decoder's registration, while it waits for the write
+	digest    []byte    // a push producer's prompt digest, once computed (pushstream.go)
+	streaming bool      // a push producer streams this request layer by layer (pushstream.go)
 
 	// handshake names the record whose handshake was in progress when the request arrived
 	// (awaiting, until it ends), and handshakeErr the error it failed with. The request's load

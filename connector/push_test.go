@@ -514,3 +514,57 @@ func TestPushWritesOnlyIntoRegisteredBlocks(t *testing.T) {
 	p.waitPoolFull(t)
 	d.waitPoolFull(t)
 }
+
+// TestPushLayerwise: with push_layerwise on P and D's registration parked before P's prefill
+// starts, P writes each layer of each prefill chunk as soon as it is computed (three chunks of
+// 256 tokens: three writes per layer, no whole write at the end), and D's answer is a single
+// engine's. Every pool is full at the end.
+func TestPushLayerwise(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{kvConfig: `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true}}`})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer")})
+	prompt := tokens(700, 50)
+	// Seeded sampling at temperature 1 with logprobs: any wrong KV shows in the answer.
+	ask := func(url string, kv map[string]any) (int, result) {
+		return post(t, url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 8, "temperature": 1, "seed": 3,
+			"logprobs": 2, "kv_transfer_params": kv})
+	}
+	single := startNode(t, "single", nodeOptions{})
+	_, ref := ask(single.srv.URL, nil)
+	want := ref.Raw[strings.Index(ref.Raw, `"choices"`):strings.Index(ref.Raw, `"usage"`)]
+	info := p.conn.Info()
+	id := newPushID(t)
+	dkv := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+		"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}
+	got := make(chan result, 1)
+	go func() {
+		status, r := ask(d.srv.URL, dkv)
+		if status != 200 {
+			r.Raw = fmt.Sprintf("status %d: %s", status, r.Raw)
+		}
+		got <- r
+	}()
+	eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
+	p.em.Nixl().TakeInterval()
+	kv := template()
+	kv["push_id"] = id
+	if status, r := post(t, p.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv}); status != 200 {
+		t.Fatal(r.Raw)
+	}
+	if r := <-got; !strings.Contains(r.Raw, want) {
+		t.Fatalf("D answered %s\na single engine %s", r.Raw, want)
+	}
+	layers := p.pool.Geometry().NumLayers
+	var writes int
+	var bytes int64
+	eventually(t, "P to record its writes", func() bool {
+		for _, s := range p.em.Nixl().TakeInterval().Transfers {
+			writes, bytes = writes+1, bytes+s.Bytes
+		}
+		return writes >= 3*layers
+	})
+	if blocks := int64(700+15) / 16; writes != 3*layers || bytes != blocks*int64(p.pool.BlockBytes()) {
+		t.Errorf("P made %d writes of %d bytes; want %d (3 chunks × %d layers) of %d blocks in all", writes, bytes, 3*layers, layers, blocks)
+	}
+	p.waitPoolFull(t)
+	d.waitPoolFull(t)
+}

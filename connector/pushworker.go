@@ -106,33 +106,44 @@ func (c *Connector) runPush(j pushJob) {
 	c.event(func(k *core) { k.pushEnded(j.id, false) })
 }
 
+// pushTarget returns the handshaken decoder that sent reg (from the agent peer, incarnation inc)
+// for request id, and how long its blocks still wait, once it is shown to be the engine reg
+// names, with blocks like this engine's, waiting long enough for a write to be posted.
+func (c *Connector) pushTarget(ctx context.Context, id string, reg pushRegistration, peer string, inc uint64) (*remoteLink, time.Duration, error) {
+	dp := &Params{RemoteEngineID: reg.EngineID, Instance: reg.Instance, RemoteHost: reg.Host, RemotePort: reg.Port}
+	r, err := c.remote(ctx, dp)
+	if err != nil {
+		return nil, 0, err
+	}
+	if r.peer != peer || r.peerInc != inc {
+		// Only the engine that owns the blocks may name them: a registration sent by another
+		// agent (or another incarnation), naming another engine's blocks, is refused.
+		return nil, 0, fmt.Errorf("%w: it came from transfer agent %s (incarnation %x), engine %s's agent is %s (incarnation %x)",
+			errWrongSender, peer, inc, r.id, r.peer, r.peerInc)
+	}
+	if err := c.pushGeometry(r); err != nil {
+		return nil, 0, err
+	}
+	// The decoder frees its blocks at its deadline: never post a write that could land later.
+	left := time.Duration((reg.Expiry - r.offset - c.clockSeconds()) * float64(time.Second))
+	if left < expiryMargin {
+		if c.metrics != nil {
+			c.metrics.CountExpiredRequest()
+		}
+		return r, 0, fmt.Errorf("%w: request %s: the decoder's blocks expire in %s", ErrExpired, id, left.Round(time.Millisecond))
+	}
+	return r, left, nil
+}
+
 // errWrongSender: a registration named an engine whose transfer agent did not send it.
 var errWrongSender = errors.New("the registration did not come from the engine it names")
 
 // push handshakes the decoder that registered (its side channel), checks that the registration
 // came from that engine's own transfer agent, and writes.
 func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
-	dp := &Params{RemoteEngineID: j.reg.EngineID, Instance: j.reg.Instance, RemoteHost: j.reg.Host, RemotePort: j.reg.Port}
-	r, err := c.remote(ctx, dp)
+	r, left, err := c.pushTarget(ctx, j.id, j.reg, j.peer, j.peerInc)
 	if err != nil {
-		return nil, err
-	}
-	if r.peer != j.peer || r.peerInc != j.peerInc {
-		// Only the engine that owns the blocks may name them: a registration sent by another
-		// agent (or another incarnation), naming another engine's blocks, is refused.
-		return nil, fmt.Errorf("%w: it came from transfer agent %s (incarnation %x), engine %s's agent is %s (incarnation %x)",
-			errWrongSender, j.peer, j.peerInc, r.id, r.peer, r.peerInc)
-	}
-	if err := c.pushGeometry(r); err != nil {
-		return nil, err
-	}
-	// The decoder frees its blocks at its deadline: never post a write that could land later.
-	left := time.Duration((j.reg.Expiry - r.offset - c.clockSeconds()) * float64(time.Second))
-	if left < expiryMargin {
-		if c.metrics != nil {
-			c.metrics.CountExpiredRequest()
-		}
-		return r, fmt.Errorf("%w: request %s: the decoder's blocks expire in %s", ErrExpired, j.id, left.Round(time.Millisecond))
+		return r, err
 	}
 	local, remote := pushTail(j, c.geo.BlockSize)
 	for _, b := range remote {

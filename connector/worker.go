@@ -112,7 +112,11 @@ func (c *Connector) perform(b batch) {
 		})
 	}
 	for _, j := range b.pushes {
-		c.spawn(b.closed, func() { c.runPush(j) }, func() { c.event(func(k *core) { k.pushEnded(j.id, false) }) })
+		c.spawn(b.closed, func() {
+			if !c.handOverPush(j) {
+				c.runPush(j)
+			}
+		}, func() { c.event(func(k *core) { k.pushEnded(j.id, false) }) })
 	}
 	for _, n := range b.pushNotices {
 		c.spawn(b.closed, func() { c.sendPushNotice(n) }, nil)
