@@ -515,13 +515,19 @@ func TestPushWritesOnlyIntoRegisteredBlocks(t *testing.T) {
 	d.waitPoolFull(t)
 }
 
-// TestPushLayerwise: with push_layerwise on P and D's registration parked before P's prefill
-// starts, P writes each layer of each prefill chunk as soon as it is computed (three chunks of
+// TestPushLayerwise: over SHM and TCP, with push_layerwise on P and D's registration parked
+// before P's prefill starts, P writes each layer of each prefill chunk as soon as it is computed (three chunks of
 // 256 tokens: three writes per layer, no whole write at the end), and D's answer is a single
 // engine's. Every pool is full at the end.
 func TestPushLayerwise(t *testing.T) {
-	p := startNode(t, "P", nodeOptions{kvConfig: `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true}}`})
-	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer")})
+	for _, backend := range []string{"SHM", "TCP"} {
+		t.Run(backend, func(t *testing.T) { pushLayerwise(t, backend) })
+	}
+}
+
+func pushLayerwise(t *testing.T, backend string) {
+	p := startNode(t, "P", nodeOptions{kvConfig: `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true,"backends":["` + backend + `"]}}`})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", backend)})
 	prompt := tokens(700, 50)
 	// Seeded sampling at temperature 1 with logprobs: any wrong KV shows in the answer.
 	ask := func(url string, kv map[string]any) (int, result) {
