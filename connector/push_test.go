@@ -574,3 +574,34 @@ func pushLayerwise(t *testing.T, backend string) {
 	p.waitPoolFull(t)
 	d.waitPoolFull(t)
 }
+
+// TestPushLayerwiseFallsBackWhole: a stream that would miss chunks is not started. P's prefix
+// cache holds most of the prompt (an earlier request), so its prefill starts past D's first
+// registered block: P writes the request whole when it ends (one write), and D's answer is
+// still a single engine's.
+func TestPushLayerwiseFallsBackWhole(t *testing.T) {
+	p := startNode(t, "P", nodeOptions{prefix: true, kvConfig: `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true}}`})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer")})
+	prompt := tokens(300, 51)
+	want := singleOutput(t, prompt, 5)
+	if r := pushSerial(t, p, d, prompt, 5); r.Text != want {
+		t.Fatalf("first request: %q, want %q", r.Text, want)
+	}
+	p.waitPoolFull(t) // its blocks are in P's prefix cache now
+	p.em.Nixl().TakeInterval()
+	if r := pushConcurrent(t, p, d, prompt, 5); r.Text != want {
+		t.Fatalf("D answered %q, want %q", r.Text, want)
+	}
+	var writes int
+	var bytes int64
+	eventually(t, "P to record its write", func() bool {
+		for _, s := range p.em.Nixl().TakeInterval().Transfers {
+			writes, bytes = writes+1, bytes+s.Bytes
+		}
+		return writes >= 1
+	})
+	if blocks := int64(300+15) / 16; writes != 1 || bytes != blocks*int64(p.pool.BlockBytes()) {
+		t.Errorf("P made %d writes of %d bytes; want the whole request in one (%d blocks)", writes, bytes, blocks)
+	}
+	d.waitPoolFull(t)
+}
