@@ -253,6 +253,9 @@ func TestPushProducerGoneFailsAtOnce(t *testing.T) {
 		t.Fatalf("D answered %q (%s), want a 500", r.Text, r.FinishReason)
 	}
 	d.waitPoolFull(t)
+	if got := fixture.Scrape(t, http.DefaultClient, d.srv.URL).Sum("vllm:nixl_num_failed_transfers_total"); got != 1 {
+		t.Errorf("D counted %v failed transfers, want 1", got)
+	}
 }
 
 // TestPushRefusesAnotherPrompt: D's registration for P's request with another prompt (copied

@@ -61,7 +61,8 @@ import (
 //	                                               records P's agent) and reaches P, from D's
 //	                                               agent unless peer/inc say otherwise
 //	push-ended id=p1 to=D [err=TEXT] [wrong-sender] P's write of p1 ended; its completion (or
-//	                                               failure) reaches D, unless wrong-sender
+//	    [from=AGENT]                               failure) reaches D, unless wrong-sender (from
+//	                                               AGENT instead of P's agent)
 //	deliver-notices to=D                           P's failure notices reach D
 //	abort id=p1                                    the request is aborted (its client left)
 func TestCoreTraces(t *testing.T) {
@@ -559,6 +560,10 @@ func (tr *traceRun) pushEnded(t *testing.T, d *datadriven.TestData, h *coreHarne
 	if d.HasArg("err") {
 		d.ScanArgs(t, "err", &done.Error)
 	}
-	dh.k.pushMessage("kvbridge-"+h.k.engineID, 1, string(encodePush(pushDonePrefix, done)), dh.now)
+	from := "kvbridge-" + h.k.engineID
+	if d.HasArg("from") {
+		d.ScanArgs(t, "from", &from)
+	}
+	dh.k.pushMessage(from, 1, string(encodePush(pushDonePrefix, done)), dh.now)
 	return out + labelled(to, tr.perform(t, dh))
 }
