@@ -8,7 +8,10 @@
 // (verify.go); every read, notification and heartbeat presents the lease's token (lease.go,
 // notification.go). With kv_connector_extra_config.auth_token (or KVBRIDGE_KV_AUTH_TOKEN) every
 // side-channel and transfer connection is mutually authenticated and params carry their
-// issuer's MAC (mac.go); allowed_peers bounds the hosts params may name (peers.go). Details in
+// issuer's MAC (mac.go); allowed_peers bounds the hosts params may name (peers.go). In push mode
+// (NixlPushConnector, push.go) a producer writes only into blocks registered by the engine that
+// owns them, over its own authenticated transfer agent, for the same prompt, and a decoder uses
+// written KV only after a completion from that producer for its own prompt. Details in
 // auth.go; the threat model is in docs/reliability.md.
 package connector
 
