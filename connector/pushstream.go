@@ -232,7 +232,7 @@ func (c *Connector) streamLayer(ctx context.Context, s *stream, r **remoteLink, 
 	if err := w.Post(ctx, nil); err != nil {
 		return err
 	}
-	if err := w.Wait(ctx); err != nil {
+	if err := c.waitWrite(ctx, w); err != nil {
 		return err
 	}
 	if c.metrics != nil {

@@ -164,13 +164,28 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 	if err := w.Post(ctx, done); err != nil {
 		return r, err
 	}
-	if err := w.Wait(ctx); err != nil {
+	if err := c.waitWrite(ctx, w); err != nil {
 		return r, err
 	}
 	if c.metrics != nil {
 		c.metrics.ObserveTransfer(metricsSample(w.Telemetry()))
 	}
 	return r, nil
+}
+
+// waitWrite waits for a WRITE; when it failed, or ctx ended first, it waits on until the
+// transfer engine no longer touches the decoder's memory (the request's own deadline bounds it),
+// so that a failure reported to the decoder is never followed by bytes of this write.
+func (c *Connector) waitWrite(ctx context.Context, w *transfer.Request) error {
+	err := w.Wait(ctx)
+	if err != nil {
+		w.Release() // cancels a post still in progress
+		select {
+		case <-w.Done():
+		case <-c.ctx.Done():
+		}
+	}
+	return err
 }
 
 // sendPushNotice sends a failure completion to a decoder's agent, waiting at most a second.
