@@ -3,6 +3,7 @@ package connector
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"sync/atomic"
 
 	"github.com/kvbridge/kvbridge/engine"
@@ -35,7 +36,8 @@ type streamWrite struct {
 
 // streamPlan returns, for a step's work, the requests whose chunk may be streamed now: prefill
 // legs (do_remote_decode) naming a push_id whose decoder's registration is parked here, for the
-// same prompt. It changes nothing.
+// same prompt, whose stream has seen (or starts with) the first registered block. It records on
+// each request its prompt's digest and that it streams; nothing else changes.
 func (k *core) streamPlan(work []engine.Work) []streamWrite {
 	var out []streamWrite
 	bs := k.geo.BlockSize
@@ -219,7 +221,7 @@ func (c *Connector) streamLayer(ctx context.Context, s *stream, r **remoteLink, 
 	remote := make([]transfer.Desc, 0, len(j.pairs))
 	for _, p := range j.pairs {
 		if int(p[1]) >= link.meta.NumBlocks {
-			return ErrParams
+			return fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, p[1], link.id, link.meta.NumBlocks)
 		}
 		local = append(local, c.kvReg.Desc(int64(p[0])*blockBytes+int64(j.layer)*layerBytes, layerBytes))
 		remote = append(remote, transfer.Desc{Region: link.meta.KVRegion, Offset: int64(p[1])*int64(link.meta.BlockLen) + int64(j.layer)*layerBytes, Length: layerBytes})
