@@ -220,8 +220,8 @@ func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, h
 	return prefillResult{params: out.KV, usage: out.Usage}, nil
 }
 
-// failPrefill logs a failed P leg, unless the push flow cancelled it because D's answer had
-// ended (not a failure of P's).
+// failPrefill logs a failed P leg, unless the push flow cancelled it because D's leg failed
+// (not a failure of P's).
 func (l *legs) failPrefill(ctx context.Context, inst Instance, reqID string, e *legError) *legError {
 	if errors.Is(context.Cause(ctx), errDecodeEnded) {
 		return e

@@ -20,10 +20,11 @@ import (
 //     sends both legs at once: P the usual prefill leg plus the push_id, D the client's body with
 //     P's coordinates and the push_id (pushDecodeParams). D's queueing, allocation and
 //     registration overlap P's prefill. D's answer is relayed; P's (max_tokens=1) is awaited only
-//     for its errors and usage. P fails before D's answer is whole: D's leg is cancelled (D
-//     aborts the request) and the client gets P's error — its status when nothing was relayed
-//     yet, an error event ending the stream otherwise. D fails or refuses (a 429): P's leg is
-//     cancelled (P aborts, or its lease expires) and the client gets D's answer.
+//     for its errors and usage (the handler returns once it came). P fails before D's answer
+//     is whole: D's leg is cancelled (D aborts the request) and the client gets P's error — its
+//     status when nothing was relayed yet, an error event ending the stream otherwise. D fails
+//     or refuses (a 429): P's leg is cancelled (P aborts, or its lease expires) and the client
+//     gets D's answer.
 
 // pushID draws the id that ties a request's two legs together in the concurrent flow: random,
 // never the client's X-Request-Id, so that no client can name another request's push.
@@ -72,8 +73,8 @@ func serialPushParams(pre map[string]any) map[string]any {
 var (
 	// errPrefillFailed cancels D's leg: P's failed, so no KV will come.
 	errPrefillFailed = errors.New("the prefill leg failed")
-	// errDecodeEnded cancels P's leg: D's answer ended (whole, refused or failed) first.
-	errDecodeEnded = errors.New("the decode leg ended first")
+	// errDecodeEnded cancels P's leg: D's answer failed or was refused.
+	errDecodeEnded = errors.New("the decode leg failed")
 )
 
 // prefillLeg is P's leg of the concurrent flow, run on a goroutine of its own; done is closed
@@ -157,15 +158,11 @@ func (l *legs) push(w http.ResponseWriter, r *http.Request, pInst, dInst Instanc
 	derr := l.decode(tw, r.WithContext(dctx), dInst, path, reqID, dbody, o)
 
 	prefillFailed := derr != nil && errors.Is(context.Cause(dctx), errPrefillFailed)
-	if !prefillFailed {
-		// D's answer ended first (whole, refused, or failed): P's is not waited for. In
-		// practice P has answered already when D's is whole (D decodes once P wrote the KV).
-		select {
-		case <-leg.done:
-		default:
-			pcancel(errDecodeEnded)
-		}
+	if !prefillFailed && (derr != nil || tw.status/100 != 2) {
+		pcancel(errDecodeEnded) // D failed or refused: nothing will collect P's KV
 	}
+	// Otherwise P's answer is awaited for its errors and usage (the client has D's whole
+	// answer by now; it usually came first anyway, as D decodes once P wrote the KV).
 	<-leg.done
 	out := pushOutcome{pre: leg.res, prefillOK: leg.err == nil, prefilled: leg.end}
 	if leg.err != nil && pctx.Err() == nil {
