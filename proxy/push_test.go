@@ -241,6 +241,20 @@ func startPushProxy(t *testing.T, mode proxy.TransferMode, p, d *gate) *httptest
 	return startProxy(t, proxy.Config{Prefill: []proxy.Instance{p.instance(t)}, Decode: []proxy.Instance{d.instance(t)}, TransferMode: mode})
 }
 
+// proxyKinds runs f with the one-way proxy and with the multi-turn proxy (whose requests then
+// carry a conversation id: a first turn, pushed).
+func proxyKinds(t *testing.T, f func(t *testing.T, serve func(proxy.Config) *httptest.Server, body func(map[string]any) map[string]any)) {
+	t.Run("one-way", func(t *testing.T) {
+		f(t, func(c proxy.Config) *httptest.Server { return startProxy(t, c) }, func(b map[string]any) map[string]any { return b })
+	})
+	t.Run("multi-turn", func(t *testing.T) {
+		f(t, func(c proxy.Config) *httptest.Server {
+			srv, _ := serveMultiTurn(t, proxy.MultiTurnConfig{Config: c})
+			return srv
+		}, func(b map[string]any) map[string]any { b["conversation_id"] = "conv-" + t.Name(); return b })
+	})
+}
+
 // completionText joins the text of a completion's choices, streamed or not.
 func completionText(t *testing.T, raw []byte) string {
 	t.Helper()
@@ -337,58 +351,64 @@ func TestPushLegsOverlap(t *testing.T) {
 	poolsFull(t, p, d)
 }
 
-// TestPushPrefillFailsFirst: P's leg fails while D holds the request and has relayed nothing —
+// TestPushPrefillFailsFirst, through both proxies: P's leg fails while D holds the request and
+// has relayed nothing —
 // P dies (its connection closes without an answer), or P refuses the prompt with a 400. The
 // proxy closes D's leg (D aborts the request), the client gets P's failure as its status (a
 // 502 prefill_request_failed, or P's own 400), and both pools are full again.
 func TestPushPrefillFailsFirst(t *testing.T) {
-	for _, tc := range []struct {
-		name   string
-		pLen   int // P's max_model_len
-		dies   bool
-		status int
-		code   string
-	}{
-		{name: "P dies", pLen: 4096, dies: true, status: http.StatusBadGateway, code: "prefill_request_failed"},
-		{name: "P refuses", pLen: 64, status: http.StatusBadRequest},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			p, d := startPushEngine(t, "kv_producer", tc.pLen, ""), startPushEngine(t, "kv_consumer", 4096, "")
-			dCancelled := make(chan struct{})
-			dg := newGate(t, d.URL, gateOpts{leg: holdUntilCancelled(d.URL, false, dCancelled)})
-			var leg func(http.ResponseWriter, *http.Request, func(http.ResponseWriter, *http.Request))
-			if tc.dies {
-				leg = dieOnLeg(dg.arrived)
-			} else {
-				leg = func(w http.ResponseWriter, r *http.Request, forward func(http.ResponseWriter, *http.Request)) {
-					select { // P answers once D holds the request
-					case <-dg.arrived:
-					case <-time.After(30 * time.Second):
+	proxyKinds(t, func(t *testing.T, serve func(proxy.Config) *httptest.Server, withID func(map[string]any) map[string]any) {
+		for _, tc := range []struct {
+			name   string
+			pLen   int // P's max_model_len
+			dies   bool
+			status int
+			code   string
+		}{
+			{name: "P dies", pLen: 4096, dies: true, status: http.StatusBadGateway, code: "prefill_request_failed"},
+			{name: "P refuses", pLen: 64, status: http.StatusBadRequest},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				p, d := startPushEngine(t, "kv_producer", tc.pLen, ""), startPushEngine(t, "kv_consumer", 4096, "")
+				dCancelled := make(chan struct{})
+				dg := newGate(t, d.URL, gateOpts{leg: holdUntilCancelled(d.URL, false, dCancelled)})
+				var leg func(http.ResponseWriter, *http.Request, func(http.ResponseWriter, *http.Request))
+				if tc.dies {
+					leg = dieOnLeg(dg.arrived)
+				} else {
+					leg = func(w http.ResponseWriter, r *http.Request, forward func(http.ResponseWriter, *http.Request)) {
+						select { // P answers once D holds the request
+						case <-dg.arrived:
+						case <-time.After(30 * time.Second):
+						}
+						forward(w, r)
 					}
-					forward(w, r)
 				}
-			}
-			pg := newGate(t, p.URL, gateOpts{info: pushInfo(p), leg: leg})
-			px := startPushProxy(t, proxy.TransferPush, pg, dg)
-			prompt := make([]int, 100) // longer than the refusing P's max_model_len
-			for i := range prompt {
-				prompt[i] = 300 + i
-			}
-			resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt,
-				"max_tokens": 3000, "ignore_eos": true, "stream": true})
-			var e struct {
-				Error struct {
-					Code    any    `json:"code"`
-					Message string `json:"message"`
-				} `json:"error"`
-			}
-			if resp.StatusCode != tc.status || json.Unmarshal(raw, &e) != nil || e.Error.Message == "" || (tc.code != "" && e.Error.Code != tc.code) {
-				t.Fatalf("client got %d %s; want %d with an error JSON", resp.StatusCode, raw, tc.status)
-			}
-			waitFor(t, dCancelled, "the proxy to close D's leg")
-			poolsFull(t, p, d)
-		})
-	}
+				pg := newGate(t, p.URL, gateOpts{info: pushInfo(p), leg: leg})
+				px := serve(proxy.Config{Prefill: []proxy.Instance{pg.instance(t)}, Decode: []proxy.Instance{dg.instance(t)}, TransferMode: proxy.TransferPush})
+				prompt := make([]int, 100) // longer than the refusing P's max_model_len
+				for i := range prompt {
+					prompt[i] = 300 + i
+				}
+				resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", withID(map[string]any{"model": "kvbridge/tiny", "prompt": prompt,
+					"max_tokens": 3000, "ignore_eos": true, "stream": true}))
+				var e struct {
+					Error struct {
+						Code    any    `json:"code"`
+						Message string `json:"message"`
+					} `json:"error"`
+				}
+				if resp.StatusCode != tc.status || json.Unmarshal(raw, &e) != nil || e.Error.Message == "" || (tc.code != "" && e.Error.Code != tc.code) {
+					t.Fatalf("client got %d %s; want %d with an error JSON", resp.StatusCode, raw, tc.status)
+				}
+				if dkv := dg.legs()[0]["kv_transfer_params"].(map[string]any); dkv["push_id"] == nil {
+					t.Errorf("D's leg was no push: %v", dkv)
+				}
+				waitFor(t, dCancelled, "the proxy to close D's leg")
+				poolsFull(t, p, d)
+			})
+		}
+	})
 }
 
 // TestPushPrefillFailsMidStream: P dies after D's first event reached the client. The proxy
@@ -424,58 +444,60 @@ func TestPushPrefillFailsMidStream(t *testing.T) {
 	poolsFull(t, p, d)
 }
 
-// TestPushDecodeFailsFirst: D refuses the request (429: its one slot is taken) or cannot be
-// reached while P's leg is pending. The proxy cancels P's leg, and the client gets D's answer
+// TestPushDecodeFailsFirst, through both proxies: D refuses the request (429: its one slot is
+// taken) or cannot be reached while P's leg is pending. The proxy cancels P's leg, and the client gets D's answer
 // (its own 429) or a 502 decode_request_failed; both pools are full again.
 func TestPushDecodeFailsFirst(t *testing.T) {
-	for _, tc := range []struct {
-		name   string
-		dead   bool
-		status int
-	}{
-		{name: "D refuses", status: http.StatusTooManyRequests},
-		{name: "D unreachable", dead: true, status: http.StatusBadGateway},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			p := startPushEngine(t, "kv_producer", 4096, "")
-			d := startPushEngine(t, "kv_consumer", 4096, "", func(c *instance.Config) { c.MaxConcurrentRequests = 1 })
-			pCancelled := make(chan struct{})
-			pg := newGate(t, p.URL, gateOpts{info: pushInfo(p), leg: func(w http.ResponseWriter, r *http.Request, _ func(http.ResponseWriter, *http.Request)) {
-				select { // P's leg stays pending until the proxy gives it up
-				case <-r.Context().Done():
-					close(pCancelled)
-				case <-time.After(30 * time.Second):
+	proxyKinds(t, func(t *testing.T, serve func(proxy.Config) *httptest.Server, withID func(map[string]any) map[string]any) {
+		for _, tc := range []struct {
+			name   string
+			dead   bool
+			status int
+		}{
+			{name: "D refuses", status: http.StatusTooManyRequests},
+			{name: "D unreachable", dead: true, status: http.StatusBadGateway},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				p := startPushEngine(t, "kv_producer", 4096, "")
+				d := startPushEngine(t, "kv_consumer", 4096, "", func(c *instance.Config) { c.MaxConcurrentRequests = 1 })
+				pCancelled := make(chan struct{})
+				pg := newGate(t, p.URL, gateOpts{info: pushInfo(p), leg: func(w http.ResponseWriter, r *http.Request, _ func(http.ResponseWriter, *http.Request)) {
+					select { // P's leg stays pending until the proxy gives it up
+					case <-r.Context().Done():
+						close(pCancelled)
+					case <-time.After(30 * time.Second):
+					}
+				}})
+				dInst := instanceOf(t, d.URL)
+				if tc.dead {
+					dInst = instanceOf(t, "http://"+fixture.DeadAddr(t))
+				} else {
+					// D's one slot is taken by a long stream that has started.
+					ctx, cancel := context.WithCancel(t.Context())
+					defer cancel()
+					data, _ := json.Marshal(map[string]any{"model": "kvbridge/tiny", "prompt": "occupy", "max_tokens": 3000, "ignore_eos": true, "stream": true})
+					req, _ := http.NewRequestWithContext(ctx, http.MethodPost, d.URL+"/v1/completions", bytes.NewReader(data))
+					resp, err := http.DefaultClient.Do(req)
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer resp.Body.Close()
+					if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
+						t.Fatal(err)
+					}
 				}
-			}})
-			dInst := instanceOf(t, d.URL)
-			if tc.dead {
-				dInst = instanceOf(t, "http://"+fixture.DeadAddr(t))
-			} else {
-				// D's one slot is taken by a long stream that has started.
-				ctx, cancel := context.WithCancel(t.Context())
-				defer cancel()
-				data, _ := json.Marshal(map[string]any{"model": "kvbridge/tiny", "prompt": "occupy", "max_tokens": 3000, "ignore_eos": true, "stream": true})
-				req, _ := http.NewRequestWithContext(ctx, http.MethodPost, d.URL+"/v1/completions", bytes.NewReader(data))
-				resp, err := http.DefaultClient.Do(req)
-				if err != nil {
-					t.Fatal(err)
+				px := serve(proxy.Config{Prefill: []proxy.Instance{pg.instance(t)}, Decode: []proxy.Instance{dInst}, TransferMode: proxy.TransferPush})
+				resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", withID(map[string]any{"model": "kvbridge/tiny", "prompt": "refused", "max_tokens": 4, "stream": true}))
+				if resp.StatusCode != tc.status || !strings.Contains(string(raw), `"error"`) {
+					t.Fatalf("client got %d %s, want %d", resp.StatusCode, raw, tc.status)
 				}
-				defer resp.Body.Close()
-				if _, err := bufio.NewReader(resp.Body).ReadString('\n'); err != nil {
-					t.Fatal(err)
+				waitFor(t, pCancelled, "the proxy to cancel P's leg")
+				if tc.dead && !strings.Contains(string(raw), "decode_request_failed") {
+					t.Errorf("unreachable D: %s", raw)
 				}
-			}
-			px := startProxy(t, proxy.Config{Prefill: []proxy.Instance{pg.instance(t)}, Decode: []proxy.Instance{dInst}, TransferMode: proxy.TransferPush})
-			resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": "refused", "max_tokens": 4, "stream": true})
-			if resp.StatusCode != tc.status || !strings.Contains(string(raw), `"error"`) {
-				t.Fatalf("client got %d %s, want %d", resp.StatusCode, raw, tc.status)
-			}
-			waitFor(t, pCancelled, "the proxy to cancel P's leg")
-			if tc.dead && !strings.Contains(string(raw), "decode_request_failed") {
-				t.Errorf("unreachable D: %s", raw)
-			}
-		})
-	}
+			})
+		}
+	})
 }
 
 // TestPushSerialLegs: the serial push flow (vLLM's toy push proxy's) — forced, or push forced
@@ -586,7 +608,8 @@ func TestPushRefreshesCoordinates(t *testing.T) {
 }
 
 // TestTransferModes: the modes a proxy accepts, a bad one refused naming itself, and a
-// client's kv_transfer_params refused in every mode.
+// client's kv_transfer_params (a push_id of its choosing included) refused by both proxies in
+// every mode, no leg sent.
 func TestTransferModes(t *testing.T) {
 	for _, s := range []string{"", "auto", "pull", "push", "push-serial"} {
 		if _, err := proxy.ParseTransferMode(s); err != nil {
@@ -599,11 +622,14 @@ func TestTransferModes(t *testing.T) {
 	p, d := startPushEngine(t, "kv_producer", 4096, ""), startPushEngine(t, "kv_consumer", 4096, "")
 	pg, dg := newGate(t, p.URL, gateOpts{info: pushInfo(p)}), newGate(t, d.URL, gateOpts{})
 	for _, mode := range proxy.TransferModes {
-		px := startPushProxy(t, mode, pg, dg)
-		resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": "x", "max_tokens": 2,
-			"kv_transfer_params": map[string]any{"do_remote_prefill": true, "push_id": "someone-elses"}})
-		if resp.StatusCode != 400 || !strings.Contains(string(raw), "kv_transfer_params") {
-			t.Errorf("%s: a client's params: %d %s", mode, resp.StatusCode, raw)
+		cfg := proxy.Config{Prefill: []proxy.Instance{pg.instance(t)}, Decode: []proxy.Instance{dg.instance(t)}, TransferMode: mode}
+		mt, _ := serveMultiTurn(t, proxy.MultiTurnConfig{Config: cfg})
+		for _, px := range []*httptest.Server{startProxy(t, cfg), mt} {
+			resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": "x", "max_tokens": 2,
+				"conversation_id": "c", "kv_transfer_params": map[string]any{"do_remote_prefill": true, "push_id": "someone-elses"}})
+			if resp.StatusCode != 400 || !strings.Contains(string(raw), "kv_transfer_params") {
+				t.Errorf("%s: a client's params: %d %s", mode, resp.StatusCode, raw)
+			}
 		}
 	}
 	if n := len(pg.legs()) + len(dg.legs()); n != 0 {
