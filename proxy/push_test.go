@@ -411,14 +411,20 @@ func TestPushPrefillFailsFirst(t *testing.T) {
 	})
 }
 
-// TestPushPrefillFailsMidStream: P dies after D's first event reached the client. The proxy
+// TestPushPrefillFailsMidStream: P's leg dies after D's first event reached the client. The proxy
 // closes D's leg and ends the client's stream with an error event and [DONE], not a truncated
 // success; both pools are full again.
 func TestPushPrefillFailsMidStream(t *testing.T) {
 	p, d := startPushEngine(t, "kv_producer", 4096, ""), startPushEngine(t, "kv_consumer", 4096, "")
 	dCancelled, clientGotFirst := make(chan struct{}), make(chan struct{})
 	dg := newGate(t, d.URL, gateOpts{leg: holdUntilCancelled(d.URL, true, dCancelled)})
-	pg := newGate(t, p.URL, gateOpts{info: pushInfo(p), leg: dieOnLeg(clientGotFirst)})
+	// P prefills (an engine with push writes D's KV then), and dies before its answer reaches
+	// the proxy, once the client has D's first event.
+	die := dieOnLeg(clientGotFirst)
+	pg := newGate(t, p.URL, gateOpts{info: pushInfo(p), leg: func(w http.ResponseWriter, r *http.Request, forward func(http.ResponseWriter, *http.Request)) {
+		forward(httptest.NewRecorder(), r)
+		die(w, r, forward)
+	}})
 	px := startPushProxy(t, proxy.TransferPush, pg, dg)
 	data, _ := json.Marshal(map[string]any{"model": "kvbridge/tiny", "prompt": "a stream cut short", "max_tokens": 3000, "ignore_eos": true, "stream": true})
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
