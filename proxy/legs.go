@@ -188,11 +188,13 @@ type prefillResult struct {
 }
 
 // prefill runs the P leg to completion. A 4xx from P is the client's fault and is relayed as is;
-// a 5xx, a transport failure or an unreadable answer is a 502 prefill_request_failed.
-func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body) (prefillResult, *legError) {
+// a 5xx, a transport failure or an unreadable answer is a 502 prefill_request_failed. replay
+// lets the transport send the leg again on a fresh connection (see post); a push's leg, whose
+// push_id must reach P once, is not replayed.
+func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body, replay bool) (prefillResult, *legError) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	resp, err := l.post(ctx, inst, path, reqID, hdr, b, true)
+	resp, err := l.post(ctx, inst, path, reqID, hdr, b, replay)
 	if err != nil {
 		return prefillResult{}, l.failPrefill(ctx, inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: %v", inst, err)})
 	}

@@ -427,7 +427,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		}
 		return
 	}
-	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams))
+	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams), true)
 	mt.m.leg.WithLabelValues("prefill").Observe(time.Since(start).Seconds())
 	if lerr != nil {
 		if lerr.body == nil {

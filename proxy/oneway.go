@@ -151,7 +151,7 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 		}
 		return
 	}
-	pre, lerr := o.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, prefillTemplate()))
+	pre, lerr := o.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, prefillTemplate()), true)
 	if lerr != nil {
 		lerr.write(w)
 		return

@@ -141,7 +141,7 @@ func (l *legs) push(w http.ResponseWriter, r *http.Request, pInst, dInst Instanc
 	leg := &prefillLeg{done: make(chan struct{})}
 	go func() {
 		defer close(leg.done)
-		leg.res, leg.err = l.prefill(pctx, pInst, path, reqID, r.Header, pbody)
+		leg.res, leg.err = l.prefill(pctx, pInst, path, reqID, r.Header, pbody, false)
 		leg.end = time.Now()
 		if leg.err != nil {
 			dcancel(errPrefillFailed) // no KV will come: D aborts the request

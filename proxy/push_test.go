@@ -22,7 +22,6 @@ import (
 
 	"github.com/kvbridge/kvbridge/connector"
 	"github.com/kvbridge/kvbridge/instance"
-	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/proxy"
 )
 
@@ -35,24 +34,29 @@ import (
 // fields of P's GET /v1/kv_transfer (transfer_mode, remote_host, remote_port, tp_size) that an
 // engine without push does not report; an engine's own values win.
 
-// pushConnector is the kv_connector the push tests' engines run.
-func pushConnector(t *testing.T) string {
-	t.Helper()
-	if _, err := connector.ParseConfig([]byte(`{"kv_connector":"NixlPushConnector","kv_role":"kv_producer"}`), nil); err == nil {
-		return "NixlPushConnector"
-	}
-	return "NixlConnector"
-}
-
-// pushLease is P's kv_lease_duration in the push tests: blocks no decoder collects (an engine
-// without push, a D cancelled by the proxy) are freed a second later, so pools are full again
+// pushSetup returns the kv_connector the push tests' engines run (NixlPushConnector where the
+// engines have it) and the shortest kv_lease_duration, in seconds, it accepts: P's blocks that
+// no decoder collects (an engine without push, a D cancelled by the proxy) are freed that soon,
 // within the tests' deadlines.
-const pushLease = 1
+func pushSetup(t *testing.T) (string, int) {
+	t.Helper()
+	for _, c := range []string{"NixlPushConnector", "NixlConnector"} {
+		for _, lease := range []int{1, 15} {
+			cfg := `{"kv_connector":"` + c + `","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":` + strconv.Itoa(lease) + `}}`
+			if _, err := connector.ParseConfig([]byte(cfg), nil); err == nil {
+				return c, lease
+			}
+		}
+	}
+	t.Fatal("the engines accept neither NixlPushConnector nor NixlConnector with a lease of 15 s")
+	return "", 0
+}
 
 // startPushEngine starts an engine of role with the push connector.
 func startPushEngine(t *testing.T, role string, maxLen int, extra string, opts ...func(*instance.Config)) *instance.Instance {
 	t.Helper()
-	cfg := `{"kv_connector":"` + pushConnector(t) + `","kv_role":"` + role + `","kv_connector_extra_config":{"kv_lease_duration":` + strconv.Itoa(pushLease) + extra + `}}`
+	name, lease := pushSetup(t)
+	cfg := `{"kv_connector":"` + name + `","kv_role":"` + role + `","kv_connector_extra_config":{"kv_lease_duration":` + strconv.Itoa(lease) + extra + `}}`
 	kv, err := connector.ParseConfig([]byte(cfg), nil)
 	if err != nil {
 		t.Fatal(err)
@@ -451,17 +455,17 @@ func TestPushPrefillFailsMidStream(t *testing.T) {
 }
 
 // TestPushDecodeFailsFirst, through both proxies: D refuses the request (429: its one slot is
-// taken) or cannot be reached while P's leg is pending. The proxy cancels P's leg, and the client gets D's answer
-// (its own 429) or a 502 decode_request_failed; both pools are full again.
+// taken) or dies while P's leg is pending. The proxy cancels P's leg, and the client gets D's
+// answer (its own 429) or a 502 decode_request_failed; both pools are full again.
 func TestPushDecodeFailsFirst(t *testing.T) {
 	proxyKinds(t, func(t *testing.T, serve func(proxy.Config) *httptest.Server, withID func(map[string]any) map[string]any) {
 		for _, tc := range []struct {
 			name   string
-			dead   bool
+			dies   bool
 			status int
 		}{
 			{name: "D refuses", status: http.StatusTooManyRequests},
-			{name: "D unreachable", dead: true, status: http.StatusBadGateway},
+			{name: "D dies", dies: true, status: http.StatusBadGateway},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				p := startPushEngine(t, "kv_producer", 4096, "")
@@ -474,13 +478,22 @@ func TestPushDecodeFailsFirst(t *testing.T) {
 					case <-time.After(30 * time.Second):
 					}
 				}})
-				dInst := instanceOf(t, d.URL)
-				if tc.dead {
-					dInst = instanceOf(t, "http://"+fixture.DeadAddr(t))
+				// D answers only once P's leg is pending: it refuses (a 429 of its own: its one
+				// slot is taken), or dies (its connection closes without an answer).
+				dleg := func(w http.ResponseWriter, r *http.Request, forward func(http.ResponseWriter, *http.Request)) {
+					select {
+					case <-pg.arrived:
+					case <-time.After(30 * time.Second):
+					}
+					forward(w, r)
+				}
+				stopOccupying := func() {}
+				if tc.dies {
+					dleg = dieOnLeg(pg.arrived)
 				} else {
-					// D's one slot is taken by a long stream that has started.
 					ctx, cancel := context.WithCancel(t.Context())
 					defer cancel()
+					stopOccupying = cancel
 					data, _ := json.Marshal(map[string]any{"model": "kvbridge/tiny", "prompt": "occupy", "max_tokens": 3000, "ignore_eos": true, "stream": true})
 					req, _ := http.NewRequestWithContext(ctx, http.MethodPost, d.URL+"/v1/completions", bytes.NewReader(data))
 					resp, err := http.DefaultClient.Do(req)
@@ -492,15 +505,18 @@ func TestPushDecodeFailsFirst(t *testing.T) {
 						t.Fatal(err)
 					}
 				}
-				px := serve(proxy.Config{Prefill: []proxy.Instance{pg.instance(t)}, Decode: []proxy.Instance{dInst}, TransferMode: proxy.TransferPush})
+				dg := newGate(t, d.URL, gateOpts{leg: dleg})
+				px := serve(proxy.Config{Prefill: []proxy.Instance{pg.instance(t)}, Decode: []proxy.Instance{dg.instance(t)}, TransferMode: proxy.TransferPush})
 				resp, raw := do(t, http.MethodPost, px.URL+"/v1/completions", withID(map[string]any{"model": "kvbridge/tiny", "prompt": "refused", "max_tokens": 4, "stream": true}))
 				if resp.StatusCode != tc.status || !strings.Contains(string(raw), `"error"`) {
 					t.Fatalf("client got %d %s, want %d", resp.StatusCode, raw, tc.status)
 				}
 				waitFor(t, pCancelled, "the proxy to cancel P's leg")
-				if tc.dead && !strings.Contains(string(raw), "decode_request_failed") {
-					t.Errorf("unreachable D: %s", raw)
+				if tc.dies && !strings.Contains(string(raw), "decode_request_failed") {
+					t.Errorf("D died: %s", raw)
 				}
+				stopOccupying()
+				poolsFull(t, p, d)
 			})
 		}
 	})
