@@ -160,8 +160,9 @@ func (o *PDOptions) defaults() error {
 	return nil
 }
 
-// PDRow is one prompt length's figures: medians over the measured iterations. The first nine
-// JSON fields are the table's columns; the rest break the P/D TTFT down.
+// PDRow is one transfer mode's and prompt length's figures: medians over the measured
+// iterations. The JSON fields up to ratio are the table's columns (unsupported aside); the rest
+// break the P/D TTFT down.
 type PDRow struct {
 	// Mode is the transfer mode (PDOptions.TransferModes). Unsupported, when set, says why the
 	// engines refused the mode's configuration; the row then holds no figures.
@@ -180,8 +181,7 @@ type PDRow struct {
 	// transfer, exposed being what D still spent after P's answer beyond its one-token step
 	// (d_end − p_end − recompute_1tok, within [0, transfer]). It counts the proxy's and D's
 	// HTTP time after P's answer as exposed, so it is a lower bound; the serial pull hides
-	// nothing. −1 when P's answer was not traced in any request (the push flow stops waiting
-	// for it once D's answer is whole).
+	// nothing. −1 when no request's P answer was traced.
 	HiddenShare float64 `json:"hidden_share"`
 	// TransferGBps is bytes ÷ transfer duration; CeilingGBps the same bytes moved by the
 	// ceiling measured in the same run (Ceiling: "memcpy", a single-goroutine memcpy,
@@ -489,7 +489,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 			hidden = append(hidden, 1-float64(exposed)/float64(s.transfer))
 		}
 		if s.legs.pEnd.IsZero() {
-			s.legs.pEnd = s.legs.dEnd // P's answer not waited for: read no later than D's
+			s.legs.pEnd = s.legs.dEnd // P's answer not traced: read no later than D's
 		}
 		pLeg := s.legs.pEnd.Sub(s.legs.pStart)
 		dLeg := s.legs.dEnd.Sub(s.legs.dStart)
