@@ -71,7 +71,6 @@ func startPushEngine(t *testing.T, role string, maxLen int, extra string, opts .
 
 // gate is a recorder that can also hold or break a leg.
 type gate struct {
-	target   string
 	mu       sync.Mutex
 	bodies   []map[string]any
 	arrived  chan struct{} // closed when the first leg arrives
@@ -114,7 +113,7 @@ func newGate(t *testing.T, target string, o gateOpts) *gate {
 		resp.Header.Set("Content-Length", strconv.Itoa(len(data)))
 		return nil
 	}
-	g := &gate{target: target, arrived: make(chan struct{})}
+	g := &gate{arrived: make(chan struct{})}
 	g.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
 		if req.Method != http.MethodPost {
 			if req.URL.Path == "/v1/kv_transfer" {
