@@ -177,11 +177,12 @@ type PDRow struct {
 	// of the same request, a fraction.
 	TransferMs    float64 `json:"transfer_ms"`
 	TransferShare float64 `json:"transfer_share"`
-	// HiddenShare is the share of the transfer hidden under P's compute: 1 − exposed ÷
-	// transfer, exposed being what D still spent after P's answer beyond its one-token step
-	// (d_end − p_end − recompute_1tok, within [0, transfer]). It counts the proxy's and D's
-	// HTTP time after P's answer as exposed, so it is a lower bound; the serial pull hides
-	// nothing. −1 when no request's P answer was traced.
+	// HiddenShare is the share of the transfer hidden under P's compute. A serial flow (pull:
+	// D's leg leaves after P's answer) hides nothing: 0. With the legs overlapping (push) it is
+	// 1 − exposed ÷ transfer, exposed being what D still spent after P's answer beyond its
+	// one-token step (d_end − p_end − recompute_1tok, within [0, transfer]); the proxy's and
+	// D's HTTP time after P's answer count as exposed, so it is a lower bound. −1 when no
+	// request's P answer was traced.
 	HiddenShare float64 `json:"hidden_share"`
 	// TransferGBps is bytes ÷ transfer duration; CeilingGBps the same bytes moved by the
 	// ceiling measured in the same run (Ceiling: "memcpy", a single-goroutine memcpy,
@@ -484,7 +485,11 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		}
 		recompute = append(recompute, stats.Ms(cold))
 		recomputeWarm = append(recomputeWarm, stats.Ms(warm))
-		if !s.legs.pEnd.IsZero() && s.transfer > 0 {
+		switch {
+		case s.legs.pEnd.IsZero() || s.transfer <= 0:
+		case !s.legs.dStart.Before(s.legs.pEnd):
+			hidden = append(hidden, 0) // D's leg left after P's answer: its transfer too
+		default:
 			exposed := min(max(s.legs.dEnd.Sub(s.legs.pEnd)-cold, 0), s.transfer)
 			hidden = append(hidden, 1-float64(exposed)/float64(s.transfer))
 		}
