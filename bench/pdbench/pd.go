@@ -63,8 +63,7 @@ const (
 	// both legs at once, D registers its blocks, P WRITEs the KV when its prefill ends.
 	TransferPush = "push"
 	// TransferPushLayered is TransferPush with P writing each layer's KV as soon as it is
-	// computed: kv_connector_extra_config.push_layerwise, a placeholder name until the
-	// engines' layer-by-layer option lands.
+	// computed: kv_connector_extra_config.push_layerwise on P.
 	TransferPushLayered = "push-layered"
 )
 

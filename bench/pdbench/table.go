@@ -61,7 +61,7 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 	_, err := fmt.Fprintln(w, "transfer = the KV transfer (NIXL xferDuration): D's read (pull), P's writes (push); ceiling = "+ceiling+";\n"+
 		"hidden_share = the transfer time spent before P had answered: 0 when D's leg left after P's answer (pull); with the legs overlapping (push,\n"+
 		"proxy_mid < 0) 1 − (d_end − p_end − recompute_1tok, within [0, transfer]) ÷ transfer, a lower bound (HTTP after P's answer counts as exposed); n/a: no P answer traced\n"+
-		"push-layered sets kv_connector_extra_config.push_layerwise (a placeholder name until the engines' layer-by-layer option lands)\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
+		"push-layered sets kv_connector_extra_config.push_layerwise on P\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
 		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
 		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone,\n"+
 		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")
