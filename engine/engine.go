@@ -484,7 +484,13 @@ func (e *Engine) step(plan Plan) {
 		}
 	}
 	e.steps++
-	if err := e.m.Forward(e.ctx, e.pool, e.cfg.BlockSize, seqs); err != nil {
+	var kv model.KVBlocks = e.pool
+	if ls, ok := e.cfg.Connector.(LayerStreamer); ok {
+		if done := ls.StreamStep(plan.Work, plan.Preempted); done != nil {
+			kv = layerStore{e.pool, done}
+		}
+	}
+	if err := e.m.Forward(e.ctx, kv, e.cfg.BlockSize, seqs); err != nil {
 		if e.ctx.Err() != nil {
 			return // closing: the loop aborts everything next
 		}
@@ -709,3 +715,13 @@ func splitmix64(x uint64) uint64 {
 	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
 	return x ^ (x >> 31)
 }
+
+// layerStore is the pool with a model.LayerObserver: a connector's LayerStreamer told of each
+// layer of a step as it is computed.
+type layerStore struct {
+	*kvcache.Pool
+	done func(layer int)
+}
+
+// LayerDone implements model.LayerObserver.
+func (s layerStore) LayerDone(layer int) { s.done(layer) }

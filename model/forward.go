@@ -87,6 +87,14 @@ func grow[T any](s []T, n int) []T {
 	return s[:n]
 }
 
+// LayerObserver may be implemented by the KV store given to Forward: LayerDone(l) is called on
+// Forward's goroutine after layer l of the step wrote its keys and values of every sequence's
+// tokens into the blocks (a connector streams them while the next layers compute). It must not
+// block.
+type LayerObserver interface {
+	LayerDone(layer int)
+}
+
 // Forward runs one batched step over seqs. blockSize is the KV block size in tokens.
 //
 // For every sequence it writes the KV of Tokens (positions Start..Start+len-1) into the blocks
@@ -123,12 +131,16 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	m.planAttention(w, seqs)
 	defer w.release()
 
+	obs, _ := kv.(LayerObserver)
 	for l := range m.layer {
 		if err = ctx.Err(); err != nil {
 			return err
 		}
 		m.resolveViews(w, kv, l, blockSize, seqs)
 		m.layerStep(w, &m.layer[l], seqs, blockSize, total)
+		if obs != nil {
+			obs.LayerDone(l)
+		}
 	}
 	m.logitsStep(w, seqs)
 	return nil

@@ -28,6 +28,12 @@
 // usage says it pulled nothing — in /healthcheck (and the multi-turn proxy's /metrics), and warn
 // once per instance a minute with the likely cause (transferwatch.go); `kvbridge check` reads them.
 //
+// Both proxies also run vLLM's push mode (NixlPushConnector: D registers its blocks with P, P
+// WRITEs the KV): transfermode.go picks the flow per prefill engine from its GET
+// /v1/kv_transfer or Config.TransferMode, and push.go runs it — both legs at once, tied by a
+// push_id the proxy draws (ai-dynamo/dynamo #13311's flow), or vLLM's toy push proxy's serial
+// flow. The multi-turn proxy pushes only turns that pull nothing from D.
+//
 // Where the Python proxies fall short, this one does better: D's status reaches the client (not a
 // 200 with a truncated body), a failed P leg is a 502 with a JSON error code, SSE is relayed event
 // by event with flushes, a client that goes away cancels both legs — until the proxy writes

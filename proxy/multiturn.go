@@ -386,7 +386,62 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		}
 	}
 	pInst, pDone := mt.route.pickPrefill(r.Context(), &mt.legs, path, reqID, r.Header, b)
-	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams))
+	defer pDone() // at the end of a push; after the prefill leg in the pull flow
+	var dDone func()
+	if dInst == (Instance{}) {
+		dInst, dDone = mt.route.pickDecode()
+	} else {
+		dInst, dDone = mt.route.takeDecode(dInst)
+	}
+	defer dDone()
+	// A turn that pulls nothing from D may push P's KV to D (docs/architecture.md, "Push"); a
+	// hit pulls the conversation's earlier turns from D and stays the pull flow.
+	fl, info := flowPull, engineInfo{}
+	if cacheState != "hit" {
+		fl, info = mt.chooseFlow(r.Context(), pInst, r.Header)
+	}
+	// A streaming client's D leg carries usage (its params ride on D's last chunk, and the usage
+	// chunk goes to the client only if it asked for it: as in vLLM, stream_options {} asks for
+	// usage). A client that asked for no stream gets D's JSON answer, params taken out.
+	wantUsage := false
+	if so, ok := b["stream_options"].(map[string]any); ok {
+		v, set := so["include_usage"]
+		wantUsage = !set || v == true
+	}
+	opts := decodeOptions{
+		usage:       wantUsage,
+		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
+		unreachable: func() { mt.markUnhealthy(dInst) },
+		// The turn is stored when D's stream ends, before the client sees [DONE].
+		done: func(ans *answer) {
+			if conv != "" {
+				mt.remember(r.Context(), conv, chat, b, dInst, ans)
+			}
+		},
+	}
+	if fl == flowPush {
+		w.Header().Set(HeaderCache, cacheState)
+		id := pushID()
+		opts.sawUsage = mt.watchDecode(dInst, reqID)
+		dstart := time.Now()
+		// D reaches P's side channel at P's HTTP host, as in the pull flow's params.
+		out := mt.push(w, r, pInst, dInst, path, reqID, prefillRequest(b, pushPrefillParams(pparams, id)),
+			turnDecodeBody(b, pushDecodeParams(info, pInst.Host, id), wantUsage), opts,
+			func(h http.Header, pre prefillResult) { setUsageHeaders(h, pre.usage) })
+		end := time.Now()
+		if !out.prefilled.IsZero() {
+			mt.m.leg.WithLabelValues("prefill").Observe(out.prefilled.Sub(start).Seconds())
+		}
+		mt.m.leg.WithLabelValues("decode").Observe(end.Sub(dstart).Seconds())
+		switch {
+		case out.prefillOK && out.pre.params == nil:
+			mt.watch.prefillWithoutParams(pInst, reqID)
+		case out.prefillErr != nil && out.prefillErr.body == nil:
+			mt.markUnhealthy(pInst)
+		}
+		return
+	}
+	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams), true)
 	pDone()
 	mt.m.leg.WithLabelValues("prefill").Observe(time.Since(start).Seconds())
 	if lerr != nil {
@@ -397,25 +452,26 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		return
 	}
 	dparams := pre.params
+	if fl == flowPushSerial {
+		dparams = serialPushParams(dparams)
+	}
 	if dparams != nil {
 		dparams["remote_host"] = pInst.Host // D reaches P's side channel at P's HTTP host
 	}
-	h := w.Header()
-	h.Set(HeaderCache, cacheState)
-	setUsageHeaders(h, pre.usage)
+	w.Header().Set(HeaderCache, cacheState)
+	setUsageHeaders(w.Header(), pre.usage)
+	opts.sawUsage = mt.watchTransfer(pInst, dInst, reqID, pre)
+	dstart := time.Now()
+	_ = mt.decode(w, r, dInst, path, reqID, turnDecodeBody(b, dparams, wantUsage), opts)
+	mt.m.leg.WithLabelValues("decode").Observe(time.Since(dstart).Seconds())
+}
 
-	// A streaming client's D leg carries usage (its params ride on D's last chunk, and the usage
-	// chunk goes to the client only if it asked for it: as in vLLM, stream_options {} asks for
-	// usage). A client that asked for no stream gets D's JSON answer, params taken out.
-	wantUsage := false
-	if so, ok := b["stream_options"].(map[string]any); ok {
-		v, set := so["include_usage"]
-		wantUsage = !set || v == true
-	}
-	dbody := decodeRequest(b, dparams) // a copy: never the client's own body
+// turnDecodeBody is D's body for a turn: a copy of the client's with D's params and, for a streaming
+// client, the client's stream_options (continuous_usage_stats, …) with include_usage on —
+// per-chunk usage only if the client asked for usage, as vLLM gives it only with include_usage.
+func turnDecodeBody(b body, params map[string]any, wantUsage bool) body {
+	dbody := decodeRequest(b, params) // a copy: never the client's own body
 	if b.streaming() {
-		// The client's stream_options (continuous_usage_stats, …) with include_usage on; per-chunk
-		// usage only if the client asked for usage, as vLLM gives it only with include_usage.
 		so := map[string]any{}
 		if c, ok := b["stream_options"].(map[string]any); ok {
 			so = maps.Clone(c)
@@ -426,27 +482,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		}
 		dbody["stream_options"] = so
 	}
-	var dDone func()
-	if dInst == (Instance{}) {
-		dInst, dDone = mt.route.pickDecode()
-	} else {
-		dInst, dDone = mt.route.takeDecode(dInst)
-	}
-	defer dDone()
-	dstart := time.Now()
-	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
-		usage:       wantUsage,
-		sawUsage:    mt.watchTransfer(pInst, dInst, reqID, pre),
-		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
-		unreachable: func() { mt.markUnhealthy(dInst) },
-		// The turn is stored when D's stream ends, before the client sees [DONE].
-		done: func(ans *answer) {
-			if conv != "" {
-				mt.remember(r.Context(), conv, chat, b, dInst, ans)
-			}
-		},
-	})
-	mt.m.leg.WithLabelValues("decode").Observe(time.Since(dstart).Seconds())
+	return dbody
 }
 
 // remember stores the turn a finished answer completes, when it can be reused.

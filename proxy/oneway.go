@@ -145,15 +145,35 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 	}
 	reqID := requestID(r)
 	pInst, pDone := o.route.pickPrefill(r.Context(), &o.legs, path, reqID, r.Header, b)
-	pre, lerr := o.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, prefillTemplate()))
+	defer pDone() // at the end of a push; after the prefill leg in the pull flow
+	dInst, dDone := o.route.pickDecode()
+	defer dDone()
+	fl, info := o.chooseFlow(r.Context(), pInst, r.Header)
+	if fl == flowPush {
+		// Both legs at once; the client's body goes to D unchanged but for the params.
+		id := pushID()
+		host := info.host
+		if host == "" {
+			host = pInst.Host
+		}
+		out := o.push(w, r, pInst, dInst, path, reqID, prefillRequest(b, pushPrefillParams(prefillTemplate(), id)),
+			decodeRequest(b, pushDecodeParams(info, host, id)), decodeOptions{usage: true, sawUsage: o.watchDecode(dInst, reqID)}, nil)
+		if out.prefillOK && out.pre.params == nil {
+			o.watch.prefillWithoutParams(pInst, reqID)
+		}
+		return
+	}
+	pre, lerr := o.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, prefillTemplate()), true)
 	pDone()
 	if lerr != nil {
 		lerr.write(w)
 		return
 	}
+	params := pre.params
+	if fl == flowPushSerial {
+		params = serialPushParams(params)
+	}
 	// The client's body goes to D unchanged (conformance item 2): D streams only if the client
 	// asked, and its usage chunk is the client's.
-	dInst, dDone := o.route.pickDecode()
-	defer dDone()
-	_ = o.decode(w, r, dInst, path, reqID, decodeRequest(b, pre.params), decodeOptions{usage: true, sawUsage: o.watchTransfer(pInst, dInst, reqID, pre)})
+	_ = o.decode(w, r, dInst, path, reqID, decodeRequest(b, params), decodeOptions{usage: true, sawUsage: o.watchTransfer(pInst, dInst, reqID, pre)})
 }

@@ -158,6 +158,7 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"proxy", "--log-level", "verbose"}, "--log-level"},
 		{[]string{"serve", "kvbridge/tiny", "--write-timeout", "0s"}, "--write-timeout"},
 		{[]string{"proxy", "--write-timeout", "-1s"}, "--write-timeout"},
+		{[]string{"proxy", "--transfer-mode", "pushy"}, "--transfer-mode"},
 		{[]string{"proxy", "--prefiller-hosts", "a", "b", "--prefiller-ports", "1"}, "2 prefiller hosts but 1"},
 		{[]string{"proxy", "--multi-turn", "--conversation-store", "redis://127.0.0.1:1/0"}, "--conversation-store-key"},
 		{[]string{"proxy", "--conversation-store-key", "k"}, "--conversation-store-key needs --multi-turn"},
@@ -173,6 +174,7 @@ func TestCLIErrors(t *testing.T) {
 		{[]string{"bench"}, "subcommand"},
 		{[]string{"bench", "pd", "--hosts", "--backend", "SHM"}, "--backend SHM cannot cross hosts"},
 		{[]string{"bench", "transfer", "--backends", "TCP,RDMA"}, "--backends"},
+		{[]string{"bench", "pd", "--transfer-mode", "pull,teleport"}, "--transfer-mode"},
 		{[]string{"bench", "transfer", "--ops", "SEND"}, "--ops"},
 	} {
 		cmd := exec.Command(os.Args[0], tc.args...)

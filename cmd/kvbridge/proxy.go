@@ -38,6 +38,7 @@ type proxyFlags struct {
 	headerTimeout, idleTimeout        time.Duration
 	log                               logFlags
 	writeTimeout                      time.Duration
+	transferMode                      string
 	routing                           string
 	kvEvents, kvEventsReplay          []string
 	kvEventsDP                        int
@@ -68,6 +69,7 @@ func newProxyCmd() *cobra.Command {
 	fl.DurationVar(&f.headerTimeout, "header-timeout", proxy.DefaultHeaderTimeout, "longest wait for an engine's response headers (covers P's prefill)")
 	fl.DurationVar(&f.idleTimeout, "idle-timeout", proxy.DefaultIdleTimeout, "longest silence of an engine's response stream")
 	fl.DurationVar(&f.writeTimeout, "write-timeout", proxy.DefaultWriteTimeout, "longest a write of a response may wait for the client to read; a client that stalls longer has its request cancelled on both engines")
+	fl.StringVar(&f.transferMode, "transfer-mode", string(proxy.TransferAuto), "how P's KV reaches D: auto (push where P's GET /v1/kv_transfer says transfer_mode push, pull elsewhere), pull, push (both legs at once; D registers, P writes), or push-serial (vLLM's toy push proxy: P's leg, then D's); with --multi-turn only turns that pull nothing from D push")
 	fl.BoolVar(&f.multiTurn, "multi-turn", false, "cache D's kv_transfer_params per conversation_id so that P pulls earlier turns' KV from D (bidirectional transfer)")
 	fl.BoolVar(&f.requireConversationID, "require-conversation-id", false, "with --multi-turn: answer 400 to requests without a conversation_id")
 	fl.DurationVar(&f.cacheTTL, "conversation-ttl", proxy.DefaultConversationTTL, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
@@ -122,6 +124,10 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if !f.multiTurn && f.conversationStoreKey != "" {
 		return usageError("--conversation-store-key needs --multi-turn")
 	}
+	mode, err := proxy.ParseTransferMode(f.transferMode)
+	if err != nil {
+		return usageError("--transfer-mode: %v", err)
+	}
 	storeKey := f.conversationStoreKey
 	for _, env := range []string{envStoreKey, connector.EnvAuthToken} {
 		if storeKey == "" {
@@ -138,7 +144,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	}
 	cfg := proxy.Config{
 		Prefill: pre, Decode: dec, APIKey: os.Getenv("OPENAI_API_KEY"), Logger: log,
-		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout, WriteTimeout: f.writeTimeout,
+		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout, WriteTimeout: f.writeTimeout, TransferMode: mode,
 		Routing: routing,
 	}
 	var h interface {
@@ -160,7 +166,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 		return fmt.Errorf("listen on port %d: %w (is another server using it? pick another with --port)", f.port, err)
 	}
 	bound := ln.Addr().(*net.TCPAddr)
-	log.Info("kvbridge proxy listening", "addr", bound.String(), "url", instance.LocalURL(bound), "multi_turn", f.multiTurn, "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
+	log.Info("kvbridge proxy listening", "addr", bound.String(), "url", instance.LocalURL(bound), "multi_turn", f.multiTurn, "transfer_mode", string(mode), "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
 	return serveUntilDone(ctx, log, &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second}, ln, h.Close)
 }
 
