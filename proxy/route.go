@@ -23,14 +23,20 @@ import (
 // holds, weighted by load, from the engines' KV cache events (kvindex.go, kvsub.go), and D by
 // load. The cost of P (lower wins) is
 //
-//	cost_i = (n − m_i) + LoadWeight · n · inflight_i
+//	cost_i = (n − m_i) · (1 + ShareWeight · (share_i − 1)) + LoadWeight · n · inflight_i
 //
 // with n the prompt's full blocks, m_i the blocks of its prefix engine i holds, inflight_i the
 // proxy's prefill legs running on i, LoadWeight = 0.5: a request queued ahead costs about half a
 // prompt's prefill (requests that share prefixes mostly hit), so a full hit is worth two requests
 // in flight, and a hot prefix spreads over the engines once its holder runs two more than
 // another instead of melting one (Dynamo's KV router weighs overlap against load the same way).
-// Ties go to the fewer in flight, then in turn. Without tokens (the /tokenize call failed) or
+// share_i is engine i's part of the prompt blocks this proxy sent to prefillers so far, over an
+// even part (1 when every engine got as many), ShareWeight = 0.5: the blocks an engine would have
+// to compute cost more on an engine that has had more than its part of the work, so a prompt no
+// engine holds goes to the one that has had the least, and prefixes (and the requests that
+// follow them) spread evenly instead of as the in-flight counts happened to be when each
+// arrived; what an engine already holds costs nothing wherever it is, so a holder keeps its
+// hits. Ties go to the fewer in flight, then in turn. Without tokens (the /tokenize call failed) or
 // without an index, kv-aware falls back to least-loaded; it never fails a request.
 
 // Routing policies (--routing).
@@ -50,8 +56,11 @@ const (
 	reasonPolicy   = "policy"    // round-robin or least-loaded chose
 )
 
-// loadWeight is LoadWeight of the cost above.
-const loadWeight = 0.5
+// loadWeight and shareWeight are LoadWeight and ShareWeight of the cost above.
+const (
+	loadWeight  = 0.5
+	shareWeight = 0.5
+)
 
 // Defaults of RoutingConfig.
 const (
@@ -107,15 +116,34 @@ type router struct {
 	closeOnce sync.Once
 }
 
-// pool is one role's engines with the proxy's in-flight count for each.
+// pool is one role's engines with the proxy's in-flight count for each, and the prompt blocks
+// kv-aware choices sent to each.
 type pool struct {
 	list     []Instance
 	inflight []atomic.Int64
+	blocks   []atomic.Int64
 	next     atomic.Uint64
 }
 
 func newPool(list []Instance) pool {
-	return pool{list: list, inflight: make([]atomic.Int64, len(list))}
+	return pool{list: list, inflight: make([]atomic.Int64, len(list)), blocks: make([]atomic.Int64, len(list))}
+}
+
+// shares returns each engine's part of the blocks sent so far over an even part (all 1 before
+// any).
+func (p *pool) shares() []float64 {
+	out := make([]float64, len(p.list))
+	var total int64
+	for i := range p.blocks {
+		total += p.blocks[i].Load()
+	}
+	for i := range out {
+		out[i] = 1
+		if total > 0 {
+			out[i] = float64(p.blocks[i].Load()) * float64(len(out)) / float64(total)
+		}
+	}
+	return out
 }
 
 // has reports whether inst is one of the pool's engines.
@@ -378,9 +406,9 @@ func (rt *router) kvChoice(ctx context.Context, l *legs, path, reqID string, hdr
 	}
 	match := rt.ix.longestPrefix(chain)
 	n := float64(len(chain))
-	i := rt.p.best(func(i int) float64 {
-		return n - float64(match[i].blocks) + loadWeight*max(n, 1)*float64(rt.p.inflight[i].Load())
-	})
+	share := rt.p.shares()
+	i := rt.p.best(func(i int) float64 { return prefillCost(n, float64(match[i].blocks), share[i], rt.p.inflight[i].Load()) })
+	rt.p.blocks[i].Add(int64(max(len(chain), 1)))
 	reason := reasonMiss
 	switch {
 	case match[i].blocks > 0:
@@ -389,6 +417,13 @@ func (rt *router) kvChoice(ctx context.Context, l *legs, path, reqID string, hdr
 		reason = reasonStale
 	}
 	return i, reason, match[i].blocks * bs, len(tokens)
+}
+
+// prefillCost is the kv-aware cost of a prefiller (lower wins; the formula atop this file): n
+// the prompt's full blocks, m those the engine holds, share its part of the work so far over an
+// even part, inflight the proxy's prefill legs running there.
+func prefillCost(n, m, share float64, inflight int64) float64 {
+	return (n-m)*(1+shareWeight*(share-1)) + loadWeight*max(n, 1)*float64(inflight)
 }
 
 func anyStale(m []prefixMatch) bool {

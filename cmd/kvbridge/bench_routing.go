@@ -62,11 +62,11 @@ differ from the first policy's (none may).`,
 		},
 	}
 	f := cmd.Flags()
-	f.StringVar(&opts.Model, "model", model.Tiny, "model of the engines")
+	f.StringVar(&opts.Model, "model", model.Small, "model of the engines (one whose prefill costs enough that a prefix hit shows in TTFT)")
 	f.IntVar(&opts.Prefillers, "prefillers", 3, "prefill engines")
-	f.IntVar(&opts.PrefillBlocks, "prefill-blocks", 64, "KV blocks of each prefiller (small, so that prefixes are evicted)")
+	f.IntVar(&opts.PrefillBlocks, "prefill-blocks", 160, "KV blocks of each prefiller (small, so that prefixes are evicted: about 4 of the 8 system prompts fit)")
 	f.IntVar(&opts.Systems, "systems", 8, "system prompts shared by the conversations")
-	f.IntVar(&opts.SystemLen, "system-len", 160, "tokens of each system prompt")
+	f.IntVar(&opts.SystemLen, "system-len", 512, "tokens of each system prompt")
 	f.IntVar(&opts.Users, "users", 48, "conversations")
 	f.IntVar(&opts.Turns, "turns", 2, "turns of each conversation")
 	f.IntVar(&opts.UserLen, "user-len", 24, "tokens a user adds each turn")
