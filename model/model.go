@@ -135,7 +135,7 @@ func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 	}
 	p.roundScale = opts.Int8RoundScale
 	if p.tp = max(1, opts.TensorParallelSize); opts.TensorParallelSize < 0 {
-		return p, fmt.Errorf("%w: tensor parallel size %d", ErrBadConfig, opts.TensorParallelSize)
+		return p, fmt.Errorf("%w: size %d", ErrTensorParallel, opts.TensorParallelSize)
 	}
 	p.rankCPUs = opts.RankCPUs
 	switch dt {

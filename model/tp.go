@@ -77,11 +77,11 @@ func wholeModel(c Config) share {
 func (c Config) checkTensorParallel(n int) error {
 	switch {
 	case c.NumHeads%n != 0:
-		return fmt.Errorf("%w: tensor parallel size %d does not divide the %d attention heads", ErrBadConfig, n, c.NumHeads)
+		return fmt.Errorf("%w: size %d does not divide the %d attention heads", ErrTensorParallel, n, c.NumHeads)
 	case n <= c.NumKVHeads && c.NumKVHeads%n != 0:
-		return fmt.Errorf("%w: tensor parallel size %d does not divide the %d KV heads (with %d attention heads)", ErrBadConfig, n, c.NumKVHeads, c.NumHeads)
+		return fmt.Errorf("%w: size %d does not divide the %d KV heads (with %d attention heads)", ErrTensorParallel, n, c.NumKVHeads, c.NumHeads)
 	case n > c.NumKVHeads && n%c.NumKVHeads != 0:
-		return fmt.Errorf("%w: tensor parallel size %d is more than the %d KV heads but not a multiple of them (with %d attention heads)", ErrBadConfig, n, c.NumKVHeads, c.NumHeads)
+		return fmt.Errorf("%w: size %d is more than the %d KV heads but not a multiple of them (with %d attention heads)", ErrTensorParallel, n, c.NumKVHeads, c.NumHeads)
 	}
 	return nil
 }
@@ -291,7 +291,7 @@ func (g *tpGroup) serve(r int, cpus []int, ready chan<- error) {
 	runtime.LockOSThread()
 	err := pinThread(cpus)
 	if err != nil {
-		err = fmt.Errorf("%w: tensor-parallel rank %d: pin to CPUs %v: %w", ErrBadConfig, r, cpus, err)
+		err = fmt.Errorf("%w: rank %d: pin to CPUs %v: %w", ErrTensorParallel, r, cpus, err)
 	}
 	ready <- err
 	for fn := range g.cmd[r] {

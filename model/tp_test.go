@@ -191,8 +191,8 @@ func TestTensorParallelSizeRefused(t *testing.T) {
 		6: "more than the 4 KV heads but not a multiple of them",
 	} {
 		_, err := Open(t.Context(), dir, OpenOptions{TensorParallelSize: n})
-		if !errors.Is(err, ErrBadConfig) || !strings.Contains(err.Error(), want) {
-			t.Errorf("TP %d: err = %v, want ErrBadConfig saying %q", n, err, want)
+		if !errors.Is(err, ErrTensorParallel) || !strings.Contains(err.Error(), want) {
+			t.Errorf("TP %d: err = %v, want ErrTensorParallel saying %q", n, err, want)
 		}
 	}
 	cfg.NumHeads, cfg.NumKVHeads = 8, 4
