@@ -72,6 +72,23 @@ func (b *barrier) wait() bool {
 	return !b.broken.Load()
 }
 
+// receive returns the next value from c (ok false once c is closed and drained), polling for
+// barrierSpin as a barrier's waiter does before it parks: the ranks take a step's work, and its
+// caller their results, without waking a parked thread when they come back to back.
+func receive[T any](c <-chan T) (v T, ok bool) {
+	t0 := time.Now()
+	for i := 0; i < barrierMaxSpins && (i%16 != 15 || time.Since(t0) < barrierSpin); i++ {
+		select {
+		case v, ok = <-c:
+			return v, ok
+		default:
+		}
+		runtime.Gosched()
+	}
+	v, ok = <-c
+	return v, ok
+}
+
 // breakAll breaks the barrier: every current and later wait returns false until reset.
 func (b *barrier) breakAll() {
 	b.mu.Lock()

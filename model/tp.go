@@ -13,8 +13,8 @@ import (
 
 // Tensor parallelism (OpenOptions.TensorParallelSize N).
 //
-// The model runs on N ranks: goroutines, each locked to an OS thread (pinned to a CPU set with
-// OpenOptions.RankCPUs) with a kernel pool of its own (GOMAXPROCS/N workers, the rank's thread
+// The model runs on N ranks: goroutines (each locked to an OS thread pinned to a CPU set with
+// OpenOptions.RankCPUs), each with a kernel pool of its own (GOMAXPROCS/N workers, the rank's thread
 // among them), which share the process's memory. Rank r owns:
 //
 //   - query heads [r·H/N, (r+1)·H/N) and the KV heads they read: KV heads [r·K/N, (r+1)·K/N)
@@ -281,20 +281,27 @@ type tpGroup struct {
 	exited sync.WaitGroup
 }
 
-// serve is rank r's goroutine: on its own OS thread (pinned to cpus if any), it runs the
+// serve is rank r's goroutine (on an OS thread of its own pinned to cpus, if any): it runs the
 // group's commands until its channel is closed. It reports on ready once, whether the thread
 // could be pinned.
 func (g *tpGroup) serve(r int, cpus []int, ready chan<- error) {
 	defer g.exited.Done()
-	// The thread stays locked until the goroutine exits, so a pinned thread is not handed
-	// back to the runtime's other goroutines: it ends with the goroutine.
-	runtime.LockOSThread()
-	err := pinThread(cpus)
-	if err != nil {
-		err = fmt.Errorf("%w: rank %d: pin to CPUs %v: %w", ErrTensorParallel, r, cpus, err)
+	var err error
+	if len(cpus) > 0 {
+		// The thread stays locked until the goroutine exits, so a pinned thread is not handed
+		// back to the runtime's other goroutines: it ends with the goroutine. An unpinned rank
+		// is a plain goroutine (waking a locked thread costs more than any goroutine's wake-up).
+		runtime.LockOSThread()
+		if err = pinThread(cpus); err != nil {
+			err = fmt.Errorf("%w: rank %d: pin to CPUs %v: %w", ErrTensorParallel, r, cpus, err)
+		}
 	}
 	ready <- err
-	for fn := range g.cmd[r] {
+	for {
+		fn, ok := receive(g.cmd[r])
+		if !ok {
+			return
+		}
 		g.done <- g.do(r, fn)
 	}
 }
@@ -321,7 +328,7 @@ func (g *tpGroup) run(fn func(r int)) {
 	}
 	var first any
 	for range g.cmd {
-		if p := <-g.done; p != nil && first == nil {
+		if p, _ := receive(g.done); p != nil && first == nil {
 			first = p
 		}
 	}
