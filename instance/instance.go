@@ -312,6 +312,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	if cfg.DataParallelSize > 1 {
 		attrs = append(attrs, "data_parallel_size", cfg.DataParallelSize)
 	}
+	if cfg.TensorParallelSize > 1 {
+		attrs = append(attrs, "tensor_parallel_size", cfg.TensorParallelSize)
+	}
 	if in.Connector != nil {
 		var ids, sides []string
 		for _, rk := range in.Ranks {

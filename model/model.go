@@ -89,6 +89,7 @@ type OpenOptions struct {
 	// RankCPUs, if not empty, pins the ranks' threads to CPU sets: rank r of the i-th group of
 	// ranks (one group per concurrent Forward, so one per data-parallel engine) runs on
 	// RankCPUs[(i·TensorParallelSize + r) mod len(RankCPUs)]. Linux only (sched_setaffinity).
+	// A rank with more than one kernel worker (more CPUs than ranks) pins only its own thread.
 	RankCPUs [][]int
 }
 
