@@ -10,10 +10,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvbridge/kvbridge/internal/blockhash"
 	"log/slog"
 	"math"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -105,6 +107,14 @@ type Config struct {
 	// KVEvents is --kv-events-config: when active, every rank publishes its KV cache events
 	// (rank i on the endpoints' ports + i, as vLLM). nil means none.
 	KVEvents *kvevents.Config
+	// BlockHashes computes the block hashes KV cache events carry: vLLM's, from
+	// --prefix-caching-hash-algo and PYTHONHASHSEED, so that consumers hash prompts as they
+	// would for vLLM. nil: vLLM's default, sha256 seeded from PYTHONHASHSEED (random without it).
+	// Every rank shares it.
+	BlockHashes *blockhash.Hasher
+	// DevMode is VLLM_SERVER_DEV_MODE=1: the development routes vLLM then serves, here POST
+	// /reset_prefix_cache (every rank's prefix cache).
+	DevMode bool
 	// SideChannelHost and SideChannelPort place the connector's side channel
 	// (VLLM_NIXL_SIDE_CHANNEL_HOST/PORT); the defaults are connector.DefaultSideChannelHost and
 	// connector.DefaultSideChannelPort. Port -1 picks a free port.
@@ -141,6 +151,8 @@ type Config struct {
 
 	dpRank int                             // the rank a Config made by rank describes
 	ready  func(ctx context.Context) error // the instance's Ready, for every rank's /ready
+	// reset is the instance's ResetPrefixCache for rank 0's POST /reset_prefix_cache (DevMode).
+	reset func(ctx context.Context) (bool, error)
 }
 
 // withDefaults returns cfg with every default applied for the opened model m, or an error
@@ -206,6 +218,11 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 	}
 	if cfg.StatsInterval <= 0 {
 		cfg.StatsInterval = DefaultStatsInterval
+	}
+	if cfg.KVEvents != nil && cfg.KVEvents.Active() && cfg.BlockHashes == nil {
+		if cfg.BlockHashes, err = blockhash.FromEnv(blockhash.SHA256, os.LookupEnv); err != nil {
+			return cfg, err
+		}
 	}
 	return cfg, nil
 }
@@ -282,6 +299,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	}
 	in.Registry = metrics.NewRegistry()
 	cfg.ready = in.Ready
+	if cfg.DevMode {
+		cfg.reset = in.ResetPrefixCache
+	}
 	for i := range cfg.DataParallelSize {
 		rk, err := startRank(cfg.rank(i), in.Model, in.Registry)
 		if rk != nil {
@@ -420,6 +440,20 @@ func (in *Instance) Ready(ctx context.Context) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// ResetPrefixCache drops every rank's prefix cache (engine.Engine.ResetPrefixCache) and reports
+// whether each did: a rank with a request holding blocks keeps its cache.
+func (in *Instance) ResetPrefixCache(ctx context.Context) (bool, error) {
+	all := true
+	for _, rk := range in.Ranks {
+		ok, err := rk.Engine.ResetPrefixCache(ctx)
+		if err != nil {
+			return false, err
+		}
+		all = all && ok
+	}
+	return all, nil
 }
 
 // Close stops the HTTP server (waiting up to 10 s for requests), then every rank (see

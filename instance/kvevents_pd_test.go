@@ -10,7 +10,6 @@ import (
 
 	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/internal/fixture"
-	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/kvevents"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/stack"
@@ -25,6 +24,7 @@ import (
 // which D had stored. Each engine's stream, applied in order, leaves exactly as many blocks as
 // its pool caches.
 func TestKVEventsAcrossPD(t *testing.T) {
+	vh := fixture.SeedBlockHashes(t)
 	sub := fixture.StartKVSubscriber(t, "")
 	m, err := stack.OpenModel(t.Context(), model.Tiny, nil)
 	if err != nil {
@@ -80,7 +80,7 @@ func TestKVEventsAcrossPD(t *testing.T) {
 			prompt[i] = int32(3000 + 40*sentinels + i)
 		}
 		post(e.URL(), "/v1/completions", map[string]any{"model": model.Tiny, "prompt": prompt, "max_tokens": 1})
-		want := kvevents.ExternalHash(kvcache.ChainHashes(prompt, 16)[0])
+		want := vh.First(prompt[:16]).External()
 		ep := "tcp://" + e.Instance().Ranks[0].KVEvents.ReplayAddr().String()
 		deadline := time.Now().Add(time.Minute)
 		for {
@@ -106,6 +106,9 @@ func TestKVEventsAcrossPD(t *testing.T) {
 				t.Fatalf("%s: batch %d has sequence %d, rank %v", name, i, b.Seq, b.Rank)
 			}
 			for _, e := range b.Events {
+				if e.Type == "BlockStored" && !slices.Equal(e.VLLMHashes, e.BlockHashes) {
+					t.Fatalf("%s: batch %d stores %v; vLLM's hashes of its tokens (computed by the subscriber) are %v", name, i, e.BlockHashes, e.VLLMHashes)
+				}
 				for _, h := range e.BlockHashes {
 					switch e.Type {
 					case "BlockStored":

@@ -3,6 +3,7 @@ package instance
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"net/http"
 	"slices"
 	"testing"
@@ -24,6 +25,7 @@ import (
 // from sequence 0 by an anonymous DEALER) knows exactly as many blocks as the pool caches; and
 // the live batches are the replayed ones.
 func TestKVEventsToIndependentSubscriber(t *testing.T) {
+	vh := fixture.SeedBlockHashes(t)
 	sub := fixture.StartKVSubscriber(t, "kvbridge")
 	evCfg, err := kvevents.ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "publisher": "zmq",
 		"endpoint": "tcp://127.0.0.1:%d", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kvbridge"}`, sub.Port))
@@ -31,7 +33,7 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 		t.Fatal(err)
 	}
 	const bs, blocks = 4, 64
-	in, _, err := start(t, Config{NumBlocks: blocks, BlockSize: bs, PrefixCaching: true, KVEvents: &evCfg})
+	in, _, err := start(t, Config{NumBlocks: blocks, BlockSize: bs, PrefixCaching: true, KVEvents: &evCfg, DevMode: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -81,15 +83,16 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 
 	// With every request finished, a reset drops the prefix cache: one AllBlocksCleared.
 	hashesBefore := in.Pool.NumCached()
-	if ok, err := in.Engine.ResetPrefixCache(t.Context()); err != nil || !ok || in.Pool.NumCached() != 0 {
-		t.Fatalf("reset: %v %v, %d blocks cached (%d before)", ok, err, in.Pool.NumCached(), hashesBefore)
+	// (POST /reset_prefix_cache, vLLM's dev-mode route: VLLM_SERVER_DEV_MODE=1.)
+	if code := postStatus(t, hc, in.URL+"/reset_prefix_cache"); code != http.StatusOK || in.Pool.NumCached() != 0 {
+		t.Fatalf("reset: HTTP %d, %d blocks cached (%d before)", code, in.Pool.NumCached(), hashesBefore)
 	}
 
 	// A last prompt's store, once it arrives live, follows every earlier event (batches are
 	// sent in order, and the requests before it had finished). Then replay everything from 0.
 	sentinel := ids(3900, 5)
 	run(sentinel, 1)
-	last := kvevents.ExternalHash(kvcache.ChainHashes(sentinel, bs)[0])
+	last := vh.First(sentinel[:bs]).External()
 	var total uint64
 	for total == 0 {
 		b := sub.NextLive()
@@ -141,6 +144,9 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 					e.Medium == nil || *e.Medium != "GPU" {
 					t.Fatalf("seq %d: store %+v", r.Seq, e)
 				}
+				if !slices.Equal(e.VLLMHashes, e.BlockHashes) {
+					t.Fatalf("seq %d: store of %v; vLLM's hashes of its tokens (computed by the subscriber) are %v", r.Seq, e.BlockHashes, e.VLLMHashes)
+				}
 				// The parent was stored before, though it may have left the cache since: a
 				// request whose block duplicated a cached one's content (computed at the same
 				// time) keeps its copy after the cached one is reused, and chains on from it.
@@ -178,8 +184,8 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 	}
 	ext := func(tokens []int32) []uint64 {
 		var out []uint64
-		for _, h := range kvcache.ChainHashes(tokens, bs) {
-			out = append(out, kvevents.ExternalHash(h))
+		for _, h := range vh.Chain(tokens, bs) {
+			out = append(out, h.External())
 		}
 		return out
 	}
@@ -213,6 +219,7 @@ func TestKVEventsToIndependentSubscriber(t *testing.T) {
 // rank offset (ipc paths get "_dp1") and stamps its batches data_parallel_rank 1, as the
 // independent subscriber decodes them from rank 1's replay socket.
 func TestKVEventsPerDataParallelRank(t *testing.T) {
+	vh := fixture.SeedBlockHashes(t)
 	sub := fixture.StartKVSubscriber(t, "")
 	dir := t.TempDir()
 	evCfg, err := kvevents.ParseConfig(fmt.Sprintf(`{"enable_kv_cache_events": true, "endpoint": "ipc://%s/pub", "replay_endpoint": "ipc://%s/replay"}`, dir, dir))
@@ -222,6 +229,9 @@ func TestKVEventsPerDataParallelRank(t *testing.T) {
 	in, _, err := start(t, Config{NumBlocks: 32, PrefixCaching: true, DataParallelSize: 2, KVEvents: &evCfg})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if code := postStatus(t, http.DefaultClient, in.URL+"/reset_prefix_cache"); code != http.StatusNotFound {
+		t.Errorf("POST /reset_prefix_cache outside dev mode: HTTP %d, want 404", code)
 	}
 	for _, rk := range in.Ranks {
 		suffix := ""
@@ -246,7 +256,7 @@ func TestKVEventsPerDataParallelRank(t *testing.T) {
 		for range st.C() {
 		}
 		// The step's events are published after its output: replay until they are there.
-		want := kvevents.ExternalHash(kvcache.ChainHashes(prompt, kvcache.DefaultBlockSize)[0])
+		want := vh.First(prompt[:kvcache.DefaultBlockSize]).External()
 		deadline := time.Now().Add(time.Minute)
 		for found := false; !found; {
 			if time.Now().After(deadline) {
@@ -263,4 +273,20 @@ func TestKVEventsPerDataParallelRank(t *testing.T) {
 			}
 		}
 	}
+}
+
+// postStatus POSTs an empty body to url and returns the status code.
+func postStatus(t *testing.T, hc *http.Client, url string) int {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, url, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	_, _ = io.Copy(io.Discard, resp.Body)
+	return resp.StatusCode
 }

@@ -98,7 +98,8 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	events := cfg.KVEvents != nil && cfg.KVEvents.Active()
 	rk.Pool, err = kvcache.NewPool(rk.arena.Bytes(), kvcache.PoolConfig{
 		Geometry: geo, NumBlocks: cfg.NumBlocks, PrefixCaching: cfg.PrefixCaching,
-		RecordTable: layout.RecordTable(rk.arena.Bytes()), RecordEvents: events, RankMemory: rankMem,
+		RecordTable: layout.RecordTable(rk.arena.Bytes()), RecordEvents: events, EventHashes: cfg.BlockHashes,
+		RankMemory: rankMem,
 	})
 	if err != nil {
 		return rk, err
@@ -163,6 +164,9 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 		ocfg.CheckKV, ocfg.KVInfo = u.observe, u.info
 	}
 	ocfg.Ready = cfg.ready
+	if cfg.dpRank == 0 {
+		ocfg.ResetPrefixCache = cfg.reset
+	}
 	rk.server = openai.NewServer(ocfg, rk.Engine, m)
 	return rk, nil
 }
@@ -174,6 +178,10 @@ func startKVEvents(cfg Config, rk *Rank, reg *metrics.Registry) error {
 		return fmt.Errorf("start the KV cache event publisher: %w", err)
 	}
 	rk.KVEvents = pub
+	if !cfg.BlockHashes.Seeded() && cfg.dpRank == 0 {
+		cfg.Logger.Warn("PYTHONHASHSEED is not set: the block hashes of KV cache events come from a random seed, so no consumer (a KV-aware router) can compute them from a prompt; set PYTHONHASHSEED to the same value on engines and routers",
+			"prefix_caching_hash_algo", cfg.BlockHashes.Algo())
+	}
 	if !cfg.PrefixCaching {
 		cfg.Logger.Warn("KV cache events are enabled but prefix caching is not: no block is cached, so none is published")
 	}

@@ -1,6 +1,10 @@
 package kvcache
 
-import "fmt"
+import (
+	"fmt"
+
+	"github.com/kvbridge/kvbridge/internal/blockhash"
+)
 
 // BlockTable is one request's KV blocks: the block ids in position order (position q lives in
 // block IDs()[q/BlockSize], slot q%BlockSize), the hash chain of its full blocks, and how many
@@ -11,7 +15,10 @@ type BlockTable struct {
 	blockSize int
 	ids       []int32
 	hashes    []BlockHash // chain of the first len(hashes) full blocks of the request's tokens
-	numCached int         // leading blocks registered in (or taken from) the prefix cache
+	// vhashes is vLLM's chain of the same blocks (blockhash), kept only for a pool whose events
+	// carry it (PoolConfig.EventHashes); len(vhashes) ≤ len(hashes).
+	vhashes   []blockhash.Hash
+	numCached int // leading blocks registered in (or taken from) the prefix cache
 }
 
 // NewBlockTable returns an empty table for blocks of blockSize tokens (blockSize > 0).
@@ -61,6 +68,7 @@ func (t *BlockTable) MatchPrefix(p *Pool, tokens []int32) int {
 		return t.numCached * t.blockSize
 	}
 	t.hashes = AppendChainHashes(t.hashes[:0], BlockHash{}, tokens, t.blockSize)
+	t.vhashes = t.vhashes[:0]
 	limit := 0
 	if len(tokens) > 0 {
 		limit = min((len(tokens)-1)/t.blockSize, len(t.hashes))
@@ -88,18 +96,45 @@ func (t *BlockTable) Commit(p *Pool, tokens []int32, numComputed int) error {
 		start := len(t.hashes) * t.blockSize
 		t.hashes = AppendChainHashes(t.hashes, parent, tokens[start:full*t.blockSize], t.blockSize)
 	}
+	ext := t.externals(p, tokens, full)
 	for i := t.numCached; i < full; i++ {
 		var parent BlockHash
 		if i > 0 {
 			parent = t.hashes[i-1]
 		}
-		if err := p.CacheBlock(t.ids[i], parent, t.hashes[i], tokens[i*t.blockSize:(i+1)*t.blockSize]); err != nil {
+		ev := Event{Kind: EventStored, Hash: t.hashes[i], Parent: parent, Tokens: tokens[i*t.blockSize : (i+1)*t.blockSize],
+			External: t.hashes[i].External(), ParentExternal: parent.External()}
+		if ext != nil {
+			ev.External = ext[i].External()
+			if i > 0 {
+				ev.ParentExternal = ext[i-1].External()
+			}
+		}
+		if err := p.cache(t.ids[i], t.hashes[i], ev); err != nil {
 			t.numCached = i
 			return fmt.Errorf("kvcache: commit block %d of the table: %w", i, err)
 		}
 	}
 	t.numCached = full
 	return nil
+}
+
+// externals returns vLLM's hash chain of the first full blocks of tokens, extending the table's
+// as needed, or nil when p's events do not carry it.
+func (t *BlockTable) externals(p *Pool, tokens []int32, full int) []blockhash.Hash {
+	h := p.eventHashes
+	if h == nil {
+		return nil
+	}
+	for i := len(t.vhashes); i < full; i++ {
+		blk := tokens[i*t.blockSize : (i+1)*t.blockSize]
+		if i == 0 {
+			t.vhashes = append(t.vhashes, h.First(blk))
+		} else {
+			t.vhashes = append(t.vhashes, h.Next(t.vhashes[i-1], blk))
+		}
+	}
+	return t.vhashes
 }
 
 // EvictFrom removes the blocks from index first on from the prefix cache (their KV is bad, for
@@ -119,6 +154,7 @@ func (t *BlockTable) Release(p *Pool) error {
 	err := p.Free(t.ids...)
 	t.ids = t.ids[:0]
 	t.hashes = t.hashes[:0]
+	t.vhashes = t.vhashes[:0]
 	t.numCached = 0
 	return err
 }

@@ -1,5 +1,11 @@
 package kvcache
 
+import (
+	"encoding/binary"
+
+	"github.com/kvbridge/kvbridge/internal/blockhash"
+)
+
 // The prefix cache's event log, kept when PoolConfig.RecordEvents is set: every block that enters
 // the cache (Stored), leaves it (Removed: reused by Allocate, dropped by Evict) or the whole cache
 // being dropped (Cleared, by ResetPrefixCache), in the order they happened, for the owner to drain
@@ -44,7 +50,24 @@ type Event struct {
 	// Cache, which does not know them (BlockTable.Commit always gives them); Parent is then
 	// unknown too.
 	Tokens []int32
+	// External is the block's hash as consumers see it (Stored, Removed): vLLM's block hash as
+	// a 64-bit integer when PoolConfig.EventHashes is set, else the last 8 bytes of Hash.
+	External uint64
+	// ParentExternal is External of the block before it (Stored, when Parent is not zero).
+	ParentExternal uint64
 }
+
+// eventHashes is the hasher of a pool's events: cfg.EventHashes when the pool records events.
+func eventHashes(cfg PoolConfig) *blockhash.Hasher {
+	if !cfg.RecordEvents {
+		return nil
+	}
+	return cfg.EventHashes
+}
+
+// External returns the fallback external hash of h: its last 8 bytes read big-endian, as vLLM's
+// maybe_convert_block_hash reads a hash's bytes.
+func (h BlockHash) External() uint64 { return binary.BigEndian.Uint64(h[len(h)-8:]) }
 
 // TakeEvents returns the events recorded since the last call, oldest first, and forgets them. It
 // returns nil when there are none or PoolConfig.RecordEvents is off.

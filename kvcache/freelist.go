@@ -18,6 +18,7 @@ type blockMeta struct {
 	state      blockState // which free container holds the block
 	hashed     bool       // the block is registered in the prefix cache under hash
 	hash       BlockHash  // valid when hashed
+	ext        uint64     // the hash events carry (Event.External), valid when hashed
 	gen        uint64     // bumped on every allocation; 0 = never allocated
 	prev, next int32      // LRU links while state == stateCachedFree
 }

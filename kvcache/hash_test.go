@@ -103,3 +103,14 @@ func TestNextHashIncremental(t *testing.T) {
 		}
 	}
 }
+
+// TestBlockHashExternal: vLLM's int.from_bytes(h, "big") & (2**64-1) keeps the last 8 bytes.
+func TestBlockHashExternal(t *testing.T) {
+	var h BlockHash
+	for i := range h {
+		h[i] = byte(i + 1)
+	}
+	if got, want := h.External(), uint64(0x090a0b0c0d0e0f10); got != want {
+		t.Fatalf("External = %#x, want %#x", got, want)
+	}
+}

@@ -3,6 +3,7 @@ package kvcache
 import (
 	"errors"
 	"fmt"
+	"github.com/kvbridge/kvbridge/internal/blockhash"
 	"sync"
 	"unsafe"
 )
@@ -32,6 +33,11 @@ type PoolConfig struct {
 	// the allocator, the prefix cache and the record table are the pool's, shared by the ranks.
 	// Shard(r) views rank r's memory. Empty: one rank, the pool as it always was.
 	RankMemory [][]byte
+	// EventHashes computes the block hashes the event log carries (Event.External): vLLM's, so
+	// that consumers can hash prompts as they would for vLLM engines. nil: the last 8 bytes of
+	// each BlockHash. Only BlockTable.Commit computes vLLM's chain (it knows every block before);
+	// a block registered by Cache or CacheBlock directly carries the fallback.
+	EventHashes *blockhash.Hasher
 }
 
 // Pool is a paged KV block pool over caller-owned memory. All methods are safe for concurrent
@@ -51,8 +57,9 @@ type Pool struct {
 	byHash map[BlockHash]int32 // prefix cache: hash → block
 	recs   *recordTable        // published records (PoolConfig.RecordTable), or nil
 
-	recordEvents bool    // PoolConfig.RecordEvents
-	events       []Event // recorded since the last TakeEvents
+	recordEvents bool              // PoolConfig.RecordEvents
+	eventHashes  *blockhash.Hasher // PoolConfig.EventHashes, nil unless recordEvents
+	events       []Event           // recorded since the last TakeEvents
 }
 
 // NewPool makes a pool over mem, which must be 64-byte aligned and hold at least
@@ -100,6 +107,7 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 	p := &Pool{
 		recs:         recs,
 		recordEvents: cfg.RecordEvents,
+		eventHashes:  eventHashes(cfg),
 		geo:          g,
 		bb:           bb,
 		n:            n,

@@ -53,14 +53,16 @@ func (p *Pool) Lookup(hashes []BlockHash) int {
 // hash (ErrHashConflict). A block it registers is logged as EventStored (PoolConfig.RecordEvents)
 // without its parent and tokens, which CacheBlock gives.
 func (p *Pool) Cache(id int32, hash BlockHash) error {
-	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash})
+	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash, External: hash.External()})
 }
 
 // CacheBlock is Cache for a block whose chain parent and tokens are known (BlockTable.Commit's
 // case): the Stored event it records (PoolConfig.RecordEvents) carries them, as vLLM's
-// BlockStored does. The event holds a copy of tokens.
+// BlockStored does. The event holds a copy of tokens, and the fallback external hashes
+// (PoolConfig.EventHashes is BlockTable.Commit's to apply).
 func (p *Pool) CacheBlock(id int32, parent, hash BlockHash, tokens []int32) error {
-	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash, Parent: parent, Tokens: tokens})
+	return p.cache(id, hash, Event{Kind: EventStored, Hash: hash, Parent: parent, Tokens: tokens,
+		External: hash.External(), ParentExternal: parent.External()})
 }
 
 // cache is Cache, recording stored when the block enters the prefix cache.
@@ -85,6 +87,7 @@ func (p *Pool) cache(id int32, hash BlockHash, stored Event) error {
 	}
 	m.hashed = true
 	m.hash = hash
+	m.ext = stored.External
 	p.byHash[hash] = id
 	if p.recordEvents && stored.Tokens != nil {
 		stored.Tokens = append([]int32(nil), stored.Tokens...)
@@ -126,8 +129,9 @@ func (p *Pool) uncache(id int32) {
 	if !m.hashed {
 		return
 	}
-	p.record(Event{Kind: EventRemoved, Hash: m.hash})
+	p.record(Event{Kind: EventRemoved, Hash: m.hash, External: m.ext})
 	delete(p.byHash, m.hash)
 	m.hashed = false
 	m.hash = BlockHash{}
+	m.ext = 0
 }

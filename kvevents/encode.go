@@ -2,7 +2,6 @@ package kvevents
 
 import (
 	"bytes"
-	"encoding/binary"
 	"time"
 
 	"github.com/kvbridge/kvbridge/kvcache"
@@ -12,11 +11,6 @@ import (
 // MediumGPU is vLLM's MEDIUM_GPU, the medium of every block kvbridge's pool holds (the engine's
 // KV cache, whatever memory backs it).
 const MediumGPU = "GPU"
-
-// ExternalHash is the block hash vLLM gives consumers (maybe_convert_block_hash with
-// VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES at its default, 1): the hash bytes read as a big-endian
-// integer, masked to 64 bits — for kvbridge's 16-byte hash, its last 8 bytes.
-func ExternalHash(h kvcache.BlockHash) uint64 { return binary.BigEndian.Uint64(h[8:]) }
 
 // batch is one step's events with the time they were drained.
 type batch struct {
@@ -69,7 +63,7 @@ func encodeEvent(enc *msgpack.Encoder, g []kvcache.Event, blockSize int) error {
 			return err
 		}
 		if first := g[0]; first.Tokens != nil && first.Parent != (kvcache.BlockHash{}) {
-			err = enc.EncodeUint(ExternalHash(first.Parent))
+			err = enc.EncodeUint(first.ParentExternal)
 		} else {
 			err = enc.EncodeNil()
 		}
@@ -109,7 +103,7 @@ func encodeHashes(enc *msgpack.Encoder, g []kvcache.Event) error {
 		return err
 	}
 	for _, e := range g {
-		if err := enc.EncodeUint(ExternalHash(e.Hash)); err != nil {
+		if err := enc.EncodeUint(e.External); err != nil {
 			return err
 		}
 	}

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvbridge/kvbridge/internal/blockhash"
 	"github.com/kvbridge/kvbridge/kvcache"
 )
 
@@ -31,10 +32,15 @@ func TestEncodeClearedBytes(t *testing.T) {
 }
 
 // TestEncodeFromPool encodes what a real pool records for two requests sharing a prefix, one
-// eviction and a reset, and decodes it by vLLM's schema.
+// eviction and a reset, and decodes it by vLLM's schema: the hashes are vLLM's chain of the same
+// tokens (internal/blockhash, checked against Python there).
 func TestEncodeFromPool(t *testing.T) {
 	geo := kvcache.Geometry{NumLayers: 1, NumKVHeads: 1, HeadDim: 4, BlockSize: 4}
-	p, err := kvcache.NewPool(kvcache.AlignedMemory(5*geo.BlockBytes()), kvcache.PoolConfig{Geometry: geo, NumBlocks: 5, PrefixCaching: true, RecordEvents: true})
+	vh, err := blockhash.New(blockhash.SHA256, "0", true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := kvcache.NewPool(kvcache.AlignedMemory(5*geo.BlockBytes()), kvcache.PoolConfig{Geometry: geo, NumBlocks: 5, PrefixCaching: true, RecordEvents: true, EventHashes: vh})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -55,7 +61,7 @@ func TestEncodeFromPool(t *testing.T) {
 	}
 	ta := run(a)
 	tb := run(b) // matches a's two blocks, stores its third
-	ha, hb := kvcache.ChainHashes(a, 4), kvcache.ChainHashes(b, 4)
+	ha, hb := vh.Chain(a, 4), vh.Chain(b, 4)
 	if err := tb.EvictFrom(p, 2); err != nil {
 		t.Fatal(err)
 	}
@@ -88,12 +94,12 @@ func TestEncodeFromPool(t *testing.T) {
 	}
 	s0, rm := w.Events[0], w.Events[1]
 	if !s0.hasKeys("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name") ||
-		!slices.Equal(uints(s0.Fields["block_hashes"]), []uint64{ExternalHash(ha[0]), ExternalHash(ha[1]), ExternalHash(hb[2])}) ||
+		!slices.Equal(uints(s0.Fields["block_hashes"]), []uint64{ha[0].External(), ha[1].External(), hb[2].External()}) ||
 		s0.Fields["parent_block_hash"] != nil || !slices.Equal(uints(s0.Fields["token_ids"]), []uint64{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}) ||
 		uints([]any{s0.Fields["block_size"]})[0] != 4 || s0.Fields["lora_id"] != nil || s0.Fields["medium"] != "GPU" || s0.Fields["lora_name"] != nil {
 		t.Errorf("store %+v, want a's two blocks and b's third from the root", s0)
 	}
-	if !rm.hasKeys("block_hashes", "medium") || !slices.Equal(uints(rm.Fields["block_hashes"]), []uint64{ExternalHash(hb[2])}) {
+	if !rm.hasKeys("block_hashes", "medium") || !slices.Equal(uints(rm.Fields["block_hashes"]), []uint64{hb[2].External()}) {
 		t.Errorf("removal %+v, want b's third block", rm)
 	}
 	if ha[1] != hb[1] {
@@ -107,9 +113,9 @@ func TestGroupSplitsChains(t *testing.T) {
 	x := kvcache.ChainHashes([]int32{1, 2, 3, 4, 5, 6, 7, 8}, 4)
 	y := kvcache.ChainHashes([]int32{9, 9, 9, 9, 8, 8, 8, 8}, 4)
 	evs := []kvcache.Event{
-		{Kind: kvcache.EventStored, Hash: x[0], Tokens: []int32{1, 2, 3, 4}},
-		{Kind: kvcache.EventStored, Hash: y[1], Parent: y[0], Tokens: []int32{8, 8, 8, 8}},
-		{Kind: kvcache.EventStored, Hash: x[1], Parent: x[0], Tokens: []int32{5, 6, 7, 8}},
+		{Kind: kvcache.EventStored, Hash: x[0], Tokens: []int32{1, 2, 3, 4}, External: x[0].External()},
+		{Kind: kvcache.EventStored, Hash: y[1], Parent: y[0], Tokens: []int32{8, 8, 8, 8}, External: y[1].External(), ParentExternal: y[0].External()},
+		{Kind: kvcache.EventStored, Hash: x[1], Parent: x[0], Tokens: []int32{5, 6, 7, 8}, External: x[1].External(), ParentExternal: x[0].External()},
 	}
 	payload, err := encodeBatch(batch{ts: time.Now(), events: evs}, 1, 4)
 	if err != nil {
@@ -122,18 +128,7 @@ func TestGroupSplitsChains(t *testing.T) {
 	if len(w.Events) != 3 || *w.Rank != 1 {
 		t.Fatalf("%d events rank %v, want 3 (no two consecutive blocks chain) of rank 1", len(w.Events), w.Rank)
 	}
-	if p := uints([]any{w.Events[1].Fields["parent_block_hash"]}); len(p) != 1 || p[0] != ExternalHash(y[0]) {
-		t.Errorf("second store's parent %v, want %#x", w.Events[1].Fields["parent_block_hash"], ExternalHash(y[0]))
-	}
-}
-
-// TestExternalHash: vLLM's int.from_bytes(h, "big") & (2**64-1) keeps the last 8 bytes.
-func TestExternalHash(t *testing.T) {
-	var h kvcache.BlockHash
-	for i := range h {
-		h[i] = byte(i + 1)
-	}
-	if got, want := ExternalHash(h), uint64(0x090a0b0c0d0e0f10); got != want {
-		t.Fatalf("ExternalHash = %#x, want %#x", got, want)
+	if p := uints([]any{w.Events[1].Fields["parent_block_hash"]}); len(p) != 1 || p[0] != y[0].External() {
+		t.Errorf("second store's parent %v, want %#x", w.Events[1].Fields["parent_block_hash"], y[0].External())
 	}
 }

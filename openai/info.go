@@ -2,6 +2,7 @@ package openai
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"time"
 )
@@ -81,6 +82,23 @@ func (s *Server) handleVersion(w http.ResponseWriter, r *http.Request) {
 
 // handleKVTransfer serves GET /v1/kv_transfer: what Config.KVInfo says of this engine's
 // connector, or {"kv_connector":null} without one.
+// handleResetPrefixCache serves POST /reset_prefix_cache: 200 with an empty body, as vLLM, when
+// the prefix cache was dropped; 409 when a request still holds blocks (vLLM answers 200 and only
+// logs that it could not).
+func (s *Server) handleResetPrefixCache(w http.ResponseWriter, r *http.Request) {
+	ok, err := s.cfg.ResetPrefixCache(r.Context())
+	switch {
+	case err != nil:
+		writeError(w, &APIError{Status: http.StatusServiceUnavailable, Type: "ServiceUnavailableError",
+			Message: fmt.Sprintf("Prefix cache not reset: %v.", err)})
+	case !ok:
+		writeError(w, &APIError{Status: http.StatusConflict, Type: "ConflictError",
+			Message: "Prefix cache not reset: requests still hold KV blocks; retry when they have finished."})
+	default:
+		w.WriteHeader(http.StatusOK)
+	}
+}
+
 func (s *Server) handleKVTransfer(w http.ResponseWriter, r *http.Request) {
 	if s.cfg.KVInfo == nil {
 		writeJSON(w, http.StatusOK, map[string]any{"kv_connector": nil})

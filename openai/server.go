@@ -119,6 +119,10 @@ type Config struct {
 	// KV connector: side channel, transfer agent); GET /ready answers 503 naming its error. Nil
 	// means ready whenever /health answers.
 	Ready func(ctx context.Context) error
+	// ResetPrefixCache, if set, serves POST /reset_prefix_cache (vLLM's route in dev mode,
+	// VLLM_SERVER_DEV_MODE=1): it drops the engine's prefix cache and reports whether it could
+	// (not while a request holds blocks). Nil: no such route.
+	ResetPrefixCache func(ctx context.Context) (bool, error)
 }
 
 // DefaultBodyReadTimeout is Config.BodyReadTimeout's default.
@@ -223,6 +227,9 @@ func NewServer(cfg Config, eng Engine, mdl Model) *Server {
 	s.route("GET /v1/kv_transfer", s.handleKVTransfer)
 	s.route("POST /tokenize", s.handleTokenize)
 	s.route("POST /detokenize", s.handleDetokenize)
+	if cfg.ResetPrefixCache != nil {
+		s.route("POST /reset_prefix_cache", s.handleResetPrefixCache)
+	}
 	s.mux.HandleFunc("GET /ping", s.handleHealth)
 	s.mux.HandleFunc("POST /ping", s.handleHealth)
 	s.mux.Handle("/ping", methodNotAllowed("GET, HEAD, POST"))

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvbridge/kvbridge/internal/blockhash"
 	"log/slog"
 	"math"
 	"os"
@@ -39,6 +40,7 @@ type serveFlags struct {
 	noPrefixCaching     bool
 	kvTransferConfig    string
 	kvEventsConfig      string
+	prefixCachingHash   string
 	enforceEager        bool
 	tensorParallelSize  int
 	tpCPUs              string
@@ -143,6 +145,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.BoolVar(&f.noPrefixCaching, "no-enable-prefix-caching", false, "disable prefix caching")
 	fl.StringVar(&f.kvTransferConfig, "kv-transfer-config", "", "NixlConnector configuration as JSON (dotted keys such as --kv-transfer-config.kv_role also work)")
 	fl.StringVar(&f.kvEventsConfig, "kv-events-config", "", "KV cache events publisher as JSON with vLLM's keys: enable_kv_cache_events, publisher (zmq or null), endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size")
+	fl.StringVar(&f.prefixCachingHash, "prefix-caching-hash-algo", string(blockhash.SHA256), "hash of prefix-cache blocks in KV cache events: sha256 (vLLM's default) or sha256_cbor, from PYTHONHASHSEED")
 	fl.BoolVar(&f.enforceEager, "enforce-eager", false, "accepted for vLLM compatibility; no effect (no CUDA graphs on CPU)")
 	fl.IntVarP(&f.tensorParallelSize, "tensor-parallel-size", "t", 1, "tensor-parallel ranks (-tp) each engine's forward pass runs on, threads of this process sharing its memory; it must divide the attention heads and divide or be a multiple of the KV heads; outputs are bit-identical at every size")
 	fl.StringVar(&f.tpCPUs, "tp-cpus", os.Getenv("VLLM_CPU_OMP_THREADS_BIND"), "pin each tensor-parallel rank's thread to CPUs, vLLM's format: one list per rank separated by |, such as 0-3|4-7 (data-parallel engines take the next lists, cycling); auto or nobind: no pinning (env VLLM_CPU_OMP_THREADS_BIND)")
@@ -286,6 +289,10 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if err != nil {
 		return instance.Config{}, err
 	}
+	hashes, err := f.blockHashes(evCfg)
+	if err != nil {
+		return instance.Config{}, err
+	}
 	port, err := sideChannelPort()
 	if err != nil {
 		return instance.Config{}, err
@@ -314,6 +321,8 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		WriteTimeout:          f.writeTimeout,
 		KVTransfer:            kvCfg,
 		KVEvents:              evCfg,
+		BlockHashes:           hashes,
+		DevMode:               os.Getenv("VLLM_SERVER_DEV_MODE") == "1",
 		SideChannelHost:       os.Getenv("VLLM_NIXL_SIDE_CHANNEL_HOST"),
 		SideChannelPort:       port,
 		TransferPort:          f.transferPort,
@@ -425,6 +434,19 @@ func (f serveFlags) kvEvents() (*kvevents.Config, error) {
 		return nil, nil
 	}
 	return &cfg, nil
+}
+
+// blockHashes checks --prefix-caching-hash-algo and, when KV cache events are published, returns
+// the hasher of their block hashes, seeded from PYTHONHASHSEED as vLLM's init_none_hash.
+func (f serveFlags) blockHashes(ev *kvevents.Config) (*blockhash.Hasher, error) {
+	algo, err := blockhash.ParseAlgo(f.prefixCachingHash)
+	if err != nil {
+		return nil, usageError("--prefix-caching-hash-algo: %v", err)
+	}
+	if ev == nil {
+		return nil, nil
+	}
+	return blockhash.FromEnv(algo, os.LookupEnv)
 }
 
 // sideChannelPort reads VLLM_NIXL_SIDE_CHANNEL_PORT: 0 when unset (the default), −1 for 0 (pick

@@ -19,7 +19,7 @@ var allowed = map[string][]string{
 	// command
 	"cmd/kvbridge": {"bench/bidibench", "bench/enginebench", "bench/multiturn", "bench/pdbench", "bench/quality", "bench/soak",
 		"bench/xferbench", "check", "demo", "conversation", "instance", "proxy", "connector", "openai", "engine",
-		"kvcache", "kvevents", "model", "transfer", "internal/buildinfo"},
+		"kvcache", "kvevents", "model", "transfer", "internal/buildinfo", "internal/blockhash"},
 	// runs
 	"check":             {"internal/promtext"},
 	"demo":              {"stack", "conversation", "apiclient", "model", "plot"},
@@ -34,7 +34,7 @@ var allowed = map[string][]string{
 	"conversation": {"stack", "apiclient", "stats", "instance", "proxy", "model", "model/tokenizer", "kvcache"},
 	// assembly
 	"stack":    {"instance", "proxy", "connector", "faultproxy", "kvevents", "model"},
-	"instance": {"openai", "connector", "engine", "kvcache", "kvevents", "metrics", "model", "model/kernel", "transfer", "internal/procmem"},
+	"instance": {"openai", "connector", "engine", "kvcache", "kvevents", "metrics", "model", "model/kernel", "transfer", "internal/procmem", "internal/blockhash"},
 	// serving
 	"openai":    {"engine", "metrics", "model", "model/tokenizer", "internal/buildinfo", "internal/httpdeadline"},
 	"proxy":     {"internal/httpdeadline"},
@@ -44,15 +44,15 @@ var allowed = map[string][]string{
 	"metrics":  {"stats"},
 	"transfer": {"internal/msgpackcheck", "transfer/internal/wire"},
 	// base
-	"kvcache":         {},
+	"kvcache":         {"internal/blockhash"},
 	"kvevents":        {"kvcache"},
 	"model":           {"model/kernel", "model/tokenizer"},
 	"model/kernel":    {},
 	"model/tokenizer": {},
 	// leaves
 	"stats": {}, "plot": {}, "apiclient": {}, "faultproxy": {}, "netns": {},
-	"internal/msgpackcheck": {}, "internal/kvlease": {}, "internal/procmem": {}, "internal/buildinfo": {}, "internal/httpdeadline": {},
-	"internal/fixture": {"internal/promtext"}, "internal/promtext": {}, "transfer/internal/wire": {},
+	"internal/msgpackcheck": {}, "internal/kvlease": {}, "internal/blockhash": {}, "internal/procmem": {}, "internal/buildinfo": {}, "internal/httpdeadline": {},
+	"internal/fixture": {"internal/promtext", "internal/blockhash"}, "internal/promtext": {}, "transfer/internal/wire": {},
 	// tests only
 	"reliability": {}, "deploy/kubernetes": {}, "deploy/grafana": {}, "internal/layers": {},
 }

@@ -11,6 +11,12 @@ Wire format it expects, per vLLM:
   * the replay ROUTER takes [empty, start seq (8 bytes big-endian)] and answers
     [empty, seq, payload] per kept batch, then [empty, -1 (8 bytes), empty].
 
+With PYTHONHASHSEED in its environment it also recomputes each stored block's hash as vLLM does
+(vllm/v1/core/kv_cache_utils.py hash_block_tokens, with --hash-algo's function: sha256 pickles,
+sha256_cbor CBOR-encodes) from the event's token ids and its parent's hash, and prints the
+64-bit results as "vllm_hashes" beside the engine's "block_hashes" (null when the parent was
+never seen, so its full hash is unknown).
+
 It binds a SUB socket on --bind (a free port of that tcp host, printed as {"ready": ...}), so the
 engine connects to it (vLLM's connect mode for an endpoint without "*"), and reads commands on
 stdin: "replay N ENDPOINT" asks the replay socket at ENDPOINT (from an anonymous DEALER) for the
@@ -19,7 +25,10 @@ Every message becomes one JSON line on stdout.
 """
 
 import argparse
+import hashlib
 import json
+import os
+import pickle
 import sys
 
 import msgpack
@@ -35,6 +44,41 @@ SCHEMA = {
 }
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class Hasher:
+    """vLLM's block hashes: init_none_hash, hash_block_tokens, maybe_convert_block_hash."""
+
+    def __init__(self, algo, seed):
+        if algo == "sha256_cbor":
+            import cbor2
+            self.fn = lambda obj: hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+        else:
+            self.fn = lambda obj: hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+        self.none = self.fn(seed)
+        self.full = {}  # 64-bit external hash -> full hash, of every block seen stored
+
+    @staticmethod
+    def external(h):
+        return int.from_bytes(h, byteorder="big") & ((1 << 64) - 1)
+
+    def stored(self, parent, token_ids, block_size):
+        if parent is None:
+            prev = self.none
+        elif parent in self.full:
+            prev = self.full[parent]
+        else:
+            return None
+        out = []
+        for i in range(0, len(token_ids), block_size):
+            prev = self.fn((prev, tuple(token_ids[i:i + block_size]), None))
+            ext = self.external(prev)
+            self.full[ext] = prev
+            out.append(ext)
+        return out
+
+
+HASHER = None
 
 
 class SchemaError(Exception):
@@ -78,6 +122,8 @@ def decode_batch(payload):
             if k in ev and not all(isinstance(h, (int, bytes)) for h in ev[k]):
                 raise SchemaError(f"{kind}: {k} must hold ints or bytes")
         d = {k: ev[k] for k in keys}
+        if HASHER is not None and kind == "BlockStored":
+            d["vllm_hashes"] = HASHER.stored(ev.get("parent_block_hash"), ev["token_ids"], ev["block_size"])
         for k in ("block_hashes",):
             if k in d:
                 d[k] = [h if isinstance(h, int) else h.hex() for h in d[k]]
@@ -111,7 +157,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--bind", required=True, help="tcp://HOST: bind the SUB socket on a free port")
     ap.add_argument("--topic", default="")
+    ap.add_argument("--hash-algo", default="sha256", choices=["sha256", "sha256_cbor"])
     args = ap.parse_args()
+    global HASHER
+    if "PYTHONHASHSEED" in os.environ:
+        HASHER = Hasher(args.hash_algo, os.environ["PYTHONHASHSEED"])
 
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
