@@ -194,7 +194,7 @@ func newTensorParallel(m *Model, w *weights, head matrix, prec precision) (*tens
 	if err != nil {
 		return nil, errors.Join(err, tp.close())
 	}
-	tp.idle = append(tp.idle, g)
+	tp.put(g)
 	return tp, nil
 }
 
@@ -217,12 +217,16 @@ func (tp *tensorParallel) start() (*tpGroup, error) {
 		g.exited.Add(1)
 		go g.serve(r, cpus, ready)
 	}
-	tp.all = append(tp.all, g)
 	var errs []error
 	for range n {
 		errs = append(errs, <-ready)
 	}
-	return g, errors.Join(errs...)
+	if err := errors.Join(errs...); err != nil {
+		g.stop()
+		return nil, err
+	}
+	tp.all = append(tp.all, g)
+	return g, nil
 }
 
 // take returns an idle group, starting one if there is none.
@@ -259,10 +263,7 @@ func (tp *tensorParallel) close() error {
 	tp.closed = true
 	tp.mu.Unlock()
 	for _, g := range all {
-		for _, c := range g.cmd {
-			close(c)
-		}
-		g.exited.Wait()
+		g.stop()
 	}
 	var errs []error
 	for _, r := range tp.ranks {
@@ -276,9 +277,17 @@ type tpGroup struct {
 	bar    *barrier
 	cmd    []chan func(r int) // rank r's work; closed to stop it
 	done   chan any           // one value per rank and command: nil, or what its work panicked with
-	stop   atomic.Bool        // rank 0 saw the step's context end: every rank stops after the layer
+	halt   atomic.Bool        // rank 0 saw the step's context end: every rank stops after the layer
 	work   []workspace        // each rank's buffers
 	exited sync.WaitGroup
+}
+
+// stop ends the group's goroutines and waits for them.
+func (g *tpGroup) stop() {
+	for _, c := range g.cmd {
+		close(c)
+	}
+	g.exited.Wait()
 }
 
 // serve is rank r's goroutine (on an OS thread of its own pinned to cpus, if any): it runs the
@@ -322,7 +331,7 @@ func (g *tpGroup) do(r int, fn func(r int)) (p any) {
 // here (ForwardRanks turns it into an error).
 func (g *tpGroup) run(fn func(r int)) {
 	g.bar.reset()
-	g.stop.Store(false)
+	g.halt.Store(false)
 	for _, c := range g.cmd {
 		c <- fn
 	}
@@ -386,11 +395,11 @@ func (rk *tpRank) layers(ctx context.Context, g *tpGroup, r int, w *workspace, k
 			return
 		}
 		if r == 0 && ctx.Err() != nil {
-			g.stop.Store(true)
+			g.halt.Store(true)
 		}
 		// Phase 4's barrier: the residual is whole again. rank 0's verdict on the context is
 		// stored before it arrives, so every rank reads the same one after.
-		if !g.bar.wait() || g.stop.Load() {
+		if !g.bar.wait() || g.halt.Load() {
 			return
 		}
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
 )
 
@@ -215,10 +216,16 @@ func TestTensorParallelFailuresEndTheStep(t *testing.T) {
 	if !errors.Is(err, ErrBadInput) {
 		t.Fatalf("bad block: err = %v", err)
 	}
+	// The context ends while the ranks compute the first layer (the store cancels it when a
+	// rank first reads it): they stop after the layer, together.
 	ctx, cancel := context.WithCancel(t.Context())
-	cancel()
-	if err := m.ForwardRanks(ctx, kvs, 4, []Seq{{Tokens: []int32{1, 2}, Blocks: []int32{1}}}); !errors.Is(err, context.Canceled) {
+	defer cancel()
+	cancelling := &cancelOnView{KVBlocks: kvs[0], cancel: cancel}
+	if err := m.ForwardRanks(ctx, []KVBlocks{cancelling, kvs[1]}, 4, []Seq{{Tokens: []int32{1, 2}, Blocks: []int32{1}}}); !errors.Is(err, context.Canceled) {
 		t.Fatalf("cancelled: err = %v", err)
+	}
+	if l := cancelling.lastLayer.Load(); l != 0 {
+		t.Fatalf("the ranks went on to layer %d after the context ended in layer 0", l)
 	}
 	if err := m.Forward(t.Context(), kvs[0], 4, []Seq{{Tokens: []int32{1}, Blocks: []int32{1}}}); !errors.Is(err, ErrBadInput) {
 		t.Fatalf("Forward with one store at TP 2: err = %v", err)
@@ -230,4 +237,18 @@ func TestTensorParallelFailuresEndTheStep(t *testing.T) {
 	if err := m.Close(); err != nil {
 		t.Fatalf("second Close: %v", err)
 	}
+}
+
+// cancelOnView is a KV store that cancels a context whenever it is read, and records the last
+// layer read.
+type cancelOnView struct {
+	KVBlocks
+	cancel    context.CancelFunc
+	lastLayer atomic.Int32
+}
+
+func (c *cancelOnView) HeadView(layer, block, head int) (k, v []float32, stride int) {
+	c.cancel()
+	c.lastLayer.Store(int32(layer))
+	return c.KVBlocks.HeadView(layer, block, head)
 }
