@@ -92,6 +92,11 @@ func TestTensorParallelServesTheSameTokens(t *testing.T) {
 			if got, want := rk.Pool.Geometry().NumKVHeads, max(1, 2/c.tp); got != want {
 				t.Errorf("TP %d: a rank's blocks hold %d KV heads, want %d", c.tp, got, want)
 			}
+			for r := 1; r < c.tp; r++ {
+				if a, b := rk.Pool.Shard(r-1).Bytes(0), rk.Pool.Shard(r).Bytes(0); &a[0] == &b[0] {
+					t.Errorf("TP %d: ranks %d and %d share their KV memory", c.tp, r-1, r)
+				}
+			}
 		}
 		got := askAll(t, in.URL)
 		if err := in.Close(); err != nil {
