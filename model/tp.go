@@ -45,9 +45,10 @@ import (
 // (float32, bfloat16, int8 weights; float32, bfloat16, FP8 KV). What it costs: the norms are
 // computed by every rank, and a replicated KV head is computed and stored by each of its ranks.
 //
-// A Forward takes a group of rank goroutines (tpGroup) for the step: concurrent Forwards (the
-// engines of data-parallel ranks sharing the model) each get a group, started on first need and
-// kept until Close.
+// A Forward takes a group of rank goroutines (tpGroup) for the step — ranks 1…N-1, and rank 0
+// too when it is pinned; an unpinned rank 0 is the goroutine that called Forward: concurrent
+// Forwards (the engines of data-parallel ranks sharing the model) each get a group, started on
+// first need and kept until Close.
 
 // tpColumnAlign is the column multiple (the kernel's panel width) at which ranks' column
 // slices start when every rank gets at least that many: a slice boundary inside a panel would
@@ -208,17 +209,22 @@ func (tp *tensorParallel) start() (*tpGroup, error) {
 	n := len(tp.ranks)
 	g := &tpGroup{bar: newBarrier(n), cmd: make([]chan func(int), n), done: make(chan any, n), work: make([]workspace, n)}
 	ready := make(chan error, n)
+	started := 0
 	for r := range n {
 		var cpus []int
 		if len(tp.cpus) > 0 {
 			cpus = tp.cpus[(len(tp.all)*n+r)%len(tp.cpus)]
 		}
+		if r == 0 && len(cpus) == 0 {
+			continue // rank 0 runs on the caller (see run)
+		}
 		g.cmd[r] = make(chan func(int), 1)
 		g.exited.Add(1)
+		started++
 		go g.serve(r, cpus, ready)
 	}
 	var errs []error
-	for range n {
+	for range started {
 		errs = append(errs, <-ready)
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -275,7 +281,7 @@ func (tp *tensorParallel) close() error {
 // tpGroup is one set of rank goroutines, which runs one Forward at a time.
 type tpGroup struct {
 	bar    *barrier
-	cmd    []chan func(r int) // rank r's work; closed to stop it
+	cmd    []chan func(r int) // rank r's work; closed to stop it (nil for rank 0 run by the caller)
 	done   chan any           // one value per rank and command: nil, or what its work panicked with
 	halt   atomic.Bool        // rank 0 saw the step's context end: every rank stops after the layer
 	work   []workspace        // each rank's buffers
@@ -285,7 +291,9 @@ type tpGroup struct {
 // stop ends the group's goroutines and waits for them.
 func (g *tpGroup) stop() {
 	for _, c := range g.cmd {
-		close(c)
+		if c != nil {
+			close(c)
+		}
 	}
 	g.exited.Wait()
 }
@@ -328,15 +336,23 @@ func (g *tpGroup) do(r int, fn func(r int)) (p any) {
 }
 
 // run runs fn on every rank and returns when all have returned; a rank's panic is raised again
-// here (ForwardRanks turns it into an error).
+// here (ForwardRanks turns it into an error). An unpinned rank 0 runs on the calling goroutine,
+// which would otherwise only wait: N goroutines compute a step on N ranks, not N + 1.
 func (g *tpGroup) run(fn func(r int)) {
 	g.bar.reset()
 	g.halt.Store(false)
+	ranks := 0
 	for _, c := range g.cmd {
-		c <- fn
+		if c != nil {
+			c <- fn
+			ranks++
+		}
 	}
 	var first any
-	for range g.cmd {
+	if g.cmd[0] == nil {
+		first = g.do(0, fn)
+	}
+	for range ranks {
 		if p, _ := receive(g.done); p != nil && first == nil {
 			first = p
 		}
