@@ -157,9 +157,9 @@ type DTypeResult struct {
 	// one byte a weight plus the float32 scales.
 	Quantization string `json:"quantization,omitempty"`
 	// TensorParallelSize is the ranks the forward pass ran on.
-	TensorParallelSize int `json:"tensor_parallel_size"`
-	WeightBytes   int64  `json:"weight_bytes"`
-	KVBytesPerTok int64  `json:"kv_bytes_per_token"`
+	TensorParallelSize int   `json:"tensor_parallel_size"`
+	WeightBytes        int64 `json:"weight_bytes"`
+	KVBytesPerTok      int64 `json:"kv_bytes_per_token"`
 	// ResidentAfterLoad is the process's resident memory right after loading the model (before
 	// any KV pool); against CheckpointBytes it is the memory target's ratio (≤ 1.15).
 	ResidentAfterLoad int64 `json:"resident_after_load"`
