@@ -21,9 +21,10 @@ type tpAnswer struct {
 	Logprobs []float64
 }
 
-// askAll sends the same requests to url at once (so the engine batches them): greedy and seeded
-// sampling at temperature 1, each with the logprobs of its tokens, prompts sharing a prefix (a
-// prefix-cache hit) and long enough to be prefilled in chunks.
+// askAll sends the same requests to url, in two waves of four at once (so the engine batches
+// them): greedy and seeded sampling at temperature 1, each with the logprobs of its tokens,
+// prompts long enough to be prefilled in chunks, the second wave's sharing the first's prefixes
+// (prefix-cache hits).
 func askAll(t *testing.T, url string) []tpAnswer {
 	t.Helper()
 	hc := &http.Client{}
@@ -32,6 +33,9 @@ func askAll(t *testing.T, url string) []tpAnswer {
 	out := make([]tpAnswer, n)
 	var wg sync.WaitGroup
 	for i := range n {
+		if i == n/2 {
+			wg.Wait() // the second half finds the first half's prefixes in the cache
+		}
 		wg.Go(func() {
 			body := map[string]any{"model": model.Tiny, "max_tokens": 12, "logprobs": 1,
 				"prompt": fmt.Sprintf("The ranks of a tensor-parallel engine share one prefix here; request %d then goes its own way %d.", i%4, i)}
@@ -78,7 +82,7 @@ func TestTensorParallelServesTheSameTokens(t *testing.T) {
 	for _, c := range []struct{ tp, dp int }{{1, 1}, {2, 1}, {4, 1}, {2, 2}} {
 		logs := new(fixture.LogBuffer)
 		in, err := instance.Start(t.Context(), instance.Config{Model: model.Tiny, Host: "127.0.0.1", NumBlocks: 64,
-			MaxNumBatchedTokens: 16, TensorParallelSize: c.tp, DataParallelSize: c.dp, Logger: slog.New(slog.NewTextHandler(logs, nil))})
+			MaxNumBatchedTokens: 16, PrefixCaching: true, TensorParallelSize: c.tp, DataParallelSize: c.dp, Logger: slog.New(slog.NewTextHandler(logs, nil))})
 		if err != nil {
 			t.Fatalf("TP %d DP %d: %v", c.tp, c.dp, err)
 		}
@@ -99,6 +103,9 @@ func TestTensorParallelServesTheSameTokens(t *testing.T) {
 			}
 		}
 		got := askAll(t, in.URL)
+		if st, err := in.Stats(); err != nil || st.PrefixHitTokens == 0 {
+			t.Errorf("TP %d DP %d: no prefix-cache hit (%v)", c.tp, c.dp, err)
+		}
 		if err := in.Close(); err != nil {
 			t.Error(err)
 		}
