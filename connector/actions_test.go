@@ -109,9 +109,41 @@ func actionText(t testing.TB, name string, v any) string {
 			s += fmt.Sprintf(" handshake-failed %q", v.handshakeErr)
 		}
 		return s + ", carries " + releaseText(string(v.release))
+	case registerJob:
+		return registerText(t, v)
+	case pushJob:
+		local, remote := pushTail(v, coreBlockSize)
+		return fmt.Sprintf("%s into %s/%s from %s#%d: blocks %v -> %v, %d tokens", v.id, v.reg.EngineID, v.reg.RequestID, v.peer, v.peerInc, local, remote, v.numTokens)
+	case pushNotice:
+		var done pushCompletion
+		if err := decodePush(strings.TrimPrefix(string(v.msg), pushDonePrefix), &done); err != nil {
+			t.Fatal(err)
+		}
+		return fmt.Sprintf("to %s: %s failed: %s", v.peer, done.RequestID, done.Error)
 	}
 	t.Fatalf("actionText: actions.%s holds a %T, which has no text form: add one", name, v)
 	return ""
+}
+
+// registerText renders a registration as what it names.
+func registerText(t testing.TB, j registerJob) string {
+	t.Helper()
+	var reg pushRegistration
+	if err := decodePush(strings.TrimPrefix(string(j.msg), pushRegPrefix), &reg); err != nil {
+		t.Fatal(err)
+	}
+	target := "request " + reg.RemoteRequestID
+	if reg.PushID != "" {
+		target = "push_id " + reg.PushID
+	}
+	s := fmt.Sprintf("%s to %s for %s: blocks %v from block %d, %d tokens", j.id, j.params.RemoteEngineID, target, reg.BlockIDs, reg.FirstBlock, reg.NumTokens)
+	if j.cancel {
+		s = fmt.Sprintf("%s to %s for %s: cancel, %d tokens", j.id, j.params.RemoteEngineID, target, reg.NumTokens)
+	}
+	if j.awaiting {
+		s += " awaits " + j.handshake.key.String()
+	}
+	return s
 }
 
 // releaseText renders a release notification as what it says: the request, the readers and how
@@ -145,6 +177,9 @@ func TestActionsTextCoversEveryField(t *testing.T) {
 		missed:       []string{"d3"},
 		holdsExpired: 2,
 		holdsSince:   time.Second,
+		registers:    []registerJob{{id: "d1", params: p, msg: encodePush(pushRegPrefix, pushRegistration{PushID: "x", BlockIDs: []int32{1}})}},
+		pushes:       []pushJob{{id: "p1", reg: pushRegistration{RequestID: "d1", BlockIDs: []int32{4}}, blocks: []int32{0}, numTokens: 3}},
+		pushNotices:  []pushNotice{{peer: "kvbridge-D", msg: encodePush(pushDonePrefix, pushCompletion{RequestID: "d1", Error: "no"})}},
 	}
 	for i := range reflect.ValueOf(full).NumField() {
 		if f := reflect.ValueOf(full).Field(i); f.IsZero() {

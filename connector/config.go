@@ -8,7 +8,10 @@
 // (verify.go); every read, notification and heartbeat presents the lease's token (lease.go,
 // notification.go). With kv_connector_extra_config.auth_token (or KVBRIDGE_KV_AUTH_TOKEN) every
 // side-channel and transfer connection is mutually authenticated and params carry their
-// issuer's MAC (mac.go); allowed_peers bounds the hosts params may name (peers.go). Details in
+// issuer's MAC (mac.go); allowed_peers bounds the hosts params may name (peers.go). In push mode
+// (NixlPushConnector, push.go) a producer writes only into blocks registered by the engine that
+// owns them, over its own authenticated transfer agent, for the same prompt, and a decoder uses
+// written KV only after a completion from that producer for its own prompt. Details in
 // auth.go; the threat model is in docs/reliability.md.
 package connector
 
@@ -54,7 +57,10 @@ const (
 
 // Config is the parsed --kv-transfer-config. The zero value is "no connector".
 type Config struct {
-	// Connector is kv_connector; only "NixlConnector" is supported.
+	// Connector is kv_connector: "NixlConnector" or its synonym "NixlPullConnector" (the
+	// decoder READs the prefiller's blocks), or "NixlPushConnector" (the decoder registers
+	// destination blocks and the prefiller WRITEs into them, push.go). P and D must run the
+	// same mode: it is part of the compatibility hash.
 	Connector string
 	// Role is kv_role.
 	Role Role
@@ -94,6 +100,10 @@ type Config struct {
 	// kv_transfer_params may name; params naming any other host are refused before any
 	// connection. Nil allows every host (see peers.go).
 	AllowedPeers []string
+	// PushLayerwise is push_layerwise (NixlPushConnector, prefiller): write each layer's KV of a
+	// prefill chunk as soon as the layer is computed, to a decoder that registered before the
+	// prefill ended (both legs at once), instead of the whole request when it ends.
+	PushLayerwise bool
 }
 
 // threshold returns the effective kv_recompute_threshold.
@@ -105,6 +115,25 @@ func (c *Config) threshold() int {
 		return 64
 	}
 	return 0
+}
+
+// The accepted kv_connector names.
+const (
+	ConnectorNixl = "NixlConnector"
+	ConnectorPull = "NixlPullConnector" // vLLM's name for the pull connector, a synonym
+	ConnectorPush = "NixlPushConnector"
+)
+
+// Push reports whether the connector runs in push mode (kv_connector NixlPushConnector).
+func (c *Config) Push() bool { return c != nil && c.Connector == ConnectorPush }
+
+// TransferMode is the transfer_mode of this engine's params and compatibility hash: "push" or
+// "pull".
+func (c *Config) TransferMode() string {
+	if c.Push() {
+		return "push"
+	}
+	return "pull"
 }
 
 // Enabled reports whether a connector is configured.
@@ -225,6 +254,8 @@ func (p *fieldParser) extra(c *Config, extra map[string]any) {
 			c.AuthToken = p.str(name, v)
 		case "allowed_peers":
 			c.AllowedPeers = p.strings(name, v) // an empty list allows no host
+		case "push_layerwise":
+			c.PushLayerwise = p.boolean(name, v)
 		case "enable_cross_layers_blocks":
 			// Accepted: kvbridge blocks are always contiguous across layers.
 		default:
@@ -241,8 +272,10 @@ func (c *Config) validate(log *slog.Logger) error {
 		}
 		return nil
 	}
-	if c.Connector != "NixlConnector" {
-		return fmt.Errorf("%w: kv_connector %q is not supported; kvbridge implements \"NixlConnector\"", ErrConfig, c.Connector)
+	switch c.Connector {
+	case ConnectorNixl, ConnectorPull, ConnectorPush:
+	default:
+		return fmt.Errorf("%w: kv_connector %q is not supported; kvbridge implements \"NixlConnector\" (also spelled \"NixlPullConnector\") and \"NixlPushConnector\"", ErrConfig, c.Connector)
 	}
 	switch c.Role {
 	case RoleProducer, RoleConsumer:
@@ -274,6 +307,10 @@ func (c *Config) validate(log *slog.Logger) error {
 	}
 	if c.LeaseDuration < time.Second {
 		return fmt.Errorf("%w: kv_connector_extra_config.kv_lease_duration must be at least 1 second", ErrConfig)
+	}
+	if c.Push() && c.LeaseDuration < minPushLease {
+		return fmt.Errorf("%w: kv_connector_extra_config.kv_lease_duration must be at least %s with NixlPushConnector: a decoder's registered blocks wait that long for the write, and a prefiller posts none within %s of their end",
+			ErrConfig, minPushLease, expiryMargin)
 	}
 	if c.DecoderBlocksTTL <= 0 || c.EngineTTL <= 0 {
 		return fmt.Errorf("%w: decoder_kv_blocks_ttl and engine_ttl must be positive", ErrConfig)

@@ -22,7 +22,8 @@ var (
 		"kv_connector_module_path", "enable_cross_layers_blocks"}
 	// extraKeys are the kv_connector_extra_config keys kvbridge implements.
 	extraKeys = []string{"backends", "kv_lease_duration", "bidirectional_kv_xfer", "kv_recompute_threshold",
-		"decoder_kv_blocks_ttl", "enforce_handshake_compat", "engine_ttl", "num_threads", "auth_token", "allowed_peers"}
+		"decoder_kv_blocks_ttl", "enforce_handshake_compat", "engine_ttl", "num_threads", "auth_token", "allowed_peers",
+		"push_layerwise"}
 	// vllmExtraKeys are kv_connector_extra_config keys of vLLM's NixlConnector with no meaning here.
 	vllmExtraKeys = []string{"enable_cross_layers_blocks"}
 )

@@ -104,6 +104,7 @@ type Connector struct {
 	localLists map[int]*transfer.PreparedList
 	scrList    *transfer.PreparedList
 	flights    map[remoteKey]*flight // handshakes in progress that somebody waits for
+	streams    map[string]*stream    // layer-by-layer pushes by request id (pushstream.go)
 	closed     bool
 }
 
@@ -122,9 +123,10 @@ func New(opts Options) (*Connector, error) {
 		log:        opts.Logger,
 		metrics:    opts.Metrics,
 		now:        opts.Now,
-		hash:       CompatibilityHash(opts.Compat),
+		hash:       CompatibilityHash(withMode(opts.Compat, cfg.TransferMode())),
 		localLists: map[int]*transfer.PreparedList{},
 		flights:    map[remoteKey]*flight{},
+		streams:    map[string]*stream{},
 		tick:       opts.Tick,
 	}
 	peers, err := newPeerFilter(cfg.AllowedPeers)
@@ -141,6 +143,7 @@ func New(opts Options) (*Connector, error) {
 		cfg: cfg, pool: c.pool, geo: c.geo, layout: c.layout, log: c.log, metrics: c.metrics,
 		epoch: c.now(), engineID: cfg.EngineID, peers: peers, random: rand.Reader,
 		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteRecord{}, counts: &c.counts,
+		push: newPushState(),
 	}
 	k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
 	c.core = k
@@ -156,6 +159,9 @@ func New(opts Options) (*Connector, error) {
 		return nil, err
 	}
 	tc.AuthorizeRead = c.authorizeRead
+	if cfg.Push() {
+		tc.AuthorizeWrite = c.authorizeWrite // producers write only into blocks registered with them
+	}
 	tc.OnPeerLost = c.peerLost
 	agent, err := transfer.NewAgent("kvbridge-"+cfg.EngineID, tc)
 	if err != nil {
@@ -166,7 +172,13 @@ func New(opts Options) (*Connector, error) {
 		c.closeResources()
 		return nil, err
 	}
-	if c.kvReg, err = agent.Register(opts.Arena, 0, c.layout.BlocksBytes, transfer.PermRead); err != nil {
+	// In push mode producers WRITE into this engine's blocks (only into the ones it registered
+	// with them, push.go); in pull mode peers only read.
+	kvPerm := transfer.PermRead
+	if cfg.Push() {
+		kvPerm |= transfer.PermWrite
+	}
+	if c.kvReg, err = agent.Register(opts.Arena, 0, c.layout.BlocksBytes, kvPerm); err != nil {
 		return fail(fmt.Errorf("connector: register the KV blocks: %w", err))
 	}
 	if c.metaReg, err = agent.Register(opts.Arena, c.layout.MetaOffset, c.layout.RecordsBytes+c.layout.SlotsBytes, transfer.PermRead); err != nil {
@@ -204,6 +216,9 @@ func New(opts Options) (*Connector, error) {
 		return fail(err)
 	}
 	payload.KVCacheDType = c.geo.DType.String()
+	if cfg.Push() {
+		payload.TransferMode = cfg.TransferMode()
+	}
 	if c.side, err = listenSideChannel(opts.SideChannelAddr, payload, c.clockSeconds, c.log, c.auth); err != nil {
 		return fail(err)
 	}
@@ -217,6 +232,12 @@ func New(opts Options) (*Connector, error) {
 	}
 	c.ctx, c.cancel = context.WithCancel(context.Background())
 	return c, nil
+}
+
+// withMode returns f with the transfer mode set.
+func withMode(f CompatFactors, mode string) CompatFactors {
+	f.TransferMode = mode
+	return f
 }
 
 // setupAuth turns on authentication when an auth token is set (the config key, or the
@@ -286,6 +307,7 @@ func (c *Connector) Close() error {
 	if !c.markClosed() {
 		return nil
 	}
+	c.event(func(k *core) { k.closePushes(c.now()) })
 	if c.cancel != nil {
 		c.cancel()
 	}

@@ -56,6 +56,7 @@ type core struct {
 	leases      kvlease.Table
 	heartbeats  kvlease.HeartbeatTracker
 	remotes     map[remoteKey]*remoteRecord
+	push        pushState // push mode (push.go)
 	handshaking int
 	quiet       logLimiter
 	counts      *counters
@@ -99,6 +100,17 @@ type actions struct {
 	// loads: read remote KV into local blocks, on a goroutine, and hand the outcome back
 	// (loadFinished). Emitted by afterAlloc only.
 	loads []loadJob
+	// registers: (push decoder) send a registration of destination blocks, or a cancel, to a
+	// producer once its handshake is done, on a goroutine; a registration that cannot be sent
+	// ends its load (pushFailed). Emitted by afterAlloc and finished.
+	registers []registerJob
+	// pushes: (push producer) WRITE a finished request's KV into a decoder's registered blocks,
+	// on a goroutine, with the completion attached, and report the end (pushEnded). Emitted by
+	// notification (a registration) and finished (a parked one).
+	pushes []pushJob
+	// pushNotices: (push producer) tell a decoder at once, on a goroutine, that its
+	// registration will not be written. Emitted by notification and tick.
+	pushNotices []pushNotice
 	// notifies: tell a producer that this engine will not read its blocks, on a goroutine.
 	// Emitted by afterAlloc (nothing to load) and finished (aborted before its read).
 	notifies []notice
@@ -144,11 +156,14 @@ func (k *core) take() actions {
 // reqState is the core's bookkeeping of one live request.
 type reqState struct {
 	params    *Params
-	processed bool // AfterAlloc ran: never read twice (vLLM's _remote_blocks_processed)
-	loading   bool // a load owns the request's blocks
-	finished  bool // the engine finished the request while it was loading
-	tracked   bool // heartbeats are being sent for it
-	pullFromD bool // a bidirectional turn: P pulls D's blocks
+	processed bool      // AfterAlloc ran: never read twice (vLLM's _remote_blocks_processed)
+	loading   bool      // a load owns the request's blocks
+	finished  bool      // the engine finished the request while it was loading
+	tracked   bool      // heartbeats are being sent for it
+	pullFromD bool      // a bidirectional turn: P pulls D's blocks
+	push      *pushDest // a push decoder's registration, while it waits for the write
+	digest    []byte    // a push producer's prompt digest, once computed (pushstream.go)
+	streaming bool      // a push producer streams this request layer by layer (pushstream.go)
 
 	// handshake names the record whose handshake was in progress when the request arrived
 	// (awaiting, until it ends), and handshakeErr the error it failed with. The request's load
@@ -252,6 +267,9 @@ var errParamsMAC = errors.New("auth token mismatch")
 // valid MAC when engines share an auth token, and name an allowed host. Params that pull
 // nothing (a first-turn template) pass.
 func (k *core) checkParams(p *Params) error {
+	if k.pushConsumer(p) && !k.peers.allows(p.RemoteHost) {
+		return fmt.Errorf("%w: remote_host %q is not in kv_connector_extra_config.allowed_peers", errRefusedParams, clip(p.RemoteHost))
+	}
 	if pull, _ := k.consumer(p); !pull {
 		return nil
 	}
@@ -308,6 +326,9 @@ func (k *core) arrived(seq *engine.Sequence, now time.Time) {
 	if pull, fromD := k.consumer(st.params); pull && !fromD {
 		k.track(st, now)
 	}
+	if k.pushConsumer(st.params) {
+		k.pushArrived(st, now)
+	}
 }
 
 // track starts heartbeats for a consumer request.
@@ -350,6 +371,9 @@ func heartbeatKey(p *Params) string { return p.RemoteEngineID + "\x00" + p.Insta
 func (k *core) matchedExternal(seq *engine.Sequence, localHit int, now time.Time) (int, bool) {
 	st := k.state(seq, now)
 	pull, fromD := k.consumer(st.params)
+	if k.pushConsumer(st.params) && !st.processed {
+		pull = true // P pushes the whole prompt's KV; this engine registers what it lacks
+	}
 	if !pull || st.processed {
 		return 0, false
 	}
@@ -357,7 +381,7 @@ func (k *core) matchedExternal(seq *engine.Sequence, localHit int, now time.Time
 	if fromD {
 		st.pullFromD = true
 		avail = k.verifiedTokens(st.params, seq.Prompt())
-	} else {
+	} else if st.params.Complete() {
 		k.track(st, now) // normally done on arrival; heartbeats never go towards a decoder
 	}
 	count := avail - localHit
@@ -423,6 +447,10 @@ func (k *core) notifyFor(st *reqState, seq *engine.Sequence) {
 // afterAlloc starts the load, or tells the producer to free when nothing is loaded.
 func (k *core) afterAlloc(seq *engine.Sequence, blocks []int32, numExternal int, now time.Time) {
 	st := k.state(seq, now)
+	if k.pushConsumer(st.params) && !st.processed {
+		k.pushAfterAlloc(st, seq, blocks, numExternal, now)
+		return
+	}
 	pull, _ := k.consumer(st.params)
 	if !pull || st.processed {
 		return
@@ -469,6 +497,9 @@ func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Tim
 	if pull && !st.processed {
 		k.notifyFor(st, seq) // aborted before its read: the producer must not wait for the lease
 	}
+	if k.pushConsumer(p) && !st.processed {
+		k.pushCancel(st, seq) // ended before registering: the producer must not wait for the lease
+	}
 	if st.loading {
 		// The load still writes into the blocks; they are released when it ends.
 		st.finished = true
@@ -476,12 +507,21 @@ func (k *core) finished(seq *engine.Sequence, status engine.Status, now time.Tim
 	}
 	delete(k.reqs, seq.ID())
 	if p == nil || (status != engine.StatusFinishedStopped && status != engine.StatusFinishedLengthCapped) {
+		if p != nil && p.DoRemoteDecode {
+			k.pushAbandoned(p.PushID, "the prefill request was aborted or failed")
+		}
 		return false, nil // aborted or failed: free at once, no params (conformance item 7)
 	}
 	var params map[string]any
 	switch {
 	case p.DoRemoteDecode:
 		params = k.holdForReader(seq, k.cfg.LeaseDuration, true, now)
+		switch {
+		case params != nil && k.cfg.Push():
+			k.pushReady(seq, p.PushID, now)
+		case params == nil:
+			k.pushAbandoned(p.PushID, "the prefill's blocks could not be held")
+		}
 	case p.DoRemotePrefill && k.cfg.Bidirectional:
 		params = k.holdForReader(seq, k.cfg.DecoderBlocksTTL, false, now)
 	}
@@ -542,6 +582,9 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		HasLease:         true,
 		LeaseSlot:        l.Slot,
 	}
+	if renewable {
+		p.TransferMode = k.cfg.TransferMode() // a decoder's holds are pulled, in push mode too
+	}
 	if !renewable {
 		exp := k.seconds(deadline)
 		p.RemoteBlocksExpiryTime = &exp
@@ -587,6 +630,7 @@ func (k *core) clearSlot(l *kvlease.Lease) {
 // endLease withdraws l's tag and lets the engine free its blocks.
 func (k *core) endLease(l *kvlease.Lease) {
 	k.clearSlot(l)
+	k.dropSource(l.RequestID)
 	k.out.release = append(k.out.release, l.RequestID)
 }
 
@@ -704,6 +748,7 @@ func (k *core) tick(now time.Time) {
 			k.metrics.CountExpiredRequest()
 		}
 	}
+	k.expirePushes(now)
 	if k.holdsExpired > 0 && (k.holdsSummarized.IsZero() || now.Sub(k.holdsSummarized) >= quietInterval) {
 		k.out.holdsExpired = k.holdsExpired
 		if !k.holdsSummarized.IsZero() {
@@ -877,13 +922,14 @@ func (k *core) drop(r *remoteRecord) {
 
 // peerLost: the control connection to a producer's transfer agent ended. Its death is observed:
 // its records are dropped now (which unmaps its arena), not when engine_ttl passes.
-func (k *core) peerLost(name string, inc uint64) {
+func (k *core) peerLost(name string, inc uint64, now time.Time) {
 	for _, r := range k.records() {
 		if r.handshaken() && r.peer == name && r.peerInc == inc {
 			k.log.Info("a remote engine's transfer agent went away; forgetting it", "remote_engine_id", r.key.engine, "peer_addr", r.addr)
 			k.drop(r)
 		}
 	}
+	k.pushPeerLost(name, inc, now)
 }
 
 // older returns the links of the handshaken records of other incarnations of key's engine.

@@ -77,7 +77,7 @@ func newCoreHarness(t *testing.T, kvConfig string) *coreHarness {
 		cfg: cfg, pool: pool, geo: geo, layout: layout, slots: kvcache.AlignedMemory(int(layout.SlotsBytes)),
 		log: testLogger(io.Discard), metrics: h.nixl, epoch: t0, engineID: "self", instance: "inst-self",
 		host: "self-host", port: 5600, random: &countingReader{}, reqs: map[string]*reqState{},
-		remotes: map[remoteKey]*remoteRecord{}, counts: &counters{}, peers: peers,
+		remotes: map[remoteKey]*remoteRecord{}, counts: &counters{}, peers: peers, push: newPushState(),
 	}
 	if cfg.AuthToken != "" {
 		h.k.paramsKey = paramsMACKey(cfg.AuthToken)

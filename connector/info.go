@@ -9,6 +9,17 @@ type Info struct {
 	Role Role `json:"kv_role"`
 	// EngineID is engine_id (with several data-parallel ranks, rank 0's).
 	EngineID string `json:"engine_id"`
+	// RemoteHost, RemotePort and TPSize are what this engine puts into the kv_transfer_params
+	// it issues (remote_host, remote_port: its side channel; tp_size), so that a proxy sending
+	// both legs of a push at once can address the decoder to this prefiller before it answers.
+	RemoteHost string `json:"remote_host"`
+	RemotePort int    `json:"remote_port"`
+	TPSize     int    `json:"tp_size"`
+	// TransferMode is "push" (kv_connector NixlPushConnector) or "pull".
+	TransferMode string `json:"transfer_mode"`
+	// PushParked counts the push registrations waiting for their request (a push_id whose
+	// prefill has not finished here yet), at most 1024, each at most kv_lease_duration.
+	PushParked int `json:"push_registrations_parked"`
 	// Bidirectional is kv_connector_extra_config.bidirectional_kv_xfer.
 	Bidirectional bool `json:"bidirectional_kv_xfer"`
 	// AuthToken says whether an auth token is set (the config key or KVBRIDGE_KV_AUTH_TOKEN).
@@ -35,10 +46,13 @@ type Info struct {
 // Info returns what GET /v1/kv_transfer reports of this connector.
 func (c *Connector) Info() Info {
 	st := c.agent.Stats()
+	var parked int
+	c.locked(func() { parked = len(c.core.push.parked) })
 	return Info{
 		Connector: c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
+		RemoteHost: c.core.host, RemotePort: c.core.port, TPSize: 1, TransferMode: c.cfg.TransferMode(),
 		AuthToken: c.auth != nil, CompatibilityHash: c.hash, EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
 		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead,
-		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(),
+		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(), PushParked: parked,
 	}
 }

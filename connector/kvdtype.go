@@ -19,3 +19,20 @@ func (c *Connector) kvDTypeMismatch(id, remote string, err error) error {
 	}
 	return fmt.Errorf("%w: engine %s holds %s KV, this engine %s (%s)", ErrIncompatible, id, remote, local, why)
 }
+
+// transferModeMismatch returns err, or an error naming both transfer modes when remote (what
+// engine id reported in its handshake payload) differs from this engine's: a pull decoder
+// cannot read from a push prefiller's protocol and the other way round, so kv_connector must
+// be NixlPushConnector on both or on neither. The mode is part of the compatibility hash; this
+// names the cause of the mismatch, and refuses it even with enforce_handshake_compat off.
+func (c *Connector) transferModeMismatch(id, remote string, err error) error {
+	local := c.cfg.TransferMode()
+	if remote == "" || remote == local {
+		return err
+	}
+	const why = "P and D must both run kv_connector NixlPushConnector, or both NixlConnector/NixlPullConnector"
+	if err != nil {
+		return fmt.Errorf("%w; the transfer modes differ: engine %s runs transfer_mode %s, this engine %s (%s)", err, id, remote, local, why)
+	}
+	return fmt.Errorf("%w: engine %s runs transfer_mode %s, this engine %s (%s)", ErrIncompatible, id, remote, local, why)
+}

@@ -64,6 +64,20 @@ type Params struct {
 	LeaseSlot int
 	// MAC is the issuer's HMAC (hex), "" when absent.
 	MAC string
+	// PushID is push_id: the rendezvous a proxy that sends both legs at once gives a push
+	// prefiller and its decoder, "" when absent (push.go).
+	PushID string
+}
+
+// maxPushIDBytes bounds push_id.
+const maxPushIDBytes = 128
+
+// PushComplete reports whether p asks a push decoder to register its blocks with a producer:
+// do_remote_prefill, no remote_block_ids, the producer's engine id, host and port, and the
+// request to match — P's remote_request_id (the serial flow) or a push_id (both legs at once).
+func (p *Params) PushComplete() bool {
+	return p != nil && p.DoRemotePrefill && len(p.Blocks()) == 0 && p.RemoteEngineID != "" && p.RemoteHost != "" && p.RemotePort > 0 &&
+		(p.RemoteRequestID != "" || p.PushID != "")
 }
 
 // Blocks returns the first group's block ids.
@@ -126,6 +140,15 @@ func ParseParams(m map[string]any) (*Params, error) {
 	})
 	field(KeyLeaseSlot, func(v any) error { return asInt(v, &p.LeaseSlot, 0, math.MaxInt32) })
 	field(KeyMAC, func(v any) error { return asString(v, &p.MAC) })
+	field("push_id", func(v any) error {
+		if err := asString(v, &p.PushID); err != nil {
+			return err
+		}
+		if len(p.PushID) > maxPushIDBytes {
+			return fmt.Errorf("longer than %d bytes", maxPushIDBytes)
+		}
+		return nil
+	})
 	field(KeyBlockGenerations, func(v any) error {
 		list, ok := v.([]any)
 		if !ok {
@@ -226,6 +249,9 @@ func (p *Params) Map() map[string]any {
 	}
 	if p.MAC != "" {
 		m[KeyMAC] = p.MAC
+	}
+	if p.PushID != "" {
+		m["push_id"] = p.PushID
 	}
 	return m
 }

@@ -139,6 +139,7 @@ func (c *Connector) link(ctx context.Context, h handshakeJob) (*remoteLink, erro
 	r := &remoteLink{key: h.key, id: h.key.engine, addr: h.addr}
 	res, err := handshake(ctx, r.addr, r.id, c.hash, c.cfg.EnforceHandshakeCompat, 3, c.clockSeconds, c.auth)
 	err = c.kvDTypeMismatch(r.id, res.kvCacheDType, err)
+	err = c.transferModeMismatch(r.id, res.transferMode, err)
 	if err != nil {
 		if errors.Is(err, errServerProof) {
 			c.sideRefusals.Add(1)

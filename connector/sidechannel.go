@@ -2,6 +2,7 @@ package connector
 
 import (
 	"bufio"
+	"cmp"
 	"context"
 	"crypto/hmac"
 	"crypto/sha256"
@@ -107,6 +108,9 @@ type handshakePayload struct {
 	Error              string `msgpack:"error,omitempty"`
 	ErrorCode          string `msgpack:"error_code,omitempty"`
 	KVCacheDType       string `msgpack:"kv_cache_dtype,omitempty"`
+	// TransferMode is the server's transfer_mode ("push"; absent for pull), outside the hash,
+	// so that a mode mismatch is refused with both modes named, even with the check off.
+	TransferMode string `msgpack:"transfer_mode,omitempty"`
 }
 
 // CompatFactors are what two engines must agree on to exchange KV.
@@ -120,6 +124,9 @@ type CompatFactors struct {
 	// Quantization is the weights' quantization ("" or "int8", vLLM's --quantization): the
 	// KV a quantized model computes differs from the unquantized model's.
 	Quantization string
+	// TransferMode is "pull" (the default, when empty) or "push"; New sets it from the
+	// connector's Config.
+	TransferMode string
 }
 
 // CompatibilityHash returns the SHA-256 hex of the canonical JSON of the factors, the connector
@@ -135,7 +142,7 @@ func CompatibilityHash(f CompatFactors) string {
 		"num_hidden_layers":          f.NumLayers,
 		"cache_dtype":                f.CacheDType,
 		"quantization":               f.Quantization,
-		"transfer_mode":              "pull",
+		"transfer_mode":              cmp.Or(f.TransferMode, "pull"),
 	}
 	data, _ := json.Marshal(m) // map keys are sorted
 	sum := sha256.Sum256(data)
@@ -438,6 +445,9 @@ type handshakeResult struct {
 	// kvCacheDType is the producer's KV dtype ("" from a peer that does not say), also set
 	// when the hashes differ.
 	kvCacheDType string
+	// transferMode is the peer's transfer_mode ("pull" when it does not say), also set when
+	// the hashes differ.
+	transferMode string
 }
 
 // handshake fetches a producer's metadata from addr, checks the compatibility hash (unless
@@ -504,7 +514,7 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 		}
 	}
 	if enforce && payload.CompatibilityHash != localHash {
-		return handshakeResult{kvCacheDType: payload.KVCacheDType}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same --dtype, --quantization, --kv-cache-dtype and KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
+		return handshakeResult{kvCacheDType: payload.KVCacheDType, transferMode: cmp.Or(payload.TransferMode, "pull")}, fmt.Errorf("%w: NIXL compatibility hash mismatch. Local: %s, Remote: %s (engines must serve the same model with the same --dtype, --quantization, --kv-cache-dtype and KV shape; set kv_connector_extra_config.enforce_handshake_compat=false to skip this check)",
 			ErrIncompatible, localHash, payload.CompatibilityHash)
 	}
 	var meta agentMetadata
@@ -519,5 +529,5 @@ func handshake(ctx context.Context, addr, wantEngine, localHash string, enforce 
 	if meta.EngineID != wantEngine {
 		return handshakeResult{}, fmt.Errorf("%w: Remote NIXL agent engine ID mismatch. Expected %s, received %s", ErrIncompatible, wantEngine, meta.EngineID)
 	}
-	return handshakeResult{meta: meta, offset: offset, kvCacheDType: payload.KVCacheDType}, nil
+	return handshakeResult{meta: meta, offset: offset, kvCacheDType: payload.KVCacheDType, transferMode: cmp.Or(payload.TransferMode, "pull")}, nil
 }

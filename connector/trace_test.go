@@ -51,10 +51,25 @@ import (
 //	evict blocks=N                                 the EvictHolds hook
 //	decline params=X                               params of a request refused before the engine
 //	state                                          remote records, leases, counts, free blocks
+//
+// Push mode (core … push: kv_connector NixlPushConnector):
+//
+//	add … params=push:X                            D's params of the serial flow, from X's
+//	add … params=push-to:P [push-id=ID]            D's params naming core P, both legs at once
+//	add … params=template push-id=ID               P's leg with a push_id
+//	register id=d1 from=D on=P [peer=…] [inc=1]    D's last registration for d1 is sent (D
+//	                                               records P's agent) and reaches P, from D's
+//	                                               agent unless peer/inc say otherwise
+//	push-ended id=p1 to=D [err=TEXT] [wrong-sender] P's write of p1 ended; its completion (or
+//	    [from=AGENT]                               failure) reaches D, unless wrong-sender (from
+//	                                               AGENT instead of P's agent)
+//	deliver-notices to=D                           P's failure notices reach D
+//	abort id=p1                                    the request is aborted (its client left)
 func TestCoreTraces(t *testing.T) {
 	datadriven.Walk(t, "testdata/core", func(t *testing.T, path string) {
 		tr := &traceRun{t: t, cores: map[string]*coreHarness{}, params: map[string]map[string]any{},
-			loads: map[string]loadJob{}, releases: map[string]string{}, tokens: map[string][]int32{}}
+			loads: map[string]loadJob{}, releases: map[string]string{}, tokens: map[string][]int32{},
+			registers: map[string]registerJob{}, pushes: map[string]pushJob{}}
 		datadriven.RunTest(t, path, tr.run)
 	})
 }
@@ -69,6 +84,10 @@ type traceRun struct {
 	loads    map[string]loadJob        // by request id: its last load
 	releases map[string]string         // by lease (the owner's request id): the last release sent for it
 	tokens   map[string][]int32        // by request id: the tokens it finished with
+
+	registers map[string]registerJob // by D's request id: its last registration
+	pushes    map[string]pushJob     // by P's request id: its last push
+	notices   []pushNotice           // P's failure notices not delivered yet
 }
 
 // run executes one command.
@@ -156,7 +175,7 @@ func (tr *traceRun) run(t *testing.T, d *datadriven.TestData) string {
 		var inc uint64
 		d.ScanArgs(t, "peer", &peer)
 		d.ScanArgs(t, "inc", &inc)
-		h.k.peerLost(peer, inc)
+		h.k.peerLost(peer, inc, h.now)
 	case "forget":
 		var key string
 		d.ScanArgs(t, "key", &key)
@@ -183,6 +202,27 @@ func (tr *traceRun) run(t *testing.T, d *datadriven.TestData) string {
 		h.k.decline(tr.params[id], h.now)
 	case "state":
 		return tr.state(h)
+	case "abort":
+		var id string
+		d.ScanArgs(t, "id", &id)
+		ev, ok := h.sched.Finish(id, engine.StatusFinishedAborted, h.now)
+		if !ok {
+			d.Fatalf(t, "%s is not live", id)
+		}
+		tr.finished(t, ev, &out)
+	case "register":
+		return tr.register(t, d, h)
+	case "push-ended":
+		return tr.pushEnded(t, d, h)
+	case "deliver-notices":
+		var to string
+		d.ScanArgs(t, "to", &to)
+		dh := tr.cores[to]
+		for _, n := range tr.notices {
+			dh.k.pushMessage("kvbridge-"+h.k.engineID, 1, string(n.msg), dh.now)
+		}
+		tr.notices = nil
+		return labelled(to, tr.perform(t, dh))
 	default:
 		d.Fatalf(t, "unknown command %q", d.Cmd)
 	}
@@ -206,7 +246,11 @@ func (tr *traceRun) newCore(t *testing.T, d *datadriven.TestData) string {
 	if d.HasArg("policy") {
 		d.ScanArgs(t, "policy", &policy)
 	}
-	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"`+role+`","kv_load_failure_policy":"`+policy+`","kv_connector_extra_config":`+extra+`}`)
+	connector := "NixlConnector"
+	if d.HasArg("push") {
+		connector = "NixlPushConnector"
+	}
+	h := newCoreHarness(t, `{"kv_connector":"`+connector+`","kv_role":"`+role+`","kv_load_failure_policy":"`+policy+`","kv_connector_extra_config":`+extra+`}`)
 	h.k.engineID, h.k.instance, h.k.host, h.k.port = engineID, "i"+name, name+"-host", 1
 	h.now = t0.Add(tr.now)
 	tr.cores[name], tr.last = h, name
@@ -265,6 +309,17 @@ func (tr *traceRun) add(t *testing.T, d *datadriven.TestData, h *coreHarness) {
 	case "first-turn":
 		kv = map[string]any{"do_remote_prefill": true}
 	default:
+		if x, ok := strings.CutPrefix(from, "push:"); ok {
+			p := tr.paramsOf(t, d, x)
+			kv = map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": p.RemoteEngineID,
+				"remote_request_id": p.RemoteRequestID, "remote_host": p.RemoteHost, "remote_port": float64(p.RemotePort), "tp_size": float64(1)}
+			break
+		}
+		if name, ok := strings.CutPrefix(from, "push-to:"); ok {
+			kv = map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": name,
+				"remote_host": name + "-host", "remote_port": float64(1), "tp_size": float64(1)}
+			break
+		}
 		kv = viaJSON(t, tr.paramsOf(t, d, from).Map())
 		if d.HasArg("as") { // the multi-turn proxy sends D's params to P as a prefill's
 			kv["do_remote_decode"], kv["do_remote_prefill"] = true, false
@@ -274,6 +329,11 @@ func (tr *traceRun) add(t *testing.T, d *datadriven.TestData, h *coreHarness) {
 			d.ScanArgs(t, "host", &host)
 			kv["remote_host"] = host
 		}
+	}
+	if d.HasArg("push-id") {
+		var pid string
+		d.ScanArgs(t, "push-id", &pid)
+		kv["push_id"] = pid
 	}
 	tokens := ids(int32(prompt))
 	if d.HasArg("continues") {
@@ -383,6 +443,13 @@ func (tr *traceRun) perform(t *testing.T, h *coreHarness) string {
 		for _, n := range a.notifies {
 			tr.releases[n.params.RemoteRequestID] = string(n.msg)
 		}
+		for _, j := range a.registers {
+			tr.registers[j.id] = j
+		}
+		for _, j := range a.pushes {
+			tr.pushes[j.id] = j
+		}
+		tr.notices = append(tr.notices, a.pushNotices...)
 		for _, id := range a.release {
 			h.sched.ReleaseDelayed(id)
 		}
@@ -434,4 +501,69 @@ func (tr *traceRun) state(h *coreHarness) string {
 	}
 	fmt.Fprintf(&b, "blocks free: %d of %d\n", h.pool.NumFree(), h.pool.NumBlocks())
 	return b.String()
+}
+
+// labelled prefixes each line of text with "name> " (what another core than the command's did).
+func labelled(name, text string) string {
+	var b strings.Builder
+	for line := range strings.Lines(text) {
+		b.WriteString(name + "> " + line)
+	}
+	return b.String()
+}
+
+// register sends D's last registration for a request: D records P's agent (as the worker does
+// once the handshake is done), then the registration reaches P.
+func (tr *traceRun) register(t *testing.T, d *datadriven.TestData, h *coreHarness) string {
+	var id, from string
+	d.ScanArgs(t, "id", &id)
+	d.ScanArgs(t, "from", &from)
+	j, ok := tr.registers[id]
+	dh := tr.cores[from]
+	if !ok || dh == nil {
+		d.Fatalf(t, "core %s sent no registration for %s", from, id)
+	}
+	peer, inc := "kvbridge-"+dh.k.engineID, uint64(1)
+	if d.HasArg("peer") {
+		d.ScanArgs(t, "peer", &peer)
+	}
+	if d.HasArg("inc") {
+		d.ScanArgs(t, "inc", &inc)
+	}
+	var out strings.Builder
+	if !j.cancel && !dh.k.pushRegistered(j.id, j.nonce, "kvbridge-"+h.k.engineID, 1) {
+		out.WriteString(labelled(from, "no longer waits: not sent\n"))
+		return out.String()
+	}
+	out.WriteString(labelled(from, tr.perform(t, dh)))
+	h.k.pushMessage(peer, inc, string(j.msg), h.now)
+	return out.String() + tr.perform(t, h)
+}
+
+// pushEnded ends P's last push of a request and delivers its completion to D.
+func (tr *traceRun) pushEnded(t *testing.T, d *datadriven.TestData, h *coreHarness) string {
+	var id, to string
+	d.ScanArgs(t, "id", &id)
+	d.ScanArgs(t, "to", &to)
+	j, ok := tr.pushes[id]
+	dh := tr.cores[to]
+	if !ok || dh == nil {
+		d.Fatalf(t, "no push of %s towards %s", id, to)
+	}
+	wrong := d.HasArg("wrong-sender")
+	h.k.pushEnded(id, wrong)
+	out := tr.perform(t, h)
+	if wrong {
+		return out
+	}
+	done := pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest}
+	if d.HasArg("err") {
+		d.ScanArgs(t, "err", &done.Error)
+	}
+	from := "kvbridge-" + h.k.engineID
+	if d.HasArg("from") {
+		d.ScanArgs(t, "from", &from)
+	}
+	dh.k.pushMessage(from, 1, string(encodePush(pushDonePrefix, done)), dh.now)
+	return out + labelled(to, tr.perform(t, dh))
 }

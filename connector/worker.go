@@ -27,7 +27,11 @@ func (c *Connector) worker() {
 			if !ok {
 				return
 			}
-			c.event(func(k *core) { k.notification(n.Peer, string(n.Msg), c.now()) })
+			c.event(func(k *core) {
+				if !k.pushMessage(n.Peer, n.Incarnation, string(n.Msg), c.now()) {
+					k.notification(n.Peer, string(n.Msg), c.now())
+				}
+			})
 		case <-c.tick:
 			c.event(func(k *core) { k.tick(c.now()) })
 		}
@@ -40,6 +44,8 @@ type batch struct {
 	closed bool      // the connector is closing: start no goroutine
 	sched  Scheduler // nil before Start
 	waits  []*flight // the handshake each of loads waits for before reading, or nil
+	// regWaits: the handshake each of registers waits for before sending, or nil
+	regWaits []*flight
 }
 
 // event hands the core one event (f, which may also touch what c.mu guards) and performs the
@@ -61,7 +67,7 @@ func (c *Connector) apply(f func(k *core)) batch {
 // progress.
 func (c *Connector) takeLocked() batch {
 	b := batch{actions: c.core.take(), closed: c.closed, sched: c.sched}
-	if n := len(b.handshakes) + len(b.loads) + len(b.notifies); !b.closed && n > 0 {
+	if n := len(b.handshakes) + len(b.loads) + len(b.notifies) + len(b.registers) + len(b.pushes) + len(b.pushNotices); !b.closed && n > 0 {
 		c.wg.Add(n)
 	}
 	for _, j := range b.loads {
@@ -70,6 +76,13 @@ func (c *Connector) takeLocked() batch {
 			f = c.flightLocked(j.handshake)
 		}
 		b.waits = append(b.waits, f)
+	}
+	for _, j := range b.registers {
+		var f *flight
+		if j.awaiting {
+			f = c.flightLocked(j.handshake)
+		}
+		b.regWaits = append(b.regWaits, f)
 	}
 	return b
 }
@@ -91,6 +104,22 @@ func (c *Connector) perform(b batch) {
 	}
 	for _, n := range b.notifies {
 		c.spawn(b.closed, func() { c.notify(n) }, nil)
+	}
+	for i, j := range b.registers {
+		f := b.regWaits[i]
+		c.spawn(b.closed, func() { c.runRegister(j, f) }, func() {
+			c.event(func(k *core) { k.pushFailed(j.id, j.nonce, transfer.ErrClosed, c.now()) })
+		})
+	}
+	for _, j := range b.pushes {
+		c.spawn(b.closed, func() {
+			if !c.handOverPush(j) {
+				c.runPush(j)
+			}
+		}, func() { c.event(func(k *core) { k.pushEnded(j.id, false) }) })
+	}
+	for _, n := range b.pushNotices {
+		c.spawn(b.closed, func() { c.sendPushNotice(n) }, nil)
 	}
 	if b.holdsExpired > 0 {
 		since := "since the engine started"
@@ -181,7 +210,7 @@ func (c *Connector) notify(n notice) {
 // peerLost is the transfer agent's OnPeerLost hook: the control connection to a producer's
 // agent ended (see core.peerLost).
 func (c *Connector) peerLost(name string, inc uint64) {
-	c.event(func(k *core) { k.peerLost(name, inc) })
+	c.event(func(k *core) { k.peerLost(name, inc, c.now()) })
 }
 
 // forget drops the record of l's engine incarnation if l is still its link, invalidating its
@@ -193,6 +222,13 @@ func (c *Connector) forget(l *remoteLink) {
 // authorizeRead is the transfer agent's AuthorizeRead hook (see core.authorizeRead).
 func (c *Connector) authorizeRead(_ string, tag []byte, descs []transfer.Desc) (err error) {
 	c.event(func(k *core) { err = k.authorizeRead(tag, descs) })
+	return err
+}
+
+// authorizeWrite is the transfer agent's AuthorizeWrite hook in push mode (see
+// core.authorizeWrite).
+func (c *Connector) authorizeWrite(peer string, descs []transfer.Desc) (err error) {
+	c.event(func(k *core) { err = k.authorizeWrite(peer, descs) })
 	return err
 }
 

@@ -64,6 +64,15 @@ type HoldEvicter interface {
 	EvictHolds(blocks int) []string
 }
 
+// LayerStreamer is implemented by connectors that send a prefill's KV layer by layer while it
+// is computed (push mode with push_layerwise). Before each forward step the engine, on its step
+// loop, calls StreamStep with the step's work and the requests its plan preempted; a non-nil
+// result is called on the step loop after each layer of that step (model.LayerObserver) and must
+// not block: it may only hand the layer's blocks to the connector's own goroutines.
+type LayerStreamer interface {
+	StreamStep(work []Work, preempted []*Sequence) func(layer int)
+}
+
 // NoConnector is the Connector of an engine without KV transfer: nothing external, nothing held.
 type NoConnector struct{}
 

@@ -501,7 +501,13 @@ func (e *Engine) step(plan Plan) {
 		}
 	}
 	e.steps++
-	if err := e.m.ForwardRanks(e.ctx, e.kv, e.cfg.BlockSize, seqs); err != nil {
+	kv := e.kv
+	if ls, ok := e.cfg.Connector.(LayerStreamer); ok {
+		if done := ls.StreamStep(plan.Work, plan.Preempted); done != nil {
+			kv = []model.KVBlocks{layerStore{e.pool, done}} // one rank: P/D needs TP 1 for now
+		}
+	}
+	if err := e.m.ForwardRanks(e.ctx, kv, e.cfg.BlockSize, seqs); err != nil {
 		if e.ctx.Err() != nil {
 			return // closing: the loop aborts everything next
 		}
@@ -726,3 +732,13 @@ func splitmix64(x uint64) uint64 {
 	x = (x ^ (x >> 27)) * 0x94d049bb133111eb
 	return x ^ (x >> 31)
 }
+
+// layerStore is the pool with a model.LayerObserver: a connector's LayerStreamer told of each
+// layer of a step as it is computed.
+type layerStore struct {
+	*kvcache.Pool
+	done func(layer int)
+}
+
+// LayerDone implements model.LayerObserver.
+func (s layerStore) LayerDone(layer int) { s.done(layer) }

@@ -87,6 +87,14 @@ func grow[T any](s []T, n int) []T {
 	return s[:n]
 }
 
+// LayerObserver may be implemented by the KV store given to Forward: LayerDone(l) is called on
+// Forward's goroutine after layer l of the step wrote its keys and values of every sequence's
+// tokens into the blocks (a connector streams them while the next layers compute). It must not
+// block. A model on several tensor-parallel ranks refuses one (for now: push P/D needs TP 1).
+type LayerObserver interface {
+	LayerDone(layer int)
+}
+
 // Forward runs one batched step over seqs. blockSize is the KV block size in tokens.
 //
 // For every sequence it writes the KV of Tokens (positions Start..Start+len-1) into the blocks
@@ -137,12 +145,16 @@ func (m *Model) ForwardRanks(ctx context.Context, kvs []KVBlocks, blockSize int,
 	m.planAttention(w, seqs)
 	defer w.release()
 
+	obs, _ := kvs[0].(LayerObserver)
 	for l := range m.layer {
 		if err = ctx.Err(); err != nil {
 			return err
 		}
 		m.resolveViews(w, kvs[0], l, blockSize, seqs)
 		m.layerStep(w, &m.layer[l], seqs, blockSize, total)
+		if obs != nil {
+			obs.LayerDone(l)
+		}
 	}
 	m.logitsStep(w, seqs, func(rows []logitRow, logits []float32) {
 		m.normRows(w.h, w.x, rows)
@@ -162,6 +174,9 @@ func (m *Model) checkStep(kvs []KVBlocks, blockSize int, seqs []Seq) (int, error
 		return 0, fmt.Errorf("%w: %d KV stores for a model on %d tensor-parallel ranks", ErrBadInput, len(kvs), m.TensorParallelSize())
 	}
 	for _, kv := range kvs {
+		if _, ok := kv.(LayerObserver); ok && m.tp != nil {
+			return 0, fmt.Errorf("%w: a layer observer (%T) needs one rank; the model runs on %d", ErrBadInput, kv, len(kvs))
+		}
 		if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
 			return 0, fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
 		}

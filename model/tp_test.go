@@ -230,6 +230,10 @@ func TestTensorParallelFailuresEndTheStep(t *testing.T) {
 	if err := m.Forward(t.Context(), kvs[0], 4, []Seq{{Tokens: []int32{1}, Blocks: []int32{1}}}); !errors.Is(err, ErrBadInput) {
 		t.Fatalf("Forward with one store at TP 2: err = %v", err)
 	}
+	observed := []KVBlocks{layerCounter{KVBlocks: kvs[0]}, kvs[1]}
+	if err := m.ForwardRanks(t.Context(), observed, 4, []Seq{{Tokens: []int32{1}, Blocks: []int32{1}}}); !errors.Is(err, ErrBadInput) || !strings.Contains(err.Error(), "layer observer") {
+		t.Fatalf("a layer observer at TP 2: err = %v", err)
+	}
 	requireSameRuns(t, "after failures", tpScenario(t, openTiny(t), false), tpScenario(t, m, false))
 	if err := m.Close(); err != nil {
 		t.Fatal(err)
@@ -252,3 +256,8 @@ func (c *cancelOnView) HeadView(layer, block, head int) (k, v []float32, stride 
 	c.lastLayer.Store(int32(layer))
 	return c.KVBlocks.HeadView(layer, block, head)
 }
+
+// layerCounter is a KV store that is a LayerObserver.
+type layerCounter struct{ KVBlocks }
+
+func (layerCounter) LayerDone(int) {}

@@ -38,6 +38,12 @@ type decodeOptions struct {
 	// sawUsage, if set, sees the usage of D's successful answer when it has one (a JSON
 	// answer's, or a stream's usage chunk), before the client gets its end.
 	sawUsage func(map[string]any)
+	// lazyHeader holds a stream's response headers back until its first event (or its end), so
+	// that a leg cancelled before D said anything leaves the client's response untouched (the
+	// concurrent push flow answers P's failure then).
+	lazyHeader bool
+	// beforeHeader, if set, may add to the client's response headers just before they go out.
+	beforeHeader func(http.Header)
 }
 
 // decode runs the D leg and relays its answer, whatever its status (vllm#23981), without D's
@@ -103,6 +109,9 @@ func (d *decodeRelay) body(resp *http.Response) error {
 	if o.first != nil {
 		o.first()
 	}
+	if o.beforeHeader != nil {
+		o.beforeHeader(w.Header())
+	}
 	copyHeaders(w, resp, d.reqID)
 	w.Header().Del("Content-Length")
 	w.WriteHeader(resp.StatusCode)
@@ -114,9 +123,22 @@ func (d *decodeRelay) body(resp *http.Response) error {
 func (d *decodeRelay) stream(resp *http.Response) error {
 	l, w, o := d.l, d.w, d.o
 	out := newSSEWriter(w)
-	copyHeaders(w, resp, d.reqID)
-	w.WriteHeader(http.StatusOK)
-	_ = out.rc.Flush()
+	committed := false
+	commit := func() { // the client's status and headers
+		if committed {
+			return
+		}
+		committed = true
+		if o.beforeHeader != nil {
+			o.beforeHeader(w.Header())
+		}
+		copyHeaders(w, resp, d.reqID)
+		w.WriteHeader(http.StatusOK)
+		_ = out.rc.Flush()
+	}
+	if !o.lazyHeader {
+		commit()
+	}
 	ir := newIdleReader(resp.Body, l.cfg.IdleTimeout, d.cancel)
 	defer ir.close()
 	events := newEventReader(ir)
@@ -137,6 +159,7 @@ func (d *decodeRelay) stream(resp *http.Response) error {
 			l.cfg.Logger.Warn("proxy decode stream ended early", "instance", d.inst.String(), "request_id", d.reqID, "err", err)
 			// The 200 is gone: end the stream the way an engine does, so the client sees an
 			// error rather than a truncated success.
+			commit()
 			writeSSEError(w, "decode stream ended early: "+err.Error())
 			_ = out.rc.Flush()
 			return err
@@ -152,6 +175,7 @@ func (d *decodeRelay) stream(resp *http.Response) error {
 				o.first()
 				o.first = nil
 			}
+			commit()
 			if err := out.event(data); err != nil {
 				return err
 			}
@@ -162,6 +186,7 @@ func (d *decodeRelay) stream(resp *http.Response) error {
 	if o.done != nil {
 		o.done(ans)
 	}
+	commit()
 	if err := out.event(doneData); err != nil {
 		return nil // the client left at [DONE], as most clients do
 	}

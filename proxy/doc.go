@@ -28,6 +28,12 @@
 // usage says it pulled nothing — in /healthcheck (and the multi-turn proxy's /metrics), and warn
 // once per instance a minute with the likely cause (transferwatch.go); `kvbridge check` reads them.
 //
+// Both proxies also run vLLM's push mode (NixlPushConnector: D registers its blocks with P, P
+// WRITEs the KV): transfermode.go picks the flow per prefill engine from its GET
+// /v1/kv_transfer or Config.TransferMode, and push.go runs it — both legs at once, tied by a
+// push_id the proxy draws (ai-dynamo/dynamo #13311's flow), or vLLM's toy push proxy's serial
+// flow. The multi-turn proxy pushes only turns that pull nothing from D.
+//
 // Where the Python proxies fall short, this one does better: D's status reaches the client (not a
 // 200 with a truncated body), a failed P leg is a 502 with a JSON error code, SSE is relayed event
 // by event with flushes, a client that goes away cancels both legs — until the proxy writes
@@ -38,4 +44,10 @@
 // /health) keeps the toy proxy's 200 JSON and adds each engine's state from a probe of its
 // /health and the store's from a Redis PING; /ready answers 503 when no prefiller, no decoder or
 // the store answers.
+//
+// Engines are chosen as vLLM's toy proxy does, round-robin, or (route.go) by load, or by KV: with
+// the prefillers' KV cache events (kvsub.go, decoded from vLLM's schema) the proxy keeps an index
+// of the block hashes each holds (kvindex.go) and sends a prompt to the prefiller holding the
+// longest prefix of its block-hash chain, weighted by load; it never fails a request for want of
+// an index or of tokens.
 package proxy

@@ -40,6 +40,9 @@ type healthProber struct {
 	prefill, decode []Instance
 	ping            func(context.Context) error // the store's check; nil without one
 	interval        time.Duration
+	// recovered, when set, hears of a prefiller whose /health failed at one probe and answers at
+	// the next: it restarted (or was unreachable for a while), so its cache is not what it was.
+	recovered func(Instance)
 
 	mu   sync.Mutex // held across a probe: concurrent requests share one
 	at   time.Time
@@ -69,6 +72,13 @@ func (h *healthProber) report(ctx context.Context) healthReport {
 		wg.Go(func() { rep.store = h.ping(ctx) })
 	}
 	wg.Wait()
+	if h.recovered != nil && len(h.last.prefill) == len(rep.prefill) {
+		for i, st := range rep.prefill {
+			if st.Up && !h.last.prefill[i].Up {
+				h.recovered(h.prefill[i])
+			}
+		}
+	}
 	h.last, h.at = rep, time.Now()
 	return rep
 }

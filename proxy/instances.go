@@ -4,9 +4,7 @@ import (
 	"fmt"
 	"net"
 	"net/url"
-	"slices"
 	"strconv"
-	"sync/atomic"
 )
 
 // Instance is one engine the proxy routes to.
@@ -53,18 +51,4 @@ func Pairs(role string, hosts []string, ports []int) ([]Instance, error) {
 		out[i] = inst
 	}
 	return out, nil
-}
-
-// roundRobin hands out instances in turn; safe for concurrent use.
-type roundRobin struct {
-	list []Instance
-	next atomic.Uint64
-}
-
-// has reports whether inst is one of the instances the proxy was configured with.
-func (r *roundRobin) has(inst Instance) bool { return slices.Contains(r.list, inst) }
-
-func (r *roundRobin) pick() Instance {
-	n := r.next.Add(1) - 1
-	return r.list[n%uint64(len(r.list))]
 }

@@ -15,8 +15,11 @@ import (
 
 // Config configures a proxy. Prefill and Decode must not be empty.
 type Config struct {
-	// Prefill and Decode are the engines, chosen round-robin with independent cursors.
+	// Prefill and Decode are the engines, chosen as Routing says (default round-robin with
+	// independent cursors).
 	Prefill, Decode []Instance
+	// Routing is the choice of engines (route.go).
+	Routing RoutingConfig
 	// APIKey, when set, is sent as "Authorization: Bearer <key>" to engines when the client sent no
 	// Authorization header of its own (the Python proxies read $OPENAI_API_KEY).
 	APIKey string
@@ -39,6 +42,11 @@ type Config struct {
 	WriteTimeout time.Duration
 	// Transport carries the engine legs; nil uses a dedicated http.Transport.
 	Transport http.RoundTripper
+	// TransferMode is how the KV moves from P to D (transfermode.go): TransferAuto (""), the
+	// default, decides per prefill engine from its GET /v1/kv_transfer; TransferPull,
+	// TransferPush (both legs at once) and TransferPushSerial (vLLM's toy push proxy) force a
+	// flow. The multi-turn proxy pushes only the turns that pull nothing from D.
+	TransferMode TransferMode
 	// HealthInterval is how long one probe of the engines' /health (and the store) answers the
 	// health and readiness routes before the next request probes again. Default
 	// DefaultHealthInterval.
@@ -84,6 +92,11 @@ func (c *Config) defaults() error {
 	if c.WriteTimeout <= 0 {
 		c.WriteTimeout = DefaultWriteTimeout
 	}
+	mode, err := ParseTransferMode(string(c.TransferMode))
+	if err != nil {
+		return fmt.Errorf("proxy: %w", err)
+	}
+	c.TransferMode = mode
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -104,13 +117,15 @@ type legs struct {
 	cfg    Config
 	client *http.Client
 	watch  *transferWatch // requests that ended without a KV transfer
+	infos  *engineInfos   // prefill engines' GET /v1/kv_transfer, for the push flows
 	// stalled counts the responses whose client took no write within cfg.WriteTimeout.
 	stalled atomic.Int64
 }
 
 // newLegs returns the legs of a proxy for cfg (its defaults applied).
 func newLegs(cfg Config) legs {
-	return legs{cfg: cfg, client: &http.Client{Transport: cfg.Transport}, watch: newTransferWatch(cfg.Logger)}
+	client := &http.Client{Transport: cfg.Transport}
+	return legs{cfg: cfg, client: client, watch: newTransferWatch(cfg.Logger), infos: newEngineInfos(client, cfg.APIKey)}
 }
 
 // legError is a failed leg, with what the client should be told.
@@ -121,7 +136,15 @@ type legError struct {
 	msg    string
 }
 
-func (e *legError) Error() string { return fmt.Sprintf("%d %s: %s", e.status, e.code, e.msg) }
+func (e *legError) Error() string { return fmt.Sprintf("%d %s: %s", e.status, e.code, e.message()) }
+
+// message is what went wrong: the proxy's words, or the engine's error body.
+func (e *legError) message() string {
+	if e.body != nil {
+		return fmt.Sprintf("the engine answered %d: %s", e.status, truncate(e.body, 300))
+	}
+	return e.msg
+}
 
 // write answers the client with the error.
 func (e *legError) write(w http.ResponseWriter) {
@@ -168,25 +191,27 @@ type prefillResult struct {
 }
 
 // prefill runs the P leg to completion. A 4xx from P is the client's fault and is relayed as is;
-// a 5xx, a transport failure or an unreadable answer is a 502 prefill_request_failed.
-func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body) (prefillResult, *legError) {
+// a 5xx, a transport failure or an unreadable answer is a 502 prefill_request_failed. replay
+// lets the transport send the leg again on a fresh connection (see post); a push's leg, whose
+// push_id must reach P once, is not replayed.
+func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, hdr http.Header, b body, replay bool) (prefillResult, *legError) {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
-	resp, err := l.post(ctx, inst, path, reqID, hdr, b, true)
+	resp, err := l.post(ctx, inst, path, reqID, hdr, b, replay)
 	if err != nil {
-		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: %v", inst, err)})
+		return prefillResult{}, l.failPrefill(ctx, inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: %v", inst, err)})
 	}
 	defer resp.Body.Close()
 	data, err := readAllIdle(resp.Body, l.cfg.IdleTimeout, cancel)
 	if err != nil {
 		err = legCause(ctx, err)
-		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: reading the response: %v", inst, err)})
+		return prefillResult{}, l.failPrefill(ctx, inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: reading the response: %v", inst, err)})
 	}
 	if resp.StatusCode >= 400 && resp.StatusCode < 500 {
 		return prefillResult{}, &legError{status: resp.StatusCode, body: data}
 	}
 	if resp.StatusCode/100 != 2 {
-		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s answered %d: %s", inst, resp.StatusCode, truncate(data, 300))})
+		return prefillResult{}, l.failPrefill(ctx, inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s answered %d: %s", inst, resp.StatusCode, truncate(data, 300))})
 	}
 	var out struct {
 		KV    map[string]any `json:"kv_transfer_params"`
@@ -195,9 +220,18 @@ func (l *legs) prefill(ctx context.Context, inst Instance, path, reqID string, h
 	dec := json.NewDecoder(bytes.NewReader(data))
 	dec.UseNumber()
 	if err := dec.Decode(&out); err != nil {
-		return prefillResult{}, l.fail("prefill", inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: response is not JSON: %v", inst, err)})
+		return prefillResult{}, l.failPrefill(ctx, inst, reqID, &legError{status: http.StatusBadGateway, code: codePrefillFailed, msg: fmt.Sprintf("prefill instance %s: response is not JSON: %v", inst, err)})
 	}
 	return prefillResult{params: out.KV, usage: out.Usage}, nil
+}
+
+// failPrefill logs a failed P leg, unless the push flow cancelled it because D's leg failed
+// (not a failure of P's).
+func (l *legs) failPrefill(ctx context.Context, inst Instance, reqID string, e *legError) *legError {
+	if errors.Is(context.Cause(ctx), errDecodeEnded) {
+		return e
+	}
+	return l.fail("prefill", inst, reqID, e)
 }
 
 func (l *legs) fail(leg string, inst Instance, reqID string, e *legError) *legError {

@@ -71,7 +71,7 @@ const (
 // pulls the conversation's KV from D.
 type MultiTurn struct {
 	legs
-	p, d    roundRobin
+	route   *router
 	cache   *ConversationCache // the in-memory store, or nil
 	redis   *redisStore        // the Redis store, or nil
 	store   conversationStore
@@ -109,8 +109,6 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	}
 	mt := &MultiTurn{
 		legs:      newLegs(cfg.Config),
-		p:         roundRobin{list: cfg.Prefill},
-		d:         roundRobin{list: cfg.Decode},
 		require:   cfg.RequireConversationID,
 		mux:       http.NewServeMux(),
 		reg:       prometheus.NewRegistry(),
@@ -135,6 +133,10 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	}
 	var err error
 	if mt.sealer, err = newSealer(cfg.StoreKey); err != nil {
+		_ = mt.store.close()
+		return nil, err
+	}
+	if mt.route, err = newRouter(cfg.Config, mt.reg); err != nil {
 		_ = mt.store.close()
 		return nil, err
 	}
@@ -194,7 +196,7 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	mt.handler = httpdeadline.Bound(mt.mux, mt.legs.cfg.WriteTimeout, func() { mt.stalled.Add(1) })
 	mt.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/completions", false) })
 	mt.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { mt.handle(w, r, "/v1/chat/completions", true) })
-	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
+	mt.health = healthProber{client: mt.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval, recovered: mt.route.engineRestarted}
 	if mt.redis != nil {
 		mt.health.ping = mt.redis.ping
 	}
@@ -202,7 +204,9 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 	mt.mux.HandleFunc("GET /healthcheck", mt.handleHealth)
 	mt.mux.HandleFunc("GET /ready", mt.handleReady)
 	mt.mux.Handle("GET /metrics", promhttp.HandlerFor(mt.reg, promhttp.HandlerOpts{}))
-	mt.mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) { relayGet(w, r, &mt.legs, mt.d.pick(), "/v1/models") })
+	mt.mux.HandleFunc("GET /v1/models", func(w http.ResponseWriter, r *http.Request) {
+		relayGet(w, r, &mt.legs, mt.route.d.list[mt.route.d.roundRobin()], "/v1/models")
+	})
 	mt.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "NotFoundError", "not_found", fmt.Sprintf("%s %s is not a route of this proxy", r.Method, r.URL.Path))
 	})
@@ -212,9 +216,10 @@ func NewMultiTurn(cfg MultiTurnConfig) (*MultiTurn, error) {
 // ServeHTTP implements http.Handler.
 func (mt *MultiTurn) ServeHTTP(w http.ResponseWriter, r *http.Request) { mt.handler.ServeHTTP(w, r) }
 
-// Close releases idle connections to the engines and the store's connections. It is
-// idempotent.
+// Close stops the KV event subscribers and releases idle connections to the engines and the
+// store's connections. It is idempotent.
 func (mt *MultiTurn) Close() error {
+	mt.route.close()
 	if t, ok := mt.cfg.Transport.(interface{ CloseIdleConnections() }); ok {
 		t.CloseIdleConnections()
 	}
@@ -357,20 +362,20 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 	if conv == "" {
 		mt.cfg.Logger.Warn("No conversation_id provided — KV cache reuse disabled for this request", "request_id", reqID)
 	}
-	pInst, dInst := mt.p.pick(), mt.d.pick()
+	var dInst Instance
 	pparams, cacheState := prefillTemplate(), "off"
 	if conv != "" {
 		cacheState = "miss"
 		// A turn is reused only when the history continues and its decoder is one of ours: an
 		// entry from a shared store (Redis) naming another host is not trusted with the
 		// client's request (nor with its Authorization header), whoever wrote it.
-		if t, found := mt.takeTurn(r.Context(), conv); found && t.continues(b) && mt.d.has(t.decoder) {
+		if t, found := mt.takeTurn(r.Context(), conv); found && t.continues(b) && mt.route.d.has(t.decoder) {
 			cacheState = "hit"
 			pparams = maps.Clone(t.params)
 			pparams["do_remote_decode"] = true
 			pparams["do_remote_prefill"] = false
 			if mt.healthy(t.decoder) {
-				dInst = t.decoder // the decoder that holds the conversation decodes again
+				dInst = t.decoder // the decoder that holds the conversation decodes again; else by load
 			}
 			mt.m.hits.Inc()
 		} else {
@@ -380,7 +385,64 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 			mt.m.misses.Inc()
 		}
 	}
-	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams))
+	pInst, pDone := mt.route.pickPrefill(r.Context(), &mt.legs, path, reqID, r.Header, b)
+	defer pDone() // at the end of a push; after the prefill leg in the pull flow
+	var dDone func()
+	if dInst == (Instance{}) {
+		dInst, dDone = mt.route.pickDecode()
+	} else {
+		dInst, dDone = mt.route.takeDecode(dInst)
+	}
+	defer dDone()
+	// A turn that pulls nothing from D may push P's KV to D (docs/architecture.md, "Push"); a
+	// hit pulls the conversation's earlier turns from D and stays the pull flow.
+	fl, info := flowPull, engineInfo{}
+	if cacheState != "hit" {
+		fl, info = mt.chooseFlow(r.Context(), pInst, r.Header)
+	}
+	// A streaming client's D leg carries usage (its params ride on D's last chunk, and the usage
+	// chunk goes to the client only if it asked for it: as in vLLM, stream_options {} asks for
+	// usage). A client that asked for no stream gets D's JSON answer, params taken out.
+	wantUsage := false
+	if so, ok := b["stream_options"].(map[string]any); ok {
+		v, set := so["include_usage"]
+		wantUsage = !set || v == true
+	}
+	opts := decodeOptions{
+		usage:       wantUsage,
+		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
+		unreachable: func() { mt.markUnhealthy(dInst) },
+		// The turn is stored when D's stream ends, before the client sees [DONE].
+		done: func(ans *answer) {
+			if conv != "" {
+				mt.remember(r.Context(), conv, chat, b, dInst, ans)
+			}
+		},
+	}
+	if fl == flowPush {
+		w.Header().Set(HeaderCache, cacheState)
+		id := pushID()
+		opts.sawUsage = mt.watchDecode(dInst, reqID)
+		dstart := time.Now()
+		// D reaches P's side channel at P's HTTP host, as in the pull flow's params.
+		out := mt.push(w, r, pInst, dInst, path, reqID, prefillRequest(b, pushPrefillParams(pparams, id)),
+			turnDecodeBody(b, pushDecodeParams(info, pInst.Host, id), wantUsage), opts,
+			func(h http.Header, pre prefillResult) { setUsageHeaders(h, pre.usage) })
+		end := time.Now()
+		if !out.prefilled.IsZero() {
+			mt.m.leg.WithLabelValues("prefill").Observe(out.prefilled.Sub(start).Seconds())
+		}
+		mt.m.leg.WithLabelValues("decode").Observe(end.Sub(dstart).Seconds())
+		switch {
+		case out.prefillOK && out.pre.params == nil:
+			mt.watch.prefillWithoutParams(pInst, reqID)
+		case out.prefillErr != nil && out.prefillErr.body == nil:
+			mt.markUnhealthy(pInst)
+		}
+		return
+	}
+	pre, lerr := mt.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, pparams), true)
+	pDone()
 	mt.m.leg.WithLabelValues("prefill").Observe(time.Since(start).Seconds())
 	if lerr != nil {
 		if lerr.body == nil {
@@ -390,25 +452,26 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		return
 	}
 	dparams := pre.params
+	if fl == flowPushSerial {
+		dparams = serialPushParams(dparams)
+	}
 	if dparams != nil {
 		dparams["remote_host"] = pInst.Host // D reaches P's side channel at P's HTTP host
 	}
-	h := w.Header()
-	h.Set(HeaderCache, cacheState)
-	setUsageHeaders(h, pre.usage)
+	w.Header().Set(HeaderCache, cacheState)
+	setUsageHeaders(w.Header(), pre.usage)
+	opts.sawUsage = mt.watchTransfer(pInst, dInst, reqID, pre)
+	dstart := time.Now()
+	_ = mt.decode(w, r, dInst, path, reqID, turnDecodeBody(b, dparams, wantUsage), opts)
+	mt.m.leg.WithLabelValues("decode").Observe(time.Since(dstart).Seconds())
+}
 
-	// A streaming client's D leg carries usage (its params ride on D's last chunk, and the usage
-	// chunk goes to the client only if it asked for it: as in vLLM, stream_options {} asks for
-	// usage). A client that asked for no stream gets D's JSON answer, params taken out.
-	wantUsage := false
-	if so, ok := b["stream_options"].(map[string]any); ok {
-		v, set := so["include_usage"]
-		wantUsage = !set || v == true
-	}
-	dbody := decodeRequest(b, dparams) // a copy: never the client's own body
+// turnDecodeBody is D's body for a turn: a copy of the client's with D's params and, for a streaming
+// client, the client's stream_options (continuous_usage_stats, …) with include_usage on —
+// per-chunk usage only if the client asked for usage, as vLLM gives it only with include_usage.
+func turnDecodeBody(b body, params map[string]any, wantUsage bool) body {
+	dbody := decodeRequest(b, params) // a copy: never the client's own body
 	if b.streaming() {
-		// The client's stream_options (continuous_usage_stats, …) with include_usage on; per-chunk
-		// usage only if the client asked for usage, as vLLM gives it only with include_usage.
 		so := map[string]any{}
 		if c, ok := b["stream_options"].(map[string]any); ok {
 			so = maps.Clone(c)
@@ -419,20 +482,7 @@ func (mt *MultiTurn) handle(w http.ResponseWriter, r *http.Request, path string,
 		}
 		dbody["stream_options"] = so
 	}
-	dstart := time.Now()
-	_ = mt.decode(w, r, dInst, path, reqID, dbody, decodeOptions{
-		usage:       wantUsage,
-		sawUsage:    mt.watchTransfer(pInst, dInst, reqID, pre),
-		first:       func() { mt.m.ttft.Observe(time.Since(start).Seconds()) },
-		unreachable: func() { mt.markUnhealthy(dInst) },
-		// The turn is stored when D's stream ends, before the client sees [DONE].
-		done: func(ans *answer) {
-			if conv != "" {
-				mt.remember(r.Context(), conv, chat, b, dInst, ans)
-			}
-		},
-	})
-	mt.m.leg.WithLabelValues("decode").Observe(time.Since(dstart).Seconds())
+	return dbody
 }
 
 // remember stores the turn a finished answer completes, when it can be reused.

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/kvbridge/kvbridge/internal/httpdeadline"
 )
@@ -18,7 +20,8 @@ import (
 // every request is prefilled on P and decoded on D.
 type OneWay struct {
 	legs
-	p, d    roundRobin
+	route   *router
+	reg     *prometheus.Registry
 	mux     *http.ServeMux
 	handler http.Handler // mux, its writes bounded by WriteTimeout
 	health  healthProber
@@ -31,14 +34,18 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 	}
 	o := &OneWay{
 		legs: newLegs(cfg),
-		p:    roundRobin{list: cfg.Prefill},
-		d:    roundRobin{list: cfg.Decode},
+		reg:  prometheus.NewRegistry(),
 		mux:  http.NewServeMux(),
 	}
+	var err error
+	if o.route, err = newRouter(cfg, o.reg); err != nil {
+		return nil, err
+	}
+	o.mux.Handle("GET /metrics", promhttp.HandlerFor(o.reg, promhttp.HandlerOpts{}))
 	o.handler = httpdeadline.Bound(o.mux, o.legs.cfg.WriteTimeout, func() { o.stalled.Add(1) })
 	o.mux.HandleFunc("POST /v1/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/completions") })
 	o.mux.HandleFunc("POST /v1/chat/completions", func(w http.ResponseWriter, r *http.Request) { o.handle(w, r, "/v1/chat/completions") })
-	o.health = healthProber{client: o.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval}
+	o.health = healthProber{client: o.client, prefill: cfg.Prefill, decode: cfg.Decode, interval: cfg.HealthInterval, recovered: o.route.engineRestarted}
 	o.mux.HandleFunc("GET /healthcheck", func(w http.ResponseWriter, r *http.Request) {
 		writeHealth(w, o.withTransferCounts(o.health.report(r.Context()).fields()))
 	})
@@ -56,8 +63,10 @@ func NewOneWay(cfg Config) (*OneWay, error) {
 // ServeHTTP implements http.Handler.
 func (o *OneWay) ServeHTTP(w http.ResponseWriter, r *http.Request) { o.handler.ServeHTTP(w, r) }
 
-// Close releases idle connections to the engines. It is idempotent.
+// Close stops the KV event subscribers and releases idle connections to the engines. It is
+// idempotent.
 func (o *OneWay) Close() error {
+	o.route.close()
 	if t, ok := o.cfg.Transport.(interface{ CloseIdleConnections() }); ok {
 		t.CloseIdleConnections()
 	}
@@ -66,7 +75,7 @@ func (o *OneWay) Close() error {
 
 // models relays a decoder's /v1/models (the benchmark asks for it; the toy proxy lacks it).
 func (o *OneWay) models(w http.ResponseWriter, r *http.Request) {
-	relayGet(w, r, &o.legs, o.d.pick(), "/v1/models")
+	relayGet(w, r, &o.legs, o.route.d.list[o.route.d.roundRobin()], "/v1/models")
 }
 
 func relayGet(w http.ResponseWriter, r *http.Request, l *legs, inst Instance, path string) {
@@ -135,14 +144,36 @@ func (o *OneWay) handle(w http.ResponseWriter, r *http.Request, path string) {
 		return
 	}
 	reqID := requestID(r)
-	pInst := o.p.pick()
-	pre, lerr := o.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, prefillTemplate()))
+	pInst, pDone := o.route.pickPrefill(r.Context(), &o.legs, path, reqID, r.Header, b)
+	defer pDone() // at the end of a push; after the prefill leg in the pull flow
+	dInst, dDone := o.route.pickDecode()
+	defer dDone()
+	fl, info := o.chooseFlow(r.Context(), pInst, r.Header)
+	if fl == flowPush {
+		// Both legs at once; the client's body goes to D unchanged but for the params.
+		id := pushID()
+		host := info.host
+		if host == "" {
+			host = pInst.Host
+		}
+		out := o.push(w, r, pInst, dInst, path, reqID, prefillRequest(b, pushPrefillParams(prefillTemplate(), id)),
+			decodeRequest(b, pushDecodeParams(info, host, id)), decodeOptions{usage: true, sawUsage: o.watchDecode(dInst, reqID)}, nil)
+		if out.prefillOK && out.pre.params == nil {
+			o.watch.prefillWithoutParams(pInst, reqID)
+		}
+		return
+	}
+	pre, lerr := o.prefill(r.Context(), pInst, path, reqID, r.Header, prefillRequest(b, prefillTemplate()), true)
+	pDone()
 	if lerr != nil {
 		lerr.write(w)
 		return
 	}
+	params := pre.params
+	if fl == flowPushSerial {
+		params = serialPushParams(params)
+	}
 	// The client's body goes to D unchanged (conformance item 2): D streams only if the client
 	// asked, and its usage chunk is the client's.
-	dInst := o.d.pick()
-	_ = o.decode(w, r, dInst, path, reqID, decodeRequest(b, pre.params), decodeOptions{usage: true, sawUsage: o.watchTransfer(pInst, dInst, reqID, pre)})
+	_ = o.decode(w, r, dInst, path, reqID, decodeRequest(b, params), decodeOptions{usage: true, sawUsage: o.watchTransfer(pInst, dInst, reqID, pre)})
 }

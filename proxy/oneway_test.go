@@ -74,7 +74,7 @@ func startInstance(t *testing.T, cfg instance.Config) *instance.Instance {
 	return in
 }
 
-// recorder forwards to target and keeps the bodies and headers it saw.
+// recorder forwards to target and keeps the bodies and headers of the legs (POSTs) it saw.
 type recorder struct {
 	mu     sync.Mutex
 	bodies []map[string]any
@@ -88,6 +88,10 @@ func record(t *testing.T, target string) *recorder {
 	rp := httputil.NewSingleHostReverseProxy(u)
 	r := &recorder{}
 	r.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.Method != http.MethodPost {
+			rp.ServeHTTP(w, req) // the proxy's questions (GET /v1/kv_transfer), not legs
+			return
+		}
 		data, _ := io.ReadAll(req.Body)
 		var m map[string]any
 		_ = json.Unmarshal(data, &m)

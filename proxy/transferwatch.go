@@ -106,6 +106,12 @@ func (l *legs) watchTransfer(p, d Instance, reqID string, pre prefillResult) fun
 		l.watch.prefillWithoutParams(p, reqID)
 		return nil
 	}
+	return l.watchDecode(d, reqID)
+}
+
+// watchDecode returns what checks D's usage in the concurrent push flow, where P's params are
+// not waited for (P's answer without params is counted when it comes).
+func (l *legs) watchDecode(d Instance, reqID string) func(map[string]any) {
 	return func(u map[string]any) { l.watch.decoded(d, reqID, u) }
 }
 

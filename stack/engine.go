@@ -2,6 +2,7 @@ package stack
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -58,6 +59,11 @@ type EngineConfig struct {
 	AllowedPeers  []string
 	// AuthToken is kv_connector_extra_config.auth_token (default none).
 	AuthToken string
+	// KVTransferConfig, when set, is a --kv-transfer-config JSON object the connector's
+	// settings start from — kv_connector ("NixlPushConnector" for push), keys of
+	// kv_connector_extra_config the fields above do not cover — before Role and the fields above
+	// apply; an engine that refuses it does not start. nil starts from the connector's defaults.
+	KVTransferConfig []byte
 	// KVCacheDType is --kv-cache-dtype (default the model's); with Model set it must be empty.
 	KVCacheDType string
 	// PrefixCaching turns the engine's prefix cache on.
@@ -168,7 +174,7 @@ func StartEngine(ctx context.Context, cfg EngineConfig) (_ *Engine, err error) {
 
 // instanceConfig returns the instance configuration of cfg, without the transfer listener start
 // chooses.
-func (cfg EngineConfig) instanceConfig() instance.Config {
+func (cfg EngineConfig) instanceConfig() (instance.Config, error) {
 	ic := instance.Config{
 		Model: cfg.ModelName, OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
@@ -180,9 +186,21 @@ func (cfg EngineConfig) instanceConfig() instance.Config {
 		ic.SideChannelPort = -1 // a free port, not the default 5600
 	}
 	if cfg.Role == "" {
-		return ic
+		return ic, nil
 	}
 	kv := connector.DefaultConfig(cfg.Role)
+	if cfg.KVTransferConfig != nil {
+		var m map[string]any
+		if err := json.Unmarshal(cfg.KVTransferConfig, &m); err != nil {
+			return ic, fmt.Errorf("stack: engine %s: KVTransferConfig: %w", cfg.Name, err)
+		}
+		m["kv_role"] = string(cfg.Role)
+		data, _ := json.Marshal(m)
+		var err error
+		if kv, err = connector.ParseConfig(data, nil); err != nil {
+			return ic, fmt.Errorf("stack: engine %s: %w", cfg.Name, err)
+		}
+	}
 	if cfg.EngineID != "" {
 		kv.EngineID = cfg.EngineID
 	}
@@ -210,12 +228,15 @@ func (cfg EngineConfig) instanceConfig() instance.Config {
 			}
 		}
 	}
-	return ic
+	return ic, nil
 }
 
 // start starts a new incarnation and points the fault proxies at it. e.mu must be held.
 func (e *Engine) start(ctx context.Context) error {
-	ic := e.cfg.instanceConfig()
+	ic, err := e.cfg.instanceConfig()
+	if err != nil {
+		return err
+	}
 	if e.cfg.AdvertiseTransfer != "" {
 		// The agent reports the advertised address, so the listener's is chosen here.
 		addr, err := freeAddr()

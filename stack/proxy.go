@@ -44,6 +44,8 @@ type ProxyConfig struct {
 	Host               string
 	Port               int
 	FallbackToFreePort bool
+	// TransferMode is the proxy's transfer mode (default proxy.TransferAuto).
+	TransferMode proxy.TransferMode
 	// Logger receives the proxy's logs; nil discards.
 	Logger *slog.Logger
 }
@@ -86,7 +88,7 @@ func StartProxy(cfg ProxyConfig) (*Proxy, error) {
 		p.Legs = faultproxy.NewPortRewriter(cfg.Transport, cfg.RewritePorts)
 		legs = p.Legs
 	}
-	pc := proxy.Config{HeaderTimeout: cfg.HeaderTimeout, IdleTimeout: cfg.IdleTimeout, WriteTimeout: cfg.WriteTimeout, Transport: legs, Logger: cfg.Logger}
+	pc := proxy.Config{HeaderTimeout: cfg.HeaderTimeout, IdleTimeout: cfg.IdleTimeout, WriteTimeout: cfg.WriteTimeout, Transport: legs, Logger: cfg.Logger, TransferMode: cfg.TransferMode}
 	for _, side := range []struct {
 		addrs []string
 		to    *[]proxy.Instance

@@ -81,6 +81,12 @@ type Config struct {
 	// goroutines and must be quick and safe for concurrent use; a panic in it refuses the
 	// frame. SHM reads never reach it: the peer maps the arena (see the package doc, Trust).
 	AuthorizeRead func(peer string, tag []byte, descs []Desc) error
+	// AuthorizeWrite, if set, decides which bytes a peer may write over TCP into regions that
+	// grant PermWrite, as AuthorizeRead does for READs (no tag: the peer's agent name and the
+	// frame's ranges); a refused frame is dropped unwritten, the initiator's request fails with
+	// ErrPermission, and the target counts it (Stats.WritesDenied, Stats.Refused.Permission).
+	// SHM and UCX writes never reach it (the peer maps or registers the arena).
+	AuthorizeWrite func(peer string, descs []Desc) error
 	// OnComplete, if set, is called with the telemetry of every request when it completes or
 	// fails. It runs on the engine's goroutines and must not block.
 	OnComplete func(RequestTelemetry)

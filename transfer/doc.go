@@ -78,8 +78,10 @@
 // Authorization. Over TCP the target checks every range against its regions and their
 // permissions, then asks Config.AuthorizeRead, with the tag the reader attached to its request
 // (RequestOptions.Tag), whether this peer may read these ranges now; kvbridge's connector
-// answers from its lease table (a reader names the request whose blocks it reads). Refusals are
-// answered with ErrPermission and counted (Stats.Refused, Stats.ReadsDenied).
+// answers from its lease table (a reader names the request whose blocks it reads). WRITEs into a
+// writable region ask Config.AuthorizeWrite likewise (no tag; kvbridge's push connector allows
+// only the blocks a waiting request registered with the writing agent). Refusals are answered
+// with ErrPermission and counted (Stats.Refused, Stats.ReadsDenied, Stats.WritesDenied).
 //
 // SHM is the exception, by construction: the peer holds a mapping of the whole arena, so no
 // per-read check is possible (and AuthorizeRead is never called). The target offers SHM only

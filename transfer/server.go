@@ -400,6 +400,8 @@ func (s *dataServer) check(h wire.Header, op Op, tag []byte) (uint64, refusal) {
 		return total, refusal{ErrInvalidDescriptor, fmt.Sprintf("payload of %d bytes for ranges of %d bytes", h.Length, total)}
 	case op == Read && s.a.cfg.AuthorizeRead != nil:
 		return total, s.authorize(h, tag)
+	case op == Write && s.a.cfg.AuthorizeWrite != nil:
+		return total, s.authorizeWrite(h)
 	}
 	return total, refusal{}
 }
@@ -417,6 +419,21 @@ func (s *dataServer) authorize(h wire.Header, tag []byte) refusal {
 	s.a.stats.readsDenied.Add(1)
 	s.a.log.Warn("transfer READ refused", "peer", s.peer, "transfer_request", h.Req, "stripe", h.Seq, "err", err.Error())
 	return refusal{ErrPermission, "read not authorized: " + err.Error()}
+}
+
+// authorizeWrite asks Config.AuthorizeWrite about a WRITE frame's ranges.
+func (s *dataServer) authorizeWrite(h wire.Header) refusal {
+	s.descs = s.descs[:0]
+	for _, r := range s.ranges {
+		s.descs = append(s.descs, Desc{Region: r.Region, Offset: int64(r.Offset), Length: int64(r.Length)})
+	}
+	err := s.a.callAuthorizer("AuthorizeWrite", s.peer, func() error { return s.a.cfg.AuthorizeWrite(s.peer, s.descs) })
+	if err == nil {
+		return refusal{}
+	}
+	s.a.stats.writesDenied.Add(1)
+	s.a.log.Warn("transfer WRITE refused", "peer", s.peer, "transfer_request", h.Req, "stripe", h.Seq, "err", err.Error())
+	return refusal{ErrPermission, "write not authorized: " + err.Error()}
 }
 
 // receive reads a WRITE frame's payload into registered memory, or drops it when the frame
@@ -447,14 +464,19 @@ func (s *dataServer) sendRead(h wire.Header, total uint64) error {
 }
 
 // authorizeRead calls Config.AuthorizeRead; a panic in it refuses the read.
-func (a *Agent) authorizeRead(peer string, tag []byte, descs []Desc) (err error) {
+func (a *Agent) authorizeRead(peer string, tag []byte, descs []Desc) error {
+	return a.callAuthorizer("AuthorizeRead", peer, func() error { return a.cfg.AuthorizeRead(peer, tag, descs) })
+}
+
+// callAuthorizer runs the hook name; a panic in it refuses the frame.
+func (a *Agent) callAuthorizer(name, peer string, f func() error) (err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			a.log.Error("transfer AuthorizeRead panicked", "peer", peer, "panic", fmt.Sprint(p))
+			a.log.Error("transfer "+name+" panicked", "peer", peer, "panic", fmt.Sprint(p))
 			err = fmt.Errorf("authorization failed")
 		}
 	}()
-	return a.cfg.AuthorizeRead(peer, tag, descs)
+	return f()
 }
 
 // isProtocol reports whether err is a protocol violation.

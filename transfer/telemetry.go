@@ -54,6 +54,7 @@ type Stats struct {
 	Refused           FailureCounts // peer requests and connections refused by kind (target)
 	AuthRefused       int64         // connections refused by authentication, either side (also in Refused.Permission)
 	ReadsDenied       int64         // TCP READ frames refused by Config.AuthorizeRead (also in Refused.Permission)
+	WritesDenied      int64         // TCP WRITE frames refused by Config.AuthorizeWrite (also in Refused.Permission)
 	NotifsSent        int64
 	NotifsReceived    int64
 	NotifsDropped     int64 // dropped because the notification queue was full
@@ -114,7 +115,7 @@ type agentStats struct {
 	failures, refused                         failureCounters
 	notifsSent, notifsReceived, notifsDropped atomic.Int64
 	fallbacks, connects, disconnects          atomic.Int64
-	authRefused, readsDenied                  atomic.Int64
+	authRefused, readsDenied, writesDenied    atomic.Int64
 	registeredBytes, mappedBytes              atomic.Int64
 }
 
@@ -141,7 +142,7 @@ func (a *Agent) Stats() Stats {
 		BytesRead: s.bytesRead.Load(), BytesWritten: s.bytesWritten.Load(),
 		ServedReadBytes: s.servedRead.Load(), ServedWriteBytes: s.servedWrite.Load(),
 		Failures: s.failures.snapshot(), Refused: s.refused.snapshot(),
-		AuthRefused: s.authRefused.Load(), ReadsDenied: s.readsDenied.Load(),
+		AuthRefused: s.authRefused.Load(), ReadsDenied: s.readsDenied.Load(), WritesDenied: s.writesDenied.Load(),
 		NotifsSent: s.notifsSent.Load(), NotifsReceived: s.notifsReceived.Load(), NotifsDropped: s.notifsDropped.Load(),
 		Fallbacks: s.fallbacks.Load(), Connects: s.connects.Load(), Disconnects: s.disconnects.Load(),
 		RegisteredBytes: s.registeredBytes.Load(), MappedBytes: s.mappedBytes.Load(),

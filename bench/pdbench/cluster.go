@@ -17,7 +17,7 @@ type cluster struct {
 	*stack.Stack
 	tracer *tracer
 	tr     *http.Transport
-	last   instance.Stats // D's at the previous takeTransfers
+	last   [2]instance.Stats // P's and D's at the previous takeTransfers
 }
 
 // startCluster starts the stack. Every prompt is new, so no engine caches prefixes.
@@ -53,18 +53,23 @@ func (c *cluster) engineTTFT(context.Context) (single, p, d time.Duration, err e
 	return out[0], out[1], out[2], nil
 }
 
-// takeTransfers returns D's KV reads since the previous call.
+// takeTransfers returns the KV transfers since the previous call: D's reads (pull) and P's
+// writes (push).
 func (c *cluster) takeTransfers(context.Context) (transfers, error) {
-	st, err := c.D.Stats()
-	if err != nil {
-		return transfers{}, err
+	var sum transfers
+	for i, e := range []*stack.Engine{c.P, c.D} {
+		st, err := e.Stats()
+		if err != nil {
+			return transfers{}, err
+		}
+		prev := c.last[i]
+		c.last[i] = st
+		sum.n += st.Transfers - prev.Transfers
+		sum.failed += st.FailedTransfers - prev.FailedTransfers
+		sum.dur += st.TransferTime - prev.TransferTime
+		sum.bytes += st.TransferBytes - prev.TransferBytes
 	}
-	prev := c.last
-	c.last = st
-	return transfers{
-		n: st.Transfers - prev.Transfers, failed: st.FailedTransfers - prev.FailedTransfers,
-		dur: st.TransferTime - prev.TransferTime, bytes: st.TransferBytes - prev.TransferBytes,
-	}, nil
+	return sum, nil
 }
 
 // ceiling is one goroutine's memcpy of n bytes, in GB/s.

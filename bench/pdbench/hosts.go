@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"net/netip"
@@ -30,6 +31,10 @@ type hostStackConfig struct {
 	numBlocks   int
 	maxModelLen int
 	log         *slog.Logger
+	// kv is added to P's and D's --kv-transfer-config (nil: the NixlConnector); transferMode is
+	// the proxy's.
+	kv           map[string]any
+	transferMode proxy.TransferMode
 }
 
 // hostStack is a single engine, P and D as kvbridge processes on hosts of their own, and the
@@ -45,7 +50,7 @@ type hostStack struct {
 	srv             *http.Server
 	served          chan error
 	hc              *http.Client
-	last            metricSums // D's transfer sums at the previous takeTransfers
+	last            [2]metricSums // P's and D's transfer sums at the previous takeTransfers
 	stream          *tcpStream
 	closeOnce       sync.Once
 	closeErr        error
@@ -95,8 +100,14 @@ func startHostStack(ctx context.Context, cfg hostStackConfig) (_ *hostStack, err
 			"--num-gpu-blocks-override", strconv.Itoa(cfg.numBlocks), "--max-model-len", strconv.Itoa(cfg.maxModelLen),
 			"--no-enable-prefix-caching"}
 		if role != "" {
-			kv, _ := json.Marshal(map[string]any{"kv_connector": "NixlConnector", "kv_role": role,
-				"kv_connector_extra_config": map[string]any{"backends": []string{"TCP"}}})
+			m := map[string]any{"kv_connector": "NixlConnector"}
+			maps.Copy(m, cfg.kv)
+			extra := map[string]any{"backends": []string{"TCP"}}
+			if e, ok := cfg.kv["kv_connector_extra_config"].(map[string]any); ok {
+				maps.Copy(extra, e)
+			}
+			m["kv_role"], m["kv_connector_extra_config"] = role, extra
+			kv, _ := json.Marshal(m)
 			a = append(a, "--kv-transfer-config", string(kv))
 		}
 		return a
@@ -125,7 +136,7 @@ func startHostStack(ctx context.Context, cfg hostStackConfig) (_ *hostStack, err
 	}
 	s.tracer = newTracer(s.clientH.Transport())
 	s.tracer.setPrefill(pi.String())
-	if s.proxy, err = proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}, Transport: s.tracer, Logger: cfg.log}); err != nil {
+	if s.proxy, err = proxy.NewOneWay(proxy.Config{Prefill: []proxy.Instance{pi}, Decode: []proxy.Instance{di}, Transport: s.tracer, Logger: cfg.log, TransferMode: cfg.transferMode}); err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
 	}
 	ln, err := s.clientH.Listen("tcp4", netip.AddrPortFrom(s.clientH.Addr, 0).String())
@@ -163,18 +174,20 @@ func (s *hostStack) engineTTFT(ctx context.Context) (single, p, d time.Duration,
 // takeTransfers reads D's transfer histograms and counters over HTTP and returns what they
 // gained since the previous call.
 func (s *hostStack) takeTransfers(ctx context.Context) (transfers, error) {
-	m, err := scrape(ctx, s.hc, s.d.url)
-	if err != nil {
-		return transfers{}, err
+	var sum transfers
+	for i, e := range []*engineProcess{s.p, s.d} { // D reads (pull), P writes (push)
+		m, err := scrape(ctx, s.hc, e.url)
+		if err != nil {
+			return transfers{}, err
+		}
+		prev := s.last[i]
+		s.last[i] = m
+		sum.n += int64(m["vllm:nixl_xfer_time_seconds_count"] - prev["vllm:nixl_xfer_time_seconds_count"])
+		sum.failed += int64(m["vllm:nixl_num_failed_transfers_total"] - prev["vllm:nixl_num_failed_transfers_total"])
+		sum.dur += seconds(m["vllm:nixl_xfer_time_seconds_sum"] - prev["vllm:nixl_xfer_time_seconds_sum"])
+		sum.bytes += int64(m["vllm:nixl_bytes_transferred_sum"] - prev["vllm:nixl_bytes_transferred_sum"])
 	}
-	prev := s.last
-	s.last = m
-	return transfers{
-		n:      int64(m["vllm:nixl_xfer_time_seconds_count"] - prev["vllm:nixl_xfer_time_seconds_count"]),
-		failed: int64(m["vllm:nixl_num_failed_transfers_total"] - prev["vllm:nixl_num_failed_transfers_total"]),
-		dur:    seconds(m["vllm:nixl_xfer_time_seconds_sum"] - prev["vllm:nixl_xfer_time_seconds_sum"]),
-		bytes:  int64(m["vllm:nixl_bytes_transferred_sum"] - prev["vllm:nixl_bytes_transferred_sum"]),
-	}, nil
+	return sum, nil
 }
 
 // ceiling is a raw TCP stream of n bytes from P's host to D's, in GB/s: the median of three

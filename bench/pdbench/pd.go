@@ -2,6 +2,7 @@ package pdbench
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,6 +16,7 @@ import (
 	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/kvcache"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/proxy"
 	"github.com/kvbridge/kvbridge/stack"
 	"github.com/kvbridge/kvbridge/stats"
 )
@@ -46,6 +48,35 @@ type PDOptions struct {
 	// Command is how Hosts starts kvbridge: the program and leading arguments (default this
 	// process's executable).
 	Command []string
+	// TransferModes are the ways P's KV reaches D, one set of rows each, each on engines and a
+	// proxy of their own (default TransferPull): TransferPull, TransferPush and
+	// TransferPushLayered. Engines that refuse a mode's connector configuration give one row
+	// saying so (PDRow.Unsupported) instead of figures.
+	TransferModes []string
+}
+
+// The transfer modes of PDOptions.TransferModes.
+const (
+	// TransferPull is the NixlConnector: P's leg, then D's, D READs P's blocks.
+	TransferPull = "pull"
+	// TransferPush is the NixlPushConnector on P and D with the proxy's concurrent push flow:
+	// both legs at once, D registers its blocks, P WRITEs the KV when its prefill ends.
+	TransferPush = "push"
+	// TransferPushLayered is TransferPush with P writing each layer's KV as soon as it is
+	// computed: kv_connector_extra_config.push_layerwise on P.
+	TransferPushLayered = "push-layered"
+)
+
+// transferConfigs are each mode's --kv-transfer-config on P and D (beyond kv_role and the
+// backends) and the proxy's transfer mode.
+var transferConfigs = map[string]struct {
+	kv    map[string]any // nil: the NixlConnector's defaults
+	proxy proxy.TransferMode
+}{
+	TransferPull: {nil, proxy.TransferPull},
+	TransferPush: {map[string]any{"kv_connector": proxy.PushConnector}, proxy.TransferPush},
+	TransferPushLayered: {map[string]any{"kv_connector": proxy.PushConnector,
+		"kv_connector_extra_config": map[string]any{"push_layerwise": true}}, proxy.TransferPush},
 }
 
 // pdStack is what RunPD measures: a single engine, and P and D behind the one-way proxy.
@@ -55,7 +86,8 @@ type pdStack interface {
 	urls() (single, proxy string)
 	// engineTTFT returns the engines' summed engine-side TTFT so far.
 	engineTTFT(ctx context.Context) (single, p, d time.Duration, err error)
-	// takeTransfers returns D's KV reads since the previous call.
+	// takeTransfers returns the KV transfers since the previous call: D's reads (pull), P's
+	// writes (push).
 	takeTransfers(ctx context.Context) (transfers, error)
 	// legs returns (and forgets) the proxy's legs of a request.
 	legs(id string) (legTimes, bool)
@@ -71,7 +103,7 @@ type ceilings struct {
 	best, oneConn, manyConns float64
 }
 
-// transfers sums D's KV reads over an interval.
+// transfers sums the KV transfers of an interval.
 type transfers struct {
 	n, failed int64
 	dur       time.Duration
@@ -92,6 +124,14 @@ func (o *PDOptions) defaults() error {
 	}
 	if o.Iters <= 0 {
 		o.Iters = 3
+	}
+	if len(o.TransferModes) == 0 {
+		o.TransferModes = []string{TransferPull}
+	}
+	for _, mode := range o.TransferModes {
+		if _, ok := transferConfigs[mode]; !ok {
+			return fmt.Errorf("pdbench: transfer mode %q: want %s, %s or %s", mode, TransferPull, TransferPush, TransferPushLayered)
+		}
 	}
 	if o.Backend == "" {
 		o.Backend = "SHM"
@@ -119,9 +159,14 @@ func (o *PDOptions) defaults() error {
 	return nil
 }
 
-// PDRow is one prompt length's figures: medians over the measured iterations. The first nine
-// JSON fields are the table's columns; the rest break the P/D TTFT down.
+// PDRow is one transfer mode's and prompt length's figures: medians over the measured
+// iterations. The JSON fields up to ratio are the table's columns (unsupported aside); the rest
+// break the P/D TTFT down.
 type PDRow struct {
+	// Mode is the transfer mode (PDOptions.TransferModes). Unsupported, when set, says why the
+	// engines refused the mode's configuration; the row then holds no figures.
+	Mode         string  `json:"transfer_mode"`
+	Unsupported  string  `json:"unsupported,omitempty"`
 	PromptLen    int     `json:"prompt_len"`
 	TTFTSingleMs float64 `json:"ttft_single_ms"` // non-stream max_tokens=1 answer of the single engine
 	TTFTPDMs     float64 `json:"ttft_pd_ms"`     // the same request through the proxy (P then D)
@@ -131,6 +176,13 @@ type PDRow struct {
 	// of the same request, a fraction.
 	TransferMs    float64 `json:"transfer_ms"`
 	TransferShare float64 `json:"transfer_share"`
+	// HiddenShare is the share of the transfer hidden under P's compute. A serial flow (pull:
+	// D's leg leaves after P's answer) hides nothing: 0. With the legs overlapping (push) it is
+	// 1 − exposed ÷ transfer, exposed being what D still spent after P's answer beyond its
+	// one-token step (d_end − p_end − recompute_1tok, within [0, transfer]); the proxy's and
+	// D's HTTP time after P's answer count as exposed, so it is a lower bound. −1 when no
+	// request's P answer was traced.
+	HiddenShare float64 `json:"hidden_share"`
 	// TransferGBps is bytes ÷ transfer duration; CeilingGBps the same bytes moved by the
 	// ceiling measured in the same run (Ceiling: "memcpy", a single-goroutine memcpy,
 	// kernel.MemcpyGBps; or "tcp_stream" with Hosts, raw TCP streams from P's host to D's:
@@ -206,7 +258,6 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	if err := opts.defaults(); err != nil {
 		return nil, err
 	}
-	progress := stack.Printer(opts.Progress)
 	m, err := stack.OpenModel(ctx, opts.Model, opts.Progress)
 	if err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
@@ -218,20 +269,51 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	if mp := m.Config().MaxPositionEmbeddings; maxLen > mp {
 		return nil, fmt.Errorf("pdbench: a %d-token prompt exceeds the model's %d positions", longest, mp)
 	}
+	var rows []PDRow
+	for _, mode := range opts.TransferModes {
+		mrows, err := runMode(ctx, opts, m, mode, maxLen, longest)
+		rows = append(rows, mrows...)
+		if err != nil {
+			return rows, err
+		}
+	}
+	return rows, nil
+}
+
+// runMode measures every prompt length in one transfer mode, on engines and a proxy of its own.
+func runMode(ctx context.Context, opts PDOptions, m *model.Model, mode string, maxLen, longest int) ([]PDRow, error) {
+	progress := stack.Printer(opts.Progress)
+	bs := opts.BlockSize
 	blocksPerSeq := maxLen / bs
-	var st pdStack
+	tc := transferConfigs[mode]
+	var kv []byte
+	if tc.kv != nil {
+		kv, _ = json.Marshal(tc.kv)
+	}
+	var (
+		st  pdStack
+		err error
+	)
 	if opts.Hosts {
-		progress("starting a single engine, P and D (%s) on hosts of their own, and the proxy", opts.Backend)
+		progress("%s: starting a single engine, P and D (%s) on hosts of their own, and the proxy", mode, opts.Backend)
 		st, err = startHostStack(ctx, hostStackConfig{
 			command: opts.Command, model: opts.Model, blockSize: bs, numBlocks: 2*blocksPerSeq + 8,
-			maxModelLen: maxLen, log: opts.Logger,
+			maxModelLen: maxLen, log: opts.Logger, kv: tc.kv, transferMode: tc.proxy,
 		})
 	} else {
-		progress("starting a single engine, P and D (%s) and the proxy", opts.Backend)
+		progress("%s: starting a single engine, P and D (%s) and the proxy", mode, opts.Backend)
 		st, err = startCluster(ctx, stack.Config{
 			Model: m, Backend: opts.Backend, BlockSize: bs, NumBlocks: 2*blocksPerSeq + 8,
 			MaxModelLen: maxLen, Logger: opts.Logger,
+			P: stack.EngineConfig{KVTransferConfig: kv}, D: stack.EngineConfig{KVTransferConfig: kv},
+			Proxy: stack.ProxyConfig{TransferMode: tc.proxy},
 		})
+	}
+	if err != nil && mode != TransferPull {
+		// The engines refuse the mode's connector configuration (before it lands, or a build
+		// without it): one row saying so, and the other modes still run.
+		progress("%s: unsupported by engines: %v", mode, err)
+		return []PDRow{{Mode: mode, Unsupported: err.Error(), Backend: opts.Backend, Hosts: opts.Hosts}}, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
@@ -239,17 +321,17 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	defer st.Close()
 	hc := st.client()
 	defer hc.CloseIdleConnections()
-	b := &pdBench{opts: opts, m: m, st: st, hc: hc}
+	b := &pdBench{opts: opts, m: m, st: st, hc: hc, mode: mode}
 	if b.rc, err = newRecomputer(m, bs, longest); err != nil {
 		return nil, err
 	}
 
 	rows := make([]PDRow, 0, len(opts.PromptLens))
 	for _, l := range opts.PromptLens {
-		progress("prompt %d tokens: 1 warm-up + %d measured requests each way", l, opts.Iters)
+		progress("%s, prompt %d tokens: 1 warm-up + %d measured requests each way", mode, l, opts.Iters)
 		row, err := b.row(ctx, l)
 		if err != nil {
-			return rows, err
+			return rows, fmt.Errorf("%s: %w", mode, err)
 		}
 		rows = append(rows, row)
 	}
@@ -263,6 +345,7 @@ type pdBench struct {
 	st   pdStack
 	hc   *http.Client
 	rc   *recomputer
+	mode string
 	seq  uint64 // requests sent, for distinct prompts and ids
 }
 
@@ -349,7 +432,7 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 	}
 	s.transfer, s.bytes = xf.dur, xf.bytes
 	var ok bool
-	if s.legs, ok = b.st.legs(id); !ok || s.legs.pEnd.IsZero() || s.legs.dEnd.IsZero() {
+	if s.legs, ok = b.st.legs(id); !ok || s.legs.pStart.IsZero() || s.legs.dEnd.IsZero() || (s.legs.pEnd.IsZero() && b.mode == TransferPull) {
 		return pdSample{}, fmt.Errorf("pdbench: the proxy's legs of request %s were not traced", id)
 	}
 	return s, nil
@@ -366,7 +449,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 	var single, pd, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
 		singleEng, pEng, dEng, dHTTP, dSched []float64
 	var bytes int64
-	var recompute, recomputeWarm, ceilBest, ceilOne, ceilMany, ratio []float64
+	var recompute, recomputeWarm, ceilBest, ceilOne, ceilMany, ratio, hidden []float64
 	for i := range b.opts.Iters {
 		var (
 			s      pdSample
@@ -401,6 +484,17 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		}
 		recompute = append(recompute, stats.Ms(cold))
 		recomputeWarm = append(recomputeWarm, stats.Ms(warm))
+		switch {
+		case s.legs.pEnd.IsZero() || s.transfer <= 0:
+		case !s.legs.dStart.Before(s.legs.pEnd):
+			hidden = append(hidden, 0) // D's leg left after P's answer: its transfer too
+		default:
+			exposed := min(max(s.legs.dEnd.Sub(s.legs.pEnd)-cold, 0), s.transfer)
+			hidden = append(hidden, 1-float64(exposed)/float64(s.transfer))
+		}
+		if s.legs.pEnd.IsZero() {
+			s.legs.pEnd = s.legs.dEnd // P's answer not traced: read no later than D's
+		}
 		pLeg := s.legs.pEnd.Sub(s.legs.pStart)
 		dLeg := s.legs.dEnd.Sub(s.legs.dStart)
 		added = append(added, stats.Ms(s.pd-pLeg))
@@ -429,7 +523,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		kind = "tcp_stream"
 	}
 	r := PDRow{
-		PromptLen: l, TTFTSingleMs: stats.Median(single), TTFTPDMs: stats.Median(pd),
+		Mode: b.mode, PromptLen: l, HiddenShare: -1, TTFTSingleMs: stats.Median(single), TTFTPDMs: stats.Median(pd),
 		TransferMs: stats.Median(xfer), TransferShare: stats.Median(share), TransferGBps: stats.Median(gbps),
 		CeilingGBps: stats.Median(ceilBest), Ceiling: kind, Hosts: b.opts.Hosts,
 		TCP1ConnGBps: stats.Median(ceilOne), TCP4ConnGBps: stats.Median(ceilMany),
@@ -441,6 +535,9 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		DHTTPMs: stats.Median(dHTTP), DSchedMs: stats.Median(dSched),
 	}
 	r.Overhead = r.TTFTPDMs/r.TTFTSingleMs - 1
+	if len(hidden) > 0 {
+		r.HiddenShare = stats.Median(hidden)
+	}
 	r.Ratio = stats.Median(ratio)
 	return r, nil
 }

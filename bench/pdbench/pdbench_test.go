@@ -24,16 +24,40 @@ func readJSONRows(t *testing.T, path string) []map[string]any {
 	return rows
 }
 
+// TestRunPDTiny runs every transfer mode (pull, push, push layer by layer) and measures each:
+// the transfer moved bytes and its hidden share is a fraction.
 func TestRunPDTiny(t *testing.T) {
-	rows, err := RunPD(t.Context(), PDOptions{Model: "kvbridge/tiny", PromptLens: []int{40}, Iters: 1})
+	rows, err := RunPD(t.Context(), PDOptions{Model: "kvbridge/tiny", PromptLens: []int{40}, Iters: 1,
+		TransferModes: []string{TransferPull, TransferPush, TransferPushLayered}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(rows) != 1 {
-		t.Fatalf("%d rows, want 1", len(rows))
+	if len(rows) != 3 {
+		t.Fatalf("%d rows, want 3", len(rows))
 	}
+	for i, mode := range []string{TransferPull, TransferPush, TransferPushLayered} {
+		r := rows[i]
+		switch {
+		case r.Mode != mode:
+			t.Errorf("row %d is %q, want %q", i, r.Mode, mode)
+		case r.Unsupported != "":
+			t.Errorf("%s unsupported: %s", mode, r.Unsupported)
+		case r.PromptLen != 40 || r.TransferBytes <= 0 || r.HiddenShare > 1:
+			t.Errorf("%s row %+v", mode, r)
+		}
+	}
+	var modes bytes.Buffer
+	if err := WritePDTable(&modes, rows); err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range rows[1:] {
+		if r.Unsupported != "" && !strings.Contains(modes.String(), r.Mode+": unsupported by engines: ") {
+			t.Errorf("table does not say %s is unsupported:\n%s", r.Mode, modes.String())
+		}
+	}
+	rows = rows[:1]
 	r := rows[0]
-	if r.PromptLen != 40 || r.Backend != "SHM" || r.TransferBytes <= 0 {
+	if r.PromptLen != 40 || r.Backend != "SHM" || r.TransferBytes <= 0 || r.HiddenShare != 0 { // pull is serial: it hides nothing
 		t.Errorf("row %+v", r)
 	}
 	for name, v := range map[string]float64{
@@ -49,7 +73,7 @@ func TestRunPDTiny(t *testing.T) {
 	if err := WritePDTable(&table, rows); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"ttft_single_ms", "transfer_share", "ceiling_gbps", "where the P/D TTFT goes"} {
+	for _, want := range []string{"transfer_mode", "ttft_single_ms", "transfer_share", "hidden_share", "ceiling_gbps", "where the P/D TTFT goes"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}

@@ -11,39 +11,57 @@ import (
 
 // WritePDTable prints the rows of RunPD: the figures, then where the P/D time goes.
 func WritePDTable(w io.Writer, rows []PDRow) error {
+	measured := make([]PDRow, 0, len(rows))
+	for _, r := range rows {
+		if r.Unsupported == "" {
+			measured = append(measured, r)
+		}
+	}
 	ceiling := "one goroutine's memcpy of as many bytes, this run"
-	if len(rows) > 0 {
+	if len(measured) > 0 {
 		where := "in one process"
-		if rows[0].Hosts {
+		if measured[0].Hosts {
 			where = "single engine, P and D on hosts of their own (network namespaces), the proxy on the client's"
 			ceiling = "raw TCP streams of as many bytes from P's host to D's (requests, then the bytes, over warm connections), this run:\n" +
-				"the better of one connection and four (as many as the transfer engine opens): " + tcpCeilings(rows)
+				"the better of one connection and four (as many as the transfer engine opens): " + tcpCeilings(measured)
 		}
 		fmt.Fprintf(w, "kvbridge bench pd: backend %s, %s; medians of %d requests per path after one warm-up; TTFT = non-stream max_tokens=1 answer\n",
-			rows[0].Backend, where, rows[0].Iters)
+			measured[0].Backend, where, measured[0].Iters)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "prompt_len\tttft_single_ms\tttft_pd_ms\toverhead\ttransfer_ms\ttransfer_share\ttransfer_gbps\tceiling_gbps\tratio\t")
-	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%.1f\t%.1f\t%+.1f%%\t%.2f\t%.2f%%\t%.2f\t%.2f\t%.2f\t\n",
-			r.PromptLen, r.TTFTSingleMs, r.TTFTPDMs, 100*r.Overhead, r.TransferMs, 100*r.TransferShare,
+	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tttft_single_ms\tttft_pd_ms\toverhead\ttransfer_ms\ttransfer_share\thidden_share\ttransfer_gbps\tceiling_gbps\tratio\t")
+	for _, r := range measured {
+		hidden := "n/a"
+		if r.HiddenShare >= 0 {
+			hidden = fmt.Sprintf("%.0f%%", 100*r.HiddenShare)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f\t%+.1f%%\t%.2f\t%.2f%%\t%s\t%.2f\t%.2f\t%.2f\t\n",
+			r.Mode, r.PromptLen, r.TTFTSingleMs, r.TTFTPDMs, 100*r.Overhead, r.TransferMs, 100*r.TransferShare, hidden,
 			r.TransferGBps, r.CeilingGBps, r.Ratio)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
+	for _, r := range rows {
+		if r.Unsupported != "" {
+			fmt.Fprintf(w, "%s: unsupported by engines: %s\n", r.Mode, r.Unsupported)
+		}
+	}
 	fmt.Fprintln(w, "\nwhere the P/D TTFT goes (ms, medians; legs as the proxy's transport saw them, engine times from each engine's TTFT histogram):")
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "prompt_len\tadded\tadded_share\tproxy_in\tp_leg\tproxy_mid\td_leg\td_http\td_engine\td_transfer\trecompute_1tok\t(packing)\td_sched\tproxy_out\tsingle_engine\tp_engine\t")
-	for _, r := range rows {
-		fmt.Fprintf(tw, "%d\t%.1f\t%.1f%%\t%.2f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t\n",
-			r.PromptLen, r.AddedMs, 100*r.AddedShare, r.ProxyInMs, r.PLegMs, r.ProxyMidMs, r.DLegMs, r.DHTTPMs, r.DEngineMs,
+	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tadded\tadded_share\tproxy_in\tp_leg\tproxy_mid\td_leg\td_http\td_engine\td_transfer\trecompute_1tok\t(packing)\td_sched\tproxy_out\tsingle_engine\tp_engine\t")
+	for _, r := range measured {
+		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f%%\t%.2f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t\n",
+			r.Mode, r.PromptLen, r.AddedMs, 100*r.AddedShare, r.ProxyInMs, r.PLegMs, r.ProxyMidMs, r.DLegMs, r.DHTTPMs, r.DEngineMs,
 			r.TransferMs, r.RecomputeMs, r.RecomputeMs-r.RecomputeWarmMs, r.DSchedMs, r.ProxyOutMs, r.SingleEngineMs, r.PEngineMs)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "transfer = D's KV read (NIXL xferDuration); ceiling = "+ceiling+";\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
+	_, err := fmt.Fprintln(w, "transfer = the KV transfer (NIXL xferDuration): D's read (pull), P's writes (push); ceiling = "+ceiling+";\n"+
+		"hidden_share = the transfer time spent before P had answered: 0 when D's leg left after P's answer (pull); with the legs overlapping (push,\n"+
+		"proxy_mid < 0) 1 − (d_end − p_end − recompute_1tok, within [0, transfer]) ÷ transfer, a lower bound (HTTP after P's answer counts as exposed); n/a: no P answer traced\n"+
+		"push-layered sets kv_connector_extra_config.push_layerwise on P\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
 		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
 		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone,\n"+
 		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")

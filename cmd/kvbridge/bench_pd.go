@@ -18,8 +18,8 @@ import (
 // and D's KV read against a memcpy ceiling measured in the same run.
 func newBenchPDCmd() *cobra.Command {
 	var (
-		opts              pdbench.PDOptions
-		promptLens, jsonP string
+		opts                     pdbench.PDOptions
+		promptLens, jsonP, modes string
 	)
 	cmd := &cobra.Command{
 		Use:   "pd",
@@ -35,12 +35,27 @@ With --hosts (root needed), the single engine, P and D run as kvbridge processes
 their own — network namespaces with their own addresses joined by a bridge — and the proxy
 in this process on a client host, so every hop crosses a network stack; P and D use TCP, and
 the ceiling is the better of two raw TCP streams of as many bytes from P's host to D's (one
-connection, and four as the transfer engine opens), measured right after each request.`,
+connection, and four as the transfer engine opens), measured right after each request.
+
+--transfer-mode runs one set of rows per mode, each on engines and a proxy of their own: pull
+(the NixlConnector), push (the NixlPushConnector on P and D, the proxy sending both legs at
+once) and push-layered (push with kv_connector_extra_config.push_layerwise, a placeholder name
+until the engines' layer-by-layer option lands). A mode whose configuration the engines refuse
+gets a line saying "unsupported by engines" instead of figures. The hidden_share column is the
+share of the transfer spent before P had answered: hidden under P's compute.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var err error
 			if opts.PromptLens, err = parseInts("--prompt-lens", promptLens); err != nil {
 				return err
+			}
+			if opts.TransferModes, err = splitList(modes); err != nil {
+				return usageError("--transfer-mode: %v", err)
+			}
+			for _, m := range opts.TransferModes {
+				if m != pdbench.TransferPull && m != pdbench.TransferPush && m != pdbench.TransferPushLayered {
+					return usageError("--transfer-mode %q: want pull, push or push-layered (a comma-separated list)", m)
+				}
 			}
 			if b := strings.ToUpper(opts.Backend); b != "SHM" && b != "TCP" {
 				return usageError("--backend %q: SHM or TCP", opts.Backend)
@@ -75,6 +90,7 @@ connection, and four as the transfer engine opens), measured right after each re
 	f.StringVar(&opts.Backend, "backend", "SHM", "transfer backend of P and D: SHM or TCP")
 	f.IntVar(&opts.BlockSize, "block-size", kvcache.DefaultBlockSize, "KV block size in tokens")
 	f.StringVar(&jsonP, "json", "", "also write the rows as JSON to this file")
+	f.StringVar(&modes, "transfer-mode", pdbench.TransferPull, "transfer modes, one set of rows each: pull, push, push-layered (comma-separated)")
 	f.BoolVar(&opts.Hosts, "hosts", false, "run the engines on hosts of their own (network namespaces; root) over TCP, against raw TCP streams between them")
 	return cmd
 }

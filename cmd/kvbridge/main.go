@@ -97,6 +97,6 @@ func newBenchCmd() *cobra.Command {
 			return usageError("bench needs a subcommand; see kvbridge bench --help")
 		},
 	}
-	bench.AddCommand(newBenchTransferCmd(), newBenchEngineCmd(), newBenchQualityCmd(), newBenchPDCmd(), newBenchProxyCmd(), newBenchBidirectionalCmd(), newBenchMultiTurnCmd(), newBenchCompareCmd(), newBenchSoakCmd())
+	bench.AddCommand(newBenchTransferCmd(), newBenchEngineCmd(), newBenchQualityCmd(), newBenchPDCmd(), newBenchProxyCmd(), newBenchBidirectionalCmd(), newBenchMultiTurnCmd(), newBenchCompareCmd(), newBenchSoakCmd(), newBenchRoutingCmd())
 	return bench
 }

@@ -38,6 +38,11 @@ type proxyFlags struct {
 	headerTimeout, idleTimeout        time.Duration
 	log                               logFlags
 	writeTimeout                      time.Duration
+	transferMode                      string
+	routing                           string
+	kvEvents, kvEventsReplay          []string
+	kvEventsDP                        int
+	kvEventsTopic, hashAlgo           string
 }
 
 func newProxyCmd() *cobra.Command {
@@ -64,6 +69,7 @@ func newProxyCmd() *cobra.Command {
 	fl.DurationVar(&f.headerTimeout, "header-timeout", proxy.DefaultHeaderTimeout, "longest wait for an engine's response headers (covers P's prefill)")
 	fl.DurationVar(&f.idleTimeout, "idle-timeout", proxy.DefaultIdleTimeout, "longest silence of an engine's response stream")
 	fl.DurationVar(&f.writeTimeout, "write-timeout", proxy.DefaultWriteTimeout, "longest a write of a response may wait for the client to read; a client that stalls longer has its request cancelled on both engines")
+	fl.StringVar(&f.transferMode, "transfer-mode", string(proxy.TransferAuto), "how P's KV reaches D: auto (push where P's GET /v1/kv_transfer says transfer_mode push, pull elsewhere), pull, push (both legs at once; D registers, P writes), or push-serial (vLLM's toy push proxy: P's leg, then D's); with --multi-turn only turns that pull nothing from D push")
 	fl.BoolVar(&f.multiTurn, "multi-turn", false, "cache D's kv_transfer_params per conversation_id so that P pulls earlier turns' KV from D (bidirectional transfer)")
 	fl.BoolVar(&f.requireConversationID, "require-conversation-id", false, "with --multi-turn: answer 400 to requests without a conversation_id")
 	fl.DurationVar(&f.cacheTTL, "conversation-ttl", proxy.DefaultConversationTTL, "with --multi-turn: how long a conversation's cached params stay usable (keep it below decoder_kv_blocks_ttl)")
@@ -71,6 +77,12 @@ func newProxyCmd() *cobra.Command {
 	fl.StringVar(&f.maxConversationBytes, "max-conversation-bytes", formatBytes(proxy.DefaultMaxConversationBytes), "with --multi-turn and the memory store: most bytes of cached conversations (least recently used dropped first), e.g. 64M")
 	fl.StringVar(&f.conversationStore, "conversation-store", "memory", "with --multi-turn: where conversations are kept between turns: memory, or redis://HOST:PORT/DB shared by the replicas of a proxy tier")
 	fl.StringVar(&f.conversationStoreKey, "conversation-store-key", "", "with --multi-turn: the secret D's kv_transfer_params are sealed under in the conversation store, the same on every replica (default: env "+envStoreKey+", else "+connector.EnvAuthToken+"; required with Redis; the memory store otherwise uses a random key)")
+	fl.StringVar(&f.routing, "routing", "", "how prefillers and decoders are chosen: round-robin, least-loaded, or kv-aware (P by the longest prefix of the prompt it caches, weighted by load; D by load) (default kv-aware with --kv-events, else round-robin)")
+	fl.StringSliceVar(&f.kvEvents, "kv-events", nil, "the prefillers' KV cache event endpoints (their --kv-events-config endpoint, e.g. tcp://HOST:5557), one per prefiller in the order of --prefiller-hosts")
+	fl.StringSliceVar(&f.kvEventsReplay, "kv-events-replay", nil, "with --kv-events: the prefillers' replay endpoints (their replay_endpoint), one per prefiller, to fill sequence gaps; without, a gap marks the engine's index stale")
+	fl.IntVar(&f.kvEventsDP, "kv-events-dp", 1, "with --kv-events: data-parallel ranks per prefiller; rank r publishes on the endpoint's port + r")
+	fl.StringVar(&f.kvEventsTopic, "kv-events-topic", "", "with --kv-events: the engines' event topic")
+	fl.StringVar(&f.hashAlgo, "prefix-caching-hash-algo", proxy.DefaultPrefixHashAlgo, "with --kv-events: the engines' --prefix-caching-hash-algo (sha256 or sha256_cbor); the engines and the proxy must share PYTHONHASHSEED too")
 	f.log.register(fl)
 	return cmd
 }
@@ -112,6 +124,10 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if !f.multiTurn && f.conversationStoreKey != "" {
 		return usageError("--conversation-store-key needs --multi-turn")
 	}
+	mode, err := proxy.ParseTransferMode(f.transferMode)
+	if err != nil {
+		return usageError("--transfer-mode: %v", err)
+	}
 	storeKey := f.conversationStoreKey
 	for _, env := range []string{envStoreKey, connector.EnvAuthToken} {
 		if storeKey == "" {
@@ -122,9 +138,14 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 	if err != nil {
 		return usageError("--max-conversation-bytes: %v", err)
 	}
+	routing, err := f.routingConfig(len(pre))
+	if err != nil {
+		return err
+	}
 	cfg := proxy.Config{
 		Prefill: pre, Decode: dec, APIKey: os.Getenv("OPENAI_API_KEY"), Logger: log,
-		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout, WriteTimeout: f.writeTimeout,
+		HeaderTimeout: f.headerTimeout, IdleTimeout: f.idleTimeout, WriteTimeout: f.writeTimeout, TransferMode: mode,
+		Routing: routing,
 	}
 	var h interface {
 		http.Handler
@@ -145,7 +166,7 @@ func runProxy(ctx context.Context, f proxyFlags) error {
 		return fmt.Errorf("listen on port %d: %w (is another server using it? pick another with --port)", f.port, err)
 	}
 	bound := ln.Addr().(*net.TCPAddr)
-	log.Info("kvbridge proxy listening", "addr", bound.String(), "url", instance.LocalURL(bound), "multi_turn", f.multiTurn, "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
+	log.Info("kvbridge proxy listening", "addr", bound.String(), "url", instance.LocalURL(bound), "multi_turn", f.multiTurn, "transfer_mode", string(mode), "prefill", fmt.Sprint(pre), "decode", fmt.Sprint(dec))
 	return serveUntilDone(ctx, log, &http.Server{Handler: h, ReadHeaderTimeout: 30 * time.Second}, ln, h.Close)
 }
 
@@ -168,4 +189,28 @@ func serveUntilDone(ctx context.Context, log *slog.Logger, hs *http.Server, ln n
 		}
 		return errors.Join(err, closeAfter())
 	})
+}
+
+// routingConfig checks the routing flags for n prefillers; PYTHONHASHSEED comes from the
+// environment, as the engines read it.
+func (f proxyFlags) routingConfig(n int) (proxy.RoutingConfig, error) {
+	rc := proxy.RoutingConfig{Policy: f.routing, KVEvents: f.kvEvents, KVEventsReplay: f.kvEventsReplay, KVEventsDP: f.kvEventsDP,
+		KVEventsTopic: f.kvEventsTopic, HashAlgo: f.hashAlgo}
+	rc.HashSeed, rc.HashSeeded = os.LookupEnv("PYTHONHASHSEED")
+	if f.routing != "" {
+		if _, err := proxy.ParsePolicy(f.routing); err != nil {
+			return rc, usageError("--routing: %v", err)
+		}
+	}
+	switch {
+	case f.routing == proxy.KVAware && len(f.kvEvents) == 0:
+		return rc, usageError("--routing kv-aware needs --kv-events (one endpoint per prefiller)")
+	case len(f.kvEvents) > 0 && len(f.kvEvents) != n:
+		return rc, usageError("--kv-events: %d endpoints for %d prefillers: give one per prefiller, in the order of --prefiller-hosts", len(f.kvEvents), n)
+	case len(f.kvEventsReplay) > 0 && len(f.kvEventsReplay) != len(f.kvEvents):
+		return rc, usageError("--kv-events-replay: %d endpoints for %d --kv-events: give one per prefiller", len(f.kvEventsReplay), len(f.kvEvents))
+	case f.kvEventsDP < 1:
+		return rc, usageError("--kv-events-dp %d: want 1 or more", f.kvEventsDP)
+	}
+	return rc, nil // the endpoints and the hash algorithm are checked by the proxy's constructor
 }

@@ -143,7 +143,7 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringSliceVar(&f.servedModelNames, "served-model-name", nil, "model name(s) the API answers to (default: MODEL)")
 	fl.BoolVar(&f.prefixCaching, "enable-prefix-caching", true, "reuse the KV of identical prompt prefixes")
 	fl.BoolVar(&f.noPrefixCaching, "no-enable-prefix-caching", false, "disable prefix caching")
-	fl.StringVar(&f.kvTransferConfig, "kv-transfer-config", "", "NixlConnector configuration as JSON (dotted keys such as --kv-transfer-config.kv_role also work)")
+	fl.StringVar(&f.kvTransferConfig, "kv-transfer-config", "", "NixlConnector (or NixlPushConnector) configuration as JSON (dotted keys such as --kv-transfer-config.kv_role also work)")
 	fl.StringVar(&f.kvEventsConfig, "kv-events-config", "", "KV cache events publisher as JSON with vLLM's keys: enable_kv_cache_events, publisher (zmq or null), endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size")
 	fl.StringVar(&f.prefixCachingHash, "prefix-caching-hash-algo", string(blockhash.SHA256), "hash of prefix-cache blocks in KV cache events: sha256 (vLLM's default) or sha256_cbor, from PYTHONHASHSEED")
 	fl.BoolVar(&f.enforceEager, "enforce-eager", false, "accepted for vLLM compatibility; no effect (no CUDA graphs on CPU)")

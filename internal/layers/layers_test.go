@@ -17,7 +17,7 @@ const module = "github.com/kvbridge/kvbridge/"
 // test, so that a new package is placed in the table before it lands.
 var allowed = map[string][]string{
 	// command
-	"cmd/kvbridge": {"bench/bidibench", "bench/enginebench", "bench/multiturn", "bench/pdbench", "bench/quality", "bench/soak",
+	"cmd/kvbridge": {"bench/bidibench", "bench/enginebench", "bench/multiturn", "bench/pdbench", "bench/quality", "bench/routebench", "bench/soak",
 		"bench/xferbench", "check", "demo", "conversation", "instance", "proxy", "connector", "openai", "engine",
 		"kvcache", "kvevents", "model", "transfer", "internal/buildinfo", "internal/blockhash"},
 	// runs
@@ -29,6 +29,7 @@ var allowed = map[string][]string{
 	"bench/enginebench": {"model", "model/kernel", "kvcache", "stack", "internal/procmem"},
 	"bench/quality":     {"model", "model/kernel", "kvcache", "stack"},
 	"bench/xferbench":   {"transfer", "stats"},
+	"bench/routebench":  {"stack", "apiclient", "stats", "instance", "proxy", "connector", "kvevents", "kvcache", "model", "internal/blockhash"},
 	"bench/multiturn":   {"apiclient", "stats", "model", "model/tokenizer", "plot"},
 	// workload
 	"conversation": {"stack", "apiclient", "stats", "instance", "proxy", "model", "model/tokenizer", "kvcache"},
@@ -37,7 +38,7 @@ var allowed = map[string][]string{
 	"instance": {"openai", "connector", "engine", "kvcache", "kvevents", "metrics", "model", "model/kernel", "transfer", "internal/procmem", "internal/blockhash"},
 	// serving
 	"openai":    {"engine", "metrics", "model", "model/tokenizer", "internal/buildinfo", "internal/httpdeadline"},
-	"proxy":     {"internal/httpdeadline"},
+	"proxy":     {"internal/httpdeadline", "internal/blockhash", "internal/msgpackcheck"},
 	"connector": {"engine", "kvcache", "metrics", "transfer", "internal/kvlease", "internal/msgpackcheck"},
 	// core
 	"engine":   {"kvcache", "model", "model/tokenizer"},

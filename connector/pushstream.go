@@ -1,0 +1,263 @@
+package connector
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"sync/atomic"
+
+	"github.com/kvbridge/kvbridge/engine"
+	"github.com/kvbridge/kvbridge/transfer"
+)
+
+// Layer-by-layer push (kv_connector_extra_config.push_layerwise on a NixlPushConnector
+// prefiller): when a decoder registered before the prefill ended (both legs at once), each
+// layer's KV of each prefill chunk is written as soon as the model computed it, while the next
+// layers and chunks compute; the completion then follows the last write. The engine tells the
+// connector of each step (engine.LayerStreamer, StreamStep) and of each layer (the function
+// StreamStep returns, on the step loop: it only queues); one goroutine per streamed request
+// writes its queue in order, so that a block a later chunk completes is written again after
+// the earlier, partial write. Anything that makes the streamed KV doubtful — a preemption (the
+// blocks were freed and recomputed), a full queue, a failed write — marks the stream broken,
+// and the request is then written whole when it ends, as without push_layerwise.
+
+// maxStreamQueue bounds the layer writes queued for one request (in units of layers).
+const maxStreamQueue = 1024
+
+// streamWrite is what one step adds to a request's stream: the pairs (this engine's block, the
+// decoder's block) the step's chunk touches, to be written layer by layer.
+type streamWrite struct {
+	id      string
+	peer    string
+	peerInc uint64
+	reg     pushRegistration
+	pairs   [][2]int32
+}
+
+// streamPlan returns, for a step's work, the requests whose chunk may be streamed now: prefill
+// legs (do_remote_decode) naming a push_id whose decoder's registration is parked here, for the
+// same prompt, whose stream has seen (or starts with) the first registered block. It records on
+// each request its prompt's digest and that it streams; nothing else changes.
+func (k *core) streamPlan(work []engine.Work) []streamWrite {
+	var out []streamWrite
+	bs := k.geo.BlockSize
+	for _, w := range work {
+		st := k.reqs[w.Seq.ID()]
+		if st == nil || st.params == nil || !st.params.DoRemoteDecode || st.params.PushID == "" {
+			continue
+		}
+		pr, ok := k.push.parked[st.params.PushID]
+		if !ok || pr.reg.NumTokens != w.Seq.NumPromptTokens() {
+			continue
+		}
+		if st.digest == nil {
+			st.digest = promptDigest(w.Seq.Prompt())
+		}
+		if !bytes.Equal(st.digest, pr.reg.Digest) {
+			continue
+		}
+		// A stream must see every chunk from the decoder's first registered block on: one that
+		// would start later (the registration came after a chunk, or this engine's own prefix
+		// hit covers part of the registered range) is not started, and the request is written
+		// whole when it ends.
+		if !st.streaming && w.Start > pr.reg.FirstBlock*bs {
+			continue
+		}
+		st.streaming = true
+		end := min(w.Start+len(w.Tokens), w.Seq.NumPromptTokens())
+		var pairs [][2]int32
+		for i := w.Start / bs; i*bs < end && i < len(w.Blocks); i++ {
+			if j := i - pr.reg.FirstBlock; j >= 0 && j < len(pr.reg.BlockIDs) {
+				pairs = append(pairs, [2]int32{w.Blocks[i], pr.reg.BlockIDs[j]})
+			}
+		}
+		if len(pairs) > 0 {
+			out = append(out, streamWrite{id: w.Seq.ID(), peer: pr.peer, peerInc: pr.peerInc, reg: pr.reg, pairs: pairs})
+		}
+	}
+	return out
+}
+
+// stream is one request's layer-by-layer push, written by its own goroutine (runStream).
+type stream struct {
+	id      string
+	peer    string
+	peerInc uint64
+	reg     pushRegistration
+	jobs    chan streamJob
+	finish  chan pushJob // the request's push, once it finished prefill (capacity 1)
+	broken  atomic.Bool
+}
+
+// streamJob is one layer of one step's blocks.
+type streamJob struct {
+	layer int
+	pairs [][2]int32
+}
+
+// queue adds a job without blocking; a full queue breaks the stream.
+func (s *stream) queue(j streamJob) {
+	select {
+	case s.jobs <- j:
+	default:
+		s.broken.Store(true)
+	}
+}
+
+// StreamStep implements engine.LayerStreamer (see pushstream.go's doc): it starts the streams of
+// the step's requests that have a decoder's registration, marks those of preempted requests
+// broken, and returns the function that queues each layer's writes (nil when none).
+func (c *Connector) StreamStep(work []engine.Work, preempted []*engine.Sequence) func(layer int) {
+	if !c.cfg.PushLayerwise {
+		return nil
+	}
+	var streams []*stream
+	var writes []streamWrite
+	c.locked(func() {
+		for _, q := range preempted {
+			if s := c.streams[q.ID()]; s != nil {
+				s.broken.Store(true) // its blocks were freed: what was written may be stale
+			}
+		}
+		if c.closed {
+			return
+		}
+		for _, w := range c.core.streamPlan(work) {
+			s := c.streams[w.id]
+			if s == nil {
+				s = &stream{id: w.id, peer: w.peer, peerInc: w.peerInc, reg: w.reg, jobs: make(chan streamJob, maxStreamQueue), finish: make(chan pushJob, 1)}
+				c.streams[w.id] = s
+				c.wg.Add(1)
+				go c.runStream(s)
+			}
+			streams, writes = append(streams, s), append(writes, w)
+		}
+	})
+	if len(writes) == 0 {
+		return nil
+	}
+	return func(layer int) {
+		for i, s := range streams {
+			s.queue(streamJob{layer: layer, pairs: writes[i].pairs})
+		}
+	}
+}
+
+// handOverPush gives a finished request's push to its stream, if it has one; it reports whether
+// it did.
+func (c *Connector) handOverPush(j pushJob) bool {
+	handed := false
+	c.locked(func() {
+		if s := c.streams[j.id]; s != nil {
+			delete(c.streams, j.id)
+			s.finish <- j
+			handed = true
+		}
+	})
+	return handed
+}
+
+// runStream writes s's queue in order until its request's push arrives, then completes it: with
+// the completion alone when every layer was written, else by writing the request whole
+// (runPush). A request that never finishes prefill here ends its stream after loadTimeout.
+func (c *Connector) runStream(s *stream) {
+	defer c.wg.Done()
+	ctx, cancel := context.WithTimeout(c.ctx, loadTimeout)
+	defer cancel()
+	var r *remoteLink
+	write := func(j streamJob) {
+		if s.broken.Load() {
+			return
+		}
+		if err := c.streamLayer(ctx, s, &r, j); err != nil {
+			s.broken.Store(true)
+			c.log.Warn("a layer-by-layer push write failed; the request will be written whole when its prefill ends", "request_id", s.id,
+				"remote_engine_id", s.reg.EngineID, "layer", j.layer, "err", err)
+		}
+	}
+	for {
+		select {
+		case j := <-s.jobs:
+			write(j)
+		case pj := <-s.finish:
+			for drained := false; !drained; {
+				select {
+				case j := <-s.jobs:
+					write(j)
+				default:
+					drained = true
+				}
+			}
+			c.finishStream(s, r, pj)
+			return
+		case <-ctx.Done():
+			handed := false
+			c.locked(func() {
+				if c.streams[s.id] == s {
+					delete(c.streams, s.id)
+				} else {
+					handed = true // the push was handed over meanwhile: it is in s.finish
+				}
+			})
+			if handed {
+				s.broken.Store(true)
+				c.finishStream(s, r, <-s.finish)
+			}
+			return
+		}
+	}
+}
+
+// streamLayer writes one layer of one step's blocks into the decoder's, handshaking it first.
+func (c *Connector) streamLayer(ctx context.Context, s *stream, r **remoteLink, j streamJob) error {
+	link, left, err := c.pushTarget(ctx, s.id, s.reg, s.peer, s.peerInc)
+	if err != nil {
+		return err
+	}
+	*r = link
+	blockBytes := int64(c.pool.BlockBytes())
+	layerBytes := blockBytes / int64(c.geo.NumLayers)
+	local := make([]transfer.Desc, 0, len(j.pairs))
+	remote := make([]transfer.Desc, 0, len(j.pairs))
+	for _, p := range j.pairs {
+		if int(p[1]) >= link.meta.NumBlocks {
+			return fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, p[1], link.id, link.meta.NumBlocks)
+		}
+		local = append(local, c.kvReg.Desc(int64(p[0])*blockBytes+int64(j.layer)*layerBytes, layerBytes))
+		remote = append(remote, transfer.Desc{Region: link.meta.KVRegion, Offset: int64(p[1])*int64(link.meta.BlockLen) + int64(j.layer)*layerBytes, Length: layerBytes})
+	}
+	w, err := c.agent.CreateRequest(ctx, transfer.Write, local, link.peer, remote, &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)})
+	if err != nil {
+		return err
+	}
+	defer w.Release()
+	if err := w.Post(ctx, nil); err != nil {
+		return err
+	}
+	if err := c.waitWrite(ctx, w); err != nil {
+		return err
+	}
+	if c.metrics != nil {
+		c.metrics.ObserveTransfer(metricsSample(w.Telemetry()))
+	}
+	return nil
+}
+
+// finishStream completes a streamed push: every layer of every chunk landed, so only the
+// completion is sent; a broken stream is written whole instead.
+func (c *Connector) finishStream(s *stream, r *remoteLink, j pushJob) {
+	if s.broken.Load() || r == nil || j.peer != s.peer || j.peerInc != s.peerInc {
+		c.runPush(j)
+		return
+	}
+	ctx, cancel := context.WithTimeout(c.ctx, registerTimeout)
+	defer cancel()
+	done := encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest})
+	if err := c.agent.SendNotif(ctx, r.peer, done); err != nil {
+		c.log.Error("NIXL transfer failure: push_failed (the completion of a layer-by-layer push)", "request_id", j.id, "remote_engine_id", j.reg.EngineID, "err", err)
+		if c.metrics != nil {
+			c.metrics.CountFailedNotification()
+		}
+	}
+	c.event(func(k *core) { k.pushEnded(j.id, false) })
+}
