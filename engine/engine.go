@@ -50,11 +50,23 @@ type KVEventSink interface {
 }
 
 // KVGeometry returns the KV block geometry of m's layers with blockSize tokens per block, in the
-// default HND layout and m's KV cache dtype: the geometry of the pool an Engine for m needs.
+// default HND layout and m's KV cache dtype: the geometry of the pool an Engine for m needs. On
+// tensor-parallel ranks it is one rank's: its KV heads (model.Model.RankKVHeads), and the pool
+// needs one memory per rank (kvcache.PoolConfig.RankMemory).
 func KVGeometry(m *model.Model, blockSize int) kvcache.Geometry {
 	c := m.Config()
 	dt, _ := kvcache.ParseDType(m.KVCacheDType()) // the model only says kvcache's names
-	return kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: blockSize, DType: dt}
+	_, heads := m.RankKVHeads(0)
+	return kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: heads, HeadDim: c.HeadDim, BlockSize: blockSize, DType: dt}
+}
+
+// shards returns each tensor-parallel rank's view of pool, as the model reads them.
+func shards(pool *kvcache.Pool) []model.KVBlocks {
+	kv := make([]model.KVBlocks, pool.TensorParallelSize())
+	for r := range kv {
+		kv[r] = pool.Shard(r)
+	}
+	return kv
 }
 
 // Engine runs requests on a model over a paged KV pool. It owns one step-loop goroutine, started
@@ -63,6 +75,7 @@ func KVGeometry(m *model.Model, blockSize int) kvcache.Geometry {
 type Engine struct {
 	m        *model.Model
 	pool     *kvcache.Pool
+	kv       []model.KVBlocks // each tensor-parallel rank's shard of pool
 	cfg      Config
 	log      *slog.Logger
 	obs      Observer
@@ -174,6 +187,9 @@ func New(m *model.Model, pool *kvcache.Pool, cfg Config, log *slog.Logger) (*Eng
 	case g.NumLayers != want.NumLayers || g.NumKVHeads != want.NumKVHeads || g.HeadDim != want.HeadDim || g.DType != want.DType:
 		return nil, fmt.Errorf("engine: pool geometry %+v does not fit model %s (%d layers, %d KV heads of %d): %w",
 			g, m.Name(), mc.NumLayers, mc.NumKVHeads, mc.HeadDim, ErrConfig)
+	case pool.TensorParallelSize() != m.TensorParallelSize():
+		return nil, fmt.Errorf("engine: the pool holds %d tensor-parallel ranks' KV, the model runs on %d: %w",
+			pool.TensorParallelSize(), m.TensorParallelSize(), ErrConfig)
 	case cfg.BlockSize != g.BlockSize:
 		return nil, fmt.Errorf("engine: block size %d, pool has %d: %w", cfg.BlockSize, g.BlockSize, ErrConfig)
 	case cfg.NumBlocks != pool.NumBlocks():
@@ -207,6 +223,7 @@ func New(m *model.Model, pool *kvcache.Pool, cfg Config, log *slog.Logger) (*Eng
 	e := &Engine{
 		m:        m,
 		pool:     pool,
+		kv:       shards(pool),
 		cfg:      cfg,
 		log:      log,
 		obs:      cfg.Observer,
@@ -484,13 +501,13 @@ func (e *Engine) step(plan Plan) {
 		}
 	}
 	e.steps++
-	var kv model.KVBlocks = e.pool
+	kv := e.kv
 	if ls, ok := e.cfg.Connector.(LayerStreamer); ok {
 		if done := ls.StreamStep(plan.Work, plan.Preempted); done != nil {
-			kv = layerStore{e.pool, done}
+			kv = []model.KVBlocks{layerStore{e.pool, done}} // one rank: P/D needs TP 1 for now
 		}
 	}
-	if err := e.m.Forward(e.ctx, kv, e.cfg.BlockSize, seqs); err != nil {
+	if err := e.m.ForwardRanks(e.ctx, kv, e.cfg.BlockSize, seqs); err != nil {
 		if e.ctx.Err() != nil {
 			return // closing: the loop aborts everything next
 		}

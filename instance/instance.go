@@ -136,6 +136,15 @@ type Config struct {
 	// are per GPU; MemoryUtilization's share is split between them) and connector, behind the
 	// one HTTP port (see Rank).
 	DataParallelSize int
+	// TensorParallelSize is --tensor-parallel-size: the ranks each engine's forward pass runs on
+	// (model.OpenOptions.TensorParallelSize; default 1). Every data-parallel engine gets its own
+	// group of them (DataParallelSize × TensorParallelSize ranks in all). The KV pool's memory
+	// (NumBlocks, KVBytes) is the engine's, split over its ranks' arenas, so the same figure
+	// holds the same tokens at any size (unless KV heads are replicated). With OpenedModel it
+	// must be the model's size. P/D (KVTransfer) with more than one rank is refused for now.
+	TensorParallelSize int
+	// RankCPUs pins the tensor-parallel ranks' threads to CPU sets (model.OpenOptions.RankCPUs).
+	RankCPUs [][]int
 	// Connector overrides test hooks of the connector (clock, tick, transfer settings); it is
 	// called for every rank.
 	ConnectorHooks func(*connector.Options)
@@ -166,7 +175,17 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 	if cfg.BlockSize < 0 || cfg.BlockSize > kvcache.MaxBlockSize {
 		return cfg, fmt.Errorf("%w: block size %d must be between 1 and %d", ErrConfig, cfg.BlockSize, kvcache.MaxBlockSize)
 	}
-	blockBytes := engine.KVGeometry(m, cfg.BlockSize).BlockBytes()
+	if cfg.TensorParallelSize == 0 {
+		cfg.TensorParallelSize = 1
+	}
+	switch tp := m.TensorParallelSize(); {
+	case cfg.TensorParallelSize != tp:
+		return cfg, fmt.Errorf("%w: tensor parallel size %d, but the model runs on %d ranks", ErrConfig, cfg.TensorParallelSize, tp)
+	case tp > 1 && cfg.KVTransfer != nil:
+		return cfg, fmt.Errorf("%w: --kv-transfer-config with --tensor-parallel-size %d: P/D with TP > 1 comes with the connector's per-rank step", ErrConfig, tp)
+	}
+	// A block's bytes over every tensor-parallel rank's memory.
+	blockBytes := engine.KVGeometry(m, cfg.BlockSize).BlockBytes() * m.TensorParallelSize()
 	var err error
 	if cfg.NumBlocks, err = kvBlocks(cfg, blockBytes); err != nil {
 		return cfg, err
@@ -249,7 +268,11 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	in.Model = cfg.OpenedModel
 	if in.Model == nil {
 		m, err := model.Open(ctx, cfg.Model, model.OpenOptions{ChatTemplate: cfg.ChatTemplate, Tokenizer: cfg.Tokenizer,
-			Revision: cfg.Revision, DType: cfg.DType, KVCacheDType: cfg.KVCacheDType, Quantization: cfg.Quantization})
+			Revision: cfg.Revision, DType: cfg.DType, KVCacheDType: cfg.KVCacheDType, Quantization: cfg.Quantization,
+			TensorParallelSize: cfg.TensorParallelSize, RankCPUs: cfg.RankCPUs})
+		if errors.Is(err, model.ErrTensorParallel) {
+			return nil, fmt.Errorf("%w: --tensor-parallel-size %d: %w", ErrConfig, cfg.TensorParallelSize, err)
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -308,6 +331,9 @@ func Start(ctx context.Context, cfg Config) (_ *Instance, err error) {
 	attrs := []any{"model", cfg.ServedModelNames[0], "addr", in.Addr.String(), "url", in.URL, "blocks", cfg.NumBlocks, "block_size", cfg.BlockSize, "max_model_len", cfg.MaxModelLen}
 	if cfg.DataParallelSize > 1 {
 		attrs = append(attrs, "data_parallel_size", cfg.DataParallelSize)
+	}
+	if cfg.TensorParallelSize > 1 {
+		attrs = append(attrs, "tensor_parallel_size", cfg.TensorParallelSize)
 	}
 	if in.Connector != nil {
 		var ids, sides []string

@@ -37,6 +37,7 @@ type Rank struct {
 
 	server    *openai.Server
 	arena     *transfer.Arena
+	tpArenas  []*transfer.Arena // tensor-parallel ranks 1, 2, …: each one's KV memory
 	cancelLog context.CancelFunc
 	logDone   chan struct{} // closed when the "KV Transfer metrics" logger has returned
 	inFlight  atomic.Int64  // completions the dispatcher handed this rank and not yet answered
@@ -83,10 +84,22 @@ func startRank(cfg Config, m *model.Model, reg *metrics.Registry) (_ *Rank, err 
 	if rk.arena, err = transfer.NewArena("kvcache", layout.Size); err != nil {
 		return nil, fmt.Errorf("allocate the KV cache: %w", err)
 	}
+	// Tensor-parallel ranks 1, 2, … get an arena each (rank 0's is the one above, with the
+	// record table), so that each rank's KV can be registered on its own.
+	var rankMem [][]byte
+	for r := 1; r < m.TensorParallelSize(); r++ {
+		a, err := transfer.NewArena(fmt.Sprintf("kvcache-tp%d", r), int64(geo.BlockBytes())*int64(cfg.NumBlocks))
+		if err != nil {
+			return rk, fmt.Errorf("allocate the KV cache of tensor-parallel rank %d: %w", r, err)
+		}
+		rk.tpArenas = append(rk.tpArenas, a)
+		rankMem = append(rankMem, a.Bytes())
+	}
 	events := cfg.KVEvents != nil && cfg.KVEvents.Active()
 	rk.Pool, err = kvcache.NewPool(rk.arena.Bytes(), kvcache.PoolConfig{
 		Geometry: geo, NumBlocks: cfg.NumBlocks, PrefixCaching: cfg.PrefixCaching,
 		RecordTable: layout.RecordTable(rk.arena.Bytes()), RecordEvents: events, EventHashes: cfg.BlockHashes,
+		RankMemory: rankMem,
 	})
 	if err != nil {
 		return rk, err
@@ -210,7 +223,7 @@ func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.Arena
 }
 
 // close stops the engine (releasing every block it holds), the connector, the "KV Transfer
-// metrics" logger (waiting for it to return) and the arena.
+// metrics" logger (waiting for it to return) and the arenas.
 func (rk *Rank) close() error {
 	var errs []error
 	if rk.Engine != nil {
@@ -228,6 +241,9 @@ func (rk *Rank) close() error {
 	}
 	if rk.arena != nil {
 		errs = append(errs, rk.arena.Close())
+	}
+	for _, a := range rk.tpArenas {
+		errs = append(errs, a.Close())
 	}
 	return errors.Join(errs...)
 }

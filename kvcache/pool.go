@@ -26,6 +26,13 @@ type PoolConfig struct {
 	// RecordEvents keeps a log of the prefix cache's changes for TakeEvents (events.go): the
 	// source of the KV cache events an engine publishes. Off, the pool records nothing.
 	RecordEvents bool
+	// RankMemory is, with tensor parallelism, the memory of ranks 1, 2, … (NewPool's mem is rank
+	// 0's), each like mem: 64-byte aligned, at least NumBlocks × BlockBytes, and a region of its
+	// own (a transfer arena per rank). Every block id then stands for one block in each rank's
+	// memory, holding the KV heads that rank owns (Geometry.NumKVHeads counts one rank's heads);
+	// the allocator, the prefix cache and the record table are the pool's, shared by the ranks.
+	// Shard(r) views rank r's memory. Empty: one rank, the pool as it always was.
+	RankMemory [][]byte
 	// EventHashes computes the block hashes the event log carries (Event.External): vLLM's, so
 	// that consumers can hash prompts as they would for vLLM engines. nil: the last 8 bytes of
 	// each BlockHash. Only BlockTable.Commit computes vLLM's chain (it knows every block before);
@@ -41,9 +48,7 @@ type Pool struct {
 	bb     int // block bytes
 	n      int // number of blocks
 	prefix bool
-	mem    []byte    // exactly n×bb bytes
-	f32    []float32 // mem viewed as float32 (a float32 pool)
-	u16    []uint16  // mem viewed as bfloat16 bits (a bfloat16 pool)
+	shards []*Shard // each tensor-parallel rank's memory; shards[0] is NewPool's mem
 
 	mu     sync.Mutex
 	meta   []blockMeta
@@ -84,10 +89,14 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 		return nil, fmt.Errorf("kvcache: %d blocks of %d bytes need %d bytes, memory has %d: %w",
 			n, bb, int64(n)*int64(bb), len(mem), ErrMemory)
 	}
-	if p := uintptr(unsafe.Pointer(unsafe.SliceData(mem))); p%64 != 0 {
-		return nil, fmt.Errorf("kvcache: memory at %#x is not 64-byte aligned: %w", p, ErrMemory)
+	shards := make([]*Shard, 0, 1+len(cfg.RankMemory))
+	for r, m := range append([][]byte{mem}, cfg.RankMemory...) {
+		sh, err := newShard(m, g, n)
+		if err != nil {
+			return nil, fmt.Errorf("kvcache: rank %d: %w", r, err)
+		}
+		shards = append(shards, sh)
 	}
-	mem = mem[: n*bb : n*bb]
 	var recs *recordTable
 	if t := cfg.RecordTable; t != nil {
 		var err error
@@ -103,9 +112,7 @@ func NewPool(mem []byte, cfg PoolConfig) (*Pool, error) {
 		bb:           bb,
 		n:            n,
 		prefix:       cfg.PrefixCaching,
-		mem:          mem,
-		f32:          unsafe.Slice((*float32)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/4),
-		u16:          unsafe.Slice((*uint16)(unsafe.Pointer(unsafe.SliceData(mem))), len(mem)/2),
+		shards:       shards,
 		meta:         make([]blockMeta, n),
 		free:         make(idHeap, 0, n),
 		lru:          newLRU(),

@@ -258,7 +258,7 @@ func TestHeadView(t *testing.T) {
 			}
 		}
 		// Every float of the pool was written once, with its own index.
-		for i, f := range p.f32 {
+		for i, f := range p.shards[0].f32 {
 			if f != float32(i+1) {
 				t.Fatalf("%v: float %d = %v, want %d", l, i, f, i+1)
 			}

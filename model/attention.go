@@ -533,13 +533,14 @@ func (m *Model) softmaxRows(scores []float32, stride, rows, start, group int) {
 }
 
 // scatterOutputs copies the attention outputs of tokens [t0,t1) of sa, KV head g (acc: rows
-// token-major, then query head of the group) into the workspace's attention rows.
+// token-major, then query head of the group) into the workspace's attention rows (at the
+// model's columns of them: attnCol, attnWidth).
 func (m *Model) scatterOutputs(w *workspace, sa *seqAttn, g, t0, t1 int, acc []float32) {
 	c := m.cfg
 	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
 	for r := range (t1 - t0) * group {
 		t, head := t0+r/group, g*group+r%group
-		o := (sa.row0+t)*c.NumHeads*hd + head*hd
+		o := (sa.row0+t)*m.attnWidth + m.attnCol + head*hd
 		copy(w.attn[o:o+hd], acc[r*hd:(r+1)*hd])
 	}
 }

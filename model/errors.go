@@ -18,6 +18,9 @@ var (
 	// ErrBadInput means a Forward call's sequences are inconsistent (token out of range, block
 	// table too short, logits buffer of the wrong length).
 	ErrBadInput = errors.New("model: bad forward input")
+	// ErrTensorParallel means OpenOptions.TensorParallelSize or RankCPUs cannot be used: a size
+	// the head counts do not allow, or a CPU set the ranks' threads cannot be pinned to.
+	ErrTensorParallel = errors.New("model: tensor parallelism")
 	// ErrClosed means the model was used after Close.
 	ErrClosed = errors.New("model: closed")
 )

@@ -90,7 +90,7 @@ func grow[T any](s []T, n int) []T {
 // LayerObserver may be implemented by the KV store given to Forward: LayerDone(l) is called on
 // Forward's goroutine after layer l of the step wrote its keys and values of every sequence's
 // tokens into the blocks (a connector streams them while the next layers compute). It must not
-// block.
+// block. A model on several tensor-parallel ranks refuses one (for now: push P/D needs TP 1).
 type LayerObserver interface {
 	LayerDone(layer int)
 }
@@ -102,7 +102,16 @@ type LayerObserver interface {
 // position p reads positions 0..p from the blocks, in order, so the result does not depend on
 // how the sequence was chunked or batched: a token's logits and KV are bit-identical whatever
 // batch, batch position or prefill chunking they are computed in.
-func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []Seq) (err error) {
+//
+// A model run on several tensor-parallel ranks needs ForwardRanks.
+func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []Seq) error {
+	return m.ForwardRanks(ctx, []KVBlocks{kv}, blockSize, seqs)
+}
+
+// ForwardRanks is Forward for a model run on TensorParallelSize ranks: kvs[r] is rank r's KV
+// store, which holds under the same block ids the KV heads rank r owns (RankKVHeads). The
+// logits, and every KV head's values, are bit-identical to Forward's at one rank (tp.go).
+func (m *Model) ForwardRanks(ctx context.Context, kvs []KVBlocks, blockSize int, seqs []Seq) (err error) {
 	defer func() {
 		// A store that panics (a block id out of range) fails the step, not the process.
 		if r := recover(); r != nil {
@@ -117,7 +126,7 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	total, err := m.checkStep(kv, blockSize, seqs)
+	total, err := m.checkStep(kvs, blockSize, seqs)
 	if err != nil || total == 0 {
 		return err
 	}
@@ -127,37 +136,53 @@ func (m *Model) Forward(ctx context.Context, kv KVBlocks, blockSize int, seqs []
 		w = new(workspace)
 	}
 	defer m.work.Put(w)
-	m.embedStep(w, blockSize, seqs, total)
+	m.embedStep(w, seqs, total)
+	if m.tp != nil {
+		return m.tp.forward(ctx, m, w, kvs, blockSize, seqs, total)
+	}
+	m.sizeLayerBuffers(w, total)
+	m.planViews(w, seqs, blockSize)
 	m.planAttention(w, seqs)
 	defer w.release()
 
-	obs, _ := kv.(LayerObserver)
+	obs, _ := kvs[0].(LayerObserver)
 	for l := range m.layer {
 		if err = ctx.Err(); err != nil {
 			return err
 		}
-		m.resolveViews(w, kv, l, blockSize, seqs)
+		m.resolveViews(w, kvs[0], l, blockSize, seqs)
 		m.layerStep(w, &m.layer[l], seqs, blockSize, total)
 		if obs != nil {
 			obs.LayerDone(l)
 		}
 	}
-	m.logitsStep(w, seqs)
+	m.logitsStep(w, seqs, func(rows []logitRow, logits []float32) {
+		m.normRows(w.h, w.x, rows)
+		m.head.Apply(logits, w.h, len(rows))
+	})
 	return nil
 }
 
-// checkStep validates a step's arguments against the model and the store and returns the
+// checkStep validates a step's arguments against the model and the stores and returns the
 // number of tokens the step computes.
-func (m *Model) checkStep(kv KVBlocks, blockSize int, seqs []Seq) (int, error) {
+func (m *Model) checkStep(kvs []KVBlocks, blockSize int, seqs []Seq) (int, error) {
 	c := m.cfg
 	if blockSize <= 0 {
 		return 0, fmt.Errorf("%w: block size %d", ErrBadInput, blockSize)
 	}
-	if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
-		return 0, fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
+	if len(kvs) != m.TensorParallelSize() {
+		return 0, fmt.Errorf("%w: %d KV stores for a model on %d tensor-parallel ranks", ErrBadInput, len(kvs), m.TensorParallelSize())
 	}
-	if _, ok := kv.(KVBlocksFP8); m.kvFP8 && !ok {
-		return 0, fmt.Errorf("%w: the model's KV cache is %v but the store (%T) has no FP8 views", ErrBadInput, m.fp8, kv)
+	for _, kv := range kvs {
+		if _, ok := kv.(LayerObserver); ok && m.tp != nil {
+			return 0, fmt.Errorf("%w: a layer observer (%T) needs one rank; the model runs on %d", ErrBadInput, kv, len(kvs))
+		}
+		if _, ok := kv.(KVBlocksBF16); m.kvBF16 && !ok {
+			return 0, fmt.Errorf("%w: the model's KV cache is bfloat16 but the store (%T) has no bfloat16 views", ErrBadInput, kv)
+		}
+		if _, ok := kv.(KVBlocksFP8); m.kvFP8 && !ok {
+			return 0, fmt.Errorf("%w: the model's KV cache is %v but the store (%T) has no FP8 views", ErrBadInput, m.fp8, kv)
+		}
 	}
 	total := 0
 	for i, s := range seqs {
@@ -192,31 +217,18 @@ func (c Config) checkSeq(i int, s Seq, blockSize int) error {
 	return nil
 }
 
-// embedStep sizes w's buffers for total token rows and fills what every layer shares: the
-// embeddings, each row's sequence and position, the rows whose logits are wanted, the view
-// table's shape and RoPE's cos and sin of every row.
-func (m *Model) embedStep(w *workspace, blockSize int, seqs []Seq, total int) {
+// embedStep fills what every layer (and every rank) shares: the embeddings, each row's
+// sequence and position, the rows whose logits are wanted and RoPE's cos and sin of every row.
+func (m *Model) embedStep(w *workspace, seqs []Seq, total int) {
 	c := m.cfg
 	h, hd := c.HiddenSize, c.HeadDim
-	qd, kd := c.NumHeads*hd, c.NumKVHeads*hd
 	w.x = grow(w.x, total*h)
-	w.h = grow(w.h, total*h)
-	w.qkv = grow(w.qkv, total*(qd+2*kd))
-	w.attn = grow(w.attn, total*qd)
-	w.proj = grow(w.proj, total*h)
-	w.gu = grow(w.gu, total*2*c.IntermediateSize)
-	w.act = grow(w.act, total*c.IntermediateSize)
 	w.tokSeq = grow(w.tokSeq, total)
 	w.tokPos = grow(w.tokPos, total)
-	w.viewBase = grow(w.viewBase, len(seqs))
 	w.logitRows = w.logitRows[:0]
 
-	row, nviews := 0, 0
+	row := 0
 	for i, s := range seqs {
-		w.viewBase[i] = nviews
-		if len(s.Tokens) > 0 {
-			nviews += c.NumKVHeads * ((s.Start + len(s.Tokens) + blockSize - 1) / blockSize)
-		}
 		for j, t := range s.Tokens {
 			m.lookup(t, w.x[row*h:(row+1)*h])
 			w.tokSeq[row] = int32(i)
@@ -232,7 +244,6 @@ func (m *Model) embedStep(w *workspace, blockSize int, seqs []Seq, total int) {
 			w.logitRows = append(w.logitRows, logitRow{row: row - 1, seq: i, tok: len(s.Tokens) - 1})
 		}
 	}
-	w.views = grow(w.views, nviews)
 
 	// RoPE's cos and sin of every token, once for all layers.
 	w.rope = grow(w.rope, total*hd)
@@ -241,6 +252,32 @@ func (m *Model) embedStep(w *workspace, blockSize int, seqs []Seq, total int) {
 			m.rope.angles(int(w.tokPos[r]), w.rope[r*hd:r*hd+hd/2], w.rope[r*hd+hd/2:(r+1)*hd])
 		}
 	})
+}
+
+// sizeLayerBuffers sizes w's per-layer activations for total token rows.
+func (m *Model) sizeLayerBuffers(w *workspace, total int) {
+	c := m.cfg
+	h, qd, kd := c.HiddenSize, c.NumHeads*c.HeadDim, c.NumKVHeads*c.HeadDim
+	w.h = grow(w.h, total*h)
+	w.qkv = grow(w.qkv, total*(qd+2*kd))
+	w.attn = grow(w.attn, total*qd)
+	w.proj = grow(w.proj, total*h)
+	w.gu = grow(w.gu, total*2*c.IntermediateSize)
+	w.act = grow(w.act, total*c.IntermediateSize)
+}
+
+// planViews sizes the view table of the step: for every sequence, the model's KV heads × its
+// blocks.
+func (m *Model) planViews(w *workspace, seqs []Seq, blockSize int) {
+	w.viewBase = grow(w.viewBase, len(seqs))
+	nviews := 0
+	for i, s := range seqs {
+		w.viewBase[i] = nviews
+		if len(s.Tokens) > 0 {
+			nviews += m.cfg.NumKVHeads * ((s.Start + len(s.Tokens) + blockSize - 1) / blockSize)
+		}
+	}
+	w.views = grow(w.views, nviews)
 }
 
 // layerStep runs decoder layer ly over the step's total token rows (w.views shows its KV).
@@ -270,23 +307,20 @@ func (m *Model) layerStep(w *workspace, ly *decoderLayer, seqs []Seq, blockSize,
 	m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
 }
 
-// logitsStep runs the final norm and lm_head for the rows whose logits are wanted, a group of
-// rows at a time, and hands each its logits.
-func (m *Model) logitsStep(w *workspace, seqs []Seq) {
+// logitsStep computes the logits of the rows whose logits are wanted, a group of rows at a
+// time (compute: the final norm and lm_head of rows into logits, vocab-sized rows), and hands
+// each its logits.
+func (m *Model) logitsStep(w *workspace, seqs []Seq, compute func(rows []logitRow, logits []float32)) {
 	n := len(w.logitRows)
 	if n == 0 {
 		return
 	}
-	h, v := m.cfg.HiddenSize, m.cfg.VocabSize
-	eps := float32(m.cfg.RMSNormEps)
+	v := m.cfg.VocabSize
 	w.logits = grow(w.logits, min(n, logitRowGroup)*v)
 	logits := w.logits
 	for g := 0; g < n; g += logitRowGroup {
 		rows := w.logitRows[g:min(n, g+logitRowGroup)]
-		for k, r := range rows {
-			kernel.RMSNorm(w.h[k*h:(k+1)*h], w.x[r.row*h:(r.row+1)*h], m.norm, eps)
-		}
-		m.head.Apply(logits, w.h, len(rows))
+		compute(rows, logits)
 		for k, r := range rows {
 			if s := seqs[r.seq]; s.RowLogits != nil {
 				s.RowLogits(r.tok, logits[k*v:(k+1)*v])
@@ -299,6 +333,16 @@ func (m *Model) logitsStep(w *workspace, seqs []Seq) {
 				copy(s.Logits, logits[k*v:(k+1)*v])
 			}
 		})
+	}
+}
+
+// normRows writes the final norm of the hidden rows (of x) that rows name into dst, one after
+// the other.
+func (m *Model) normRows(dst, x []float32, rows []logitRow) {
+	h := m.cfg.HiddenSize
+	eps := float32(m.cfg.RMSNormEps)
+	for k, r := range rows {
+		kernel.RMSNorm(dst[k*h:(k+1)*h], x[r.row*h:(r.row+1)*h], m.norm, eps)
 	}
 }
 
@@ -394,7 +438,7 @@ func (m *Model) prepareToken(w *workspace, ly *decoderLayer, seqs []Seq, blockSi
 // of an embedding not stored as bfloat16 are rounded to it, as every other weight is.
 func (m *Model) lookup(t int32, dst []float32) {
 	if m.tiedEmbed {
-		m.head.Row(int(t), dst)
+		m.headRow(int(t), dst)
 		return
 	}
 	m.embed.fill(int(t), dst)

@@ -81,6 +81,16 @@ type OpenOptions struct {
 	// group is quantized (with Quantization int8; see kernel.NewLinearInt8ScaledFrom): kvbridge
 	// bench quality simulates llama.cpp's Q8_0 (float16 scales) with it.
 	Int8RoundScale func(float32) float32
+	// TensorParallelSize is vLLM's --tensor-parallel-size: the number of ranks the forward pass
+	// runs on (0 or 1: one). It must divide the attention heads, and divide the KV heads or be a
+	// multiple of them (then each KV head is replicated on the ranks whose query heads need it,
+	// as vLLM does). See tp.go: the logits and KV are bit-identical at every size.
+	TensorParallelSize int
+	// RankCPUs, if not empty, pins the ranks' threads to CPU sets: rank r of the i-th group of
+	// ranks (one group per concurrent Forward, so one per data-parallel engine) runs on
+	// RankCPUs[(i·TensorParallelSize + r) mod len(RankCPUs)]. Linux only (sched_setaffinity).
+	// A rank with more than one kernel worker (more CPUs than ranks) pins only its own thread.
+	RankCPUs [][]int
 }
 
 // precision is how a model computes: bfloat16 products and a bfloat16 KV cache, or float32;
@@ -91,6 +101,8 @@ type precision struct {
 	fp8                 kernel.FP8
 	int8                bool
 	roundScale          func(float32) float32 // OpenOptions.Int8RoundScale
+	tp                  int                   // OpenOptions.TensorParallelSize (≥ 1)
+	rankCPUs            [][]int               // OpenOptions.RankCPUs
 }
 
 // ParseDType checks a compute dtype (OpenOptions.DType, vLLM's --dtype), case-insensitively,
@@ -123,6 +135,10 @@ func parsePrecision(opts OpenOptions, ckpt string) (precision, error) {
 		return p, err
 	}
 	p.roundScale = opts.Int8RoundScale
+	if p.tp = max(1, opts.TensorParallelSize); opts.TensorParallelSize < 0 {
+		return p, fmt.Errorf("%w: size %d", ErrTensorParallel, opts.TensorParallelSize)
+	}
+	p.rankCPUs = opts.RankCPUs
 	switch dt {
 	case "auto":
 		p.bf16 = ckpt == "bfloat16" || ckpt == "float16"
@@ -196,6 +212,14 @@ type Model struct {
 	kvFP8     bool
 	fp8       kernel.FP8
 	fp8Layers []fp8Layer
+
+	// tp holds the tensor-parallel ranks (tp.go) when the model runs on more than one; then
+	// layer and head are empty: each rank's shard holds its share.
+	tp *tensorParallel
+	// attnCol and attnWidth place attention's outputs: head h's values go to columns
+	// [attnCol+h·HeadDim, …) of attention rows attnWidth wide (a rank's heads among all of them;
+	// 0 and NumHeads·HeadDim for the whole model).
+	attnCol, attnWidth int
 }
 
 // decoderLayer holds one layer's packed weights.
@@ -354,9 +378,12 @@ func (m *Model) AttentionFLOPsPerToken(contextLen int) float64 {
 
 // KVBytesPerToken returns the bytes of one token's keys and values in the KV cache, all layers
 // (KVCacheDType's size each): what attention reads per position of a context at every step.
+// With tensor-parallel ranks it counts each rank's heads (a replicated KV head once per rank
+// that holds it).
 func (m *Model) KVBytesPerToken() int64 {
 	c := m.cfg
-	return int64(c.NumLayers * 2 * c.NumKVHeads * c.HeadDim * m.kvValueBytes())
+	_, heads := m.RankKVHeads(0)
+	return int64(c.NumLayers * 2 * heads * m.TensorParallelSize() * c.HeadDim * m.kvValueBytes())
 }
 
 // PrefillFLOPs returns the floating-point operations of prefilling promptLen tokens from position
@@ -377,7 +404,7 @@ func (m *Model) Close() error {
 	}
 	m.files.close()
 	m.files, m.embed = nil, matrix{}
-	return errors.Join(m.pool.Close(), m.serial.Close())
+	return errors.Join(m.tp.close(), m.pool.Close(), m.serial.Close())
 }
 
 // String describes the model for logs.

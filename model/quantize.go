@@ -42,7 +42,7 @@ func newFusedInt8(pool *kernel.Pool, roundScale func(float32) float32, out, in i
 	return kernel.NewLinearInt8ScaledFrom(pool, out, in, roundScale, func(n int, dst []float32) {
 		for _, p := range parts {
 			if n < p.at+p.n {
-				p.m.fill(n-p.at, dst)
+				p.m.fill(p.row(n), dst)
 				return
 			}
 		}

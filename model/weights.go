@@ -86,11 +86,14 @@ func (m matrix) fill16(n int, dst []uint16, to kernel.DType) {
 	}
 }
 
-// part is a matrix whose rows make up rows [at, at+n) of a fused Linear.
+// part is rows [first, first+n) of a matrix, which make up rows [at, at+n) of a fused Linear.
 type part struct {
-	m     matrix
-	at, n int
+	m            matrix
+	at, n, first int
 }
+
+// row returns the matrix row that fused row n (in [at, at+n)) reads.
+func (p part) row(n int) int { return n - p.at + p.first }
 
 // newFused packs parts (stacked in order; together out rows of in values) into one Linear on
 // pool: with bf16, bfloat16 weights (rounded to nearest even where the checkpoint is not
@@ -108,7 +111,7 @@ func newFused(pool *kernel.Pool, bf16 bool, out, in int, parts ...part) *kernel.
 	if bf16 {
 		return kernel.NewLinearBF16Dot(pool, out, in, func(n int, dst []uint16) {
 			p := find(n)
-			p.m.fill16(n-p.at, dst, kernel.BF16)
+			p.m.fill16(p.row(n), dst, kernel.BF16)
 		})
 	}
 	dtype := parts[0].m.storage()
@@ -120,12 +123,12 @@ func newFused(pool *kernel.Pool, bf16 bool, out, in int, parts ...part) *kernel.
 	if dtype == kernel.F32 {
 		return kernel.NewLinearFrom(pool, out, in, func(n int, dst []float32) {
 			p := find(n)
-			p.m.fill(n-p.at, dst)
+			p.m.fill(p.row(n), dst)
 		})
 	}
 	return kernel.NewLinear16From(pool, dtype, out, in, func(n int, dst []uint16) {
 		p := find(n)
-		p.m.fill16(n-p.at, dst, dtype)
+		p.m.fill16(p.row(n), dst, dtype)
 	})
 }
 
@@ -209,8 +212,7 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 	if tok.VocabSize() > cfg.VocabSize {
 		return nil, fmt.Errorf("%w: tokenizer has %d tokens but the embedding only %d rows", ErrBadConfig, tok.VocabSize(), cfg.VocabSize)
 	}
-	h, hd := cfg.HiddenSize, cfg.HeadDim
-	qd, kd := cfg.NumHeads*hd, cfg.NumKVHeads*hd
+	hd := cfg.HeadDim
 	m := &Model{
 		name:       name,
 		cfg:        cfg,
@@ -229,6 +231,7 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 		int8:       prec.int8,
 		kvFP8:      prec.kvFP8,
 		fp8:        prec.fp8,
+		attnWidth:  cfg.NumHeads * hd,
 	}
 	if prec.kvFP8 {
 		var err error
@@ -236,6 +239,38 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 			return nil, err
 		}
 	}
+	head := w.lmHead
+	if head.empty() {
+		head = w.embed
+		m.tiedEmbed = true
+	} else {
+		m.embed = w.embed
+	}
+	if prec.tp > 1 {
+		tp, err := newTensorParallel(m, w, head, prec)
+		if err != nil {
+			m.Close()
+			return nil, err
+		}
+		m.tp = tp
+		for _, r := range tp.ranks {
+			m.weightBytes += r.m.weightBytes
+		}
+		m.weightBytes += 4 * int64(len(w.norm))
+		return m, nil
+	}
+	m.weightBytes = m.pack(w, head, prec, wholeModel(cfg)) + 4*int64(len(w.norm))
+	return m, nil
+}
+
+// pack packs the share sh of w's matrices (head is lm_head's) into m's Linears on m.pool and
+// returns their bytes (biases and norm vectors included, the final norm not).
+func (m *Model) pack(w *weights, head matrix, prec precision, sh share) int64 {
+	cfg := m.cfg
+	h, hd, in := cfg.HiddenSize, cfg.HeadDim, cfg.IntermediateSize
+	qd, kd := sh.q.len()*hd, sh.kv.len()*hd
+	q0, kv0 := sh.q.lo*hd, sh.kv.lo*hd
+	hw, iw := sh.hidden.len(), sh.inter.len()
 	bf := prec.bf16
 	newFused := newFused
 	if prec.int8 {
@@ -246,36 +281,34 @@ func buildModel(name string, cfg Config, w *weights, tok *tokenizer.Tokenizer, t
 	var bytes int64
 	for i := range w.layers {
 		l := &w.layers[i]
-		in := cfg.IntermediateSize
 		d := decoderLayer{
 			inNorm:   l.inNorm,
 			postNorm: l.postNorm,
-			qkv:      newFused(m.pool, bf, qd+2*kd, h, part{l.q, 0, qd}, part{l.k, qd, kd}, part{l.v, qd + kd, kd}),
-			qNorm:    l.qNorm,
-			kNorm:    l.kNorm,
-			o:        newFused(m.pool, bf, h, qd, part{l.o, 0, h}),
-			gateUp:   newFused(m.pool, bf, 2*in, h, part{l.gate, 0, in}, part{l.up, in, in}),
-			down:     newFused(m.pool, bf, h, in, part{l.down, 0, h}),
+			qkv: newFused(m.pool, bf, qd+2*kd, h,
+				part{l.q, 0, qd, q0}, part{l.k, qd, kd, kv0}, part{l.v, qd + kd, kd, kv0}),
+			qNorm:  l.qNorm,
+			kNorm:  l.kNorm,
+			o:      newFused(m.pool, bf, hw, cfg.NumHeads*hd*sh.n, part{l.o, 0, hw, sh.hidden.lo}),
+			gateUp: newFused(m.pool, bf, 2*iw, h, part{l.gate, 0, iw, sh.inter.lo}, part{l.up, iw, iw, sh.inter.lo}),
+			down:   newFused(m.pool, bf, hw, in, part{l.down, 0, hw, sh.hidden.lo}),
 		}
 		if l.qb != nil || l.kb != nil || l.vb != nil {
 			d.qkvBias = make([]float32, qd+2*kd)
-			copy(d.qkvBias, l.qb)
-			copy(d.qkvBias[qd:], l.kb)
-			copy(d.qkvBias[qd+kd:], l.vb)
+			copyPart(d.qkvBias[:qd], l.qb, q0)
+			copyPart(d.qkvBias[qd:qd+kd], l.kb, kv0)
+			copyPart(d.qkvBias[qd+kd:], l.vb, kv0)
 		}
 		bytes += d.qkv.Bytes() + d.o.Bytes() + d.gateUp.Bytes() + d.down.Bytes() +
 			4*int64(len(d.qkvBias)+len(l.inNorm)+len(l.postNorm)+len(l.qNorm)+len(l.kNorm))
 		m.layer = append(m.layer, d)
 	}
-	head := w.lmHead
-	if head.empty() {
-		head = w.embed
-		m.tiedEmbed = true
-	} else {
-		m.embed = w.embed
+	m.head = newFused(m.pool, bf, sh.vocab.len(), h, part{head, 0, sh.vocab.len(), sh.vocab.lo})
+	return bytes + m.head.Bytes()
+}
+
+// copyPart copies src[from:from+len(dst)] into dst; a nil src (no bias) leaves dst zero.
+func copyPart(dst, src []float32, from int) {
+	if src != nil {
+		copy(dst, src[from:from+len(dst)])
 	}
-	m.head = newFused(m.pool, bf, cfg.VocabSize, h, part{head, 0, cfg.VocabSize})
-	bytes += m.head.Bytes() + 4*int64(len(w.norm))
-	m.weightBytes = bytes
-	return m, nil
 }

@@ -40,6 +40,10 @@ type Options struct {
 	// with (default none; "int8": int8 weights, whose bound counts a byte a weight plus the
 	// scales).
 	Quantizations []string
+	// TensorParallelSizes are the --tensor-parallel-size values each dtype, KV cache dtype and
+	// quantization is measured at (default 1): the forward pass on that many ranks, each with
+	// GOMAXPROCS ÷ size kernel workers and its KV heads in a memory of its own.
+	TensorParallelSizes []int
 	// PromptLen is the number of prompt tokens prefilled (default 1024).
 	PromptLen int
 	// Chunk is the prefill chunk size in tokens; 0 prefills the whole prompt in one step.
@@ -81,6 +85,9 @@ func (o *Options) defaults() {
 	}
 	if len(o.Quantizations) == 0 {
 		o.Quantizations = []string{""}
+	}
+	if len(o.TensorParallelSizes) == 0 {
+		o.TensorParallelSizes = []int{1}
 	}
 	if o.PromptLen <= 0 {
 		o.PromptLen = 1024
@@ -148,9 +155,11 @@ type DTypeResult struct {
 	KVCacheDType string `json:"kv_cache_dtype"`
 	// Quantization is the weights' quantization ("int8"; empty: none). WeightBytes then counts
 	// one byte a weight plus the float32 scales.
-	Quantization  string `json:"quantization,omitempty"`
-	WeightBytes   int64  `json:"weight_bytes"`
-	KVBytesPerTok int64  `json:"kv_bytes_per_token"`
+	Quantization string `json:"quantization,omitempty"`
+	// TensorParallelSize is the ranks the forward pass ran on.
+	TensorParallelSize int   `json:"tensor_parallel_size"`
+	WeightBytes        int64 `json:"weight_bytes"`
+	KVBytesPerTok      int64 `json:"kv_bytes_per_token"`
 	// ResidentAfterLoad is the process's resident memory right after loading the model (before
 	// any KV pool); against CheckpointBytes it is the memory target's ratio (≤ 1.15).
 	ResidentAfterLoad int64 `json:"resident_after_load"`
@@ -229,11 +238,13 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	for _, dt := range opts.DTypes {
 		for _, kvdt := range opts.KVCacheDTypes {
 			for _, q := range opts.Quantizations {
-				d, err := runDType(ctx, opts, r, model.OpenOptions{DType: dt, KVCacheDType: kvdt, Quantization: q}, progress)
-				if err != nil {
-					return nil, err
+				for _, tp := range opts.TensorParallelSizes {
+					d, err := runDType(ctx, opts, r, model.OpenOptions{DType: dt, KVCacheDType: kvdt, Quantization: q, TensorParallelSize: tp}, progress)
+					if err != nil {
+						return nil, err
+					}
+					r.Runs = append(r.Runs, *d)
 				}
-				r.Runs = append(r.Runs, *d)
 			}
 		}
 	}
@@ -247,7 +258,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 
 // runDType measures one dtype with one KV cache dtype and one quantization (those of open).
 func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptions, progress func(string, ...any)) (*DTypeResult, error) {
-	progress("loading %s (dtype %s, KV cache %s, quantization %q)", opts.Model, open.DType, open.KVCacheDType, open.Quantization)
+	progress("loading %s (dtype %s, KV cache %s, quantization %q, tensor parallel size %d)", opts.Model, open.DType, open.KVCacheDType, open.Quantization, max(1, open.TensorParallelSize))
 	// Return the previous dtype's model and pool to the OS, so the resident figure is this
 	// one's: the first collection empties the sync.Pools still holding the closed model's
 	// scratch, the second frees what they held.
@@ -271,7 +282,7 @@ func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptio
 	}
 	d := &DTypeResult{
 		DType: m.DType(), KVCacheDType: m.KVCacheDType(), WeightBytes: m.WeightBytes(), ResidentAfterLoad: resident,
-		KVBytesPerTok: m.KVBytesPerToken(), Quantization: m.Quantization(),
+		KVBytesPerTok: m.KVBytesPerToken(), Quantization: m.Quantization(), TensorParallelSize: m.TensorParallelSize(),
 	}
 
 	// One pool for the prompt and for the batches (not at once): the largest batch's sequences
@@ -280,15 +291,23 @@ func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptio
 	if err != nil {
 		return nil, fmt.Errorf("enginebench: %w", err)
 	}
-	geo := kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: c.NumKVHeads, HeadDim: c.HeadDim, BlockSize: opts.BlockSize, DType: kvType}
+	_, heads := m.RankKVHeads(0)
+	geo := kvcache.Geometry{NumLayers: c.NumLayers, NumKVHeads: heads, HeadDim: c.HeadDim, BlockSize: opts.BlockSize, DType: kvType}
 	perSeq := (maxContext + opts.DecodeSteps + opts.BlockSize - 1) / opts.BlockSize
 	nseq := slices.Max(opts.Batches)
 	nblocks := max((opts.PromptLen+opts.DecodeTokens+opts.BlockSize-1)/opts.BlockSize, nseq*perSeq)
-	mem := kvcache.AlignedMemory(nblocks * geo.BlockBytes())
-	faultIn(mem)
-	pool, err := kvcache.NewPool(mem, kvcache.PoolConfig{Geometry: geo, NumBlocks: nblocks})
+	mems := make([][]byte, m.TensorParallelSize()) // each rank's KV memory
+	for i := range mems {
+		mems[i] = kvcache.AlignedMemory(nblocks * geo.BlockBytes())
+		faultIn(mems[i])
+	}
+	pool, err := kvcache.NewPool(mems[0], kvcache.PoolConfig{Geometry: geo, NumBlocks: nblocks, RankMemory: mems[1:]})
 	if err != nil {
 		return nil, fmt.Errorf("enginebench: %w", err)
+	}
+	kv := make([]model.KVBlocks, pool.TensorParallelSize())
+	for i := range kv {
+		kv[i] = pool.Shard(i)
 	}
 	blocks, err := pool.Allocate(nblocks)
 	if err != nil {
@@ -310,12 +329,12 @@ func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptio
 
 	// Warm up: fault in the weights and the pool, start the workers. Overwritten by the prefill.
 	warm := min(opts.PromptLen, 32)
-	if err := m.Forward(ctx, pool, opts.BlockSize, []model.Seq{{Tokens: prompt[:warm], Blocks: blocks, Logits: logits}}); err != nil {
+	if err := m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{{Tokens: prompt[:warm], Blocks: blocks, Logits: logits}}); err != nil {
 		return nil, err
 	}
 	for rep := range opts.Repeat {
 		progress("%s run %d/%d: prefilling %d tokens (chunks of %d), decoding %d", d.name(), rep+1, opts.Repeat, opts.PromptLen, r.PrefillChunk, opts.DecodeTokens)
-		prefill, decode, cores, err := runOnce(ctx, m, pool, opts, r.PrefillChunk, blocks, prompt, logits)
+		prefill, decode, cores, err := runOnce(ctx, m, kv, opts, r.PrefillChunk, blocks, prompt, logits)
 		if err != nil {
 			return nil, err
 		}
@@ -338,7 +357,7 @@ func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptio
 		seqs[i] = model.Seq{Tokens: random(maxContext), Blocks: blocks[i*perSeq : (i+1)*perSeq], Logits: make([]float32, c.VocabSize)}
 	}
 	progress("%s: prefilling %d sequences of %d tokens", d.name(), nseq, maxContext)
-	if err := m.Forward(ctx, pool, opts.BlockSize, seqs); err != nil {
+	if err := m.ForwardRanks(ctx, kv, opts.BlockSize, seqs); err != nil {
 		return nil, err
 	}
 	// The repetitions take turns across the batch sizes, so that every batch size sees the
@@ -348,7 +367,7 @@ func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptio
 		for rep := range opts.Repeat {
 			for i, b := range opts.Batches {
 				progress("%s run %d/%d: decoding %d steps at batch %d (context %d)", d.name(), rep+1, opts.Repeat, opts.DecodeSteps, b, context)
-				sec, err := decodeBatch(ctx, m, pool, opts, seqs[:b], context)
+				sec, err := decodeBatch(ctx, m, kv, opts, seqs[:b], context)
 				if err != nil {
 					return nil, err
 				}
@@ -394,6 +413,9 @@ func (d *DTypeResult) name() string {
 	}
 	if d.Quantization != "" {
 		n += ", " + d.Quantization + " weights"
+	}
+	if d.TensorParallelSize > 1 {
+		n += fmt.Sprintf(", TP %d", d.TensorParallelSize)
 	}
 	return n
 }
@@ -443,9 +465,9 @@ func (r *Result) measureCeilings(d time.Duration) {
 	r.MemcpyGBps = max(r.MemcpyGBps, kernel.MemcpyGBps(64<<20))
 }
 
-// runOnce prefills prompt (in chunks) and decodes greedily from it, returning both durations and
+// runOnce prefills prompt (in chunks, into kv: each rank's KV store) and decodes greedily from it, returning both durations and
 // the CPU time the process used per second of the decode (0 if it cannot be read).
-func runOnce(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Options, chunk int, blocks, prompt []int32, logits []float32) (prefill, decode, cores float64, err error) {
+func runOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, chunk int, blocks, prompt []int32, logits []float32) (prefill, decode, cores float64, err error) {
 	t0 := time.Now()
 	for start := 0; start < opts.PromptLen; start += chunk {
 		end := min(opts.PromptLen, start+chunk)
@@ -453,7 +475,7 @@ func runOnce(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Optio
 		if end == opts.PromptLen {
 			s.Logits = logits
 		}
-		if err := m.Forward(ctx, pool, opts.BlockSize, []model.Seq{s}); err != nil {
+		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{s}); err != nil {
 			return 0, 0, 0, err
 		}
 	}
@@ -463,7 +485,7 @@ func runOnce(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Optio
 	for i := range opts.DecodeTokens {
 		next := model.Argmax(logits)
 		s := model.Seq{Tokens: []int32{next}, Start: opts.PromptLen + i, Blocks: blocks, Logits: logits}
-		if err := m.Forward(ctx, pool, opts.BlockSize, []model.Seq{s}); err != nil {
+		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{s}); err != nil {
 			return 0, 0, 0, err
 		}
 	}
@@ -478,7 +500,7 @@ func runOnce(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Optio
 // position context on (their KV holds at least context positions; their Logits hold logits
 // to sample the first tokens from) and returns the seconds. The sequences are left as they
 // were, so every repetition decodes the same steps.
-func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts Options, seqs []model.Seq, context int) (float64, error) {
+func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, seqs []model.Seq, context int) (float64, error) {
 	step := make([]model.Seq, len(seqs))
 	toks := make([]int32, len(seqs))
 	last := make([][]float32, len(seqs))
@@ -492,7 +514,7 @@ func decodeBatch(ctx context.Context, m *model.Model, pool *kvcache.Pool, opts O
 			toks[i] = model.Argmax(last[i])
 			step[i].Tokens, step[i].Start = toks[i:i+1], context+k
 		})
-		if err := m.Forward(ctx, pool, opts.BlockSize, step); err != nil {
+		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, step); err != nil {
 			return 0, err
 		}
 		for i := range step {

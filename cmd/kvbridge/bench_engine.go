@@ -56,6 +56,11 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 					return usageError("--quantization %q: want none or int8", q)
 				}
 			}
+			for _, n := range opts.TensorParallelSizes {
+				if n < 1 {
+					return usageError("--tensor-parallel-size %d: sizes must be at least 1", n)
+				}
+			}
 			for _, d := range opts.KVCacheDTypes {
 				if _, err := kvcache.ParseDType(d); err != nil {
 					return usageError("--kv-cache-dtype %q: want "+kvCacheDTypes, d)
@@ -82,6 +87,7 @@ that bound allows over batch 1. Ceilings are measured in the same run; quote rat
 	f := cmd.Flags()
 	f.StringVar(&opts.Model, "model", model.Small, "model: kvbridge/tiny, kvbridge/small, a local HF directory or a cached repo id")
 	f.StringSliceVar(&opts.DTypes, "dtype", []string{"float32", "bfloat16"}, "dtypes to measure, one after the other (auto, bfloat16, float32)")
+	f.IntSliceVarP(&opts.TensorParallelSizes, "tensor-parallel-size", "t", []int{1}, "tensor-parallel sizes (-tp 1,2) each dtype is measured at: ranks of the forward pass, GOMAXPROCS ÷ size kernel workers each")
 	f.IntVar(&opts.PromptLen, "prompt-len", 1024, "prompt tokens to prefill")
 	f.IntVar(&opts.DecodeTokens, "decode-tokens", 32, "tokens to decode after the prompt (0: none)")
 	f.IntVar(&opts.Chunk, "chunk", 0, "prefill chunk size in tokens (0: the whole prompt in one step)")

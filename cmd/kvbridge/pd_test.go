@@ -140,7 +140,7 @@ func TestCLIErrors(t *testing.T) {
 		want string
 	}{
 		{[]string{"serve", "--no-such-flag"}, "no-such-flag"},
-		{[]string{"serve", "kvbridge/tiny", "--tensor-parallel-size", "2"}, "tensor-parallel-size"},
+		{[]string{"serve", "kvbridge/tiny", "--tensor-parallel-size", "3"}, "--tensor-parallel-size 3: model: tensor parallelism: size 3 does not divide the 4 attention heads"},
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-config", `{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_connector_extra_config":{"kv_lease_duration":"long"}}`}, "kv_lease_duration"},
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-config.kv_connector", "NixlConnector", "--kv-transfer-config.kv_role", "kv_producer", "--kv-transfer-config.kv_connector_extra_config.backends+", "UCX"}, "not available in this build"},
 		{[]string{"serve", "kvbridge/tiny", "--kv-transfer-config", "{nope"}, "kv-transfer-config"},

@@ -43,6 +43,7 @@ type serveFlags struct {
 	prefixCachingHash   string
 	enforceEager        bool
 	tensorParallelSize  int
+	tpCPUs              string
 	chatTemplate        string
 	apiKey              string
 	kvCacheMemory       string
@@ -146,7 +147,8 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 	fl.StringVar(&f.kvEventsConfig, "kv-events-config", "", "KV cache events publisher as JSON with vLLM's keys: enable_kv_cache_events, publisher (zmq or null), endpoint, replay_endpoint, topic, buffer_steps, hwm, max_queue_size")
 	fl.StringVar(&f.prefixCachingHash, "prefix-caching-hash-algo", string(blockhash.SHA256), "hash of prefix-cache blocks in KV cache events: sha256 (vLLM's default) or sha256_cbor, from PYTHONHASHSEED")
 	fl.BoolVar(&f.enforceEager, "enforce-eager", false, "accepted for vLLM compatibility; no effect (no CUDA graphs on CPU)")
-	fl.IntVarP(&f.tensorParallelSize, "tensor-parallel-size", "t", 1, "tensor parallelism; only 1 is supported")
+	fl.IntVarP(&f.tensorParallelSize, "tensor-parallel-size", "t", 1, "tensor-parallel ranks (-tp) each engine's forward pass runs on, threads of this process sharing its memory; it must divide the attention heads and divide or be a multiple of the KV heads; outputs are bit-identical at every size")
+	fl.StringVar(&f.tpCPUs, "tp-cpus", os.Getenv("VLLM_CPU_OMP_THREADS_BIND"), "pin each tensor-parallel rank's thread to CPUs, vLLM's format: one list per rank separated by |, such as 0-3|4-7 (data-parallel engines take the next lists, cycling); auto or nobind: no pinning (env VLLM_CPU_OMP_THREADS_BIND)")
 	fl.StringVar(&f.chatTemplate, "chat-template", "", "Jinja chat template file (default: the model's, else ChatML)")
 	fl.StringVar(&f.apiKey, "api-key", "", "require this Bearer token on the /v1 routes")
 	fl.StringVar(&f.kvCacheMemory, "kv-cache-memory-bytes", formatBytes(instance.DefaultKVBytes), "memory for the KV cache pool (suffixes k, M, G; env VLLM_CPU_KVCACHE_SPACE in GiB)")
@@ -185,8 +187,8 @@ shortened (and logged) to what the KV cache holds when it is longer.`,
 // kvbridge cannot honour, and debug-logs the accepted ones that only tune vLLM's internals.
 func (f *serveFlags) checkVLLMFlags(log *slog.Logger, changed func(string) bool) error {
 	switch {
-	case f.tensorParallelSize != 1:
-		return usageError("--tensor-parallel-size %d: kvbridge runs one rank per engine; only 1 is supported", f.tensorParallelSize)
+	case f.tensorParallelSize < 1:
+		return usageError("--tensor-parallel-size %d must be at least 1", f.tensorParallelSize)
 	case f.pipelineParallelSize != 1:
 		return usageError("--pipeline-parallel-size %d: kvbridge runs one rank per engine; only 1 is supported", f.pipelineParallelSize)
 	case f.dataParallelSize < 1:
@@ -276,6 +278,13 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if err != nil {
 		return instance.Config{}, err
 	}
+	if kvCfg != nil && f.tensorParallelSize > 1 {
+		return instance.Config{}, usageError("--kv-transfer-config with --tensor-parallel-size %d: P/D with TP > 1 comes with the connector's per-rank step; serve P and D with --tensor-parallel-size 1 (or more --data-parallel-size)", f.tensorParallelSize)
+	}
+	rankCPUs, err := parseRankCPUs(f.tpCPUs)
+	if err != nil {
+		return instance.Config{}, usageError("--tp-cpus: %v", err)
+	}
 	evCfg, err := f.kvEvents()
 	if err != nil {
 		return instance.Config{}, err
@@ -330,6 +339,8 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		KVCacheDType:          f.kvCacheDType,
 		Quantization:          f.quantization,
 		DataParallelSize:      f.dataParallelSize,
+		TensorParallelSize:    f.tensorParallelSize,
+		RankCPUs:              rankCPUs,
 	}
 	return cfg, nil
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 
 	"go.yaml.in/yaml/v3"
@@ -37,7 +38,24 @@ var vllmShortFlags = map[string]string{
 // model so that the command line wins, as vLLM does), the single-dash aliases (-tp 2, -dp=2),
 // and -O: -O3, -O=3 and -O 3 are --optimization-level, -O.key value and -O '{…}' are
 // --compilation-config. Other commands are left as they are.
+//
+// For `bench`, only -tp is rewritten (`bench engine -tp 1,2`).
 func expandVLLMArgs(args []string) ([]string, error) {
+	if len(args) > 0 && args[0] == "bench" {
+		out := slices.Clone(args)
+		for i, a := range out {
+			if a == "--" {
+				break
+			}
+			if name, value, hasValue := strings.Cut(a, "="); name == "-tp" {
+				out[i] = "--tensor-parallel-size"
+				if hasValue {
+					out[i] += "=" + value
+				}
+			}
+		}
+		return out, nil
+	}
 	if len(args) == 0 || args[0] != "serve" {
 		return args, nil
 	}

@@ -121,7 +121,9 @@ func TestServeVLLMFlags(t *testing.T) {
 		args []string
 		flag string
 	}{
-		{[]string{"-tp", "2"}, "--tensor-parallel-size 2"},
+		{[]string{"-tp", "0"}, "--tensor-parallel-size 0"},
+		{[]string{"-tp", "2", "--kv-transfer-config", `{"kv_connector":"NixlConnector","kv_role":"kv_both"}`}, "--kv-transfer-config with --tensor-parallel-size 2"},
+		{[]string{"-tp", "2", "--tp-cpus", "0-1|x"}, "--tp-cpus"},
 		{[]string{"-dp", "0"}, "--data-parallel-size 0"},
 		{[]string{"-pp", "2"}, "--pipeline-parallel-size 2"},
 		{[]string{"-q", "awq"}, "--quantization awq"},
@@ -138,8 +140,8 @@ func TestServeVLLMFlags(t *testing.T) {
 		}
 	}
 	// Through the whole command line: exit status 2 and the flag named.
-	if code := run([]string{"serve", "kvbridge/tiny", "-tp", "2"}); code != 2 {
-		t.Errorf("kvbridge serve -tp 2 exited %d, want 2", code)
+	if code := run([]string{"serve", "kvbridge/tiny", "-tp", "3"}); code != 2 {
+		t.Errorf("kvbridge serve -tp 3 (4 attention heads) exited %d, want 2", code)
 	}
 }
 
