@@ -23,7 +23,7 @@ import (
 // holds, weighted by load, from the engines' KV cache events (kvindex.go, kvsub.go), and D by
 // load. The cost of P (lower wins) is
 //
-//	cost_i = (n − m_i) · (1 + ShareWeight · (share_i − 1)) + LoadWeight · n · inflight_i
+//	cost_i = (n − m_i) · (1 + ShareWeight · clamp(share_i − 1, −1, 1)) + LoadWeight · n · inflight_i
 //
 // with n the prompt's full blocks, m_i the blocks of its prefix engine i holds, inflight_i the
 // proxy's prefill legs running on i, LoadWeight = 0.5: a request queued ahead costs about half a
@@ -31,12 +31,14 @@ import (
 // in flight, and a hot prefix spreads over the engines once its holder runs two more than
 // another instead of melting one (Dynamo's KV router weighs overlap against load the same way).
 // share_i is engine i's part of the prompt blocks this proxy sent to prefillers so far, over an
-// even part (1 when every engine got as many), ShareWeight = 0.5: the blocks an engine would have
-// to compute cost more on an engine that has had more than its part of the work, so a prompt no
-// engine holds goes to the one that has had the least, and prefixes (and the requests that
-// follow them) spread evenly instead of as the in-flight counts happened to be when each
-// arrived; what an engine already holds costs nothing wherever it is, so a holder keeps its
-// hits. Ties go to the fewer in flight, then in turn. Without tokens (the /tokenize call failed) or
+// even part (1 when every engine got as many), ShareWeight = 0.25: the blocks an engine would
+// have to compute cost up to a quarter more on an engine that has had more than its part of the
+// work (up to a quarter less on one that has had less), so a prompt no engine holds goes to the
+// one that has had the least, and prefixes (and the requests that follow them) spread evenly
+// instead of as the in-flight counts happened to be when each arrived; what an engine already
+// holds costs nothing wherever it is, so a holder of most of a prompt keeps it (a holder of 40 of
+// 64 blocks that has had all the work still costs 30 against an idle engine's 48). Ties go to
+// the fewer in flight, then in turn. Without tokens (the /tokenize call failed) or
 // without an index, kv-aware falls back to least-loaded; it never fails a request.
 
 // Routing policies (--routing).
@@ -59,7 +61,7 @@ const (
 // loadWeight and shareWeight are LoadWeight and ShareWeight of the cost above.
 const (
 	loadWeight  = 0.5
-	shareWeight = 0.5
+	shareWeight = 0.25
 )
 
 // Defaults of RoutingConfig.
@@ -423,7 +425,7 @@ func (rt *router) kvChoice(ctx context.Context, l *legs, path, reqID string, hdr
 // the prompt's full blocks, m those the engine holds, share its part of the work so far over an
 // even part, inflight the proxy's prefill legs running there.
 func prefillCost(n, m, share float64, inflight int64) float64 {
-	return (n-m)*(1+shareWeight*(share-1)) + loadWeight*max(n, 1)*float64(inflight)
+	return (n-m)*(1+shareWeight*min(max(share-1, -1), 1)) + loadWeight*max(n, 1)*float64(inflight)
 }
 
 func anyStale(m []prefixMatch) bool {

@@ -14,6 +14,8 @@ func TestPrefillCost(t *testing.T) {
 			prefillCost(n, n, 2, 0), prefillCost(n, 0, 0, 0), "holder", "idle engine"},
 		{"a near-full hit (a new turn) beats a miss on the engine that had none of the work",
 			prefillCost(n, n-2, 2, 0), prefillCost(n, 0, 0, 0), "holder", "idle engine"},
+		{"a holder of most of a prompt keeps it though it had all of the work so far (3 engines)",
+			prefillCost(n, 20, 3, 0), prefillCost(n, 0, 0, 0), "holder", "idle engine"},
 		{"a prompt nobody holds goes to the engine that had less work",
 			prefillCost(n, 0, 0.5, 0), prefillCost(n, 0, 1.5, 0), "less-worked engine", "more-worked engine"},
 		{"a hot prefix spreads once its holder runs three more requests",

@@ -39,8 +39,8 @@ connection, and four as the transfer engine opens), measured right after each re
 
 --transfer-mode runs one set of rows per mode, each on engines and a proxy of their own: pull
 (the NixlConnector), push (the NixlPushConnector on P and D, the proxy sending both legs at
-once) and push-layered (push with kv_connector_extra_config.push_layerwise, a placeholder name
-until the engines' layer-by-layer option lands). A mode whose configuration the engines refuse
+once) and push-layered (push with kv_connector_extra_config.push_layerwise on P: each layer's
+KV written as soon as it is computed). A mode whose configuration the engines refuse
 gets a line saying "unsupported by engines" instead of figures. The hidden_share column is the
 share of the transfer spent before P had answered: hidden under P's compute.`,
 		Args: cobra.NoArgs,
