@@ -409,7 +409,9 @@ func (rt *router) kvChoice(ctx context.Context, l *legs, path, reqID string, hdr
 	match := rt.ix.longestPrefix(chain)
 	n := float64(len(chain))
 	share := rt.p.shares()
-	i := rt.p.best(func(i int) float64 { return prefillCost(n, float64(match[i].blocks), share[i], rt.p.inflight[i].Load()) })
+	i := rt.p.best(func(i int) float64 {
+		return prefillCost(n, float64(match[i].blocks), share[i], rt.p.inflight[i].Load())
+	})
 	rt.p.blocks[i].Add(int64(max(len(chain), 1)))
 	reason := reasonMiss
 	switch {
