@@ -22,6 +22,7 @@ import (
 	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/proxy"
 	kvstack "github.com/kvbridge/kvbridge/stack"
 )
 
@@ -427,10 +428,14 @@ type proxyOptions struct {
 }
 
 // config returns the stack configuration of a proxy with options o; the legs can always be
-// intercepted (runningProxy.setRewrite, beforeLeg).
+// intercepted (runningProxy.setRewrite, beforeLeg). The engines run the pull connector and the
+// proxy is told so (--transfer-mode pull), so that every byte a fault proxy in front of P
+// forwards belongs to a leg: in auto mode the proxy's first request to P asks GET
+// /v1/kv_transfer first, and a fault meant for the leg would cut that instead (auto falls back to
+// pull then; proxy/push_test.go tests it).
 func (o proxyOptions) config() kvstack.ProxyConfig {
 	return kvstack.ProxyConfig{MultiTurn: o.multiTurn, RewritePorts: o.rewrite, InterceptLegs: true, IdleTimeout: o.idle,
-		HeaderTimeout: cmp.Or(o.headerTimeout, time.Minute), WriteTimeout: o.writeTimeout}
+		HeaderTimeout: cmp.Or(o.headerTimeout, time.Minute), WriteTimeout: o.writeTimeout, TransferMode: proxy.TransferPull}
 }
 
 // runningProxy is a P/D proxy served on 127.0.0.1.
