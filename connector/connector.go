@@ -38,6 +38,10 @@ type Options struct {
 	Pool   *kvcache.Pool
 	Arena  *transfer.Arena
 	Layout ArenaLayout
+	// RankArenas hold the KV memory of tensor-parallel ranks 1, 2, … (Pool.Shard(r) for
+	// r ≥ 1, at offset 0 of RankArenas[r-1]); empty at TP 1. Each is registered with the
+	// transfer agent as a region of its own and named in the handshake metadata.
+	RankArenas []*transfer.Arena
 	// Compat names what peers must agree on (model, dtype, KV shape).
 	Compat CompatFactors
 	// SideChannelAddr is where the side channel listens (host:port; port 0 picks one).
@@ -77,10 +81,13 @@ type Connector struct {
 	metrics *metrics.NixlMetrics
 	now     func() time.Time
 	hash    string
+	// totalKVHeads is the model's KV heads (Compat.NumKVHeads; geo.NumKVHeads counts one rank's).
+	totalKVHeads int
 	agent   *transfer.Agent
 	kvReg   *transfer.Region
 	metaReg *transfer.Region
 	scrReg  *transfer.Region
+	rankReg []*transfer.Region // KV regions of tensor-parallel ranks 1, 2, …
 	side    *sideChannelServer
 	auth    *sideAuth // side-channel proofs; nil without an auth token
 	scratch []byte    // records and slots read from producers (see ArenaLayout.scratchEntries)
@@ -101,7 +108,7 @@ type Connector struct {
 	mu         sync.Mutex
 	core       *core
 	sched      Scheduler
-	localLists map[int]*transfer.PreparedList
+	localLists map[localListKey]*transfer.PreparedList
 	scrList    *transfer.PreparedList
 	flights    map[remoteKey]*flight // handshakes in progress that somebody waits for
 	streams    map[string]*stream    // layer-by-layer pushes by request id (pushstream.go)
@@ -124,10 +131,14 @@ func New(opts Options) (*Connector, error) {
 		metrics:    opts.Metrics,
 		now:        opts.Now,
 		hash:       CompatibilityHash(withMode(opts.Compat, cfg.TransferMode())),
-		localLists: map[int]*transfer.PreparedList{},
+		localLists: map[localListKey]*transfer.PreparedList{},
 		flights:    map[remoteKey]*flight{},
 		streams:    map[string]*stream{},
 		tick:       opts.Tick,
+	}
+	c.totalKVHeads = opts.Compat.NumKVHeads
+	if c.totalKVHeads == 0 {
+		c.totalKVHeads = c.geo.NumKVHeads * opts.Pool.TensorParallelSize()
 	}
 	peers, err := newPeerFilter(cfg.AllowedPeers)
 	if err != nil {
@@ -149,6 +160,13 @@ func New(opts Options) (*Connector, error) {
 	c.core = k
 	if err := c.layout.check(opts.Pool, opts.Arena); err != nil {
 		return nil, err
+	}
+	if err := checkRankArenas(opts.Pool, opts.RankArenas); err != nil {
+		return nil, err
+	}
+	if opts.Pool.TensorParallelSize() > 1 && cfg.Push() {
+		return nil, fmt.Errorf("%w: transfer_mode push with tensor parallel size %d: push P/D needs TP 1 on both engines (pull works across TP sizes)",
+			ErrConfig, opts.Pool.TensorParallelSize())
 	}
 	tc := opts.Transfer
 	tc.Backends = cfg.Backends
@@ -187,6 +205,14 @@ func New(opts Options) (*Connector, error) {
 	if c.scrReg, err = agent.Register(opts.Arena, c.layout.ScratchOffset, c.layout.ScratchBytes, 0); err != nil {
 		return fail(fmt.Errorf("connector: register the scratch area: %w", err))
 	}
+	for r, a := range opts.RankArenas {
+		reg, err := agent.Register(a, 0, c.layout.BlocksBytes, kvPerm)
+		if err != nil {
+			return fail(fmt.Errorf("connector: register the KV blocks of tensor-parallel rank %d: %w", r+1, err))
+		}
+		c.rankReg = append(c.rankReg, reg)
+		k.rankRegions = append(k.rankRegions, reg.ID())
+	}
 	c.scratch = c.scrReg.Bytes()
 	k.slots = c.layout.slots(opts.Arena.Bytes())
 	clear(k.slots)
@@ -210,6 +236,8 @@ func New(opts Options) (*Connector, error) {
 		NumKVHeads:    c.geo.NumKVHeads,
 		HeadDim:       c.geo.HeadDim,
 		Version:       ConnectorVersion,
+		TPSize:        opts.Pool.TensorParallelSize(),
+		RankKVRegions: k.rankRegions,
 	}
 	payload, err := encodeMetadata(c.hash, meta)
 	if err != nil {
@@ -353,7 +381,7 @@ func (c *Connector) closeResources() error {
 	}
 	if c.agent != nil {
 		c.locked(c.releaseListsLocked)
-		for _, r := range []*transfer.Region{c.kvReg, c.metaReg, c.scrReg} {
+		for _, r := range append([]*transfer.Region{c.kvReg, c.metaReg, c.scrReg}, c.rankReg...) {
 			if r != nil {
 				errs = append(errs, c.agent.Deregister(r))
 			}

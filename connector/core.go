@@ -51,6 +51,9 @@ type core struct {
 
 	// kvRegion and metaRegion are the regions peers may read (0 before registration).
 	kvRegion, metaRegion uint32
+	// rankRegions are the KV regions of tensor-parallel ranks 1, 2, … (rank 0's is kvRegion);
+	// block i lies at the same offset in each.
+	rankRegions []uint32
 
 	reqs        map[string]*reqState
 	leases      kvlease.Table
@@ -968,7 +971,10 @@ func (k *core) authorizeRead(tag []byte, descs []transfer.Desc) error {
 		case k.metaRegion:
 			unit = kvcache.RecordBytes
 		default:
-			return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
+			if !slices.Contains(k.rankRegions, d.Region) {
+				return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
+			}
+			unit = blockLen
 		}
 		first, last := d.Offset/unit, (d.Offset+d.Length-1)/unit
 		for b := first; b <= last; b++ {
