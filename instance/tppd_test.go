@@ -88,9 +88,11 @@ func startTPStack(t *testing.T, ms map[int]*model.Model, p, d int, mode stack.Mo
 
 // TestPDAcrossTensorParallelSizes: for every pair of TP sizes in {1, 2, 4} for P and D, over
 // SHM and over TCP, completions through the one-way proxy answer exactly what a single TP 1
-// engine answers, with D pulling the prompt's KV (not recomputing it): each D rank reads its
-// heads from the P rank(s) holding them — one P rank's slice when D's TP is larger, several P
-// ranks' heads when it is smaller, a replica at TP 4 (tiny has 2 KV heads).
+// engine answers (text and logprobs), with D pulling the prompt's KV (not recomputing it): each
+// D rank reads its heads from the P rank(s) holding them — one P rank's slice when D's TP is
+// larger, several P ranks' heads when it is smaller, a replica at TP 4 (tiny has 2 KV heads).
+// D's transfer metrics count one READ per pair of D rank and P rank it reads from:
+// max(D TP, min(P TP, 2)) per request.
 func TestPDAcrossTensorParallelSizes(t *testing.T) {
 	ms := openTP(t)
 	single, err := stack.StartEngine(t.Context(), stack.EngineConfig{Name: "single", Model: ms[1], NumBlocks: 96, MaxModelLen: 1024})
@@ -111,6 +113,10 @@ func TestPDAcrossTensorParallelSizes(t *testing.T) {
 				t.Run(fmt.Sprintf("%s/P%d-D%d", backend, p, d), func(t *testing.T) {
 					logs := new(fixture.LogBuffer)
 					s := startTPStack(t, ms, p, d, stack.OneWay, backend, slog.New(slog.NewTextHandler(logs, nil)))
+					before, err := s.D.Stats()
+					if err != nil {
+						t.Fatal(err)
+					}
 					for i := range n {
 						if got := askTP(t, hc, s.URL, i); got != want[i] {
 							t.Errorf("request %d: P TP %d → D TP %d answered %q, a single TP 1 engine %q", i, p, d, got, want[i])
@@ -122,6 +128,9 @@ func TestPDAcrossTensorParallelSizes(t *testing.T) {
 					}
 					if st.PulledTokens == 0 {
 						t.Errorf("D pulled no KV:\n%s", logs)
+					}
+					if got, want := st.Transfers-before.Transfers, int64(n*max(d, min(p, 2))); got != want {
+						t.Errorf("D counted %d transfers for %d requests, want %d (one per pair of D rank and P rank)", got, n, want)
 					}
 					if !logs.HasLine("NIXL handshake done", "engine_name=D", "backend="+backend) {
 						t.Errorf("D's handshake did not use %s:\n%s", backend, logs)
