@@ -164,8 +164,8 @@ func New(opts Options) (*Connector, error) {
 	if err := checkRankArenas(opts.Pool, opts.RankArenas); err != nil {
 		return nil, err
 	}
-	if opts.Pool.TensorParallelSize() > 1 && cfg.Push() {
-		return nil, fmt.Errorf("%w: transfer_mode push with tensor parallel size %d: push P/D needs TP 1 on both engines (pull works across TP sizes)",
+	if opts.Pool.TensorParallelSize() > 1 && cfg.Push() && cfg.PushLayerwise {
+		return nil, fmt.Errorf("%w: push_layerwise with tensor parallel size %d: layer-by-layer push needs TP 1 (push without it works between engines of equal TP sizes)",
 			ErrConfig, opts.Pool.TensorParallelSize())
 	}
 	tc := opts.Transfer

@@ -574,7 +574,7 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		RemoteRequestID:  seq.ID(),
 		RemoteHost:       k.host,
 		RemotePort:       k.port,
-		TPSize:           1,
+		TPSize:           k.pool.TensorParallelSize(),
 		DCPSize:          1,
 		PPSize:           1,
 		RemoteNumTokens:  computed,

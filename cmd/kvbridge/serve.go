@@ -278,8 +278,8 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if err != nil {
 		return instance.Config{}, err
 	}
-	if kvCfg != nil && kvCfg.Push() && f.tensorParallelSize > 1 {
-		return instance.Config{}, usageError("--kv-transfer-config with transfer_mode push and --tensor-parallel-size %d: push P/D needs TP 1 on both engines; pull (NixlConnector) works across TP sizes", f.tensorParallelSize)
+	if kvCfg != nil && kvCfg.Push() && kvCfg.PushLayerwise && f.tensorParallelSize > 1 {
+		return instance.Config{}, usageError("--kv-transfer-config with push_layerwise and --tensor-parallel-size %d: layer-by-layer push needs TP 1; push without it works between engines of equal TP sizes", f.tensorParallelSize)
 	}
 	rankCPUs, err := parseRankCPUs(f.tpCPUs)
 	if err != nil {
