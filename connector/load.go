@@ -113,7 +113,7 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteLink) (int, er
 // readKV reads the KV of plan into every tensor-parallel rank of this engine, one READ per pair
 // of local rank and producer rank (ranks r and r when the TP sizes are equal, tpMap.plan's
 // pairs when they differ), all posted at once; it returns when all are done.
-func (c *Connector) readKV(ctx context.Context, r *remoteLink, plan readPlan, ropts *transfer.RequestOptions) error {
+func (c *Connector) readKV(ctx context.Context, r *remoteLink, plan readPlan, ropts *transfer.RequestOptions) (err error) {
 	type read struct {
 		local, remote *transfer.PreparedList
 		li, ri        []int
@@ -137,8 +137,16 @@ func (c *Connector) readKV(ctx context.Context, r *remoteLink, plan readPlan, ro
 	}
 	var posted []*transfer.Request
 	defer func() {
+		// After a failure the other ranks' READs are cancelled, and waited for until the
+		// transfer engine no longer touches this engine's blocks (they return to the pool).
 		for _, h := range posted {
 			h.Release()
+			if err != nil {
+				select {
+				case <-h.Done():
+				case <-c.ctx.Done():
+				}
+			}
 		}
 	}()
 	for _, rd := range reads {

@@ -298,9 +298,9 @@ func (c *Connector) localList(key localListKey) (*transfer.PreparedList, error) 
 // equal: rank r reads rank r's blocks).
 func (c *Connector) rankGeometry(id string, m agentMetadata, g kvcache.Geometry) (int, *tpMap, error) {
 	localTP, remoteTP := c.pool.TensorParallelSize(), max(m.TPSize, 1)
-	if len(m.RankKVRegions) != remoteTP-1 {
-		return 0, nil, fmt.Errorf("%w: engine %s runs TP %d and names %d rank KV regions (want %d)",
-			ErrIncompatible, id, remoteTP, len(m.RankKVRegions), remoteTP-1)
+	if remoteTP > maxRemoteTP || len(m.RankKVRegions) != remoteTP-1 {
+		return 0, nil, fmt.Errorf("%w: engine %s runs TP %d and names %d rank KV regions (want %d, TP at most %d)",
+			ErrIncompatible, id, remoteTP, len(m.RankKVRegions), remoteTP-1, maxRemoteTP)
 	}
 	if remoteTP == localTP {
 		ratio, err := kvcache.BlockRatio(c.geo, g, c.cfg.EnablePermuteLocalKV)

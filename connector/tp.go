@@ -15,6 +15,10 @@ import (
 // load reads each local rank's heads from the producer rank(s) that hold them and posts the
 // producer's notification only once every rank's reads are done.
 
+// maxRemoteTP bounds the tensor-parallel size a peer may publish (it sizes the descriptor lists
+// prepared for it, one per rank).
+const maxRemoteTP = 256
+
 // maxTPDescs bounds the descriptors a heterogeneous-TP handshake prepares for one producer rank
 // (blocks × layers × K/V × head chunks).
 const maxTPDescs = 1 << 22
