@@ -28,6 +28,8 @@ import (
 //
 //	frame    = length (uint32, big-endian, at most 16 MiB) ‖ msgpack body
 //	request  = msgpack array [bin "get_meta_msg", pp_rank int, tp_rank int]
+//	           (every tp_rank gets the same answer: the engine's one agent names all its
+//	           ranks' KV regions, tp.go)
 //	response = msgpack array [payload map, ts float64]
 //	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin,
 //	            "error": str, "error_code": str, "kv_cache_dtype": str}
