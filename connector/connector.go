@@ -81,8 +81,6 @@ type Connector struct {
 	metrics *metrics.NixlMetrics
 	now     func() time.Time
 	hash    string
-	// totalKVHeads is the model's KV heads (Compat.NumKVHeads; geo.NumKVHeads counts one rank's).
-	totalKVHeads int
 	agent   *transfer.Agent
 	kvReg   *transfer.Region
 	metaReg *transfer.Region
@@ -93,6 +91,8 @@ type Connector struct {
 	scratch []byte    // records and slots read from producers (see ArenaLayout.scratchEntries)
 	ctx     context.Context
 	cancel  context.CancelFunc
+	// totalKVHeads is the model's KV heads (Compat.NumKVHeads; geo.NumKVHeads counts one rank's).
+	totalKVHeads int
 
 	// Set by New or Start, before the worker starts.
 	tick   <-chan time.Time

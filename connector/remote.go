@@ -32,7 +32,7 @@ type remoteLink struct {
 	ratio    int     // local block size ÷ remote block size
 	layout   kvcache.Layout
 	kv, recs *transfer.PreparedList // the producer's blocks (rank 0's); its records then slots
-	local    *transfer.PreparedList   // this engine's blocks (rank 0's), split into ratio sub-blocks
+	local    *transfer.PreparedList // this engine's blocks (rank 0's), split into ratio sub-blocks
 	// kvs and locals are kv and local for every tensor-parallel rank of the producer and of
 	// this engine (kvs[0] is kv, locals[0] local). With tp set (the TP sizes differ) they
 	// describe chunks of heads (tpMap, chunkDescs) instead of blocks.

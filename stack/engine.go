@@ -182,7 +182,7 @@ func (cfg EngineConfig) instanceConfig() (instance.Config, error) {
 		Model: cfg.ModelName, OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
 		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true, DataParallelSize: cfg.DataParallelSize,
-		KVCacheDType:          cfg.KVCacheDType, TensorParallelSize: cfg.TensorParallelSize,
+		KVCacheDType: cfg.KVCacheDType, TensorParallelSize: cfg.TensorParallelSize,
 		MaxConcurrentRequests: cfg.MaxConcurrentRequests, WriteTimeout: cfg.WriteTimeout, KVEvents: cfg.KVEvents,
 	}
 	if ic.TensorParallelSize == 0 && cfg.Model != nil {

@@ -349,8 +349,8 @@ func runMode(ctx context.Context, opts PDOptions, m *model.Model, tpModels map[i
 		st, err = startCluster(ctx, stack.Config{
 			Model: m, Backend: opts.Backend, BlockSize: bs, NumBlocks: 2*blocksPerSeq + 8,
 			MaxModelLen: maxLen, Logger: opts.Logger,
-			P: stack.EngineConfig{KVTransferConfig: kv, Model: tpModels[opts.PrefillTP]},
-			D: stack.EngineConfig{KVTransferConfig: kv, Model: tpModels[opts.DecodeTP]},
+			P:     stack.EngineConfig{KVTransferConfig: kv, Model: tpModels[opts.PrefillTP]},
+			D:     stack.EngineConfig{KVTransferConfig: kv, Model: tpModels[opts.DecodeTP]},
 			Proxy: stack.ProxyConfig{TransferMode: tc.proxy},
 		})
 	}
