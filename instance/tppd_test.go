@@ -11,6 +11,7 @@ import (
 	"github.com/kvbridge/kvbridge/apiclient"
 	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
+	"github.com/kvbridge/kvbridge/proxy"
 	"github.com/kvbridge/kvbridge/stack"
 )
 
@@ -167,5 +168,49 @@ func TestBidirectionalAcrossTensorParallelSizes(t *testing.T) {
 			defer hc.CloseIdleConnections()
 			multiTurn(t, s, hc)
 		})
+	}
+}
+
+// TestPushThroughProxyAtTP2: push P/D (NixlPushConnector, the proxy sending both legs at once)
+// between engines of 2 ranks each answers as a single TP 1 engine does, P writing each rank's
+// blocks into D's same rank: two WRITEs per request.
+func TestPushThroughProxyAtTP2(t *testing.T) {
+	ms := openTP(t)
+	push := []byte(`{"kv_connector":"NixlPushConnector"}`)
+	s, err := stack.Start(t.Context(), stack.Config{
+		Single: true, Model: ms[1], NumBlocks: 96, MaxModelLen: 1024,
+		P:     stack.EngineConfig{Model: ms[2], KVTransferConfig: push},
+		D:     stack.EngineConfig{Model: ms[2], KVTransferConfig: push},
+		Proxy: stack.ProxyConfig{TransferMode: proxy.TransferPush},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := s.Close(); err != nil {
+			t.Error(err)
+		}
+		if err := s.CheckPools(); err != nil {
+			t.Error(err)
+		}
+	}()
+	hc := &http.Client{Transport: stack.NewTransport(4)}
+	defer hc.CloseIdleConnections()
+	before, err := s.P.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 3
+	for i := range n {
+		if got, want := askTP(t, hc, s.URL, i), askTP(t, hc, s.Single.URL(), i); got != want {
+			t.Errorf("request %d: push P/D at TP 2 answered %s, a single TP 1 engine %s", i, got, want)
+		}
+	}
+	after, err := s.P.Stats()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := after.Transfers - before.Transfers; got != 2*n {
+		t.Errorf("P counted %d writes for %d requests, want %d (one per rank)", got, n, 2*n)
 	}
 }
