@@ -46,7 +46,8 @@ share of the transfer spent before P had answered: hidden under P's compute.
 
 --prefill-tp and --decode-tp run P and D at tensor-parallel sizes of their own (default 1; the
 single engine stays at TP 1): D's ranks read their KV heads from P's (heterogeneous TP); in this
-process only, not with --hosts.`,
+process only, not with --hosts. A load is then one READ per pair of D rank and P rank, posted
+at once: transfer_ms sums their durations, so it overstates the wall time they overlap in.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var err error
