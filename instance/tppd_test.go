@@ -143,15 +143,16 @@ func TestPDAcrossTensorParallelSizes(t *testing.T) {
 }
 
 // TestBidirectionalAcrossTensorParallelSizes: through the multi-turn proxy, P and D of different
-// TP sizes (2 → 1, 1 → 2, 4 → 2) pull a conversation's KV both ways and answer every turn as a
-// single TP 1 engine does.
+// TP sizes (2 → 1, 1 → 2, 4 → 2, and 2 → 1 with two data-parallel engines on each side) pull a
+// conversation's KV both ways and answer every turn as a single TP 1 engine does.
 func TestBidirectionalAcrossTensorParallelSizes(t *testing.T) {
 	ms := openTP(t)
-	for _, c := range []struct{ p, d int }{{2, 1}, {1, 2}, {4, 2}} {
-		t.Run(fmt.Sprintf("P%d-D%d", c.p, c.d), func(t *testing.T) {
+	for _, c := range []struct{ p, d, dp int }{{2, 1, 1}, {1, 2, 1}, {4, 2, 1}, {2, 1, 2}} {
+		t.Run(fmt.Sprintf("P%d-D%d-DP%d", c.p, c.d, c.dp), func(t *testing.T) {
 			s, err := stack.Start(t.Context(), stack.Config{
 				Mode: stack.Bidirectional, Single: true, NumBlocks: 128, MaxModelLen: 1024, Model: ms[1],
-				P: stack.EngineConfig{Model: ms[c.p]}, D: stack.EngineConfig{Model: ms[c.d], PrefixCaching: true},
+				P: stack.EngineConfig{Model: ms[c.p], DataParallelSize: c.dp},
+				D: stack.EngineConfig{Model: ms[c.d], PrefixCaching: true, DataParallelSize: c.dp},
 			})
 			if err != nil {
 				t.Fatal(err)
