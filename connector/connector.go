@@ -205,18 +205,19 @@ func New(opts Options) (*Connector, error) {
 	if c.scrReg, err = agent.Register(opts.Arena, c.layout.ScratchOffset, c.layout.ScratchBytes, 0); err != nil {
 		return fail(fmt.Errorf("connector: register the scratch area: %w", err))
 	}
+	var rankRegions []uint32
 	for r, a := range opts.RankArenas {
 		reg, err := agent.Register(a, 0, c.layout.BlocksBytes, kvPerm)
 		if err != nil {
 			return fail(fmt.Errorf("connector: register the KV blocks of tensor-parallel rank %d: %w", r+1, err))
 		}
 		c.rankReg = append(c.rankReg, reg)
-		k.rankRegions = append(k.rankRegions, reg.ID())
+		rankRegions = append(rankRegions, reg.ID())
 	}
 	c.scratch = c.scrReg.Bytes()
 	k.slots = c.layout.slots(opts.Arena.Bytes())
 	clear(k.slots)
-	c.locked(func() { k.kvRegion, k.metaRegion = c.kvReg.ID(), c.metaReg.ID() })
+	c.locked(func() { k.kvRegion, k.metaRegion, k.rankRegions = c.kvReg.ID(), c.metaReg.ID(), rankRegions })
 	var inst [8]byte
 	if _, err := rand.Read(inst[:]); err != nil {
 		return fail(fmt.Errorf("connector: draw an instance id: %w", err))
@@ -237,7 +238,7 @@ func New(opts Options) (*Connector, error) {
 		HeadDim:       c.geo.HeadDim,
 		Version:       ConnectorVersion,
 		TPSize:        opts.Pool.TensorParallelSize(),
-		RankKVRegions: k.rankRegions,
+		RankKVRegions: rankRegions,
 	}
 	payload, err := encodeMetadata(c.hash, meta)
 	if err != nil {
