@@ -38,6 +38,10 @@ type Options struct {
 	Pool   *kvcache.Pool
 	Arena  *transfer.Arena
 	Layout ArenaLayout
+	// RankArenas hold the KV memory of tensor-parallel ranks 1, 2, … (Pool.Shard(r) for
+	// r ≥ 1, at offset 0 of RankArenas[r-1]); empty at TP 1. Each is registered with the
+	// transfer agent as a region of its own and named in the handshake metadata.
+	RankArenas []*transfer.Arena
 	// Compat names what peers must agree on (model, dtype, KV shape).
 	Compat CompatFactors
 	// SideChannelAddr is where the side channel listens (host:port; port 0 picks one).
@@ -81,11 +85,14 @@ type Connector struct {
 	kvReg   *transfer.Region
 	metaReg *transfer.Region
 	scrReg  *transfer.Region
+	rankReg []*transfer.Region // KV regions of tensor-parallel ranks 1, 2, …
 	side    *sideChannelServer
 	auth    *sideAuth // side-channel proofs; nil without an auth token
 	scratch []byte    // records and slots read from producers (see ArenaLayout.scratchEntries)
 	ctx     context.Context
 	cancel  context.CancelFunc
+	// totalKVHeads is the model's KV heads (Compat.NumKVHeads; geo.NumKVHeads counts one rank's).
+	totalKVHeads int
 
 	// Set by New or Start, before the worker starts.
 	tick   <-chan time.Time
@@ -101,7 +108,7 @@ type Connector struct {
 	mu         sync.Mutex
 	core       *core
 	sched      Scheduler
-	localLists map[int]*transfer.PreparedList
+	localLists map[localListKey]*transfer.PreparedList
 	scrList    *transfer.PreparedList
 	flights    map[remoteKey]*flight // handshakes in progress that somebody waits for
 	streams    map[string]*stream    // layer-by-layer pushes by request id (pushstream.go)
@@ -124,10 +131,14 @@ func New(opts Options) (*Connector, error) {
 		metrics:    opts.Metrics,
 		now:        opts.Now,
 		hash:       CompatibilityHash(withMode(opts.Compat, cfg.TransferMode())),
-		localLists: map[int]*transfer.PreparedList{},
+		localLists: map[localListKey]*transfer.PreparedList{},
 		flights:    map[remoteKey]*flight{},
 		streams:    map[string]*stream{},
 		tick:       opts.Tick,
+	}
+	c.totalKVHeads = opts.Compat.NumKVHeads
+	if c.totalKVHeads == 0 {
+		c.totalKVHeads = c.geo.NumKVHeads * opts.Pool.TensorParallelSize()
 	}
 	peers, err := newPeerFilter(cfg.AllowedPeers)
 	if err != nil {
@@ -149,6 +160,13 @@ func New(opts Options) (*Connector, error) {
 	c.core = k
 	if err := c.layout.check(opts.Pool, opts.Arena); err != nil {
 		return nil, err
+	}
+	if err := checkRankArenas(opts.Pool, opts.RankArenas); err != nil {
+		return nil, err
+	}
+	if opts.Pool.TensorParallelSize() > 1 && cfg.Push() && cfg.PushLayerwise {
+		return nil, fmt.Errorf("%w: push_layerwise with tensor parallel size %d: layer-by-layer push needs TP 1 (push without it works between engines of equal TP sizes)",
+			ErrConfig, opts.Pool.TensorParallelSize())
 	}
 	tc := opts.Transfer
 	tc.Backends = cfg.Backends
@@ -187,10 +205,19 @@ func New(opts Options) (*Connector, error) {
 	if c.scrReg, err = agent.Register(opts.Arena, c.layout.ScratchOffset, c.layout.ScratchBytes, 0); err != nil {
 		return fail(fmt.Errorf("connector: register the scratch area: %w", err))
 	}
+	var rankRegions []uint32
+	for r, a := range opts.RankArenas {
+		reg, err := agent.Register(a, 0, c.layout.BlocksBytes, kvPerm)
+		if err != nil {
+			return fail(fmt.Errorf("connector: register the KV blocks of tensor-parallel rank %d: %w", r+1, err))
+		}
+		c.rankReg = append(c.rankReg, reg)
+		rankRegions = append(rankRegions, reg.ID())
+	}
 	c.scratch = c.scrReg.Bytes()
 	k.slots = c.layout.slots(opts.Arena.Bytes())
 	clear(k.slots)
-	c.locked(func() { k.kvRegion, k.metaRegion = c.kvReg.ID(), c.metaReg.ID() })
+	c.locked(func() { k.kvRegion, k.metaRegion, k.rankRegions = c.kvReg.ID(), c.metaReg.ID(), rankRegions })
 	var inst [8]byte
 	if _, err := rand.Read(inst[:]); err != nil {
 		return fail(fmt.Errorf("connector: draw an instance id: %w", err))
@@ -210,6 +237,8 @@ func New(opts Options) (*Connector, error) {
 		NumKVHeads:    c.geo.NumKVHeads,
 		HeadDim:       c.geo.HeadDim,
 		Version:       ConnectorVersion,
+		TPSize:        opts.Pool.TensorParallelSize(),
+		RankKVRegions: rankRegions,
 	}
 	payload, err := encodeMetadata(c.hash, meta)
 	if err != nil {
@@ -353,7 +382,7 @@ func (c *Connector) closeResources() error {
 	}
 	if c.agent != nil {
 		c.locked(c.releaseListsLocked)
-		for _, r := range []*transfer.Region{c.kvReg, c.metaReg, c.scrReg} {
+		for _, r := range append([]*transfer.Region{c.kvReg, c.metaReg, c.scrReg}, c.rankReg...) {
 			if r != nil {
 				errs = append(errs, c.agent.Deregister(r))
 			}

@@ -51,6 +51,9 @@ type core struct {
 
 	// kvRegion and metaRegion are the regions peers may read (0 before registration).
 	kvRegion, metaRegion uint32
+	// rankRegions are the KV regions of tensor-parallel ranks 1, 2, … (rank 0's is kvRegion);
+	// block i lies at the same offset in each.
+	rankRegions []uint32
 
 	reqs        map[string]*reqState
 	leases      kvlease.Table
@@ -571,7 +574,7 @@ func (k *core) holdForReader(seq *engine.Sequence, ttl time.Duration, renewable 
 		RemoteRequestID:  seq.ID(),
 		RemoteHost:       k.host,
 		RemotePort:       k.port,
-		TPSize:           1,
+		TPSize:           k.pool.TensorParallelSize(),
 		DCPSize:          1,
 		PPSize:           1,
 		RemoteNumTokens:  computed,
@@ -968,7 +971,10 @@ func (k *core) authorizeRead(tag []byte, descs []transfer.Desc) error {
 		case k.metaRegion:
 			unit = kvcache.RecordBytes
 		default:
-			return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
+			if !slices.Contains(k.rankRegions, d.Region) {
+				return fmt.Errorf("range %d: region %d holds no KV blocks", i, d.Region)
+			}
+			unit = blockLen
 		}
 		first, last := d.Offset/unit, (d.Offset+d.Length-1)/unit
 		for b := first; b <= last; b++ {

@@ -35,13 +35,16 @@ var models sync.Map
 func openModel(t testing.TB, name string) *model.Model { return openModelKV(t, name, "") }
 
 // openModelKV is openModel with the KV cache dtype kv ("" or "auto": the model's own).
-func openModelKV(t testing.TB, name, kv string) *model.Model {
+func openModelKV(t testing.TB, name, kv string) *model.Model { return openModelTP(t, name, kv, 1) }
+
+// openModelTP is openModelKV on tp tensor-parallel ranks.
+func openModelTP(t testing.TB, name, kv string, tp int) *model.Model {
 	t.Helper()
-	key := name + "|" + kv
+	key := fmt.Sprintf("%s|%s|%d", name, kv, tp)
 	if m, ok := models.Load(key); ok {
 		return m.(*model.Model)
 	}
-	m, err := model.Open(context.Background(), name, model.OpenOptions{KVCacheDType: kv})
+	m, err := model.Open(context.Background(), name, model.OpenOptions{KVCacheDType: kv, TensorParallelSize: tp})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -71,6 +74,8 @@ type nodeOptions struct {
 
 	// kvCacheDType is the model's --kv-cache-dtype ("": the model's own).
 	kvCacheDType string
+	// tp is the model's tensor-parallel size (default 1): ranks 1, 2, … get arenas of their own.
+	tp int
 }
 
 // node is one running engine with its HTTP server.
@@ -80,6 +85,7 @@ type node struct {
 	conn  *connector.Connector
 	pool  *kvcache.Pool
 	arena *transfer.Arena
+	ranks []*transfer.Arena // tensor-parallel ranks 1, 2, …
 	srv   *httptest.Server
 	reg   *metrics.Registry
 	em    *metrics.EngineMetrics
@@ -98,7 +104,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 	if o.numBlocks == 0 {
 		o.numBlocks = 256
 	}
-	m := openModelKV(t, o.model, o.kvCacheDType)
+	m := openModelTP(t, o.model, o.kvCacheDType, max(o.tp, 1))
 	geo := engine.KVGeometry(m, o.blockSize)
 	geo.Layout = o.layout
 	layout := connector.NewArenaLayout(geo.BlockBytes(), o.numBlocks)
@@ -106,11 +112,21 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: o.numBlocks, PrefixCaching: o.prefix, RecordTable: layout.RecordTable(arena.Bytes())})
+	var ranks []*transfer.Arena
+	var rankMem [][]byte
+	for r := 1; r < m.TensorParallelSize(); r++ {
+		a, err := transfer.NewArena(fmt.Sprintf("%s-tp%d", name, r), int64(geo.BlockBytes())*int64(o.numBlocks))
+		if err != nil {
+			t.Fatal(err)
+		}
+		ranks, rankMem = append(ranks, a), append(rankMem, a.Bytes())
+	}
+	pool, err := kvcache.NewPool(arena.Bytes(), kvcache.PoolConfig{Geometry: geo, NumBlocks: o.numBlocks, PrefixCaching: o.prefix,
+		RecordTable: layout.RecordTable(arena.Bytes()), RankMemory: rankMem})
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := &node{name: name, pool: pool, arena: arena, reg: metrics.NewRegistry()}
+	n := &node{name: name, pool: pool, arena: arena, ranks: ranks, reg: metrics.NewRegistry()}
 	n.em = n.reg.Engine(m.Name(), "0")
 	logw := o.logw
 	if logw == nil {
@@ -134,7 +150,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 			tick = o.tick
 		}
 		n.conn, err = connector.New(connector.Options{
-			Config: cfg, Pool: pool, Arena: arena, Layout: layout, Compat: compat,
+			Config: cfg, Pool: pool, Arena: arena, Layout: layout, Compat: compat, RankArenas: ranks,
 			SideChannelAddr: "127.0.0.1:0", Logger: log, Metrics: n.em.Nixl(),
 			Now: o.now, Tick: tick, Transfer: o.transfer,
 		})
@@ -184,8 +200,10 @@ func (n *node) close(t *testing.T) {
 	if free, all := n.pool.NumFree(), n.pool.NumBlocks(); free != all {
 		t.Errorf("%s: %d of %d blocks free after close", n.name, free, all)
 	}
-	if err := n.arena.Close(); err != nil {
-		t.Errorf("%s: arena close: %v", n.name, err)
+	for _, a := range append([]*transfer.Arena{n.arena}, n.ranks...) {
+		if err := a.Close(); err != nil {
+			t.Errorf("%s: arena close: %v", n.name, err)
+		}
 	}
 }
 

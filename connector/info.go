@@ -50,7 +50,7 @@ func (c *Connector) Info() Info {
 	c.locked(func() { parked = len(c.core.push.parked) })
 	return Info{
 		Connector: c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
-		RemoteHost: c.core.host, RemotePort: c.core.port, TPSize: 1, TransferMode: c.cfg.TransferMode(),
+		RemoteHost: c.core.host, RemotePort: c.core.port, TPSize: c.pool.TensorParallelSize(), TransferMode: c.cfg.TransferMode(),
 		AuthToken: c.auth != nil, CompatibilityHash: c.hash, EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
 		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead,
 		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(), PushParked: parked,

@@ -76,19 +76,8 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteLink) (int, er
 	}
 	// Every READ presents the lease token (see auth.go).
 	ropts := &transfer.RequestOptions{Timeout: loadTimeout, Tag: j.params.Lease[:]}
-	data, err := c.agent.MakeRequest(transfer.Read, r.local, plan.local, r.kv, plan.remote, ropts)
-	if err != nil {
+	if err := c.readKV(ctx, r, plan, ropts); err != nil {
 		return first, c.forgetOn(r, err)
-	}
-	defer data.Release()
-	if err := data.Post(ctx, nil); err != nil {
-		return first, c.forgetOn(r, err)
-	}
-	if err := data.Wait(ctx); err != nil {
-		return first, c.forgetOn(r, err)
-	}
-	if c.metrics != nil {
-		c.metrics.ObserveTransfer(metricsSample(data.Telemetry()))
 	}
 	slotEntry := c.layout.NumBlocks*maxBlockRatio + int(j.blocks[plan.firstLocal])
 	local := append(append([]int(nil), plan.scratch...), slotEntry)
@@ -119,6 +108,66 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteLink) (int, er
 		return first, err
 	}
 	return 0, nil
+}
+
+// readKV reads the KV of plan into every tensor-parallel rank of this engine, one READ per pair
+// of local rank and producer rank (ranks r and r when the TP sizes are equal, tpMap.plan's
+// pairs when they differ), all posted at once; it returns when all are done.
+func (c *Connector) readKV(ctx context.Context, r *remoteLink, plan readPlan, ropts *transfer.RequestOptions) (err error) {
+	type read struct {
+		local, remote *transfer.PreparedList
+		li, ri        []int
+	}
+	var reads []read
+	if r.tp == nil {
+		for rank, local := range r.locals {
+			reads = append(reads, read{local, r.kvs[rank], plan.local, plan.remote})
+		}
+	} else {
+		rg := c.geo
+		rg.NumKVHeads = r.meta.NumKVHeads
+		pairs := r.tp.plan(plan, c.geo, rg)
+		for lr := range r.tp.localTP {
+			for rr := range r.tp.remoteTP {
+				if p := pairs[rankPair{lr, rr}]; p != nil {
+					reads = append(reads, read{r.locals[lr], r.kvs[rr], p.local, p.remote})
+				}
+			}
+		}
+	}
+	var posted []*transfer.Request
+	defer func() {
+		// After a failure the other ranks' READs are cancelled, and waited for until the
+		// transfer engine no longer touches this engine's blocks (they return to the pool).
+		for _, h := range posted {
+			h.Release()
+			if err != nil {
+				select {
+				case <-h.Done():
+				case <-c.ctx.Done():
+				}
+			}
+		}
+	}()
+	for _, rd := range reads {
+		h, err := c.agent.MakeRequest(transfer.Read, rd.local, rd.li, rd.remote, rd.ri, ropts)
+		if err != nil {
+			return err
+		}
+		posted = append(posted, h)
+		if err := h.Post(ctx, nil); err != nil {
+			return err
+		}
+	}
+	for _, h := range posted {
+		if err := h.Wait(ctx); err != nil {
+			return err
+		}
+		if c.metrics != nil {
+			c.metrics.ObserveTransfer(metricsSample(h.Telemetry()))
+		}
+	}
+	return nil
 }
 
 // readPlan pairs local sub-blocks with remote blocks, by token position.
@@ -178,16 +227,19 @@ func (c *Connector) postprocess(j loadJob, r *remoteLink, p readPlan) error {
 	remoteGeo := c.geo
 	remoteGeo.BlockSize = r.meta.BlockSize
 	remoteGeo.Layout = r.layout
-	for i := p.firstLocal; i <= p.lastLocal; i++ {
-		b := c.pool.Bytes(j.blocks[i])
-		var err error
-		if r.ratio > 1 {
-			err = kvcache.RegroupBlocks(b, b, c.geo, remoteGeo)
-		} else {
-			err = kvcache.ConvertLayout(b, b, c.geo, r.layout, c.geo.Layout)
-		}
-		if err != nil {
-			return fmt.Errorf("request %s: post-process block %d: %w", j.id, j.blocks[i], err)
+	for rank := range c.pool.TensorParallelSize() {
+		shard := c.pool.Shard(rank)
+		for i := p.firstLocal; i <= p.lastLocal; i++ {
+			b := shard.Bytes(j.blocks[i])
+			var err error
+			if r.ratio > 1 {
+				err = kvcache.RegroupBlocks(b, b, c.geo, remoteGeo)
+			} else {
+				err = kvcache.ConvertLayout(b, b, c.geo, r.layout, c.geo.Layout)
+			}
+			if err != nil {
+				return fmt.Errorf("request %s: post-process block %d of rank %d: %w", j.id, j.blocks[i], rank, err)
+			}
 		}
 	}
 	return nil

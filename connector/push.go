@@ -612,7 +612,7 @@ func pushTail(j pushJob, blockSize int) (local, remote []int) {
 func (k *core) authorizeWrite(peer string, descs []transfer.Desc) error {
 	blockLen := int64(k.pool.BlockBytes())
 	for i, d := range descs {
-		if d.Region != k.kvRegion || d.Offset < 0 || d.Length <= 0 {
+		if (d.Region != k.kvRegion && !slices.Contains(k.rankRegions, d.Region)) || d.Offset < 0 || d.Length <= 0 {
 			return fmt.Errorf("range %d: not KV blocks", i)
 		}
 		for b := d.Offset / blockLen; b <= (d.Offset+d.Length-1)/blockLen; b++ {

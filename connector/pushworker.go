@@ -71,6 +71,10 @@ func (c *Connector) register(ctx context.Context, j registerJob, f *flight) erro
 // byte for byte into the decoder's (regrouping and permuting are a reader's post-processing,
 // pull only).
 func (c *Connector) pushGeometry(r *remoteLink) error {
+	if r.tp != nil {
+		return fmt.Errorf("%w: push needs equal TP sizes on both engines: engine %s runs TP %d, this engine TP %d (pull works across TP sizes)",
+			ErrIncompatible, r.id, r.tp.remoteTP, r.tp.localTP)
+	}
 	if r.ratio != 1 || r.meta.BlockSize != c.geo.BlockSize || r.layout != c.geo.Layout {
 		return fmt.Errorf("%w: push needs the same block size and KV layout on both engines: engine %s has block size %d (%s), this engine %d (%s)",
 			ErrIncompatible, r.id, r.meta.BlockSize, r.layout, c.geo.BlockSize, c.geo.Layout)
@@ -156,21 +160,38 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 		return r, c.forgetOn(r, c.agent.SendNotif(ctx, r.peer, done))
 	}
 	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)}
-	w, err := c.agent.MakeRequest(transfer.Write, r.local, local, r.kv, remote, opts)
+	// Rank r's blocks go into the decoder's rank r (equal TP sizes, pushGeometry): ranks 1, 2, …
+	// first, then rank 0's write, which carries the completion, once they all landed.
+	for rank := len(r.locals) - 1; rank >= 0; rank-- {
+		var notif []byte
+		if rank == 0 {
+			notif = done
+		}
+		if err := c.write(ctx, r.locals[rank], local, r.kvs[rank], remote, opts, notif); err != nil {
+			return r, err
+		}
+	}
+	return r, nil
+}
+
+// write WRITEs the local descriptors li of list local into ri of the decoder's list remote,
+// with notif delivered after the data (nil: none), and waits for it (waitWrite).
+func (c *Connector) write(ctx context.Context, local *transfer.PreparedList, li []int, remote *transfer.PreparedList, ri []int, opts *transfer.RequestOptions, notif []byte) error {
+	w, err := c.agent.MakeRequest(transfer.Write, local, li, remote, ri, opts)
 	if err != nil {
-		return r, err
+		return err
 	}
 	defer w.Release()
-	if err := w.Post(ctx, done); err != nil {
-		return r, err
+	if err := w.Post(ctx, notif); err != nil {
+		return err
 	}
 	if err := c.waitWrite(ctx, w); err != nil {
-		return r, err
+		return err
 	}
 	if c.metrics != nil {
 		c.metrics.ObserveTransfer(metricsSample(w.Telemetry()))
 	}
-	return r, nil
+	return nil
 }
 
 // waitWrite waits for a WRITE; when it failed, or ctx ended first, it waits on until the

@@ -31,14 +31,21 @@ type remoteLink struct {
 	peerInc  uint64  // transfer agent incarnation
 	ratio    int     // local block size ÷ remote block size
 	layout   kvcache.Layout
-	kv, recs *transfer.PreparedList // the producer's blocks; its records then slots
-	local    *transfer.PreparedList
+	kv, recs *transfer.PreparedList // the producer's blocks (rank 0's); its records then slots
+	local    *transfer.PreparedList // this engine's blocks (rank 0's), split into ratio sub-blocks
+	// kvs and locals are kv and local for every tensor-parallel rank of the producer and of
+	// this engine (kvs[0] is kv, locals[0] local). With tp set (the TP sizes differ) they
+	// describe chunks of heads (tpMap, chunkDescs) instead of blocks.
+	kvs, locals []*transfer.PreparedList
+	tp          *tpMap
 }
 
 // releaseLists releases l's descriptor lists (idempotent). Loads still using them fail, as they
 // would against a dead peer.
 func (l *remoteLink) releaseLists() {
-	l.kv.Release()
+	for _, kv := range l.kvs {
+		kv.Release()
+	}
 	l.recs.Release()
 }
 
@@ -157,9 +164,9 @@ func (c *Connector) link(ctx context.Context, h handshakeJob) (*remoteLink, erro
 	}
 	// The KV dtype is part of the compatibility hash, and compared above: the producer's is ours.
 	remoteGeo := kvcache.Geometry{NumLayers: m.NumLayers, NumKVHeads: m.NumKVHeads, HeadDim: m.HeadDim, BlockSize: m.BlockSize, Layout: layout, DType: c.geo.DType}
-	ratio, err := kvcache.BlockRatio(c.geo, remoteGeo, c.cfg.EnablePermuteLocalKV)
+	ratio, tm, err := c.rankGeometry(r.id, m, remoteGeo)
 	if err != nil {
-		return nil, fmt.Errorf("%w with engine %s: %w", ErrIncompatible, r.id, err)
+		return nil, err
 	}
 	if ratio > maxBlockRatio || m.BlockLen <= 0 || m.BlockLen != remoteGeo.BlockBytes() || m.NumBlocks <= 0 {
 		return nil, fmt.Errorf("%w: engine %s publishes %d blocks of %d bytes for block size %d (ratio %d, at most %d)",
@@ -184,22 +191,42 @@ func (c *Connector) link(ctx context.Context, h handshakeJob) (*remoteLink, erro
 		return nil, fmt.Errorf("%w: engine %s offers the transfer backends %v, none of which kv_connector_extra_config.backends %v allows",
 			ErrIncompatible, r.id, info.Offers, c.cfg.Backends)
 	}
-	kv, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.KVRegion, 0, int64(m.BlockLen), m.NumBlocks), nil)
-	if err != nil {
-		return nil, c.transferAuthHint(r, err)
+	if tm != nil && m.NumBlocks*m.NumLayers*2*(m.NumKVHeads/tm.unit) > maxTPDescs {
+		return nil, fmt.Errorf("%w: engine %s publishes %d blocks of %d layers; at most %d head chunks are accepted from a producer rank with another TP size",
+			ErrIncompatible, r.id, m.NumBlocks, m.NumLayers, maxTPDescs)
+	}
+	for _, region := range append([]uint32{m.KVRegion}, m.RankKVRegions...) {
+		descs := transfer.BlockDescs(region, 0, int64(m.BlockLen), m.NumBlocks)
+		if tm != nil {
+			descs = chunkDescs(region, remoteGeo, m.NumBlocks, tm.unit)
+		}
+		kv, err := c.agent.PrepareRemote(ctx, peer, descs, nil)
+		if err != nil {
+			r.releaseKV()
+			return nil, c.transferAuthHint(r, err)
+		}
+		r.kvs = append(r.kvs, kv)
 	}
 	recs, err := c.agent.PrepareRemote(ctx, peer, transfer.BlockDescs(m.MetaRegion, 0, kvcache.RecordBytes, 2*m.NumBlocks), nil)
 	if err != nil {
-		kv.Release()
+		r.releaseKV()
 		return nil, err
 	}
-	local, err := c.localList(ratio)
-	if err != nil {
-		kv.Release()
-		recs.Release()
-		return nil, err
+	for rank := range c.pool.TensorParallelSize() {
+		key := localListKey{rank: rank, ratio: ratio}
+		if tm != nil {
+			key.unit = tm.unit
+		}
+		local, err := c.localList(key)
+		if err != nil {
+			r.releaseKV()
+			recs.Release()
+			return nil, err
+		}
+		r.locals = append(r.locals, local)
 	}
-	r.meta, r.offset, r.peer, r.peerInc, r.ratio, r.layout, r.kv, r.recs, r.local = m, res.offset, peer, info.Incarnation, ratio, layout, kv, recs, local
+	r.meta, r.offset, r.peer, r.peerInc, r.ratio, r.layout, r.recs, r.tp = m, res.offset, peer, info.Incarnation, ratio, layout, recs, tm
+	r.kv, r.local = r.kvs[0], r.locals[0]
 	return r, nil
 }
 
@@ -222,9 +249,21 @@ func (c *Connector) replaceOlder(ctx context.Context, r *remoteLink) error {
 	return nil
 }
 
-// localList returns the local descriptor list that splits each block into ratio sub-blocks,
-// and (once) the scratch list for records and slots.
-func (c *Connector) localList(ratio int) (*transfer.PreparedList, error) {
+// releaseKV releases the producer block lists prepared so far (a handshake that fails).
+func (l *remoteLink) releaseKV() {
+	for _, kv := range l.kvs {
+		kv.Release()
+	}
+	l.kvs = nil
+}
+
+// localListKey names a local descriptor list: a tensor-parallel rank's blocks split into ratio
+// sub-blocks, or, with unit > 0, into chunks of unit heads (chunkDescs).
+type localListKey struct{ rank, ratio, unit int }
+
+// localList returns the local descriptor list named by key, and (once) the scratch list for
+// records and slots.
+func (c *Connector) localList(key localListKey) (*transfer.PreparedList, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.scrList == nil {
@@ -234,16 +273,57 @@ func (c *Connector) localList(ratio int) (*transfer.PreparedList, error) {
 		}
 		c.scrList = l
 	}
-	if l := c.localLists[ratio]; l != nil {
+	if l := c.localLists[key]; l != nil {
 		return l, nil
 	}
-	sub := int64(c.pool.BlockBytes() / ratio)
-	l, err := c.agent.PrepareLocal(transfer.BlockDescs(c.kvReg.ID(), 0, sub, c.pool.NumBlocks()*ratio))
+	region := c.kvReg.ID()
+	if key.rank > 0 {
+		region = c.rankReg[key.rank-1].ID()
+	}
+	sub := int64(c.pool.BlockBytes() / key.ratio)
+	descs := transfer.BlockDescs(region, 0, sub, c.pool.NumBlocks()*key.ratio)
+	if key.unit > 0 {
+		descs = chunkDescs(region, c.geo, c.pool.NumBlocks(), key.unit)
+	}
+	l, err := c.agent.PrepareLocal(descs)
 	if err != nil {
 		return nil, err
 	}
-	c.localLists[ratio] = l
+	c.localLists[key] = l
 	return l, nil
+}
+
+// rankGeometry checks the producer's per-rank geometry g (metadata m) against this engine's and
+// returns the block ratio, and the rank mapping when the TP sizes differ (nil when they are
+// equal: rank r reads rank r's blocks).
+func (c *Connector) rankGeometry(id string, m agentMetadata, g kvcache.Geometry) (int, *tpMap, error) {
+	localTP, remoteTP := c.pool.TensorParallelSize(), max(m.TPSize, 1)
+	if remoteTP > maxRemoteTP || len(m.RankKVRegions) != remoteTP-1 {
+		return 0, nil, fmt.Errorf("%w: engine %s runs TP %d and names %d rank KV regions (want %d, TP at most %d)",
+			ErrIncompatible, id, remoteTP, len(m.RankKVRegions), remoteTP-1, maxRemoteTP)
+	}
+	if remoteTP == localTP {
+		ratio, err := kvcache.BlockRatio(c.geo, g, c.cfg.EnablePermuteLocalKV)
+		if err != nil {
+			return 0, nil, fmt.Errorf("%w with engine %s: %w", ErrIncompatible, id, err)
+		}
+		return ratio, nil, nil
+	}
+	tm, err := newTPMap(localTP, c.geo.NumKVHeads, remoteTP, g.NumKVHeads, c.totalKVHeads)
+	if err != nil {
+		return 0, nil, fmt.Errorf("handshake with engine %s: %w", id, err)
+	}
+	same := g
+	same.NumKVHeads = c.geo.NumKVHeads // the heads per rank differ by design; the rest must match
+	ratio, err := kvcache.BlockRatio(c.geo, same, c.cfg.EnablePermuteLocalKV)
+	if err != nil {
+		return 0, nil, fmt.Errorf("%w with engine %s: %w", ErrIncompatible, id, err)
+	}
+	if ratio != 1 || g.Layout != kvcache.HND || c.geo.Layout != kvcache.HND {
+		return 0, nil, fmt.Errorf("%w: engine %s runs TP %d (block size %d, %v), this engine TP %d (block size %d, %v): heterogeneous TP needs equal block sizes and the HND layout on both engines",
+			ErrIncompatible, id, remoteTP, g.BlockSize, g.Layout, localTP, c.geo.BlockSize, c.geo.Layout)
+	}
+	return 1, &tm, nil
 }
 
 // offersAllowed reports whether a peer offering offers has a backend the configured list

@@ -28,6 +28,8 @@ import (
 //
 //	frame    = length (uint32, big-endian, at most 16 MiB) ‖ msgpack body
 //	request  = msgpack array [bin "get_meta_msg", pp_rank int, tp_rank int]
+//	           (every tp_rank gets the same answer: the engine's one agent names all its
+//	           ranks' KV regions, tp.go)
 //	response = msgpack array [payload map, ts float64]
 //	payload  = {"compatibility_hash": str (SHA-256 hex), "agent_metadata_bytes": bin,
 //	            "error": str, "error_code": str, "kv_cache_dtype": str}
@@ -95,11 +97,17 @@ type agentMetadata struct {
 	BlockSize     int    `msgpack:"block_size"` // tokens per block
 	KVCacheLayout string `msgpack:"kv_cache_layout"`
 	NumLayers     int    `msgpack:"num_layers"`
-	NumKVHeads    int    `msgpack:"num_kv_heads"`
+	NumKVHeads    int    `msgpack:"num_kv_heads"` // one tensor-parallel rank's
 	HeadDim       int    `msgpack:"head_dim"`
 	Version       int    `msgpack:"connector_version"`
 	// Instance is random per connector start: params that name another instance are stale.
 	Instance string `msgpack:"instance"`
+	// TPSize is the engine's tensor-parallel size (absent: 1); RankKVRegions are the KV regions
+	// of its ranks 1 … TPSize−1 (rank 0's is KVRegion), each NumBlocks blocks of BlockLen bytes
+	// holding that rank's NumKVHeads heads (docs/architecture.md, "KV between tensor-parallel
+	// ranks").
+	TPSize        int      `msgpack:"tp_size,omitempty"`
+	RankKVRegions []uint32 `msgpack:"rank_kv_regions,omitempty"`
 }
 
 type handshakePayload struct {

@@ -205,7 +205,7 @@ func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.Arena
 	}
 	mc := m.Config()
 	opts := connector.Options{
-		Config: cfg.KVTransfer, Pool: rk.Pool, Arena: rk.arena, Layout: layout,
+		Config: cfg.KVTransfer, Pool: rk.Pool, Arena: rk.arena, Layout: layout, RankArenas: rk.tpArenas,
 		Compat: connector.CompatFactors{
 			Model: m.Name(), DType: m.DType(), NumKVHeads: mc.NumKVHeads, HeadSize: mc.HeadDim,
 			NumLayers: mc.NumLayers, CacheDType: m.KVCacheDType(), Quantization: m.Quantization(),

@@ -44,11 +44,12 @@ type childSpec struct {
 	LeaseSeconds  float64
 	Backends      []string
 	AdvertiseTCP  string
+	TP            int // --tensor-parallel-size (default 1)
 }
 
 func (s childSpec) options() engineOptions {
 	return engineOptions{role: s.Role, policy: s.Policy, bidirectional: s.Bidirectional, engineID: s.EngineID,
-		lease: time.Duration(s.LeaseSeconds * float64(time.Second)), backends: s.Backends, advertiseTCP: s.AdvertiseTCP}
+		lease: time.Duration(s.LeaseSeconds * float64(time.Second)), backends: s.Backends, advertiseTCP: s.AdvertiseTCP, tp: s.TP}
 }
 
 // childReady is the log message a child writes once it serves; its attributes name the URL, the

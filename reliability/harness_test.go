@@ -95,6 +95,7 @@ type engineOptions struct {
 	faults        kvstack.FaultPaths
 	slots         int           // the OpenAI server's MaxConcurrentRequests (default none)
 	writeTimeout  time.Duration // the OpenAI server's WriteTimeout (default the server's)
+	tp            int           // --tensor-parallel-size (default 1)
 }
 
 // config returns the stack configuration of an engine with options o. Without an opened model,
@@ -106,7 +107,7 @@ func (o engineOptions) config(name string, log *slog.Logger) kvstack.EngineConfi
 		EngineID: o.engineID, Lease: o.lease, Backends: o.backends, AllowedPeers: o.allowedPeers, AdvertiseTransfer: o.advertiseTCP,
 		KeepSideChannelPort: o.keepSidePort, PrefixCaching: o.prefix, BlockSize: blockSize, NumBlocks: blocks,
 		MaxModelLen: min(maxModelLen, blocks*blockSize), Faults: o.faults, StatsInterval: time.Hour, Logger: log,
-		MaxConcurrentRequests: o.slots, WriteTimeout: o.writeTimeout,
+		MaxConcurrentRequests: o.slots, WriteTimeout: o.writeTimeout, TensorParallelSize: o.tp,
 	}
 	if o.clock != nil {
 		c.Now, c.Tick = o.clock.Now, o.clock.tick

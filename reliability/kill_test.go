@@ -26,6 +26,7 @@ type killOptions struct {
 	sideProxy     bool
 	transferProxy bool
 	pRestartable  bool // P (in process) keeps its engine_id and side-channel port across restarts
+	tp            int  // both engines' --tensor-parallel-size (default 1)
 }
 
 // killStack is P and D, one of them a child process, behind a proxy.
@@ -50,16 +51,16 @@ func startKillStack(t *testing.T, o killOptions) *killStack {
 	}
 	var pURL, pSide, pTransfer, dURL string
 	if o.childP {
-		spec := childSpec{Role: connector.RoleProducer, Backends: backends}
+		spec := childSpec{Role: connector.RoleProducer, Backends: backends, TP: o.tp}
 		if k.xfer != nil {
 			spec.AdvertiseTCP = k.xfer.Addr()
 		}
 		k.pc = startChild(t, "P", spec)
 		pURL, pSide, pTransfer = k.pc.URL, k.pc.side, k.pc.transfer
-		k.d = startEngine(t, "D", engineOptions{role: connector.RoleConsumer, policy: o.policy, backends: backends, prefix: true})
+		k.d = startEngine(t, "D", engineOptions{role: connector.RoleConsumer, policy: o.policy, backends: backends, prefix: true, tp: o.tp})
 		dURL = k.d.URL
 	} else {
-		po := engineOptions{role: connector.RoleProducer, backends: backends, clock: newFakeClock()}
+		po := engineOptions{role: connector.RoleProducer, backends: backends, clock: newFakeClock(), tp: o.tp}
 		if o.pRestartable {
 			po.engineID, po.keepSidePort = "prefill-0", true
 		}
@@ -68,7 +69,7 @@ func startKillStack(t *testing.T, o killOptions) *killStack {
 		}
 		k.p = startEngine(t, "P", po)
 		pURL, pSide, pTransfer = k.p.URL, k.p.Connector.SideChannelAddr(), k.p.transferAddr()
-		k.dc = startChild(t, "D", childSpec{Role: connector.RoleConsumer, Policy: o.policy, Backends: backends})
+		k.dc = startChild(t, "D", childSpec{Role: connector.RoleConsumer, Policy: o.policy, Backends: backends, TP: o.tp})
 		dURL = k.dc.URL
 	}
 	if k.xfer != nil {
@@ -165,27 +166,33 @@ func TestProducerKilledBeforeHandshake(t *testing.T) {
 // fail, the right answer under recompute; counted; D's pool full.
 func TestProducerKilledDuringRead(t *testing.T) {
 	t.Parallel()
-	policies(t, func(t *testing.T, policy connector.FailurePolicy) {
-		leakCheck(t)
-		k := startKillStack(t, killOptions{childP: true, policy: policy, transferProxy: true})
-		k.askOK(t, longPrompt(41), 41) // handshake and transfer connections
-		before := k.d.Connector.Agent().Stats()
-		held := k.xfer.Stall(faultproxy.Up)
-		body := completion(longPrompt(42), 12, sampled(42)...)
-		wait := async(t, k.hc, k.px.URL+"/v1/completions", "", body)
-		// D's READ is posted (its agent counts it in flight) and cannot reach P: the stall holds
-		// what D sends.
-		fired(t, "the transfer path towards P to hold D's bytes", held)
-		eventually(t, "D's READ to be in flight", func() bool { return k.d.Connector.Agent().Stats().InflightRequests > 0 })
-		k.pc.mustKill(t)
-		r := wait()
-		k.wantPolicyOutcome(t, r, body)
-		if after := k.d.Connector.Agent().Stats(); after.Failures.Total() == before.Failures.Total() {
-			t.Errorf("D's transfer agent counted no failure: %+v", after.Failures)
-		}
-		waitMetric(t, k.hc, k.d.URL, "vllm:nixl_num_failed_transfers_total", 1)
-		k.d.waitPoolFull(t)
-	})
+	policies(t, func(t *testing.T, policy connector.FailurePolicy) { producerKilledDuringRead(t, policy, 1) })
+}
+
+// producerKilledDuringRead is TestProducerKilledDuringRead with both engines at TP tp.
+func producerKilledDuringRead(t *testing.T, policy connector.FailurePolicy, tp int) {
+	leakCheck(t)
+	k := startKillStack(t, killOptions{childP: true, policy: policy, transferProxy: true, tp: tp})
+	if got := k.d.Pool.TensorParallelSize(); got != tp {
+		t.Fatalf("D runs %d ranks, want %d", got, tp)
+	}
+	k.askOK(t, longPrompt(41), 41) // handshake and transfer connections
+	before := k.d.Connector.Agent().Stats()
+	held := k.xfer.Stall(faultproxy.Up)
+	body := completion(longPrompt(42), 12, sampled(42)...)
+	wait := async(t, k.hc, k.px.URL+"/v1/completions", "", body)
+	// D's READ is posted (its agent counts it in flight) and cannot reach P: the stall holds
+	// what D sends.
+	fired(t, "the transfer path towards P to hold D's bytes", held)
+	eventually(t, "D's READ to be in flight", func() bool { return k.d.Connector.Agent().Stats().InflightRequests > 0 })
+	k.pc.mustKill(t)
+	r := wait()
+	k.wantPolicyOutcome(t, r, body)
+	if after := k.d.Connector.Agent().Stats(); after.Failures.Total() == before.Failures.Total() {
+		t.Errorf("D's transfer agent counted no failure: %+v", after.Failures)
+	}
+	waitMetric(t, k.hc, k.d.URL, "vllm:nixl_num_failed_transfers_total", 1)
+	k.d.waitPoolFull(t)
 }
 
 // notification matches the read notification D sends P for a request whose X-Request-Id is
@@ -282,8 +289,16 @@ func (k *killStack) expireP(t *testing.T) {
 // decode_request_failed; P's lease frees the blocks.
 func TestDecoderKilledDuringRead(t *testing.T) {
 	t.Parallel()
+	decoderKilledDuringRead(t, 1)
+}
+
+// decoderKilledDuringRead is TestDecoderKilledDuringRead with both engines at TP tp.
+func decoderKilledDuringRead(t *testing.T, tp int) {
 	leakCheck(t)
-	k := startKillStack(t, killOptions{transferProxy: true})
+	k := startKillStack(t, killOptions{transferProxy: true, tp: tp})
+	if got := k.p.Pool.TensorParallelSize(); got != tp {
+		t.Fatalf("P runs %d ranks, want %d", got, tp)
+	}
 	k.askOK(t, longPrompt(47), 47)
 	held := k.xfer.Stall(faultproxy.Down)
 	wait := async(t, k.hc, k.px.URL+"/v1/completions", "", completion(longPrompt(48), 12, sampled(48)...))

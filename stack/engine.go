@@ -74,6 +74,9 @@ type EngineConfig struct {
 	// instance.Rank). Fault proxies in the side channel or transfer paths, and
 	// AdvertiseTransfer, need a single rank.
 	DataParallelSize int
+	// TensorParallelSize is the engine's --tensor-parallel-size (default Model's, or 1): the
+	// ranks of each data-parallel engine (see instance.Config.TensorParallelSize).
+	TensorParallelSize int
 	// BlockSize, NumBlocks and MaxModelLen size the engine, each rank (defaults the instance's).
 	BlockSize, NumBlocks, MaxModelLen int
 	// Host is where the engine listens (default 127.0.0.1); Port its HTTP port (0: a free one).
@@ -179,8 +182,11 @@ func (cfg EngineConfig) instanceConfig() (instance.Config, error) {
 		Model: cfg.ModelName, OpenedModel: cfg.Model, Host: cfg.Host, Port: cfg.Port, BlockSize: cfg.BlockSize, NumBlocks: cfg.NumBlocks,
 		MaxModelLen: cfg.MaxModelLen, PrefixCaching: cfg.PrefixCaching, SideChannelPort: cfg.SideChannelPort,
 		StatsInterval: cfg.StatsInterval, Logger: cfg.Logger, PromptTokensDetails: true, DataParallelSize: cfg.DataParallelSize,
-		KVCacheDType:          cfg.KVCacheDType,
+		KVCacheDType: cfg.KVCacheDType, TensorParallelSize: cfg.TensorParallelSize,
 		MaxConcurrentRequests: cfg.MaxConcurrentRequests, WriteTimeout: cfg.WriteTimeout, KVEvents: cfg.KVEvents,
+	}
+	if ic.TensorParallelSize == 0 && cfg.Model != nil {
+		ic.TensorParallelSize = cfg.Model.TensorParallelSize()
 	}
 	if ic.SideChannelPort == 0 {
 		ic.SideChannelPort = -1 // a free port, not the default 5600

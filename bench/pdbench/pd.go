@@ -53,6 +53,10 @@ type PDOptions struct {
 	// TransferPushLayered. Engines that refuse a mode's connector configuration give one row
 	// saying so (PDRow.Unsupported) instead of figures.
 	TransferModes []string
+	// PrefillTP and DecodeTP are P's and D's --tensor-parallel-size (default 1 each; the single
+	// engine always runs TP 1): P/D between TP sizes, D's ranks reading their heads from P's.
+	// Not with Hosts.
+	PrefillTP, DecodeTP int
 }
 
 // The transfer modes of PDOptions.TransferModes.
@@ -150,6 +154,10 @@ func (o *PDOptions) defaults() error {
 	if o.BlockSize <= 0 {
 		o.BlockSize = kvcache.DefaultBlockSize
 	}
+	o.PrefillTP, o.DecodeTP = max(o.PrefillTP, 1), max(o.DecodeTP, 1)
+	if o.Hosts && (o.PrefillTP > 1 || o.DecodeTP > 1) {
+		return fmt.Errorf("pdbench: P TP %d, D TP %d: tensor parallelism runs in this process only, not with hosts", o.PrefillTP, o.DecodeTP)
+	}
 	if o.Seed == 0 {
 		o.Seed = 1
 	}
@@ -167,6 +175,8 @@ type PDRow struct {
 	// engines refused the mode's configuration; the row then holds no figures.
 	Mode         string  `json:"transfer_mode"`
 	Unsupported  string  `json:"unsupported,omitempty"`
+	PrefillTP    int     `json:"prefill_tp"` // P's and D's tensor-parallel sizes (PDOptions)
+	DecodeTP     int     `json:"decode_tp"`
 	PromptLen    int     `json:"prompt_len"`
 	TTFTSingleMs float64 `json:"ttft_single_ms"` // non-stream max_tokens=1 answer of the single engine
 	TTFTPDMs     float64 `json:"ttft_pd_ms"`     // the same request through the proxy (P then D)
@@ -269,9 +279,18 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	if mp := m.Config().MaxPositionEmbeddings; maxLen > mp {
 		return nil, fmt.Errorf("pdbench: a %d-token prompt exceeds the model's %d positions", longest, mp)
 	}
+	tpModels, err := openTPModels(ctx, opts, m)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		for _, tm := range tpModels {
+			tm.Close()
+		}
+	}()
 	var rows []PDRow
 	for _, mode := range opts.TransferModes {
-		mrows, err := runMode(ctx, opts, m, mode, maxLen, longest)
+		mrows, err := runMode(ctx, opts, m, tpModels, mode, maxLen, longest)
 		rows = append(rows, mrows...)
 		if err != nil {
 			return rows, err
@@ -280,8 +299,33 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	return rows, nil
 }
 
-// runMode measures every prompt length in one transfer mode, on engines and a proxy of its own.
-func runMode(ctx context.Context, opts PDOptions, m *model.Model, mode string, maxLen, longest int) ([]PDRow, error) {
+// openTPModels opens opts.Model again at P's and D's tensor-parallel sizes above 1 (m serves
+// TP 1), by size.
+func openTPModels(ctx context.Context, opts PDOptions, m *model.Model) (map[int]*model.Model, error) {
+	out := map[int]*model.Model{1: m}
+	for _, tp := range []int{opts.PrefillTP, opts.DecodeTP} {
+		if out[tp] != nil {
+			continue
+		}
+		stack.Printer(opts.Progress)("loading %s at tensor-parallel size %d", opts.Model, tp)
+		tm, err := model.Open(ctx, opts.Model, model.OpenOptions{TensorParallelSize: tp})
+		if err != nil {
+			for size, o := range out {
+				if size != 1 {
+					o.Close()
+				}
+			}
+			return nil, fmt.Errorf("pdbench: open %s at TP %d: %w", opts.Model, tp, err)
+		}
+		out[tp] = tm
+	}
+	delete(out, 1)
+	return out, nil
+}
+
+// runMode measures every prompt length in one transfer mode, on engines and a proxy of its own;
+// tpModels holds the model at P's and D's TP sizes above 1.
+func runMode(ctx context.Context, opts PDOptions, m *model.Model, tpModels map[int]*model.Model, mode string, maxLen, longest int) ([]PDRow, error) {
 	progress := stack.Printer(opts.Progress)
 	bs := opts.BlockSize
 	blocksPerSeq := maxLen / bs
@@ -301,11 +345,12 @@ func runMode(ctx context.Context, opts PDOptions, m *model.Model, mode string, m
 			maxModelLen: maxLen, log: opts.Logger, kv: tc.kv, transferMode: tc.proxy,
 		})
 	} else {
-		progress("%s: starting a single engine, P and D (%s) and the proxy", mode, opts.Backend)
+		progress("%s: starting a single engine, P (TP %d) and D (TP %d) (%s) and the proxy", mode, opts.PrefillTP, opts.DecodeTP, opts.Backend)
 		st, err = startCluster(ctx, stack.Config{
 			Model: m, Backend: opts.Backend, BlockSize: bs, NumBlocks: 2*blocksPerSeq + 8,
 			MaxModelLen: maxLen, Logger: opts.Logger,
-			P: stack.EngineConfig{KVTransferConfig: kv}, D: stack.EngineConfig{KVTransferConfig: kv},
+			P:     stack.EngineConfig{KVTransferConfig: kv, Model: tpModels[opts.PrefillTP]},
+			D:     stack.EngineConfig{KVTransferConfig: kv, Model: tpModels[opts.DecodeTP]},
 			Proxy: stack.ProxyConfig{TransferMode: tc.proxy},
 		})
 	}
@@ -313,7 +358,7 @@ func runMode(ctx context.Context, opts PDOptions, m *model.Model, mode string, m
 		// The engines refuse the mode's connector configuration (before it lands, or a build
 		// without it): one row saying so, and the other modes still run.
 		progress("%s: unsupported by engines: %v", mode, err)
-		return []PDRow{{Mode: mode, Unsupported: err.Error(), Backend: opts.Backend, Hosts: opts.Hosts}}, nil
+		return []PDRow{{Mode: mode, Unsupported: err.Error(), Backend: opts.Backend, Hosts: opts.Hosts, PrefillTP: opts.PrefillTP, DecodeTP: opts.DecodeTP}}, nil
 	}
 	if err != nil {
 		return nil, fmt.Errorf("pdbench: %w", err)
@@ -523,7 +568,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		kind = "tcp_stream"
 	}
 	r := PDRow{
-		Mode: b.mode, PromptLen: l, HiddenShare: -1, TTFTSingleMs: stats.Median(single), TTFTPDMs: stats.Median(pd),
+		Mode: b.mode, PrefillTP: b.opts.PrefillTP, DecodeTP: b.opts.DecodeTP, PromptLen: l, HiddenShare: -1, TTFTSingleMs: stats.Median(single), TTFTPDMs: stats.Median(pd),
 		TransferMs: stats.Median(xfer), TransferShare: stats.Median(share), TransferGBps: stats.Median(gbps),
 		CeilingGBps: stats.Median(ceilBest), Ceiling: kind, Hosts: b.opts.Hosts,
 		TCP1ConnGBps: stats.Median(ceilOne), TCP4ConnGBps: stats.Median(ceilMany),

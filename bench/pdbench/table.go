@@ -25,8 +25,8 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 			ceiling = "raw TCP streams of as many bytes from P's host to D's (requests, then the bytes, over warm connections), this run:\n" +
 				"the better of one connection and four (as many as the transfer engine opens): " + tcpCeilings(measured)
 		}
-		fmt.Fprintf(w, "kvbridge bench pd: backend %s, %s; medians of %d requests per path after one warm-up; TTFT = non-stream max_tokens=1 answer\n",
-			measured[0].Backend, where, measured[0].Iters)
+		fmt.Fprintf(w, "kvbridge bench pd: backend %s, %s, P TP %d → D TP %d (single engine TP 1); medians of %d requests per path after one warm-up; TTFT = non-stream max_tokens=1 answer\n",
+			measured[0].Backend, where, measured[0].PrefillTP, measured[0].DecodeTP, measured[0].Iters)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tttft_single_ms\tttft_pd_ms\toverhead\ttransfer_ms\ttransfer_share\thidden_share\ttransfer_gbps\tceiling_gbps\tratio\t")

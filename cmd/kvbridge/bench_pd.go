@@ -42,7 +42,12 @@ connection, and four as the transfer engine opens), measured right after each re
 once) and push-layered (push with kv_connector_extra_config.push_layerwise on P: each layer's
 KV written as soon as it is computed). A mode whose configuration the engines refuse
 gets a line saying "unsupported by engines" instead of figures. The hidden_share column is the
-share of the transfer spent before P had answered: hidden under P's compute.`,
+share of the transfer spent before P had answered: hidden under P's compute.
+
+--prefill-tp and --decode-tp run P and D at tensor-parallel sizes of their own (default 1; the
+single engine stays at TP 1): D's ranks read their KV heads from P's (heterogeneous TP); in this
+process only, not with --hosts. A load is then one READ per pair of D rank and P rank, posted
+at once: transfer_ms sums their durations, so it overstates the wall time they overlap in.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var err error
@@ -65,6 +70,12 @@ share of the transfer spent before P had answered: hidden under P's compute.`,
 					return usageError("--backend %s cannot cross hosts: --hosts uses TCP", opts.Backend)
 				}
 				opts.Backend = "TCP"
+			}
+			if opts.PrefillTP <= 0 || opts.DecodeTP <= 0 {
+				return usageError("--prefill-tp %d, --decode-tp %d: tensor-parallel sizes are at least 1", opts.PrefillTP, opts.DecodeTP)
+			}
+			if opts.Hosts && (opts.PrefillTP > 1 || opts.DecodeTP > 1) {
+				return usageError("--prefill-tp/--decode-tp above 1 cannot run with --hosts: tensor parallelism runs in this process only")
 			}
 			opts.Progress = cmd.ErrOrStderr()
 			rows, err := pdbench.RunPD(cmd.Context(), opts)
@@ -91,6 +102,8 @@ share of the transfer spent before P had answered: hidden under P's compute.`,
 	f.IntVar(&opts.BlockSize, "block-size", kvcache.DefaultBlockSize, "KV block size in tokens")
 	f.StringVar(&jsonP, "json", "", "also write the rows as JSON to this file")
 	f.StringVar(&modes, "transfer-mode", pdbench.TransferPull, "transfer modes, one set of rows each: pull, push, push-layered (comma-separated)")
+	f.IntVar(&opts.PrefillTP, "prefill-tp", 1, "P's tensor-parallel size")
+	f.IntVar(&opts.DecodeTP, "decode-tp", 1, "D's tensor-parallel size")
 	f.BoolVar(&opts.Hosts, "hosts", false, "run the engines on hosts of their own (network namespaces; root) over TCP, against raw TCP streams between them")
 	return cmd
 }

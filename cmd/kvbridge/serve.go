@@ -278,8 +278,8 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 	if err != nil {
 		return instance.Config{}, err
 	}
-	if kvCfg != nil && f.tensorParallelSize > 1 {
-		return instance.Config{}, usageError("--kv-transfer-config with --tensor-parallel-size %d: P/D with TP > 1 comes with the connector's per-rank step; serve P and D with --tensor-parallel-size 1 (or more --data-parallel-size)", f.tensorParallelSize)
+	if kvCfg != nil && kvCfg.Push() && kvCfg.PushLayerwise && f.tensorParallelSize > 1 {
+		return instance.Config{}, usageError("--kv-transfer-config with push_layerwise and --tensor-parallel-size %d: layer-by-layer push needs TP 1; push without it works between engines of equal TP sizes", f.tensorParallelSize)
 	}
 	rankCPUs, err := parseRankCPUs(f.tpCPUs)
 	if err != nil {
