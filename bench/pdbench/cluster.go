@@ -3,6 +3,7 @@ package pdbench
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"time"
 
@@ -70,6 +71,36 @@ func (c *cluster) takeTransfers(context.Context) (transfers, error) {
 		sum.bytes += st.TransferBytes - prev.TransferBytes
 	}
 	return sum, nil
+}
+
+// settleTimeout bounds settle: a transfer of the longest prompt ends well within it.
+const settleTimeout = 30 * time.Second
+
+// settle polls P's held requests until there are none.
+func (c *cluster) settle(ctx context.Context) error {
+	return pollUntil(ctx, "P to let go of the request's blocks", func() (bool, error) {
+		st, err := c.P.Stats()
+		return err == nil && st.Held == 0, err
+	})
+}
+
+// pollUntil calls done every millisecond until it reports true, fails, or settleTimeout passes.
+func pollUntil(ctx context.Context, what string, done func() (bool, error)) error {
+	ctx, cancel := context.WithTimeout(ctx, settleTimeout)
+	defer cancel()
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for {
+		ok, err := done()
+		if err != nil || ok {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("pdbench: waiting for %s: %w", what, ctx.Err())
+		case <-tick.C:
+		}
+	}
 }
 
 // ceiling is one goroutine's memcpy of n bytes, in GB/s.

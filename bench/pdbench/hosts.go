@@ -173,6 +173,15 @@ func (s *hostStack) engineTTFT(ctx context.Context) (single, p, d time.Duration,
 
 // takeTransfers reads D's transfer histograms and counters over HTTP and returns what they
 // gained since the previous call.
+// settle polls P's vllm:kv_cache_usage_perc until P holds no block (every request of the
+// benchmark has ended there; finished blocks stay cached but unused).
+func (s *hostStack) settle(ctx context.Context) error {
+	return pollUntil(ctx, "P to let go of the request's blocks", func() (bool, error) {
+		m, err := scrape(ctx, s.hc, s.p.url)
+		return err == nil && m["vllm:kv_cache_usage_perc"] == 0, err
+	})
+}
+
 func (s *hostStack) takeTransfers(ctx context.Context) (transfers, error) {
 	var sum transfers
 	for i, e := range []*engineProcess{s.p, s.d} { // D reads (pull), P writes (push)

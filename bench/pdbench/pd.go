@@ -93,6 +93,10 @@ type pdStack interface {
 	// takeTransfers returns the KV transfers since the previous call: D's reads (pull), P's
 	// writes (push).
 	takeTransfers(ctx context.Context) (transfers, error)
+	// settle waits until P holds no KV blocks for the connector: D released them (pull), or
+	// P's writes ended (push) — P counts a transfer before it lets go of the blocks, and may
+	// do so after D has answered.
+	settle(ctx context.Context) error
 	// legs returns (and forgets) the proxy's legs of a request.
 	legs(id string) (legTimes, bool)
 	// ceiling measures how fast n bytes could move at best (right after each measured request).
@@ -468,6 +472,9 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 		return pdSample{}, err
 	}
 	s.pEng, s.dEng = p1-p0, d1-d0
+	if err := b.st.settle(ctx); err != nil {
+		return pdSample{}, err
+	}
 	xf, err := b.st.takeTransfers(ctx)
 	if err != nil {
 		return pdSample{}, err
