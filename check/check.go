@@ -93,7 +93,10 @@ type kvInfo struct {
 	MappedBytes        int64    `json:"mapped_bytes"`
 	ServedTCPReadBytes int64    `json:"served_tcp_read_bytes"`
 	BytesRead          int64    `json:"bytes_read"`
-	Refusals           struct {
+	// BytesWritten and ServedTCPWriteBytes are push mode's: P's writes, and those D took over TCP.
+	BytesWritten        int64 `json:"bytes_written"`
+	ServedTCPWriteBytes int64 `json:"served_tcp_write_bytes"`
+	Refusals            struct {
 		SideChannel int64 `json:"side_channel"`
 		Transfer    int64 `json:"transfer"`
 		Params      int64 `json:"params"`

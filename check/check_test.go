@@ -104,10 +104,16 @@ func TestCheck(t *testing.T) {
 	bidi := func(e stack.EngineConfig) stack.EngineConfig { e.Bidirectional = true; return e }
 	tcp := func(e stack.EngineConfig) stack.EngineConfig { e.Backends = []string{"TCP"}; return e }
 	token := func(e stack.EngineConfig, tok string) stack.EngineConfig { e.AuthToken = tok; return e }
+	push := func(e stack.EngineConfig) stack.EngineConfig {
+		e.KVTransferConfig = []byte(`{"kv_connector":"NixlPushConnector"}`)
+		return e
+	}
 	for _, dep := range []deployment{
 		{name: "healthy one-way", p: producer, d: consumer, engines: true, says: "over SHM"},
 		{name: "healthy one-way over TCP", p: tcp(producer), d: tcp(consumer), engines: true, says: "over TCP"},
 		{name: "healthy one-way, proxy only", p: producer, d: consumer, says: "pulled from P"},
+		{name: "healthy push", p: push(producer), d: push(consumer), engines: true, says: "over SHM"},
+		{name: "healthy push over TCP", p: tcp(push(producer)), d: tcp(push(consumer)), engines: true, says: "over TCP"},
 		{name: "healthy multi-turn", p: bidi(producer), d: bidi(consumer), multi: true, engines: true, says: "second turn hit"},
 		{name: "P and D swapped", p: producer, d: consumer, swapped: true, engines: true, want: []string{check.ProblemSwapped}},
 		{name: "P and D swapped, proxy only", p: producer, d: consumer, swapped: true, want: []string{check.ProblemSwapped}},

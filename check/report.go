@@ -263,12 +263,14 @@ func (r *Report) connectorChanges(e *engine, t *kvTally) {
 	if n := e.infoEnd.IgnoredParams - e.info.IgnoredParams; n > 0 {
 		r.problem(ProblemNoConnector, "the %s engine %s ignored the kv_transfer_params of %d request(s): it has no --kv-transfer-config", e.leg, e.url, n)
 	}
-	// A reader that pulled bytes while no engine served them over TCP read them from an
-	// arena it mapped (SHM maps a peer's arena once, so mapped bytes need not grow).
-	if e.infoEnd.BytesRead > e.info.BytesRead && e.infoEnd.MappedBytes > 0 {
+	// A reader that pulled bytes (or, in push mode, a writer that pushed them) while no engine
+	// served them over TCP moved them through an arena it mapped (SHM maps a peer's arena once,
+	// so mapped bytes need not grow).
+	moved := e.infoEnd.BytesRead > e.info.BytesRead || e.infoEnd.BytesWritten > e.info.BytesWritten
+	if moved && e.infoEnd.MappedBytes > 0 {
 		t.shm = true
 	}
-	if e.infoEnd.ServedTCPReadBytes > e.info.ServedTCPReadBytes {
+	if e.infoEnd.ServedTCPReadBytes > e.info.ServedTCPReadBytes || e.infoEnd.ServedTCPWriteBytes > e.info.ServedTCPWriteBytes {
 		t.tcp = true
 	}
 	if n := e.infoEnd.ParamsAuthMismatch - e.info.ParamsAuthMismatch; n > 0 {

@@ -36,6 +36,10 @@ type Info struct {
 	ServedTCPReadBytes int64 `json:"served_tcp_read_bytes"`
 	// BytesRead counts the bytes this engine pulled, over any backend.
 	BytesRead int64 `json:"bytes_read"`
+	// BytesWritten counts the bytes this engine pushed into peers' blocks (push mode, P), over
+	// any backend; ServedTCPWriteBytes the bytes peers wrote into this engine over TCP (D).
+	BytesWritten        int64 `json:"bytes_written"`
+	ServedTCPWriteBytes int64 `json:"served_tcp_write_bytes"`
 	// Refusals are the authentication and authorization refusals so far.
 	Refusals AuthRefusals `json:"refusals"`
 	// ParamsAuthMismatch counts the params of Refusals.Params refused for their MAC: issued by
@@ -52,7 +56,7 @@ func (c *Connector) Info() Info {
 		Connector: c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
 		RemoteHost: c.core.host, RemotePort: c.core.port, TPSize: c.pool.TensorParallelSize(), TransferMode: c.cfg.TransferMode(),
 		AuthToken: c.auth != nil, CompatibilityHash: c.hash, EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
-		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead,
+		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead, BytesWritten: st.BytesWritten, ServedTCPWriteBytes: st.ServedWriteBytes,
 		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(), PushParked: parked,
 	}
 }
