@@ -230,17 +230,7 @@ func (c *Connector) streamLayer(ctx context.Context, s *stream, r **remoteLink, 
 	if err != nil {
 		return err
 	}
-	defer w.Release()
-	if err := w.Post(ctx, nil); err != nil {
-		return err
-	}
-	if err := c.waitWrite(ctx, w); err != nil {
-		return err
-	}
-	if c.metrics != nil {
-		c.metrics.ObserveTransfer(metricsSample(w.Telemetry()))
-	}
-	return nil
+	return c.runWrite(ctx, w, nil)
 }
 
 // finishStream completes a streamed push: every layer of every chunk landed, so only the

@@ -181,6 +181,12 @@ func (c *Connector) write(ctx context.Context, local *transfer.PreparedList, li 
 	if err != nil {
 		return err
 	}
+	return c.runWrite(ctx, w, notif)
+}
+
+// runWrite posts the WRITE w with notif (nil: none), waits for it (waitWrite), counts it in the
+// transfer metrics, and releases it.
+func (c *Connector) runWrite(ctx context.Context, w *transfer.Request, notif []byte) error {
 	defer w.Release()
 	if err := w.Post(ctx, notif); err != nil {
 		return err
