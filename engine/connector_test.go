@@ -140,9 +140,9 @@ func TestEngineConnectorAsyncLoad(t *testing.T) {
 			}
 			copyKV(t, dpool, ppool, a, held.blocks)
 			if tc.badBlock < 0 {
-				de.LoadsDone([]string{"d"}, nil)
+				de.LoadsDone([]string{"d"}, nil, nil)
 			} else {
-				de.LoadsDone(nil, map[string]int{"d": tc.badBlock})
+				de.LoadsDone(nil, nil, map[string]int{"d": tc.badBlock})
 			}
 			pe.ReleaseDelayed("p") // the "notification": the producer frees
 			got := collect(t, ds)
@@ -189,7 +189,7 @@ func TestEngineAbortWhileWaitingForRemoteKV(t *testing.T) {
 		t.Fatalf("final %+v", r.final)
 	}
 	assertPoolFull(t, dpool)
-	de.LoadsDone([]string{"d"}, nil) // a late completion for an aborted request is ignored
+	de.LoadsDone([]string{"d"}, nil, nil) // a late completion for an aborted request is ignored
 }
 
 func TestEngineCloseReleasesHeldBlocks(t *testing.T) {
