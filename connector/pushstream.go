@@ -242,8 +242,7 @@ func (c *Connector) finishStream(s *stream, r *remoteLink, j pushJob) {
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, registerTimeout)
 	defer cancel()
-	done := encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest})
-	if err := c.agent.SendNotif(ctx, r.peer, done); err != nil {
+	if err := c.agent.SendNotif(ctx, r.peer, j.completion()); err != nil {
 		c.log.Error("NIXL transfer failure: push_failed (the completion of a layer-by-layer push)", "request_id", j.id, "remote_engine_id", j.reg.EngineID, "err", err)
 		if c.metrics != nil {
 			c.metrics.CountFailedNotification()

@@ -454,7 +454,7 @@ func (tr *traceRun) perform(t *testing.T, h *coreHarness) string {
 			h.sched.ReleaseDelayed(id)
 		}
 		if len(a.loaded) > 0 || len(a.failed) > 0 {
-			for _, ev := range h.sched.LoadsDone(h.now, a.loaded, a.failed) {
+			for _, ev := range h.sched.LoadsDone(h.now, a.loaded, a.first, a.failed) {
 				tr.finished(t, ev, &out)
 			}
 		}
