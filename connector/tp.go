@@ -160,3 +160,31 @@ func (m tpMap) plan(p readPlan, lg, rg kvcache.Geometry) map[rankPair]*readPlan 
 	}
 	return out
 }
+
+// rankPairs returns how many pairs of a decoder rank and a producer rank move a request's KV
+// between a decoder at TP dTP and a producer at TP pTP of a model with total KV heads: each D
+// rank takes its heads from the P rank(s) holding them (tpMap.source; a replicated head from one
+// replica). It is the number of notifications vLLM's ranks exchange for one request — each D
+// worker notifies each P worker it read from ("<id>:<consumers>"), and in push each P worker
+// each D worker it wrote — and so what vLLM's per-notification counters count per request
+// (docs/architecture.md, "Notifications per remote rank"). It fails when the sizes cannot map.
+func rankPairs(dTP, pTP, total int) (int, error) {
+	if dTP == pTP && dTP >= 1 {
+		return dTP, nil // rank r with rank r
+	}
+	if dTP > maxRemoteTP || pTP > maxRemoteTP {
+		return 0, fmt.Errorf("%w: TP %d and TP %d: at most %d ranks", ErrIncompatible, dTP, pTP, maxRemoteTP)
+	}
+	m, err := newTPMap(dTP, headsPerRank(total, dTP), pTP, headsPerRank(total, pTP), total)
+	if err != nil {
+		return 0, err
+	}
+	seen := map[rankPair]struct{}{}
+	for r := range m.localTP {
+		for c := range m.localHeads / m.unit {
+			rr, _ := m.source(r, c)
+			seen[rankPair{r, rr}] = struct{}{}
+		}
+	}
+	return len(seen), nil
+}
