@@ -85,6 +85,12 @@ func newTPMap(localTP, localHeads, remoteTP, remoteHeads, total int) (tpMap, err
 	return m, nil
 }
 
+// inverse returns the mapping seen from the other engine: its ranks local, this engine's remote.
+// A push producer writes with it what the decoder would read (pushPairs).
+func (m tpMap) inverse() tpMap {
+	return tpMap{localTP: m.remoteTP, remoteTP: m.localTP, localHeads: m.remoteHeads, remoteHeads: m.localHeads, total: m.total, unit: m.unit}
+}
+
 // globalHead returns the model KV head that local head h of rank r of an engine at TP tp (heads
 // per rank) holds.
 func globalHead(r, h, tp, heads, total int) int {
