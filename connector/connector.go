@@ -165,7 +165,7 @@ func New(opts Options) (*Connector, error) {
 		return nil, err
 	}
 	if opts.Pool.TensorParallelSize() > 1 && cfg.Push() && cfg.PushLayerwise {
-		return nil, fmt.Errorf("%w: push_layerwise with tensor parallel size %d: layer-by-layer push needs TP 1 (push without it works between engines of equal TP sizes)",
+		return nil, fmt.Errorf("%w: push_layerwise with tensor parallel size %d: layer-by-layer push needs a prefiller at TP 1 (the engine streams one rank's layers; it may push into a decoder of any TP size, and push without it works between any TP sizes)",
 			ErrConfig, opts.Pool.TensorParallelSize())
 	}
 	tc := opts.Transfer

@@ -159,7 +159,7 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)}
 	// One WRITE per pair of this engine's rank and the decoder's (pushPairs), in order; the
 	// last carries the completion, once all the others landed.
-	writes := c.pushPairs(r, local, remote)
+	writes := c.pushPairs(r, local, remote, -1)
 	for i, w := range writes {
 		var notif []byte
 		if i == len(writes)-1 {
@@ -185,8 +185,9 @@ type rankWrite struct {
 // N−1 … 0. Different TP sizes: every chunk of heads of every decoder rank is written once, from
 // the rank of this engine that holds it (tpMap.source from the decoder's side: a head this
 // engine replicates is written from one replica), one WRITE per pair of decoder rank and rank
-// of this engine, decoder ranks and then this engine's ranks descending.
-func (c *Connector) pushPairs(r *remoteLink, local, remote []int) []rankWrite {
+// of this engine, decoder ranks and then this engine's ranks descending; with layer ≥ 0 (a
+// layer-by-layer push) only that layer's chunks.
+func (c *Connector) pushPairs(r *remoteLink, local, remote []int, layer int) []rankWrite {
 	var out []rankWrite
 	if r.tp == nil {
 		for rank := len(r.locals) - 1; rank >= 0; rank-- {
@@ -200,9 +201,20 @@ func (c *Connector) pushPairs(r *remoteLink, local, remote []int) []rankWrite {
 	pairs := inv.plan(readPlan{local: remote, remote: local}, dg, c.geo) // keys: decoder rank, this engine's rank
 	for dr := inv.localTP - 1; dr >= 0; dr-- {
 		for pr := inv.remoteTP - 1; pr >= 0; pr-- {
-			if q := pairs[rankPair{dr, pr}]; q != nil {
-				out = append(out, rankWrite{r.locals[pr], r.kvs[dr], q.remote, q.local})
+			q := pairs[rankPair{dr, pr}]
+			if q == nil {
+				continue
 			}
+			li, ri := q.remote, q.local
+			if layer >= 0 {
+				li, ri = nil, nil
+				for k, idx := range q.local {
+					if chunkLayer(dg, inv.unit, idx) == layer {
+						li, ri = append(li, q.remote[k]), append(ri, idx)
+					}
+				}
+			}
+			out = append(out, rankWrite{r.locals[pr], r.kvs[dr], li, ri})
 		}
 	}
 	return out
@@ -259,4 +271,24 @@ func (c *Connector) sendPushNotice(n pushNotice) {
 			c.metrics.CountFailedNotification()
 		}
 	}
+}
+
+// streamChunks writes one layer of one step's blocks (pairs of this engine's block and the
+// decoder's) into a decoder of another TP size: that layer's chunks of heads, by pushPairs.
+func (c *Connector) streamChunks(ctx context.Context, link *remoteLink, left time.Duration, j streamJob) error {
+	local := make([]int, 0, len(j.pairs))
+	remote := make([]int, 0, len(j.pairs))
+	for _, p := range j.pairs {
+		if int(p[1]) >= link.meta.NumBlocks {
+			return fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, p[1], link.id, link.meta.NumBlocks)
+		}
+		local, remote = append(local, int(p[0])), append(remote, int(p[1]))
+	}
+	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)}
+	for _, w := range c.pushPairs(link, local, remote, j.layer) {
+		if err := c.write(ctx, w.local, w.li, w.remote, w.ri, opts, nil); err != nil {
+			return err
+		}
+	}
+	return nil
 }

@@ -136,6 +136,11 @@ func chunkIndex(g kvcache.Geometry, unit, b, layer, kv, c int) int {
 	return ((b*g.NumLayers+layer)*2+kv)*(g.NumKVHeads/unit) + c
 }
 
+// chunkLayer returns the layer of descriptor idx of chunkDescs(_, g, _, unit).
+func chunkLayer(g kvcache.Geometry, unit, idx int) int {
+	return idx / (g.NumKVHeads / unit) / 2 % g.NumLayers
+}
+
 // rankPair names one local rank and the producer rank it reads from.
 type rankPair struct{ local, remote int }
 
