@@ -67,3 +67,49 @@ func TestLateReleaseCountsEveryRankPair(t *testing.T) {
 		})
 	}
 }
+
+// TestPushLateRefusalCountsEveryRankPair: in push mode D counts a completion for a receive it no
+// longer waits for ("Unrecognized request") once per notification vLLM's P ranks would have
+// sent — every P worker notifies every D worker it wrote — and knows P's TP size from its own
+// handshake with P. As in TestPushOneLegDropped, D's registration waits at P for a prefill that
+// never comes; D gives up at its lease, then P drops the registration and tells D. The tiny
+// model has 2 KV heads:
+//
+//   - P TP 2 → D TP 1: P rank 0 writes head 0 and P rank 1 head 1 into D's one rank, and each
+//     notifies it: 2.
+//   - P TP 1 → D TP 4: P's one rank writes head 0 into D ranks 0 and 1 and head 1 into D ranks
+//     2 and 3, notifying each: 4.
+//
+// P never handshook D (the registration waited for a request that did not come), so it counts
+// its own late refusal once.
+func TestPushLateRefusalCountsEveryRankPair(t *testing.T) {
+	for _, tc := range []struct{ pTP, dTP, want int }{{2, 1, 2}, {1, 4, 4}} {
+		t.Run(fmt.Sprintf("P TP %d → D TP %d", tc.pTP, tc.dTP), func(t *testing.T) {
+			var dlog fixture.LogBuffer
+			pclock, dclock := newFakeClock(), newFakeClock()
+			ptick, dtick := make(chan time.Time), make(chan time.Time)
+			p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30), now: pclock.Now, tick: ptick, tp: tc.pTP})
+			d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "recompute", 30), now: dclock.Now, tick: dtick, logw: &dlog, tp: tc.dTP})
+			prompt := tokens(50, 19)
+			want := singleOutput(t, prompt, 5)
+			got := decodeOnly(t, p, d, prompt, 5)
+			dclock.Advance(31 * time.Second)
+			dtick <- time.Time{}
+			if r := <-got; r.Text != want {
+				t.Fatalf("D answered %q (%s), want the single engine's %q", r.Text, r.FinishReason, want)
+			}
+			d.waitPoolFull(t)
+			pclock.Advance(31 * time.Second)
+			ptick <- time.Time{}
+			eventually(t, "D to log P's late refusal", func() bool { return strings.Contains(dlog.String(), "Unrecognized request") })
+			const name = "vllm:nixl_num_notifications_after_expiry_total"
+			if got := fixture.Scrape(t, http.DefaultClient, d.srv.URL).Sum(name); got != float64(tc.want) {
+				t.Errorf("D counted %v notifications after expiry, want %d", got, tc.want)
+			}
+			if got := fixture.Scrape(t, http.DefaultClient, p.srv.URL).Sum(name); got != 1 {
+				t.Errorf("P counted %v notifications after expiry, want 1", got)
+			}
+			p.waitPoolFull(t)
+		})
+	}
+}
