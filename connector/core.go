@@ -149,6 +149,9 @@ type notice struct {
 type beat struct {
 	peer string
 	msg  []byte
+	// ranks is the producer's TP size: vLLM sends each heartbeat to every rank's agent, so a
+	// beat that cannot be sent counts that many failed notifications (0 counts as 1).
+	ranks int
 }
 
 // take returns the actions accumulated since the last call.
@@ -775,7 +778,7 @@ func (k *core) tick(now time.Time) {
 			continue
 		}
 		if r.handshaken() { // still handshaking: this beat is skipped, the next one goes through
-			k.out.beats = append(k.out.beats, beat{r.peer, []byte(kvlease.FormatHeartbeat(b.IDs))})
+			k.out.beats = append(k.out.beats, beat{r.peer, []byte(kvlease.FormatHeartbeat(b.IDs)), max(r.link.meta.TPSize, 1)})
 		}
 	}
 	for _, r := range k.records() {

@@ -185,8 +185,8 @@ type rankWrite struct {
 // N−1 … 0. Different TP sizes: every chunk of heads of every decoder rank is written once, from
 // the rank of this engine that holds it (tpMap.source from the decoder's side: a head this
 // engine replicates is written from one replica), one WRITE per pair of decoder rank and rank
-// of this engine, decoder ranks and then this engine's ranks descending; with layer ≥ 0 (a
-// layer-by-layer push) only that layer's chunks.
+// of this engine, decoder ranks and then this engine's ranks descending; there, with layer ≥ 0
+// (a layer-by-layer push), only that layer's chunks.
 func (c *Connector) pushPairs(r *remoteLink, local, remote []int, layer int) []rankWrite {
 	var out []rankWrite
 	if r.tp == nil {

@@ -56,3 +56,23 @@ func TestCoreLateReleaseTrustsOnlyConsistentTP(t *testing.T) {
 		}
 	}
 }
+
+// TestCoreHeartbeatNamesTheProducerRanks: a heartbeat to a producer at TP 4 is, in vLLM, sent to
+// each of its 4 ranks' agents, so the beat tells the worker to count 4 failed notifications if
+// it cannot be sent; a producer at TP 1, one.
+func TestCoreHeartbeatNamesTheProducerRanks(t *testing.T) {
+	h := newCoreHarness(t, `{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}`)
+	for engineID, tp := range map[string]int{"P4": 4, "P1": 0} {
+		key := remoteKey{engineID, "i"}
+		h.k.remotes[key] = &remoteRecord{key: key, link: &remoteLink{meta: agentMetadata{TPSize: tp}}, peer: "agent-" + engineID, lastUsed: h.now}
+		h.k.heartbeats.Track(engineID+"\x00i", "aa")
+	}
+	h.k.tick(h.now)
+	got := map[string]int{}
+	for _, b := range h.k.take().beats {
+		got[b.peer] = b.ranks
+	}
+	if got["agent-P4"] != 4 || got["agent-P1"] != 1 || len(got) != 2 {
+		t.Errorf("beats name ranks %v, want agent-P4 4 and agent-P1 1", got)
+	}
+}

@@ -153,7 +153,9 @@ func (c *Connector) sendBeat(b beat) {
 	if err := c.agent.SendNotif(ctx, b.peer, b.msg); err != nil {
 		c.log.Warn("sending a heartbeat failed", "peer", b.peer, "err", err)
 		if c.metrics != nil {
-			c.metrics.CountFailedNotification()
+			for range max(b.ranks, 1) {
+				c.metrics.CountFailedNotification()
+			}
 		}
 	}
 }
