@@ -215,6 +215,9 @@ func (c *Connector) streamLayer(ctx context.Context, s *stream, r **remoteLink, 
 		return err
 	}
 	*r = link
+	if link.tp != nil {
+		return c.streamChunks(ctx, link, left, j) // another TP size: chunks of heads
+	}
 	blockBytes := int64(c.pool.BlockBytes())
 	layerBytes := blockBytes / int64(c.geo.NumLayers)
 	local := make([]transfer.Desc, 0, len(j.pairs))
