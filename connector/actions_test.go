@@ -183,7 +183,7 @@ func TestActionsTextCoversEveryField(t *testing.T) {
 		handshakes:   []handshakeJob{{remoteKey{"P", "i"}, "h:1"}},
 		loads:        []loadJob{{id: "d1", params: p, count: 4, release: []byte(rel)}},
 		notifies:     []notice{{p, []byte(rel)}},
-		beats:        []beat{{"kvbridge-P", []byte("HB:01")}},
+		beats:        []beat{{"kvbridge-P", []byte("HB:01"), 1}},
 		drops:        []*remoteLink{link},
 		release:      []string{"p1"},
 		loaded:       []string{"d1"},

@@ -158,7 +158,7 @@ func New(opts Options) (*Connector, error) {
 		cfg: cfg, pool: c.pool, geo: c.geo, layout: c.layout, log: c.log, metrics: c.metrics,
 		epoch: c.now(), engineID: cfg.EngineID, peers: peers, random: rand.Reader,
 		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteRecord{}, counts: &c.counts,
-		push: newPushState(), vocab: opts.VocabSize,
+		push: newPushState(), kvHeads: c.totalKVHeads, vocab: opts.VocabSize,
 	}
 	k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
 	c.core = k
@@ -169,7 +169,7 @@ func New(opts Options) (*Connector, error) {
 		return nil, err
 	}
 	if opts.Pool.TensorParallelSize() > 1 && cfg.Push() && cfg.PushLayerwise {
-		return nil, fmt.Errorf("%w: push_layerwise with tensor parallel size %d: layer-by-layer push needs TP 1 (push without it works between engines of equal TP sizes)",
+		return nil, fmt.Errorf("%w: push_layerwise with tensor parallel size %d: layer-by-layer push needs a prefiller at TP 1 (the engine streams one rank's layers; it may push into a decoder of any TP size, and push without it works between any TP sizes)",
 			ErrConfig, opts.Pool.TensorParallelSize())
 	}
 	tc := opts.Transfer
@@ -228,21 +228,22 @@ func New(opts Options) (*Connector, error) {
 	}
 	k.instance = hex.EncodeToString(inst[:])
 	meta := agentMetadata{
-		Instance:      k.instance,
-		EngineID:      cfg.EngineID,
-		AgentMetadata: agent.LocalMetadata(),
-		KVRegion:      c.kvReg.ID(),
-		MetaRegion:    c.metaReg.ID(),
-		NumBlocks:     opts.Pool.NumBlocks(),
-		BlockLen:      opts.Pool.BlockBytes(),
-		BlockSize:     c.geo.BlockSize,
-		KVCacheLayout: c.geo.Layout.String(),
-		NumLayers:     c.geo.NumLayers,
-		NumKVHeads:    c.geo.NumKVHeads,
-		HeadDim:       c.geo.HeadDim,
-		Version:       ConnectorVersion,
-		TPSize:        opts.Pool.TensorParallelSize(),
-		RankKVRegions: rankRegions,
+		Instance:        k.instance,
+		EngineID:        cfg.EngineID,
+		AgentMetadata:   agent.LocalMetadata(),
+		KVRegion:        c.kvReg.ID(),
+		MetaRegion:      c.metaReg.ID(),
+		NumBlocks:       opts.Pool.NumBlocks(),
+		BlockLen:        opts.Pool.BlockBytes(),
+		BlockSize:       c.geo.BlockSize,
+		KVCacheLayout:   c.geo.Layout.String(),
+		NumLayers:       c.geo.NumLayers,
+		NumKVHeads:      c.geo.NumKVHeads,
+		HeadDim:         c.geo.HeadDim,
+		Version:         ConnectorVersion,
+		TPSize:          opts.Pool.TensorParallelSize(),
+		RankKVRegions:   rankRegions,
+		ReleaseReaderTP: true,
 	}
 	payload, err := encodeMetadata(c.hash, meta)
 	if err != nil {

@@ -55,6 +55,8 @@ type core struct {
 	// rankRegions are the KV regions of tensor-parallel ranks 1, 2, … (rank 0's is kvRegion);
 	// block i lies at the same offset in each.
 	rankRegions []uint32
+	// kvHeads is the model's KV heads, every rank's (0: geo.NumKVHeads × the TP size).
+	kvHeads int
 
 	reqs        map[string]*reqState
 	leases      kvlease.Table
@@ -149,6 +151,9 @@ type notice struct {
 type beat struct {
 	peer string
 	msg  []byte
+	// ranks is the producer's TP size: vLLM sends each heartbeat to every rank's agent, so a
+	// beat that cannot be sent counts that many failed notifications (0 counts as 1).
+	ranks int
 }
 
 // take returns the actions accumulated since the last call.
@@ -711,12 +716,12 @@ func (k *core) notification(peer, msg string, now time.Time) {
 	}
 	switch res {
 	case kvlease.NotifyUnknown:
-		if k.metrics != nil {
-			k.metrics.CountNotificationAfterExpiry()
-		}
+		// vLLM's every D rank notifies every P rank it read from: count them all.
+		n := k.rankNotifications(peer, r.ReaderTP, true, now)
+		k.countAfterExpiry(n)
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
 			k.log.Error(fmt.Sprintf("Potentially invalid KV blocks for unrecognized request %s were retrieved by a decode worker. They may have expired.", clip(r.ID)),
-				"peer", peer, "similar_suppressed", suppressed)
+				"peer", peer, "rank_notifications", n, "similar_suppressed", suppressed)
 		}
 	case kvlease.NotifyRefused:
 		k.counts.notifications.Add(1)
@@ -778,7 +783,7 @@ func (k *core) tick(now time.Time) {
 			continue
 		}
 		if r.handshaken() { // still handshaking: this beat is skipped, the next one goes through
-			k.out.beats = append(k.out.beats, beat{r.peer, []byte(kvlease.FormatHeartbeat(b.IDs))})
+			k.out.beats = append(k.out.beats, beat{r.peer, []byte(kvlease.FormatHeartbeat(b.IDs)), max(r.link.meta.TPSize, 1)})
 		}
 	}
 	for _, r := range k.records() {

@@ -91,7 +91,7 @@ func (c *Connector) read(ctx context.Context, j loadJob, r *remoteLink) (int, er
 		return first, c.forgetOn(r, err)
 	}
 	defer meta.Release()
-	if err := meta.Post(ctx, j.release); err != nil {
+	if err := meta.Post(ctx, c.releaseFor(j.release, r)); err != nil {
 		return first, c.forgetOn(r, err)
 	}
 	if err := meta.Wait(ctx); err != nil {

@@ -386,12 +386,12 @@ func (k *core) pushCompleted(peer, body string, now time.Time) {
 	}
 	st := k.reqs[done.RequestID]
 	if st == nil || st.push == nil || !bytes.Equal(st.push.nonce, done.Nonce) {
-		if k.metrics != nil {
-			k.metrics.CountNotificationAfterExpiry()
-		}
+		// vLLM's every P rank notifies every D rank it wrote: count them all.
+		n := k.rankNotifications(peer, 0, false, now)
+		k.countAfterExpiry(n)
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
 			k.log.Error(fmt.Sprintf("Unrecognized request %s in a KV push completion: the receive already completed or was abandoned (expired, failed or aborted).", clip(done.RequestID)),
-				"peer", peer, "similar_suppressed", suppressed)
+				"peer", peer, "rank_notifications", n, "similar_suppressed", suppressed)
 		}
 		return
 	}
@@ -440,9 +440,7 @@ func (k *core) expirePushes(now time.Time) {
 		}
 		delete(k.push.parked, pid)
 		k.refusePush(pr.peer, pr.reg, "no request with this push_id finished prefill on this engine within kv_lease_duration")
-		if k.metrics != nil {
-			k.metrics.CountNotificationAfterExpiry()
-		}
+		k.countAfterExpiry(k.rankNotifications(pr.peer, 0, true, now))
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
 			k.log.Error(fmt.Sprintf("Unrecognized request with push_id %s: a decoder registered blocks for it and no such request finished prefill within kv_lease_duration.", clip(pid)),
 				"peer", pr.peer, "similar_suppressed", suppressed)
@@ -534,9 +532,7 @@ func (k *core) registered(peer string, inc uint64, body string, now time.Time) {
 	case len(reg.BlockIDs) == 0:
 		// A cancel for a request this engine does not hold: nothing to free.
 	default:
-		if k.metrics != nil {
-			k.metrics.CountNotificationAfterExpiry()
-		}
+		k.countAfterExpiry(k.rankNotifications(peer, 0, true, now))
 		if ok, suppressed := k.quiet.allow("unknown", now); ok {
 			k.log.Error(fmt.Sprintf("Unrecognized request %s in a KV push registration: its blocks are no longer held (the lease expired, or the request never finished here).", clip(reg.RemoteRequestID)),
 				"peer", peer, "similar_suppressed", suppressed)

@@ -522,16 +522,20 @@ func TestPushWritesOnlyIntoRegisteredBlocks(t *testing.T) {
 // TestPushLayerwise: over SHM and TCP, with push_layerwise on P and D's registration parked
 // before P's prefill starts, P writes each layer of each prefill chunk as soon as it is computed (three chunks of
 // 256 tokens: three writes per layer, no whole write at the end), and D's answer is a single
-// engine's. Every pool is full at the end.
+// engine's. Every pool is full at the end. Into a decoder at TP 2 or 4, each layer's write is
+// one per D rank, of the heads that rank holds (at TP 4 the 2 KV heads are replicated: twice
+// the bytes).
 func TestPushLayerwise(t *testing.T) {
 	for _, backend := range []string{"SHM", "TCP"} {
-		t.Run(backend, func(t *testing.T) { pushLayerwise(t, backend) })
+		for _, dTP := range []int{1, 2, 4} {
+			t.Run(fmt.Sprintf("%s D TP %d", backend, dTP), func(t *testing.T) { pushLayerwise(t, backend, dTP) })
+		}
 	}
 }
 
-func pushLayerwise(t *testing.T, backend string) {
+func pushLayerwise(t *testing.T, backend string, dTP int) {
 	p := startNode(t, "P", nodeOptions{kvConfig: `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true,"backends":["` + backend + `"]}}`})
-	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", backend)})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", backend), tp: dTP})
 	prompt := tokens(700, 50)
 	// Seeded sampling at temperature 1 with logprobs: any wrong KV shows in the answer.
 	ask := func(url string, kv map[string]any) (int, result) {
@@ -567,16 +571,23 @@ func pushLayerwise(t *testing.T, backend string) {
 	var writes int
 	var bytes int64
 	blocks := int64(700+15) / 16
+	// P (TP 1) holds every KV head; D's ranks hold dTP × their heads per rank in all.
+	copies := int64(dTP * d.pool.Geometry().NumKVHeads / p.pool.Geometry().NumKVHeads)
 	eventually(t, "P to record its writes", func() bool {
 		for _, s := range p.em.Nixl().TakeInterval().Transfers {
 			writes, bytes = writes+1, bytes+s.Bytes
 		}
-		return bytes >= blocks*int64(p.pool.BlockBytes())
+		return bytes >= copies*blocks*int64(p.pool.BlockBytes())
 	})
-	// Each chunk's layers go in one WRITE or several (layers queued behind a busy writer are
-	// written together), never one per layer and chunk more than that.
-	if writes < 3 || writes > 3*layers || bytes != blocks*int64(p.pool.BlockBytes()) {
-		t.Errorf("P made %d writes of %d bytes; want 3 to %d (3 chunks × %d layers) of %d blocks in all", writes, bytes, 3*layers, layers, blocks)
+	// Into D at TP 1, each chunk's layers go in one WRITE or several (layers queued behind a
+	// busy writer are written together), never more than one per layer; into another TP size,
+	// one per layer and D rank.
+	minWrites, maxWrites := 3, 3*layers
+	if dTP > 1 {
+		minWrites, maxWrites = 3*layers*dTP, 3*layers*dTP
+	}
+	if writes < minWrites || writes > maxWrites || bytes != copies*blocks*int64(p.pool.BlockBytes()) {
+		t.Errorf("P made %d writes of %d bytes; want %d to %d (3 chunks × %d layers × %d D ranks) of %d blocks × %d in all", writes, bytes, minWrites, maxWrites, layers, dTP, blocks, copies)
 	}
 	p.waitPoolFull(t)
 	d.waitPoolFull(t)

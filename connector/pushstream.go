@@ -311,6 +311,14 @@ func (c *Connector) streamLayers(ctx context.Context, s *stream, r **remoteLink,
 		return err
 	}
 	*r = link
+	if link.tp != nil {
+		for _, j := range jobs { // another TP size: chunks of heads, a layer at a time
+			if err := c.streamChunks(ctx, link, left, j); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 	for _, p := range jobs[0].pairs { // every job of a batch has its chunk's pairs
 		if int(p[1]) >= link.meta.NumBlocks {
 			return fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, p[1], link.id, link.meta.NumBlocks)

@@ -69,12 +69,9 @@ func (c *Connector) register(ctx context.Context, j registerJob, f *flight) erro
 
 // pushGeometry refuses a push between engines whose blocks differ: a producer WRITEs its blocks
 // byte for byte into the decoder's (regrouping and permuting are a reader's post-processing,
-// pull only).
+// pull only). Between different TP sizes it writes chunks of heads (pushPairs), which the
+// handshake admitted only with equal block sizes and HND on both (rankGeometry).
 func (c *Connector) pushGeometry(r *remoteLink) error {
-	if r.tp != nil {
-		return fmt.Errorf("%w: push needs equal TP sizes on both engines: engine %s runs TP %d, this engine TP %d (pull works across TP sizes)",
-			ErrIncompatible, r.id, r.tp.remoteTP, r.tp.localTP)
-	}
 	if r.ratio != 1 || r.meta.BlockSize != c.geo.BlockSize || r.layout != c.geo.Layout {
 		return fmt.Errorf("%w: push needs the same block size and KV layout on both engines: engine %s has block size %d (%s), this engine %d (%s)",
 			ErrIncompatible, r.id, r.meta.BlockSize, r.layout, c.geo.BlockSize, c.geo.Layout)
@@ -160,18 +157,67 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 		return r, c.forgetOn(r, c.agent.SendNotif(ctx, r.peer, done))
 	}
 	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)}
-	// Rank r's blocks go into the decoder's rank r (equal TP sizes, pushGeometry): ranks 1, 2, …
-	// first, then rank 0's write, which carries the completion, once they all landed.
-	for rank := len(r.locals) - 1; rank >= 0; rank-- {
+	// One WRITE per pair of this engine's rank and the decoder's (pushPairs), in order; the
+	// last carries the completion, once all the others landed.
+	writes := c.pushPairs(r, local, remote, -1)
+	for i, w := range writes {
 		var notif []byte
-		if rank == 0 {
+		if i == len(writes)-1 {
 			notif = done
 		}
-		if err := c.write(ctx, r.locals[rank], local, r.kvs[rank], remote, opts, notif); err != nil {
+		if err := c.write(ctx, w.local, w.li, w.remote, w.ri, opts, notif); err != nil {
 			return r, err
 		}
 	}
 	return r, nil
+}
+
+// rankWrite is one WRITE of a push: descriptors li of this engine's list local into ri of the
+// decoder's list remote.
+type rankWrite struct {
+	local, remote *transfer.PreparedList
+	li, ri        []int
+}
+
+// pushPairs returns the WRITEs that push this engine's blocks local into the decoder's blocks
+// remote (pairs by index), the inverse of a pull's reads (docs/architecture.md, "KV between
+// tensor-parallel ranks"). Equal TP sizes: rank r's blocks into the decoder's rank r, ranks
+// N−1 … 0. Different TP sizes: every chunk of heads of every decoder rank is written once, from
+// the rank of this engine that holds it (tpMap.source from the decoder's side: a head this
+// engine replicates is written from one replica), one WRITE per pair of decoder rank and rank
+// of this engine, decoder ranks and then this engine's ranks descending; there, with layer ≥ 0
+// (a layer-by-layer push), only that layer's chunks.
+func (c *Connector) pushPairs(r *remoteLink, local, remote []int, layer int) []rankWrite {
+	var out []rankWrite
+	if r.tp == nil {
+		for rank := len(r.locals) - 1; rank >= 0; rank-- {
+			out = append(out, rankWrite{r.locals[rank], r.kvs[rank], local, remote})
+		}
+		return out
+	}
+	inv := r.tp.inverse()
+	dg := c.geo
+	dg.NumKVHeads = r.meta.NumKVHeads
+	pairs := inv.plan(readPlan{local: remote, remote: local}, dg, c.geo) // keys: decoder rank, this engine's rank
+	for dr := inv.localTP - 1; dr >= 0; dr-- {
+		for pr := inv.remoteTP - 1; pr >= 0; pr-- {
+			q := pairs[rankPair{dr, pr}]
+			if q == nil {
+				continue
+			}
+			li, ri := q.remote, q.local
+			if layer >= 0 {
+				li, ri = nil, nil
+				for k, idx := range q.local {
+					if chunkLayer(dg, inv.unit, idx) == layer {
+						li, ri = append(li, q.remote[k]), append(ri, idx)
+					}
+				}
+			}
+			out = append(out, rankWrite{r.locals[pr], r.kvs[dr], li, ri})
+		}
+	}
+	return out
 }
 
 // write WRITEs the local descriptors li of list local into ri of the decoder's list remote,
@@ -225,4 +271,24 @@ func (c *Connector) sendPushNotice(n pushNotice) {
 			c.metrics.CountFailedNotification()
 		}
 	}
+}
+
+// streamChunks writes one layer of one step's blocks (pairs of this engine's block and the
+// decoder's) into a decoder of another TP size: that layer's chunks of heads, by pushPairs.
+func (c *Connector) streamChunks(ctx context.Context, link *remoteLink, left time.Duration, j streamJob) error {
+	local := make([]int, 0, len(j.pairs))
+	remote := make([]int, 0, len(j.pairs))
+	for _, p := range j.pairs {
+		if int(p[1]) >= link.meta.NumBlocks {
+			return fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, p[1], link.id, link.meta.NumBlocks)
+		}
+		local, remote = append(local, int(p[0])), append(remote, int(p[1]))
+	}
+	opts := &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)}
+	for _, w := range c.pushPairs(link, local, remote, j.layer) {
+		if err := c.write(ctx, w.local, w.li, w.remote, w.ri, opts, nil); err != nil {
+			return err
+		}
+	}
+	return nil
 }

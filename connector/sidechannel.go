@@ -108,6 +108,9 @@ type agentMetadata struct {
 	// ranks").
 	TPSize        int      `msgpack:"tp_size,omitempty"`
 	RankKVRegions []uint32 `msgpack:"rank_kv_regions,omitempty"`
+	// ReleaseReaderTP says that this engine parses release notifications of version 2, which
+	// carry the reader's TP size (kvlease.ReaderTPPrefix): readers append it only then.
+	ReleaseReaderTP bool `msgpack:"release_reader_tp,omitempty"`
 }
 
 type handshakePayload struct {

@@ -85,6 +85,12 @@ func newTPMap(localTP, localHeads, remoteTP, remoteHeads, total int) (tpMap, err
 	return m, nil
 }
 
+// inverse returns the mapping seen from the other engine: its ranks local, this engine's remote.
+// A push producer writes with it what the decoder would read (pushPairs).
+func (m tpMap) inverse() tpMap {
+	return tpMap{localTP: m.remoteTP, remoteTP: m.localTP, localHeads: m.remoteHeads, remoteHeads: m.localHeads, total: m.total, unit: m.unit}
+}
+
 // globalHead returns the model KV head that local head h of rank r of an engine at TP tp (heads
 // per rank) holds.
 func globalHead(r, h, tp, heads, total int) int {
@@ -130,6 +136,11 @@ func chunkIndex(g kvcache.Geometry, unit, b, layer, kv, c int) int {
 	return ((b*g.NumLayers+layer)*2+kv)*(g.NumKVHeads/unit) + c
 }
 
+// chunkLayer returns the layer of descriptor idx of chunkDescs(_, g, _, unit).
+func chunkLayer(g kvcache.Geometry, unit, idx int) int {
+	return idx / (g.NumKVHeads / unit) / 2 % g.NumLayers
+}
+
 // rankPair names one local rank and the producer rank it reads from.
 type rankPair struct{ local, remote int }
 
@@ -159,4 +170,32 @@ func (m tpMap) plan(p readPlan, lg, rg kvcache.Geometry) map[rankPair]*readPlan 
 		}
 	}
 	return out
+}
+
+// rankPairs returns how many pairs of a decoder rank and a producer rank move a request's KV
+// between a decoder at TP dTP and a producer at TP pTP of a model with total KV heads: each D
+// rank takes its heads from the P rank(s) holding them (tpMap.source; a replicated head from one
+// replica). It is the number of notifications vLLM's ranks exchange for one request — each D
+// worker notifies each P worker it read from ("<id>:<consumers>"), and in push each P worker
+// each D worker it wrote — and so what vLLM's per-notification counters count per request
+// (docs/architecture.md, "Notifications per remote rank"). It fails when the sizes cannot map.
+func rankPairs(dTP, pTP, total int) (int, error) {
+	if dTP == pTP && dTP >= 1 {
+		return dTP, nil // rank r with rank r
+	}
+	if dTP > maxRemoteTP || pTP > maxRemoteTP {
+		return 0, fmt.Errorf("%w: TP %d and TP %d: at most %d ranks", ErrIncompatible, dTP, pTP, maxRemoteTP)
+	}
+	m, err := newTPMap(dTP, headsPerRank(total, dTP), pTP, headsPerRank(total, pTP), total)
+	if err != nil {
+		return 0, err
+	}
+	seen := map[rankPair]struct{}{}
+	for r := range m.localTP {
+		for c := range m.localHeads / m.unit {
+			rr, _ := m.source(r, c)
+			seen[rankPair{r, rr}] = struct{}{}
+		}
+	}
+	return len(seen), nil
 }

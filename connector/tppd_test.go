@@ -87,46 +87,52 @@ func TestTPBlocksAndLayouts(t *testing.T) {
 	}
 }
 
-// TestPushAcrossEqualTPSizes: a push prefiller and decoder at TP 2 (over SHM and TCP, serial and
-// both legs at once): P writes each rank's blocks into D's same rank, the completion after them,
-// and D answers as the single TP 1 engine does (logprobs included) from P's KV; the params and
-// GET /v1/kv_transfer carry tp_size 2. A TP 1 decoder is refused at the handshake, naming both
-// TP sizes.
-func TestPushAcrossEqualTPSizes(t *testing.T) {
+// TestPushAcrossTPSizes: a push prefiller and decoder at every pair of TP sizes in {1, 2, 4}
+// (over SHM and TCP, serial and both legs at once): P's ranks WRITE each D rank's heads (the
+// inverse of a pull's reads: several P ranks into one D rank's blocks at head offsets, or one P
+// rank into several D ranks', a head P replicates written from one replica), the completion
+// after them, and D answers as the single TP 1 engine does (logprobs included) from P's KV, and
+// again from its prefix cache; the params and GET /v1/kv_transfer carry P's tp_size. Different
+// TP sizes with different block sizes are refused at the handshake, naming both TP sizes.
+func TestPushAcrossTPSizes(t *testing.T) {
 	single := startNode(t, "single", nodeOptions{})
 	for _, backend := range []string{"SHM", "TCP"} {
-		t.Run(backend, func(t *testing.T) {
-			p := startNode(t, "P", nodeOptions{kvConfig: pushCfg("kv_producer", backend), tp: 2})
-			d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", backend), tp: 2, prefix: true})
-			if got := p.conn.Info().TPSize; got != 2 {
-				t.Errorf("P reports tp_size %d, want 2", got)
-			}
-			for i, flow := range []func(*testing.T, *node, *node, []int, int) result{pushSerial, pushConcurrent} {
-				prompt := tokens(70, 7+i)
-				_, want := answerWithLogprobs(t, single, prompt, nil)
-				r := flow(t, p, d, prompt, 6)
-				if got := external(r); got != len(prompt)-1 {
-					t.Errorf("flow %d: %d tokens came from P, want %d", i, got, len(prompt)-1)
+		for _, sizes := range [][2]int{{1, 1}, {1, 2}, {1, 4}, {2, 1}, {2, 2}, {2, 4}, {4, 1}, {4, 2}, {4, 4}} {
+			pTP, dTP := sizes[0], sizes[1]
+			t.Run(fmt.Sprintf("%s TP %d → %d", backend, pTP, dTP), func(t *testing.T) {
+				p := startNode(t, "P", nodeOptions{kvConfig: pushCfg("kv_producer", backend), tp: pTP})
+				d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", backend), tp: dTP, prefix: true})
+				if got := p.conn.Info().TPSize; got != pTP {
+					t.Errorf("P reports tp_size %d, want %d", got, pTP)
 				}
-				// D's prefix cache now holds the pushed blocks: a plain request is answered from them.
-				_, got := answerWithLogprobs(t, d, prompt, nil)
-				if got != strings.Replace(want, "(cached 0)", "(cached 1)", 1) {
-					t.Errorf("flow %d: D answers %s from the pushed KV, a single TP 1 engine %s", i, got, want)
+				for i, flow := range []func(*testing.T, *node, *node, []int, int) result{pushSerial, pushConcurrent} {
+					prompt := tokens(70, 7+i)
+					_, want := answerWithLogprobs(t, single, prompt, nil)
+					r := flow(t, p, d, prompt, 6)
+					if got := external(r); got != len(prompt)-1 {
+						t.Errorf("flow %d: %d tokens came from P, want %d", i, got, len(prompt)-1)
+					}
+					// D's prefix cache now holds the pushed blocks: a plain request is answered from them.
+					_, got := answerWithLogprobs(t, d, prompt, nil)
+					if got != strings.Replace(want, "(cached 0)", "(cached 1)", 1) {
+						t.Errorf("flow %d: D answers %s from the pushed KV, a single TP 1 engine %s", i, got, want)
+					}
 				}
-			}
-			p.waitPoolFull(t)
-		})
+				p.waitPoolFull(t)
+			})
+		}
 	}
-	t.Run("TP 2 → TP 1 refused", func(t *testing.T) {
+	t.Run("TP 2 → TP 1 with other block sizes refused", func(t *testing.T) {
 		logs := new(fixture.LogBuffer)
-		p := startNode(t, "P", nodeOptions{kvConfig: pushCfg("kv_producer"), tp: 2})
+		p := startNode(t, "P", nodeOptions{kvConfig: pushCfg("kv_producer"), tp: 2, blockSize: 8})
 		d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer"), logw: logs})
 		pkv := prefill(t, p, tokens(40, 9))
 		if status, r := decode(t, d, tokens(40, 9), pushDecodeParams(pkv), 4); status != 500 {
 			t.Fatalf("status %d, want 500: %s", status, r.Raw)
 		}
-		if !strings.Contains(logs.String(), "push needs equal TP sizes on both engines: engine") || !strings.Contains(logs.String(), "runs TP 2, this engine TP 1") {
+		if !strings.Contains(logs.String(), "heterogeneous TP needs equal block sizes") || !strings.Contains(logs.String(), "runs TP 2 (block size 8") {
 			t.Errorf("D's log does not name both TP sizes:\n%s", logs)
 		}
+		// D never registered: P holds the blocks until its lease expires, as vLLM's does.
 	})
 }

@@ -153,7 +153,9 @@ func (c *Connector) sendBeat(b beat) {
 	if err := c.agent.SendNotif(ctx, b.peer, b.msg); err != nil {
 		c.log.Warn("sending a heartbeat failed", "peer", b.peer, "err", err)
 		if c.metrics != nil {
-			c.metrics.CountFailedNotification()
+			for range max(b.ranks, 1) {
+				c.metrics.CountFailedNotification()
+			}
 		}
 	}
 }
@@ -189,20 +191,23 @@ func (c *Connector) notify(n notice) {
 	ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
 	defer cancel()
 	var err error
+	var r *remoteLink
 	for attempt := 0; attempt < 2; attempt++ {
-		var r *remoteLink
 		if r, err = c.remote(ctx, p); err != nil {
 			break
 		}
-		if err = c.agent.SendNotif(ctx, r.peer, n.msg); err == nil || !peerGone(err) {
+		if err = c.agent.SendNotif(ctx, r.peer, c.releaseFor(n.msg, r)); err == nil || !peerGone(err) {
 			break
 		}
 		c.forget(r)
 	}
 	if err != nil {
+		// vLLM's every D rank would have failed to notify every P rank it reads from.
 		c.log.Error("NIXL transfer failure: notification_failed", "remote_engine_id", p.RemoteEngineID, "remote_request_id", p.RemoteRequestID, "err", err)
 		if c.metrics != nil {
-			c.metrics.CountFailedNotification()
+			for range c.notificationPairs(r) {
+				c.metrics.CountFailedNotification()
+			}
 		}
 	}
 }

@@ -141,8 +141,8 @@ type Config struct {
 	// group of them (DataParallelSize × TensorParallelSize ranks in all). The KV pool's memory
 	// (NumBlocks, KVBytes) is the engine's, split over its ranks' arenas, so the same figure
 	// holds the same tokens at any size (unless KV heads are replicated). With OpenedModel it
-	// must be the model's size. P/D (KVTransfer) pulls between any TP sizes; push needs equal
-	// TP sizes, and push_layerwise TP 1.
+	// must be the model's size. P/D (KVTransfer) pulls and pushes between any TP sizes;
+	// push_layerwise needs a prefiller at TP 1.
 	TensorParallelSize int
 	// RankCPUs pins the tensor-parallel ranks' threads to CPU sets (model.OpenOptions.RankCPUs).
 	RankCPUs [][]int
@@ -183,7 +183,7 @@ func (cfg Config) withDefaults(m *model.Model) (Config, error) {
 	case cfg.TensorParallelSize != tp:
 		return cfg, fmt.Errorf("%w: tensor parallel size %d, but the model runs on %d ranks", ErrConfig, cfg.TensorParallelSize, tp)
 	case tp > 1 && cfg.KVTransfer != nil && cfg.KVTransfer.Push() && cfg.KVTransfer.PushLayerwise:
-		return cfg, fmt.Errorf("%w: --kv-transfer-config with push_layerwise and --tensor-parallel-size %d: layer-by-layer push needs TP 1 (push without it works between engines of equal TP sizes)", ErrConfig, tp)
+		return cfg, fmt.Errorf("%w: --kv-transfer-config with push_layerwise and --tensor-parallel-size %d: layer-by-layer push needs a prefiller at TP 1 (the engine streams one rank's layers; it may push into a decoder of any TP size, and push without it works between any TP sizes)", ErrConfig, tp)
 	}
 	// A block's bytes over every tensor-parallel rank's memory.
 	blockBytes := engine.KVGeometry(m, cfg.BlockSize).BlockBytes() * m.TensorParallelSize()

@@ -7,8 +7,10 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvbridge/kvbridge/apiclient"
+	"github.com/kvbridge/kvbridge/instance"
 	"github.com/kvbridge/kvbridge/internal/fixture"
 	"github.com/kvbridge/kvbridge/model"
 	"github.com/kvbridge/kvbridge/proxy"
@@ -172,46 +174,66 @@ func TestBidirectionalAcrossTensorParallelSizes(t *testing.T) {
 	}
 }
 
-// TestPushThroughProxyAtTP2: push P/D (NixlPushConnector, the proxy sending both legs at once)
-// between engines of 2 ranks each answers as a single TP 1 engine does, P writing each rank's
-// blocks into D's same rank: two WRITEs per request.
-func TestPushThroughProxyAtTP2(t *testing.T) {
+// TestPushThroughProxyAcrossTPSizes: push P/D (NixlPushConnector, the proxy sending both legs
+// at once, --transfer-mode push) between engines of 2 ranks each, and from TP 2 into TP 1 and
+// TP 1 into TP 2, answers as a single TP 1 engine does. P writes one WRITE per pair of P rank
+// and D rank that moves heads (the tiny model has 2 KV heads): rank r into D's rank r at equal
+// sizes; P ranks 0 and 1 into D's one rank (heads 0 and 1 at their offsets); P's one rank into D
+// ranks 0 and 1 (head 0 to one, head 1 to the other): two WRITEs per request in each case.
+func TestPushThroughProxyAcrossTPSizes(t *testing.T) {
 	ms := openTP(t)
 	push := []byte(`{"kv_connector":"NixlPushConnector"}`)
-	s, err := stack.Start(t.Context(), stack.Config{
-		Single: true, Model: ms[1], NumBlocks: 96, MaxModelLen: 1024,
-		P:     stack.EngineConfig{Model: ms[2], KVTransferConfig: push},
-		D:     stack.EngineConfig{Model: ms[2], KVTransferConfig: push},
-		Proxy: stack.ProxyConfig{TransferMode: proxy.TransferPush},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() {
-		if err := s.Close(); err != nil {
-			t.Error(err)
-		}
-		if err := s.CheckPools(); err != nil {
-			t.Error(err)
-		}
-	}()
-	hc := &http.Client{Transport: stack.NewTransport(4)}
-	defer hc.CloseIdleConnections()
-	before, err := s.P.Stats()
-	if err != nil {
-		t.Fatal(err)
-	}
-	const n = 3
-	for i := range n {
-		if got, want := askTP(t, hc, s.URL, i), askTP(t, hc, s.Single.URL(), i); got != want {
-			t.Errorf("request %d: push P/D at TP 2 answered %s, a single TP 1 engine %s", i, got, want)
-		}
-	}
-	after, err := s.P.Stats()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got := after.Transfers - before.Transfers; got != 2*n {
-		t.Errorf("P counted %d writes for %d requests, want %d (one per rank)", got, n, 2*n)
+	for _, sizes := range [][2]int{{2, 2}, {2, 1}, {1, 2}} {
+		pTP, dTP := sizes[0], sizes[1]
+		t.Run(fmt.Sprintf("TP %d → %d", pTP, dTP), func(t *testing.T) {
+			s, err := stack.Start(t.Context(), stack.Config{
+				Single: true, Model: ms[1], NumBlocks: 96, MaxModelLen: 1024,
+				P:     stack.EngineConfig{Model: ms[pTP], KVTransferConfig: push},
+				D:     stack.EngineConfig{Model: ms[dTP], KVTransferConfig: push},
+				Proxy: stack.ProxyConfig{TransferMode: proxy.TransferPush},
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer func() {
+				if err := s.Close(); err != nil {
+					t.Error(err)
+				}
+				if err := s.CheckPools(); err != nil {
+					t.Error(err)
+				}
+			}()
+			hc := &http.Client{Transport: stack.NewTransport(4)}
+			defer hc.CloseIdleConnections()
+			before, err := s.P.Stats()
+			if err != nil {
+				t.Fatal(err)
+			}
+			const n = 3
+			for i := range n {
+				if got, want := askTP(t, hc, s.URL, i), askTP(t, hc, s.Single.URL(), i); got != want {
+					t.Errorf("request %d: push P/D from TP %d into TP %d answered %s, a single TP 1 engine %s", i, pTP, dTP, got, want)
+				}
+			}
+			// P counts its last WRITE before it lets go of the blocks, maybe after D answered.
+			var after instance.Stats
+			deadline := time.Now().Add(10 * time.Second)
+			for after.Held = -1; after.Held != 0; {
+				if after, err = s.P.Stats(); err != nil {
+					t.Fatal(err)
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("P still holds %d blocks after the answers", after.Held)
+				}
+				select {
+				case <-t.Context().Done():
+					t.Fatal("test ended")
+				case <-time.After(time.Millisecond):
+				}
+			}
+			if got := after.Transfers - before.Transfers; got != 2*n {
+				t.Errorf("P counted %d writes for %d requests, want %d (two pairs of ranks each)", got, n, 2*n)
+			}
+		})
 	}
 }

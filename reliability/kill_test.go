@@ -1,6 +1,7 @@
 package reliability
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net/http"
@@ -27,6 +28,7 @@ type killOptions struct {
 	transferProxy bool
 	pRestartable  bool // P (in process) keeps its engine_id and side-channel port across restarts
 	tp            int  // both engines' --tensor-parallel-size (default 1)
+	dTP           int  // D's, when it differs from P's (0: tp)
 }
 
 // killStack is P and D, one of them a child process, behind a proxy.
@@ -50,6 +52,7 @@ func startKillStack(t *testing.T, o killOptions) *killStack {
 		k.xfer = newFaultProxy(t, "")
 	}
 	var pURL, pSide, pTransfer, dURL string
+	dTP := cmp.Or(o.dTP, o.tp)
 	if o.childP {
 		spec := childSpec{Role: connector.RoleProducer, Backends: backends, TP: o.tp}
 		if k.xfer != nil {
@@ -57,7 +60,7 @@ func startKillStack(t *testing.T, o killOptions) *killStack {
 		}
 		k.pc = startChild(t, "P", spec)
 		pURL, pSide, pTransfer = k.pc.URL, k.pc.side, k.pc.transfer
-		k.d = startEngine(t, "D", engineOptions{role: connector.RoleConsumer, policy: o.policy, backends: backends, prefix: true, tp: o.tp})
+		k.d = startEngine(t, "D", engineOptions{role: connector.RoleConsumer, policy: o.policy, backends: backends, prefix: true, tp: dTP})
 		dURL = k.d.URL
 	} else {
 		po := engineOptions{role: connector.RoleProducer, backends: backends, clock: newFakeClock(), tp: o.tp}
@@ -69,7 +72,7 @@ func startKillStack(t *testing.T, o killOptions) *killStack {
 		}
 		k.p = startEngine(t, "P", po)
 		pURL, pSide, pTransfer = k.p.URL, k.p.Connector.SideChannelAddr(), k.p.transferAddr()
-		k.dc = startChild(t, "D", childSpec{Role: connector.RoleConsumer, Policy: o.policy, Backends: backends, TP: o.tp})
+		k.dc = startChild(t, "D", childSpec{Role: connector.RoleConsumer, Policy: o.policy, Backends: backends, TP: dTP})
 		dURL = k.dc.URL
 	}
 	if k.xfer != nil {
@@ -166,15 +169,15 @@ func TestProducerKilledBeforeHandshake(t *testing.T) {
 // fail, the right answer under recompute; counted; D's pool full.
 func TestProducerKilledDuringRead(t *testing.T) {
 	t.Parallel()
-	policies(t, func(t *testing.T, policy connector.FailurePolicy) { producerKilledDuringRead(t, policy, 1) })
+	policies(t, func(t *testing.T, policy connector.FailurePolicy) { producerKilledDuringRead(t, policy, 1, 1) })
 }
 
-// producerKilledDuringRead is TestProducerKilledDuringRead with both engines at TP tp.
-func producerKilledDuringRead(t *testing.T, policy connector.FailurePolicy, tp int) {
+// producerKilledDuringRead is TestProducerKilledDuringRead with P at TP pTP and D at TP dTP.
+func producerKilledDuringRead(t *testing.T, policy connector.FailurePolicy, pTP, dTP int) {
 	leakCheck(t)
-	k := startKillStack(t, killOptions{childP: true, policy: policy, transferProxy: true, tp: tp})
-	if got := k.d.Pool.TensorParallelSize(); got != tp {
-		t.Fatalf("D runs %d ranks, want %d", got, tp)
+	k := startKillStack(t, killOptions{childP: true, policy: policy, transferProxy: true, tp: pTP, dTP: dTP})
+	if got := k.d.Pool.TensorParallelSize(); got != dTP {
+		t.Fatalf("D runs %d ranks, want %d", got, dTP)
 	}
 	k.askOK(t, longPrompt(41), 41) // handshake and transfer connections
 	before := k.d.Connector.Agent().Stats()
@@ -289,15 +292,15 @@ func (k *killStack) expireP(t *testing.T) {
 // decode_request_failed; P's lease frees the blocks.
 func TestDecoderKilledDuringRead(t *testing.T) {
 	t.Parallel()
-	decoderKilledDuringRead(t, 1)
+	decoderKilledDuringRead(t, 1, 1)
 }
 
 // decoderKilledDuringRead is TestDecoderKilledDuringRead with both engines at TP tp.
-func decoderKilledDuringRead(t *testing.T, tp int) {
+func decoderKilledDuringRead(t *testing.T, pTP, dTP int) {
 	leakCheck(t)
-	k := startKillStack(t, killOptions{transferProxy: true, tp: tp})
-	if got := k.p.Pool.TensorParallelSize(); got != tp {
-		t.Fatalf("P runs %d ranks, want %d", got, tp)
+	k := startKillStack(t, killOptions{transferProxy: true, tp: pTP, dTP: dTP})
+	if got := k.p.Pool.TensorParallelSize(); got != pTP {
+		t.Fatalf("P runs %d ranks, want %d", got, pTP)
 	}
 	k.askOK(t, longPrompt(47), 47)
 	held := k.xfer.Stall(faultproxy.Down)

@@ -35,6 +35,8 @@ type hostStackConfig struct {
 	// the proxy's.
 	kv           map[string]any
 	transferMode proxy.TransferMode
+	// prefillTP and decodeTP are P's and D's --tensor-parallel-size (the single engine's is 1).
+	prefillTP, decodeTP int
 }
 
 // hostStack is a single engine, P and D as kvbridge processes on hosts of their own, and the
@@ -99,6 +101,9 @@ func startHostStack(ctx context.Context, cfg hostStackConfig) (_ *hostStack, err
 		a := []string{"serve", cfg.model, "--port", strconv.Itoa(enginePort), "--block-size", strconv.Itoa(cfg.blockSize),
 			"--num-gpu-blocks-override", strconv.Itoa(cfg.numBlocks), "--max-model-len", strconv.Itoa(cfg.maxModelLen),
 			"--no-enable-prefix-caching"}
+		if tp := map[string]int{"kv_producer": cfg.prefillTP, "kv_consumer": cfg.decodeTP}[role]; tp > 1 {
+			a = append(a, "--tensor-parallel-size", strconv.Itoa(tp))
+		}
 		if role != "" {
 			m := map[string]any{"kv_connector": "NixlConnector"}
 			maps.Copy(m, cfg.kv)

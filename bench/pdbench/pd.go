@@ -161,9 +161,6 @@ func (o *PDOptions) defaults() error {
 		o.BlockSize = kvcache.DefaultBlockSize
 	}
 	o.PrefillTP, o.DecodeTP = max(o.PrefillTP, 1), max(o.DecodeTP, 1)
-	if o.Hosts && (o.PrefillTP > 1 || o.DecodeTP > 1) {
-		return fmt.Errorf("pdbench: P TP %d, D TP %d: tensor parallelism runs in this process only, not with hosts", o.PrefillTP, o.DecodeTP)
-	}
 	if o.Seed == 0 {
 		o.Seed = 1
 	}
@@ -287,9 +284,11 @@ func RunPD(ctx context.Context, opts PDOptions) ([]PDRow, error) {
 	if mp := m.Config().MaxPositionEmbeddings; maxLen > mp {
 		return nil, fmt.Errorf("pdbench: a %d-token prompt exceeds the model's %d positions", longest, mp)
 	}
-	tpModels, err := openTPModels(ctx, opts, m)
-	if err != nil {
-		return nil, err
+	var tpModels map[int]*model.Model // with --hosts, the engine processes open their own
+	if !opts.Hosts {
+		if tpModels, err = openTPModels(ctx, opts, m); err != nil {
+			return nil, err
+		}
 	}
 	defer func() {
 		for _, tm := range tpModels {
@@ -347,10 +346,11 @@ func runMode(ctx context.Context, opts PDOptions, m *model.Model, tpModels map[i
 		err error
 	)
 	if opts.Hosts {
-		progress("%s: starting a single engine, P and D (%s) on hosts of their own, and the proxy", mode, opts.Backend)
+		progress("%s: starting a single engine, P (TP %d) and D (TP %d) (%s) on hosts of their own, and the proxy", mode, opts.PrefillTP, opts.DecodeTP, opts.Backend)
 		st, err = startHostStack(ctx, hostStackConfig{
 			command: opts.Command, model: opts.Model, blockSize: bs, numBlocks: 2*blocksPerSeq + 8,
 			maxModelLen: maxLen, log: opts.Logger, kv: tc.kv, transferMode: tc.proxy,
+			prefillTP: opts.PrefillTP, decodeTP: opts.DecodeTP,
 		})
 	} else {
 		progress("%s: starting a single engine, P (TP %d) and D (TP %d) (%s) and the proxy", mode, opts.PrefillTP, opts.DecodeTP, opts.Backend)

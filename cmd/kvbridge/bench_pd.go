@@ -45,9 +45,10 @@ gets a line saying "unsupported by engines" instead of figures. The hidden_share
 share of the transfer spent before P had answered: hidden under P's compute.
 
 --prefill-tp and --decode-tp run P and D at tensor-parallel sizes of their own (default 1; the
-single engine stays at TP 1): D's ranks read their KV heads from P's (heterogeneous TP); in this
-process only, not with --hosts. A load is then one READ per pair of D rank and P rank, posted
-at once: transfer_ms sums their durations, so it overstates the wall time they overlap in.`,
+single engine stays at TP 1): D's ranks read their KV heads from P's (heterogeneous TP), or in
+push P's ranks write them; with --hosts the engine processes get --tensor-parallel-size. A load
+is then one READ (or WRITE) per pair of D rank and P rank: transfer_ms sums their durations, so
+it overstates the wall time they overlap in.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			var err error
@@ -73,9 +74,6 @@ at once: transfer_ms sums their durations, so it overstates the wall time they o
 			}
 			if opts.PrefillTP <= 0 || opts.DecodeTP <= 0 {
 				return usageError("--prefill-tp %d, --decode-tp %d: tensor-parallel sizes are at least 1", opts.PrefillTP, opts.DecodeTP)
-			}
-			if opts.Hosts && (opts.PrefillTP > 1 || opts.DecodeTP > 1) {
-				return usageError("--prefill-tp/--decode-tp above 1 cannot run with --hosts: tensor parallelism runs in this process only")
 			}
 			opts.Progress = cmd.ErrOrStderr()
 			rows, err := pdbench.RunPD(cmd.Context(), opts)

@@ -688,3 +688,40 @@ func TestBenchPDHosts(t *testing.T) {
 		t.Errorf("a 1,024-token prompt moved %v bytes, want at least %d", b, 1024*512)
 	}
 }
+
+// TestBenchPDHostsTP runs `kvbridge bench pd --hosts` with P at TP 2 and D at TP 1, pull and
+// push: the engine processes run their ranks (--tensor-parallel-size), D's rank reads (or P's
+// ranks write) its heads across the hosts, and every row has figures and names both TP sizes.
+func TestBenchPDHostsTP(t *testing.T) {
+	hostNetwork(t) // skips where namespaces cannot be made
+	path := t.TempDir() + "/pd.json"
+	cmd := exec.Command(os.Args[0], "bench", "pd", "--hosts", "--model", "kvbridge/tiny", "--prompt-lens", "256", "--iters", "1",
+		"--prefill-tp", "2", "--decode-tp", "1", "--transfer-mode", "pull,push", "--json", path)
+	cmd.Env = append(os.Environ(), "KVBRIDGE_TEST_MAIN=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("bench pd --hosts --prefill-tp 2: %v\n%s", err, out)
+	}
+	data, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rows []map[string]any
+	if err := json.Unmarshal(data, &rows); err != nil || len(rows) != 2 {
+		t.Fatalf("%d rows (%v), want 2 (pull, push):\n%s\n%s", len(rows), err, data, out)
+	}
+	for _, r := range rows {
+		if r["prefill_tp"] != 2.0 || r["decode_tp"] != 1.0 || r["hosts"] != true || r["unsupported"] != nil {
+			t.Errorf("row %v: want P TP 2 → D TP 1 across hosts", r)
+		}
+		for _, k := range []string{"ttft_single_ms", "ttft_pd_ms", "transfer_gbps"} {
+			if v, ok := r[k].(float64); !ok || !(v > 0) {
+				t.Errorf("%v: %s = %v, want > 0", r["mode"], k, r[k])
+			}
+		}
+		// 256 tokens of the tiny model: 512 bytes each, all of them moved, split over P's ranks.
+		if b, _ := r["transfer_bytes"].(float64); b < 255*512 {
+			t.Errorf("%v: a 256-token prompt moved %v bytes, want at least %d", r["mode"], b, 255*512)
+		}
+	}
+}

@@ -279,7 +279,7 @@ func (f serveFlags) instanceConfig(log *slog.Logger) (instance.Config, error) {
 		return instance.Config{}, err
 	}
 	if kvCfg != nil && kvCfg.Push() && kvCfg.PushLayerwise && f.tensorParallelSize > 1 {
-		return instance.Config{}, usageError("--kv-transfer-config with push_layerwise and --tensor-parallel-size %d: layer-by-layer push needs TP 1; push without it works between engines of equal TP sizes", f.tensorParallelSize)
+		return instance.Config{}, usageError("--kv-transfer-config with push_layerwise and --tensor-parallel-size %d: layer-by-layer push needs a prefiller at TP 1 (into a decoder of any TP size); push without it works between any TP sizes", f.tensorParallelSize)
 	}
 	rankCPUs, err := parseRankCPUs(f.tpCPUs)
 	if err != nil {

@@ -122,7 +122,7 @@ func TestServeVLLMFlags(t *testing.T) {
 		flag string
 	}{
 		{[]string{"-tp", "0"}, "--tensor-parallel-size 0"},
-		{[]string{"-tp", "2", "--kv-transfer-config", `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true}}`}, "layer-by-layer push needs TP 1"},
+		{[]string{"-tp", "2", "--kv-transfer-config", `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true}}`}, "layer-by-layer push needs a prefiller at TP 1"},
 		{[]string{"-tp", "2", "--tp-cpus", "0-1|x"}, "--tp-cpus"},
 		{[]string{"-dp", "0"}, "--data-parallel-size 0"},
 		{[]string{"-pp", "2"}, "--pipeline-parallel-size 2"},

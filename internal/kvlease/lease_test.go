@@ -225,8 +225,23 @@ func TestNotificationFormats(t *testing.T) {
 	if got, err := ParseRelease(msg); err != nil || got != r {
 		t.Errorf("ParseRelease = %+v %v, want %+v", got, err, r)
 	}
+	// Version 2 appends the reader's TP size; version 1 still parses (ReaderTP 0).
+	r2 := r
+	r2.ReaderTP = 4
+	msg2 := FormatRelease(r2)
+	if msg2 != msg+":tp4" || string(AppendReaderTP([]byte(msg), 4)) != msg2 {
+		t.Errorf("version-2 release message %q, AppendReaderTP %q", msg2, AppendReaderTP([]byte(msg), 4))
+	}
+	if got, err := ParseRelease(msg2); err != nil || got != r2 {
+		t.Errorf("ParseRelease(v2) = %+v %v, want %+v", got, err, r2)
+	}
 	proof := ":" + strings.Repeat("0", 2*ProofBytes)
 	for _, bad := range []string{
+		msg + ":tp0",
+		msg + ":tp-1",
+		msg + ":tpx",
+		msg + ":tp4097",
+		"req:1:" + tok.String() + ":tp2", // a TP size is no proof
 		"req:1",
 		"req:1:" + tok.String(), // the format before release proofs
 		"req:0:" + tok.String() + ":4" + proof,

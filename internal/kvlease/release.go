@@ -86,28 +86,63 @@ func Proofs(token Token, tokens []int32, lengths []int) [][ProofBytes]byte {
 
 // Release is a parsed release notification: one of Readers readers of the blocks leased to
 // request ID under Token is done with them, and proves that it holds the first Proven tokens
-// of the lease's prompt (Proof, see Proof).
+// of the lease's prompt (Proof, see Proof). ReaderTP is the reading engine's tensor-parallel
+// size (0: not given), from which the owner derives how many notifications vLLM's ranks would
+// have sent (one per pair of reader rank and owner rank that read).
 type Release struct {
-	ID      string
-	Readers int
-	Token   Token
-	Proven  int
-	Proof   [ProofBytes]byte
+	ID       string
+	Readers  int
+	Token    Token
+	Proven   int
+	Proof    [ProofBytes]byte
+	ReaderTP int
 }
 
-// FormatRelease renders r as "<id>:<readers>:<token>:<proven>:<proof>" (token and proof in
-// hex). vLLM's notification is "<id>:<readers>"; kvbridge appends the lease token and the proof.
+// ReaderTPPrefix starts the optional last field of a release notification (version 2): the
+// reader's tensor-parallel size, "tp<n>". A reader appends it only for an owner that
+// advertises that it parses it (connector: the handshake metadata's release_reader_tp), so
+// that an owner that parses only version 1 never sees it.
+const ReaderTPPrefix = "tp"
+
+// MaxReaderTP bounds the reader TP size a release notification may carry.
+const MaxReaderTP = 4096
+
+// FormatRelease renders r as "<id>:<readers>:<token>:<proven>:<proof>" (version 1: token and
+// proof in hex), followed by ":tp<n>" when r.ReaderTP > 0 (version 2). vLLM's notification is
+// "<id>:<readers>"; kvbridge appends the lease token and the proof, and the reader's TP size.
 func FormatRelease(r Release) string {
-	return r.ID + ":" + strconv.Itoa(r.Readers) + ":" + r.Token.String() + ":" + strconv.Itoa(r.Proven) + ":" + hex.EncodeToString(r.Proof[:])
+	s := r.ID + ":" + strconv.Itoa(r.Readers) + ":" + r.Token.String() + ":" + strconv.Itoa(r.Proven) + ":" + hex.EncodeToString(r.Proof[:])
+	if r.ReaderTP > 0 {
+		s += ":" + ReaderTPPrefix + strconv.Itoa(r.ReaderTP)
+	}
+	return s
+}
+
+// AppendReaderTP turns the version-1 release notification msg into version 2 by appending the
+// reader's tensor-parallel size tp (see ReaderTPPrefix).
+func AppendReaderTP(msg []byte, tp int) []byte {
+	out := make([]byte, 0, len(msg)+8)
+	out = append(out, msg...)
+	out = append(out, ':')
+	out = append(out, ReaderTPPrefix...)
+	return strconv.AppendInt(out, int64(tp), 10)
 }
 
 // errNotification reports a notification that is neither a heartbeat nor a release.
 var errNotification = errors.New("malformed KV notification")
 
-// ParseRelease parses "<id>:<readers>:<token>:<proven>:<proof>"; the id may itself contain
-// colons.
+// ParseRelease parses "<id>:<readers>:<token>:<proven>:<proof>", optionally followed by
+// ":tp<n>" (version 2, see FormatRelease); the id may itself contain colons. A proof is hex, so
+// a last field starting with "tp" is never one.
 func ParseRelease(msg string) (Release, error) {
 	var r Release
+	if rest, last, ok := cutLast(msg, ':'); ok && strings.HasPrefix(last, ReaderTPPrefix) {
+		n, err := strconv.Atoi(last[len(ReaderTPPrefix):])
+		if err != nil || n < 1 || n > MaxReaderTP {
+			return r, fmt.Errorf("%w: reader TP size %q", errNotification, clip(last))
+		}
+		r.ReaderTP, msg = n, rest
+	}
 	rest, proof, ok := cutLast(msg, ':')
 	if !ok || len(proof) != 2*ProofBytes {
 		return r, fmt.Errorf("%w: no release proof", errNotification)
