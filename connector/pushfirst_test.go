@@ -156,3 +156,34 @@ func TestPushFirstTokenFingerprintMismatch(t *testing.T) {
 	p.waitPoolFull(t)
 	d.waitPoolFull(t)
 }
+
+// TestPushFirstTokenAcrossTPSizes: between engines of different TP sizes too, D starts from P's
+// first token (the whole prompt came from P) and answers as a single TP 1 engine, greedy and
+// seeded.
+func TestPushFirstTokenAcrossTPSizes(t *testing.T) {
+	single := startNode(t, "single", nodeOptions{})
+	for _, backend := range []string{"SHM", "TCP"} {
+		for _, sizes := range [][2]int{{1, 2}, {2, 1}, {2, 4}} {
+			t.Run(fmt.Sprintf("%s TP %d → %d", backend, sizes[0], sizes[1]), func(t *testing.T) {
+				p := startNode(t, "P", nodeOptions{kvConfig: pushCfg("kv_producer", backend), tp: sizes[0]})
+				d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer", backend), tp: sizes[1]})
+				for i, flow := range pushFlows {
+					for j, sampling := range []map[string]any{{"temperature": 0}, {"temperature": 1, "seed": 21, "top_k": 30}} {
+						n := 50 + 17*i + 5*j
+						prompt := tokens(n, 130+i+j)
+						_, want := post(t, single.srv.URL+"/v1/completions", completionBody(prompt, 5, sampling))
+						got := flow.run(t, p, d, completionBody(prompt, 1, sampling), completionBody(prompt, 5, sampling))
+						if got.Text != want.Text {
+							t.Errorf("%s, %v: D answered %q, a single engine %q", flow.name, sampling, got.Text, want.Text)
+						}
+						if ext := external(got); ext != n {
+							t.Errorf("%s, %v: %d prompt tokens came from P, want all %d", flow.name, sampling, ext, n)
+						}
+					}
+				}
+				p.waitPoolFull(t)
+				d.waitPoolFull(t)
+			})
+		}
+	}
+}
