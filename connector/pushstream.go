@@ -19,11 +19,12 @@ import (
 // connector of each step (engine.LayerStreamer, StreamStep) and of each layer (the function
 // StreamStep returns, on the step loop: it only queues); one goroutine per streamed request
 // writes its queue in order, so that a block a later chunk completes is written again after
-// the earlier, partial write. The goroutine takes every layer of the same chunk already queued
-// into one WRITE (contiguous ranges merged: consecutive layers of a block, and consecutive
-// blocks, are one range), so that a writer slower than the model posts fewer, larger writes. Anything that makes the streamed KV doubtful — a preemption (the
-// blocks were freed and recomputed), a full queue, a failed write — marks the stream broken,
-// and the request is then written whole when it ends, as without push_layerwise.
+// the earlier, partial write. Fewer, larger writes: the goroutine takes every layer of the same
+// chunk already queued into one WRITE (contiguous ranges merged: consecutive layers of a block,
+// and consecutive blocks, are one range), and in a chunk that another follows it waits for a
+// group of layers (streamWrites). Anything that makes the streamed KV doubtful — a preemption
+// (the blocks were freed and recomputed), a full queue, a failed write — marks the stream
+// broken, and the request is then written whole when it ends, as without push_layerwise.
 
 // maxStreamQueue bounds the layer writes queued for one request (in units of layers).
 const maxStreamQueue = 1024
@@ -117,11 +118,11 @@ type streamJob struct {
 }
 
 // nextBatch returns the jobs to write in one WRITE: first and the jobs of the same chunk after
-// it. While the batch holds fewer than first.group layers and not the chunk's last layer (lastLayer),
-// it waits for the next one (the per-WRITE cost then buys several layers), unless the request's
-// push was handed over (it then stores it in *pending) or ctx ended; beyond that it takes only
-// what is already queued. A job of the next chunk ends the batch and is returned as next (nil:
-// none taken).
+// it. While the batch holds fewer than first.group layers and not the chunk's last layer
+// (lastLayer), it waits for the next one (the per-WRITE cost then buys several layers), unless
+// the request's push was handed over (it then stores it in *pending) or ctx ended; beyond that
+// it takes only what is already queued. A job of the next chunk ends the batch and is returned
+// as next (nil: none taken).
 func (s *stream) nextBatch(ctx context.Context, first streamJob, lastLayer int, pending **pushJob) (batch []streamJob, next *streamJob) {
 	batch = []streamJob{first}
 	for {
