@@ -9,6 +9,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/kvbridge/kvbridge/engine"
 	"github.com/kvbridge/kvbridge/internal/kvlease"
 )
 
@@ -62,8 +63,12 @@ func actionsText(t testing.TB, a actions) string {
 				items = append(items, actionText(t, name, f.Index(j).Interface()))
 			}
 		case reflect.Map:
+			label := " first-bad="
+			if name == "first" {
+				label = " token "
+			}
 			for it := f.MapRange(); it.Next(); {
-				items = append(items, actionText(t, name, it.Key().Interface())+" first-bad="+actionText(t, name, it.Value().Interface()))
+				items = append(items, actionText(t, name, it.Key().Interface())+label+actionText(t, name, it.Value().Interface()))
 			}
 			slices.Sort(items)
 		default:
@@ -113,7 +118,13 @@ func actionText(t testing.TB, name string, v any) string {
 		return registerText(t, v)
 	case pushJob:
 		local, remote := pushTail(v, coreBlockSize)
-		return fmt.Sprintf("%s into %s/%s from %s#%d: blocks %v -> %v, %d tokens", v.id, v.reg.EngineID, v.reg.RequestID, v.peer, v.peerInc, local, remote, v.numTokens)
+		s := fmt.Sprintf("%s into %s/%s from %s#%d: blocks %v -> %v, %d tokens", v.id, v.reg.EngineID, v.reg.RequestID, v.peer, v.peerInc, local, remote, v.numTokens)
+		if v.reg.FirstToken && v.first != nil {
+			s += fmt.Sprintf(", first token %d (%d draws)", v.first.token, v.first.draws)
+		}
+		return s
+	case engine.FirstToken:
+		return fmt.Sprintf("%d (%d draws)", v.Token, v.Draws)
 	case pushNotice:
 		var done pushCompletion
 		if err := decodePush(strings.TrimPrefix(string(v.msg), pushDonePrefix), &done); err != nil {
@@ -139,6 +150,9 @@ func registerText(t testing.TB, j registerJob) string {
 	s := fmt.Sprintf("%s to %s for %s: blocks %v from block %d, %d tokens", j.id, j.params.RemoteEngineID, target, reg.BlockIDs, reg.FirstBlock, reg.NumTokens)
 	if j.cancel {
 		s = fmt.Sprintf("%s to %s for %s: cancel, %d tokens", j.id, j.params.RemoteEngineID, target, reg.NumTokens)
+	}
+	if reg.FirstToken {
+		s += ", asks for the first token"
 	}
 	if j.awaiting {
 		s += " awaits " + j.handshake.key.String()
@@ -173,6 +187,7 @@ func TestActionsTextCoversEveryField(t *testing.T) {
 		drops:        []*remoteLink{link},
 		release:      []string{"p1"},
 		loaded:       []string{"d1"},
+		first:        map[string]engine.FirstToken{"d1": {Token: 7, Draws: 1}},
 		failed:       map[string]int{"d2": 1},
 		missed:       []string{"d3"},
 		holdsExpired: 2,

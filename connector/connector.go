@@ -24,7 +24,7 @@ import (
 // Scheduler is what the connector tells its engine: which asynchronous loads finished and which
 // delayed frees may happen. *engine.Engine implements it.
 type Scheduler interface {
-	LoadsDone(ok []string, failed map[string]int)
+	LoadsDone(ok []string, first map[string]engine.FirstToken, failed map[string]int)
 	LoadsMissed(ids []string)
 	ReleaseDelayed(id string)
 }
@@ -63,6 +63,10 @@ type Options struct {
 	// Getenv reads the environment (default os.Getenv); the auth token falls back to
 	// KVBRIDGE_KV_AUTH_TOKEN when kv_connector_extra_config.auth_token is absent.
 	Getenv func(string) string
+	// VocabSize is the model's vocabulary size. A push decoder that knows it asks its producer
+	// for the first token it sampled (and refuses one outside the vocabulary); 0 never asks:
+	// the decoder computes its last prompt position itself.
+	VocabSize int
 }
 
 // Connector is kvbridge's NixlConnector: it implements engine.Connector (the scheduler side),
@@ -154,7 +158,7 @@ func New(opts Options) (*Connector, error) {
 		cfg: cfg, pool: c.pool, geo: c.geo, layout: c.layout, log: c.log, metrics: c.metrics,
 		epoch: c.now(), engineID: cfg.EngineID, peers: peers, random: rand.Reader,
 		reqs: map[string]*reqState{}, remotes: map[remoteKey]*remoteRecord{}, counts: &c.counts,
-		push: newPushState(), kvHeads: c.totalKVHeads,
+		push: newPushState(), kvHeads: c.totalKVHeads, vocab: opts.VocabSize,
 	}
 	k.heartbeats.Interval = max(cfg.LeaseDuration/6, time.Second)
 	c.core = k

@@ -48,6 +48,7 @@ type core struct {
 	peers     *peerFilter // allowed_peers; nil allows all
 	paramsKey []byte      // MAC key of issued and accepted params; nil without an auth token
 	random    io.Reader   // lease tokens (crypto/rand)
+	vocab     int         // the model's vocabulary size (Options.VocabSize); 0: no first tokens
 
 	// kvRegion and metaRegion are the regions peers may read (0 before registration).
 	kvRegion, metaRegion uint32
@@ -135,6 +136,7 @@ type actions struct {
 	// by loadFinished: when a load ends, or at once by afterAlloc once the connector is
 	// closing.
 	loaded []string
+	first  map[string]engine.FirstToken // (push decoder) the producer's first tokens of loaded requests
 	failed map[string]int
 	missed []string
 }
@@ -193,6 +195,9 @@ type loadJob struct {
 	count    int     // tokens to load after them
 	fromD    bool    // a bidirectional turn: the producer is a decoder with a TTL
 	release  []byte  // the release notification the read carries (kvlease.FormatRelease)
+	// first, on a push decoder's successful load, is the producer's first token, verified
+	// (pushCompleted): it goes with the load to the scheduler.
+	first *engine.FirstToken
 
 	// The handshake the request's arrival found in progress (reqState.handshake): awaiting, the
 	// worker waits for it before reading; handshakeErr, it failed and so does the load.
@@ -837,6 +842,12 @@ func (k *core) loadFinished(j loadJob, firstBad int, err error, quiet bool, now 
 		k.out.failed[j.id] = firstBad
 	default:
 		k.out.loaded = append(k.out.loaded, j.id)
+		if j.first != nil {
+			if k.out.first == nil {
+				k.out.first = map[string]engine.FirstToken{}
+			}
+			k.out.first[j.id] = *j.first
+		}
 	}
 }
 

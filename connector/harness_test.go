@@ -152,7 +152,7 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 		n.conn, err = connector.New(connector.Options{
 			Config: cfg, Pool: pool, Arena: arena, Layout: layout, Compat: compat, RankArenas: ranks,
 			SideChannelAddr: "127.0.0.1:0", Logger: log, Metrics: n.em.Nixl(),
-			Now: o.now, Tick: tick, Transfer: o.transfer,
+			Now: o.now, Tick: tick, Transfer: o.transfer, VocabSize: mc.VocabSize,
 		})
 		if err != nil {
 			t.Fatal(err)

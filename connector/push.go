@@ -89,6 +89,13 @@ type pushRegistration struct {
 	// RemoteBlockSize is D's block size (vLLM's remote_block_size).
 	RemoteBlockSize int    `msgpack:"remote_block_size"`
 	TransferMode    string `msgpack:"transfer_mode"`
+	// FirstToken asks P to send, with the completion, the token it sampled for its answer, so
+	// that D computes no prompt position (D registered blocks for the whole prompt, the last
+	// position's included); Fingerprint is D's engine.Request.FirstTokenFingerprint, for P to
+	// echo its own beside the token. A producer that does not know these keys sends no token,
+	// and D computes its last prompt position as before.
+	FirstToken  bool   `msgpack:"first_token,omitempty"`
+	Fingerprint []byte `msgpack:"sampling_fingerprint,omitempty"`
 }
 
 // pushCompletion ends one registration: the write landed (Error empty), or it will not come.
@@ -98,6 +105,22 @@ type pushCompletion struct {
 	NumTokens int    `msgpack:"num_tokens"`
 	Digest    []byte `msgpack:"prompt_digest"`
 	Error     string `msgpack:"error,omitempty"`
+	// Token is the first token P sampled from the prompt (sent when the registration asked
+	// for it), Draws how many random numbers P's sampler drew for it (0 greedy, 1 otherwise),
+	// Fingerprint P's engine.Request.FirstTokenFingerprint. D uses the token only when the
+	// fingerprints are equal; a token outside D's vocabulary or another draw count is a bad
+	// completion.
+	Token       *int32 `msgpack:"first_token,omitempty"`
+	Draws       int    `msgpack:"first_token_draws,omitempty"`
+	Fingerprint []byte `msgpack:"sampling_fingerprint,omitempty"`
+}
+
+// sampledFirst is what P sampled for a request's first token (pushCompletion's Token, Draws
+// and Fingerprint).
+type sampledFirst struct {
+	token       int32
+	draws       int
+	fingerprint []byte
 }
 
 // promptDigest is the SHA-256 of tokens (little-endian int32s): what P and D compare before a
@@ -149,6 +172,8 @@ func (r *pushRegistration) check(maxBlocks int) error {
 		return errors.New("a nonce of 16 bytes and a digest of 32 are required")
 	case r.FirstBlock < 0 || r.NumTokens <= 0 || len(r.BlockIDs) > maxBlocks:
 		return errors.New("block range out of bounds")
+	case len(r.Fingerprint) != 0 && len(r.Fingerprint) != sha256.Size:
+		return errors.New("a sampling fingerprint of 32 bytes is required")
 	}
 	seen := make(map[int32]struct{}, len(r.BlockIDs))
 	for _, b := range r.BlockIDs {
@@ -167,7 +192,8 @@ type pushSource struct {
 	blocks    []int32
 	numTokens int
 	digest    []byte
-	claimed   bool // a registration was accepted: no other is
+	first     *sampledFirst // the request's first output token, if it has one
+	claimed   bool          // a registration was accepted: no other is
 }
 
 // parkedRegistration is a registration that named a push_id before its request finished.
@@ -187,6 +213,9 @@ type pushDest struct {
 	job      loadJob
 	digest   []byte
 	blocks   map[int32]struct{} // the registered blocks: the only ones the producer may write
+	// fingerprint is the request's engine.Request.FirstTokenFingerprint when the registration
+	// asked for the producer's first token; nil when it did not.
+	fingerprint []byte
 }
 
 // pushState is the core's push bookkeeping.
@@ -223,6 +252,18 @@ type pushJob struct {
 	blocks    []int32 // the request's blocks on this engine
 	numTokens int
 	digest    []byte
+	first     *sampledFirst
+}
+
+// completion returns the completion of j's write: the prompt it wrote and, if the
+// registration asked for it, the first token this engine sampled.
+func (j pushJob) completion() []byte {
+	done := pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest}
+	if j.reg.FirstToken && j.first != nil {
+		tok := j.first.token
+		done.Token, done.Draws, done.Fingerprint = &tok, j.first.draws, j.first.fingerprint
+	}
+	return encodePush(pushDonePrefix, done)
 }
 
 // pushNotice is a failure completion to send to a decoder's agent at once.
@@ -266,7 +307,11 @@ func (k *core) pushAfterAlloc(st *reqState, seq *engine.Sequence, blocks []int32
 	}
 	deadline := now.Add(k.cfg.LeaseDuration)
 	d := &pushDest{nonce: nonce, deadline: deadline, job: j, digest: promptDigest(seq.Prompt()), blocks: map[int32]struct{}{}}
+	if r := seq.Request(); k.vocab > 0 && localHit+numExternal >= seq.NumPromptTokens() && r.CanTakeFirstToken() {
+		d.fingerprint = r.FirstTokenFingerprint()
+	}
 	reg := k.registration(st.params, seq, d)
+	reg.FirstToken, reg.Fingerprint = d.fingerprint != nil, d.fingerprint
 	reg.FirstBlock, reg.BlockIDs, reg.Expiry = first, append([]int32(nil), blocks[first:last+1]...), k.seconds(deadline)
 	for _, b := range reg.BlockIDs {
 		d.blocks[b] = struct{}{}
@@ -364,7 +409,12 @@ func (k *core) pushCompleted(peer, body string, now time.Time) {
 		k.finishPush(st, first, fmt.Errorf("the producer did not push request %s's KV: %s", st.push.job.id, clip(done.Error)), false, now)
 	case done.NumTokens != len(d.job.prompt) || !bytes.Equal(done.Digest, d.digest):
 		k.finishPush(st, first, fmt.Errorf("%w: request %s: the producer pushed KV of %d tokens of another prompt", ErrVerification, d.job.id, done.NumTokens), false, now)
+	case d.fingerprint != nil && done.Token != nil && (*done.Token < 0 || int(*done.Token) >= k.vocab || done.Draws < 0 || done.Draws > 1):
+		k.finishPush(st, first, fmt.Errorf("%w: request %s: the producer's first token %d (%d draws) is not one this engine could sample", ErrVerification, d.job.id, *done.Token, done.Draws), false, now)
 	default:
+		if d.fingerprint != nil && done.Token != nil && bytes.Equal(done.Fingerprint, d.fingerprint) {
+			d.job.first = &engine.FirstToken{Token: *done.Token, Draws: done.Draws}
+		}
 		k.finishPush(st, 0, nil, false, now)
 	}
 }
@@ -413,6 +463,9 @@ func (k *core) pushPeerLost(name string, inc uint64, now time.Time) {
 func (k *core) pushReady(seq *engine.Sequence, pushID string, now time.Time) {
 	computed := seq.NumComputed()
 	src := &pushSource{id: seq.ID(), pushID: pushID, blocks: append([]int32(nil), seq.Blocks()...), numTokens: computed, digest: promptDigest(seq.Tokens()[:computed])}
+	if out := seq.Output(); len(out) > 0 {
+		src.first = &sampledFirst{token: out[0], draws: seq.FirstTokenDraws(), fingerprint: seq.Request().FirstTokenFingerprint()}
+	}
 	k.push.sources[src.id] = src
 	if pushID == "" {
 		return
@@ -528,7 +581,7 @@ func (k *core) claim(src *pushSource, peer string, inc uint64, reg pushRegistrat
 	if d := now.Add(loadTimeout + expiryMargin); d.After(l.Deadline) {
 		l.Deadline = d // the blocks stay held while the write reads them; pushEnded frees them
 	}
-	k.out.pushes = append(k.out.pushes, pushJob{id: src.id, peer: peer, peerInc: inc, reg: reg, blocks: src.blocks, numTokens: src.numTokens, digest: src.digest})
+	k.out.pushes = append(k.out.pushes, pushJob{id: src.id, peer: peer, peerInc: inc, reg: reg, blocks: src.blocks, numTokens: src.numTokens, digest: src.digest, first: src.first})
 }
 
 // refusePush answers a registration with a failure completion, so that its decoder applies its

@@ -2,8 +2,10 @@ package connector
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"fmt"
+	"slices"
 	"sync/atomic"
 
 	"github.com/kvbridge/kvbridge/engine"
@@ -17,12 +19,27 @@ import (
 // connector of each step (engine.LayerStreamer, StreamStep) and of each layer (the function
 // StreamStep returns, on the step loop: it only queues); one goroutine per streamed request
 // writes its queue in order, so that a block a later chunk completes is written again after
-// the earlier, partial write. Anything that makes the streamed KV doubtful — a preemption (the
-// blocks were freed and recomputed), a full queue, a failed write — marks the stream broken,
-// and the request is then written whole when it ends, as without push_layerwise.
+// the earlier, partial write. Fewer, larger writes: the goroutine takes every layer of the same
+// chunk already queued into one WRITE (contiguous ranges merged: consecutive layers of a block,
+// and consecutive blocks, are one range), and in a chunk that another follows it waits for a
+// group of layers (streamWrites). Anything that makes the streamed KV doubtful — a preemption
+// (the blocks were freed and recomputed), a full queue, a failed write — marks the stream
+// broken, and the request is then written whole when it ends, as without push_layerwise.
 
 // maxStreamQueue bounds the layer writes queued for one request (in units of layers).
 const maxStreamQueue = 1024
+
+// streamWrites is how many WRITEs a layer-by-layer push makes per prefill chunk at most, but the
+// prompt's last (when the model has more layers, each WRITE waits for a group of consecutive
+// layers): each WRITE has a fixed cost (posting, a round trip) that per-layer writes pay once
+// per layer, and a chunk followed by another has time to write its groups while the next
+// computes. The last chunk writes each layer as it comes: what is left to write once the model
+// is done, before the completion, stays one layer.
+const streamWrites = 2
+
+// streamGroup returns how many layers one WRITE of a layer-by-layer push waits for in a chunk
+// that does not end the prompt.
+func (c *Connector) streamGroup() int { return max(1, (c.geo.NumLayers+streamWrites-1)/streamWrites) }
 
 // streamWrite is what one step adds to a request's stream: the pairs (this engine's block, the
 // decoder's block) the step's chunk touches, to be written layer by layer.
@@ -32,6 +49,7 @@ type streamWrite struct {
 	peerInc uint64
 	reg     pushRegistration
 	pairs   [][2]int32
+	final   bool // the chunk ends the prompt
 }
 
 // streamPlan returns, for a step's work, the requests whose chunk may be streamed now: prefill
@@ -72,7 +90,7 @@ func (k *core) streamPlan(work []engine.Work) []streamWrite {
 			}
 		}
 		if len(pairs) > 0 {
-			out = append(out, streamWrite{id: w.Seq.ID(), peer: pr.peer, peerInc: pr.peerInc, reg: pr.reg, pairs: pairs})
+			out = append(out, streamWrite{id: w.Seq.ID(), peer: pr.peer, peerInc: pr.peerInc, reg: pr.reg, pairs: pairs, final: end == w.Seq.NumPromptTokens()})
 		}
 	}
 	return out
@@ -87,12 +105,76 @@ type stream struct {
 	jobs    chan streamJob
 	finish  chan pushJob // the request's push, once it finished prefill (capacity 1)
 	broken  atomic.Bool
+	chunks  int // steps streamed so far (the step loop's only)
 }
 
-// streamJob is one layer of one step's blocks.
+// streamJob is one layer of one step's blocks; chunk numbers the step in the request's stream,
+// group is how many layers of that chunk a WRITE waits for (nextBatch).
 type streamJob struct {
+	chunk int
+	group int
 	layer int
 	pairs [][2]int32
+}
+
+// nextBatch returns the jobs to write in one WRITE: first and the jobs of the same chunk after
+// it. While the batch holds fewer than first.group layers and not the chunk's last layer
+// (lastLayer), it waits for the next one (the per-WRITE cost then buys several layers), unless
+// the request's push was handed over (it then stores it in *pending) or ctx ended; beyond that
+// it takes only what is already queued. A job of the next chunk ends the batch and is returned
+// as next (nil: none taken).
+func (s *stream) nextBatch(ctx context.Context, first streamJob, lastLayer int, pending **pushJob) (batch []streamJob, next *streamJob) {
+	batch = []streamJob{first}
+	for {
+		var j streamJob
+		if len(batch) >= first.group || batch[len(batch)-1].layer >= lastLayer || *pending != nil {
+			select {
+			case j = <-s.jobs:
+			default:
+				return batch, nil
+			}
+		} else {
+			select {
+			case j = <-s.jobs:
+			case pj := <-s.finish:
+				*pending = &pj
+				continue
+			case <-ctx.Done():
+				return batch, nil
+			}
+		}
+		if j.chunk != first.chunk {
+			return batch, &j
+		}
+		batch = append(batch, j)
+	}
+}
+
+// layerRange is one range a stream writes: at local in this engine's KV region, at remote in the
+// decoder's, length bytes.
+type layerRange struct{ local, remote, length int64 }
+
+// layerRanges returns the ranges jobs write, given the bytes of a block here and on the
+// decoder and of one layer of a block, sorted and merged where both sides are contiguous.
+func layerRanges(jobs []streamJob, blockBytes, remoteBlockLen, layerBytes int64) []layerRange {
+	var out []layerRange
+	for _, j := range jobs {
+		for _, p := range j.pairs {
+			out = append(out, layerRange{int64(p[0])*blockBytes + int64(j.layer)*layerBytes, int64(p[1])*remoteBlockLen + int64(j.layer)*layerBytes, layerBytes})
+		}
+	}
+	slices.SortFunc(out, func(a, b layerRange) int { return cmp.Compare(a.local, b.local) })
+	merged := out[:0]
+	for _, r := range out {
+		if n := len(merged); n > 0 {
+			if last := &merged[n-1]; last.local+last.length == r.local && last.remote+last.length == r.remote {
+				last.length += r.length
+				continue
+			}
+		}
+		merged = append(merged, r)
+	}
+	return merged
 }
 
 // queue adds a job without blocking; a full queue breaks the stream.
@@ -130,15 +212,23 @@ func (c *Connector) StreamStep(work []engine.Work, preempted []*engine.Sequence)
 				c.wg.Add(1)
 				go c.runStream(s)
 			}
+			s.chunks++
 			streams, writes = append(streams, s), append(writes, w)
 		}
 	})
 	if len(writes) == 0 {
 		return nil
 	}
+	chunks, groups := make([]int, len(streams)), make([]int, len(streams))
+	for i, s := range streams {
+		chunks[i], groups[i] = s.chunks, c.streamGroup()
+		if writes[i].final {
+			groups[i] = 1
+		}
+	}
 	return func(layer int) {
 		for i, s := range streams {
-			s.queue(streamJob{layer: layer, pairs: writes[i].pairs})
+			s.queue(streamJob{chunk: chunks[i], group: groups[i], layer: layer, pairs: writes[i].pairs})
 		}
 	}
 }
@@ -165,31 +255,37 @@ func (c *Connector) runStream(s *stream) {
 	ctx, cancel := context.WithTimeout(c.ctx, loadTimeout)
 	defer cancel()
 	var r *remoteLink
+	var pending *pushJob // the request's push, once handed over
+	// write writes j and the jobs behind it, one WRITE per batch (nextBatch).
 	write := func(j streamJob) {
-		if s.broken.Load() {
-			return
-		}
-		if err := c.streamLayer(ctx, s, &r, j); err != nil {
-			s.broken.Store(true)
-			c.log.Warn("a layer-by-layer push write failed; the request will be written whole when its prefill ends", "request_id", s.id,
-				"remote_engine_id", s.reg.EngineID, "layer", j.layer, "err", err)
+		for next := &j; next != nil; {
+			var batch []streamJob
+			batch, next = s.nextBatch(ctx, *next, c.geo.NumLayers-1, &pending)
+			if s.broken.Load() {
+				continue
+			}
+			if err := c.streamLayers(ctx, s, &r, batch); err != nil {
+				s.broken.Store(true)
+				c.log.Warn("a layer-by-layer push write failed; the request will be written whole when its prefill ends", "request_id", s.id,
+					"remote_engine_id", s.reg.EngineID, "layers", len(batch), "err", err)
+			}
 		}
 	}
 	for {
+		if pending != nil {
+			select {
+			case j := <-s.jobs:
+				write(j)
+			default:
+			}
+			c.finishStream(s, r, *pending)
+			return
+		}
 		select {
 		case j := <-s.jobs:
 			write(j)
 		case pj := <-s.finish:
-			for drained := false; !drained; {
-				select {
-				case j := <-s.jobs:
-					write(j)
-				default:
-					drained = true
-				}
-			}
-			c.finishStream(s, r, pj)
-			return
+			pending = &pj
 		case <-ctx.Done():
 			handed := false
 			c.locked(func() {
@@ -208,26 +304,34 @@ func (c *Connector) runStream(s *stream) {
 	}
 }
 
-// streamLayer writes one layer of one step's blocks into the decoder's, handshaking it first.
-func (c *Connector) streamLayer(ctx context.Context, s *stream, r **remoteLink, j streamJob) error {
+// streamLayers writes some layers of one step's blocks into the decoder's in one WRITE,
+// handshaking the decoder first.
+func (c *Connector) streamLayers(ctx context.Context, s *stream, r **remoteLink, jobs []streamJob) error {
 	link, left, err := c.pushTarget(ctx, s.id, s.reg, s.peer, s.peerInc)
 	if err != nil {
 		return err
 	}
 	*r = link
 	if link.tp != nil {
-		return c.streamChunks(ctx, link, left, j) // another TP size: chunks of heads
+		for _, j := range jobs { // another TP size: chunks of heads, a layer at a time
+			if err := c.streamChunks(ctx, link, left, j); err != nil {
+				return err
+			}
+		}
+		return nil
 	}
-	blockBytes := int64(c.pool.BlockBytes())
-	layerBytes := blockBytes / int64(c.geo.NumLayers)
-	local := make([]transfer.Desc, 0, len(j.pairs))
-	remote := make([]transfer.Desc, 0, len(j.pairs))
-	for _, p := range j.pairs {
+	for _, p := range jobs[0].pairs { // every job of a batch has its chunk's pairs
 		if int(p[1]) >= link.meta.NumBlocks {
 			return fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, p[1], link.id, link.meta.NumBlocks)
 		}
-		local = append(local, c.kvReg.Desc(int64(p[0])*blockBytes+int64(j.layer)*layerBytes, layerBytes))
-		remote = append(remote, transfer.Desc{Region: link.meta.KVRegion, Offset: int64(p[1])*int64(link.meta.BlockLen) + int64(j.layer)*layerBytes, Length: layerBytes})
+	}
+	blockBytes := int64(c.pool.BlockBytes())
+	ranges := layerRanges(jobs, blockBytes, int64(link.meta.BlockLen), blockBytes/int64(c.geo.NumLayers))
+	local := make([]transfer.Desc, len(ranges))
+	remote := make([]transfer.Desc, len(ranges))
+	for i, g := range ranges {
+		local[i] = c.kvReg.Desc(g.local, g.length)
+		remote[i] = transfer.Desc{Region: link.meta.KVRegion, Offset: g.remote, Length: g.length}
 	}
 	w, err := c.agent.CreateRequest(ctx, transfer.Write, local, link.peer, remote, &transfer.RequestOptions{Timeout: min(loadTimeout, left-expiryMargin/2)})
 	if err != nil {
@@ -245,8 +349,7 @@ func (c *Connector) finishStream(s *stream, r *remoteLink, j pushJob) {
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, registerTimeout)
 	defer cancel()
-	done := encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest})
-	if err := c.agent.SendNotif(ctx, r.peer, done); err != nil {
+	if err := c.agent.SendNotif(ctx, r.peer, j.completion()); err != nil {
 		c.log.Error("NIXL transfer failure: push_failed (the completion of a layer-by-layer push)", "request_id", j.id, "remote_engine_id", j.reg.EngineID, "err", err)
 		if c.metrics != nil {
 			c.metrics.CountFailedNotification()

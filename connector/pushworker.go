@@ -152,7 +152,7 @@ func (c *Connector) push(ctx context.Context, j pushJob) (*remoteLink, error) {
 			return r, fmt.Errorf("%w: the registration names block %d, engine %s has %d", ErrParams, b, r.id, r.meta.NumBlocks)
 		}
 	}
-	done := encodePush(pushDonePrefix, pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest})
+	done := j.completion()
 	if len(local) == 0 {
 		return r, c.forgetOn(r, c.agent.SendNotif(ctx, r.peer, done))
 	}

@@ -1,6 +1,7 @@
 package connector
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"slices"
@@ -27,7 +28,8 @@ import (
 // Commands (on=NAME picks the core; the default is the last one created):
 //
 //	core name=P role=kv_producer [extra={...}]    a core named P (engine id P, instance iP,
-//	     [engine=E] [policy=recompute]             host P-host:1; engine=E: engine id E)
+//	     [engine=E] [policy=recompute]             host P-host:1; engine=E: engine id E;
+//	     [vocab=N]                                 vocab: a push decoder asks for first tokens)
 //	now 5s                                         the shared clock, from t0
 //	add id=d1 prompt=8 [continues=X]               a request of 8 new tokens (after X's tokens:
 //	    [max-tokens=1] [params=…] [edit=N]         a next turn; edit=N changes token N); params:
@@ -61,8 +63,9 @@ import (
 //	                                               records P's agent) and reaches P, from D's
 //	                                               agent unless peer/inc say otherwise
 //	push-ended id=p1 to=D [err=TEXT] [wrong-sender] P's write of p1 ended; its completion (or
-//	    [from=AGENT]                               failure) reaches D, unless wrong-sender (from
-//	                                               AGENT instead of P's agent)
+//	    [from=AGENT] [token=T] [draws=N]           failure) reaches D, unless wrong-sender (from
+//	    [other-fingerprint]                        AGENT instead of P's agent); token, draws and
+//	                                               other-fingerprint forge its first token
 //	deliver-notices to=D                           P's failure notices reach D
 //	abort id=p1                                    the request is aborted (its client left)
 func TestCoreTraces(t *testing.T) {
@@ -252,6 +255,9 @@ func (tr *traceRun) newCore(t *testing.T, d *datadriven.TestData) string {
 	}
 	h := newCoreHarness(t, `{"kv_connector":"`+connector+`","kv_role":"`+role+`","kv_load_failure_policy":"`+policy+`","kv_connector_extra_config":`+extra+`}`)
 	h.k.engineID, h.k.instance, h.k.host, h.k.port = engineID, "i"+name, name+"-host", 1
+	if d.HasArg("vocab") {
+		d.ScanArgs(t, "vocab", &h.k.vocab)
+	}
 	h.now = t0.Add(tr.now)
 	tr.cores[name], tr.last = h, name
 	return ""
@@ -454,7 +460,7 @@ func (tr *traceRun) perform(t *testing.T, h *coreHarness) string {
 			h.sched.ReleaseDelayed(id)
 		}
 		if len(a.loaded) > 0 || len(a.failed) > 0 {
-			for _, ev := range h.sched.LoadsDone(h.now, a.loaded, a.failed) {
+			for _, ev := range h.sched.LoadsDone(h.now, a.loaded, a.first, a.failed) {
 				tr.finished(t, ev, &out)
 			}
 		}
@@ -556,9 +562,23 @@ func (tr *traceRun) pushEnded(t *testing.T, d *datadriven.TestData, h *coreHarne
 	if wrong {
 		return out
 	}
-	done := pushCompletion{RequestID: j.reg.RequestID, Nonce: j.reg.Nonce, NumTokens: j.numTokens, Digest: j.digest}
+	var done pushCompletion
+	if err := decodePush(strings.TrimPrefix(string(j.completion()), pushDonePrefix), &done); err != nil {
+		t.Fatal(err)
+	}
 	if d.HasArg("err") {
 		d.ScanArgs(t, "err", &done.Error)
+	}
+	if d.HasArg("token") {
+		var tok int
+		d.ScanArgs(t, "token", &tok)
+		done.Token = &[]int32{int32(tok)}[0]
+	}
+	if d.HasArg("draws") {
+		d.ScanArgs(t, "draws", &done.Draws)
+	}
+	if d.HasArg("other-fingerprint") {
+		done.Fingerprint = bytes.Repeat([]byte{0xee}, 32)
 	}
 	from := "kvbridge-" + h.k.engineID
 	if d.HasArg("from") {

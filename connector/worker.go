@@ -139,7 +139,7 @@ func (c *Connector) perform(b batch) {
 		b.sched.ReleaseDelayed(id)
 	}
 	if len(b.loaded) > 0 || len(b.failed) > 0 {
-		b.sched.LoadsDone(b.loaded, b.failed)
+		b.sched.LoadsDone(b.loaded, b.first, b.failed)
 	}
 	if len(b.missed) > 0 {
 		b.sched.LoadsMissed(b.missed)

@@ -26,8 +26,10 @@ type Connector interface {
 	// With async, the request gets blocks for localHitTokens+n tokens, AfterAlloc is called and
 	// the request parks in WAITING_FOR_REMOTE_KVS until LoadsDone reports it. Without async, the
 	// n tokens count as computed at once: the connector must have written their KV before the
-	// step's forward runs. n is clamped to the prompt (and the last prompt token is always
-	// computed locally: at most NumTokens-1 tokens count as computed).
+	// step's forward runs. n is clamped to the prompt (and the last prompt token is computed
+	// locally: at most NumTokens-1 tokens count as computed, unless an asynchronous load of the
+	// whole prompt ends with the first token another engine sampled from it — FirstToken in
+	// LoadsDone).
 	MatchedExternal(seq *Sequence, localHitTokens int) (n int, async bool)
 	// AfterAlloc is called once per successful admission, after the blocks are allocated, with
 	// the request's whole block table: blocks[:localHit/BlockSize] are prefix-cache hits and

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/kvbridge/kvbridge/kvcache"
+	"github.com/kvbridge/kvbridge/model"
 )
 
 // The connectors below are stand-ins for package connector (issue 4), which does not exist yet:
@@ -28,13 +29,15 @@ type heldKV struct {
 	id          string
 	blocks      []int32
 	numComputed int
+	first       FirstToken // the producer's first token and its sampler's draws
 }
 
 func (c *holdConnector) Finished(q *Sequence, st Status, _ time.Time) (bool, map[string]any) {
 	if q.KVTransfer()["do_remote_decode"] != true || (st != StatusFinishedLengthCapped && st != StatusFinishedStopped) {
 		return false, nil
 	}
-	c.held <- heldKV{id: q.ID(), blocks: slices.Clone(q.Blocks()), numComputed: q.NumComputed()}
+	c.held <- heldKV{id: q.ID(), blocks: slices.Clone(q.Blocks()), numComputed: q.NumComputed(),
+		first: FirstToken{Token: q.Output()[0], Draws: q.FirstTokenDraws()}}
 	return true, map[string]any{"do_remote_prefill": true, "remote_request_id": q.ID(), "remote_num_tokens": q.NumComputed()}
 }
 
@@ -140,9 +143,9 @@ func TestEngineConnectorAsyncLoad(t *testing.T) {
 			}
 			copyKV(t, dpool, ppool, a, held.blocks)
 			if tc.badBlock < 0 {
-				de.LoadsDone([]string{"d"}, nil)
+				de.LoadsDone([]string{"d"}, nil, nil)
 			} else {
-				de.LoadsDone(nil, map[string]int{"d": tc.badBlock})
+				de.LoadsDone(nil, nil, map[string]int{"d": tc.badBlock})
 			}
 			pe.ReleaseDelayed("p") // the "notification": the producer frees
 			got := collect(t, ds)
@@ -189,7 +192,7 @@ func TestEngineAbortWhileWaitingForRemoteKV(t *testing.T) {
 		t.Fatalf("final %+v", r.final)
 	}
 	assertPoolFull(t, dpool)
-	de.LoadsDone([]string{"d"}, nil) // a late completion for an aborted request is ignored
+	de.LoadsDone([]string{"d"}, nil, nil) // a late completion for an aborted request is ignored
 }
 
 func TestEngineCloseReleasesHeldBlocks(t *testing.T) {
@@ -209,4 +212,74 @@ func TestEngineCloseReleasesHeldBlocks(t *testing.T) {
 	}
 	pe.Close()
 	assertPoolFull(t, ppool)
+}
+
+// TestEngineConnectorFirstToken: a consumer whose load brings the whole prompt's KV with the
+// producer's first token runs no step before its first decode step, reports the whole prompt as
+// cached, and its output is a single engine's — greedy, and seeded sampling with penalties (its
+// sampler skips the producer's draw) — streamed from that first token; with max_tokens 1 the
+// token is the whole answer and the blocks are freed at once.
+func TestEngineConnectorFirstToken(t *testing.T) {
+	m := openTiny(t)
+	const bs = 16
+	prompt := testPrompts(m, 40)[0]
+	seeded := &Request{Prompt: prompt, MaxTokens: 10, Sampling: model.SamplingParams{Temperature: 1, Seed: 7, TopK: 50, PresencePenalty: 0.5}}
+	for _, tc := range []struct {
+		name  string
+		req   *Request
+		draws int
+	}{
+		{"greedy", greedy("", prompt, 10), 0},
+		{"seeded", seeded, 1},
+		{"one token", &Request{Prompt: prompt, MaxTokens: 1, Sampling: seeded.Sampling}, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ref := *tc.req
+			ref.ID = "ref"
+			want := oneAtATime(t, m, bs, []*Request{&ref})[0]
+			pc := &holdConnector{held: make(chan heldKV, 4)}
+			pe, ppool := newTestEngine(t, m, 16, Config{BlockSize: bs, Connector: pc})
+			dc := &loadConnector{allocs: make(chan loadAlloc, 4), loaded: map[string]bool{}}
+			de, dpool := newTestEngine(t, m, 16, Config{BlockSize: bs, Connector: dc})
+
+			preq := *tc.req
+			preq.ID, preq.MaxTokens, preq.KVTransfer = "p", 1, map[string]any{"do_remote_decode": true}
+			ps, err := pe.Add(t.Context(), &preq)
+			if err != nil {
+				t.Fatal(err)
+			}
+			pr := collect(t, ps)
+			held := recv(t, pc.held)
+			if held.first.Token != want.tokens[0] || held.first.Draws != tc.draws {
+				t.Fatalf("producer sampled %+v, want token %d with %d draws", held.first, want.tokens[0], tc.draws)
+			}
+			dreq := *tc.req
+			dreq.ID, dreq.KVTransfer = "d", pr.final.KVTransfer
+			ds, err := de.Add(t.Context(), &dreq)
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := recv(t, dc.allocs)
+			copyKV(t, dpool, ppool, a, held.blocks)
+			de.LoadsDone([]string{"d"}, map[string]FirstToken{"d": held.first}, nil)
+			pe.ReleaseDelayed("p")
+			got := collect(t, ds)
+			if !slices.Equal(got.tokens, want.tokens) || got.text != want.text || got.final.FinishReason != want.final.FinishReason {
+				t.Fatalf("consumer output %v %q (%s), want %v %q (%s)", got.tokens, got.text, got.final.FinishReason, want.tokens, want.text, want.final.FinishReason)
+			}
+			if got.final.CachedTokens != len(prompt) || got.final.ExternalCachedTokens != len(prompt) {
+				t.Errorf("cached %d (external %d), want the whole prompt (%d)", got.final.CachedTokens, got.final.ExternalCachedTokens, len(prompt))
+			}
+			// One decode step per token after the first, none before it.
+			if steps := de.Stats().Steps; steps != int64(len(want.tokens)-1) {
+				t.Errorf("the consumer ran %d steps for %d tokens, want %d", steps, len(want.tokens), len(want.tokens)-1)
+			}
+			assertPoolFull(t, dpool)
+			// The producer frees on its loop once it applied the release.
+			for deadline := time.Now().Add(waitTimeout); pe.Stats().Delayed != 0 && time.Now().Before(deadline); {
+				runtime.Gosched()
+			}
+			assertPoolFull(t, ppool)
+		})
+	}
 }

@@ -142,6 +142,7 @@ type command struct {
 	live   *liveRequest
 	id     string
 	ok     []string
+	first  map[string]FirstToken
 	failed map[string]int
 	reply  chan<- bool // cmdResetPrefixCache's result, buffered 1
 }
@@ -312,10 +313,11 @@ func (e *Engine) Add(ctx context.Context, r *Request) (*Stream, error) {
 }
 
 // LoadsDone reports the connector's finished asynchronous KV loads (see Scheduler.LoadsDone):
-// ok lists loaded requests, failed maps failed ones to the block-table index of their first bad
-// block. It returns at once; the step loop applies it.
-func (e *Engine) LoadsDone(ok []string, failed map[string]int) {
-	e.post(command{kind: cmdLoadsDone, ok: ok, failed: failed})
+// ok lists loaded requests, first the first tokens another engine sampled for some of them
+// (their samplers skip its draws), failed maps failed ones to the block-table index of their
+// first bad block. It returns at once; the step loop applies it.
+func (e *Engine) LoadsDone(ok []string, first map[string]FirstToken, failed map[string]int) {
+	e.post(command{kind: cmdLoadsDone, ok: ok, first: first, failed: failed})
 }
 
 // LoadsMissed reports the connector's asynchronous loads that found nothing to load (see
@@ -464,8 +466,22 @@ func (e *Engine) apply(now time.Time, c command) {
 			e.end(ev, "", false, fmt.Errorf("engine: request %q: %w", c.id, ErrAborted))
 		}
 	case cmdLoadsDone:
-		for _, ev := range e.sched.LoadsDone(now, c.ok, c.failed) {
-			e.end(ev, "", false, ev.Err)
+		var tokens []Event
+		for _, ev := range e.sched.LoadsDone(now, c.ok, c.first, c.failed) {
+			if !ev.HasToken {
+				e.end(ev, "", false, ev.Err)
+				continue
+			}
+			if l := e.live[ev.Seq.ID()]; l != nil {
+				l.sampler.Skip(c.first[ev.Seq.ID()].Draws)
+			}
+			tokens = append(tokens, ev)
+		}
+		if len(tokens) > 0 {
+			e.obs.Stepped(promptSources(tokens))
+			for _, ev := range tokens {
+				e.deliver(now, ev)
+			}
 		}
 	case cmdLoadsMissed:
 		e.sched.LoadsMissed(c.ok)
@@ -541,7 +557,11 @@ func (e *Engine) step(plan Plan) {
 			l.maskStopTokens(logits, e.m.Generation().EOSTokenIDs)
 		}
 		l.sampler.Process(logits, w.Seq.Prompt(), w.Seq.Output())
+		draws := l.sampler.Draws()
 		sampled[i] = l.sampler.Sample(logits)
+		if w.Seq.NumOutputTokens() == 0 {
+			w.Seq.firstDraws = int(l.sampler.Draws() - draws)
+		}
 		if l.req.Logprobs {
 			lp := model.Logprobs(e.raw, sampled[i], l.req.TopLogprobs)
 			l.lastLP = &lp
@@ -549,7 +569,17 @@ func (e *Engine) step(plan Plan) {
 	}
 	now := time.Now()
 	events := e.sched.Update(now, sampled)
-	sm := StepMetrics{Tokens: plan.NumTokens}
+	sm := promptSources(events)
+	sm.Tokens = plan.NumTokens
+	e.obs.Stepped(sm)
+	for _, ev := range events {
+		e.deliver(now, ev)
+	}
+}
+
+// promptSources sums Sequence.PromptSources over the events that carry a first token.
+func promptSources(events []Event) StepMetrics {
+	var sm StepMetrics
 	for _, ev := range events {
 		if ev.HasToken && ev.Seq.NumOutputTokens() == 1 {
 			c, l, x := ev.Seq.PromptSources()
@@ -558,10 +588,7 @@ func (e *Engine) step(plan Plan) {
 			sm.ExternalKVTransfer += x
 		}
 	}
-	e.obs.Stepped(sm)
-	for _, ev := range events {
-		e.deliver(now, ev)
-	}
+	return sm
 }
 
 // deliver sends a token event to its stream, ending the request at a stop string.

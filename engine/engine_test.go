@@ -724,7 +724,7 @@ func TestEngineCloseEndsLiveRequests(t *testing.T) {
 	if _, err := e.Add(t.Context(), greedy("late", p[2], 2)); !errors.Is(err, ErrClosed) {
 		t.Fatalf("Add after Close: %v", err)
 	}
-	e.LoadsDone([]string{"x"}, nil) // no-ops after Close
+	e.LoadsDone([]string{"x"}, nil, nil) // no-ops after Close
 	e.ReleaseDelayed("x")
 	assertNoEngineGoroutines(t)
 }

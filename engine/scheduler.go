@@ -474,23 +474,27 @@ func (s *Scheduler) Update(now time.Time, sampled []int32) []Event {
 		if i >= len(sampled) {
 			continue
 		}
-		tok := sampled[i]
-		q.tokens = append(q.tokens, tok)
-		q.lastToken = now
-		s.stats.GenerationTokens++
-		if q.NumOutputTokens() == 1 {
-			q.firstToken = now
-			s.stats.PromptTokens += int64(q.numPrompt)
-		}
-		ev := Event{Seq: q, HasToken: true, Token: tok}
-		if st, stopTok, done := s.checkStop(q); done {
-			q.stopToken = stopTok
-			ev.KVTransfer = s.finish(q, st, now)
-		}
-		events = append(events, ev)
+		events = append(events, s.appendToken(q, sampled[i], now))
 	}
 	s.plan = Plan{Work: s.plan.Work[:0]}
 	return events
+}
+
+// appendToken appends tok to q's output at time now and applies the stop checks (see Update).
+func (s *Scheduler) appendToken(q *Sequence, tok int32, now time.Time) Event {
+	q.tokens = append(q.tokens, tok)
+	q.lastToken = now
+	s.stats.GenerationTokens++
+	if q.NumOutputTokens() == 1 {
+		q.firstToken = now
+		s.stats.PromptTokens += int64(q.numPrompt)
+	}
+	ev := Event{Seq: q, HasToken: true, Token: tok}
+	if st, stopTok, done := s.checkStop(q); done {
+		q.stopToken = stopTok
+		ev.KVTransfer = s.finish(q, st, now)
+	}
+	return ev
 }
 
 // commit registers q's newly full computed blocks in the prefix cache.
@@ -589,17 +593,22 @@ func (s *Scheduler) Delayed() []string {
 	return ids
 }
 
-// LoadsDone reports finished asynchronous loads: ok lists requests whose KV arrived, failed maps
-// requests whose load failed to the index (in the request's block table) of the first bad
+// LoadsDone reports finished asynchronous loads: ok lists requests whose KV arrived, first gives
+// some of them the first output token another engine sampled from that KV (FirstToken), failed
+// maps requests whose load failed to the index (in the request's block table) of the first bad
 // block. Ids that are not WAITING_FOR_REMOTE_KVS (aborted meanwhile, unknown) are ignored.
 //
 // A loaded request goes back to WAITING with its loaded blocks committed to the prefix cache; if
-// its whole prompt arrived, the last prompt token is still computed locally (for its logits).
+// its whole prompt arrived, the last prompt token is still computed locally (for its logits) —
+// unless first has its token: then its whole prompt counts as computed (and as cached, the part
+// beyond the local hit as the connector's), the token is appended as if sampled now (an Event
+// with HasToken, stop checks applied: it may finish the request) and, if it goes on, the request
+// starts with the decode step of that token.
 // A failed one follows the policy: fail — FINISHED_ERROR (the Event's Err wraps ErrKVLoad) with
 // the blocks from the bad one on evicted from the prefix cache; recompute — computed tokens are
 // truncated at the bad block and the request goes back to WAITING (with no valid block left, its
 // blocks are freed so a new prefix-cache lookup happens).
-func (s *Scheduler) LoadsDone(now time.Time, ok []string, failed map[string]int) []Event {
+func (s *Scheduler) LoadsDone(now time.Time, ok []string, first map[string]FirstToken, failed map[string]int) []Event {
 	var events []Event
 	for _, id := range ok {
 		if _, bad := failed[id]; bad {
@@ -610,6 +619,18 @@ func (s *Scheduler) LoadsDone(now time.Time, ok []string, failed map[string]int)
 			continue
 		}
 		q.status = StatusWaiting
+		ft, has := first[id]
+		if has && q.numComputed >= q.numPrompt && q.NumOutputTokens() == 0 {
+			q.numComputed = q.numPrompt
+			q.cachedTokens = q.numPrompt
+			q.externalCached = q.numPrompt - q.localHit
+			if q.scheduledAt.IsZero() {
+				q.scheduledAt = now
+			}
+			s.commit(q)
+			events = append(events, s.appendToken(q, ft.Token, now))
+			continue
+		}
 		q.numComputed = min(q.numComputed, q.NumTokens()-1)
 		s.commit(q)
 	}

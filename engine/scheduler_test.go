@@ -481,7 +481,7 @@ func TestSchedulerAsyncLoad(t *testing.T) {
 	// The loads complete (the "transfer" writes correct KV); unknown ids are ignored.
 	transfer(h.sim, d, ad, -1)
 	transfer(h.sim, full, af, -1)
-	if ev := h.s.LoadsDone(h.now, []string{"d", "full", "nobody"}, nil); len(ev) != 0 {
+	if ev := h.s.LoadsDone(h.now, []string{"d", "full", "nobody"}, nil, nil); len(ev) != 0 {
 		t.Fatalf("events %v", ev)
 	}
 	if d.Status() != StatusWaiting || full.NumComputed() != 11 {
@@ -518,7 +518,7 @@ func TestSchedulerLoadFailurePolicyFail(t *testing.T) {
 	d := h.add("d", seqTokens(3, 14), 3)
 	h.step()
 	transfer(h.sim, d, conn.allocs["d"], 1)
-	ev := h.s.LoadsDone(h.now, []string{"d"}, map[string]int{"d": 1})
+	ev := h.s.LoadsDone(h.now, []string{"d"}, nil, map[string]int{"d": 1})
 	if len(ev) != 1 || d.Status() != StatusFinishedError || !errors.Is(ev[0].Err, ErrKVLoad) {
 		t.Fatalf("events %+v, status %v", ev, d.Status())
 	}
@@ -543,7 +543,7 @@ func TestSchedulerLoadFailurePolicyRecompute(t *testing.T) {
 			d := h.add("d", seqTokens(3, 14), 3)
 			h.step()
 			transfer(h.sim, d, conn.allocs["d"], bad)
-			if ev := h.s.LoadsDone(h.now, nil, map[string]int{"d": bad}); len(ev) != 0 {
+			if ev := h.s.LoadsDone(h.now, nil, nil, map[string]int{"d": bad}); len(ev) != 0 {
 				t.Fatalf("events %+v", ev)
 			}
 			if d.Status() != StatusWaiting || d.NumComputed() != bad*4 || d.CachedTokens() != bad*4 {
@@ -594,7 +594,7 @@ func TestSchedulerRecomputeClampsExternalCached(t *testing.T) {
 				h.s.LoadsMissed([]string{"d"})
 			} else {
 				transfer(h.sim, d, conn.allocs["d"], tc.bad)
-				if ev := h.s.LoadsDone(h.now, nil, map[string]int{"d": tc.bad}); len(ev) != 0 {
+				if ev := h.s.LoadsDone(h.now, nil, nil, map[string]int{"d": tc.bad}); len(ev) != 0 {
 					t.Fatalf("events %+v", ev)
 				}
 			}
@@ -641,7 +641,7 @@ func TestSchedulerMatchedExternalAskedAgainAfterBlockedAdmission(t *testing.T) {
 		t.Fatalf("d %v after %d asks", d.Status(), conn.matched["d"])
 	}
 	transfer(h.sim, d, conn.allocs["d"], -1)
-	h.s.LoadsDone(h.now, []string{"d"}, nil)
+	h.s.LoadsDone(h.now, []string{"d"}, nil, nil)
 	h.run(10)
 	if d.Status() != StatusFinishedLengthCapped {
 		t.Fatalf("d %v", d.Status())
@@ -668,7 +668,7 @@ func TestSchedulerAbortPreemptedLoadedAndHeld(t *testing.T) {
 	d := h.add("d", seqTokens(2, 5), 2)
 	h.s.Schedule(h.now)
 	transfer(h.sim, d, conn.allocs["d"], -1)
-	h.s.LoadsDone(h.now, []string{"d"}, nil)
+	h.s.LoadsDone(h.now, []string{"d"}, nil, nil)
 	if d.Status() != StatusWaiting || len(d.Blocks()) != 3 {
 		t.Fatalf("d %v with %d blocks", d.Status(), len(d.Blocks()))
 	}

@@ -26,6 +26,7 @@ type Sequence struct {
 	admitted       bool // the first admission happened (stats recorded)
 	preemptions    int
 	stopToken      bool // finished by EOS or a stop token id: the last token's text is not emitted
+	firstDraws     int  // random numbers the sampler drew for the first output token
 
 	arrival, firstToken, finishedAt time.Time
 	scheduledAt, lastToken          time.Time // first time it ran; its latest token
@@ -109,6 +110,11 @@ func (q *Sequence) ScheduledAt() time.Time { return q.scheduledAt }
 
 // LastTokenAt returns the time its latest token was sampled (zero before the first).
 func (q *Sequence) LastTokenAt() time.Time { return q.lastToken }
+
+// FirstTokenDraws returns how many random numbers the engine's sampler drew for the first
+// output token (0 before it, or in greedy mode): what a push prefiller tells its decoder with
+// that token (FirstToken).
+func (q *Sequence) FirstTokenDraws() int { return q.firstDraws }
 
 // PromptSources splits the prompt by where its KV came from, as vLLM's PromptTokenStats does at
 // the request's first token: computed here (the prompt less the cached tokens reported to the

@@ -21,7 +21,8 @@ import (
 //	config blocks=N block-size=N [budget=N] [max-seqs=N] [max-len=N] [prefix] [policy=recompute]
 //	add id=ID prompt=N max=N [base=N] [remote=N|all] [sync] [hold] [evictable]
 //	step [n=N]                  one Schedule/compute/Update round per step: plan, finishes, queues
-//	load-done id=ID (ok|fail=I) the connector's load of ID arrived, or failed at block index I
+//	load-done id=ID (ok [first=T]|fail=I) the connector's load of ID arrived (with first, the
+//	                            first token T another engine sampled), or failed at block index I
 //	load-missed id=ID           the connector's load of ID found nothing to load
 //	finish id=ID [status=S]     Finish (aborted, stopped, length, error; default aborted)
 //	release id=ID               ReleaseDelayed
@@ -118,13 +119,19 @@ func (tr *trace) run(t *testing.T, d *datadriven.TestData) string {
 		}
 		if d.HasArg("ok") {
 			transfer(h.sim, q, a, -1)
-			b.WriteString(eventsText(h.s.LoadsDone(h.now, []string{id}, nil)))
+			var first map[string]FirstToken
+			if d.HasArg("first") {
+				var tok int
+				d.ScanArgs(t, "first", &tok)
+				first = map[string]FirstToken{id: {Token: int32(tok)}}
+			}
+			b.WriteString(eventsText(h.s.LoadsDone(h.now, []string{id}, first, nil)))
 			break
 		}
 		var bad int
 		d.ScanArgs(t, "fail", &bad)
 		transfer(h.sim, q, a, bad)
-		b.WriteString(eventsText(h.s.LoadsDone(h.now, nil, map[string]int{id: bad})))
+		b.WriteString(eventsText(h.s.LoadsDone(h.now, nil, nil, map[string]int{id: bad})))
 	case "load-missed":
 		h.s.LoadsMissed([]string{id})
 	case "finish":

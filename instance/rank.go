@@ -215,6 +215,7 @@ func startConnector(cfg Config, m *model.Model, rk *Rank, layout connector.Arena
 		Logger:          cfg.Logger,
 		Metrics:         rk.Metrics.Nixl(),
 		Transfer:        transfer.Config{ListenTCP: net.JoinHostPort(listen, strconv.Itoa(cfg.TransferPort))},
+		VocabSize:       mc.VocabSize,
 	}
 	if cfg.ConnectorHooks != nil {
 		cfg.ConnectorHooks(&opts)

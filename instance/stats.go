@@ -25,6 +25,10 @@ type Stats struct {
 	// TTFT is the sum of the engine's times to first token, each from the request's arrival at
 	// the engine (vllm:time_to_first_token_seconds).
 	TTFT time.Duration
+	// StepTokens counts the tokens the engine's forward steps computed (the sum of
+	// vllm:iteration_tokens_total): none for a push decoder's request that started from its
+	// producer's first token and ended there.
+	StepTokens int64
 	// Transfers, TransferBytes and TransferTime describe the KV reads this engine made: how many,
 	// their bytes and their summed durations (vllm:nixl_bytes_transferred,
 	// vllm:nixl_xfer_time_seconds).
@@ -62,6 +66,8 @@ func (in *Instance) Stats() (Stats, error) {
 			switch f.GetName() {
 			case "vllm:time_to_first_token_seconds":
 				st.TTFT += seconds(h.GetSampleSum())
+			case "vllm:iteration_tokens_total":
+				st.StepTokens += int64(h.GetSampleSum())
 			case "vllm:nixl_xfer_time_seconds":
 				st.Transfers += int64(h.GetSampleCount())
 				st.TransferTime += seconds(h.GetSampleSum())

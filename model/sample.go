@@ -2,6 +2,9 @@ package model
 
 import (
 	"cmp"
+	"crypto/sha256"
+	"encoding/binary"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"slices"
@@ -46,9 +49,10 @@ const greedyEpsilon = 1e-5
 
 // Sampler draws tokens for one request. It is not safe for concurrent use.
 type Sampler struct {
-	p    SamplingParams
-	rng  *rand.Rand
-	cand []candidate
+	p     SamplingParams
+	rng   *rand.Rand
+	cand  []candidate
+	draws int64 // random numbers drawn so far (Draws)
 
 	// Process state: the allowed-token bitmap, the prompt's distinct tokens (sorted) and the
 	// output's token counts, kept up to date incrementally.
@@ -75,6 +79,64 @@ func NewSampler(p SamplingParams) *Sampler {
 
 // Params returns the sampler's parameters.
 func (s *Sampler) Params() SamplingParams { return s.p }
+
+// Draws returns how many random numbers the sampler drew so far: Sample draws one per
+// non-greedy token (none in greedy mode, or when every logit is masked).
+func (s *Sampler) Draws() int64 { return s.draws }
+
+// Skip advances the random stream by n draws, as if Sample had drawn them: a token sampled
+// elsewhere with the same params and seed (a prefiller's first token) leaves this sampler where
+// sampling it here would have.
+func (s *Sampler) Skip(n int) {
+	for range n {
+		s.rng.Float64()
+		s.draws++
+	}
+}
+
+// Fingerprint returns a SHA-256 of everything in p that shapes a draw from given logits: the
+// processors, and — unless p is greedy, where only the argmax counts — temperature, top-p,
+// top-k, min-p and the seed. Two samplers with equal fingerprints draw the same token from the
+// same logits and output, leaving their random streams in the same state.
+func (p SamplingParams) Fingerprint() []byte {
+	h := sha256.New()
+	var b [8]byte
+	u64 := func(v uint64) {
+		binary.LittleEndian.PutUint64(b[:], v)
+		h.Write(b[:])
+	}
+	f64 := func(v float64) { u64(math.Float64bits(v)) }
+	ids := func(v []int32) {
+		u64(uint64(len(v)))
+		for _, id := range v {
+			u64(uint64(uint32(id)))
+		}
+	}
+	if p.Temperature < greedyEpsilon {
+		u64(0)
+	} else {
+		u64(1)
+		f64(p.Temperature)
+		f64(p.TopP)
+		u64(uint64(int64(p.TopK)))
+		f64(p.MinP)
+		u64(uint64(p.Seed))
+	}
+	ids(p.AllowedTokenIDs)
+	u64(uint64(len(p.BadWords)))
+	for _, w := range p.BadWords {
+		ids(w)
+	}
+	bias := slices.Sorted(maps.Keys(p.LogitBias))
+	ids(bias)
+	for _, id := range bias {
+		u64(uint64(math.Float32bits(p.LogitBias[id])))
+	}
+	f64(p.RepetitionPenalty)
+	f64(p.FrequencyPenalty)
+	f64(p.PresencePenalty)
+	return h.Sum(nil)
+}
 
 // Sample draws one token id from logits (length = vocabulary). Tokens whose logit is -Inf or NaN
 // are never drawn unless every logit is. Greedy mode returns the argmax, the lowest id on ties.
@@ -136,6 +198,7 @@ func (s *Sampler) Sample(logits []float32) int32 {
 			}
 		}
 	}
+	s.draws++
 	u := s.rng.Float64() * sum
 	acc := 0.0
 	for _, x := range c {

@@ -156,3 +156,50 @@ func TestSampleMinPAboveOne(t *testing.T) {
 		}
 	}
 }
+
+// TestSamplerSkipAndFingerprint: a sampler that skips another's draws continues with the same
+// draws; Sample counts one draw per non-greedy token and none greedy. Fingerprints are equal
+// for params that draw alike (greedy whatever its seed or top-p; a logit bias whatever its map
+// order) and differ for anything that shapes a draw.
+func TestSamplerSkipAndFingerprint(t *testing.T) {
+	logits := []float32{0.1, 2, 1.5, -1, 0.7, 1.9}
+	p := SamplingParams{Temperature: 1, Seed: 42, TopK: 4}
+	a, b := NewSampler(p), NewSampler(p)
+	first := a.Sample(slices.Clone(logits))
+	if a.Draws() != 1 {
+		t.Fatalf("a sampled sampler drew %d numbers, want 1", a.Draws())
+	}
+	b.Skip(1)
+	for i := range 20 {
+		if x, y := a.Sample(slices.Clone(logits)), b.Sample(slices.Clone(logits)); x != y {
+			t.Fatalf("draw %d after the first (%d): %d and %d", i, first, x, y)
+		}
+	}
+	g := NewSampler(SamplingParams{Seed: 42})
+	g.Sample(slices.Clone(logits))
+	if g.Draws() != 0 {
+		t.Fatalf("a greedy sampler drew %d numbers", g.Draws())
+	}
+
+	fp := func(p SamplingParams) string { return string(p.Fingerprint()) }
+	same := [][2]SamplingParams{
+		{{Seed: 1, TopP: 0.5}, {Seed: 2}},
+		{{Temperature: 1, Seed: 3, LogitBias: map[int32]float32{1: 2, 5: -1, 9: 0.5}}, {Temperature: 1, Seed: 3, LogitBias: map[int32]float32{9: 0.5, 5: -1, 1: 2}}},
+	}
+	for _, c := range same {
+		if fp(c[0]) != fp(c[1]) {
+			t.Errorf("%+v and %+v: fingerprints differ", c[0], c[1])
+		}
+	}
+	base := SamplingParams{Temperature: 1, Seed: 3}
+	for _, other := range []SamplingParams{
+		{Seed: 3}, {Temperature: 0.5, Seed: 3}, {Temperature: 1, Seed: 4}, {Temperature: 1, Seed: 3, TopP: 0.9},
+		{Temperature: 1, Seed: 3, TopK: 5}, {Temperature: 1, Seed: 3, MinP: 0.1}, {Temperature: 1, Seed: 3, AllowedTokenIDs: []int32{1}},
+		{Temperature: 1, Seed: 3, BadWords: [][]int32{{1}}}, {Temperature: 1, Seed: 3, LogitBias: map[int32]float32{1: 1}},
+		{Temperature: 1, Seed: 3, RepetitionPenalty: 1.1}, {Temperature: 1, Seed: 3, FrequencyPenalty: 0.1}, {Temperature: 1, Seed: 3, PresencePenalty: 0.1},
+	} {
+		if fp(other) == fp(base) {
+			t.Errorf("%+v has the fingerprint of %+v", other, base)
+		}
+	}
+}

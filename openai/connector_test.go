@@ -92,7 +92,7 @@ func newConnectorEnv(t *testing.T) (*env, *testConnector) {
 			case <-done:
 				return
 			case id := <-conn.loads:
-				e.engine.LoadsDone(nil, map[string]int{id: 0})
+				e.engine.LoadsDone(nil, nil, map[string]int{id: 0})
 			}
 		}
 	}()

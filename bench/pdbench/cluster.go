@@ -54,6 +54,12 @@ func (c *cluster) engineTTFT(context.Context) (single, p, d time.Duration, err e
 	return out[0], out[1], out[2], nil
 }
 
+// dStepTokens returns the tokens D's forward steps computed so far.
+func (c *cluster) dStepTokens(context.Context) (int64, error) {
+	st, err := c.D.Stats()
+	return st.StepTokens, err
+}
+
 // takeTransfers returns the KV transfers since the previous call: D's reads (pull) and P's
 // writes (push).
 func (c *cluster) takeTransfers(context.Context) (transfers, error) {

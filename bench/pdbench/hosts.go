@@ -176,6 +176,12 @@ func (s *hostStack) engineTTFT(ctx context.Context) (single, p, d time.Duration,
 	return out[0], out[1], out[2], nil
 }
 
+// dStepTokens reads D's vllm:iteration_tokens_total sum over HTTP.
+func (s *hostStack) dStepTokens(ctx context.Context) (int64, error) {
+	m, err := scrape(ctx, s.hc, s.d.url)
+	return int64(m["vllm:iteration_tokens_total_sum"]), err
+}
+
 // takeTransfers reads D's transfer histograms and counters over HTTP and returns what they
 // gained since the previous call.
 // settle polls P's vllm:kv_cache_usage_perc until P holds no block (every request of the

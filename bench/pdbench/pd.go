@@ -99,6 +99,8 @@ type pdStack interface {
 	settle(ctx context.Context) error
 	// legs returns (and forgets) the proxy's legs of a request.
 	legs(id string) (legTimes, bool)
+	// dStepTokens returns the tokens D's forward steps computed so far.
+	dStepTokens(ctx context.Context) (int64, error)
 	// ceiling measures how fast n bytes could move at best (right after each measured request).
 	ceiling(ctx context.Context, n int64) (ceilings, error)
 	Close() error
@@ -231,7 +233,8 @@ type PDRow struct {
 	// freshly allocated blocks, timed on its own in this process: what D's recompute of that
 	// token costs, including packing the whole context's KV for attention (nothing is packed for
 	// blocks a transfer just filled). RecomputeWarmMs is the same step with the context already
-	// packed (a steady decode step); the difference is the packing.
+	// packed (a steady decode step); the difference is the packing. Both are 0 for a request D
+	// started from P's first token (push: D's steps computed no token for it).
 	RecomputeMs     float64 `json:"recompute_ms"`
 	RecomputeWarmMs float64 `json:"recompute_warm_ms"`
 	// PLegOverSingleMs is p_leg − ttft_single: what P costs beyond a single engine's prefill
@@ -258,6 +261,7 @@ type pdSample struct {
 	single, pd, transfer  time.Duration
 	singleEng, pEng, dEng time.Duration // engine-side TTFTs
 	bytes                 int64
+	dComputed             int64 // tokens D's steps computed for the request (0: it started from P's token)
 	legs                  legTimes
 	t0, t1                time.Time
 }
@@ -460,6 +464,10 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 	if err != nil {
 		return pdSample{}, err
 	}
+	c0, err := b.st.dStepTokens(ctx)
+	if err != nil {
+		return pdSample{}, err
+	}
 	_, proxyURL := b.st.urls()
 	s := pdSample{t0: time.Now()}
 	if err := post(ctx, b.hc, proxyURL+"/v1/completions", id, body); err != nil {
@@ -472,6 +480,11 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 		return pdSample{}, err
 	}
 	s.pEng, s.dEng = p1-p0, d1-d0
+	c1, err := b.st.dStepTokens(ctx)
+	if err != nil {
+		return pdSample{}, err
+	}
+	s.dComputed = c1 - c0
 	if err := b.st.settle(ctx); err != nil {
 		return pdSample{}, err
 	}
@@ -533,6 +546,9 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		cold, warm, err := b.rc.time(ctx, l, 1)
 		if err != nil {
 			return PDRow{}, err
+		}
+		if s.dComputed == 0 {
+			cold, warm = 0, 0 // D started from P's first token: it recomputed nothing
 		}
 		recompute = append(recompute, stats.Ms(cold))
 		recomputeWarm = append(recomputeWarm, stats.Ms(warm))

@@ -44,6 +44,8 @@ func TestRunPDTiny(t *testing.T) {
 			t.Errorf("%s unsupported: %s", mode, r.Unsupported)
 		case r.PromptLen != 40 || r.TransferBytes <= 0 || r.HiddenShare > 1:
 			t.Errorf("%s row %+v", mode, r)
+		case mode != TransferPull && r.RecomputeMs != 0:
+			t.Errorf("%s: recompute_ms %v, want 0 (D starts from P's first token)", mode, r.RecomputeMs)
 		}
 	}
 	var modes bytes.Buffer

@@ -63,7 +63,8 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 		"proxy_mid < 0) 1 − (d_end − p_end − recompute_1tok, within [0, transfer]) ÷ transfer, a lower bound (HTTP after P's answer counts as exposed); n/a: no P answer traced\n"+
 		"push-layered sets kv_connector_extra_config.push_layerwise on P\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
 		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
-		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone,\n"+
+		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone\n"+
+		"(0 when D started from P's first token: push with P's and D's sampling alike, D computed nothing),\n"+
 		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")
 	return err
 }

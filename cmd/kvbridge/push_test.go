@@ -33,14 +33,14 @@ func TestCrossProcessPush(t *testing.T) {
 					"--kv-transfer-config.kv_connector_extra_config.backends+", backend)
 			}
 			p := startProcess(t, sideChannel, cfg("kv_producer")...)
-			d := startProcess(t, sideChannel, cfg("kv_consumer")...)
+			d := startProcess(t, sideChannel, append(cfg("kv_consumer"), "--enable-prompt-tokens-details")...)
 			info := kvTransferInfo(t, p.url)
 			if info["transfer_mode"] != "push" || info["kv_connector"] != "NixlPushConnector" {
 				t.Fatalf("P reports %v", info)
 			}
 			for i, prompt := range prompts {
 				// Serially.
-				status, raw := postJSON(t, p.url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1,
+				status, raw := postJSON(t, p.url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
 					"kv_transfer_params": map[string]any{"do_remote_decode": true, "do_remote_prefill": false}})
 				var pr struct {
 					KV map[string]any `json:"kv_transfer_params"`
@@ -57,7 +57,7 @@ func TestCrossProcessPush(t *testing.T) {
 				id := fmt.Sprintf("%s-%d", backend, i)
 				var wg sync.WaitGroup
 				wg.Go(func() {
-					if status, raw := postJSON(t, p.url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1,
+					if status, raw := postJSON(t, p.url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
 						"kv_transfer_params": map[string]any{"do_remote_decode": true, "do_remote_prefill": false, "push_id": id}}); status != 200 {
 						t.Errorf("prefill leg: %d %s", status, raw)
 					}
@@ -73,7 +73,8 @@ func TestCrossProcessPush(t *testing.T) {
 	}
 }
 
-// decodeLeg sends D its leg and checks the answer.
+// decodeLeg sends D its leg and checks the answer, and that D started from P's first token: the
+// whole prompt came from P or D's prefix cache (P sampled greedily too), D computed none of it.
 func decodeLeg(t *testing.T, d, p *process, prompt any, kv map[string]any, want string) {
 	t.Helper()
 	status, raw := postJSON(t, d.url+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "kv_transfer_params": kv})
@@ -82,6 +83,17 @@ func decodeLeg(t *testing.T, d, p *process, prompt any, kv map[string]any, want 
 	}
 	if got := completionText(t, raw); got != want {
 		t.Errorf("prompt %v: push P/D %q, single %q", prompt, got, want)
+	}
+	var r struct {
+		Usage struct {
+			PromptTokens int `json:"prompt_tokens"`
+			Details      struct {
+				Cached int `json:"cached_tokens"`
+			} `json:"prompt_tokens_details"`
+		} `json:"usage"`
+	}
+	if err := json.Unmarshal(raw, &r); err != nil || r.Usage.Details.Cached != r.Usage.PromptTokens {
+		t.Errorf("prompt %v: %d of %d prompt tokens came from P or D's cache, want all (D starts from P's first token): %s", prompt, r.Usage.Details.Cached, r.Usage.PromptTokens, raw)
 	}
 }
 
