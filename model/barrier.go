@@ -46,8 +46,9 @@ func (b *barrier) reset() {
 }
 
 // wait returns when all n ranks have called it for this phase (true), or when the barrier is
-// broken (false).
-func (b *barrier) wait() bool {
+// broken (false). help, if not nil, is the waiter's work while it polls: it runs an item of a
+// rank still in the phase and reports whether there was one (the poll starts over after it).
+func (b *barrier) wait(help func() bool) bool {
 	g := b.gen.Load()
 	if b.arrived.Add(1) == b.n {
 		b.arrived.Store(0)
@@ -60,6 +61,10 @@ func (b *barrier) wait() bool {
 	open := func() bool { return b.gen.Load() != g || b.broken.Load() }
 	t0 := time.Now()
 	for i := 0; !open() && i < barrierMaxSpins && (i%16 != 15 || time.Since(t0) < barrierSpin); i++ {
+		if help != nil && help() {
+			i, t0 = 0, time.Now()
+			continue
+		}
 		runtime.Gosched()
 	}
 	if !open() {

@@ -17,7 +17,7 @@ func TestBarrierPhases(t *testing.T) {
 		wg.Go(func() {
 			for p := range phases {
 				arrived[p].Add(1)
-				if !b.wait() {
+				if !b.wait(nil) {
 					t.Error("wait returned false on an unbroken barrier")
 					return
 				}
@@ -37,7 +37,7 @@ func TestBarrierBreak(t *testing.T) {
 	b := newBarrier(3)
 	released := make(chan bool, 2)
 	for range 2 {
-		go func() { released <- b.wait() }()
+		go func() { released <- b.wait(nil) }()
 	}
 	b.breakAll()
 	for range 2 {
@@ -45,14 +45,14 @@ func TestBarrierBreak(t *testing.T) {
 			t.Fatal("a waiter of a broken barrier got true")
 		}
 	}
-	if b.wait() {
+	if b.wait(nil) {
 		t.Fatal("a wait on a broken barrier returned true")
 	}
 	b.reset()
 	var wg sync.WaitGroup
 	for range 3 {
 		wg.Go(func() {
-			if !b.wait() {
+			if !b.wait(nil) {
 				t.Error("wait after reset returned false")
 			}
 		})
@@ -67,11 +67,11 @@ func BenchmarkBarrier(b *testing.B) {
 	go func() {
 		defer close(done)
 		for range b.N {
-			bar.wait()
+			bar.wait(nil)
 		}
 	}()
 	for range b.N {
-		bar.wait()
+		bar.wait(nil)
 	}
 	<-done
 }
