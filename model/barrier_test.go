@@ -4,6 +4,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // TestBarrierPhases: no rank leaves a phase before every rank has arrived in it, over many
@@ -74,4 +75,29 @@ func BenchmarkBarrier(b *testing.B) {
 		bar.wait(nil)
 	}
 	<-done
+}
+
+// TestBarrierWaiterHelps: a rank waiting for another runs its help function meanwhile (the work
+// of the ranks still in the phase), and leaves once the last rank arrives.
+func TestBarrierWaiterHelps(t *testing.T) {
+	b := newBarrier(2)
+	helped := make(chan struct{})
+	var calls atomic.Int32
+	left := make(chan bool)
+	go func() {
+		left <- b.wait(func() bool {
+			if calls.Add(1) == 3 {
+				close(helped)
+			}
+			return true
+		})
+	}()
+	select {
+	case <-helped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiter did not help while it waited")
+	}
+	if !b.wait(nil) || !<-left {
+		t.Fatal("wait returned false on an unbroken barrier")
+	}
 }
