@@ -191,6 +191,13 @@ func newTensorParallel(m *Model, w *weights, head matrix, prec precision) (*tens
 		packing.Go(func() { rm.weightBytes = rm.pack(w, head, prec, sh) })
 	}
 	packing.Wait()
+	// The step's own loops (RoPE's angles, handing out the logits) run on its caller: the ranks
+	// hold the cores, and a worker of a whole-model pool polling for work beside them after each
+	// loop would take turns with them.
+	if err := m.pool.Close(); err != nil {
+		return nil, err
+	}
+	m.pool = kernel.NewPool(1)
 	domains := tp.domains(0)
 	for r, d := range domains {
 		if team := count(domains, d); team > 1 {
