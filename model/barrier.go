@@ -9,10 +9,11 @@ import (
 
 // barrier holds the tensor-parallel ranks of a step together between the phases of a layer
 // (tp.go). It is reused across phases and steps without allocating: a phase's last arrival
-// opens it by advancing the generation. A waiter polls for barrierSpin (yielding its processor
-// between checks, so a rank that shares a core with the others lets them run), then parks on a
-// condition variable: back-to-back phases find the other ranks polling, and a rank that waits
-// long (a loaded machine, an uneven phase) costs no CPU.
+// opens it by advancing the generation. A waiter polls for barrierSpin (running items of the
+// ranks still in the phase when it is given a help function — tp.go's load sharing — and
+// otherwise yielding its processor between checks, so a rank that shares a core with the others
+// lets them run), then parks on a condition variable: back-to-back phases find the other ranks
+// polling, and a rank that waits long (a loaded machine, an uneven phase) costs no CPU.
 //
 // A rank that cannot go on (its work panicked) breaks the barrier: every wait returns false
 // from then until reset, so no rank waits for one that will never arrive.

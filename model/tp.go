@@ -45,6 +45,19 @@ import (
 // (float32, bfloat16, int8 weights; float32, bfloat16, FP8 KV). What it costs: the norms are
 // computed by every rank, and a replicated KV head is computed and stored by each of its ranks.
 //
+// Load sharing: the ranks of a memory domain help one another. A rank's columns are static, and
+// with one worker a rank (two cores, two ranks) nobody else would compute them when its core is
+// slower (a shared machine) or its work larger; TP 1's workers share a product's panels
+// dynamically. So every rank's pool is shared (kernel.Pool.Share: its products and loops publish
+// their items and split for the team's workers), and a rank waiting at the barrier, or done with
+// its logits first, takes unclaimed items of the other ranks of its domain (kernel.Pool.Help)
+// instead of only polling. An item is computed by the same kernel chain whoever claims it, into
+// the same place, so no result changes. A domain is the set of NUMA nodes of the rank's CPU set
+// (memoryDomain, pin_linux.go); unpinned ranks run anywhere and are all one domain. Ranks on
+// different nodes keep their static slices: each reads only its own share of the weights and
+// its own KV, for memory locality. The step's own loops (RoPE's angles, handing out the logits)
+// run on its caller: a third goroutine polling beside the ranks would take turns with them.
+//
 // A Forward takes a group of rank goroutines (tpGroup) for the step — ranks 1…N-1, and rank 0
 // too when it is pinned; an unpinned rank 0 is the goroutine that called Forward: concurrent
 // Forwards (the engines of data-parallel ranks sharing the model) each get a group, started on
@@ -191,9 +204,7 @@ func newTensorParallel(m *Model, w *weights, head matrix, prec precision) (*tens
 		packing.Go(func() { rm.weightBytes = rm.pack(w, head, prec, sh) })
 	}
 	packing.Wait()
-	// The step's own loops (RoPE's angles, handing out the logits) run on its caller: the ranks
-	// hold the cores, and a worker of a whole-model pool polling for work beside them after each
-	// loop would take turns with them.
+	// The step's own loops run on its caller (see the top of this file).
 	if err := m.pool.Close(); err != nil {
 		return nil, err
 	}
