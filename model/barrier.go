@@ -9,10 +9,11 @@ import (
 
 // barrier holds the tensor-parallel ranks of a step together between the phases of a layer
 // (tp.go). It is reused across phases and steps without allocating: a phase's last arrival
-// opens it by advancing the generation. A waiter polls for barrierSpin (yielding its processor
-// between checks, so a rank that shares a core with the others lets them run), then parks on a
-// condition variable: back-to-back phases find the other ranks polling, and a rank that waits
-// long (a loaded machine, an uneven phase) costs no CPU.
+// opens it by advancing the generation. A waiter polls for barrierSpin (running items of the
+// ranks still in the phase when it is given a help function — tp.go's load sharing — and
+// otherwise yielding its processor between checks, so a rank that shares a core with the others
+// lets them run), then parks on a condition variable: back-to-back phases find the other ranks
+// polling, and a rank that waits long (a loaded machine, an uneven phase) costs no CPU.
 //
 // A rank that cannot go on (its work panicked) breaks the barrier: every wait returns false
 // from then until reset, so no rank waits for one that will never arrive.
@@ -46,8 +47,9 @@ func (b *barrier) reset() {
 }
 
 // wait returns when all n ranks have called it for this phase (true), or when the barrier is
-// broken (false).
-func (b *barrier) wait() bool {
+// broken (false). help, if not nil, is the waiter's work while it polls: it runs an item of a
+// rank still in the phase and reports whether there was one (the poll starts over after it).
+func (b *barrier) wait(help func() bool) bool {
 	g := b.gen.Load()
 	if b.arrived.Add(1) == b.n {
 		b.arrived.Store(0)
@@ -60,6 +62,10 @@ func (b *barrier) wait() bool {
 	open := func() bool { return b.gen.Load() != g || b.broken.Load() }
 	t0 := time.Now()
 	for i := 0; !open() && i < barrierMaxSpins && (i%16 != 15 || time.Since(t0) < barrierSpin); i++ {
+		if help != nil && help() {
+			i, t0 = 0, time.Now()
+			continue
+		}
 		runtime.Gosched()
 	}
 	if !open() {

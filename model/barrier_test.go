@@ -4,6 +4,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 )
 
 // TestBarrierPhases: no rank leaves a phase before every rank has arrived in it, over many
@@ -17,7 +18,7 @@ func TestBarrierPhases(t *testing.T) {
 		wg.Go(func() {
 			for p := range phases {
 				arrived[p].Add(1)
-				if !b.wait() {
+				if !b.wait(nil) {
 					t.Error("wait returned false on an unbroken barrier")
 					return
 				}
@@ -37,7 +38,7 @@ func TestBarrierBreak(t *testing.T) {
 	b := newBarrier(3)
 	released := make(chan bool, 2)
 	for range 2 {
-		go func() { released <- b.wait() }()
+		go func() { released <- b.wait(nil) }()
 	}
 	b.breakAll()
 	for range 2 {
@@ -45,14 +46,14 @@ func TestBarrierBreak(t *testing.T) {
 			t.Fatal("a waiter of a broken barrier got true")
 		}
 	}
-	if b.wait() {
+	if b.wait(nil) {
 		t.Fatal("a wait on a broken barrier returned true")
 	}
 	b.reset()
 	var wg sync.WaitGroup
 	for range 3 {
 		wg.Go(func() {
-			if !b.wait() {
+			if !b.wait(nil) {
 				t.Error("wait after reset returned false")
 			}
 		})
@@ -67,11 +68,36 @@ func BenchmarkBarrier(b *testing.B) {
 	go func() {
 		defer close(done)
 		for range b.N {
-			bar.wait()
+			bar.wait(nil)
 		}
 	}()
 	for range b.N {
-		bar.wait()
+		bar.wait(nil)
 	}
 	<-done
+}
+
+// TestBarrierWaiterHelps: a rank waiting for another runs its help function meanwhile (the work
+// of the ranks still in the phase), and leaves once the last rank arrives.
+func TestBarrierWaiterHelps(t *testing.T) {
+	b := newBarrier(2)
+	helped := make(chan struct{})
+	var calls atomic.Int32
+	left := make(chan bool)
+	go func() {
+		left <- b.wait(func() bool {
+			if calls.Add(1) == 3 {
+				close(helped)
+			}
+			return true
+		})
+	}()
+	select {
+	case <-helped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the waiter did not help while it waited")
+	}
+	if !b.wait(nil) || !<-left {
+		t.Fatal("wait returned false on an unbroken barrier")
+	}
 }

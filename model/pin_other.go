@@ -11,3 +11,6 @@ func pinThread(cpus []int) error {
 	}
 	return errors.New("pinning threads to CPUs needs Linux")
 }
+
+// memoryDomain names the memory domain of cpus: one for every rank where threads are not pinned.
+func memoryDomain([]int) string { return "" }

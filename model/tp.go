@@ -45,6 +45,19 @@ import (
 // (float32, bfloat16, int8 weights; float32, bfloat16, FP8 KV). What it costs: the norms are
 // computed by every rank, and a replicated KV head is computed and stored by each of its ranks.
 //
+// Load sharing: the ranks of a memory domain help one another. A rank's columns are static, and
+// with one worker a rank (two cores, two ranks) nobody else would compute them when its core is
+// slower (a shared machine) or its work larger; TP 1's workers share a product's panels
+// dynamically. So every rank's pool is shared (kernel.Pool.Share: its products and loops publish
+// their items and split for the team's workers), and a rank waiting at the barrier, or done with
+// its logits first, takes unclaimed items of the other ranks of its domain (kernel.Pool.Help)
+// instead of only polling. An item is computed by the same kernel chain whoever claims it, into
+// the same place, so no result changes. A domain is the set of NUMA nodes of the rank's CPU set
+// (memoryDomain, pin_linux.go); unpinned ranks run anywhere and are all one domain. Ranks on
+// different nodes keep their static slices: each reads only its own share of the weights and
+// its own KV, for memory locality. The step's own loops (RoPE's angles, handing out the logits)
+// run on its caller: a third goroutine polling beside the ranks would take turns with them.
+//
 // A Forward takes a group of rank goroutines (tpGroup) for the step — ranks 1…N-1, and rank 0
 // too when it is pinned; an unpinned rank 0 is the goroutine that called Forward: concurrent
 // Forwards (the engines of data-parallel ranks sharing the model) each get a group, started on
@@ -191,6 +204,17 @@ func newTensorParallel(m *Model, w *weights, head matrix, prec precision) (*tens
 		packing.Go(func() { rm.weightBytes = rm.pack(w, head, prec, sh) })
 	}
 	packing.Wait()
+	// The step's own loops run on its caller (see the top of this file).
+	if err := m.pool.Close(); err != nil {
+		return nil, err
+	}
+	m.pool = kernel.NewPool(1)
+	domains := tp.domains(0)
+	for r, d := range domains {
+		if team := count(domains, d); team > 1 {
+			tp.ranks[r].m.pool.Share(team * workers)
+		}
+	}
 	g, err := tp.start()
 	if err != nil {
 		return nil, errors.Join(err, tp.close())
@@ -207,14 +231,12 @@ func (tp *tensorParallel) start() (*tpGroup, error) {
 		return nil, ErrClosed
 	}
 	n := len(tp.ranks)
-	g := &tpGroup{bar: newBarrier(n), cmd: make([]chan func(int), n), done: make(chan any, n), work: make([]workspace, n)}
+	g := &tpGroup{bar: newBarrier(n), cmd: make([]chan func(int), n), done: make(chan any, n), work: make([]workspace, n),
+		help: tp.helpers(tp.domains(len(tp.all)))}
 	ready := make(chan error, n)
 	started := 0
 	for r := range n {
-		var cpus []int
-		if len(tp.cpus) > 0 {
-			cpus = tp.cpus[(len(tp.all)*n+r)%len(tp.cpus)]
-		}
+		cpus := tp.rankCPUs(len(tp.all), r)
 		if r == 0 && len(cpus) == 0 {
 			continue // rank 0 runs on the caller (see run)
 		}
@@ -233,6 +255,60 @@ func (tp *tensorParallel) start() (*tpGroup, error) {
 	}
 	tp.all = append(tp.all, g)
 	return g, nil
+}
+
+// rankCPUs returns the CPU set of rank r in the i-th group (none: unpinned).
+func (tp *tensorParallel) rankCPUs(i, r int) []int {
+	if len(tp.cpus) == 0 {
+		return nil
+	}
+	return tp.cpus[(i*len(tp.ranks)+r)%len(tp.cpus)]
+}
+
+// domains returns the memory domain (memoryDomain) of each rank of the i-th group.
+func (tp *tensorParallel) domains(i int) []string {
+	d := make([]string, len(tp.ranks))
+	for r := range d {
+		d[r] = memoryDomain(tp.rankCPUs(i, r))
+	}
+	return d
+}
+
+// count returns how many of ds are d.
+func count(ds []string, d string) int {
+	n := 0
+	for _, e := range ds {
+		if e == d {
+			n++
+		}
+	}
+	return n
+}
+
+// helpers returns each rank's work while it waits at the barrier (nil: none), given the ranks'
+// memory domains: items of the products and loops its domain's other ranks are still running.
+func (tp *tensorParallel) helpers(domains []string) []func() bool {
+	help := make([]func() bool, len(tp.ranks))
+	for r, d := range domains {
+		var peers []*kernel.Pool
+		for k := 1; k < len(domains); k++ {
+			if p := (r + k) % len(domains); domains[p] == d {
+				peers = append(peers, tp.ranks[p].m.pool)
+			}
+		}
+		if len(peers) == 0 {
+			continue
+		}
+		help[r] = func() bool {
+			for _, p := range peers {
+				if p.Help() {
+					return true
+				}
+			}
+			return false
+		}
+	}
+	return help
 }
 
 // take returns an idle group, starting one if there is none.
@@ -285,7 +361,13 @@ type tpGroup struct {
 	done   chan any           // one value per rank and command: nil, or what its work panicked with
 	halt   atomic.Bool        // rank 0 saw the step's context end: every rank stops after the layer
 	work   []workspace        // each rank's buffers
+	help   []func() bool      // rank r's work while it waits at the barrier (nil: none; helpers)
 	exited sync.WaitGroup
+}
+
+// wait is rank r's wait at the group's barrier, helping the ranks of its memory domain.
+func (g *tpGroup) wait(r int) bool {
+	return g.bar.wait(g.help[r])
 }
 
 // stop ends the group's goroutines and waits for them.
@@ -383,6 +465,7 @@ func (tp *tensorParallel) forward(ctx context.Context, m *Model, w *workspace, k
 			rw.h = grow(rw.h, len(rows)*h)
 			m.normRows(rw.h, w.x, rows)
 			rk.m.head.ApplyStrided(logits[rk.share.vocab.lo:], v, rw.h, h, len(rows))
+			g.wait(r) // a rank done first helps the others with theirs
 		})
 	})
 	return nil
@@ -407,7 +490,7 @@ func (rk *tpRank) layers(ctx context.Context, g *tpGroup, r int, w *workspace, k
 	}()
 	for l := range m.layer {
 		m.resolveViews(rw, kv, l, blockSize, seqs)
-		if !rk.layer(g.bar, w, rw, &m.layer[l], seqs, blockSize, total) {
+		if !rk.layer(g, r, w, rw, &m.layer[l], seqs, blockSize, total) {
 			return
 		}
 		if r == 0 && ctx.Err() != nil {
@@ -415,7 +498,7 @@ func (rk *tpRank) layers(ctx context.Context, g *tpGroup, r int, w *workspace, k
 		}
 		// Phase 4's barrier: the residual is whole again. rank 0's verdict on the context is
 		// stored before it arrives, so every rank reads the same one after.
-		if !g.bar.wait() || g.halt.Load() {
+		if !g.wait(r) || g.halt.Load() {
 			return
 		}
 	}
@@ -423,7 +506,7 @@ func (rk *tpRank) layers(ctx context.Context, g *tpGroup, r int, w *workspace, k
 
 // layer runs phases 1 to 4 of decoder layer ly on the rank (see the top of this file), without
 // the last barrier; false if the barrier broke.
-func (rk *tpRank) layer(bar *barrier, w, rw *workspace, ly *decoderLayer, seqs []Seq, blockSize, total int) bool {
+func (rk *tpRank) layer(g *tpGroup, rank int, w, rw *workspace, ly *decoderLayer, seqs []Seq, blockSize, total int) bool {
 	m := rk.m
 	c := m.cfg
 	h, in, qd := c.HiddenSize, c.IntermediateSize, m.attnWidth
@@ -436,13 +519,13 @@ func (rk *tpRank) layer(bar *barrier, w, rw *workspace, ly *decoderLayer, seqs [
 	ly.qkv.Apply(rw.qkv, rw.h, total)
 	m.pool.Parallel(total, func(r int) { m.prepareToken(rw, ly, seqs, blockSize, r) })
 	m.attention(rw, seqs, blockSize)
-	if !bar.wait() {
+	if !g.wait(rank) {
 		return false
 	}
 	// 2: o_proj's columns over whole attention rows, into the residual's columns.
 	ly.o.Apply(rw.proj, w.attn[:total*qd], total)
 	m.addColumns(w.x, h, hid.lo, rw.proj, hw, total)
-	if !bar.wait() {
+	if !g.wait(rank) {
 		return false
 	}
 	// 3: the rank's slice of the MLP's activations.
@@ -454,7 +537,7 @@ func (rk *tpRank) layer(bar *barrier, w, rw *workspace, ly *decoderLayer, seqs [
 			kernel.SiLUMul(w.act[r*in+inter.lo:r*in+inter.hi], g[:iw], g[iw:])
 		}
 	})
-	if !bar.wait() {
+	if !g.wait(rank) {
 		return false
 	}
 	// 4: down_proj's columns over whole activation rows, into the residual's columns.

@@ -18,6 +18,9 @@ import (
 // package-level [Parallel] (short-lived goroutines owned by the call).
 type Pool struct {
 	workers int
+	team    int                 // Workers' answer when more than workers (Share)
+	shared  bool                // Parallel publishes its job in current (Share)
+	current atomic.Pointer[job] // the Parallel call whose items Help takes (shared pools only)
 
 	mu      sync.RWMutex // guards jobs/closed against Close; held (read) while posting jobs
 	jobs    chan *job    // nil until started
@@ -52,12 +55,43 @@ func NewPool(n int) *Pool {
 	return &Pool{workers: n}
 }
 
-// Workers returns the number of goroutines (including the caller) a Parallel call may use.
+// Workers returns the number of goroutines (including the caller) a Parallel call may use:
+// with [Pool.Share], those of the whole team that helps one another.
 func (p *Pool) Workers() int {
 	if p == nil {
 		return runtime.GOMAXPROCS(0)
 	}
+	return max(p.workers, p.team)
+}
+
+// goroutines returns the number of goroutines of the pool's own (including the caller).
+func (p *Pool) goroutines() int {
+	if p == nil {
+		return runtime.GOMAXPROCS(0)
+	}
 	return p.workers
+}
+
+// Share makes p one pool of a team of pools whose goroutines count team in all and help one
+// another (the tensor-parallel ranks of a memory domain): a Parallel call publishes its job
+// while its caller works on it, so that a goroutine with nothing else to do takes items of it
+// with [Pool.Help], and Workers reports team, so that callers which split their work by it (the
+// kernels' products) make items enough for the team. Which goroutine computes an item never
+// changes how it is computed. Call it before the pool's first use.
+func (p *Pool) Share(team int) {
+	p.shared, p.team = true, team
+}
+
+// Help works on the unclaimed items of the Parallel call p's caller is running, if p is shared
+// (Share) and there is one, and reports whether there was one. The call's caller still returns
+// only when every item has finished, the ones Help ran included.
+func (p *Pool) Help() bool {
+	j := p.current.Load()
+	if j == nil || j.next.Load() >= j.n {
+		return false
+	}
+	j.work()
+	return true
 }
 
 // Parallel runs fn(i) for every i in [0,n) and returns when all have returned. Calls may run
@@ -67,10 +101,13 @@ func (p *Pool) Parallel(n int, fn func(i int)) {
 	if n <= 0 {
 		return
 	}
-	helpers := min(n, p.Workers()) - 1
+	helpers := min(n, p.goroutines()) - 1
 	j := &job{n: int64(n), fn: fn}
 	j.pending.Add(n)
 	j.left.Store(int64(n))
+	// A shared pool's call (not a nested or concurrent one: one job is published at a time) is
+	// offered to Help until its caller has claimed the last item.
+	published := p != nil && p.shared && p.current.CompareAndSwap(nil, j)
 	switch {
 	case helpers <= 0:
 		j.work()
@@ -85,6 +122,9 @@ func (p *Pool) Parallel(n int, fn func(i int)) {
 	default:
 		p.post(j, helpers)
 		j.work()
+	}
+	if published {
+		p.current.CompareAndSwap(j, nil)
 	}
 	j.wait()
 	if j.panicked.Load() {

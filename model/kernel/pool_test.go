@@ -1,6 +1,7 @@
 package kernel
 
 import (
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -84,6 +85,72 @@ func TestPoolLeavesNoGoroutines(t *testing.T) {
 		}
 		if c.Load() != 85 {
 			t.Fatalf("ran %d", c.Load())
+		}
+	})
+}
+
+// TestPoolHelp: a shared one-worker pool's Parallel call is taken part in by a goroutine that
+// calls Help — two items run at once, where the pool alone would run them one after the other —
+// every item runs once, and Help finds nothing once the call has returned or on a pool not shared.
+func TestPoolHelp(t *testing.T) {
+	p := NewPool(1)
+	defer p.Close()
+	if p.Help() {
+		t.Fatal("Help on an idle pool found work")
+	}
+	p.Share(2)
+	if p.Workers() != 2 {
+		t.Fatalf("Workers of a pool shared by 2 = %d", p.Workers())
+	}
+	const n = 2
+	var hits [n]atomic.Int32
+	var first atomic.Bool
+	other := make(chan struct{})
+	overlapped := false
+	helped := make(chan bool)
+	go func() {
+		deadline := time.Now().Add(10 * time.Second)
+		for !p.Help() {
+			if time.Now().After(deadline) {
+				helped <- false
+				return
+			}
+			runtime.Gosched()
+		}
+		helped <- true
+	}()
+	p.Parallel(n, func(i int) {
+		hits[i].Add(1)
+		if first.CompareAndSwap(false, true) {
+			// The first item waits for the second, which only a second goroutine can run.
+			select {
+			case <-other:
+				overlapped = true
+			case <-time.After(10 * time.Second):
+			}
+			return
+		}
+		close(other)
+	})
+	if !<-helped {
+		t.Fatal("Help found no work while a Parallel call ran")
+	}
+	if !overlapped {
+		t.Fatal("the call's items did not run at once on the caller and the helper")
+	}
+	for i := range hits {
+		if hits[i].Load() != 1 {
+			t.Fatalf("index %d ran %d times", i, hits[i].Load())
+		}
+	}
+	if p.Help() {
+		t.Fatal("Help found work after the call returned")
+	}
+	unshared := NewPool(1)
+	defer unshared.Close()
+	unshared.Parallel(3, func(int) {
+		if unshared.Help() {
+			t.Error("Help found work on a pool not shared")
 		}
 	})
 }
