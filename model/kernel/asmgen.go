@@ -65,9 +65,35 @@ func tileName(wk, mr int) string {
 // with the weight widened exactly to float32 first (bf16: shifted into the upper half of a
 // float32; f16: VCVTPH2PS). bf16 panels hold pairs of k: Z24..Z27 get the raw pairs, Z28..Z31
 // the even k widened, then the odd k, and the FMAs broadcast x straight from memory.
+//
+// The 16-bit kernels also take pf and cont, as tileDot512 does: with two or more rows each step
+// (pair of k for bf16, k for f16) prefetches 64 bytes from pf on, so that the next panel streams
+// from memory while this one is computed from the cache; with cont nonzero the accumulators
+// start from c's values (under the column mask), continuing the chains of an earlier call over
+// the preceding k.
 func tile512(wk, mr, unroll int) {
 	name := tileName(wk, mr)
-	text(name+"(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)", "$0-56")
+	if wk == wF32 {
+		text(name+"(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)", "$0-56")
+		for i := 0; i < 4*mr; i++ {
+			p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+		}
+	} else {
+		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)", "$0-72")
+		p("MOVQ cont+64(FP), AX")
+		p("TESTQ AX, AX")
+		p("JNZ %s_cont", name)
+		for i := 0; i < 4*mr; i++ {
+			p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+		}
+		p("JMP %s_start", name)
+		label(name + "_cont")
+		columnMasks("mask+48(FP)")
+		cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
+		label(name + "_start")
+		p("MOVQ pf+56(FP), R10")
+	}
+	prefetch := wk != wF32 && mr > 1
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
@@ -75,9 +101,6 @@ func tile512(wk, mr, unroll int) {
 	p("LEAQ (DI)(R8*4), SI")
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ k+24(FP), CX")
-	for i := 0; i < 4*mr; i++ {
-		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
-	}
 	kstep, wstep := 1, 256 // k per step, weight bytes per step
 	switch wk {
 	case wBF16:
@@ -97,6 +120,9 @@ func tile512(wk, mr, unroll int) {
 					p("VCVTPH2PS %d(BX), Z%d", j*wstep+v*32, 24+v)
 				}
 			}
+			if prefetch {
+				p("PREFETCHT0 %d(R10)", 64*j)
+			}
 			for m := range mr {
 				b := 28 + m%2
 				p("VBROADCASTSS %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), b)
@@ -107,6 +133,9 @@ func tile512(wk, mr, unroll int) {
 		case wBF16:
 			for v := range 4 {
 				p("VMOVDQU32 %d(BX), Z%d", j*wstep+v*64, 24+v)
+			}
+			if prefetch {
+				p("PREFETCHT0 %d(R10)", 64*j)
 			}
 			for half := range 2 {
 				if half == 1 && evenOnly {
@@ -136,6 +165,9 @@ func tile512(wk, mr, unroll int) {
 	p("ADDQ $%d, BX", wstep*unroll)
 	p("ADDQ $%d, DI", 4*kstep*unroll)
 	p("ADDQ $%d, SI", 4*kstep*unroll)
+	if prefetch {
+		p("ADDQ $%d, R10", 64*unroll)
+	}
 	p("SUBQ $%d, CX", kstep*unroll)
 	p("CMPQ CX, $%d", kstep*unroll)
 	p("JGE %s_loop", name)
@@ -146,6 +178,9 @@ func tile512(wk, mr, unroll int) {
 	p("ADDQ $%d, BX", wstep)
 	p("ADDQ $%d, DI", 4*kstep)
 	p("ADDQ $%d, SI", 4*kstep)
+	if prefetch {
+		p("ADDQ $64, R10")
+	}
 	p("SUBQ $%d, CX", kstep)
 	p("JMP %s_tail", name)
 	label(name + "_last")

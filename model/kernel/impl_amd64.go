@@ -165,24 +165,24 @@ func tile512x4(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask
 func tile512x5(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x6(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 
-func tile512bf16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512bf16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 func tile512bf16x1p2(a *float32, w *uint16, k int, c *float32)
 func tile512bf16x1p4(a *float32, w *uint16, k int, c *float32)
 
-func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512f16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512f16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
 
 // tile16Kernels are the 16-bit tile kernels by DType (BF16, F16) and rows − 1.
-var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64){
+var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int){
 	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
 	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
 }
@@ -200,20 +200,29 @@ func tileBF16WideAVX512(c []float32, a []float32, w []uint16, k, np int) {
 	tile512bf16x1p2(&a[0], &w[0], k, &c[0])
 }
 
-// tile16AVX512 is tileAVX512 for BF16 or F16 panels.
-func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int) {
+// tile16AVX512 is tileAVX512 for BF16 or F16 panels. Tiles of two or more rows prefetch 32
+// values of pf per step of k (a pair of k for BF16, one k for F16; pf too short: the tile's
+// own panel) on the way. With cont the chains continue from c.
+func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int, pf []uint16, cont bool) {
 	_ = a[(mr-1)*lda+k-1]
+	steps, panel := k, k*panelWidth // steps of k, values of a panel
 	if dtype == BF16 {
-		_ = w[(k+1)/2*2*panelWidth-1]
-	} else {
-		_ = w[k*panelWidth-1]
+		steps, panel = (k+1)/2, (k+1)/2*2*panelWidth
 	}
+	_ = w[panel-1]
 	_ = c[(mr-1)*ldc+ncols-1]
 	if mr < 1 || mr > maxTileRows {
 		panic("kernel: bad tile height")
 	}
+	if len(pf) < steps*32 {
+		pf = w
+	}
 	mask := ^uint64(0) >> (panelWidth - ncols)
-	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	var cn int
+	if cont {
+		cn = 1
+	}
+	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask, &pf[0], cn)
 }
 
 func tileAccBF16x512x1(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
