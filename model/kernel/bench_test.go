@@ -2,9 +2,9 @@ package kernel
 
 import (
 	"fmt"
-	"syscall"
 	"math/rand/v2"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 )
