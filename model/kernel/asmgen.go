@@ -66,8 +66,9 @@ func tileName(wk, mr int) string {
 // float32; f16: VCVTPH2PS). bf16 panels hold pairs of k: Z24..Z27 get the raw pairs, Z28..Z31
 // the even k widened, then the odd k, and the FMAs broadcast x straight from memory.
 //
-// The 16-bit kernels also take pf and cont, as tileDot512 does: with two or more rows each step
-// (pair of k for bf16, k for f16) prefetches 64 bytes from pf on, so that the next panel streams
+// The 16-bit kernels also take pf, pfoff and cont, as tileDot512 does: with two or more rows each
+// step (pair of k for bf16, k for f16) prefetches 64 bytes from pf on and 64 from pf+pfoff
+// bytes on (prefetch2), so that the next panel streams
 // from memory while this one is computed from the cache; with cont nonzero the accumulators
 // start from c's values (under the column mask), continuing the chains of an earlier call over
 // the preceding k.
@@ -86,8 +87,8 @@ func tile512(wk, mr, unroll int) {
 			p("VPXORD Z%d, Z%d, Z%d", i, i, i)
 		}
 	} else {
-		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, cont int)", "$0-72")
-		p("MOVQ cont+64(FP), AX")
+		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, cont int)", "$0-80")
+		p("MOVQ cont+72(FP), AX")
 		p("TESTQ AX, AX")
 		p("JNZ %s_cont", name)
 		for i := 0; i < 4*mr; i++ {
@@ -99,6 +100,7 @@ func tile512(wk, mr, unroll int) {
 		cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
 		label(name + "_start")
 		p("MOVQ pf+56(FP), R10")
+		p("MOVQ pfoff+64(FP), R11")
 	}
 	prefetch := wk != wF32 && mr > 1
 	if reg {
@@ -131,7 +133,7 @@ func tile512(wk, mr, unroll int) {
 				}
 			}
 			if prefetch {
-				p("PREFETCHT0 %d(R10)", 64*j)
+				prefetch2(j)
 			}
 			for m := range mr {
 				b := 28 + m%2
@@ -154,7 +156,7 @@ func tile512(wk, mr, unroll int) {
 						}
 					}
 					if prefetch && half == 0 {
-						p("PREFETCHT0 %d(R10)", 64*j)
+						prefetch2(j)
 					}
 					for m := range mr {
 						b := 28 + m%2
@@ -170,7 +172,7 @@ func tile512(wk, mr, unroll int) {
 				p("VMOVDQU32 %d(BX), Z%d", j*wstep+v*64, 24+v)
 			}
 			if prefetch {
-				p("PREFETCHT0 %d(R10)", 64*j)
+				prefetch2(j)
 			}
 			for half := range 2 {
 				if half == 1 && evenOnly {
@@ -1459,9 +1461,9 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 // (256 bytes per pair of k). Accumulators Z0..Z4mr-1 (row m, vector v in Z(4m+v)), the panel's
 // pairs in Z24..Z27; each row's pair is broadcast from memory by the VDPBF16PS itself. Every
 // lane is one output element: zero, then one VDPBF16PS per pair of k, k ascending. With two or
-// more rows each pair of k also prefetches 64 bytes from pf on (the caller points pf at the share
-// of the next panel this tile brings into the cache, so the next panel streams from memory while
-// this one is computed from the cache). The one-row kernel (batch-1 decode, a single stream
+// more rows each pair of k also prefetches 64 bytes from pf on and 64 from pf+pfoff on
+// (prefetch2; the caller points pf at the share, or two, of the next panel this tile brings into
+// the cache, so the next panel streams from memory while this one is computed from the cache). The one-row kernel (batch-1 decode, a single stream
 // through consecutive panels) prefetches nothing: the hardware prefetchers follow its stream,
 // and its prefetch per pair (of lines it had already loaded) made the stream 15–20% slower in
 // passes over 320 MB of decode-shaped weights alternated with passes without it.
@@ -1477,8 +1479,8 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 func tileDot512(mr, unroll int) {
 	name := fmt.Sprintf("tileDot512x%d", mr)
 	reg := mr > 1
-	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)", "$0-72")
-	p("MOVQ cont+64(FP), AX")
+	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, cont int)", "$0-80")
+	p("MOVQ cont+72(FP), AX")
 	p("TESTQ AX, AX")
 	p("JNZ %s_cont", name)
 	for i := 0; i < 4*mr; i++ {
@@ -1490,6 +1492,7 @@ func tileDot512(mr, unroll int) {
 	cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
 	label(name + "_start")
 	p("MOVQ pf+56(FP), R10")
+	p("MOVQ pfoff+64(FP), R11")
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
@@ -1502,7 +1505,7 @@ func tileDot512(mr, unroll int) {
 			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
 		}
 		if mr > 1 {
-			p("PREFETCHT0 %d(R10)", 64*j)
+			prefetch2(j)
 		}
 		for m := range mr {
 			if reg {
@@ -1545,6 +1548,15 @@ func tileDot512(mr, unroll int) {
 	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
+}
+
+// prefetch2 emits step j's prefetches of a multi-row tile: the line 64·j bytes into its
+// prefetch stream (R10) and the same line of a second stream R11 bytes further (R11 = 0: the
+// same line again, which costs next to nothing), so a tile can bring in two shares of the next
+// panel when there are fewer tiles than shares.
+func prefetch2(j int) {
+	p("PREFETCHT0 %d(R10)", 64*j)
+	p("PREFETCHT0 %d(R10)(R11*1)", 64*j)
 }
 
 // widePanelRegs are the pointer registers of the one-row kernels' panels: panel i of np at

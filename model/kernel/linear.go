@@ -354,8 +354,8 @@ func kBlockSteps(steps, tiles int) int {
 // continuing the chains when cont, prefetching pf on the way. The tiles have balanced heights
 // (32 rows: 6, 6, 5, 5, 5, 5, not 6×5 + 2, as a short tile computes its rows less efficiently)
 // and the first of them prefetch the next block of the panel, or the first of the next panel,
-// a share each, so that it streams from memory while the current one is computed from the
-// cache.
+// a share each (two each when there are fewer tiles than shares: 8 rows are two tiles), so that
+// it streams from memory while the current one is computed from the cache.
 func (l *Linear) blockTask(rows, tiles, t0, t1, p0, p1, steps, panelStep int, tile func(m0, m1, p, k0, kn int, pf []uint16, cont bool)) {
 	stride := l.panel16Len()
 	kb := kBlockSteps(steps, t1-t0)
@@ -372,11 +372,15 @@ func (l *Linear) blockTask(rows, tiles, t0, t1, p0, p1, steps, panelStep int, ti
 				next = l.h[(p+1)*stride : (p+1)*stride+min(steps, kb)*panelStep]
 			}
 			share := len(next) / sharers
+			spread := 1 // shares a tile prefetches: two where there are fewer tiles than shares
+			if t1-t0 < sharers {
+				spread = 2
+			}
 			for ti := t0; ti < t1; ti++ {
 				m0, m1 := ti*rows/tiles, (ti+1)*rows/tiles
 				var pf []uint16
-				if q := ti - t0; q < sharers && t1-t0 > 1 && next != nil {
-					pf = next[q*share : (q+1)*share]
+				if q := (ti - t0) * spread; q < sharers && t1-t0 > 1 && next != nil {
+					pf = next[q*share : min(sharers, q+spread)*share]
 				}
 				tile(m0, m1, p, k0, kn, pf, k0 > 0)
 			}
