@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -288,13 +287,11 @@ func BenchmarkBatchStream(b *testing.B) {
 				x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
 				b.SetBytes(bytes)
 				b.ResetTimer()
-				cpu0 := cpuSeconds()
 				for b.Loop() {
 					for _, l := range ls {
 						l.Apply(dst, x, rows)
 					}
 				}
-				cpu := (cpuSeconds() - cpu0) / float64(b.N)
 				sec := b.Elapsed().Seconds() / float64(b.N)
 				bw := readShares(buf, pool.Workers())
 				peak := PeakGFLOPS(100 * time.Millisecond)
@@ -306,17 +303,7 @@ func BenchmarkBatchStream(b *testing.B) {
 				b.ReportMetric(peak, "peakGFLOP/s")
 				b.ReportMetric(bw, "readGB/s")
 				b.ReportMetric(bound/sec, "ofBound")
-				// Per CPU second: what the kernels reach of one core's peak while they run,
-				// whatever share of the machine other processes take.
-				b.ReportMetric(flops/cpu/1e9, "GFLOP/cpu-s")
 			})
 		}
 	}
-}
-
-// cpuSeconds returns the process's user and system CPU time so far.
-func cpuSeconds() float64 {
-	var ru syscall.Rusage
-	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
-	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
 }
