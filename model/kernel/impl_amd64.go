@@ -111,8 +111,8 @@ var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c 
 
 // tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
 // masked off at the store. pf (kp×32 values, or twice that; else the tile's own panel, see
-// prefetchStreams) is prefetched on the way by tiles of two or more rows (the one-row kernel leaves its stream to the hardware). With
-// cont the chains continue from c.
+// prefetchStreams) is prefetched on the way by tiles of two or more rows (the one-row kernel
+// leaves its stream to the hardware). With cont the chains continue from c.
 func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool) {
 	_ = a[(mr-1)*lda+kp-1]
 	_ = w[kp*2*panelWidth-1]
