@@ -66,9 +66,9 @@ func tileName(wk, mr int) string {
 // float32; f16: VCVTPH2PS). bf16 panels hold pairs of k: Z24..Z27 get the raw pairs, Z28..Z31
 // the even k widened, then the odd k, and the FMAs broadcast x straight from memory.
 //
-// The 16-bit kernels also take pf, pfoff and cont, as tileDot512 does: with two or more rows each
-// step (pair of k for bf16, k for f16) prefetches 64 bytes from pf on and 64 from pf+pfoff
-// bytes on (prefetch2), so that the next panel streams
+// The 16-bit kernels also take pf, pfoff, pfstep and cont, as tileDot512 does: with two or more
+// rows each step (pair of k for bf16, k for f16) prefetches a line at pf and one at pf+pfoff, pf
+// moving on by pfstep bytes a step (prefetch2), so that the next panel streams
 // from memory while this one is computed from the cache; with cont nonzero the accumulators
 // start from c's values (under the column mask), continuing the chains of an earlier call over
 // the preceding k.
@@ -87,8 +87,8 @@ func tile512(wk, mr, unroll int) {
 			p("VPXORD Z%d, Z%d, Z%d", i, i, i)
 		}
 	} else {
-		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, cont int)", "$0-80")
-		p("MOVQ cont+72(FP), AX")
+		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)", "$0-88")
+		p("MOVQ cont+80(FP), AX")
 		p("TESTQ AX, AX")
 		p("JNZ %s_cont", name)
 		for i := 0; i < 4*mr; i++ {
@@ -101,6 +101,7 @@ func tile512(wk, mr, unroll int) {
 		label(name + "_start")
 		p("MOVQ pf+56(FP), R10")
 		p("MOVQ pfoff+64(FP), R11")
+	p("MOVQ pfstep+72(FP), R12")
 	}
 	prefetch := wk != wF32 && mr > 1
 	if reg {
@@ -202,9 +203,6 @@ func tile512(wk, mr, unroll int) {
 	p("ADDQ $%d, BX", wstep*unroll)
 	p("ADDQ $%d, DI", 4*kstep*unroll)
 	p("ADDQ $%d, SI", 4*kstep*unroll)
-	if prefetch {
-		p("ADDQ $%d, R10", 64*unroll)
-	}
 	p("SUBQ $%d, CX", kstep*unroll)
 	p("CMPQ CX, $%d", kstep*unroll)
 	p("JGE %s_loop", name)
@@ -215,9 +213,6 @@ func tile512(wk, mr, unroll int) {
 	p("ADDQ $%d, BX", wstep)
 	p("ADDQ $%d, DI", 4*kstep)
 	p("ADDQ $%d, SI", 4*kstep)
-	if prefetch {
-		p("ADDQ $64, R10")
-	}
 	p("SUBQ $%d, CX", kstep)
 	p("JMP %s_tail", name)
 	label(name + "_last")
@@ -1461,9 +1456,10 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 // (256 bytes per pair of k). Accumulators Z0..Z4mr-1 (row m, vector v in Z(4m+v)), the panel's
 // pairs in Z24..Z27; each row's pair is broadcast from memory by the VDPBF16PS itself. Every
 // lane is one output element: zero, then one VDPBF16PS per pair of k, k ascending. With two or
-// more rows each pair of k also prefetches 64 bytes from pf on and 64 from pf+pfoff on
-// (prefetch2; the caller points pf at the share, or two, of the next panel this tile brings into
-// the cache, so the next panel streams from memory while this one is computed from the cache). The one-row kernel (batch-1 decode, a single stream
+// more rows each pair of k also prefetches a line at pf and one at pf+pfoff, pf moving on by
+// pfstep bytes a pair (prefetch2; the caller points pf at the share of the next panel this tile
+// brings into the cache, so the next panel streams from memory while this one is computed from
+// the cache). The one-row kernel (batch-1 decode, a single stream
 // through consecutive panels) prefetches nothing: the hardware prefetchers follow its stream,
 // and its prefetch per pair (of lines it had already loaded) made the stream 15–20% slower in
 // passes over 320 MB of decode-shaped weights alternated with passes without it.
@@ -1479,8 +1475,8 @@ func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, ds
 func tileDot512(mr, unroll int) {
 	name := fmt.Sprintf("tileDot512x%d", mr)
 	reg := mr > 1
-	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, cont int)", "$0-80")
-	p("MOVQ cont+72(FP), AX")
+	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)", "$0-88")
+	p("MOVQ cont+80(FP), AX")
 	p("TESTQ AX, AX")
 	p("JNZ %s_cont", name)
 	for i := 0; i < 4*mr; i++ {
@@ -1493,6 +1489,7 @@ func tileDot512(mr, unroll int) {
 	label(name + "_start")
 	p("MOVQ pf+56(FP), R10")
 	p("MOVQ pfoff+64(FP), R11")
+	p("MOVQ pfstep+72(FP), R12")
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
@@ -1529,7 +1526,6 @@ func tileDot512(mr, unroll int) {
 	p("ADDQ $%d, BX", 256*unroll)
 	p("ADDQ $%d, DI", 4*unroll)
 	p("ADDQ $%d, SI", 4*unroll)
-	p("ADDQ $%d, R10", 64*unroll)
 	p("SUBQ $%d, CX", unroll)
 	p("CMPQ CX, $%d", unroll)
 	p("JGE %s_loop", name)
@@ -1540,7 +1536,6 @@ func tileDot512(mr, unroll int) {
 	p("ADDQ $256, BX")
 	p("ADDQ $4, DI")
 	p("ADDQ $4, SI")
-	p("ADDQ $64, R10")
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
@@ -1550,13 +1545,14 @@ func tileDot512(mr, unroll int) {
 	p("RET")
 }
 
-// prefetch2 emits step j's prefetches of a multi-row tile: the line 64·j bytes into its
-// prefetch stream (R10) and the same line of a second stream R11 bytes further (R11 = 0: the
-// same line again, which costs next to nothing), so a tile can bring in two shares of the next
-// panel when there are fewer tiles than shares.
-func prefetch2(j int) {
-	p("PREFETCHT0 %d(R10)", 64*j)
-	p("PREFETCHT0 %d(R10)(R11*1)", 64*j)
+// prefetch2 emits a step's prefetches of a multi-row tile: the line at R10 and the line R11
+// bytes further (R11 = 0: the same line again, which costs next to nothing), then R10 moves on
+// by R12 bytes. The caller chooses the step (at most 64) and the second stream so that its tiles
+// together prefetch the next panel (or block) evenly over all their steps.
+func prefetch2(int) {
+	p("PREFETCHT0 (R10)")
+	p("PREFETCHT0 (R10)(R11*1)")
+	p("ADDQ R12, R10")
 }
 
 // widePanelRegs are the pointer registers of the one-row kernels' panels: panel i of np at

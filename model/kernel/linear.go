@@ -353,13 +353,12 @@ func kBlockSteps(steps, tiles int) int {
 // m1, p, k0, kn, pf, cont) computes rows [m0, m1) of panel p over steps [k0, k0+kn),
 // continuing the chains when cont, prefetching pf on the way. The tiles have balanced heights
 // (32 rows: 6, 6, 5, 5, 5, 5, not 6×5 + 2, as a short tile computes its rows less efficiently)
-// and the first of them prefetch the next block of the panel, or the first of the next panel,
-// a share each (two each when there are fewer tiles than shares: 8 rows are two tiles), so that
-// it streams from memory while the current one is computed from the cache.
+// and they prefetch the next block of the panel, or the first of the next panel, an equal share
+// each, spread evenly over their steps (prefetchStreams), so that it streams from memory at the
+// pace of the arithmetic while the current one is computed from the cache.
 func (l *Linear) blockTask(rows, tiles, t0, t1, p0, p1, steps, panelStep int, tile func(m0, m1, p, k0, kn int, pf []uint16, cont bool)) {
 	stride := l.panel16Len()
 	kb := kBlockSteps(steps, t1-t0)
-	sharers := panelStep / 32 // tiles that prefetch a block: each prefetches 64 bytes a step
 	for p := p0; p < p1; p++ {
 		w := l.h[p*stride : (p+1)*stride]
 		for k0 := 0; k0 < steps; k0 += kb {
@@ -371,16 +370,13 @@ func (l *Linear) blockTask(rows, tiles, t0, t1, p0, p1, steps, panelStep int, ti
 			case p+1 < p1:
 				next = l.h[(p+1)*stride : (p+1)*stride+min(steps, kb)*panelStep]
 			}
-			share := len(next) / sharers
-			spread := 1 // shares a tile prefetches: two where there are fewer tiles than shares
-			if t1-t0 < sharers {
-				spread = 2
-			}
+			// Each tile a share of whole lines (32 values).
+			share := (len(next)/32 + t1 - t0 - 1) / (t1 - t0) * 32
 			for ti := t0; ti < t1; ti++ {
 				m0, m1 := ti*rows/tiles, (ti+1)*rows/tiles
 				var pf []uint16
-				if q := (ti - t0) * spread; q < sharers && t1-t0 > 1 && next != nil {
-					pf = next[q*share : min(sharers, q+spread)*share]
+				if q := ti - t0; t1-t0 > 1 && q*share < len(next) {
+					pf = next[q*share : min(len(next), (q+1)*share)]
 				}
 				tile(m0, m1, p, k0, kn, pf, k0 > 0)
 			}
