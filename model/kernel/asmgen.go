@@ -101,7 +101,7 @@ func tile512(wk, mr, unroll int) {
 		label(name + "_start")
 		p("MOVQ pf+56(FP), R10")
 		p("MOVQ pfoff+64(FP), R11")
-	p("MOVQ pfstep+72(FP), R12")
+		p("MOVQ pfstep+72(FP), R12")
 	}
 	prefetch := wk != wF32 && mr > 1
 	if reg {
