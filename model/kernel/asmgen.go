@@ -134,7 +134,7 @@ func tile512(wk, mr, unroll int) {
 				}
 			}
 			if prefetch {
-				prefetch2(j)
+				prefetch2()
 			}
 			for m := range mr {
 				b := 28 + m%2
@@ -157,7 +157,7 @@ func tile512(wk, mr, unroll int) {
 						}
 					}
 					if prefetch && half == 0 {
-						prefetch2(j)
+						prefetch2()
 					}
 					for m := range mr {
 						b := 28 + m%2
@@ -173,7 +173,7 @@ func tile512(wk, mr, unroll int) {
 				p("VMOVDQU32 %d(BX), Z%d", j*wstep+v*64, 24+v)
 			}
 			if prefetch {
-				prefetch2(j)
+				prefetch2()
 			}
 			for half := range 2 {
 				if half == 1 && evenOnly {
@@ -1502,7 +1502,7 @@ func tileDot512(mr, unroll int) {
 			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
 		}
 		if mr > 1 {
-			prefetch2(j)
+			prefetch2()
 		}
 		for m := range mr {
 			if reg {
@@ -1549,7 +1549,7 @@ func tileDot512(mr, unroll int) {
 // bytes further (R11 = 0: the same line again, which costs next to nothing), then R10 moves on
 // by R12 bytes. The caller chooses the step (at most 64) and the second stream so that its tiles
 // together prefetch the next panel (or block) evenly over all their steps.
-func prefetch2(int) {
+func prefetch2() {
 	p("PREFETCHT0 (R10)")
 	p("PREFETCHT0 (R10)(R11*1)")
 	p("ADDQ R12, R10")
