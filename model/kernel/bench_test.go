@@ -252,3 +252,58 @@ func readShares(buf []float32, workers int) float64 {
 	}
 	return total / 1e9
 }
+
+// BenchmarkBatchStream is batched decode's products: rows (8 or 32) × the matrices of
+// BenchmarkGEMVStream (about 320 MB of weights, far larger than the last-level cache), each read
+// once per pass. It reports the pass's ratio to its bound, max(weight bytes ÷ read bandwidth,
+// FLOPs ÷ the dtype's peak), both measured right after the passes (so they share the machine's
+// load): the fraction of the step bound's product term the kernels reach.
+func BenchmarkBatchStream(b *testing.B) {
+	shapes := [][2]int{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}}
+	buf := make([]float32, 64<<20)
+	for i := range buf {
+		buf[i] = 1 // fault the pages in
+	}
+	for _, kind := range []string{"bfloat16", "bf16dot"} {
+		for _, rows := range []int{8, 32} {
+			b.Run(fmt.Sprintf("%s/rows%d", kind, rows), func(b *testing.B) {
+				if kind == "bf16dot" && BF16Products() != "VDPBF16PS" {
+					b.Skip("no VDPBF16PS")
+				}
+				pool := NewPool(0)
+				defer pool.Close()
+				r := rand.New(rand.NewPCG(1, 1))
+				var ls []*Linear
+				var bytes int64
+				var flops float64
+				for bytes < 320<<20 {
+					s := shapes[len(ls)%len(shapes)]
+					l := benchWeights(pool, BF16, s[0], s[1])
+					l.bf16Dot = kind == "bf16dot"
+					ls = append(ls, l)
+					bytes += l.Bytes()
+					flops += 2 * float64(rows) * float64(s[0]) * float64(s[1])
+				}
+				x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
+				b.SetBytes(bytes)
+				b.ResetTimer()
+				for b.Loop() {
+					for _, l := range ls {
+						l.Apply(dst, x, rows)
+					}
+				}
+				sec := b.Elapsed().Seconds() / float64(b.N)
+				bw := readShares(buf, pool.Workers())
+				peak := PeakGFLOPS(100 * time.Millisecond)
+				if kind == "bf16dot" {
+					peak = PeakBF16GFLOPS(100 * time.Millisecond)
+				}
+				bound := max(float64(bytes)/(bw*1e9), flops/(peak*1e9))
+				b.ReportMetric(flops/sec/1e9, "GFLOP/s")
+				b.ReportMetric(peak, "peakGFLOP/s")
+				b.ReportMetric(bw, "readGB/s")
+				b.ReportMetric(bound/sec, "ofBound")
+			})
+		}
+	}
+}

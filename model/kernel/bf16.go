@@ -19,8 +19,9 @@ import (
 // measured on the hardware by TestBF16ProductsMatchHardware), so the instruction and the portable
 // Go chain (bf16Step) give the same bits. An odd k is padded with a zero pair element.
 
-// kBlock is the most pairs of k a task of several row tiles of bfloat16 products runs its tiles
-// over at a time, when a panel has more than 2·kBlock pairs (see dotTask).
+// kBlock is the most steps of k (pairs of a BF16 panel, single k of an F16 one) a task of
+// several row tiles runs its tiles over at a time, when a panel has more than 2·kBlock steps
+// (see kBlockSteps).
 const kBlock = 256
 
 // BF16Round rounds f to bfloat16 as the activations of bfloat16 products are rounded
@@ -149,17 +150,8 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 		toPairs(pairs[m*kp:(m+1)*kp], x[m*lda:m*lda+l.in])
 	}
 	s := l.schedule(rows)
-	if s.tiles > 1 && (s.tileGroups == 1 || rows*kp*4 <= l2Budget/2) {
-		// A few rows (batched decode), whose activation pairs fit half the L2 budget: every task
-		// runs all row tiles over a long run of consecutive panels, prefetching each next panel
-		// while the current one is computed from the cache, so the weights stream from memory
-		// under the arithmetic once. (Split into groups of row tiles, as schedule splits a long
-		// K's, a panel was read by several tasks and the next one prefetched by none: o_proj and
-		// down_proj of a batch of 32 ran at 0.75 of the peak.)
-		s.tileGroup, s.tileGroups = s.tiles, 1
-		s.panelGroup = (s.panels + 2*l.pool.Workers() - 1) / (2 * l.pool.Workers())
-		s.panelGroups = (s.panels + s.panelGroup - 1) / s.panelGroup
-	}
+	// A few rows (batched decode): see streamPanels.
+	s.streamPanels(rows*kp*4, l.pool.Workers())
 	if rows == 1 && l.impl.tileDotWide != nil {
 		s.widePanels()
 	}
@@ -172,24 +164,12 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 
 // dotTask is task for bfloat16 products.
 func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s schedule, t int) {
-	tg, pg := t/s.panelGroups, t%s.panelGroups
-	t0, t1 := tg*s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup)
-	p0, p1 := pg*s.panelGroup, min(s.panels, (pg+1)*s.panelGroup)
+	t0, t1, p0, p1 := s.ranges(t)
 	tile := l.impl.tileDot
 	if tile == nil {
 		tile = tileDotGeneric
 	}
 	stride := l.panel16Len()
-	// A task with several row tiles runs them over the pairs of k of a long panel (K > 1024) in
-	// equal blocks of at most kBlock pairs, the chains carrying over from block to block through
-	// dst: while the tiles take turns on a block, the panel's share in the caches is 64 KB
-	// instead of the whole panel (plus the next one being prefetched and the activations), which
-	// measured 5–8% faster at K = 2048 and 3072 (shorter blocks cost more than they save).
-	kb := kp
-	if t1-t0 > 1 && kp > 2*kBlock {
-		n := (kp + kBlock - 1) / kBlock
-		kb = (kp + n - 1) / n
-	}
 	if rows == 1 && l.impl.tileDotWide != nil {
 		// Four (or two) whole panels at a time: as many weight streams and independent chains
 		// (two panels measured 10–14% more of the read bandwidth than one, four 5–15% more
@@ -199,32 +179,8 @@ func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s
 			p0 += np
 		}
 	}
-	for p := p0; p < p1; p++ {
-		w := l.h[p*stride : (p+1)*stride]
+	l.blockTask(rows, s.tiles, t0, t1, p0, p1, kp, 2*panelWidth, func(m0, m1, p, k0, kn int, pf []uint16, cont bool) {
 		col := p * panelWidth
-		ncols := min(panelWidth, l.out-col)
-		for k0 := 0; k0 < kp; k0 += kb {
-			kn := min(kb, kp-k0)
-			// The tiles prefetch the next block of pairs on the way, a quarter each: this
-			// panel's next block, or the next panel's first.
-			var next []uint16
-			switch {
-			case k0+kn < kp:
-				next = w[(k0+kn)*2*panelWidth : min(kp, k0+kn+kb)*2*panelWidth]
-			case p+1 < p1:
-				next = l.h[(p+1)*stride : (p+1)*stride+min(kp, kb)*2*panelWidth]
-			}
-			share := len(next) / 4
-			for ti := t0; ti < t1; ti++ {
-				// Tiles of balanced heights (32 rows: 6, 6, 5, 5, 5, 5, not 6×5 + 2), as a short
-				// tile computes its rows less efficiently.
-				m0, m1 := ti*rows/s.tiles, (ti+1)*rows/s.tiles
-				var pf []uint16
-				if q := ti - t0; q < 4 && t1-t0 > 1 && next != nil {
-					pf = next[q*share : (q+1)*share]
-				}
-				tile(dst[m0*ldc+col:], ldc, a[m0*kp+k0:], kp, w[k0*2*panelWidth:], kn, m1-m0, ncols, pf, k0 > 0)
-			}
-		}
-	}
+		tile(dst[m0*ldc+col:], ldc, a[m0*kp+k0:], kp, l.h[p*stride+k0*2*panelWidth:(p+1)*stride], kn, m1-m0, min(panelWidth, l.out-col), pf, cont)
+	})
 }

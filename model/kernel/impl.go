@@ -13,8 +13,10 @@ type impl struct {
 	tile func(c []float32, ldc int, a []float32, lda int, w []float32, k, mr, ncols int)
 
 	// tile16 is tile for BF16 or F16 panels (see Linear), widening each weight exactly before
-	// its FMA; nil: the panel is widened into a float32 copy and tile runs on that.
-	tile16 func(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int)
+	// its FMA; nil: the panel is widened into a float32 copy and tile runs on that. pf is memory
+	// to prefetch on the way (a share of the next panel; nil: none); with cont the chains
+	// continue from the values in c (an earlier call computed the preceding k).
+	tile16 func(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int, pf []uint16, cont bool)
 	// tileBF16Wide is tile16 for one row of BF16 panels over np (2 or 4) consecutive whole
 	// panels (k > 0; c gets np·panelWidth columns, each the same chain as tile16 computes); nil:
 	// tile16 per panel.

@@ -105,14 +105,14 @@ func candidateImpls() []*impl {
 }
 
 // tileDotKernels are the bfloat16-product tile kernels by rows − 1.
-var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int){
+var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int){
 	tileDot512x1, tileDot512x2, tileDot512x3, tileDot512x4, tileDot512x5, tileDot512x6,
 }
 
 // tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
-// masked off at the store. pf (kp×32 values, else the tile's own panel) is prefetched on the
-// way by tiles of two or more rows (the one-row kernel leaves its stream to the hardware). With
-// cont the chains continue from c.
+// masked off at the store. pf (a share of the next panel) is prefetched evenly on the way by
+// tiles of two or more rows (prefetchStreams; the one-row kernel leaves its stream to the
+// hardware). With cont the chains continue from c.
 func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool) {
 	_ = a[(mr-1)*lda+kp-1]
 	_ = w[kp*2*panelWidth-1]
@@ -120,14 +120,31 @@ func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr
 	if mr < 1 || mr > maxTileRows {
 		panic("kernel: bad tile height")
 	}
-	if len(pf) < kp*32 {
-		pf = w
-	}
+	pf, off, step := prefetchStreams(pf, w, kp)
 	var cn int
 	if cont {
 		cn = 1
 	}
-	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], cn)
+	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], off, step, cn)
+}
+
+// prefetchStreams returns how a multi-row tile of steps steps of k prefetches pf evenly over its
+// steps, a line or two a step (prefetch2): the start, the byte offset of the second stream (0:
+// none) and the bytes a stream moves on a step. Without pf (or steps) the tile prefetches the
+// first line of its own panel w over and over, which costs next to nothing.
+func prefetchStreams(pf, w []uint16, steps int) (start []uint16, off, step int) {
+	n := 2 * len(pf) // bytes
+	if n == 0 || steps == 0 {
+		return w, 0, 0
+	}
+	step = (n + steps - 1) / steps
+	if step <= 64 {
+		return pf, 0, step
+	}
+	// Two streams, each over half of pf (more than 128 bytes a step: the rest is left to the
+	// hardware).
+	step = min(64, (step+1)/2)
+	return pf, n / 2, step
 }
 
 // tileDotWideAVX512 checks bounds, then runs the one-row VDPBF16PS kernel over np (2 or 4)
@@ -165,24 +182,24 @@ func tile512x4(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask
 func tile512x5(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 func tile512x6(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)
 
-func tile512bf16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512bf16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512bf16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tile512bf16x1p2(a *float32, w *uint16, k int, c *float32)
 func tile512bf16x1p4(a *float32, w *uint16, k int, c *float32)
 
-func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
-func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64)
+func tile512f16x1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512f16x2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512f16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512f16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 
 // tile16Kernels are the 16-bit tile kernels by DType (BF16, F16) and rows − 1.
-var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64){
+var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int){
 	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
 	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
 }
@@ -200,20 +217,27 @@ func tileBF16WideAVX512(c []float32, a []float32, w []uint16, k, np int) {
 	tile512bf16x1p2(&a[0], &w[0], k, &c[0])
 }
 
-// tile16AVX512 is tileAVX512 for BF16 or F16 panels.
-func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int) {
+// tile16AVX512 is tileAVX512 for BF16 or F16 panels. Tiles of two or more rows prefetch pf
+// evenly over their steps of k (a pair of k for BF16, one k for F16; prefetchStreams) on the
+// way. With cont the chains continue from c.
+func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int, pf []uint16, cont bool) {
 	_ = a[(mr-1)*lda+k-1]
+	steps, panel := k, k*panelWidth // steps of k, values of a panel
 	if dtype == BF16 {
-		_ = w[(k+1)/2*2*panelWidth-1]
-	} else {
-		_ = w[k*panelWidth-1]
+		steps, panel = (k+1)/2, (k+1)/2*2*panelWidth
 	}
+	_ = w[panel-1]
 	_ = c[(mr-1)*ldc+ncols-1]
 	if mr < 1 || mr > maxTileRows {
 		panic("kernel: bad tile height")
 	}
+	pf, off, step := prefetchStreams(pf, w, steps)
 	mask := ^uint64(0) >> (panelWidth - ncols)
-	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask)
+	var cn int
+	if cont {
+		cn = 1
+	}
+	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask, &pf[0], off, step, cn)
 }
 
 func tileAccBF16x512x1(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
@@ -355,12 +379,12 @@ func accRowsWith[T float32 | uint16](kernels *[maxTileRows]func(a *float32, lda 
 	}
 }
 
-func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
-func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
-func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
-func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
-func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
-func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, cont int)
+func tileDot512x1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512x2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tileDot512x1p2(a *uint32, w *uint16, kp int, c *float32)
 func tileDot512x1p4(a *uint32, w *uint16, kp int, c *float32)
 

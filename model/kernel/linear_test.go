@@ -289,7 +289,8 @@ func TestLinear16MatchesChain(t *testing.T) {
 	defer pool.Close()
 	for _, im := range candidateImpls() {
 		for _, dtype := range []DType{BF16, F16} {
-			for _, sh := range append(testShapes, [2]int{192, 33}, [2]int{256, 255}) {
+			// 130 × 1100: several blocks of k (kBlockSteps) in both storages.
+			for _, sh := range append(testShapes, [2]int{192, 33}, [2]int{256, 255}, [2]int{130, 1100}) {
 				out, in := sh[0], sh[1]
 				h, wide := to16(randSlice(r, out*in), dtype)
 				l := newLinear16(im, pool, dtype, out, in, func(n int, dst []uint16) { copy(dst, h[n*in:(n+1)*in]) })
@@ -305,7 +306,7 @@ func TestLinear16MatchesChain(t *testing.T) {
 						}
 					}
 				}
-				for _, rows := range []int{1, 3, 6, 7, 13} {
+				for _, rows := range []int{1, 3, 6, 7, 8, 13, 32} {
 					x := randSlice(r, rows*in)
 					dst := make([]float32, rows*out)
 					l.Apply(dst, x, rows)
