@@ -144,15 +144,28 @@ func TestPDAcrossTensorParallelSizes(t *testing.T) {
 	}
 }
 
-// TestBidirectionalAcrossTensorParallelSizes: through the multi-turn proxy, P and D of different
-// TP sizes (2 → 1, 1 → 2, 4 → 2, and 2 → 1 with two data-parallel engines on each side) pull a
-// conversation's KV both ways and answer every turn as a single TP 1 engine does.
+// TestBidirectionalAcrossTensorParallelSizes: through the multi-turn proxy, P and D of every pair
+// of TP sizes in {1, 2, 4}, over SHM and over TCP, and 2 → 1 with two data-parallel engines on
+// each side, pull a conversation's KV both ways and answer every turn as a single TP 1 engine
+// does.
 func TestBidirectionalAcrossTensorParallelSizes(t *testing.T) {
 	ms := openTP(t)
-	for _, c := range []struct{ p, d, dp int }{{2, 1, 1}, {1, 2, 1}, {4, 2, 1}, {2, 1, 2}} {
-		t.Run(fmt.Sprintf("P%d-D%d-DP%d", c.p, c.d, c.dp), func(t *testing.T) {
+	type pair struct {
+		p, d, dp int
+		backend  string
+	}
+	cases := []pair{{2, 1, 2, ""}}
+	for _, backend := range []string{"SHM", "TCP"} {
+		for _, p := range []int{1, 2, 4} {
+			for _, d := range []int{1, 2, 4} {
+				cases = append(cases, pair{p, d, 1, backend})
+			}
+		}
+	}
+	for _, c := range cases {
+		t.Run(fmt.Sprintf("%sP%d-D%d-DP%d", c.backend, c.p, c.d, c.dp), func(t *testing.T) {
 			s, err := stack.Start(t.Context(), stack.Config{
-				Mode: stack.Bidirectional, Single: true, NumBlocks: 128, MaxModelLen: 1024, Model: ms[1],
+				Mode: stack.Bidirectional, Single: true, NumBlocks: 128, MaxModelLen: 1024, Model: ms[1], Backend: c.backend,
 				P: stack.EngineConfig{Model: ms[c.p], DataParallelSize: c.dp},
 				D: stack.EngineConfig{Model: ms[c.d], PrefixCaching: true, DataParallelSize: c.dp},
 			})
