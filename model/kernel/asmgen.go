@@ -88,20 +88,7 @@ func tile512(wk, mr, unroll int) {
 		}
 	} else {
 		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)", "$0-88")
-		p("MOVQ cont+80(FP), AX")
-		p("TESTQ AX, AX")
-		p("JNZ %s_cont", name)
-		for i := 0; i < 4*mr; i++ {
-			p("VPXORD Z%d, Z%d, Z%d", i, i, i)
-		}
-		p("JMP %s_start", name)
-		label(name + "_cont")
-		columnMasks("mask+48(FP)")
-		cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
-		label(name + "_start")
-		p("MOVQ pf+56(FP), R10")
-		p("MOVQ pfoff+64(FP), R11")
-		p("MOVQ pfstep+72(FP), R12")
+		continuedTile(name, mr)
 	}
 	prefetch := wk != wF32 && mr > 1
 	if reg {
@@ -1451,6 +1438,26 @@ func vdpbf16psBcst(dst, src1, m, disp int) {
 // floats rounded to bfloat16, words 16–31 src1's.
 func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, dst, src1, src2) }
 
+// continuedTile emits the prologue of a tile whose args end in (…, c, ldc, mask, pf, pfoff,
+// pfstep, cont): with cont = 0 it zeroes the 4·mr accumulators, else it loads them from c (a K
+// block that continues the chains of the one before), then loads pf, pfoff and pfstep into R10-R12.
+func continuedTile(name string, mr int) {
+	p("MOVQ cont+80(FP), AX")
+	p("TESTQ AX, AX")
+	p("JNZ %s_cont", name)
+	for i := 0; i < 4*mr; i++ {
+		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
+	}
+	p("JMP %s_start", name)
+	label(name + "_cont")
+	columnMasks("mask+48(FP)")
+	cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
+	label(name + "_start")
+	p("MOVQ pf+56(FP), R10")
+	p("MOVQ pfoff+64(FP), R11")
+	p("MOVQ pfstep+72(FP), R12")
+}
+
 // tileDot512 computes mr rows × 64 columns of a BF16 panel with bfloat16 products: a holds the
 // rows' activations as bfloat16 pairs (one dword per pair of k, lda dwords per row), w the panel
 // (256 bytes per pair of k). Accumulators Z0..Z4mr-1 (row m, vector v in Z(4m+v)), the panel's
@@ -1476,20 +1483,7 @@ func tileDot512(mr, unroll int) {
 	name := fmt.Sprintf("tileDot512x%d", mr)
 	reg := mr > 1
 	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)", "$0-88")
-	p("MOVQ cont+80(FP), AX")
-	p("TESTQ AX, AX")
-	p("JNZ %s_cont", name)
-	for i := 0; i < 4*mr; i++ {
-		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
-	}
-	p("JMP %s_start", name)
-	label(name + "_cont")
-	columnMasks("mask+48(FP)")
-	cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
-	label(name + "_start")
-	p("MOVQ pf+56(FP), R10")
-	p("MOVQ pfoff+64(FP), R11")
-	p("MOVQ pfstep+72(FP), R12")
+	continuedTile(name, mr)
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
