@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -98,14 +99,21 @@ func TestProducerAbortFreesAtOnce(t *testing.T) {
 // TestLeaseExpiryAndReuseDetected: D reads after P's lease expired and P reused the blocks.
 // vLLM would use the wrong KV and answer 200; kvbridge's generation check makes it a load
 // failure: 500 under policy fail, the correct output under recompute.
+//
+// It runs with TP 1 on both sides, and with TP 2 on P and on D (the fault suite's lease tests
+// with TP 2 on each side, issue 25): every rank's blocks expire and are reused together.
 func TestLeaseExpiryAndReuseDetected(t *testing.T) {
-	for _, policy := range []string{"fail", "recompute"} {
-		t.Run(policy, func(t *testing.T) {
+	for _, c := range []struct {
+		policy string
+		p, d   int
+	}{{"fail", 1, 1}, {"recompute", 1, 1}, {"fail", 2, 1}, {"recompute", 1, 2}, {"fail", 2, 2}} {
+		t.Run(fmt.Sprintf("%s/P%d-D%d", c.policy, c.p, c.d), func(t *testing.T) {
+			policy := c.policy
 			clock := newFakeClock()
 			tick := make(chan time.Time)
 			var plog fixture.LogBuffer
-			p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, now: clock.Now, tick: tick, numBlocks: 8, logw: &plog})
-			d := startNode(t, "D", nodeOptions{kvConfig: `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"` + policy + `"}`})
+			p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, now: clock.Now, tick: tick, numBlocks: 8, logw: &plog, tp: c.p})
+			d := startNode(t, "D", nodeOptions{kvConfig: `{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"` + policy + `"}`, tp: c.d})
 			single := startNode(t, "single", nodeOptions{})
 			prompt := tokens(40, 3)
 			kv := prefill(t, p, prompt)
@@ -143,13 +151,20 @@ func TestLeaseExpiryAndReuseDetected(t *testing.T) {
 }
 
 // TestHeartbeatsKeepTheLease: a D request queued behind another keeps heartbeating P, so P's
-// lease outlives kv_lease_duration; without heartbeats it would expire.
+// lease outlives kv_lease_duration; without heartbeats it would expire. It runs with TP 1 on
+// both sides and with TP 2 on P and on D (issue 25).
 func TestHeartbeatsKeepTheLease(t *testing.T) {
+	for _, c := range []struct{ p, d int }{{1, 1}, {2, 1}, {1, 2}} {
+		t.Run(fmt.Sprintf("P%d-D%d", c.p, c.d), func(t *testing.T) { heartbeatsKeepTheLease(t, c.p, c.d) })
+	}
+}
+
+func heartbeatsKeepTheLease(t *testing.T, ptp, dtp int) {
 	pclock, dclock := newFakeClock(), newFakeClock()
 	ptick, dtick := make(chan time.Time), make(chan time.Time)
-	p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, now: pclock.Now, tick: ptick})
+	p := startNode(t, "P", nodeOptions{kvConfig: producerCfg, now: pclock.Now, tick: ptick, tp: ptp})
 	var dlog fixture.LogBuffer
-	d := startNode(t, "D", nodeOptions{kvConfig: consumerCfg, now: dclock.Now, tick: dtick, maxSeqs: 1, logw: &dlog})
+	d := startNode(t, "D", nodeOptions{kvConfig: consumerCfg, now: dclock.Now, tick: dtick, maxSeqs: 1, logw: &dlog, tp: dtp})
 	defer func() {
 		if t.Failed() {
 			t.Log(dlog.String())
