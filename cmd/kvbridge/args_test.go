@@ -117,6 +117,9 @@ func FuzzNormalizeArgs(f *testing.F) {
 			return
 		}
 		for i, a := range out {
+			if a == "--" {
+				break // what follows is positional, passed through as given
+			}
 			if a == "--kv-transfer-config" && i+1 < len(out) {
 				var m map[string]any
 				if json.Unmarshal([]byte(out[i+1]), &m) != nil {
