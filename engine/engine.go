@@ -520,7 +520,7 @@ func (e *Engine) step(plan Plan) {
 	kv := e.kv
 	if ls, ok := e.cfg.Connector.(LayerStreamer); ok {
 		if done := ls.StreamStep(plan.Work, plan.Preempted); done != nil {
-			kv = []model.KVBlocks{layerStore{e.pool, done}} // one rank: P/D needs TP 1 for now
+			kv = []model.KVBlocks{layerStore{e.pool, done}} // one rank: layer-by-layer push needs a prefiller at TP 1
 		}
 	}
 	if err := e.m.ForwardRanks(e.ctx, kv, e.cfg.BlockSize, seqs); err != nil {

@@ -90,7 +90,8 @@ func grow[T any](s []T, n int) []T {
 // LayerObserver may be implemented by the KV store given to Forward: LayerDone(l) is called on
 // Forward's goroutine after layer l of the step wrote its keys and values of every sequence's
 // tokens into the blocks (a connector streams them while the next layers compute). It must not
-// block. A model on several tensor-parallel ranks refuses one (for now: push P/D needs TP 1).
+// block. A model on several tensor-parallel ranks refuses one: layer-by-layer push needs a
+// prefiller at TP 1 (P/D otherwise works between any TP sizes).
 type LayerObserver interface {
 	LayerDone(layer int)
 }
