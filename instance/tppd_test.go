@@ -70,13 +70,21 @@ func askTP(t *testing.T, hc *http.Client, url string, i int) string {
 // full.
 func startTPStack(t *testing.T, ms map[int]*model.Model, p, d int, mode stack.Mode, backend string, log *slog.Logger) *stack.Stack {
 	t.Helper()
-	s, err := stack.Start(t.Context(), stack.Config{
+	return startStack(t, stack.Config{
 		Mode: mode, Backend: backend, NumBlocks: 96, MaxModelLen: 1024, Logger: log,
 		P: stack.EngineConfig{Model: ms[p], EngineID: fmt.Sprintf("P-tp%d", p)},
 		D: stack.EngineConfig{Model: ms[d], EngineID: fmt.Sprintf("D-tp%d", d), PrefixCaching: true},
 	})
+}
+
+// startStack starts cfg's stack for the test, which closes it when it ends and then requires
+// every pool of it to be full again. The models must outlive it (openTP closes them in an
+// earlier-registered cleanup).
+func startStack(t *testing.T, cfg stack.Config) *stack.Stack {
+	t.Helper()
+	s, err := stack.Start(t.Context(), cfg)
 	if err != nil {
-		t.Fatalf("P TP %d, D TP %d: %v", p, d, err)
+		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		if err := s.Close(); err != nil {
@@ -164,22 +172,11 @@ func TestBidirectionalAcrossTensorParallelSizes(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(fmt.Sprintf("%sP%d-D%d-DP%d", c.backend, c.p, c.d, c.dp), func(t *testing.T) {
-			s, err := stack.Start(t.Context(), stack.Config{
+			s := startStack(t, stack.Config{
 				Mode: stack.Bidirectional, Single: true, NumBlocks: 128, MaxModelLen: 1024, Model: ms[1], Backend: c.backend,
 				P: stack.EngineConfig{Model: ms[c.p], DataParallelSize: c.dp},
 				D: stack.EngineConfig{Model: ms[c.d], PrefixCaching: true, DataParallelSize: c.dp},
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() {
-				if err := s.Close(); err != nil {
-					t.Error(err)
-				}
-				if err := s.CheckPools(); err != nil {
-					t.Error(err)
-				}
-			}()
 			hc := &http.Client{Transport: stack.NewTransport(4)}
 			defer hc.CloseIdleConnections()
 			multiTurn(t, s, hc)
@@ -199,23 +196,12 @@ func TestPushThroughProxyAcrossTPSizes(t *testing.T) {
 	for _, sizes := range [][2]int{{2, 2}, {2, 1}, {1, 2}} {
 		pTP, dTP := sizes[0], sizes[1]
 		t.Run(fmt.Sprintf("TP %d → %d", pTP, dTP), func(t *testing.T) {
-			s, err := stack.Start(t.Context(), stack.Config{
+			s := startStack(t, stack.Config{
 				Single: true, Model: ms[1], NumBlocks: 96, MaxModelLen: 1024,
 				P:     stack.EngineConfig{Model: ms[pTP], KVTransferConfig: push},
 				D:     stack.EngineConfig{Model: ms[dTP], KVTransferConfig: push},
 				Proxy: stack.ProxyConfig{TransferMode: proxy.TransferPush},
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer func() {
-				if err := s.Close(); err != nil {
-					t.Error(err)
-				}
-				if err := s.CheckPools(); err != nil {
-					t.Error(err)
-				}
-			}()
 			hc := &http.Client{Transport: stack.NewTransport(4)}
 			defer hc.CloseIdleConnections()
 			before, err := s.P.Stats()
