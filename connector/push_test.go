@@ -207,12 +207,31 @@ func decodeOnly(t *testing.T, p, d *node, prompt []int, maxTokens int) <-chan re
 // (policy recompute), counting an expired request; P drops the parked registration at its own
 // expiry and tells D, which no longer waits: "Unrecognized request", counted on both sides as a
 // notification after expiry. Pools are full again.
+//
+// D counts P's late refusal once per notification vLLM's ranks would have sent, one per pair of
+// P rank and D rank that the push's mapping uses (docs/architecture.md, "Notifications per
+// remote rank"); the tiny model has 2 KV heads:
+//
+//   - P TP 1 → D TP 1: 1.
+//   - P TP 2 → D TP 1: P rank 0 writes head 0 and P rank 1 head 1 into D's one rank, and each
+//     notifies it: 2.
+//   - P TP 1 → D TP 4: P's one rank writes head 0 into D ranks 0 and 1 and head 1 into D ranks
+//     2 and 3, notifying each: 4.
+//
+// P never handshook D (the registration waited for a request that did not come), so it counts
+// its own late refusal once.
 func TestPushOneLegDropped(t *testing.T) {
+	for _, tc := range []struct{ pTP, dTP, want int }{{1, 1, 1}, {2, 1, 2}, {1, 4, 4}} {
+		t.Run(fmt.Sprintf("P TP %d → D TP %d", tc.pTP, tc.dTP), func(t *testing.T) { pushOneLegDropped(t, tc.pTP, tc.dTP, tc.want) })
+	}
+}
+
+func pushOneLegDropped(t *testing.T, pTP, dTP, wantD int) {
 	var dlog fixture.LogBuffer
 	pclock, dclock := newFakeClock(), newFakeClock()
 	ptick, dtick := make(chan time.Time), make(chan time.Time)
-	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30), now: pclock.Now, tick: ptick})
-	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "recompute", 30), now: dclock.Now, tick: dtick, logw: &dlog})
+	p := startNode(t, "P", nodeOptions{kvConfig: pushConfigWith("kv_producer", "fail", 30), now: pclock.Now, tick: ptick, tp: pTP})
+	d := startNode(t, "D", nodeOptions{kvConfig: pushConfigWith("kv_consumer", "recompute", 30), now: dclock.Now, tick: dtick, logw: &dlog, tp: dTP})
 	prompt := tokens(50, 9)
 	want := singleOutput(t, prompt, 5)
 	got := decodeOnly(t, p, d, prompt, 5)
@@ -224,14 +243,18 @@ func TestPushOneLegDropped(t *testing.T) {
 	d.waitPoolFull(t)
 	pclock.Advance(31 * time.Second)
 	ptick <- time.Time{}
+	const afterExpiry = "vllm:nixl_num_notifications_after_expiry_total"
 	eventually(t, "P to drop the parked registration", func() bool { return p.conn.Info().PushParked == 0 })
 	eventually(t, "D to count P's late refusal", func() bool {
-		return fixture.Scrape(t, http.DefaultClient, d.srv.URL).Sum("vllm:nixl_num_notifications_after_expiry_total") == 1
+		return fixture.Scrape(t, http.DefaultClient, d.srv.URL).Sum(afterExpiry) == float64(wantD)
 	})
 	pm, dm := fixture.Scrape(t, http.DefaultClient, p.srv.URL), fixture.Scrape(t, http.DefaultClient, d.srv.URL)
-	if pm.Sum("vllm:nixl_num_notifications_after_expiry_total") != 1 || dm.Sum("vllm:nixl_num_kv_expired_reqs_total") != 1 {
+	if pm.Sum(afterExpiry) != 1 || dm.Sum("vllm:nixl_num_kv_expired_reqs_total") != 1 {
 		t.Errorf("P counted %v notifications after expiry, D %v expired requests; want 1 each",
-			pm.Sum("vllm:nixl_num_notifications_after_expiry_total"), dm.Sum("vllm:nixl_num_kv_expired_reqs_total"))
+			pm.Sum(afterExpiry), dm.Sum("vllm:nixl_num_kv_expired_reqs_total"))
+	}
+	if got := dm.Sum(afterExpiry); got != float64(wantD) {
+		t.Errorf("D counted %v notifications after expiry, want %d", got, wantD)
 	}
 	if !strings.Contains(dlog.String(), "Unrecognized request") {
 		t.Errorf("D logged no \"Unrecognized request\": %s", dlog.String())
