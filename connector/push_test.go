@@ -14,7 +14,6 @@ import (
 	"maps"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -63,31 +62,13 @@ func newPushID(t *testing.T) string {
 	return hex.EncodeToString(b[:])
 }
 
-// pushConcurrent runs both legs at once (kvbridge's proxies): D learns P's coordinates from P's
-// GET /v1/kv_transfer report, both legs carry the same push_id.
+// pushConcurrent runs both legs at once (pushBothLegs) for prompt: P's leg as a proxy sends it
+// (max_tokens 1), D's greedy for maxTokens tokens.
 func pushConcurrent(t *testing.T, p, d *node, prompt []int, maxTokens int) result {
 	t.Helper()
-	info := p.conn.Info()
-	id := newPushID(t)
-	dkv := map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
-		"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": info.TPSize, "push_id": id}
-	pkv := template()
-	pkv["push_id"] = id
-	var wg sync.WaitGroup
-	var pstatus int
-	var pr result
-	wg.Go(func() {
-		pstatus, pr = post(t, p.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": pkv})
-	})
-	status, r := decode(t, d, prompt, dkv, maxTokens)
-	wg.Wait()
-	if pstatus != 200 || pr.KVParams["transfer_mode"] != "push" {
-		t.Fatalf("prefill leg: %d %s", pstatus, pr.Raw)
-	}
-	if status != 200 {
-		t.Fatalf("decode leg: %d %s", status, r.Raw)
-	}
-	return r
+	return pushBothLegs(t, p, d,
+		map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1},
+		map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": maxTokens, "temperature": 0})
 }
 
 // pushedBytes returns the bytes P wrote since the last call.

@@ -31,29 +31,7 @@ var pushFlows = []pushFlow{
 		}
 		return r
 	}},
-	{"concurrent", func(t *testing.T, p, d *node, pbody, dbody map[string]any) result {
-		t.Helper()
-		info := p.conn.Info()
-		id := newPushID(t)
-		dbody["kv_transfer_params"] = map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
-			"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": info.TPSize, "push_id": id}
-		pkv := template()
-		pkv["push_id"] = id
-		pbody["kv_transfer_params"] = pkv
-		var wg sync.WaitGroup
-		var pstatus int
-		var pr result
-		wg.Go(func() { pstatus, pr = post(t, p.srv.URL+"/v1/completions", pbody) })
-		status, r := post(t, d.srv.URL+"/v1/completions", dbody)
-		wg.Wait()
-		if pstatus != 200 || pr.KVParams["transfer_mode"] != "push" {
-			t.Fatalf("prefill leg: %d %s", pstatus, pr.Raw)
-		}
-		if status != 200 {
-			t.Fatalf("decode leg: %d %s", status, r.Raw)
-		}
-		return r
-	}},
+	{"concurrent", pushBothLegs},
 }
 
 // completionBody is a /v1/completions body of prompt with the sampling fields of sampling.
@@ -186,4 +164,31 @@ func TestPushFirstTokenAcrossTPSizes(t *testing.T) {
 			})
 		}
 	}
+}
+
+// pushBothLegs sends both legs at once (kvbridge's proxies): D learns P's coordinates from P's
+// GET /v1/kv_transfer report, both legs carry the same push_id. pbody and dbody are the legs'
+// bodies without kv_transfer_params; it returns D's answer.
+func pushBothLegs(t *testing.T, p, d *node, pbody, dbody map[string]any) result {
+	t.Helper()
+	info := p.conn.Info()
+	id := newPushID(t)
+	dbody["kv_transfer_params"] = map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+		"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": info.TPSize, "push_id": id}
+	pkv := template()
+	pkv["push_id"] = id
+	pbody["kv_transfer_params"] = pkv
+	var wg sync.WaitGroup
+	var pstatus int
+	var pr result
+	wg.Go(func() { pstatus, pr = post(t, p.srv.URL+"/v1/completions", pbody) })
+	status, r := post(t, d.srv.URL+"/v1/completions", dbody)
+	wg.Wait()
+	if pstatus != 200 || pr.KVParams["transfer_mode"] != "push" {
+		t.Fatalf("prefill leg: %d %s", pstatus, pr.Raw)
+	}
+	if status != 200 {
+		t.Fatalf("decode leg: %d %s", status, r.Raw)
+	}
+	return r
 }
