@@ -175,6 +175,20 @@ func BenchmarkRepack(b *testing.B) {
 	})
 }
 
+// streamShapes are a decode layer's products (N × K: q/k/v, o_proj, gate/up, down_proj), which the
+// stream benchmarks repeat to about 320 MB of weights.
+var streamShapes = [][2]int{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}}
+
+// bandwidthBuffer returns a 256 MB buffer with its pages faulted in, for the read-bandwidth
+// measurements the stream benchmarks take right after their passes.
+func bandwidthBuffer() []float32 {
+	buf := make([]float32, 64<<20)
+	for i := range buf {
+		buf[i] = 1
+	}
+	return buf
+}
+
 // BenchmarkGEMVStream is batch-1 decode's weight stream: one-row products over a stack of
 // matrices far larger than the last-level cache (Qwen3-0.6B's fused qkv, o_proj, fused gate/up
 // and down_proj, repeated to about 320 MB of weights), each read once per pass as a decode step
@@ -182,11 +196,8 @@ func BenchmarkRepack(b *testing.B) {
 // read bandwidth measured right after over a buffer allocated beforehand (so the two share the
 // machine's load): the fraction of the memory bound the products reach.
 func BenchmarkGEMVStream(b *testing.B) {
-	shapes := [][2]int{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}}
-	buf := make([]float32, 64<<20)
-	for i := range buf {
-		buf[i] = 1 // fault the pages in
-	}
+	shapes := streamShapes
+	buf := bandwidthBuffer()
 	for _, kind := range []string{"bfloat16", "bf16dot", "int8"} {
 		b.Run(kind, func(b *testing.B) {
 			if kind == "bf16dot" && BF16Products() != "VDPBF16PS" {
@@ -259,11 +270,8 @@ func readShares(buf []float32, workers int) float64 {
 // FLOPs ÷ the dtype's peak), both measured right after the passes (so they share the machine's
 // load): the fraction of the step bound's product term the kernels reach.
 func BenchmarkBatchStream(b *testing.B) {
-	shapes := [][2]int{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}}
-	buf := make([]float32, 64<<20)
-	for i := range buf {
-		buf[i] = 1 // fault the pages in
-	}
+	shapes := streamShapes
+	buf := bandwidthBuffer()
 	for _, kind := range []string{"bfloat16", "bf16dot"} {
 		for _, rows := range []int{8, 32} {
 			b.Run(fmt.Sprintf("%s/rows%d", kind, rows), func(b *testing.B) {
