@@ -83,20 +83,31 @@ func (a int8Acts) from(g int) int8Acts {
 	return a
 }
 
-// quantize quantizes the tile's rows x[m*lda : m*lda+in] (m < a.mr) as QuantizeInt8 does,
-// rounds their scales with roundScale, and lays them out as a holds them.
+// quantize quantizes the tile's rows x[m*lda : m*lda+in] (m < a.mr) as QuantizeInt8 does
+// (whole groups with AVX-512 where the CPU has it, the same bits), rounds their scales with
+// roundScale, and lays them out as a holds them.
 func (w *int8Weights) quantize(a int8Acts, x []float32, lda, in int) {
 	var qs [Int8Group]int8
+	whole := in / Int8Group * Int8Group
 	for m := range a.mr {
 		row := x[m*lda : m*lda+in]
-		for g := range w.groups {
-			d, s := quantizeGroupInt8(&qs, row[g*Int8Group:min(in, (g+1)*Int8Group)])
-			if w.roundScale != nil {
-				d = w.roundScale(d)
+		for g := 0; g < w.groups; {
+			if g*Int8Group < whole {
+				if n := quantizeGroups(a, m, g, row[g*Int8Group:whole]); n > 0 {
+					g += n
+					continue
+				}
 			}
+			d, s := quantizeGroupInt8(&qs, row[g*Int8Group:min(in, (g+1)*Int8Group)])
 			a.d[g*a.mr+m], a.corr[g*a.mr+m] = d, -128*s
 			for st := range Int8Group / 4 {
 				copy(a.q[4*((Int8Group/4*g+st)*a.mr+m):][:4], qs[4*st:])
+			}
+			g++
+		}
+		if w.roundScale != nil {
+			for g := range w.groups {
+				a.d[g*a.mr+m] = w.roundScale(a.d[g*a.mr+m])
 			}
 		}
 	}

@@ -79,3 +79,20 @@ func int8Tiles() []int8TileFunc {
 	}
 	return []int8TileFunc{tileInt8Generic}
 }
+
+//go:noescape
+func quantI8(x *float32, groups int, q *int8, qstride int, d *float32, corr *int32, sstride int) int
+
+// quantizeGroups quantizes row m of the tile a from group g on with quantI8, x being the row's
+// inputs from group g to its last whole group, and returns how many groups it did (0 without
+// AVX-512 VNNI; quantI8 stops before a group the portable code must do).
+func quantizeGroups(a int8Acts, m, g int, x []float32) int {
+	n := len(x) / Int8Group
+	if n == 0 || !hasInt8Asm() {
+		return 0
+	}
+	_ = a.q[4*8*(g+n)*a.mr-1]
+	_ = a.d[(g+n)*a.mr-1]
+	_ = a.corr[(g+n)*a.mr-1]
+	return quantI8(&x[0], n, &a.q[4*(8*g*a.mr+m)], 4*a.mr, &a.d[g*a.mr+m], &a.corr[g*a.mr+m], 4*a.mr)
+}

@@ -278,3 +278,58 @@ func TestInt8SimulatesQ8_0(t *testing.T) {
 		}
 	}
 }
+
+// TestInt8QuantizeTile: the quantization Apply runs (AVX-512 on whole groups where the CPU has
+// VNNI) gives QuantizeInt8's values, scales and corrections in the tile layout, for every tile
+// height, k not a multiple of the group, and groups that hit every path: exact halves of a step
+// and their neighbours, all-zero groups, tiny magnitudes (subnormal included), Inf and NaN.
+func TestInt8QuantizeTile(t *testing.T) {
+	r := rand.New(rand.NewPCG(13, 13))
+	for _, in := range []int{1, 31, 32, 33, 96, 320, 1000} {
+		groups := (in + Int8Group - 1) / Int8Group
+		w := &int8Weights{groups: groups}
+		for mr := 1; mr <= int8TileRows; mr++ {
+			x := randInt8Matrix(r, mr*in)
+			for g := range mr * groups {
+				row, gr := g/groups, g%groups
+				xs := x[row*in+gr*Int8Group : row*in+min(in, (gr+1)*Int8Group)]
+				switch g % 7 {
+				case 1: // d = 1: k + ½ and its neighbours
+					for i := range xs {
+						h := float32(r.IntN(253)-126) + 0.5
+						xs[i] = [...]float32{h, math.Nextafter32(h, 0), math.Nextafter32(h, 200)}[r.IntN(3)]
+					}
+					xs[0] = 127
+				case 2:
+					xs[r.IntN(len(xs))] = float32(math.Inf(2*r.IntN(2) - 1))
+				case 3:
+					xs[r.IntN(len(xs))] = float32(math.NaN())
+				case 4:
+					for i := range xs {
+						xs[i] = float32(r.NormFloat64()) * 1e-36 * float32(r.IntN(3)) // tiny and subnormal products
+					}
+				case 5:
+					clear(xs)
+				}
+			}
+			a := int8Acts{q: make([]int8, mr*groups*Int8Group), d: make([]float32, mr*groups), corr: make([]int32, mr*groups), mr: mr}
+			w.quantize(a, x, in, in)
+			q := make([]int8, groups*Int8Group)
+			d := make([]float32, groups)
+			sums := make([]int32, groups)
+			for m := range mr {
+				QuantizeInt8(q, d, sums, x[m*in:(m+1)*in])
+				for g := range groups {
+					if math.Float32bits(a.d[g*mr+m]) != math.Float32bits(d[g]) || a.corr[g*mr+m] != -128*sums[g] {
+						t.Fatalf("in %d mr %d row %d group %d: scale %g correction %d, want %g and %d", in, mr, m, g, a.d[g*mr+m], a.corr[g*mr+m], d[g], -128*sums[g])
+					}
+					for k := range Int8Group {
+						if got := a.q[4*((Int8Group/4*g+k/4)*mr+m)+k%4]; got != q[g*Int8Group+k] {
+							t.Fatalf("in %d mr %d row %d group %d: q[%d] = %d, want %d (x %g)", in, mr, m, g, k, got, q[g*Int8Group+k], x[m*in+g*Int8Group+k])
+						}
+					}
+				}
+			}
+		}
+	}
+}
