@@ -12,7 +12,7 @@ import (
 )
 
 // threadCPU returns the calling thread's CPU time in seconds.
-func threadCPU(b *testing.B) float64 {
+func threadCPU(b testing.TB) float64 {
 	var ts unix.Timespec
 	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
 		b.Fatal(err)

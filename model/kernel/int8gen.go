@@ -28,7 +28,7 @@ const tileRows = 6
 
 // pfLinesPerStep is how many 64-byte lines of the next block a tile prefetches per step of 4
 // inputs (while it has any left to prefetch).
-const pfLinesPerStep = 2
+const pfLinesPerStep = 3
 
 // crow returns the address of row m of c (base DI for rows 0–2, SI = DI + 3·ldc for rows 3–5,
 // stride R8 bytes) plus disp.
