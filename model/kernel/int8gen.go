@@ -30,6 +30,19 @@ const tileRows = 6
 // inputs (while it has any left to prefetch).
 const pfLinesPerStep = 3
 
+// text starts the function name, whose Go signature is sig, with an argument frame of frame bytes.
+func text(name, sig string, frame int) {
+	fmt.Fprintf(&out, "\n// func %s%s\n", name, sig)
+	fmt.Fprintf(&out, "TEXT ·%s(SB), NOSPLIT, $0-%d\n", name, frame)
+}
+
+// args loads the first arguments, given as pairs of name and register, 8 bytes each.
+func args(pairs ...string) {
+	for i := 0; i < len(pairs); i += 2 {
+		p("MOVQ %s+%d(FP), %s", pairs[i], 4*i, pairs[i+1])
+	}
+}
+
 // crow returns the address of row m of c (base DI for rows 0–2, SI = DI + 3·ldc for rows 3–5,
 // stride R8 bytes) plus disp.
 func crow(m, disp int) string {
@@ -62,15 +75,8 @@ func crow(m, disp int) string {
 // prefetches pfLinesPerStep lines from pf on (the tile's share of the next block).
 func tile(mr int) {
 	name := fmt.Sprintf("tileI8r%d", mr)
-	fmt.Fprintf(&out, "\n// func %s(a *int8, d *float32, corr *int32, w *byte, groups int, c *float32, ldc int, mask uint64, pf *byte, pfn int, cont int)\n", name)
-	fmt.Fprintf(&out, "TEXT ·%s(SB), NOSPLIT, $0-88\n", name)
-	p("MOVQ a+0(FP), DX")
-	p("MOVQ d+8(FP), R10")
-	p("MOVQ corr+16(FP), R11")
-	p("MOVQ w+24(FP), BX")
-	p("MOVQ groups+32(FP), CX")
-	p("MOVQ c+40(FP), DI")
-	p("MOVQ ldc+48(FP), R8")
+	text(name, "(a *int8, d *float32, corr *int32, w *byte, groups int, c *float32, ldc int, mask uint64, pf *byte, pfn int, cont int)", 88)
+	args("a", "DX", "d", "R10", "corr", "R11", "w", "BX", "groups", "CX", "c", "DI", "ldc", "R8")
 	p("SHLQ $2, R8")
 	p("LEAQ (DI)(R8*2), SI")
 	p("ADDQ R8, SI")
@@ -144,20 +150,15 @@ func tile(mr int) {
 }
 
 // tile2 writes tileI8x1p2: one row × two consecutive whole int8 panels (128 columns, the second
-// panel groups·groupBytes after the first), the computation of tileI8r1 on each (with the chains in registers). Registers: int32
-// group sums Z0..Z3 and Z4..Z7 (first and second panel), float32 chains Z12..Z15 and Z16..Z19,
-// the first panel's weights and then scales in Z24..Z27, the second's in Z20..Z23, temporaries
-// Z28..Z30. Two weight streams and twice the independent chains keep more of the weights in
+// panel groups·groupBytes after the first), the computation of tileI8r1 on each with the chains
+// in registers. Registers: int32 group sums Z0..Z3 and Z4..Z7 (first and second panel), float32
+// chains Z12..Z15 and Z16..Z19, the first panel's weights and then scales in Z24..Z27, the
+// second's in Z20..Z23, temporaries Z28..Z30. Two weight streams and twice the independent chains keep more of the weights in
 // flight than one panel at a time.
 func tile2() {
 	const name = "tileI8x1p2"
-	fmt.Fprintf(&out, "\n// func %s(a *int8, d *float32, corr *int32, w *byte, groups int, c *float32)\n", name)
-	fmt.Fprintf(&out, "TEXT ·%s(SB), NOSPLIT, $0-48\n", name)
-	p("MOVQ a+0(FP), DI")
-	p("MOVQ d+8(FP), R10")
-	p("MOVQ corr+16(FP), R11")
-	p("MOVQ w+24(FP), BX")
-	p("MOVQ groups+32(FP), CX")
+	text(name, "(a *int8, d *float32, corr *int32, w *byte, groups int, c *float32)", 48)
+	args("a", "DI", "d", "R10", "corr", "R11", "w", "BX", "groups", "CX")
 	p("IMUL3Q $%d, CX, DX", groupBytes)
 	p("ADDQ BX, DX")
 	for i := range 8 {
@@ -216,15 +217,8 @@ func tile2() {
 // as roundInt8 rounds it.
 func quant() {
 	const name = "quantI8"
-	fmt.Fprintf(&out, "\n// func %s(x *float32, groups int, q *int8, qstride int, d *float32, corr *int32, sstride int) int\n", name)
-	fmt.Fprintf(&out, "TEXT ·%s(SB), NOSPLIT, $0-64\n", name)
-	p("MOVQ x+0(FP), SI")
-	p("MOVQ groups+8(FP), CX")
-	p("MOVQ q+16(FP), DI")
-	p("MOVQ qstride+24(FP), R8")
-	p("MOVQ d+32(FP), R10")
-	p("MOVQ corr+40(FP), R11")
-	p("MOVQ sstride+48(FP), R9")
+	text(name, "(x *float32, groups int, q *int8, qstride int, d *float32, corr *int32, sstride int) int", 64)
+	args("x", "SI", "groups", "CX", "q", "DI", "qstride", "R8", "d", "R10", "corr", "R11", "sstride", "R9")
 	p("LEAQ (R8*8), R12") // a group's 8 words
 	for _, c := range []struct {
 		bits uint32
