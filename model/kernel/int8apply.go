@@ -10,7 +10,8 @@ import "unsafe"
 // within a panel it goes block of K by block of K (int8KBlockGroups groups), every tile of the
 // group taking its turn on the block while it sits in L1, the chains carried over from block to
 // block in the output, and the tiles prefetch the next block (or the next panel's first) in
-// equal shares as they go, so that the weights stream from memory once, under the arithmetic.
+// equal shares as they go, so that the weights stream from memory once per group of row tiles,
+// under the arithmetic.
 // Decode-sized batches are one group of row tiles over two runs of panels per worker, like the
 // bfloat16 products (schedule.streamPanels); a prefill's rows are split into groups whose
 // activations fit half of l2Budget.
@@ -68,6 +69,9 @@ func (l *Linear) int8Plan(rows, workers int) int8Plan {
 
 // applyInt8 runs Apply for an int8 Linear (see the top of this file).
 func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows int) {
+	if l.panels == 0 {
+		return
+	}
 	w := l.i8
 	groups := w.groups
 	kpad := groups * Int8Group
