@@ -23,7 +23,7 @@ const (
 
 // tileRows is the most rows one tile kernel computes: its int32 group sums (four registers a
 // row) fill Z0..Z23, the weights Z24..Z27, the activations' broadcasts and the epilogue's
-// temporaries Z28..Z31.
+// temporaries Z28..Z30.
 const tileRows = 6
 
 // pfLinesPerStep is how many 64-byte lines of the next block a tile prefetches per step of 4
@@ -64,7 +64,7 @@ func crow(m, disp int) string {
 }
 
 // tile writes tileI8r<mr>: mr rows × 64 columns of one int8 panel over groups groups, the
-// activations laid out for the tile (group g, step q, row m: the 4 inputs at a[(8g+q)·mr+m],
+// activations laid out for the tile (group g, step q, row m: the 4 inputs at word (8g+q)·mr+m of a,
 // the row's scale and correction at d[g·mr+m] and corr[g·mr+m]). The float32 chains live in c:
 // unless cont, the tile first stores zeros there; each group then takes, per row and
 // 16-column vector, s = corr (−128·Σq, as the weights are stored as q+128 for VPDPBUSD's
