@@ -94,7 +94,7 @@ func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows in
 		for t := range s.tiles {
 			quantize(t)
 		}
-	} else { // a prefill's rows, tile by tile (the split changes no bit)
+	} else { // tile by tile on the pool (the split changes no bit)
 		l.pool.Parallel(s.tiles, quantize)
 	}
 	gb := groups * int8GroupBytes // one panel
