@@ -13,7 +13,7 @@ import (
 )
 
 // Layer-by-layer push (kv_connector_extra_config.push_layerwise on a NixlPushConnector
-// prefiller): when a decoder registered before the prefill ended (both legs at once), each
+// prefiller): when a decoder registers while the prefill computes (both legs at once), each
 // layer's KV of each prefill chunk is written as soon as the model computed it, while the next
 // layers and chunks compute; the completion then follows the last write. A registration
 // usually arrives while the prefill already computes (the decoder handshakes and allocates as
