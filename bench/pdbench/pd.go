@@ -185,6 +185,10 @@ type PDRow struct {
 	TTFTPDMs     float64 `json:"ttft_pd_ms"`     // the same request through the proxy (P then D)
 	// Overhead is ttft_pd ÷ ttft_single − 1, a fraction (0.05 = 5%).
 	Overhead float64 `json:"overhead"`
+	// OverheadPaired is the median over the requests of ttft_pd ÷ ttft_single − 1, each P/D
+	// request paired with the single-engine request sent beside it (the two alternate): drift on
+	// a shared machine that moves both alike cancels, where Overhead compares two medians.
+	OverheadPaired float64 `json:"overhead_paired"`
 	// TransferMs is D's KV read of the request (NIXL xferDuration); TransferShare that ÷ ttft_pd
 	// of the same request, a fraction.
 	TransferMs    float64 `json:"transfer_ms"`
@@ -511,7 +515,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 	if _, err := b.pd(ctx, l); err != nil {
 		return PDRow{}, err
 	}
-	var single, pd, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
+	var single, pd, paired, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
 		singleEng, pEng, dEng, dHTTP, dSched []float64
 	var bytes int64
 	var recompute, recomputeWarm, ceilBest, ceilOne, ceilMany, ratio, hidden []float64
@@ -574,6 +578,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		dSched = append(dSched, stats.Ms(s.dEng-s.transfer-cold))
 		single = append(single, stats.Ms(s.single))
 		pd = append(pd, stats.Ms(s.pd))
+		paired = append(paired, float64(s.pd)/float64(s.single)-1)
 		xfer = append(xfer, stats.Ms(s.transfer))
 		share = append(share, float64(s.transfer)/float64(s.pd))
 		gbps = append(gbps, float64(s.bytes)/s.transfer.Seconds()/1e9)
@@ -603,6 +608,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		DHTTPMs: stats.Median(dHTTP), DSchedMs: stats.Median(dSched),
 	}
 	r.Overhead = r.TTFTPDMs/r.TTFTSingleMs - 1
+	r.OverheadPaired = stats.Median(paired)
 	if len(hidden) > 0 {
 		r.HiddenShare = stats.Median(hidden)
 	}

@@ -75,7 +75,7 @@ func TestRunPDTiny(t *testing.T) {
 	if err := WritePDTable(&table, rows); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"transfer_mode", "ttft_single_ms", "transfer_share", "hidden_share", "ceiling_gbps", "where the P/D TTFT goes"} {
+	for _, want := range []string{"transfer_mode", "ttft_single_ms", "paired", "transfer_share", "hidden_share", "ceiling_gbps", "where the P/D TTFT goes"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
@@ -93,8 +93,10 @@ func TestRunPDTiny(t *testing.T) {
 			t.Errorf("json %s = %v", k, got[0][k])
 		}
 	}
-	if _, ok := got[0]["overhead"].(float64); !ok {
-		t.Errorf("json overhead = %v", got[0]["overhead"])
+	for _, k := range []string{"overhead", "overhead_paired"} {
+		if _, ok := got[0][k].(float64); !ok {
+			t.Errorf("json %s = %v", k, got[0][k])
+		}
 	}
 }
 

@@ -29,14 +29,14 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 			measured[0].Backend, where, measured[0].PrefillTP, measured[0].DecodeTP, measured[0].Iters)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tttft_single_ms\tttft_pd_ms\toverhead\ttransfer_ms\ttransfer_share\thidden_share\ttransfer_gbps\tceiling_gbps\tratio\t")
+	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tttft_single_ms\tttft_pd_ms\toverhead\tpaired\ttransfer_ms\ttransfer_share\thidden_share\ttransfer_gbps\tceiling_gbps\tratio\t")
 	for _, r := range measured {
 		hidden := "n/a"
 		if r.HiddenShare >= 0 {
 			hidden = fmt.Sprintf("%.0f%%", 100*r.HiddenShare)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f\t%+.1f%%\t%.2f\t%.2f%%\t%s\t%.2f\t%.2f\t%.2f\t\n",
-			r.Mode, r.PromptLen, r.TTFTSingleMs, r.TTFTPDMs, 100*r.Overhead, r.TransferMs, 100*r.TransferShare, hidden,
+		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f\t%+.1f%%\t%+.1f%%\t%.2f\t%.2f%%\t%s\t%.2f\t%.2f\t%.2f\t\n",
+			r.Mode, r.PromptLen, r.TTFTSingleMs, r.TTFTPDMs, 100*r.Overhead, 100*r.OverheadPaired, r.TransferMs, 100*r.TransferShare, hidden,
 			r.TransferGBps, r.CeilingGBps, r.Ratio)
 	}
 	if err := tw.Flush(); err != nil {
@@ -58,7 +58,9 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "transfer = the KV transfer (NIXL xferDuration): D's read (pull), P's writes (push); ceiling = "+ceiling+";\n"+
+	_, err := fmt.Fprintln(w, "overhead = ttft_pd ÷ ttft_single − 1 (of the two medians); paired = the median over the requests of the same ratio, each P/D request\n"+
+		"with the single-engine request sent beside it (the two alternate), so that drift hitting both alike cancels\n"+
+		"transfer = the KV transfer (NIXL xferDuration): D's read (pull), P's writes (push); ceiling = "+ceiling+";\n"+
 		"hidden_share = the transfer time spent before P had answered: 0 when D's leg left after P's answer (pull); with the legs overlapping (push,\n"+
 		"proxy_mid < 0) 1 − (d_end − p_end − recompute_1tok, within [0, transfer]) ÷ transfer, a lower bound (HTTP after P's answer counts as exposed); n/a: no P answer traced\n"+
 		"push-layered sets kv_connector_extra_config.push_layerwise on P\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
