@@ -155,3 +155,27 @@ func TestOptionsRejectBadValues(t *testing.T) {
 		t.Error("RunProxy accepted 0 clients")
 	}
 }
+
+// TestTaskCPUMatchesRusage: the per-thread scheduler times taskCPU sums for a process move as
+// the kernel's own account of the process (getrusage) does, over the same spell of work.
+func TestTaskCPUMatchesRusage(t *testing.T) {
+	t0, err := taskCPU(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r0 := processCPU()
+	x := 1.0
+	for processCPU()-r0 < 200*time.Millisecond {
+		for range 100000 {
+			x = x*1.0000001 + 1e-9
+		}
+	}
+	t1, err := taskCPU(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r1 := processCPU()
+	if got, want := t1-t0, r1-r0; got < want*8/10 || got > want*12/10+10*time.Millisecond {
+		t.Errorf("taskCPU moved %v, getrusage %v (x %v)", got, want, x)
+	}
+}

@@ -49,11 +49,18 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 	}
 	fmt.Fprintln(w, "\nwhere the P/D TTFT goes (ms, medians; legs as the proxy's transport saw them, engine times from each engine's TTFT histogram):")
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tadded\tadded_share\tproxy_in\tp_leg\tproxy_mid\td_leg\td_http\td_engine\td_transfer\trecompute_1tok\t(packing)\td_sched\tproxy_out\tsingle_engine\tp_engine\t")
+	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tadded\tadded_share\tproxy_in\tp_leg\tproxy_mid\td_leg\td_http\td_engine\td_transfer\trecompute_1tok\t(packing)\td_sched\tproxy_out\tsingle_engine\tp_engine\tsingle_cpu\tp_cpu\td_cpu\t")
 	for _, r := range measured {
-		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f%%\t%.2f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t\n",
+		cpu := func(ms float64) string {
+			if ms < 0 {
+				return "n/a"
+			}
+			return fmt.Sprintf("%.1f", ms)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f%%\t%.2f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%s\t%s\t%s\t\n",
 			r.Mode, r.PromptLen, r.AddedMs, 100*r.AddedShare, r.ProxyInMs, r.PLegMs, r.ProxyMidMs, r.DLegMs, r.DHTTPMs, r.DEngineMs,
-			r.TransferMs, r.RecomputeMs, r.RecomputeMs-r.RecomputeWarmMs, r.DSchedMs, r.ProxyOutMs, r.SingleEngineMs, r.PEngineMs)
+			r.TransferMs, r.RecomputeMs, r.RecomputeMs-r.RecomputeWarmMs, r.DSchedMs, r.ProxyOutMs, r.SingleEngineMs, r.PEngineMs,
+			cpu(r.SingleCPUMs), cpu(r.PCPUMs), cpu(r.DCPUMs))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -67,7 +74,9 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
 		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone\n"+
 		"(0 when D started from P's first token: push with P's and D's sampling alike, D computed nothing),\n"+
-		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")
+		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok\n"+
+		"single_cpu, p_cpu, d_cpu = CPU time of the single engine's process during its request, of P's and D's during the P/D request (--hosts;\n"+
+		"n/a in one process): the hosts share the machine's cores, so P and D's CPU beyond the single engine's is time P's prefill may lose")
 	return err
 }
 
