@@ -540,8 +540,8 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 	var singleCPU, pCPU, dCPU []float64
 	for i := range b.opts.Iters {
 		var (
-			s      pdSample
-			err    error
+			s          pdSample
+			err        error
 			sc, se, su time.Duration
 		)
 		// Alternate the order so that drift on a shared machine favours neither path.
