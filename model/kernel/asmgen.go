@@ -80,14 +80,9 @@ const (
 	wF16         // panel row k: 64 halves (128 bytes)
 )
 
-// tileName names the tile kernel for mr rows of weights of kind wk over vecs vectors of 16
-// columns: a whole panel (4, tile512…xN) or half of one (2, tile512…hN).
-func tileName(wk, mr, vecs int) string {
-	shape := "x"
-	if vecs == 2 {
-		shape = "h"
-	}
-	return fmt.Sprintf("tile512%s%s%d", []string{"", "bf16", "f16"}[wk], shape, mr)
+// tileName names the tile kernel for mr rows of weights of kind wk.
+func tileName(wk, mr int) string {
+	return fmt.Sprintf("tile512%sx%d", []string{"", "bf16", "f16"}[wk], mr)
 }
 
 // tile512 computes mr rows × 64 columns (one packed panel) with zmm registers:
@@ -109,13 +104,9 @@ func tileName(wk, mr, vecs int) string {
 // twice, is in L1 the second time): 20 loads per pair of k instead of 52 with the FMAs'
 // broadcasts from memory, which ran at 0.8 of the FMA peak against 1.0 now (6 and 4 rows, panels
 // in L2, thread CPU time). The one-row tile keeps its memory broadcasts (a memory-bound stream).
-//
-// With vecs = 2 (bf16 only) the tile covers half a panel, 32 columns, for up to 12 rows
-// (accumulators Z(2m+v)): the caller points w at the half's first pair (the other half 128 bytes
-// on), so each of a pair's four lines is read by one half-tile only. The same chain per lane.
-func tile512(wk, mr, vecs, unroll int) {
-	name := tileName(wk, mr, vecs)
-	reg := wk == wBF16 && (mr > 1 || vecs < 4)
+func tile512(wk, mr, unroll int) {
+	name := tileName(wk, mr)
+	reg := wk == wBF16 && mr > 1
 	if wk == wF32 {
 		text(name+"(a *float32, lda int, w *float32, k int, c *float32, ldc int, mask uint64)", "$0-56")
 		for i := 0; i < 4*mr; i++ {
@@ -123,9 +114,9 @@ func tile512(wk, mr, vecs, unroll int) {
 		}
 	} else {
 		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)", "$0-88")
-		continuedTile(name, mr, vecs)
+		continuedTile(name, mr, 4)
 	}
-	prefetch := wk != wF32 && (mr > 1 || vecs < 4)
+	prefetch := wk != wF32 && mr > 1
 	if reg {
 		p("VPBROADCASTD hi16<>(SB), Z30")
 	}
@@ -171,7 +162,7 @@ func tile512(wk, mr, vecs, unroll int) {
 					if half == 1 && evenOnly {
 						break
 					}
-					for v := range vecs {
+					for v := range 4 {
 						if half == 0 {
 							p("VPSLLD $16, %d(BX), Z%d", j*wstep+v*64, 24+v)
 						} else {
@@ -184,8 +175,8 @@ func tile512(wk, mr, vecs, unroll int) {
 					for m := range mr {
 						b := 28 + m%2
 						p("VBROADCASTSS %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*(2*j+half)), b)
-						for v := range vecs {
-							p("VFMADD231PS Z%d, Z%d, Z%d", 24+v, b, vecs*m+v)
+						for v := range 4 {
+							p("VFMADD231PS Z%d, Z%d, Z%d", 24+v, b, 4*m+v)
 						}
 					}
 				}
@@ -243,7 +234,7 @@ func tile512(wk, mr, vecs, unroll int) {
 	}
 	label(name + "_store")
 	columnMasks("mask+48(FP)")
-	cTile(mr, vecs, "c+32(FP)", "ldc+40(FP)", false)
+	cTile(mr, 4, "c+32(FP)", "ldc+40(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -1778,11 +1769,8 @@ func main() {
 	hi16Data()
 	for _, wk := range []int{wF32, wBF16, wF16} {
 		for mr := 1; mr <= maxRows; mr++ {
-			tile512(wk, mr, 4, 4)
+			tile512(wk, mr, 4)
 		}
-	}
-	for mr := 1; mr <= maxHalfRows; mr++ {
-		tile512(wBF16, mr, 2, 4)
 	}
 	tile512bf16x1p(2)
 	tile512bf16x1p(4)

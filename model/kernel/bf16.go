@@ -149,7 +149,7 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 	for m := range rows {
 		toPairs(pairs[m*kp:(m+1)*kp], x[m*lda:m*lda+l.in])
 	}
-	s := l.scheduleRows(rows, l.impl.tileDotHalf != nil)
+	s := l.scheduleDot(rows)
 	// A few rows (batched decode): see streamPanels.
 	s.streamPanels(rows*kp*4, l.pool.Workers())
 	if rows == 1 && l.impl.tileDotWide != nil {

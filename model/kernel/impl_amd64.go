@@ -17,8 +17,6 @@ var avx512Impl = &impl{
 	tile:         tileAVX512,
 	tile16:       tile16AVX512,
 	tileBF16Wide: tileBF16WideAVX512,
-	tileBF16Half: tileBF16HalfAVX512,
-	halfRows:     maxHalfRows,
 	widenBF16:    widenBF16AVX512,
 	dot:          dotAVX512,
 	axpy:         axpyAVX512,
@@ -69,7 +67,7 @@ var avx2Impl = &impl{
 var avx512BF16Impl = func() *impl {
 	im := *avx512Impl
 	im.tileDot, im.toPairs, im.dpLoop = tileDotAVX512, toPairsAVX512, dpLoopAVX512
-	im.tileDotWide, im.tileDotHalf = tileDotWideAVX512, tileDotHalfAVX512
+	im.tileDotWide, im.tileDotHalf, im.halfRows = tileDotWideAVX512, tileDotHalfAVX512, maxHalfRows
 	return &im
 }()
 
@@ -106,7 +104,7 @@ func candidateImpls() []*impl {
 	return c
 }
 
-// maxHalfRows is the most rows of a half-panel tile (tileDot512hN, tile512bf16hN).
+// maxHalfRows is the most rows of a half-panel tile (tileDot512hN).
 const maxHalfRows = 12
 
 // tileKernel16 is the signature of the tile kernels that take 16-bit weights, a prefetch share
@@ -219,18 +217,6 @@ func tile512bf16x3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, m
 func tile512bf16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tile512bf16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tile512bf16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h1(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h2(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h3(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h7(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h8(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h9(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h10(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h11(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
-func tile512bf16h12(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tile512bf16x1p2(a *float32, w *uint16, k int, c *float32)
 func tile512bf16x1p4(a *float32, w *uint16, k int, c *float32)
 
@@ -241,18 +227,11 @@ func tile512f16x4(a *float32, lda int, w *uint16, k int, c *float32, ldc int, ma
 func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 
-// tile16Kernels are the 16-bit tile kernels by DType (BF16, F16) and rows − 1;
-// tileBF16HalfKernels the half-panel BF16 ones.
-var (
-	tile16Kernels = [2][]tileKernel16[float32]{
-		{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
-		{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
-	}
-	tileBF16HalfKernels = []tileKernel16[float32]{
-		tile512bf16h1, tile512bf16h2, tile512bf16h3, tile512bf16h4, tile512bf16h5, tile512bf16h6,
-		tile512bf16h7, tile512bf16h8, tile512bf16h9, tile512bf16h10, tile512bf16h11, tile512bf16h12,
-	}
-)
+// tile16Kernels are the 16-bit tile kernels by DType (BF16, F16) and rows − 1.
+var tile16Kernels = [2][]tileKernel16[float32]{
+	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
+	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
+}
 
 // tileBF16WideAVX512 checks bounds, then runs the one-row kernel over np (2 or 4) consecutive
 // whole BF16 panels.
@@ -276,12 +255,6 @@ func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []u
 		return
 	}
 	runTile16(tile16Kernels[1], panelWidth, panelWidth, c, ldc, a, lda, w, k, k, mr, ncols, pf, cont)
-}
-
-// tileBF16HalfAVX512 is tile16AVX512 for BF16 panels over half a panel (w at the half's first
-// pair, ncols ≤ 32) for up to 12 rows; every tile prefetches its share of pf.
-func tileBF16HalfAVX512(_ DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int, pf []uint16, cont bool) {
-	runTile16(tileBF16HalfKernels, panelWidth/2, 2*panelWidth, c, ldc, a, lda, w, k, (k+1)/2, mr, ncols, pf, cont)
 }
 
 func tileAccBF16x512x1(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)

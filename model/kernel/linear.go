@@ -396,31 +396,22 @@ func (l *Linear) blockTask(rows, tiles, halves, t0, t1, p0, p1, steps, panelStep
 
 // apply16 runs Apply for several rows of a 16-bit Linear whose implementation has 16-bit tiles
 // (tile16), as bfloat16 products run (applyBF16Dot): the rows' tiles stream over long runs of
-// panels (streamPanels), prefetching the next panel, in blocks of k (blockTask); BF16 panels in
-// half-panel tiles where the implementation has them (tileBF16Half, see halfTiles).
+// panels (streamPanels), prefetching the next panel, in blocks of k (blockTask).
 func (l *Linear) apply16(dst []float32, ldc int, x []float32, lda, rows int) {
 	kStep, panelStep := 1, panelWidth // k a step, panel values a step
 	if l.dtype == BF16 {
 		kStep, panelStep = 2, 2*panelWidth
 	}
 	steps := (l.in + kStep - 1) / kStep
-	half := l.dtype == BF16 && l.impl.tileBF16Half != nil
-	s := l.scheduleRows(rows, half)
-	s.streamPanels(rows*min(l.in, kBlockSteps(steps, s.tiles*s.halves)*kStep)*4, l.pool.Workers())
+	s := l.schedule(rows)
+	s.streamPanels(rows*min(l.in, kBlockSteps(steps, s.tiles)*kStep)*4, l.pool.Workers())
 	stride := l.panel16Len()
 	task := func(t int) {
 		t0, t1, p0, p1 := s.ranges(t)
-		l.blockTask(rows, s.tiles, s.halves, t0, t1, p0, p1, steps, panelStep, func(m0, m1, p, h, k0, kn int, pf []uint16, cont bool) {
-			col, ncols := halfColumns(p, h, s.halves, l.out)
-			if ncols <= 0 {
-				return
-			}
-			tile := l.impl.tile16
-			if s.halves == 2 {
-				tile = l.impl.tileBF16Half
-			}
-			tile(l.dtype, dst[m0*ldc+col:], ldc, x[m0*lda+k0*kStep:], lda, l.h[p*stride+k0*panelStep+h*panelWidth:(p+1)*stride],
-				min(l.in-k0*kStep, kn*kStep), m1-m0, ncols, pf, cont)
+		l.blockTask(rows, s.tiles, s.halves, t0, t1, p0, p1, steps, panelStep, func(m0, m1, p, _, k0, kn int, pf []uint16, cont bool) {
+			col := p * panelWidth
+			l.impl.tile16(l.dtype, dst[m0*ldc+col:], ldc, x[m0*lda+k0*kStep:], lda, l.h[p*stride+k0*panelStep:(p+1)*stride],
+				min(l.in-k0*kStep, kn*kStep), m1-m0, min(panelWidth, l.out-col), pf, cont)
 		})
 	}
 	if s.tasks() == 1 {
@@ -430,14 +421,23 @@ func (l *Linear) apply16(dst []float32, ldc int, x []float32, lda, rows int) {
 	l.pool.Parallel(s.tasks(), task)
 }
 
-// scheduleRows is the schedule of a several-row product of 16-bit panels: whole-panel tiles of
-// impl.mr rows, or with half (the implementation's half-panel tiles) tiles of up to
-// impl.halfRows rows over each half of a panel. A half-panel tile reads two of each step's four
-// cache lines (columns 0–31 or 32–63), so every line of a panel is read by one tile call per row
-// tile, and a row tile holds twice as many rows: the weights are read from the caches a third
-// as often at 32 rows (3 row tiles instead of 6) and half as often at 8 (1 instead of 2).
-func (l *Linear) scheduleRows(rows int, half bool) schedule {
-	if rows > 1 && half {
+// maxHalfTileRows is the most rows a bfloat16 product runs in half-panel tiles (scheduleDot).
+const maxHalfTileRows = 16
+
+// scheduleDot is the schedule of a bfloat16 product of rows rows: whole-panel tiles of impl.mr
+// rows, or, for more rows than one such tile holds and at most maxHalfTileRows, the
+// implementation's half-panel tiles (tileDotHalf) of up to impl.halfRows rows over each half of
+// a panel. A half-panel tile reads two of a pair's four cache lines (columns 0–31 or 32–63),
+// so its row tile reads every line of a panel once, and holds twice a whole-panel tile's rows:
+// 7 to 12 rows read the weights from the caches once instead of twice, 13 to 16 twice instead
+// of three times. That is what a memory-bound product needs (below about 16 rows a bfloat16
+// product does 16 or fewer FLOPs per weight byte, under the VDPBF16PS peak ÷ one core's read
+// bandwidth); with more rows the products are bound by the arithmetic, where the whole-panel
+// tiles do better (4 VDPBF16PS per broadcast of an activation pair instead of 2). Passes over
+// 160 MB of Qwen3-0.6B-shaped weights on one thread measured (docs/performance.md) 5–15% more
+// GB per CPU second at 7, 8, 12 and 16 rows, less at 4 and 20–32.
+func (l *Linear) scheduleDot(rows int) schedule {
+	if rows > l.impl.mr && rows <= maxHalfTileRows && l.impl.tileDotHalf != nil {
 		return l.scheduleTiles(rows, l.impl.halfRows, 2)
 	}
 	return l.schedule(rows)
