@@ -23,7 +23,7 @@ func text(sig, frame string) {
 
 const maxRows = 6 // rows per tile in both tile kernels
 
-// maxHalfRows is the most rows of a half-panel tile (tileDot512h, tile512bf16h): 2·12
+// maxHalfRows is the most rows of a half-panel tile (tileDot512hN): 2·12
 // accumulators, as a whole-panel tile's 4·6.
 const maxHalfRows = 12
 

@@ -319,8 +319,8 @@ func widePanelRun(p0, p1, out int) int {
 
 // streamPanels makes s one group of all the row tiles over runs of consecutive panels, two runs
 // per worker, when s runs several tiles over a panel (row tiles, or the two halves of a panel)
-// and has one group of row tiles anyway or the rows' activations that a task's
-// tiles share (actBytes: all of k, or a block of it) fit half the L2 budget: every task then
+// and has one group of row tiles anyway or the rows' activations that a task's tiles share
+// (actBytes: all of k, or a block of it) fit half the L2 budget: every task then
 // runs all row tiles over its run, prefetching each next panel while the current one is
 // computed from the cache, so the weights stream from memory under the arithmetic once. (Split
 // into groups of row tiles, as schedule splits a long K's, a panel was read by several tasks and
