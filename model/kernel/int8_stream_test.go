@@ -7,24 +7,13 @@ import (
 	"math/rand/v2"
 	"runtime"
 	"testing"
-
-	"golang.org/x/sys/unix"
 )
-
-// threadCPU returns the calling thread's CPU time in seconds.
-func threadCPU(b testing.TB) float64 {
-	var ts unix.Timespec
-	if err := unix.ClockGettime(unix.CLOCK_THREAD_CPUTIME_ID, &ts); err != nil {
-		b.Fatal(err)
-	}
-	return float64(ts.Sec) + float64(ts.Nsec)/1e9
-}
 
 // BenchmarkInt8BatchStream is batched decode's int8 products on one thread: rows (8 or 32) ×
 // Qwen3-0.6B-shaped int8 matrices (streamShapes, repeated to about 160 MB of weights, far larger
 // than the last-level cache), each read once per pass, on a pool of one worker. It reports GB of
 // weights and GFLOP per second of the thread's CPU time, which a shared machine's time slicing
-// does not disturb (wall-clock ns/op still does).
+// does not disturb (wall-clock ns/op still does; threadCPU is in bench_tiles_linux_test.go).
 func BenchmarkInt8BatchStream(b *testing.B) {
 	r := rand.New(rand.NewPCG(1, 1))
 	src := make([][]float32, len(streamShapes))
