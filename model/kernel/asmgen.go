@@ -1383,6 +1383,132 @@ func rowDots512(bf16 bool) {
 	p("RET")
 }
 
+// rowDotsBF16p512 is rowDotsBF16x512 for dim a multiple of 32, transposing the keys' bfloat16
+// values in pairs: for every 32 dimensions the 16 keys are loaded 64 bytes each (32 values) and
+// transposed as 32-bit elements, so lane j of Z(p) holds the pair key_j[2p], key_j[2p+1]; each
+// pair is then widened exactly — the even value shifted into the upper half (VPSLLD $16), the
+// odd one with the lower half cleared (VPANDD) — just before its two FMAs per row. The chains
+// are rowDotsBF16x512's (d ascending, from zero, the same widened values), with half its
+// transposing and widening per dimension: with few query rows (decode's 2 per KV head) those,
+// not the FMAs, were what the kernel spent its time on.
+func rowDotsBF16p512() {
+	name := "rowDotsBF16p512"
+	text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *uint16, ldk int, nk int, dim int, tmp *float32)", "$0-80")
+	p("MOVQ q+16(FP), BX")
+	p("MOVQ ldq+24(FP), R11")
+	p("SHLQ $2, R11")
+	p("MOVQ k+40(FP), SI")
+	p("MOVQ ldk+48(FP), R9")
+	p("SHLQ $1, R9")
+	p("MOVQ nk+56(FP), R12")
+	p("MOVQ dim+64(FP), DX")
+	p("SHLQ $2, DX")
+	p("MOVQ tmp+72(FP), R13")
+	p("VPXORD Z16, Z16, Z16")
+	p("MOVQ R13, R14")
+	p("MOVQ rows+32(FP), CX")
+	label(name + "_zero")
+	p("VMOVUPS Z16, (R14)")
+	p("ADDQ $64, R14")
+	p("DECQ CX")
+	p("JNZ " + name + "_zero")
+	p("XORQ AX, AX")
+	p("XORQ R8, R8")
+	label(name + "_block")
+	p("MOVQ SI, R10")
+	for i := range 16 {
+		p("VMOVDQU32 (R10)(R8*1), Z%d", i)
+		if i < 15 {
+			p("LEAQ (R10)(R9*1), R14")
+			p("CMPQ R12, $%d", i+1)
+			p("CMOVQGT R14, R10")
+		}
+	}
+	for i := range 8 {
+		p("VUNPCKLPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 16+2*i)
+		p("VUNPCKHPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 17+2*i)
+	}
+	for g := range 4 {
+		t := 16 + 4*g
+		p("VUNPCKLPD Z%d, Z%d, Z%d", t+2, t, 4*g)
+		p("VUNPCKHPD Z%d, Z%d, Z%d", t+2, t, 4*g+1)
+		p("VUNPCKLPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+2)
+		p("VUNPCKHPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+3)
+	}
+	for c := range 4 {
+		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 4+c, c, 16+c)
+		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 4+c, c, 20+c)
+		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 12+c, 8+c, 24+c)
+		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 12+c, 8+c, 28+c)
+	}
+	for c := range 4 {
+		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 24+c, 16+c, c)
+		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 24+c, 16+c, 4+c)
+		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 28+c, 20+c, 8+c)
+		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 28+c, 20+c, 12+c)
+	}
+	// Z(p) lane j = key_j[32b+2p] | key_j[32b+2p+1]<<16. Z20 = the odd values' mask.
+	p("MOVL $0xffff0000, R14")
+	p("VPBROADCASTD R14, Z20")
+	p("LEAQ (BX)(AX*1), R15")
+	p("MOVQ R13, R14")
+	p("MOVQ rows+32(FP), CX")
+	p("CMPQ CX, $2")
+	p("JLT " + name + "_row1")
+	label(name + "_row2")
+	p("VMOVUPS (R14), Z16")
+	p("VMOVUPS 64(R14), Z17")
+	for d := range 16 {
+		p("VPSLLD $16, Z%d, Z18", d)
+		p("VFMADD231PS.BCST %d(R15), Z18, Z16", 8*d)
+		p("VFMADD231PS.BCST %d(R15)(R11*1), Z18, Z17", 8*d)
+		p("VPANDD Z20, Z%d, Z19", d)
+		p("VFMADD231PS.BCST %d(R15), Z19, Z16", 8*d+4)
+		p("VFMADD231PS.BCST %d(R15)(R11*1), Z19, Z17", 8*d+4)
+	}
+	p("VMOVUPS Z16, (R14)")
+	p("VMOVUPS Z17, 64(R14)")
+	p("ADDQ $128, R14")
+	p("LEAQ (R15)(R11*2), R15")
+	p("SUBQ $2, CX")
+	p("CMPQ CX, $2")
+	p("JGE " + name + "_row2")
+	label(name + "_row1")
+	p("TESTQ CX, CX")
+	p("JEQ " + name + "_next")
+	p("VMOVUPS (R14), Z16")
+	for d := range 16 {
+		p("VPSLLD $16, Z%d, Z18", d)
+		p("VFMADD231PS.BCST %d(R15), Z18, Z16", 8*d)
+		p("VPANDD Z20, Z%d, Z19", d)
+		p("VFMADD231PS.BCST %d(R15), Z19, Z16", 8*d+4)
+	}
+	p("VMOVUPS Z16, (R14)")
+	label(name + "_next")
+	p("ADDQ $128, AX")
+	p("ADDQ $64, R8")
+	p("CMPQ AX, DX")
+	p("JLT " + name + "_block")
+	p("MOVQ $1, AX")
+	p("MOVQ R12, CX")
+	p("SHLQ CX, AX")
+	p("DECQ AX")
+	p("KMOVW AX, K1")
+	p("MOVQ dst+0(FP), DI")
+	p("MOVQ ldd+8(FP), R8")
+	p("SHLQ $2, R8")
+	p("MOVQ rows+32(FP), CX")
+	label(name + "_store")
+	p("VMOVUPS (R13), Z16")
+	p("VMOVUPS Z16, K1, (DI)")
+	p("ADDQ $64, R13")
+	p("ADDQ R8, DI")
+	p("DECQ CX")
+	p("JNZ " + name + "_store")
+	p("VZEROUPPER")
+	p("RET")
+}
+
 // touchLines reads one byte of each cache line of the n bytes from x, in order: demand loads
 // that the hardware prefetchers follow ahead, unlike a burst of prefetches, which waits for free
 // miss buffers and stalls the work behind it.
@@ -1807,6 +1933,7 @@ func main() {
 	transpose256()
 	rowDots512(false)
 	rowDots512(true)
+	rowDotsBF16p512()
 	touchLines()
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4, 4)
