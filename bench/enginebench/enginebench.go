@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"os"
 	"runtime"
@@ -66,8 +67,9 @@ type Options struct {
 	PeakDuration time.Duration
 	// ProbeBytes is the buffer the read-bandwidth probe reads (default 256 MiB, eight times the
 	// 32 MiB last-level cache of docs/performance.md's machine: keep it far above the
-	// last-level cache), ProbeWindow how long each probe reads it (default 100ms). The probe
-	// runs right before and right after every timed decode repetition (kernel.ReadProbe).
+	// last-level cache), ProbeWindow how long each probe reads it (default 10ms; at least a
+	// pass in each of its patterns). The probe runs before the first and after every timed
+	// decode step (kernel.ReadProbe, Rep).
 	ProbeBytes  int
 	ProbeWindow time.Duration
 	// Repeat is how many times each measurement runs; the fastest is reported (default 3), as
@@ -122,7 +124,7 @@ func (o *Options) defaults() {
 		o.ProbeBytes = 256 << 20
 	}
 	if o.ProbeWindow <= 0 {
-		o.ProbeWindow = 100 * time.Millisecond
+		o.ProbeWindow = 10 * time.Millisecond
 	}
 	if o.Repeat <= 0 {
 		o.Repeat = 3
@@ -245,27 +247,30 @@ type BatchResult struct {
 	productFLOPs, attnFLOPs, kvBytes float64
 }
 
-// Rep is one timed repetition of a decode figure beside the read bandwidth probed right before
-// and right after it (kernel.ReadProbe, on GOMAXPROCS threads, as many as the decode's products
-// run on).
+// Rep is one timed repetition of a decode figure, its steps timed one by one with the read
+// bandwidth probed before the first step and after every step (kernel.ReadProbe, on GOMAXPROCS
+// threads, as many as the decode's products run on): each step has the ceiling of its own
+// moment, the mean of the probes either side of it.
 type Rep struct {
-	TokensPerS     float64 `json:"tokens_per_s"`
-	ReadGBpsBefore float64 `json:"read_gbps_before"`
-	ReadGBpsAfter  float64 `json:"read_gbps_after"`
-	// Ratio is TokensPerS ÷ the figure's bound at the mean of the two probes: the ceiling of
-	// the repetition's own moment.
+	// TokensPerS is the tokens of all steps ÷ the steps' time (the probes' time left out).
+	TokensPerS float64 `json:"tokens_per_s"`
+	// ReadGBps is the harmonic mean of the steps' ceilings, so that a bound at it is what the
+	// steps' bounds at their own ceilings add up to (a step reads the same bytes at every step
+	// of a repetition, but for one more position of KV); ReadGBpsMin and ReadGBpsMax are the
+	// lowest and highest probe.
+	ReadGBps    float64 `json:"read_gbps"`
+	ReadGBpsMin float64 `json:"read_gbps_min"`
+	ReadGBpsMax float64 `json:"read_gbps_max"`
+	// Ratio is TokensPerS ÷ the figure's bound at ReadGBps.
 	Ratio float64 `json:"ratio"`
 }
-
-// readGBps is the bandwidth of the repetition's moment: the mean of the probes either side.
-func (r Rep) readGBps() float64 { return (r.ReadGBpsBefore + r.ReadGBpsAfter) / 2 }
 
 // probedRatios sets each repetition's Ratio, bound(its bandwidth in bytes a second) being the
 // figure's bound in tokens/s, and returns their median.
 func probedRatios(reps []Rep, bound func(bw float64) float64) float64 {
 	ratios := make([]float64, len(reps))
 	for i := range reps {
-		reps[i].Ratio = reps[i].TokensPerS / bound(reps[i].readGBps()*1e9)
+		reps[i].Ratio = reps[i].TokensPerS / bound(reps[i].ReadGBps*1e9)
 		ratios[i] = reps[i].Ratio
 	}
 	return median(ratios)
@@ -283,15 +288,34 @@ func median(x []float64) float64 {
 	return x[len(x)/2]
 }
 
-// beside runs one timed repetition of a decode figure between two probes of the read
-// bandwidth; run returns the figure's tokens/s.
-func beside(probe *kernel.ReadProbe, window time.Duration, run func() (float64, error)) (Rep, error) {
+// probedSteps runs steps decode steps (step(i) runs the i-th, generating tokens tokens) between
+// probes of the read bandwidth, timing each step alone, and returns the repetition with the CPU
+// time the process used per second of the steps (0 if it cannot be read).
+func probedSteps(probe *kernel.ReadProbe, window time.Duration, steps, tokens int, step func(i int) error) (Rep, float64, error) {
 	before := probe.GBps(window)
-	tps, err := run()
-	if err != nil {
-		return Rep{}, err
+	lo, hi := before, before
+	var sec, cpu, inverse float64
+	for i := range steps {
+		cpu0, cpuOK := cpuTime()
+		t0 := time.Now()
+		if err := step(i); err != nil {
+			return Rep{}, 0, err
+		}
+		sec += time.Since(t0).Seconds()
+		if cpu1, ok := cpuTime(); ok && cpuOK {
+			cpu += (cpu1 - cpu0).Seconds()
+		} else {
+			cpu = math.NaN()
+		}
+		after := probe.GBps(window)
+		lo, hi = min(lo, after), max(hi, after)
+		inverse += 2 / (before + after)
+		before = after
 	}
-	return Rep{TokensPerS: tps, ReadGBpsBefore: before, ReadGBpsAfter: probe.GBps(window)}, nil
+	if sec <= 0 || math.IsNaN(cpu) {
+		cpu = 0
+	}
+	return Rep{TokensPerS: float64(steps*tokens) / sec, ReadGBps: float64(steps) / inverse, ReadGBpsMin: lo, ReadGBpsMax: hi}, cpu / sec, nil
 }
 
 // Run loads the model in each dtype, measures the ceilings, prefills a random prompt into a
@@ -311,7 +335,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 	progress("faulting in the bandwidth probe's %d MiB", opts.ProbeBytes>>20)
 	probe := kernel.NewReadProbe(opts.ProbeBytes, 0)
 	progress("measuring ceilings (float32 and bfloat16 peaks for %v each, memory bandwidth)", opts.PeakDuration/2)
-	r.measureCeilings(opts.PeakDuration/2, probe, opts.ProbeWindow)
+	r.measureCeilings(opts.PeakDuration/2, probe)
 	for _, dt := range opts.DTypes {
 		for _, kvdt := range opts.KVCacheDTypes {
 			for _, q := range opts.Quantizations {
@@ -326,7 +350,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 		}
 	}
 	progress("measuring ceilings again")
-	r.measureCeilings(opts.PeakDuration/2, probe, opts.ProbeWindow)
+	r.measureCeilings(opts.PeakDuration/2, probe)
 	for i := range r.Runs {
 		r.Runs[i].ratios(r)
 	}
@@ -421,12 +445,7 @@ func runDType(ctx context.Context, opts Options, r *Result, probe *kernel.ReadPr
 		if opts.DecodeTokens <= 0 {
 			continue
 		}
-		var cores float64
-		decode, err := beside(probe, opts.ProbeWindow, func() (float64, error) {
-			var sec float64
-			sec, cores, err = decodeOnce(ctx, m, kv, opts, blocks, logits)
-			return float64(opts.DecodeTokens) / sec, err
-		})
+		decode, cores, err := decodeOnce(ctx, m, kv, opts, probe, blocks, logits)
 		if err != nil {
 			return nil, err
 		}
@@ -458,10 +477,7 @@ func runDType(ctx context.Context, opts Options, r *Result, probe *kernel.ReadPr
 		for rep := range opts.Repeat {
 			for i, b := range opts.Batches {
 				progress("%s run %d/%d: decoding %d steps at batch %d (context %d)", d.name(), rep+1, opts.Repeat, opts.DecodeSteps, b, context)
-				r, err := beside(probe, opts.ProbeWindow, func() (float64, error) {
-					sec, err := decodeBatch(ctx, m, kv, opts, seqs[:b], context)
-					return float64(b*opts.DecodeSteps) / sec, err
-				})
+				r, err := decodeBatch(ctx, m, kv, opts, probe, seqs[:b], context)
 				if err != nil {
 					return nil, err
 				}
@@ -558,13 +574,16 @@ func (d *DTypeResult) ratios(r *Result) {
 	}
 }
 
+// ceilingWindow is how long the read bandwidth of the run's ceilings (Result.ReadGBps) is probed.
+const ceilingWindow = 100 * time.Millisecond
+
 // measureCeilings measures the compute peaks (for about d each) and the memory bandwidths (the
-// read bandwidth with probe for about window), keeping the highest figures seen in this run:
+// read bandwidth with probe for about ceilingWindow), keeping the highest figures seen in this run:
 // the machine is shared, and a ceiling measured while other work runs would flatter the ratios.
-func (r *Result) measureCeilings(d time.Duration, probe *kernel.ReadProbe, window time.Duration) {
+func (r *Result) measureCeilings(d time.Duration, probe *kernel.ReadProbe) {
 	r.PeakGFLOPS = max(r.PeakGFLOPS, kernel.PeakGFLOPS(d))
 	r.PeakBF16GFLOPS = max(r.PeakBF16GFLOPS, kernel.PeakBF16GFLOPS(d))
-	r.ReadGBps = max(r.ReadGBps, probe.GBps(window))
+	r.ReadGBps = max(r.ReadGBps, probe.GBps(ceilingWindow))
 	r.MemcpyGBps = max(r.MemcpyGBps, kernel.MemcpyGBps(64<<20))
 }
 
@@ -586,30 +605,22 @@ func prefillOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts 
 }
 
 // decodeOnce decodes DecodeTokens tokens greedily after the prompt prefillOnce left in kv and
-// logits, returning the seconds and the CPU time the process used per second of them (0 if it
-// cannot be read).
-func decodeOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, blocks []int32, logits []float32) (decode, cores float64, err error) {
-	cpu0, cpuOK := cpuTime()
-	t0 := time.Now()
-	for i := range opts.DecodeTokens {
+// logits, a step at a time between probes of the read bandwidth (probedSteps), and returns the
+// repetition and the CPU time the process used per second of its steps (0 if it cannot be read).
+func decodeOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, probe *kernel.ReadProbe, blocks []int32, logits []float32) (Rep, float64, error) {
+	return probedSteps(probe, opts.ProbeWindow, opts.DecodeTokens, 1, func(i int) error {
 		next := model.Argmax(logits)
 		s := model.Seq{Tokens: []int32{next}, Start: opts.PromptLen + i, Blocks: blocks, Logits: logits}
-		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{s}); err != nil {
-			return 0, 0, err
-		}
-	}
-	decode = time.Since(t0).Seconds()
-	if cpu1, ok := cpuTime(); ok && cpuOK && decode > 0 {
-		cores = (cpu1 - cpu0).Seconds() / decode
-	}
-	return decode, cores, nil
+		return m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{s})
+	})
 }
 
 // decodeBatch decodes DecodeSteps greedy steps of every sequence of seqs together from
 // position context on (their KV holds at least context positions; their Logits hold logits
-// to sample the first tokens from) and returns the seconds. The sequences are left as they
-// were, so every repetition decodes the same steps.
-func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, seqs []model.Seq, context int) (float64, error) {
+// to sample the first tokens from), a step at a time between probes of the read bandwidth
+// (probedSteps), and returns the repetition. The sequences are left as they were, so every
+// repetition decodes the same steps.
+func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, probe *kernel.ReadProbe, seqs []model.Seq, context int) (Rep, error) {
 	step := make([]model.Seq, len(seqs))
 	toks := make([]int32, len(seqs))
 	last := make([][]float32, len(seqs))
@@ -617,20 +628,20 @@ func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts 
 		last[i] = slices.Clone(s.Logits)
 		step[i] = model.Seq{Blocks: s.Blocks, Logits: make([]float32, len(s.Logits))}
 	}
-	t0 := time.Now()
-	for k := range opts.DecodeSteps {
+	r, _, err := probedSteps(probe, opts.ProbeWindow, opts.DecodeSteps, len(seqs), func(k int) error {
 		kernel.Parallel(len(step), func(i int) { // greedy sampling of every sequence, on every core
 			toks[i] = model.Argmax(last[i])
 			step[i].Tokens, step[i].Start = toks[i:i+1], context+k
 		})
 		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, step); err != nil {
-			return 0, err
+			return err
 		}
 		for i := range step {
 			last[i], step[i].Logits = step[i].Logits, last[i]
 		}
-	}
-	return time.Since(t0).Seconds(), nil
+		return nil
+	})
+	return r, err
 }
 
 // WriteTable prints the result as tables with ratios to the ceilings.
@@ -677,8 +688,9 @@ func (r *Result) WriteTable(w io.Writer) error {
 		return err
 	}
 	r.writeTargets(w)
-	_, err := fmt.Fprintf(w, "probed beside each run: a run's tok/s ÷ its bound at the mean of the read bandwidths probed right before and right after it\n"+
-		"  (%d goroutines, each reading its share of a %d MiB buffer as one stream and as two, the faster of the two); the ratio is the median of the runs' ratios\n"+
+	_, err := fmt.Fprintf(w, "probed beside each run: a run's tok/s (its steps' time) ÷ its bound at the read bandwidth probed before its first step and after each step\n"+
+		"  (each step's ceiling the mean of the probes either side of it; the run's their harmonic mean); a probe: %d goroutines, each reading its share\n"+
+		"  of a %d MiB buffer as one stream and as two, the faster of the two; the ratio is the median of the runs' ratios\n"+
 		"peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2) or VDPBF16PS (× lanes × 4)\n"+
 		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step and sequence\n"+
 		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch (int8 weights: a byte each plus a float32 scale per 32)\n"+
@@ -691,14 +703,14 @@ func (r *Result) WriteTable(w io.Writer) error {
 }
 
 // writeProbed prints a decode figure's row against its bound at the bandwidth probed beside each
-// repetition: the range of the probes' moments and the median ratio.
+// step of each repetition: the range of the probes and the median ratio.
 func writeProbed(tw io.Writer, name, bound string, reps []Rep, ratio float64) {
 	if len(reps) == 0 {
 		return
 	}
-	lo, hi := reps[0].readGBps(), reps[0].readGBps()
+	lo, hi := reps[0].ReadGBpsMin, reps[0].ReadGBpsMax
 	for _, r := range reps[1:] {
-		lo, hi = min(lo, r.readGBps()), max(hi, r.readGBps())
+		lo, hi = min(lo, r.ReadGBpsMin), max(hi, r.ReadGBpsMax)
 	}
 	fmt.Fprintf(tw, "  probed beside each run\t%s\t\t%s at %.1f–%.1f GB/s\t%.2f\t\n", name, bound, lo, hi, ratio)
 }

@@ -154,14 +154,14 @@ func NewReadProbe(bytes, workers int) *ReadProbe {
 	return &ReadProbe{buf: buf, workers: workers}
 }
 
-// GBps reads for about window, half of it in each pattern, and returns the faster pattern's
-// rate in GB/s (10^9 bytes a second).
+// GBps reads for about window, half of it in each pattern (at least a pass of each), and returns
+// the faster pattern's rate in GB/s (10^9 bytes a second).
 func (p *ReadProbe) GBps(window time.Duration) float64 {
 	return max(p.rate(1, window/2), p.rate(2, window/2))
 }
 
 // rate reads the buffer in streams streams a worker for about window — the workers start
-// together, each after a warm-up pass, and each reads at least one whole pass — and returns
+// together and each reads at least one whole pass — and returns
 // the sum of the workers' rates in GB/s, each its bytes over its passes' time (as a decode's
 // figure is the time of all its steps).
 func (p *ReadProbe) rate(streams int, window time.Duration) float64 {
@@ -178,7 +178,6 @@ func (p *ReadProbe) rate(streams int, window time.Duration) float64 {
 			defer runtime.UnlockOSThread()
 			share := p.buf[w*n : (w+1)*n]
 			<-start
-			readStreams(share, streams) // warm-up pass
 			t0 := time.Now()
 			passes := 0
 			for passes < 1 || time.Since(t0) < window {
