@@ -67,9 +67,9 @@ type Options struct {
 	PeakDuration time.Duration
 	// ProbeBytes is the buffer the read-bandwidth probe reads (default 256 MiB, eight times the
 	// 32 MiB last-level cache of docs/performance.md's machine: keep it far above the
-	// last-level cache), ProbeWindow how long each probe reads it (default 10ms; at least a
-	// pass in each of its patterns). The probe runs before the first and after every timed
-	// decode step (kernel.ReadProbe, Rep).
+	// last-level cache), ProbeWindow how long the probe before a repetition's first step reads
+	// it (default 10ms; at least a pass in each of its patterns). The probe runs before the
+	// first and after every timed decode step (kernel.ReadProbe, Rep).
 	ProbeBytes  int
 	ProbeWindow time.Duration
 	// Repeat is how many times each measurement runs; the fastest is reported (default 3), as
@@ -247,17 +247,16 @@ type BatchResult struct {
 	productFLOPs, attnFLOPs, kvBytes float64
 }
 
-// Rep is one timed repetition of a decode figure, its steps timed one by one with the read
-// bandwidth probed before the first step and after every step (kernel.ReadProbe, on GOMAXPROCS
-// threads, as many as the decode's products run on): each step has the ceiling of its own
-// moment, the mean of the probes either side of it.
+// Rep is one timed repetition of a decode figure, its steps timed one by one and the read
+// bandwidth probed between them (kernel.ReadProbe, on GOMAXPROCS threads, as many as the
+// decode's products run on): before the first step for Options.ProbeWindow, after each step
+// for as long as that step took. The probes thus sample the machine for about as long as the
+// steps, interleaved with them, and the repetition has the ceiling of its own moments.
 type Rep struct {
 	// TokensPerS is the tokens of all steps ÷ the steps' time (the probes' time left out).
 	TokensPerS float64 `json:"tokens_per_s"`
-	// ReadGBps is the harmonic mean of the steps' ceilings, so that a bound at it is what the
-	// steps' bounds at their own ceilings add up to (a step reads the same bytes at every step
-	// of a repetition, but for one more position of KV); ReadGBpsMin and ReadGBpsMax are the
-	// lowest and highest probe.
+	// ReadGBps is the probes' rates averaged over their time; ReadGBpsMin and ReadGBpsMax are
+	// the lowest and highest probe.
 	ReadGBps    float64 `json:"read_gbps"`
 	ReadGBpsMin float64 `json:"read_gbps_min"`
 	ReadGBpsMax float64 `json:"read_gbps_max"`
@@ -288,34 +287,41 @@ func median(x []float64) float64 {
 	return x[len(x)/2]
 }
 
-// probedSteps runs steps decode steps (step(i) runs the i-th, generating tokens tokens) between
-// probes of the read bandwidth, timing each step alone, and returns the repetition with the CPU
-// time the process used per second of the steps (0 if it cannot be read).
+// probedSteps runs steps decode steps (step(i) runs the i-th, generating tokens tokens)
+// interleaved with probes of the read bandwidth (see Rep), timing each step alone, and returns
+// the repetition with the CPU time the process used per second of the steps (0 if it cannot be
+// read).
 func probedSteps(probe *kernel.ReadProbe, window time.Duration, steps, tokens int, step func(i int) error) (Rep, float64, error) {
-	before := probe.GBps(window)
-	lo, hi := before, before
-	var sec, cpu, inverse float64
+	r := Rep{ReadGBpsMin: math.Inf(1)}
+	var probeSec float64
+	sample := func(d time.Duration) {
+		t0 := time.Now()
+		gbps := probe.GBps(d)
+		sec := time.Since(t0).Seconds()
+		r.ReadGBps += gbps * sec
+		probeSec += sec
+		r.ReadGBpsMin, r.ReadGBpsMax = min(r.ReadGBpsMin, gbps), max(r.ReadGBpsMax, gbps)
+	}
+	sample(window)
+	var sec, cpu float64
+	cpuOK := true
 	for i := range steps {
-		cpu0, cpuOK := cpuTime()
+		cpu0, ok0 := cpuTime()
 		t0 := time.Now()
 		if err := step(i); err != nil {
 			return Rep{}, 0, err
 		}
-		sec += time.Since(t0).Seconds()
-		if cpu1, ok := cpuTime(); ok && cpuOK {
-			cpu += (cpu1 - cpu0).Seconds()
-		} else {
-			cpu = math.NaN()
-		}
-		after := probe.GBps(window)
-		lo, hi = min(lo, after), max(hi, after)
-		inverse += 2 / (before + after)
-		before = after
+		d := time.Since(t0)
+		cpu1, ok1 := cpuTime()
+		cpuOK = cpuOK && ok0 && ok1
+		sec, cpu = sec+d.Seconds(), cpu+(cpu1-cpu0).Seconds()
+		sample(d)
 	}
-	if sec <= 0 || math.IsNaN(cpu) {
-		cpu = 0
+	r.TokensPerS, r.ReadGBps = float64(steps*tokens)/sec, r.ReadGBps/probeSec
+	if !cpuOK {
+		return r, 0, nil
 	}
-	return Rep{TokensPerS: float64(steps*tokens) / sec, ReadGBps: float64(steps) / inverse, ReadGBpsMin: lo, ReadGBpsMax: hi}, cpu / sec, nil
+	return r, cpu / sec, nil
 }
 
 // Run loads the model in each dtype, measures the ceilings, prefills a random prompt into a
@@ -688,9 +694,9 @@ func (r *Result) WriteTable(w io.Writer) error {
 		return err
 	}
 	r.writeTargets(w)
-	_, err := fmt.Fprintf(w, "probed beside each run: a run's tok/s (its steps' time) ÷ its bound at the read bandwidth probed before its first step and after each step\n"+
-		"  (each step's ceiling the mean of the probes either side of it; the run's their harmonic mean); a probe: %d goroutines, each reading its share\n"+
-		"  of a %d MiB buffer as one stream and as two, the faster of the two; the ratio is the median of the runs' ratios\n"+
+	_, err := fmt.Fprintf(w, "probed beside each run: a run's tok/s (its steps' time) ÷ its bound at the read bandwidth probed between its steps, after each step for as long\n"+
+		"  as the step took (the probes' rates averaged over their time); a probe: %d goroutines, each reading its share of a %d MiB buffer as one stream\n"+
+		"  and as two, the faster of the two; the ratio is the median of the runs' ratios\n"+
 		"peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2) or VDPBF16PS (× lanes × 4)\n"+
 		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step and sequence\n"+
 		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch (int8 weights: a byte each plus a float32 scale per 32)\n"+
