@@ -24,6 +24,11 @@ import "github.com/kvbridge/kvbridge/model/kernel"
 // (TestAttentionPositionSplit). It costs two more hand-offs per layer (the probabilities, the
 // value sums) than one Parallel call of items split by heads.
 
+// splitMinChunks is the fewest chunks a split sequence attends over: at shorter contexts its KV
+// is a small part of a step's bytes, and the split's extra hand-off would cost more than its
+// longer stretches save.
+const splitMinChunks = 8
+
 // splitAttn is a split sequence's attention in the current layer.
 type splitAttn struct {
 	sa *seqAttn
@@ -44,7 +49,7 @@ type posItem struct {
 // token read in place, over more than one chunk, when headSpan (span) leaves its items fewer
 // than all KV heads, and no test caps the heads of an item (itemHeads).
 func (m *Model) splits(sa *seqAttn, span int) bool {
-	return m.inPlace && sa.packs < 0 && sa.n == 1 && sa.nch > 1 && span < m.cfg.NumKVHeads && m.itemHeads == 0
+	return m.inPlace && sa.packs < 0 && sa.n == 1 && sa.nch >= splitMinChunks && span < m.cfg.NumKVHeads && m.itemHeads == 0
 }
 
 // planSplits fills w.splits and w.posItems for the current layer: for each split sequence its
@@ -126,15 +131,16 @@ func (m *Model) splitValues(w *workspace, seqs []Seq, blockSize int, it posItem)
 }
 
 // finishSplits completes the split sequences' attention once their scores are in: the
-// probabilities (a Parallel call over sequences × KV heads), the value sums (one over the work
-// items), and, on the caller, the sums of the chunks in chunk order into the attention rows.
+// probabilities (on the caller: a sequence's rows are a few, and a hand-off between the workers
+// costs more), the value sums (a Parallel call over the work items), and, on the caller, the
+// sums of the chunks in chunk order into the attention rows.
 func (m *Model) finishSplits(w *workspace, seqs []Seq, blockSize int) {
 	c := m.cfg
 	nkv, hd, group := c.NumKVHeads, c.HeadDim, c.NumHeads/c.NumKVHeads
-	m.pool.Parallel(len(w.splits)*nkv, func(i int) {
-		sp, g := &w.splits[i/nkv], i%nkv
-		m.softmaxRows(sp.scores[g*group*sp.stride:], sp.stride, group, sp.sa.start, group)
-	})
+	for i := range w.splits {
+		sp := &w.splits[i]
+		m.softmaxRows(sp.scores, sp.stride, nkv*group, sp.sa.start, nkv*group)
+	}
 	m.pool.Parallel(len(w.posItems), func(i int) { m.splitValues(w, seqs, blockSize, w.posItems[i]) })
 	all := nkv * group * hd
 	for i := range w.splits {

@@ -6,14 +6,16 @@ import (
 	"testing"
 )
 
-// TestAttentionPositionSplit: a sequence decoding alone is split by positions (its work items
-// runs of chunks of all KV heads, as many runs as the workers make), and decodes the bits it
+// TestAttentionPositionSplit: a sequence decoding alone over a long context is split by
+// positions (its work items runs of chunks of all KV heads, as many runs as the workers make:
+// at 8 chunks and 3 workers, runs of 2 and a last one shorter), and decodes the bits it
 // decodes with items of one KV head over all positions (itemHeads 1, not split) — for 1, 2 and
 // 3 workers (runs of different lengths, some uneven), in every precision, in both layouts, with
-// blocks that split chunks, and contexts ending inside, at and past 64-key chunks.
+// blocks that split chunks, and contexts ending inside, at and past 64-key chunks (and split
+// from the first decode step on, or from a later one).
 func TestAttentionPositionSplit(t *testing.T) {
 	spec := builtinSpec{seed: 0x5e7, hidden: 64, layers: 2, heads: 8, kvHeads: 4, headDim: 16, intermediate: 96}
-	lens := []int{3, 64, 65, 130, 300}
+	lens := []int{3, 130, 7*attnChunk - 2, 8 * attnChunk, 8*attnChunk + 1, 700}
 	const steps = 3
 	for _, p := range testPrecisions {
 		for _, procs := range []int{1, 2, 3} {
@@ -28,11 +30,14 @@ func TestAttentionPositionSplit(t *testing.T) {
 					t.Skip("this kernel implementation packs every chunk")
 				}
 				// One sequence's items cover fewer than all KV heads, so a decoding sequence of
-				// more than one chunk is split.
+				// splitMinChunks chunks or more is split (from the third step of the third prompt on, and
+				// the last three), a shorter one not.
 				w := &workspace{seqAttn: []seqAttn{{n: 1, packs: -1}}}
 				span := m.headSpan(w)
-				if sa := (seqAttn{n: 1, nch: 2, packs: -1}); !m.splits(&sa, span) {
-					t.Fatalf("a lone decoding sequence over 2 chunks is not split (head span %d of %d)", span, m.cfg.NumKVHeads)
+				for nch, want := range map[int]bool{splitMinChunks - 1: false, splitMinChunks: true} {
+					if sa := (seqAttn{n: 1, nch: nch, packs: -1}); m.splits(&sa, span) != want {
+						t.Fatalf("a lone decoding sequence over %d chunks: split %v, want %v (head span %d of %d)", nch, !want, want, span, m.cfg.NumKVHeads)
+					}
 				}
 				for _, blockSize := range []int{16, 7} {
 					for _, nhd := range []bool{false, true} {
