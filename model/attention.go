@@ -187,7 +187,7 @@ func (m *Model) attention(w *workspace, seqs []Seq, blockSize int) {
 	n := len(w.items)
 	m.pool.Parallel(n+len(w.posItems), func(i int) {
 		if i >= n {
-			m.splitScores(w, seqs, blockSize, w.posItems[i-n])
+			m.splitItem(w, seqs, blockSize, w.posItems[i-n], false)
 		} else if it := w.items[i]; it.sa.packs < 0 && m.inPlace {
 			m.attendInPlace(w, seqs, blockSize, it)
 		} else {
@@ -451,7 +451,7 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		r0, lo := firstRow(ch), ch*attnChunk
 		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, ahead, func(g, j0, n int, v *headView, o int) {
 			r := (g-it.g0)*rows + r0
-			v.scoreRows(sc, scores[r*stride+lo+j0:], stride, xq[r*hd:], rows-r0, o, n, hd)
+			v.rowProducts(sc, false, scores[r*stride+lo+j0:], stride, xq[r*hd:], hd, rows-r0, o, n, hd)
 		})
 	}
 	for g := range it.g1 - it.g0 {
@@ -476,7 +476,7 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		}
 		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), true, ahead, func(g, j0, n int, v *headView, o int) {
 			gi := g - it.g0
-			v.accumulateRows(sc, dst[gi*rows*hd:], scores[(gi*rows+r0)*stride+lo+j0:], stride, nr, o, n, hd)
+			v.rowProducts(sc, true, dst[gi*rows*hd:], hd, scores[(gi*rows+r0)*stride+lo+j0:], stride, nr, o, n, hd)
 		})
 		if ch > 0 {
 			for g := range it.g1 - it.g0 {
@@ -490,30 +490,23 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 	}
 }
 
-// scoreRows writes the scores of rows query rows (q, hd apart) against the n keys of the view
-// from offset o on into dst (row r at dst[r*stride:], n scores): one FMA chain over d each.
-func (v *headView) scoreRows(sc *attnScratch, dst []float32, stride int, q []float32, rows, o, n, hd int) {
+// rowProducts runs, over the n keys (values) of the view from offset o on, kernel.RowDots: the
+// scores of rows query rows x (ldx apart) into dst (row r at dst[r*ldd:]), one FMA chain over d
+// each — or, for values, kernel.AccumulateRows: the rows probability rows x weighting the values
+// added into the rows of dst (ldd apart), per value element one chain over the keys, carried on
+// from what dst holds. Bfloat16 rows are widened inside the kernels, FP8 ones into sc first.
+func (v *headView) rowProducts(sc *attnScratch, values bool, dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int) {
+	f32, f16, x32, x16 := kernel.RowDots, kernel.RowDotsBF16, v.k, v.k16
+	if values {
+		f32, f16, x32, x16 = kernel.AccumulateRows, kernel.AccumulateRowsBF16, v.v, v.v16
+	}
 	switch {
 	case v.k8 != nil:
-		kernel.RowDots(dst, stride, q, hd, rows, v.widenRows(sc, false, o, n, hd), hd, n, hd)
-	case v.k16 != nil:
-		kernel.RowDotsBF16(dst, stride, q, hd, rows, v.k16[o:], v.stride, n, hd)
+		f32(dst, ldd, x, ldx, rows, v.widenRows(sc, values, o, n, hd), hd, n, hd)
+	case x16 != nil:
+		f16(dst, ldd, x, ldx, rows, x16[o:], v.stride, n, hd)
 	default:
-		kernel.RowDots(dst, stride, q, hd, rows, v.k[o:], v.stride, n, hd)
-	}
-}
-
-// accumulateRows adds, for rows probability rows (p, stride apart), the n values of the view
-// from offset o on weighted by them into the rows of d (hd apart): per value element its
-// chain over the keys, carried on from what d holds.
-func (v *headView) accumulateRows(sc *attnScratch, d, p []float32, stride, rows, o, n, hd int) {
-	switch {
-	case v.v8 != nil:
-		kernel.AccumulateRows(d, hd, p, stride, rows, v.widenRows(sc, true, o, n, hd), hd, n, hd)
-	case v.v16 != nil:
-		kernel.AccumulateRowsBF16(d, hd, p, stride, rows, v.v16[o:], v.stride, n, hd)
-	default:
-		kernel.AccumulateRows(d, hd, p, stride, rows, v.v[o:], v.stride, n, hd)
+		f32(dst, ldd, x, ldx, rows, x32[o:], v.stride, n, hd)
 	}
 }
 

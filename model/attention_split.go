@@ -93,39 +93,27 @@ func (sp *splitAttn) chunkLen(ch int) int {
 	return min(attnChunk, sp.sa.start+1-ch*attnChunk)
 }
 
-// splitScores computes the scores of item it's chunks, all KV heads, reading each block's keys
-// of all heads in one stretch.
-func (m *Model) splitScores(w *workspace, seqs []Seq, blockSize int, it posItem) {
-	c := m.cfg
-	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
-	sp := it.sp
-	sc := m.getScratch()
-	defer m.scratch.Put(sc)
-	for ch := it.c0; ch < it.c1; ch++ {
-		lo := ch * attnChunk
-		w.stretches(seqs, blockSize, sp.sa, 0, c.NumKVHeads, lo, sp.chunkLen(ch), false, false, func(g, j0, n int, v *headView, o int) {
-			r := g * group
-			v.scoreRows(sc, sp.scores[r*sp.stride+lo+j0:], sp.stride, sp.xq[r*hd:], group, o, n, hd)
-		})
-	}
-}
-
-// splitValues computes the value sums of item it's chunks, all KV heads, each chunk's from
-// zero into its part, reading each block's values of all heads in one stretch.
-func (m *Model) splitValues(w *workspace, seqs []Seq, blockSize int, it posItem) {
-	c := m.cfg
-	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads
-	all := c.NumKVHeads * group * hd
-	sp := it.sp
-	sc := m.getScratch()
+// splitItem computes item it's chunks, all KV heads, reading each block's keys (values) of all
+// heads in one stretch: their scores, or, for values, each chunk's value sums from zero into
+// its part.
+func (m *Model) splitItem(w *workspace, seqs []Seq, blockSize int, it posItem, values bool) {
+	hd, group := m.cfg.HeadDim, m.cfg.NumHeads/m.cfg.NumKVHeads
+	all := m.cfg.NumKVHeads * group * hd
+	sp, sc := it.sp, m.getScratch()
 	defer m.scratch.Put(sc)
 	for ch := it.c0; ch < it.c1; ch++ {
 		lo := ch * attnChunk
 		part := sp.parts[ch*all : (ch+1)*all]
-		clear(part)
-		w.stretches(seqs, blockSize, sp.sa, 0, c.NumKVHeads, lo, sp.chunkLen(ch), true, false, func(g, j0, n int, v *headView, o int) {
+		if values {
+			clear(part)
+		}
+		w.stretches(seqs, blockSize, sp.sa, 0, m.cfg.NumKVHeads, lo, sp.chunkLen(ch), values, false, func(g, j0, n int, v *headView, o int) {
 			r := g * group
-			v.accumulateRows(sc, part[r*hd:], sp.scores[r*sp.stride+lo+j0:], sp.stride, group, o, n, hd)
+			if values {
+				v.rowProducts(sc, true, part[r*hd:], hd, sp.scores[r*sp.stride+lo+j0:], sp.stride, group, o, n, hd)
+			} else {
+				v.rowProducts(sc, false, sp.scores[r*sp.stride+lo+j0:], sp.stride, sp.xq[r*hd:], hd, group, o, n, hd)
+			}
 		})
 	}
 }
@@ -141,7 +129,7 @@ func (m *Model) finishSplits(w *workspace, seqs []Seq, blockSize int) {
 		sp := &w.splits[i]
 		m.softmaxRows(sp.scores, sp.stride, nkv*group, sp.sa.start, nkv*group)
 	}
-	m.pool.Parallel(len(w.posItems), func(i int) { m.splitValues(w, seqs, blockSize, w.posItems[i]) })
+	m.pool.Parallel(len(w.posItems), func(i int) { m.splitItem(w, seqs, blockSize, w.posItems[i], true) })
 	all := nkv * group * hd
 	for i := range w.splits {
 		sp := &w.splits[i]
