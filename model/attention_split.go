@@ -29,6 +29,10 @@ import "github.com/kvbridge/kvbridge/model/kernel"
 // longer stretches save.
 const splitMinChunks = 8
 
+// splitRun is the chunks of a split sequence's work item: one, so that the workers share them
+// evenly (an item reads each block of its chunks, all heads, in one stretch whatever its run).
+const splitRun = 1
+
 // splitAttn is a split sequence's attention in the current layer.
 type splitAttn struct {
 	sa *seqAttn
@@ -81,9 +85,8 @@ func (m *Model) planSplits(w *workspace, span int) {
 		for g := range c.NumKVHeads {
 			m.gatherQueries(sp.xq[g*group*hd:], w, sa, g, 0, 1)
 		}
-		per := (sa.nch + 2*m.pool.Workers() - 1) / (2 * m.pool.Workers())
-		for c0 := 0; c0 < sa.nch; c0 += per {
-			w.posItems = append(w.posItems, posItem{sp: sp, c0: c0, c1: min(sa.nch, c0+per)})
+		for c0 := 0; c0 < sa.nch; c0 += splitRun {
+			w.posItems = append(w.posItems, posItem{sp: sp, c0: c0, c1: min(sa.nch, c0+splitRun)})
 		}
 	}
 }
