@@ -76,6 +76,30 @@ type nodeOptions struct {
 	kvCacheDType string
 	// tp is the model's tensor-parallel size (default 1): ranks 1, 2, … get arenas of their own.
 	tp int
+	// layerHook, if set, is called on the engine's step loop after the connector queued each
+	// layer of a step that streams layer by layer, with the step's number among those (from 1).
+	layerHook func(step, layer int)
+}
+
+// hookedConnector is a Connector whose layer-by-layer streaming calls hook after each layer.
+type hookedConnector struct {
+	*connector.Connector
+	hook  func(step, layer int)
+	steps int // streaming steps so far: the step loop's only
+}
+
+// StreamStep implements engine.LayerStreamer around the connector's own.
+func (h *hookedConnector) StreamStep(work []engine.Work, preempted []*engine.Sequence) func(layer int) {
+	done := h.Connector.StreamStep(work, preempted)
+	if done == nil {
+		return nil
+	}
+	h.steps++
+	step := h.steps
+	return func(layer int) {
+		done(layer)
+		h.hook(step, layer)
+	}
 }
 
 // node is one running engine with its HTTP server.
@@ -160,6 +184,9 @@ func startNode(t *testing.T, name string, o nodeOptions) *node {
 		// As instance.Start does.
 		n.reg.Prometheus().MustRegister(n.conn.AuthRefusalsCollector(map[string]string{metrics.LabelModelName: m.Name(), metrics.LabelEngine: "0"}))
 		ecfg.Connector = n.conn
+		if o.layerHook != nil {
+			ecfg.Connector = &hookedConnector{Connector: n.conn, hook: o.layerHook}
+		}
 		if cfg.LoadFailurePolicy == connector.PolicyRecompute {
 			ecfg.KVLoadFailurePolicy = engine.FailurePolicyRecompute
 		}

@@ -14,6 +14,7 @@ import (
 	"maps"
 	"net/http"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -597,11 +598,12 @@ func pushLayerwise(t *testing.T, backend string, dTP int) {
 	d.waitPoolFull(t)
 }
 
-// TestPushLayerwiseFallsBackWhole: a stream that would miss chunks is not started. P's prefix
-// cache holds most of the prompt (an earlier request), so its prefill starts past D's first
-// registered block: P writes the request whole when it ends (one write), and D's answer is
-// still a single engine's.
-func TestPushLayerwiseFallsBackWhole(t *testing.T) {
+// TestPushLayerwiseCatchesUp: a stream that starts after part of the registered KV was computed
+// first writes that part. P's prefix cache holds most of the prompt (an earlier request), so its
+// prefill starts past D's first registered block: P writes the cached blocks in one catch-up
+// WRITE, then the computed chunk layer by layer — each block once — and D's answer is still a
+// single engine's.
+func TestPushLayerwiseCatchesUp(t *testing.T) {
 	p := startNode(t, "P", nodeOptions{prefix: true, kvConfig: `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true}}`})
 	d := startNode(t, "D", nodeOptions{kvConfig: pushCfg("kv_consumer")})
 	prompt := tokens(300, 51)
@@ -611,21 +613,121 @@ func TestPushLayerwiseFallsBackWhole(t *testing.T) {
 	}
 	p.waitPoolFull(t) // its blocks are in P's prefix cache now
 	p.em.Nixl().TakeInterval()
-	if r := pushConcurrent(t, p, d, prompt, 5); r.Text != want {
+	info := p.conn.Info()
+	id := newPushID(t)
+	got := make(chan result, 1)
+	go func() {
+		status, r := post(t, d.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+			"kv_transfer_params": map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+				"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}})
+		if status != 200 {
+			r.Text = fmt.Sprintf("status %d: %s", status, r.Raw)
+		}
+		got <- r
+	}()
+	eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
+	kv := template()
+	kv["push_id"] = id
+	if status, r := post(t, p.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 1, "kv_transfer_params": kv}); status != 200 {
+		t.Fatal(r.Raw)
+	}
+	if r := <-got; r.Text != want {
 		t.Fatalf("D answered %q, want %q", r.Text, want)
 	}
-	var writes int
-	var bytes int64
-	eventually(t, "P to record its write", func() bool {
+	blocks := int64(300+15) / 16
+	writes, bytes := waitWrites(t, p, blocks*int64(p.pool.BlockBytes()))
+	// Whole, the request would be one WRITE: the catch-up and the chunk's layers are two or more.
+	if writes < 2 || bytes != blocks*int64(p.pool.BlockBytes()) {
+		t.Errorf("P made %d writes of %d bytes; want at least 2 (the cached blocks, then the computed chunk) of %d blocks", writes, bytes, blocks)
+	}
+	d.waitPoolFull(t)
+}
+
+// TestPushLayerwiseLateRegistration: with both legs sent at once, D's registration usually
+// reaches P after P's prefill started. P then streams from the next layer on, first writing what
+// it computed before (the chunk's finished layers, and the blocks of earlier chunks). P's step is
+// held after its first layer until D's registration is parked here: in the prompt's first chunk,
+// and in its second (the first chunk then went unstreamed). P writes every block once, in more
+// WRITEs than the one a request written whole at its end takes, and D answers as a single engine.
+func TestPushLayerwiseLateRegistration(t *testing.T) {
+	for _, step := range []int{1, 2} {
+		t.Run(fmt.Sprintf("registered during chunk %d", step), func(t *testing.T) {
+			held, registered := make(chan struct{}), make(chan struct{})
+			release := sync.OnceFunc(func() { close(registered) })
+			hook := func(s, layer int) {
+				if s == step && layer == 0 {
+					close(held)
+					select {
+					case <-registered:
+					case <-time.After(time.Minute): // the test has failed; let the engine go on
+					}
+				}
+			}
+			p := startNode(t, "P", nodeOptions{model: model.Small, layerHook: hook, kvConfig: `{"kv_connector":"NixlPushConnector","kv_role":"kv_producer","kv_connector_extra_config":{"push_layerwise":true}}`})
+			d := startNode(t, "D", nodeOptions{model: model.Small, kvConfig: pushCfg("kv_consumer")})
+			single := startNode(t, "single", nodeOptions{model: model.Small})
+			t.Cleanup(release)        // before the nodes close: a held step loop would keep P from closing
+			prompt := tokens(300, 53) // chunks of 256 and 44 tokens
+			body := func(maxTokens int) map[string]any {
+				return map[string]any{"model": "kvbridge/small", "prompt": prompt, "max_tokens": maxTokens, "temperature": 1, "seed": 8}
+			}
+			_, want := post(t, single.srv.URL+"/v1/completions", body(6))
+			p.em.Nixl().TakeInterval()
+			info := p.conn.Info()
+			id := newPushID(t)
+			pbody, dbody := body(1), body(6)
+			pkv := template()
+			pkv["push_id"] = id
+			pbody["kv_transfer_params"] = pkv
+			dbody["kv_transfer_params"] = map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+				"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}
+			pdone, got := make(chan int, 1), make(chan result, 1)
+			go func() {
+				status, _ := post(t, p.srv.URL+"/v1/completions", pbody)
+				pdone <- status
+			}()
+			select {
+			case <-held:
+			case <-time.After(time.Minute):
+				t.Fatal("P's prefill did not start streaming steps")
+			}
+			go func() {
+				status, r := post(t, d.srv.URL+"/v1/completions", dbody)
+				if status != 200 {
+					r.Text = fmt.Sprintf("status %d: %s", status, r.Raw)
+				}
+				got <- r
+			}()
+			eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
+			release()
+			if status := <-pdone; status != 200 {
+				t.Fatalf("prefill leg: status %d", status)
+			}
+			if r := <-got; r.Text != want.Text {
+				t.Fatalf("D answered %q, a single engine %q", r.Text, want.Text)
+			}
+			blocks := int64(300+15) / 16
+			writes, bytes := waitWrites(t, p, blocks*int64(p.pool.BlockBytes()))
+			if writes < 2 || bytes != blocks*int64(p.pool.BlockBytes()) {
+				t.Errorf("P made %d writes of %d bytes; want at least 2 (streamed) of %d blocks once each", writes, bytes, blocks)
+			}
+			p.waitPoolFull(t)
+			d.waitPoolFull(t)
+		})
+	}
+}
+
+// waitWrites returns how many writes P recorded since the last interval was taken and their
+// bytes, waiting until the bytes reach want.
+func waitWrites(t *testing.T, p *node, want int64) (writes int, bytes int64) {
+	t.Helper()
+	eventually(t, "P to record its writes", func() bool {
 		for _, s := range p.em.Nixl().TakeInterval().Transfers {
 			writes, bytes = writes+1, bytes+s.Bytes
 		}
-		return writes >= 1
+		return bytes >= want
 	})
-	if blocks := int64(300+15) / 16; writes != 1 || bytes != blocks*int64(p.pool.BlockBytes()) {
-		t.Errorf("P made %d writes of %d bytes; want the whole request in one (%d blocks)", writes, bytes, blocks)
-	}
-	d.waitPoolFull(t)
+	return writes, bytes
 }
 
 // TestPushLayerwiseGroupsLayers: with a model of 8 layers, a layer-by-layer push writes each

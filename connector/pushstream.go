@@ -13,9 +13,13 @@ import (
 )
 
 // Layer-by-layer push (kv_connector_extra_config.push_layerwise on a NixlPushConnector
-// prefiller): when a decoder registered before the prefill ended (both legs at once), each
+// prefiller): when a decoder registers while the prefill computes (both legs at once), each
 // layer's KV of each prefill chunk is written as soon as the model computed it, while the next
-// layers and chunks compute; the completion then follows the last write. The engine tells the
+// layers and chunks compute; the completion then follows the last write. A registration
+// usually arrives while the prefill already computes (the decoder handshakes and allocates as
+// the prefiller starts): the stream then starts at the next layer, first writing what was
+// computed before it (the chunk's finished layers; whole blocks of earlier chunks or of this
+// engine's prefix-cache hit) in one catch-up WRITE. The engine tells the
 // connector of each step (engine.LayerStreamer, StreamStep) and of each layer (the function
 // StreamStep returns, on the step loop: it only queues); one goroutine per streamed request
 // writes its queue in order, so that a block a later chunk completes is written again after
@@ -52,48 +56,59 @@ type streamWrite struct {
 	final   bool // the chunk ends the prompt
 }
 
-// streamPlan returns, for a step's work, the requests whose chunk may be streamed now: prefill
-// legs (do_remote_decode) naming a push_id whose decoder's registration is parked here, for the
-// same prompt, whose stream has seen (or starts with) the first registered block. It records on
-// each request its prompt's digest and that it streams; nothing else changes.
-func (k *core) streamPlan(work []engine.Work) []streamWrite {
-	var out []streamWrite
+// streamStart reports whether w's chunk, a prefill leg (do_remote_decode) naming a push_id, may
+// be streamed now: its decoder's registration is parked here, for the same prompt. It returns
+// the chunk's write and, when w's request starts streaming with this chunk, the pairs of the
+// registered blocks before it (computed by earlier steps, or found in this engine's prefix
+// cache: complete in every layer), which a catch-up WRITE sends first. wait is true when w's
+// request is such a prefill leg but no registration names it yet: one that arrives while the
+// step computes starts the stream at the next layer (Connector.StreamStep). It records on the
+// request its prompt's digest and that it streams; nothing else changes.
+func (k *core) streamStart(w engine.Work) (sw streamWrite, prior [][2]int32, ok, wait bool) {
+	st := k.reqs[w.Seq.ID()]
+	if st == nil || st.params == nil || !st.params.DoRemoteDecode || st.params.PushID == "" {
+		return streamWrite{}, nil, false, false
+	}
+	pr, parked := k.push.parked[st.params.PushID]
+	if !parked {
+		return streamWrite{}, nil, false, !st.streaming
+	}
+	if pr.reg.NumTokens != w.Seq.NumPromptTokens() {
+		return streamWrite{}, nil, false, false
+	}
+	if st.digest == nil {
+		st.digest = promptDigest(w.Seq.Prompt())
+	}
+	if !bytes.Equal(st.digest, pr.reg.Digest) {
+		return streamWrite{}, nil, false, false
+	}
 	bs := k.geo.BlockSize
-	for _, w := range work {
-		st := k.reqs[w.Seq.ID()]
-		if st == nil || st.params == nil || !st.params.DoRemoteDecode || st.params.PushID == "" {
-			continue
+	pair := func(i int) ([2]int32, bool) {
+		if j := i - pr.reg.FirstBlock; j >= 0 && j < len(pr.reg.BlockIDs) && i < len(w.Blocks) {
+			return [2]int32{w.Blocks[i], pr.reg.BlockIDs[j]}, true
 		}
-		pr, ok := k.push.parked[st.params.PushID]
-		if !ok || pr.reg.NumTokens != w.Seq.NumPromptTokens() {
-			continue
-		}
-		if st.digest == nil {
-			st.digest = promptDigest(w.Seq.Prompt())
-		}
-		if !bytes.Equal(st.digest, pr.reg.Digest) {
-			continue
-		}
-		// A stream must see every chunk from the decoder's first registered block on: one that
-		// would start later (the registration came after a chunk, or this engine's own prefix
-		// hit covers part of the registered range) is not started, and the request is written
-		// whole when it ends.
-		if !st.streaming && w.Start > pr.reg.FirstBlock*bs {
-			continue
-		}
-		st.streaming = true
-		end := min(w.Start+len(w.Tokens), w.Seq.NumPromptTokens())
-		var pairs [][2]int32
-		for i := w.Start / bs; i*bs < end && i < len(w.Blocks); i++ {
-			if j := i - pr.reg.FirstBlock; j >= 0 && j < len(pr.reg.BlockIDs) {
-				pairs = append(pairs, [2]int32{w.Blocks[i], pr.reg.BlockIDs[j]})
+		return [2]int32{}, false
+	}
+	if !st.streaming {
+		// Every registered block before this chunk's first is complete here.
+		for i := pr.reg.FirstBlock; i < w.Start/bs; i++ {
+			if p, ok := pair(i); ok {
+				prior = append(prior, p)
 			}
 		}
-		if len(pairs) > 0 {
-			out = append(out, streamWrite{id: w.Seq.ID(), peer: pr.peer, peerInc: pr.peerInc, reg: pr.reg, pairs: pairs, final: end == w.Seq.NumPromptTokens()})
+	}
+	st.streaming = true
+	end := min(w.Start+len(w.Tokens), w.Seq.NumPromptTokens())
+	var pairs [][2]int32
+	for i := w.Start / bs; i*bs < end; i++ {
+		if p, ok := pair(i); ok {
+			pairs = append(pairs, p)
 		}
 	}
-	return out
+	if len(pairs) == 0 && len(prior) == 0 {
+		return streamWrite{}, nil, false, false
+	}
+	return streamWrite{id: w.Seq.ID(), peer: pr.peer, peerInc: pr.peerInc, reg: pr.reg, pairs: pairs, final: end == w.Seq.NumPromptTokens()}, prior, true, false
 }
 
 // stream is one request's layer-by-layer push, written by its own goroutine (runStream).
@@ -188,13 +203,14 @@ func (s *stream) queue(j streamJob) {
 
 // StreamStep implements engine.LayerStreamer (see pushstream.go's doc): it starts the streams of
 // the step's requests that have a decoder's registration, marks those of preempted requests
-// broken, and returns the function that queues each layer's writes (nil when none).
+// broken, and returns the function that queues each layer's writes (nil when no request of the
+// step may stream). A registration that arrives while the step computes starts its request's
+// stream at the next layer, with a catch-up of what was computed before it.
 func (c *Connector) StreamStep(work []engine.Work, preempted []*engine.Sequence) func(layer int) {
 	if !c.cfg.PushLayerwise {
 		return nil
 	}
-	var streams []*stream
-	var writes []streamWrite
+	step := &stepStream{c: c}
 	c.locked(func() {
 		for _, q := range preempted {
 			if s := c.streams[q.ID()]; s != nil {
@@ -204,32 +220,89 @@ func (c *Connector) StreamStep(work []engine.Work, preempted []*engine.Sequence)
 		if c.closed {
 			return
 		}
-		for _, w := range c.core.streamPlan(work) {
-			s := c.streams[w.id]
-			if s == nil {
-				s = &stream{id: w.id, peer: w.peer, peerInc: w.peerInc, reg: w.reg, jobs: make(chan streamJob, maxStreamQueue), finish: make(chan pushJob, 1)}
-				c.streams[w.id] = s
-				c.wg.Add(1)
-				go c.runStream(s)
+		for _, w := range work {
+			sw, prior, ok, wait := c.core.streamStart(w)
+			switch {
+			case ok:
+				step.start(sw, prior, 0)
+			case wait:
+				step.waiting = append(step.waiting, w)
 			}
-			s.chunks++
-			streams, writes = append(streams, s), append(writes, w)
 		}
 	})
-	if len(writes) == 0 {
+	if len(step.streams) == 0 && len(step.waiting) == 0 {
 		return nil
 	}
-	chunks, groups := make([]int, len(streams)), make([]int, len(streams))
-	for i, s := range streams {
-		chunks[i], groups[i] = s.chunks, c.streamGroup()
-		if writes[i].final {
-			groups[i] = 1
+	return step.layer
+}
+
+// stepStream is one step's layer-by-layer pushes, owned by the step loop (StreamStep and the
+// function it returns).
+type stepStream struct {
+	c       *Connector
+	streams []*stream
+	jobs    []streamJob   // the step's job for each stream, but the layer
+	waiting []engine.Work // push prefill legs whose registration had not come when the step began
+}
+
+// start starts (or continues) sw's stream with this step's chunk, of which layers [0, done) were
+// computed already: they are queued at once, after prior (whole blocks computed before the
+// chunk, every layer). The caller holds c.mu.
+func (st *stepStream) start(sw streamWrite, prior [][2]int32, done int) {
+	c := st.c
+	s := c.streams[sw.id]
+	if s == nil {
+		s = &stream{id: sw.id, peer: sw.peer, peerInc: sw.peerInc, reg: sw.reg, jobs: make(chan streamJob, maxStreamQueue), finish: make(chan pushJob, 1)}
+		c.streams[sw.id] = s
+		c.wg.Add(1)
+		go c.runStream(s)
+	}
+	layers := c.geo.NumLayers
+	if len(prior) > 0 {
+		s.chunks++
+		for l := range layers {
+			s.queue(streamJob{chunk: s.chunks, group: layers, layer: l, pairs: prior})
 		}
 	}
-	return func(layer int) {
-		for i, s := range streams {
-			s.queue(streamJob{chunk: chunks[i], group: groups[i], layer: layer, pairs: writes[i].pairs})
-		}
+	s.chunks++
+	j := streamJob{chunk: s.chunks, group: c.streamGroup(), pairs: sw.pairs}
+	if sw.final {
+		j.group = 1
+	}
+	if len(sw.pairs) == 0 {
+		return // the chunk holds no registered block: nothing to write layer by layer
+	}
+	for l := range done {
+		s.queue(streamJob{chunk: j.chunk, group: done, layer: l, pairs: sw.pairs})
+	}
+	st.streams, st.jobs = append(st.streams, s), append(st.jobs, j)
+}
+
+// layer queues layer's writes of the step's streams, first starting those whose registration
+// came since the step began.
+func (st *stepStream) layer(layer int) {
+	if len(st.waiting) > 0 {
+		st.c.locked(func() {
+			if st.c.closed {
+				return
+			}
+			waiting := st.waiting[:0]
+			for _, w := range st.waiting {
+				sw, prior, ok, wait := st.c.core.streamStart(w)
+				switch {
+				case ok:
+					st.start(sw, prior, layer)
+				case wait:
+					waiting = append(waiting, w)
+				}
+			}
+			st.waiting = waiting
+		})
+	}
+	for i, s := range st.streams {
+		j := st.jobs[i]
+		j.layer = layer
+		s.queue(j)
 	}
 }
 

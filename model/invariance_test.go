@@ -237,6 +237,43 @@ func testForwardBatchInvariance(t *testing.T, m *Model) {
 	}
 }
 
+// TestForwardDecodeBatch32: 32 sequences decoding a token a step together (products of 32 rows:
+// six row tiles in the int8 kernels, then fewer rows as the shorter prompts end) get, each,
+// the logits of its prompt prefilled alone.
+func TestForwardDecodeBatch32(t *testing.T) { forEachPrecision(t, testForwardDecodeBatch32) }
+
+func testForwardDecodeBatch32(t *testing.T, m *Model) {
+	c := m.cfg
+	const blockSize, seqs = 8, 32
+	prompts := make([][]int32, seqs)
+	for i := range prompts {
+		prompts[i] = randomTokens(3+i%4, c.VocabSize, uint64(100+i))
+	}
+	kv := newTestKVFor(m, blockSize, seqs, false)
+	got := make([][]float32, seqs)
+	for step := 0; step < 6; step++ {
+		var batch []Seq
+		for i, p := range prompts {
+			if step >= len(p) {
+				continue
+			}
+			s := Seq{Tokens: p[step : step+1], Start: step, Blocks: blockRange(i, 1)}
+			if step == len(p)-1 {
+				got[i] = make([]float32, c.VocabSize)
+				s.Logits = got[i]
+			}
+			batch = append(batch, s)
+		}
+		if err := m.Forward(t.Context(), kv, blockSize, batch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i, p := range prompts {
+		want := prefillChunked(t, m, newTestKVFor(m, blockSize, 1, false), blockSize, blockRange(0, 1), p, len(p))
+		requireSameBits(t, fmt.Sprintf("seq %d logits", i), want, got[i])
+	}
+}
+
 func TestForwardDecodeMatchesPrefill(t *testing.T) {
 	forEachPrecision(t, testForwardDecodeMatchesPrefill)
 }

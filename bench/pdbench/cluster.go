@@ -41,6 +41,9 @@ func (c *cluster) urls() (single, proxy string) { return c.Single.URL(), c.URL }
 
 func (c *cluster) legs(id string) (legTimes, bool) { return c.tracer.take(id) }
 
+// engineCPU reports no per-engine CPU time: the engines share this process.
+func (c *cluster) engineCPU() (single, p, d time.Duration, ok bool) { return 0, 0, 0, false }
+
 // engineTTFT returns the single engine's, P's and D's summed engine-side TTFT so far.
 func (c *cluster) engineTTFT(context.Context) (single, p, d time.Duration, err error) {
 	var out [3]time.Duration

@@ -163,6 +163,14 @@ func (s *hostStack) urls() (single, proxy string) { return s.single.url, s.proxy
 
 func (s *hostStack) legs(id string) (legTimes, bool) { return s.tracer.take(id) }
 
+// engineCPU returns the CPU time each engine process used so far (engineProcess.cpu).
+func (s *hostStack) engineCPU() (single, p, d time.Duration, ok bool) {
+	single, err1 := s.single.cpu()
+	p, err2 := s.p.cpu()
+	d, err3 := s.d.cpu()
+	return single, p, d, err1 == nil && err2 == nil && err3 == nil
+}
+
 // engineTTFT reads the engines' vllm:time_to_first_token_seconds sums over HTTP.
 func (s *hostStack) engineTTFT(ctx context.Context) (single, p, d time.Duration, err error) {
 	var out [3]time.Duration
@@ -265,6 +273,16 @@ type engineProcess struct {
 }
 
 const stderrKeep = 16 << 10
+
+// cpu returns the CPU time e's process has used so far: the sum over its threads of the
+// scheduler's on-CPU time (/proc/PID/task/*/schedstat, nanoseconds; /proc/PID/stat counts in
+// clock ticks of 10 ms, too coarse for one request).
+func (e *engineProcess) cpu() (time.Duration, error) {
+	if e == nil || e.cmd.Process == nil {
+		return 0, errors.New("pdbench: no engine process")
+	}
+	return taskCPU(e.cmd.Process.Pid)
+}
 
 // startEngineProcess starts command + args on h, its log kept for error messages.
 func startEngineProcess(ctx context.Context, h *netns.Host, command, args []string) (*engineProcess, error) {

@@ -101,6 +101,9 @@ type pdStack interface {
 	legs(id string) (legTimes, bool)
 	// dStepTokens returns the tokens D's forward steps computed so far.
 	dStepTokens(ctx context.Context) (int64, error)
+	// engineCPU returns the CPU time the single engine's, P's and D's processes used so far;
+	// ok is false when they share one process (no --hosts).
+	engineCPU() (single, p, d time.Duration, ok bool)
 	// ceiling measures how fast n bytes could move at best (right after each measured request).
 	ceiling(ctx context.Context, n int64) (ceilings, error)
 	Close() error
@@ -185,6 +188,17 @@ type PDRow struct {
 	TTFTPDMs     float64 `json:"ttft_pd_ms"`     // the same request through the proxy (P then D)
 	// Overhead is ttft_pd ÷ ttft_single − 1, a fraction (0.05 = 5%).
 	Overhead float64 `json:"overhead"`
+	// OverheadPaired is the median over the requests of ttft_pd ÷ ttft_single − 1, each P/D
+	// request paired with the single-engine request sent beside it (the two alternate): drift on
+	// a shared machine that moves both alike cancels, where Overhead compares two medians.
+	OverheadPaired float64 `json:"overhead_paired"`
+	// SingleCPUMs, PCPUMs and DCPUMs are the CPU time (ms) the single engine's process used
+	// during its request and P's and D's processes during the P/D request (--hosts; -1
+	// otherwise): on hosts that share the machine's cores, P/D's CPU beyond the single engine's
+	// (the transfer's send and receive, D's request) is time P's prefill may lose.
+	SingleCPUMs float64 `json:"single_cpu_ms"`
+	PCPUMs      float64 `json:"p_cpu_ms"`
+	DCPUMs      float64 `json:"d_cpu_ms"`
 	// TransferMs is D's KV read of the request (NIXL xferDuration); TransferShare that ÷ ttft_pd
 	// of the same request, a fraction.
 	TransferMs    float64 `json:"transfer_ms"`
@@ -262,6 +276,9 @@ type pdSample struct {
 	singleEng, pEng, dEng time.Duration // engine-side TTFTs
 	bytes                 int64
 	dComputed             int64 // tokens D's steps computed for the request (0: it started from P's token)
+	// CPU time of the engines' processes during the requests (--hosts; cpuOK false otherwise)
+	singleCPU, pCPU, dCPU time.Duration
+	cpuOK                 bool
 	legs                  legTimes
 	t0, t1                time.Time
 }
@@ -420,20 +437,22 @@ func (b *pdBench) body(prompt []int32) map[string]any {
 }
 
 // single times one request on the single engine: client-side and engine-side TTFT.
-func (b *pdBench) single(ctx context.Context, l int) (client, eng time.Duration, err error) {
+func (b *pdBench) single(ctx context.Context, l int) (client, eng, cpu time.Duration, err error) {
 	body := b.body(b.prompt(l))
 	single, _ := b.st.urls()
 	e0, _, _, err := b.st.engineTTFT(ctx)
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
+	c0, _, _, _ := b.st.engineCPU()
 	t0 := time.Now()
 	if err := post(ctx, b.hc, single+"/v1/completions", "", body); err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	client = time.Since(t0)
+	c1, _, _, _ := b.st.engineCPU()
 	e1, _, _, err := b.st.engineTTFT(ctx)
-	return client, e1 - e0, err
+	return client, e1 - e0, c1 - c0, err
 }
 
 // post sends body to url (with X-Request-Id reqID unless empty) and checks that the answer is
@@ -469,11 +488,14 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 		return pdSample{}, err
 	}
 	_, proxyURL := b.st.urls()
+	_, p0cpu, d0cpu, _ := b.st.engineCPU()
 	s := pdSample{t0: time.Now()}
 	if err := post(ctx, b.hc, proxyURL+"/v1/completions", id, body); err != nil {
 		return pdSample{}, err
 	}
 	s.t1 = time.Now()
+	_, p1cpu, d1cpu, cpuOK := b.st.engineCPU()
+	s.pCPU, s.dCPU, s.cpuOK = p1cpu-p0cpu, d1cpu-d0cpu, cpuOK
 	s.pd = s.t1.Sub(s.t0)
 	_, p1, d1, err := b.st.engineTTFT(ctx)
 	if err != nil {
@@ -505,36 +527,40 @@ func (b *pdBench) pd(ctx context.Context, l int) (pdSample, error) {
 
 // row measures one prompt length.
 func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
-	if _, _, err := b.single(ctx, l); err != nil { // warm-up (and, the first time, the handshake)
+	if _, _, _, err := b.single(ctx, l); err != nil { // warm-up (and, the first time, the handshake)
 		return PDRow{}, err
 	}
 	if _, err := b.pd(ctx, l); err != nil {
 		return PDRow{}, err
 	}
-	var single, pd, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
+	var single, pd, paired, xfer, share, gbps, in, pleg, mid, dleg, out, dother, pover, added, addedShare,
 		singleEng, pEng, dEng, dHTTP, dSched []float64
 	var bytes int64
 	var recompute, recomputeWarm, ceilBest, ceilOne, ceilMany, ratio, hidden []float64
+	var singleCPU, pCPU, dCPU []float64
 	for i := range b.opts.Iters {
 		var (
-			s      pdSample
-			err    error
-			sc, se time.Duration
+			s          pdSample
+			err        error
+			sc, se, su time.Duration
 		)
 		// Alternate the order so that drift on a shared machine favours neither path.
 		if i%2 == 0 {
-			if sc, se, err = b.single(ctx, l); err == nil {
+			if sc, se, su, err = b.single(ctx, l); err == nil {
 				s, err = b.pd(ctx, l)
 			}
 		} else {
 			if s, err = b.pd(ctx, l); err == nil {
-				sc, se, err = b.single(ctx, l)
+				sc, se, su, err = b.single(ctx, l)
 			}
 		}
 		if err != nil {
 			return PDRow{}, err
 		}
-		s.single, s.singleEng = sc, se
+		s.single, s.singleEng, s.singleCPU = sc, se, su
+		if s.cpuOK {
+			singleCPU, pCPU, dCPU = append(singleCPU, stats.Ms(s.singleCPU)), append(pCPU, stats.Ms(s.pCPU)), append(dCPU, stats.Ms(s.dCPU))
+		}
 		// D's recompute, timed alone right after the request so that both see the same load.
 		// The ceiling too, on the same bytes: noise from a shared machine hits both alike.
 		c, err := b.st.ceiling(ctx, s.bytes)
@@ -574,6 +600,7 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		dSched = append(dSched, stats.Ms(s.dEng-s.transfer-cold))
 		single = append(single, stats.Ms(s.single))
 		pd = append(pd, stats.Ms(s.pd))
+		paired = append(paired, float64(s.pd)/float64(s.single)-1)
 		xfer = append(xfer, stats.Ms(s.transfer))
 		share = append(share, float64(s.transfer)/float64(s.pd))
 		gbps = append(gbps, float64(s.bytes)/s.transfer.Seconds()/1e9)
@@ -603,6 +630,11 @@ func (b *pdBench) row(ctx context.Context, l int) (PDRow, error) {
 		DHTTPMs: stats.Median(dHTTP), DSchedMs: stats.Median(dSched),
 	}
 	r.Overhead = r.TTFTPDMs/r.TTFTSingleMs - 1
+	r.OverheadPaired = stats.Median(paired)
+	r.SingleCPUMs, r.PCPUMs, r.DCPUMs = -1, -1, -1
+	if len(pCPU) > 0 {
+		r.SingleCPUMs, r.PCPUMs, r.DCPUMs = stats.Median(singleCPU), stats.Median(pCPU), stats.Median(dCPU)
+	}
 	if len(hidden) > 0 {
 		r.HiddenShare = stats.Median(hidden)
 	}

@@ -75,7 +75,7 @@ func TestRunPDTiny(t *testing.T) {
 	if err := WritePDTable(&table, rows); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []string{"transfer_mode", "ttft_single_ms", "transfer_share", "hidden_share", "ceiling_gbps", "where the P/D TTFT goes"} {
+	for _, want := range []string{"transfer_mode", "ttft_single_ms", "paired", "transfer_share", "hidden_share", "ceiling_gbps", "where the P/D TTFT goes"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
@@ -93,8 +93,10 @@ func TestRunPDTiny(t *testing.T) {
 			t.Errorf("json %s = %v", k, got[0][k])
 		}
 	}
-	if _, ok := got[0]["overhead"].(float64); !ok {
-		t.Errorf("json overhead = %v", got[0]["overhead"])
+	for _, k := range []string{"overhead", "overhead_paired"} {
+		if _, ok := got[0][k].(float64); !ok {
+			t.Errorf("json %s = %v", k, got[0][k])
+		}
 	}
 }
 
@@ -151,5 +153,29 @@ func TestOptionsRejectBadValues(t *testing.T) {
 	}
 	if _, err := RunProxy(t.Context(), ProxyOptions{Clients: []int{0}}); err == nil {
 		t.Error("RunProxy accepted 0 clients")
+	}
+}
+
+// TestTaskCPUMatchesRusage: the per-thread scheduler times taskCPU sums for a process move as
+// the kernel's own account of the process (getrusage) does, over the same spell of work.
+func TestTaskCPUMatchesRusage(t *testing.T) {
+	t0, err := taskCPU(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r0 := processCPU()
+	x := 1.0
+	for processCPU()-r0 < 200*time.Millisecond {
+		for range 100000 {
+			x = x*1.0000001 + 1e-9
+		}
+	}
+	t1, err := taskCPU(os.Getpid())
+	if err != nil {
+		t.Fatal(err)
+	}
+	r1 := processCPU()
+	if got, want := t1-t0, r1-r0; got < want*8/10 || got > want*12/10+10*time.Millisecond {
+		t.Errorf("taskCPU moved %v, getrusage %v (x %v)", got, want, x)
 	}
 }

@@ -29,14 +29,14 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 			measured[0].Backend, where, measured[0].PrefillTP, measured[0].DecodeTP, measured[0].Iters)
 	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tttft_single_ms\tttft_pd_ms\toverhead\ttransfer_ms\ttransfer_share\thidden_share\ttransfer_gbps\tceiling_gbps\tratio\t")
+	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tttft_single_ms\tttft_pd_ms\toverhead\tpaired\ttransfer_ms\ttransfer_share\thidden_share\ttransfer_gbps\tceiling_gbps\tratio\t")
 	for _, r := range measured {
 		hidden := "n/a"
 		if r.HiddenShare >= 0 {
 			hidden = fmt.Sprintf("%.0f%%", 100*r.HiddenShare)
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f\t%+.1f%%\t%.2f\t%.2f%%\t%s\t%.2f\t%.2f\t%.2f\t\n",
-			r.Mode, r.PromptLen, r.TTFTSingleMs, r.TTFTPDMs, 100*r.Overhead, r.TransferMs, 100*r.TransferShare, hidden,
+		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f\t%+.1f%%\t%+.1f%%\t%.2f\t%.2f%%\t%s\t%.2f\t%.2f\t%.2f\t\n",
+			r.Mode, r.PromptLen, r.TTFTSingleMs, r.TTFTPDMs, 100*r.Overhead, 100*r.OverheadPaired, r.TransferMs, 100*r.TransferShare, hidden,
 			r.TransferGBps, r.CeilingGBps, r.Ratio)
 	}
 	if err := tw.Flush(); err != nil {
@@ -49,23 +49,34 @@ func WritePDTable(w io.Writer, rows []PDRow) error {
 	}
 	fmt.Fprintln(w, "\nwhere the P/D TTFT goes (ms, medians; legs as the proxy's transport saw them, engine times from each engine's TTFT histogram):")
 	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tadded\tadded_share\tproxy_in\tp_leg\tproxy_mid\td_leg\td_http\td_engine\td_transfer\trecompute_1tok\t(packing)\td_sched\tproxy_out\tsingle_engine\tp_engine\t")
+	fmt.Fprintln(tw, "transfer_mode\tprompt_len\tadded\tadded_share\tproxy_in\tp_leg\tproxy_mid\td_leg\td_http\td_engine\td_transfer\trecompute_1tok\t(packing)\td_sched\tproxy_out\tsingle_engine\tp_engine\tsingle_cpu\tp_cpu\td_cpu\t")
 	for _, r := range measured {
-		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f%%\t%.2f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t\n",
+		cpu := func(ms float64) string {
+			if ms < 0 {
+				return "n/a"
+			}
+			return fmt.Sprintf("%.1f", ms)
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%.1f\t%.1f%%\t%.2f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%.1f\t%.2f\t%.1f\t%.1f\t%s\t%s\t%s\t\n",
 			r.Mode, r.PromptLen, r.AddedMs, 100*r.AddedShare, r.ProxyInMs, r.PLegMs, r.ProxyMidMs, r.DLegMs, r.DHTTPMs, r.DEngineMs,
-			r.TransferMs, r.RecomputeMs, r.RecomputeMs-r.RecomputeWarmMs, r.DSchedMs, r.ProxyOutMs, r.SingleEngineMs, r.PEngineMs)
+			r.TransferMs, r.RecomputeMs, r.RecomputeMs-r.RecomputeWarmMs, r.DSchedMs, r.ProxyOutMs, r.SingleEngineMs, r.PEngineMs,
+			cpu(r.SingleCPUMs), cpu(r.PCPUMs), cpu(r.DCPUMs))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, "transfer = the KV transfer (NIXL xferDuration): D's read (pull), P's writes (push); ceiling = "+ceiling+";\n"+
+	_, err := fmt.Fprintln(w, "overhead = ttft_pd ÷ ttft_single − 1 (of the two medians); paired = the median over the requests of the same ratio, each P/D request\n"+
+		"with the single-engine request sent beside it (the two alternate), so that drift hitting both alike cancels\n"+
+		"transfer = the KV transfer (NIXL xferDuration): D's read (pull), P's writes (push); ceiling = "+ceiling+";\n"+
 		"hidden_share = the transfer time spent before P had answered: 0 when D's leg left after P's answer (pull); with the legs overlapping (push,\n"+
 		"proxy_mid < 0) 1 − (d_end − p_end − recompute_1tok, within [0, transfer]) ÷ transfer, a lower bound (HTTP after P's answer counts as exposed); n/a: no P answer traced\n"+
 		"push-layered sets kv_connector_extra_config.push_layerwise on P\nratio = the median over the requests of the transfer's GB/s ÷ the ceiling's, measured right after it\n"+
 		"added = ttft_pd − p_leg in the same request (proxy hops + D's leg); added_share = added ÷ p_leg: the P/D overhead free of request-to-request noise\n"+
 		"d_http = d_leg − d_engine; recompute_1tok = D's one-token step over the prompt on fresh blocks, timed alone\n"+
 		"(0 when D started from P's first token: push with P's and D's sampling alike, D computed nothing),\n"+
-		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok")
+		"(packing) = its part spent packing the context's KV for attention (cold − warm step); d_sched = d_engine − d_transfer − recompute_1tok\n"+
+		"single_cpu, p_cpu, d_cpu = CPU time of the single engine's process during its request, of P's and D's during the P/D request (--hosts;\n"+
+		"n/a in one process): the hosts share the machine's cores, so P and D's CPU beyond the single engine's is time P's prefill may lose")
 	return err
 }
 

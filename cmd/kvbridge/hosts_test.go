@@ -677,7 +677,7 @@ func TestBenchPDHosts(t *testing.T) {
 		if r["ceiling"] != "tcp_stream" || r["hosts"] != true || r["backend"] != "TCP" {
 			t.Errorf("row %v: want a tcp_stream ceiling across hosts over TCP", r)
 		}
-		for _, k := range []string{"ttft_single_ms", "ttft_pd_ms", "transfer_gbps", "ceiling_gbps", "ratio", "tcp_1conn_gbps", "tcp_4conn_gbps", "p_leg_ms", "d_engine_ms"} {
+		for _, k := range []string{"ttft_single_ms", "ttft_pd_ms", "transfer_gbps", "ceiling_gbps", "ratio", "tcp_1conn_gbps", "tcp_4conn_gbps", "p_leg_ms", "d_engine_ms", "single_cpu_ms", "p_cpu_ms", "d_cpu_ms"} {
 			if v, ok := r[k].(float64); !ok || !(v > 0) {
 				t.Errorf("prompt %v: %s = %v, want > 0", r["prompt_len"], k, r[k])
 			}

@@ -23,28 +23,54 @@ func text(sig, frame string) {
 
 const maxRows = 6 // rows per tile in both tile kernels
 
-// rowAddr returns the address of row m (m < 6) of a row-major matrix, given base registers
-// r0 (row 0) and r4 (row 4), the row stride s and 3·stride s3, all in bytes, plus a displacement.
+// maxHalfRows is the most rows of a half-panel tile (tileDot512hN): 2·12
+// accumulators, as a whole-panel tile's 4·6.
+const maxHalfRows = 12
+
+// row8Base is the register the tiles of more than 8 rows keep row 8's address in (rows 4–7 are
+// at SI, rows 0–3 at DI).
+const row8Base = "DX"
+
+// rowAddr returns the address of row m (m < 8; m < 12 with r0 = DI, where rows 8–11 are at
+// row8Base) of a row-major matrix, given base registers r0 (row 0) and r4 (row 4), the row
+// stride s and 3·stride s3, all in bytes, plus a displacement.
 func rowAddr(m int, r0, r4, s, s3 string, disp int) string {
 	d := ""
 	if disp != 0 {
 		d = fmt.Sprint(disp)
 	}
-	switch m {
-	case 0:
-		return fmt.Sprintf("%s(%s)", d, r0)
-	case 1:
-		return fmt.Sprintf("%s(%s)(%s*1)", d, r0, s)
-	case 2:
-		return fmt.Sprintf("%s(%s)(%s*2)", d, r0, s)
-	case 3:
-		return fmt.Sprintf("%s(%s)(%s*1)", d, r0, s3)
-	case 4:
-		return fmt.Sprintf("%s(%s)", d, r4)
-	case 5:
-		return fmt.Sprintf("%s(%s)(%s*1)", d, r4, s)
+	base := []string{r0, r4, row8Base}[m/4]
+	if m >= 8 && r0 != "DI" || m >= maxHalfRows {
+		panic("row")
 	}
-	panic("row")
+	switch m % 4 {
+	case 0:
+		return fmt.Sprintf("%s(%s)", d, base)
+	case 1:
+		return fmt.Sprintf("%s(%s)(%s*1)", d, base, s)
+	case 2:
+		return fmt.Sprintf("%s(%s)(%s*2)", d, base, s)
+	default:
+		return fmt.Sprintf("%s(%s)(%s*1)", d, base, s3)
+	}
+}
+
+// advanceRows moves the row pointers DI and SI (and row8Base for more than 8 rows) on by n bytes.
+func advanceRows(mr, n int) {
+	p("ADDQ $%d, DI", n)
+	p("ADDQ $%d, SI", n)
+	if mr > 8 {
+		p("ADDQ $%d, %s", n, row8Base)
+	}
+}
+
+// rowBases sets SI (row 4) and, for more than 8 rows, row8Base (row 8) from DI (row 0) and the
+// row stride R8 in bytes.
+func rowBases(mr int) {
+	p("LEAQ (DI)(R8*4), SI")
+	if mr > 8 {
+		p("LEAQ (SI)(R8*4), %s", row8Base)
+	}
 }
 
 // Weight storage kinds of the tile kernels (see Linear's packing in linear.go).
@@ -88,7 +114,7 @@ func tile512(wk, mr, unroll int) {
 		}
 	} else {
 		text(name+"(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)", "$0-88")
-		continuedTile(name, mr)
+		continuedTile(name, mr, 4)
 	}
 	prefetch := wk != wF32 && mr > 1
 	if reg {
@@ -98,7 +124,7 @@ func tile512(wk, mr, unroll int) {
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
 	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
+	rowBases(mr)
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ k+24(FP), CX")
 	kstep, wstep := 1, 256 // k per step, weight bytes per step
@@ -188,8 +214,7 @@ func tile512(wk, mr, unroll int) {
 		step(j, false)
 	}
 	p("ADDQ $%d, BX", wstep*unroll)
-	p("ADDQ $%d, DI", 4*kstep*unroll)
-	p("ADDQ $%d, SI", 4*kstep*unroll)
+	advanceRows(mr, 4*kstep*unroll)
 	p("SUBQ $%d, CX", kstep*unroll)
 	p("CMPQ CX, $%d", kstep*unroll)
 	p("JGE %s_loop", name)
@@ -198,8 +223,7 @@ func tile512(wk, mr, unroll int) {
 	p("JLT %s_last", name)
 	step(0, false)
 	p("ADDQ $%d, BX", wstep)
-	p("ADDQ $%d, DI", 4*kstep)
-	p("ADDQ $%d, SI", 4*kstep)
+	advanceRows(mr, 4*kstep)
 	p("SUBQ $%d, CX", kstep)
 	p("JMP %s_tail", name)
 	label(name + "_last")
@@ -210,7 +234,7 @@ func tile512(wk, mr, unroll int) {
 	}
 	label(name + "_store")
 	columnMasks("mask+48(FP)")
-	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
+	cTile(mr, 4, "c+32(FP)", "ldc+40(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -304,21 +328,21 @@ func columnMasks(maskArg string) {
 	}
 }
 
-// cTile loads (load) or stores the accumulators Z(4m+v) of an mr × 64 tile of c, the pointer
-// argument at cArg with row stride (floats) at ldcArg, under the column masks K1..K4: a masked
-// load zeroes the columns it skips. It uses DI, SI, R8 and R9.
-func cTile(mr int, cArg, ldcArg string, load bool) {
+// cTile loads (load) or stores the accumulators Z(vecs·m+v) of an mr × 16·vecs tile of c, the
+// pointer argument at cArg with row stride (floats) at ldcArg, under the column masks K1..K4: a
+// masked load zeroes the columns it skips. It uses DI, SI, R8, R9 (and row8Base).
+func cTile(mr, vecs int, cArg, ldcArg string, load bool) {
 	p("MOVQ %s, DI", cArg)
 	p("MOVQ %s, R8", ldcArg)
 	p("SHLQ $2, R8")
 	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
+	rowBases(mr)
 	for m := range mr {
-		for v := range 4 {
+		for v := range vecs {
 			if load {
-				p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, 4*m+v)
+				p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 64*v), v+1, vecs*m+v)
 			} else {
-				p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
+				p("VMOVUPS Z%d, K%d, %s", vecs*m+v, v+1, rowAddr(m, "DI", "SI", "R8", "R9", 64*v))
 			}
 		}
 	}
@@ -1171,7 +1195,7 @@ func tileAcc512(bf16 bool, mr, unroll int) {
 	}
 	text(name+"(a *float32, lda int, w *"+wt+", ldw int, k int, c *float32, ldc int, mask uint64)", "$0-64")
 	columnMasks("mask+56(FP)")
-	cTile(mr, "c+40(FP)", "ldc+48(FP)", true)
+	cTile(mr, 4, "c+40(FP)", "ldc+48(FP)", true)
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
@@ -1219,7 +1243,7 @@ func tileAcc512(bf16 bool, mr, unroll int) {
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
-	cTile(mr, "c+40(FP)", "ldc+48(FP)", false)
+	cTile(mr, 4, "c+40(FP)", "ldc+48(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -1438,20 +1462,21 @@ func vdpbf16psBcst(dst, src1, m, disp int) {
 // floats rounded to bfloat16, words 16–31 src1's.
 func vcvtne2ps2bf16(dst, src1, src2 int) { evex512("VCVTNE2PS2BF16", 3, 0x72, dst, src1, src2) }
 
-// continuedTile emits the prologue of a tile whose args end in (…, c, ldc, mask, pf, pfoff,
-// pfstep, cont): with cont = 0 it zeroes the 4·mr accumulators, else it loads them from c (a K
-// block that continues the chains of the one before), then loads pf, pfoff and pfstep into R10-R12.
-func continuedTile(name string, mr int) {
+// continuedTile emits the prologue of a tile of vecs·mr accumulators whose args end in (…, c,
+// ldc, mask, pf, pfoff, pfstep, cont): with cont = 0 it zeroes the accumulators, else it loads
+// them from c (a K block that continues the chains of the one before), then loads pf, pfoff and
+// pfstep into R10-R12.
+func continuedTile(name string, mr, vecs int) {
 	p("MOVQ cont+80(FP), AX")
 	p("TESTQ AX, AX")
 	p("JNZ %s_cont", name)
-	for i := 0; i < 4*mr; i++ {
+	for i := 0; i < vecs*mr; i++ {
 		p("VPXORD Z%d, Z%d, Z%d", i, i, i)
 	}
 	p("JMP %s_start", name)
 	label(name + "_cont")
 	columnMasks("mask+48(FP)")
-	cTile(mr, "c+32(FP)", "ldc+40(FP)", true)
+	cTile(mr, vecs, "c+32(FP)", "ldc+40(FP)", true)
 	label(name + "_start")
 	p("MOVQ pf+56(FP), R10")
 	p("MOVQ pfoff+64(FP), R11")
@@ -1479,30 +1504,39 @@ func continuedTile(name string, mr int) {
 // for its four VDPBF16PS: 10 loads per pair of k instead of 28, which took the 6- and 4-row
 // tiles from 0.8 to 1.0 of the VDPBF16PS peak (panels in L2, thread CPU time). The one-row tile
 // keeps the memory broadcast.
-func tileDot512(mr, unroll int) {
+//
+// With vecs = 2 (tileDot512hN) the tile covers half a panel, 32 columns, for up to 12 rows
+// (accumulators Z(2m+v)): the caller points w at the half's first pair (the other half 128
+// bytes on). A pair's four lines are each read by one half-tile, so rows up to 12 read each
+// weight once from the caches, where whole-panel tiles of 6 rows read it twice for 8 rows and
+// six times for 32. The same chain per lane.
+func tileDot512(mr, vecs, unroll int) {
 	name := fmt.Sprintf("tileDot512x%d", mr)
-	reg := mr > 1
+	if vecs == 2 {
+		name = fmt.Sprintf("tileDot512h%d", mr)
+	}
+	reg := mr > 1 || vecs < 4
 	text(name+"(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)", "$0-88")
-	continuedTile(name, mr)
+	continuedTile(name, mr, vecs)
 	p("MOVQ a+0(FP), DI")
 	p("MOVQ lda+8(FP), R8")
 	p("SHLQ $2, R8")
 	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
+	rowBases(mr)
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ kp+24(FP), CX")
 	step := func(j int) {
-		for v := range 4 {
+		for v := range vecs {
 			p("VMOVDQU32 %d(BX), Z%d", j*256+v*64, 24+v)
 		}
-		if mr > 1 {
+		if reg {
 			prefetch2()
 		}
 		for m := range mr {
 			if reg {
 				p("VPBROADCASTD %s, Z%d", rowAddr(m, "DI", "SI", "R8", "R9", 4*j), 28+m%2)
-				for v := range 4 {
-					vdpbf16ps(4*m+v, 24+v, 28+m%2)
+				for v := range vecs {
+					vdpbf16ps(vecs*m+v, 24+v, 28+m%2)
 				}
 				continue
 			}
@@ -1518,8 +1552,7 @@ func tileDot512(mr, unroll int) {
 		step(j)
 	}
 	p("ADDQ $%d, BX", 256*unroll)
-	p("ADDQ $%d, DI", 4*unroll)
-	p("ADDQ $%d, SI", 4*unroll)
+	advanceRows(mr, 4*unroll)
 	p("SUBQ $%d, CX", unroll)
 	p("CMPQ CX, $%d", unroll)
 	p("JGE %s_loop", name)
@@ -1528,13 +1561,12 @@ func tileDot512(mr, unroll int) {
 	p("JEQ %s_store", name)
 	step(0)
 	p("ADDQ $256, BX")
-	p("ADDQ $4, DI")
-	p("ADDQ $4, SI")
+	advanceRows(mr, 4)
 	p("DECQ CX")
 	p("JMP %s_tail", name)
 	label(name + "_store")
 	columnMasks("mask+48(FP)")
-	cTile(mr, "c+32(FP)", "ldc+40(FP)", false)
+	cTile(mr, vecs, "c+32(FP)", "ldc+40(FP)", false)
 	p("VZEROUPPER")
 	p("RET")
 }
@@ -1777,7 +1809,10 @@ func main() {
 	rowDots512(true)
 	touchLines()
 	for mr := 1; mr <= maxRows; mr++ {
-		tileDot512(mr, 4)
+		tileDot512(mr, 4, 4)
+	}
+	for mr := 1; mr <= maxHalfRows; mr++ {
+		tileDot512(mr, 2, 4)
 	}
 	tileDot512x1p(2)
 	tileDot512x1p(4)

@@ -270,7 +270,6 @@ func readShares(buf []float32, workers int) float64 {
 // FLOPs ÷ the dtype's peak), both measured right after the passes (so they share the machine's
 // load): the fraction of the step bound's product term the kernels reach.
 func BenchmarkBatchStream(b *testing.B) {
-	shapes := streamShapes
 	buf := bandwidthBuffer()
 	for _, kind := range []string{"bfloat16", "bf16dot"} {
 		for _, rows := range []int{8, 32} {
@@ -281,17 +280,8 @@ func BenchmarkBatchStream(b *testing.B) {
 				pool := NewPool(0)
 				defer pool.Close()
 				r := rand.New(rand.NewPCG(1, 1))
-				var ls []*Linear
-				var bytes int64
-				var flops float64
-				for bytes < 320<<20 {
-					s := shapes[len(ls)%len(shapes)]
-					l := benchWeights(pool, BF16, s[0], s[1])
-					l.bf16Dot = kind == "bf16dot"
-					ls = append(ls, l)
-					bytes += l.Bytes()
-					flops += 2 * float64(rows) * float64(s[0]) * float64(s[1])
-				}
+				ls, bytes := streamLinearsBF16(pool, kind == "bf16dot", 320<<20)
+				flops := float64(rows) * float64(bytes) // 2·rows FLOPs a weight of 2 bytes
 				x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
 				b.SetBytes(bytes)
 				b.ResetTimer()
@@ -314,4 +304,19 @@ func BenchmarkBatchStream(b *testing.B) {
 			})
 		}
 	}
+}
+
+// streamLinearsBF16 returns BF16 Linears of the stream shapes on pool (bfloat16 products when
+// dot), repeated until they hold at least limit bytes of weights, and their bytes.
+func streamLinearsBF16(pool *Pool, dot bool, limit int64) ([]*Linear, int64) {
+	var ls []*Linear
+	var bytes int64
+	for bytes < limit {
+		s := streamShapes[len(ls)%len(streamShapes)]
+		l := benchWeights(pool, BF16, s[0], s[1])
+		l.bf16Dot = dot
+		ls = append(ls, l)
+		bytes += l.Bytes()
+	}
+	return ls, bytes
 }

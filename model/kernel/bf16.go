@@ -149,7 +149,7 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 	for m := range rows {
 		toPairs(pairs[m*kp:(m+1)*kp], x[m*lda:m*lda+l.in])
 	}
-	s := l.schedule(rows)
+	s := l.scheduleDot(rows)
 	// A few rows (batched decode): see streamPanels.
 	s.streamPanels(rows*kp*4, l.pool.Workers())
 	if rows == 1 && l.impl.tileDotWide != nil {
@@ -179,8 +179,14 @@ func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s
 			p0 += np
 		}
 	}
-	l.blockTask(rows, s.tiles, t0, t1, p0, p1, kp, 2*panelWidth, func(m0, m1, p, k0, kn int, pf []uint16, cont bool) {
-		col := p * panelWidth
-		tile(dst[m0*ldc+col:], ldc, a[m0*kp+k0:], kp, l.h[p*stride+k0*2*panelWidth:(p+1)*stride], kn, m1-m0, min(panelWidth, l.out-col), pf, cont)
+	if s.halves == 2 {
+		tile = l.impl.tileDotHalf
+	}
+	l.blockTask(rows, s.tiles, s.halves, t0, t1, p0, p1, kp, 2*panelWidth, func(m0, m1, p, h, k0, kn int, pf []uint16, cont bool) {
+		col, ncols := halfColumns(p, h, s.halves, l.out)
+		if ncols <= 0 {
+			return
+		}
+		tile(dst[m0*ldc+col:], ldc, a[m0*kp+k0:], kp, l.h[p*stride+k0*2*panelWidth+h*panelWidth:(p+1)*stride], kn, m1-m0, ncols, pf, cont)
 	})
 }

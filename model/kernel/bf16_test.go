@@ -87,6 +87,62 @@ func dotChainRef(x, w []float32) float32 {
 	return acc
 }
 
+// TestTileDotHalfMatchesChain runs each half-panel tile (every height, both halves of a panel,
+// whole and partial halves, pair counts around the kernels' unrolling) against the portable
+// chain over the whole panel, in one call and in two that continue the chains through c, with a
+// prefetch share, and checks that nothing outside the tile's columns is written.
+func TestTileDotHalfMatchesChain(t *testing.T) {
+	r := rand.New(rand.NewPCG(45, 46))
+	for _, im := range candidateImpls() {
+		if im.tileDotHalf == nil {
+			continue
+		}
+		for mr := 1; mr <= im.halfRows; mr++ {
+			for _, kp := range []int{1, 3, 4, 5, 9, 70} {
+				const lda, ldc = 75, 70 // strides past a row's pairs and the panel's columns
+				a := make([]uint32, mr*lda)
+				w := make([]uint16, kp*2*panelWidth)
+				for i := range a {
+					a[i] = uint32(BF16Round(randBF16Value(r))) | uint32(BF16Round(randBF16Value(r)))<<16
+				}
+				for i := range w {
+					w[i] = F32ToBF16(randBF16Value(r))
+				}
+				want := make([]float32, mr*ldc)
+				tileDotGeneric(want, ldc, a, lda, w, kp, mr, panelWidth, nil, false)
+				for h := range 2 {
+					for _, ncols := range []int{32, 17, 1} {
+						for _, split := range []int{0, kp / 2} {
+							got := make([]float32, mr*ldc)
+							for i := range got {
+								got[i] = -7
+							}
+							col, wh := h*32, w[h*panelWidth:]
+							if split > 0 {
+								im.tileDotHalf(got[col:], ldc, a, lda, wh, split, mr, ncols, w[:64], false)
+								im.tileDotHalf(got[col:], ldc, a[split:], lda, wh[split*2*panelWidth:], kp-split, mr, ncols, w[64:], true)
+							} else {
+								im.tileDotHalf(got[col:], ldc, a, lda, wh, kp, mr, ncols, w, false)
+							}
+							for m := range mr {
+								for j := range ldc {
+									g, in := got[m*ldc+j], j >= col && j < col+ncols
+									if in && math.Float32bits(g) != math.Float32bits(want[m*ldc+j]) {
+										t.Fatalf("%s rows %d pairs %d half %d cols %d split %d: row %d col %d = %v, chain %v", im.name, mr, kp, h, ncols, split, m, j, g, want[m*ldc+j])
+									}
+									if !in && g != -7 {
+										t.Fatalf("%s rows %d pairs %d half %d cols %d: wrote row %d col %d", im.name, mr, kp, h, ncols, m, j)
+									}
+								}
+							}
+						}
+					}
+				}
+			}
+		}
+	}
+}
+
 // TestLinearBF16DotMatchesChain: every implementation computes each output of a
 // bfloat16-product Linear as the specified chain (rows of all tile heights, odd and even widths,
 // partial panels, k long enough for several blocks of pairs when several row tiles share a
@@ -112,7 +168,7 @@ func TestLinearBF16DotMatchesChain(t *testing.T) {
 						t.Fatalf("col %d: %v, chain %v", n, alone[n], want)
 					}
 				}
-				for _, rows := range []int{2, 6, 7, 13, 32} {
+				for _, rows := range []int{2, 6, 7, 8, 12, 13, 16, 32} {
 					x := randSlice(r, rows*in)
 					at := r.IntN(rows)
 					copy(x[at*in:], row)

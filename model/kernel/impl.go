@@ -35,6 +35,13 @@ type impl struct {
 	// dpLoop is fmaLoop for bfloat16 products (nil without them).
 	dpLoop func(n int) float64
 
+	// tileDotHalf is tileDot over half a panel for up to halfRows rows: w starts at the half's
+	// first pair (the second half panelWidth values into the panel), ncols ≤ panelWidth/2, each
+	// element the same chain as tileDot computes. nil: whole-panel tiles only (see
+	// Linear.scheduleDot).
+	tileDotHalf func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool)
+	halfRows    int
+
 	// widenBF16 widens bfloat16 values to float32 (nil: portable Go).
 	widenBF16 func(dst []float32, src []uint16)
 

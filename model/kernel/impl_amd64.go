@@ -67,7 +67,7 @@ var avx2Impl = &impl{
 var avx512BF16Impl = func() *impl {
 	im := *avx512Impl
 	im.tileDot, im.toPairs, im.dpLoop = tileDotAVX512, toPairsAVX512, dpLoopAVX512
-	im.tileDotWide = tileDotWideAVX512
+	im.tileDotWide, im.tileDotHalf, im.halfRows = tileDotWideAVX512, tileDotHalfAVX512, maxHalfRows
 	return &im
 }()
 
@@ -104,28 +104,57 @@ func candidateImpls() []*impl {
 	return c
 }
 
-// tileDotKernels are the bfloat16-product tile kernels by rows − 1.
-var tileDotKernels = [maxTileRows]func(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int){
-	tileDot512x1, tileDot512x2, tileDot512x3, tileDot512x4, tileDot512x5, tileDot512x6,
-}
+// maxHalfRows is the most rows of a half-panel tile (tileDot512hN).
+const maxHalfRows = 12
+
+// tileKernel16 is the signature of the tile kernels that take 16-bit weights, a prefetch share
+// and cont: a holds float32 rows, or bfloat16 pairs (A = uint32).
+type tileKernel16[A float32 | uint32] func(a *A, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+
+// tileDotKernels are the bfloat16-product tile kernels by rows − 1; tileDotHalfKernels the
+// half-panel ones.
+var (
+	tileDotKernels = []tileKernel16[uint32]{
+		tileDot512x1, tileDot512x2, tileDot512x3, tileDot512x4, tileDot512x5, tileDot512x6,
+	}
+	tileDotHalfKernels = []tileKernel16[uint32]{
+		tileDot512h1, tileDot512h2, tileDot512h3, tileDot512h4, tileDot512h5, tileDot512h6,
+		tileDot512h7, tileDot512h8, tileDot512h9, tileDot512h10, tileDot512h11, tileDot512h12,
+	}
+)
 
 // tileDotAVX512 checks bounds, then runs the VDPBF16PS kernel for mr rows; columns ≥ ncols are
 // masked off at the store. pf (a share of the next panel) is prefetched evenly on the way by
 // tiles of two or more rows (prefetchStreams; the one-row kernel leaves its stream to the
 // hardware). With cont the chains continue from c.
 func tileDotAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool) {
-	_ = a[(mr-1)*lda+kp-1]
-	_ = w[kp*2*panelWidth-1]
-	_ = c[(mr-1)*ldc+ncols-1]
-	if mr < 1 || mr > maxTileRows {
-		panic("kernel: bad tile height")
+	runTile16(tileDotKernels, panelWidth, 2*panelWidth, c, ldc, a, lda, w, kp, kp, mr, ncols, pf, cont)
+}
+
+// tileDotHalfAVX512 is tileDotAVX512 over half a panel (w at the half's first pair, ncols ≤ 32)
+// for up to 12 rows; every tile prefetches its share of pf.
+func tileDotHalfAVX512(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool) {
+	runTile16(tileDotHalfKernels, panelWidth/2, 2*panelWidth, c, ldc, a, lda, w, kp, kp, mr, ncols, pf, cont)
+}
+
+// runTile16 checks bounds, then runs kernels[mr-1] for mr rows × width columns (a panel or half
+// of one; columns ≥ ncols are masked off at the store) over k (the kernel's count: elements of
+// a row of a) in steps steps of stepValues panel values (pairs of k of a BF16 panel, single k
+// of an F16 one), prefetching pf evenly over the steps (prefetchStreams). With cont the chains
+// continue from c.
+func runTile16[A float32 | uint32](kernels []tileKernel16[A], width, stepValues int, c []float32, ldc int, a []A, lda int, w []uint16, k, steps, mr, ncols int, pf []uint16, cont bool) {
+	if mr < 1 || mr > len(kernels) || ncols < 1 || ncols > width {
+		panic("kernel: bad tile shape")
 	}
-	pf, off, step := prefetchStreams(pf, w, kp)
+	_ = a[(mr-1)*lda+k-1]
+	_ = w[(steps-1)*stepValues+stepValues*width/panelWidth-1]
+	_ = c[(mr-1)*ldc+ncols-1]
+	pf, off, step := prefetchStreams(pf, w, steps)
 	var cn int
 	if cont {
 		cn = 1
 	}
-	tileDotKernels[mr-1](&a[0], lda, &w[0], kp, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], off, step, cn)
+	kernels[mr-1](&a[0], lda, &w[0], k, &c[0], ldc, ^uint64(0)>>(panelWidth-ncols), &pf[0], off, step, cn)
 }
 
 // prefetchStreams returns how a multi-row tile of steps steps of k prefetches pf evenly over its
@@ -199,7 +228,7 @@ func tile512f16x5(a *float32, lda int, w *uint16, k int, c *float32, ldc int, ma
 func tile512f16x6(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 
 // tile16Kernels are the 16-bit tile kernels by DType (BF16, F16) and rows − 1.
-var tile16Kernels = [2][maxTileRows]func(a *float32, lda int, w *uint16, k int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int){
+var tile16Kernels = [2][]tileKernel16[float32]{
 	{tile512bf16x1, tile512bf16x2, tile512bf16x3, tile512bf16x4, tile512bf16x5, tile512bf16x6},
 	{tile512f16x1, tile512f16x2, tile512f16x3, tile512f16x4, tile512f16x5, tile512f16x6},
 }
@@ -221,23 +250,11 @@ func tileBF16WideAVX512(c []float32, a []float32, w []uint16, k, np int) {
 // evenly over their steps of k (a pair of k for BF16, one k for F16; prefetchStreams) on the
 // way. With cont the chains continue from c.
 func tile16AVX512(dtype DType, c []float32, ldc int, a []float32, lda int, w []uint16, k, mr, ncols int, pf []uint16, cont bool) {
-	_ = a[(mr-1)*lda+k-1]
-	steps, panel := k, k*panelWidth // steps of k, values of a panel
 	if dtype == BF16 {
-		steps, panel = (k+1)/2, (k+1)/2*2*panelWidth
+		runTile16(tile16Kernels[0], panelWidth, 2*panelWidth, c, ldc, a, lda, w, k, (k+1)/2, mr, ncols, pf, cont)
+		return
 	}
-	_ = w[panel-1]
-	_ = c[(mr-1)*ldc+ncols-1]
-	if mr < 1 || mr > maxTileRows {
-		panic("kernel: bad tile height")
-	}
-	pf, off, step := prefetchStreams(pf, w, steps)
-	mask := ^uint64(0) >> (panelWidth - ncols)
-	var cn int
-	if cont {
-		cn = 1
-	}
-	tile16Kernels[dtype-BF16][mr-1](&a[0], lda, &w[0], k, &c[0], ldc, mask, &pf[0], off, step, cn)
+	runTile16(tile16Kernels[1], panelWidth, panelWidth, c, ldc, a, lda, w, k, k, mr, ncols, pf, cont)
 }
 
 func tileAccBF16x512x1(a *float32, lda int, w *uint16, ldw int, k int, c *float32, ldc int, mask uint64)
@@ -385,6 +402,18 @@ func tileDot512x3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, ma
 func tileDot512x4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tileDot512x5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tileDot512x6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h1(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h2(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h3(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h4(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h5(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h6(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h7(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h8(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h9(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h10(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h11(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
+func tileDot512h12(a *uint32, lda int, w *uint16, kp int, c *float32, ldc int, mask uint64, pf *uint16, pfoff int, pfstep int, cont int)
 func tileDot512x1p2(a *uint32, w *uint16, kp int, c *float32)
 func tileDot512x1p4(a *uint32, w *uint16, kp int, c *float32)
 

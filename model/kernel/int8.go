@@ -4,7 +4,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math"
-	"unsafe"
 )
 
 // Weight-only int8 products (a Linear built with NewLinearInt8From).
@@ -43,9 +42,9 @@ import (
 // Int8Group is the number of consecutive inputs that share one scale in an int8 Linear.
 const Int8Group = 32
 
-// int8TileRows is the most rows one int8 tile computes (its int32 and float32 accumulators fill
-// 24 of the 32 zmm registers).
-const int8TileRows = 3
+// int8TileRows is the most rows one int8 tile computes (its int32 group sums fill 24 of the 32
+// zmm registers; the float32 chains live in the output, see int8gen.go).
+const int8TileRows = 6
 
 // int8GroupBytes is the bytes of one group of a 64-column panel: 8 steps × 64 columns × 4
 // weights as bytes (q+128, k%4 fastest), then 64 float32 scales.
@@ -61,24 +60,57 @@ type int8Weights struct {
 	roundScale func(float32) float32
 }
 
-// int8TileFunc computes rows [0,mr) × columns [0,ncols) of one int8 panel (see tileInt8Generic),
-// or with mr = 1 and ncols = 2·panelWidth of two consecutive whole panels (w holds both).
-type int8TileFunc func(c []float32, ldc int, a int8Acts, w []byte, groups, mr, ncols int)
+// int8TileFunc computes rows [0,a.mr) × columns [0,ncols) of one int8 panel over its first
+// groups groups (see tileInt8Generic), continuing the chains held in c when cont, prefetching
+// pf on the way (nil: nothing); or with a.mr = 1 and ncols = 2·panelWidth, of two consecutive
+// whole panels (w holds both; cont false, pf nil).
+type int8TileFunc func(c []float32, ldc int, a int8Acts, w []byte, groups, ncols int, pf []byte, cont bool)
 
-// int8Acts are quantized activation rows: row m's int8 values at q[m*ldq:], its scales at
-// d[m*lds:] and its corrections (−128 · the group's sum of q) at corr[m*lds:].
+// int8Acts are the quantized activations of one row tile of mr rows, laid out for the tile
+// kernels: the int8 values of group g, step s (4 inputs) and row m at q[4·((8g+s)·mr+m):], 4
+// bytes; the row's scale and correction (−128 · the group's sum of q) at d[g·mr+m] and
+// corr[g·mr+m]. With one row that is the row's values in order.
 type int8Acts struct {
 	q    []int8
 	d    []float32
 	corr []int32
-	ldq  int
-	lds  int
+	mr   int
 }
 
-// at returns the rows from row m on.
-func (a int8Acts) at(m int) int8Acts {
-	a.q, a.d, a.corr = a.q[m*a.ldq:], a.d[m*a.lds:], a.corr[m*a.lds:]
+// from returns the activations from group g on.
+func (a int8Acts) from(g int) int8Acts {
+	a.q, a.d, a.corr = a.q[g*Int8Group*a.mr:], a.d[g*a.mr:], a.corr[g*a.mr:]
 	return a
+}
+
+// quantize quantizes the tile's rows x[m*lda : m*lda+in] (m < a.mr) as QuantizeInt8 does
+// (whole groups with AVX-512 where the CPU has it, the same bits), rounds their scales with
+// roundScale, and lays them out as a holds them.
+func (w *int8Weights) quantize(a int8Acts, x []float32, lda, in int) {
+	var qs [Int8Group]int8
+	whole := in / Int8Group * Int8Group
+	for m := range a.mr {
+		row := x[m*lda : m*lda+in]
+		for g := 0; g < w.groups; {
+			if g*Int8Group < whole {
+				if n := quantizeGroups(a, m, g, row[g*Int8Group:whole]); n > 0 {
+					g += n
+					continue
+				}
+			}
+			d, s := quantizeGroupInt8(&qs, row[g*Int8Group:min(in, (g+1)*Int8Group)])
+			a.d[g*a.mr+m], a.corr[g*a.mr+m] = d, -128*s
+			for st := range Int8Group / 4 {
+				copy(a.q[4*((Int8Group/4*g+st)*a.mr+m):][:4], qs[4*st:])
+			}
+			g++
+		}
+		if w.roundScale != nil {
+			for g := range w.groups {
+				a.d[g*a.mr+m] = w.roundScale(a.d[g*a.mr+m])
+			}
+		}
+	}
 }
 
 // QuantizeInt8 quantizes x in groups of Int8Group as an int8 Linear quantizes its weights and
@@ -89,25 +121,29 @@ func QuantizeInt8(q []int8, d []float32, sums []int32, x []float32) {
 	groups := (len(x) + Int8Group - 1) / Int8Group
 	_, _, _ = q[groups*Int8Group-1], d[groups-1], sums[groups-1]
 	for g := range groups {
-		xs := x[g*Int8Group : min(len(x), (g+1)*Int8Group)]
-		qs := q[g*Int8Group : (g+1)*Int8Group]
-		amax := absMax(xs)
-		dg := amax / 127
-		var id float32
-		if dg != 0 {
-			id = 1 / dg
-		}
-		var s int32
-		for i := range qs {
-			var v int8
-			if i < len(xs) {
-				v = roundInt8(xs[i] * id)
-			}
-			qs[i] = v
-			s += int32(v)
-		}
-		d[g], sums[g] = dg, s
+		d[g], sums[g] = quantizeGroupInt8((*[Int8Group]int8)(q[g*Int8Group:]), x[g*Int8Group:min(len(x), (g+1)*Int8Group)])
 	}
+}
+
+// quantizeGroupInt8 quantizes one group xs (at most Int8Group values) into q, zero past
+// len(xs), and returns its scale and the sum of q.
+func quantizeGroupInt8(q *[Int8Group]int8, xs []float32) (float32, int32) {
+	amax := absMax(xs)
+	dg := amax / 127
+	var id float32
+	if dg != 0 {
+		id = 1 / dg
+	}
+	var s int32
+	for i := range q {
+		var v int8
+		if i < len(xs) {
+			v = roundInt8(xs[i] * id)
+		}
+		q[i] = v
+		s += int32(v)
+	}
+	return dg, s
 }
 
 // roundInt8 rounds v to the nearest integer, halves away from zero (C's roundf), clamped to
@@ -273,96 +309,32 @@ func (l *Linear) int8Row(n int, dst []float32) {
 	}
 }
 
-// applyInt8 runs Apply for an int8 Linear: the rows are quantized once, then every task runs
-// all row tiles over a run of consecutive panels, panel-major (a panel stays in the cache while
-// the tiles stream past it).
-func (l *Linear) applyInt8(dst []float32, ldc int, x []float32, lda int, rows int) {
-	groups := l.i8.groups
-	kpad := groups * Int8Group
-	// One buffer: the int8 rows (kpad/4 words each), then the scales, then the corrections.
-	buf, put := l.pool.pairBuffer(rows*kpad/4 + 2*rows*groups)
-	defer put()
-	a := int8Acts{
-		q:    unsafe.Slice((*int8)(unsafe.Pointer(&buf[0])), rows*kpad),
-		d:    unsafe.Slice((*float32)(unsafe.Pointer(&buf[rows*kpad/4])), rows*groups),
-		corr: unsafe.Slice((*int32)(unsafe.Pointer(&buf[rows*kpad/4+rows*groups])), rows*groups),
-		ldq:  kpad,
-		lds:  groups,
-	}
-	quantize := func(m int) {
-		r := a.at(m)
-		QuantizeInt8(r.q[:kpad], r.d[:groups], r.corr[:groups], x[m*lda:m*lda+l.in])
-		for g, s := range r.corr[:groups] {
-			r.corr[g] = -128 * s
-		}
-		l.i8.round(r.d[:groups])
-	}
-	if rows < 16 {
-		for m := range rows {
-			quantize(m)
-		}
-	} else { // a prefill's rows, each on its own (the split changes no bit)
-		const chunk = 8
-		l.pool.Parallel((rows+chunk-1)/chunk, func(c int) {
-			for m := c * chunk; m < min(rows, (c+1)*chunk); m++ {
-				quantize(m)
-			}
-		})
-	}
-	tiles := (rows + int8TileRows - 1) / int8TileRows
-	tasks := min(l.panels, 2*l.pool.Workers())
-	if tiles*l.panels < 2 {
-		tasks = 1
-	}
-	run := func(t int) {
-		p0, p1 := t*l.panels/tasks, (t+1)*l.panels/tasks
-		if rows == 1 {
-			// One row: two whole panels per kernel call (two weight streams, twice the chains).
-			pb := groups * int8GroupBytes
-			for ; p0+1 < p1 && (p0+2)*panelWidth <= l.out; p0 += 2 {
-				l.i8.tile(dst[p0*panelWidth:], ldc, a, l.i8.b[p0*pb:(p0+2)*pb], groups, 1, 2*panelWidth)
-			}
-		}
-		for p := p0; p < p1; p++ {
-			w := l.i8.b[p*groups*int8GroupBytes : (p+1)*groups*int8GroupBytes]
-			col := p * panelWidth
-			ncols := min(panelWidth, l.out-col)
-			for ti := range tiles {
-				m0 := ti * int8TileRows
-				l.i8.tile(dst[m0*ldc+col:], ldc, a.at(m0), w, groups, min(int8TileRows, rows-m0), ncols)
-			}
-		}
-	}
-	if tasks == 1 {
-		run(0)
-		return
-	}
-	l.pool.Parallel(tasks, run)
-}
-
 // tileInt8Generic is the portable chain of int8 products (see the top of int8.go) for rows
-// [0,mr) × columns [0,ncols) of an int8 panel.
-func tileInt8Generic(c []float32, ldc int, a int8Acts, w []byte, groups, mr, ncols int) {
+// [0,a.mr) × columns [0,ncols) of an int8 panel over its first groups groups, continuing the
+// chains in c when cont.
+func tileInt8Generic(c []float32, ldc int, a int8Acts, w []byte, groups, ncols int, _ []byte, cont bool) {
 	if ncols > panelWidth { // two whole panels
 		for q := range 2 {
-			tileInt8Generic(c[q*panelWidth:], ldc, a, w[q*groups*int8GroupBytes:], groups, mr, panelWidth)
+			tileInt8Generic(c[q*panelWidth:], ldc, a, w[q*groups*int8GroupBytes:], groups, panelWidth, nil, false)
 		}
 		return
 	}
 	_ = w[groups*int8GroupBytes-1]
-	for m := range mr {
-		r := a.at(m)
+	for m := range a.mr {
 		for j := range ncols {
 			var acc float32
+			if cont {
+				acc = c[m*ldc+j]
+			}
 			for g := range groups {
 				blk := w[g*int8GroupBytes : (g+1)*int8GroupBytes]
-				x := r.q[g*Int8Group : (g+1)*Int8Group]
 				var s int32
-				for k, xv := range x {
+				for k := range Int8Group {
+					xv := a.q[4*((Int8Group/4*g+k/4)*a.mr+m)+k%4]
 					s += (int32(blk[(k/4)*4*panelWidth+4*j+k%4]) - 128) * int32(xv)
 				}
 				dw := math.Float32frombits(binary.LittleEndian.Uint32(blk[Int8Group*panelWidth+4*j:]))
-				d := dw * r.d[g]
+				d := dw * a.d[g*a.mr+m]
 				acc = acc + float32(float32(s)*d)
 			}
 			c[m*ldc+j] = acc

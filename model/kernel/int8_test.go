@@ -38,46 +38,63 @@ func applyInt8With(tile int8TileFunc, pool *Pool, w, x []float32, out, in, rows 
 }
 
 // TestInt8KernelsAgree: the VPDPBUSD kernels give exactly the bits of the portable Go chain, for
-// every tile height, partial panels, k that are not multiples of the group, one row over pairs of
-// whole panels (520 columns: tasks of two and three panels, a partial one last), and rows of any
-// magnitude (all-zero groups included).
+// every tile height (1, 2, 3, 7, 8, 13 and 32 rows: tiles of 1 to 6 rows), no outputs, partial panels, k
+// that are not multiples of the group, k in several blocks (320 and 1000 inputs with more than
+// 6 rows), one row over pairs of whole panels (520 columns: tasks of two and three panels, a
+// partial one last), a prefill split into groups of row tiles (100 rows of 3200 inputs), and
+// rows of any magnitude (all-zero groups included), on one goroutine and on a pool.
 func TestInt8KernelsAgree(t *testing.T) {
 	tiles := int8Tiles()
 	if len(tiles) == 1 {
 		t.Skip("no AVX-512 VNNI on this CPU: only the portable kernel")
 	}
+	pool := NewPool(3)
+	defer pool.Close()
 	r := rand.New(rand.NewPCG(8, 8))
-	for _, out := range []int{1, 63, 64, 130, 520} {
-		for _, in := range []int{1, 31, 32, 33, 96, 320} {
-			for _, rows := range []int{1, 2, 3, 4, 7} {
-				w, x := randInt8Matrix(r, out*in), randInt8Matrix(r, rows*in)
-				want := applyInt8With(tiles[0], nil, w, x, out, in, rows)
-				got := applyInt8With(tiles[1], nil, w, x, out, in, rows)
-				for i := range want {
-					if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
-						t.Fatalf("out %d in %d rows %d: element %d: VNNI %g, Go %g", out, in, rows, i, got[i], want[i])
-					}
-				}
+	type shape struct{ out, in, rows int }
+	var shapes []shape
+	for _, out := range []int{0, 1, 63, 64, 130, 520} {
+		for _, in := range []int{1, 31, 32, 33, 96, 320, 1000} {
+			for _, rows := range []int{1, 2, 3, 7, 8, 13, 32} {
+				shapes = append(shapes, shape{out, in, rows})
+			}
+		}
+	}
+	shapes = append(shapes, shape{130, 3200, 100})
+	for i, s := range shapes {
+		p := []*Pool{nil, pool}[i%2]
+		w, x := randInt8Matrix(r, s.out*s.in), randInt8Matrix(r, s.rows*s.in)
+		want := applyInt8With(tiles[0], p, w, x, s.out, s.in, s.rows)
+		got := applyInt8With(tiles[1], p, w, x, s.out, s.in, s.rows)
+		for i := range want {
+			if math.Float32bits(got[i]) != math.Float32bits(want[i]) {
+				t.Fatalf("out %d in %d rows %d: element %d: VNNI %g, Go %g", s.out, s.in, s.rows, i, got[i], want[i])
 			}
 		}
 	}
 }
 
-// TestInt8BatchInvariant: a row's outputs are bit-identical alone, at any position of any batch
-// and with any partitioning over a pool's workers.
+// TestInt8BatchInvariant: a row's outputs are bit-identical alone, at any position of a batch of
+// 2, 8, 32 or 40 rows (tiles of different heights, K in blocks) and with any partitioning over a
+// pool's workers.
 func TestInt8BatchInvariant(t *testing.T) {
 	r := rand.New(rand.NewPCG(9, 9))
-	const out, in = 200, 160
+	const out, in = 200, 416
 	w := randInt8Matrix(r, out*in)
 	pool := NewPool(3)
 	defer pool.Close()
 	for _, tile := range int8Tiles() {
 		batch := randInt8Matrix(r, 40*in) // more than 16 rows: quantized in parallel
-		all := applyInt8With(tile, pool, w, batch, out, in, 40)
-		for m := range 40 {
-			alone := applyInt8With(tile, nil, w, batch[m*in:(m+1)*in], out, in, 1)
-			if !slices.Equal(bits(alone), bits(all[m*out:(m+1)*out])) {
-				t.Fatalf("row %d of 40 differs from the row alone", m)
+		alone := make([][]float32, 40)
+		for m := range alone {
+			alone[m] = applyInt8With(tile, nil, w, batch[m*in:(m+1)*in], out, in, 1)
+		}
+		for _, rows := range []int{2, 8, 32, 40} {
+			all := applyInt8With(tile, pool, w, batch[:rows*in], out, in, rows)
+			for m := range rows {
+				if !slices.Equal(bits(alone[m]), bits(all[m*out:(m+1)*out])) {
+					t.Fatalf("row %d of %d differs from the row alone", m, rows)
+				}
 			}
 		}
 	}
@@ -274,6 +291,61 @@ func TestInt8SimulatesQ8_0(t *testing.T) {
 			}
 			if got[m*out+n] != sumf {
 				t.Fatalf("row %d output %d: %g, ggml's Q8_0 × Q8_0 %g", m, n, got[m*out+n], sumf)
+			}
+		}
+	}
+}
+
+// TestInt8QuantizeTile: the quantization Apply runs (AVX-512 on whole groups where the CPU has
+// VNNI) gives QuantizeInt8's values, scales and corrections in the tile layout, for every tile
+// height, k not a multiple of the group, and groups that hit every path: exact halves of a step
+// and their neighbours, all-zero groups, tiny magnitudes (subnormal included), Inf and NaN.
+func TestInt8QuantizeTile(t *testing.T) {
+	r := rand.New(rand.NewPCG(13, 13))
+	for _, in := range []int{1, 31, 32, 33, 96, 320, 1000} {
+		groups := (in + Int8Group - 1) / Int8Group
+		w := &int8Weights{groups: groups}
+		for mr := 1; mr <= int8TileRows; mr++ {
+			x := randInt8Matrix(r, mr*in)
+			for g := range mr * groups {
+				row, gr := g/groups, g%groups
+				xs := x[row*in+gr*Int8Group : row*in+min(in, (gr+1)*Int8Group)]
+				switch g % 7 {
+				case 1: // d = 1: k + ½ and its neighbours
+					for i := range xs {
+						h := float32(r.IntN(253)-126) + 0.5
+						xs[i] = [...]float32{h, math.Nextafter32(h, 0), math.Nextafter32(h, 200)}[r.IntN(3)]
+					}
+					xs[0] = 127
+				case 2:
+					xs[r.IntN(len(xs))] = float32(math.Inf(2*r.IntN(2) - 1))
+				case 3:
+					xs[r.IntN(len(xs))] = float32(math.NaN())
+				case 4:
+					for i := range xs {
+						xs[i] = float32(r.NormFloat64()) * 1e-36 * float32(r.IntN(3)) // tiny and subnormal products
+					}
+				case 5:
+					clear(xs)
+				}
+			}
+			a := int8Acts{q: make([]int8, mr*groups*Int8Group), d: make([]float32, mr*groups), corr: make([]int32, mr*groups), mr: mr}
+			w.quantize(a, x, in, in)
+			q := make([]int8, groups*Int8Group)
+			d := make([]float32, groups)
+			sums := make([]int32, groups)
+			for m := range mr {
+				QuantizeInt8(q, d, sums, x[m*in:(m+1)*in])
+				for g := range groups {
+					if math.Float32bits(a.d[g*mr+m]) != math.Float32bits(d[g]) || a.corr[g*mr+m] != -128*sums[g] {
+						t.Fatalf("in %d mr %d row %d group %d: scale %g correction %d, want %g and %d", in, mr, m, g, a.d[g*mr+m], a.corr[g*mr+m], d[g], -128*sums[g])
+					}
+					for k := range Int8Group {
+						if got := a.q[4*((Int8Group/4*g+k/4)*mr+m)+k%4]; got != q[g*Int8Group+k] {
+							t.Fatalf("in %d mr %d row %d group %d: q[%d] = %d, want %d (x %g)", in, mr, m, g, k, got, q[g*Int8Group+k], x[m*in+g*Int8Group+k])
+						}
+					}
+				}
 			}
 		}
 	}

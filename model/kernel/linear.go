@@ -254,6 +254,7 @@ func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows
 // panels. The split only decides where and when an element is computed, never how.
 type schedule struct {
 	mr                    int // rows per tile
+	halves                int // tiles per panel and row tile: 1 (whole panels) or 2 (half-panel tiles)
 	tiles, panels         int
 	tileGroup, panelGroup int
 	tileGroups            int
@@ -266,8 +267,13 @@ func (s schedule) tasks() int { return s.tileGroups * s.panelGroups }
 const l2Budget = 512 << 10
 
 func (l *Linear) schedule(rows int) schedule {
-	mr := l.impl.mr
-	s := schedule{mr: mr, tiles: (rows + mr - 1) / mr, panels: l.panels}
+	return l.scheduleTiles(rows, l.impl.mr, 1)
+}
+
+// scheduleTiles is schedule for row tiles of at most mr rows, each over halves column slices of
+// a panel (2: half-panel tiles).
+func (l *Linear) scheduleTiles(rows, mr, halves int) schedule {
+	s := schedule{mr: mr, halves: halves, tiles: (rows + mr - 1) / mr, panels: l.panels}
 	workers := l.pool.Workers()
 	panelBytes := l.in * panelWidth * l.dtype.Size()
 	rowBytes := l.in * 4
@@ -312,15 +318,16 @@ func widePanelRun(p0, p1, out int) int {
 }
 
 // streamPanels makes s one group of all the row tiles over runs of consecutive panels, two runs
-// per worker, when s has one group of row tiles anyway or the rows' activations that a task's
-// tiles share (actBytes: all of k, or a block of it) fit half the L2 budget: every task then
+// per worker, when s runs several tiles over a panel (row tiles, or the two halves of a panel)
+// and has one group of row tiles anyway or the rows' activations that a task's tiles share
+// (actBytes: all of k, or a block of it) fit half the L2 budget: every task then
 // runs all row tiles over its run, prefetching each next panel while the current one is
 // computed from the cache, so the weights stream from memory under the arithmetic once. (Split
 // into groups of row tiles, as schedule splits a long K's, a panel was read by several tasks and
 // the next one prefetched by none: o_proj and down_proj of a batch of 32 ran at 0.75 of the
 // peak.)
 func (s *schedule) streamPanels(actBytes, workers int) {
-	if s.tiles > 1 && (s.tileGroups == 1 || actBytes <= l2Budget/2) {
+	if s.tiles*s.halves > 1 && (s.tileGroups == 1 || actBytes <= l2Budget/2) {
 		s.tileGroup, s.tileGroups = s.tiles, 1
 		s.panelGroup = (s.panels + 2*workers - 1) / (2 * workers)
 		s.panelGroups = (s.panels + s.panelGroup - 1) / s.panelGroup
@@ -350,15 +357,17 @@ func kBlockSteps(steps, tiles int) int {
 // blockTask runs the row tiles [t0, t1) of a product over the 16-bit panels [p0, p1) (steps
 // steps of k each, panelStep values a step), panel by panel and, within a panel, block of k by
 // block of k (kBlockSteps), the chains carrying over from block to block through dst. tile(m0,
-// m1, p, k0, kn, pf, cont) computes rows [m0, m1) of panel p over steps [k0, k0+kn),
-// continuing the chains when cont, prefetching pf on the way. The tiles have balanced heights
-// (32 rows: 6, 6, 5, 5, 5, 5, not 6×5 + 2, as a short tile computes its rows less efficiently)
-// and they prefetch the next block of the panel, or the first of the next panel, an equal share
-// each, spread evenly over their steps (prefetchStreams), so that it streams from memory at the
-// pace of the arithmetic while the current one is computed from the cache.
-func (l *Linear) blockTask(rows, tiles, t0, t1, p0, p1, steps, panelStep int, tile func(m0, m1, p, k0, kn int, pf []uint16, cont bool)) {
+// m1, p, h, k0, kn, pf, cont) computes rows [m0, m1) of panel p (of its half h when halves is 2)
+// over steps [k0, k0+kn), continuing the chains when cont, prefetching pf on the way. The
+// tiles have balanced heights (32 rows in whole-panel tiles: 6, 6, 5, 5, 5, 5, not 6×5 + 2, as
+// a short tile computes its rows less efficiently) and they prefetch the next block of the
+// panel, or the first of the next panel, an equal share each, spread evenly over their steps
+// (prefetchStreams), so that it streams from memory at the pace of the arithmetic while the
+// current one is computed from the cache.
+func (l *Linear) blockTask(rows, tiles, halves, t0, t1, p0, p1, steps, panelStep int, tile func(m0, m1, p, h, k0, kn int, pf []uint16, cont bool)) {
 	stride := l.panel16Len()
-	kb := kBlockSteps(steps, t1-t0)
+	calls := (t1 - t0) * halves // tile calls per block
+	kb := kBlockSteps(steps, calls)
 	for p := p0; p < p1; p++ {
 		w := l.h[p*stride : (p+1)*stride]
 		for k0 := 0; k0 < steps; k0 += kb {
@@ -370,15 +379,16 @@ func (l *Linear) blockTask(rows, tiles, t0, t1, p0, p1, steps, panelStep int, ti
 			case p+1 < p1:
 				next = l.h[(p+1)*stride : (p+1)*stride+min(steps, kb)*panelStep]
 			}
-			// Each tile a share of whole lines (32 values).
-			share := (len(next)/32 + t1 - t0 - 1) / (t1 - t0) * 32
-			for ti := t0; ti < t1; ti++ {
+			// Each tile call a share of whole lines (32 values).
+			share := (len(next)/32 + calls - 1) / calls * 32
+			for q := range calls {
+				ti, h := t0+q/halves, q%halves
 				m0, m1 := ti*rows/tiles, (ti+1)*rows/tiles
 				var pf []uint16
-				if q := ti - t0; t1-t0 > 1 && q*share < len(next) {
+				if calls > 1 && q*share < len(next) {
 					pf = next[q*share : min(len(next), (q+1)*share)]
 				}
-				tile(m0, m1, p, k0, kn, pf, k0 > 0)
+				tile(m0, m1, p, h, k0, kn, pf, k0 > 0)
 			}
 		}
 	}
@@ -398,7 +408,7 @@ func (l *Linear) apply16(dst []float32, ldc int, x []float32, lda, rows int) {
 	stride := l.panel16Len()
 	task := func(t int) {
 		t0, t1, p0, p1 := s.ranges(t)
-		l.blockTask(rows, s.tiles, t0, t1, p0, p1, steps, panelStep, func(m0, m1, p, k0, kn int, pf []uint16, cont bool) {
+		l.blockTask(rows, s.tiles, s.halves, t0, t1, p0, p1, steps, panelStep, func(m0, m1, p, _, k0, kn int, pf []uint16, cont bool) {
 			col := p * panelWidth
 			l.impl.tile16(l.dtype, dst[m0*ldc+col:], ldc, x[m0*lda+k0*kStep:], lda, l.h[p*stride+k0*panelStep:(p+1)*stride],
 				min(l.in-k0*kStep, kn*kStep), m1-m0, min(panelWidth, l.out-col), pf, cont)
@@ -409,6 +419,36 @@ func (l *Linear) apply16(dst []float32, ldc int, x []float32, lda, rows int) {
 		return
 	}
 	l.pool.Parallel(s.tasks(), task)
+}
+
+// maxHalfTileRows is the most rows a bfloat16 product runs in half-panel tiles (scheduleDot).
+const maxHalfTileRows = 16
+
+// scheduleDot is the schedule of a bfloat16 product of rows rows: whole-panel tiles of impl.mr
+// rows, or, for more rows than one such tile holds and at most maxHalfTileRows, the
+// implementation's half-panel tiles (tileDotHalf) of up to impl.halfRows rows over each half of
+// a panel. A half-panel tile reads two of a pair's four cache lines (columns 0–31 or 32–63),
+// so its row tile reads every line of a panel once, and holds twice a whole-panel tile's rows:
+// 7 to 12 rows read the weights from the caches once instead of twice, 13 to 16 twice instead
+// of three times. That is what a memory-bound product needs (below about 16 rows a bfloat16
+// product does 16 or fewer FLOPs per weight byte, under the VDPBF16PS peak ÷ one core's read
+// bandwidth); with more rows the products are bound by the arithmetic, where the whole-panel
+// tiles do better (4 VDPBF16PS per broadcast of an activation pair instead of 2). Passes over
+// 160 MB of Qwen3-0.6B-shaped weights on one thread measured (docs/performance.md) 5–15% more
+// GB per CPU second at 7, 8, 12 and 16 rows, less at 4 and 20–32.
+func (l *Linear) scheduleDot(rows int) schedule {
+	if rows > l.impl.mr && rows <= maxHalfTileRows && l.impl.tileDotHalf != nil {
+		return l.scheduleTiles(rows, l.impl.halfRows, 2)
+	}
+	return l.schedule(rows)
+}
+
+// halfColumns returns the first output column of tile slice h of panel p (halves slices a
+// panel) and how many of its columns are below out (≤ 0: none).
+func halfColumns(p, h, halves, out int) (col, ncols int) {
+	w := panelWidth / halves
+	col = p*panelWidth + h*w
+	return col, min(w, out-col)
 }
 
 func (s schedule) count() int {
