@@ -12,17 +12,17 @@ import "github.com/kvbridge/kvbridge/model/kernel"
 // all heads are 32–64 KB in one piece; a read of such short stretches ran at half the rate of
 // the long ones (docs/performance.md, Limits).
 //
-// Such a sequence ("split") is instead divided by positions: each work item covers all KV heads
-// of a run of its 64-key chunks. The items compute the scores of their chunks (one FMA chain
-// over d each, so which item computes a score changes nothing); then, every score being known,
-// each KV head's rows are turned into probabilities (kernel.Softmax over all positions, as
-// ever); then the items compute, per chunk, its value sums from zero (per value element one
-// chain over the chunk's keys, carried from block to block); then the chunks' sums are added in
-// chunk order (part_0 + part_1 + …, attention.go's definition). Every number is the one an item
-// of one KV head over all positions computes, whatever the runs of chunks — which depend on the
-// worker count only — so the bits depend neither on the batch nor on the workers
-// (TestAttentionPositionSplit). It costs two more hand-offs per layer (the probabilities, the
-// value sums) than one Parallel call of items split by heads.
+// Such a sequence ("split"), if it attends over splitMinChunks chunks or more, is instead divided
+// by positions: each work item covers all KV heads of one of its 64-key chunks. The items compute
+// the scores of their chunks (one FMA chain over d each, so which item computes a score changes
+// nothing), beside the step's other attention items; then, every score being known, the caller
+// turns each row into probabilities (kernel.Softmax over all positions, as ever); then the items
+// compute, per chunk, its value sums from zero (per value element one chain over the chunk's
+// keys, carried from block to block); then the caller adds the chunks' sums in chunk order
+// (part_0 + part_1 + …, attention.go's definition). Every number is the one an item of one KV
+// head over all positions computes, whichever worker computes it, so the bits depend neither on
+// the batch nor on the workers (TestAttentionPositionSplit). It costs one hand-off a layer more
+// (the value sums) than one Parallel call of items split by heads.
 
 // splitMinChunks is the fewest chunks a split sequence attends over: at shorter contexts its KV
 // is a small part of a step's bytes, and the split's extra hand-off would cost more than its
@@ -50,14 +50,14 @@ type posItem struct {
 }
 
 // splits reports whether sa's attention is split by positions this step: a sequence decoding one
-// token read in place, over more than one chunk, when headSpan (span) leaves its items fewer
-// than all KV heads, and no test caps the heads of an item (itemHeads).
+// token read in place, over splitMinChunks chunks or more, when headSpan (span) leaves its items
+// fewer than all KV heads, and no test caps the heads of an item (itemHeads).
 func (m *Model) splits(sa *seqAttn, span int) bool {
 	return m.inPlace && sa.packs < 0 && sa.n == 1 && sa.nch >= splitMinChunks && span < m.cfg.NumKVHeads && m.itemHeads == 0
 }
 
 // planSplits fills w.splits and w.posItems for the current layer: for each split sequence its
-// query rows and buffers, and its work items, runs of about nch ÷ (2 × workers) chunks.
+// query rows and buffers, and its work items of splitRun chunks.
 func (m *Model) planSplits(w *workspace, span int) {
 	c := m.cfg
 	hd, group := c.HeadDim, c.NumHeads/c.NumKVHeads

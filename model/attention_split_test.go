@@ -7,12 +7,11 @@ import (
 )
 
 // TestAttentionPositionSplit: a sequence decoding alone over a long context is split by
-// positions (its work items runs of chunks of all KV heads, as many runs as the workers make:
-// at 8 chunks and 3 workers, runs of 2 and a last one shorter), and decodes the bits it
-// decodes with items of one KV head over all positions (itemHeads 1, not split) — for 1, 2 and
-// 3 workers (runs of different lengths, some uneven), in every precision, in both layouts, with
-// blocks that split chunks, and contexts ending inside, at and past 64-key chunks (and split
-// from the first decode step on, or from a later one).
+// positions (its work items chunks of all KV heads), and decodes the bits it decodes with items
+// of one KV head over all positions (itemHeads 1, not split) — for 1, 2 and 3 workers (the
+// workers share the chunks differently), in every precision, in both layouts, with blocks that
+// split chunks, and contexts ending inside, at and past 64-key chunks (and split from the first
+// decode step on, or from a later one).
 func TestAttentionPositionSplit(t *testing.T) {
 	spec := builtinSpec{seed: 0x5e7, hidden: 64, layers: 2, heads: 8, kvHeads: 4, headDim: 16, intermediate: 96}
 	lens := []int{3, 130, 7*attnChunk - 2, 8 * attnChunk, 8*attnChunk + 1, 700}
@@ -30,8 +29,8 @@ func TestAttentionPositionSplit(t *testing.T) {
 					t.Skip("this kernel implementation packs every chunk")
 				}
 				// One sequence's items cover fewer than all KV heads, so a decoding sequence of
-				// splitMinChunks chunks or more is split (from the third step of the third prompt on, and
-				// the last three), a shorter one not.
+				// splitMinChunks chunks or more is split (the third prompt from its third step on,
+				// the last three throughout), a shorter one not.
 				w := &workspace{seqAttn: []seqAttn{{n: 1, packs: -1}}}
 				span := m.headSpan(w)
 				for nch, want := range map[int]bool{splitMinChunks - 1: false, splitMinChunks: true} {
