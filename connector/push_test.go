@@ -615,16 +615,9 @@ func TestPushLayerwiseCatchesUp(t *testing.T) {
 	p.em.Nixl().TakeInterval()
 	info := p.conn.Info()
 	id := newPushID(t)
-	got := make(chan result, 1)
-	go func() {
-		status, r := post(t, d.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
-			"kv_transfer_params": map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
-				"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}})
-		if status != 200 {
-			r.Text = fmt.Sprintf("status %d: %s", status, r.Raw)
-		}
-		got <- r
-	}()
+	got := postAsync(t, d.srv.URL+"/v1/completions", map[string]any{"model": "kvbridge/tiny", "prompt": prompt, "max_tokens": 5, "temperature": 0,
+		"kv_transfer_params": map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
+			"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}})
 	eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
 	kv := template()
 	kv["push_id"] = id
@@ -681,27 +674,17 @@ func TestPushLayerwiseLateRegistration(t *testing.T) {
 			pbody["kv_transfer_params"] = pkv
 			dbody["kv_transfer_params"] = map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
 				"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}
-			pdone, got := make(chan int, 1), make(chan result, 1)
-			go func() {
-				status, _ := post(t, p.srv.URL+"/v1/completions", pbody)
-				pdone <- status
-			}()
+			pleg := postAsync(t, p.srv.URL+"/v1/completions", pbody)
 			select {
 			case <-held:
 			case <-time.After(time.Minute):
 				t.Fatal("P's prefill did not start streaming steps")
 			}
-			go func() {
-				status, r := post(t, d.srv.URL+"/v1/completions", dbody)
-				if status != 200 {
-					r.Text = fmt.Sprintf("status %d: %s", status, r.Raw)
-				}
-				got <- r
-			}()
+			got := postAsync(t, d.srv.URL+"/v1/completions", dbody)
 			eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
 			release()
-			if status := <-pdone; status != 200 {
-				t.Fatalf("prefill leg: status %d", status)
+			if a := <-pleg; a.status != 200 {
+				t.Fatalf("prefill leg: %s", a.Text)
 			}
 			if r := <-got; r.Text != want.Text {
 				t.Fatalf("D answered %q, a single engine %q", r.Text, want.Text)
@@ -715,6 +698,27 @@ func TestPushLayerwiseLateRegistration(t *testing.T) {
 			d.waitPoolFull(t)
 		})
 	}
+}
+
+// posted is an HTTP status and the result read from its body.
+type posted struct {
+	status int
+	result
+}
+
+// postAsync posts body to url from a goroutine of its own and delivers the answer; an answer
+// other than 200 comes with its Text set to "status N: " and the raw body, so that comparing
+// texts shows it.
+func postAsync(t *testing.T, url string, body map[string]any) <-chan posted {
+	got := make(chan posted, 1)
+	go func() {
+		status, r := post(t, url, body)
+		if status != 200 {
+			r.Text = fmt.Sprintf("status %d: %s", status, r.Raw)
+		}
+		got <- posted{status, r}
+	}()
+	return got
 }
 
 // waitWrites returns how many writes P recorded since the last interval was taken and their
@@ -748,14 +752,7 @@ func TestPushLayerwiseGroupsLayers(t *testing.T) {
 	dbody := body(6)
 	dbody["kv_transfer_params"] = map[string]any{"do_remote_prefill": true, "do_remote_decode": false, "remote_engine_id": info.EngineID,
 		"remote_host": info.RemoteHost, "remote_port": info.RemotePort, "tp_size": 1, "push_id": id}
-	got := make(chan result, 1)
-	go func() {
-		status, r := post(t, d.srv.URL+"/v1/completions", dbody)
-		if status != 200 {
-			r.Text = fmt.Sprintf("status %d: %s", status, r.Raw)
-		}
-		got <- r
-	}()
+	got := postAsync(t, d.srv.URL+"/v1/completions", dbody)
 	eventually(t, "P to park D's registration", func() bool { return p.conn.Info().PushParked == 1 })
 	p.em.Nixl().TakeInterval()
 	pbody := body(1)

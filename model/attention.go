@@ -159,11 +159,18 @@ func (m *Model) attention(w *workspace, seqs []Seq, blockSize int) {
 	// Attention work items, the most expensive first. A sequence read in place whose tokens
 	// fit one tile (decode) has several KV heads per item, so that the item walks each block's
 	// keys (then values) of those heads — adjacent in the block — in one stretch of memory.
+	// A decoding sequence whose items would cover fewer than all KV heads is split by positions
+	// instead (attention_split.go): its items, each a run of its chunks of all heads, compute
+	// their scores here, beside the other items, and finishSplits the rest.
 	w.items = w.items[:0]
 	tile := c.tileTokens()
 	span := m.headSpan(w)
+	m.planSplits(w, span)
 	for i := range w.seqAttn {
 		sa := &w.seqAttn[i]
+		if m.splits(sa, span) {
+			continue
+		}
 		heads := 1
 		if m.inPlace && sa.packs < 0 && sa.n <= tile {
 			heads = max(1, min(span, tileRows/(sa.n*group)))
@@ -177,13 +184,19 @@ func (m *Model) attention(w *workspace, seqs []Seq, blockSize int) {
 		}
 	}
 	slices.SortStableFunc(w.items, func(a, b attnItem) int { return cmp.Compare(b.cost, a.cost) })
-	m.pool.Parallel(len(w.items), func(i int) {
-		if it := w.items[i]; it.sa.packs < 0 && m.inPlace {
+	n := len(w.items)
+	m.pool.Parallel(n+len(w.posItems), func(i int) {
+		if i >= n {
+			m.splitItem(w, seqs, blockSize, w.posItems[i-n], false)
+		} else if it := w.items[i]; it.sa.packs < 0 && m.inPlace {
 			m.attendInPlace(w, seqs, blockSize, it)
 		} else {
 			m.attend(w, seqs, blockSize, it)
 		}
 	})
+	if len(w.splits) > 0 {
+		m.finishSplits(w, seqs, blockSize)
+	}
 }
 
 // headSpan returns how many KV heads an item of a one-tile sequence read in place covers: all of
@@ -438,14 +451,7 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		r0, lo := firstRow(ch), ch*attnChunk
 		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, ahead, func(g, j0, n int, v *headView, o int) {
 			r := (g-it.g0)*rows + r0
-			dst, q := scores[r*stride+lo+j0:], xq[r*hd:]
-			if v.k8 != nil {
-				kernel.RowDots(dst, stride, q, hd, rows-r0, v.widenRows(sc, false, o, n, hd), hd, n, hd)
-			} else if v.k16 != nil {
-				kernel.RowDotsBF16(dst, stride, q, hd, rows-r0, v.k16[o:], v.stride, n, hd)
-			} else {
-				kernel.RowDots(dst, stride, q, hd, rows-r0, v.k[o:], v.stride, n, hd)
-			}
+			v.rowProducts(sc, false, scores[r*stride+lo+j0:], stride, xq[r*hd:], hd, rows-r0, o, n, hd)
 		})
 	}
 	for g := range it.g1 - it.g0 {
@@ -470,14 +476,7 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		}
 		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), true, ahead, func(g, j0, n int, v *headView, o int) {
 			gi := g - it.g0
-			d, p := dst[gi*rows*hd:], scores[(gi*rows+r0)*stride+lo+j0:]
-			if v.v8 != nil {
-				kernel.AccumulateRows(d, hd, p, stride, nr, v.widenRows(sc, true, o, n, hd), hd, n, hd)
-			} else if v.v16 != nil {
-				kernel.AccumulateRowsBF16(d, hd, p, stride, nr, v.v16[o:], v.stride, n, hd)
-			} else {
-				kernel.AccumulateRows(d, hd, p, stride, nr, v.v[o:], v.stride, n, hd)
-			}
+			v.rowProducts(sc, true, dst[gi*rows*hd:], hd, scores[(gi*rows+r0)*stride+lo+j0:], stride, nr, o, n, hd)
 		})
 		if ch > 0 {
 			for g := range it.g1 - it.g0 {
@@ -488,6 +487,26 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 	}
 	for g := it.g0; g < it.g1; g++ {
 		m.scatterOutputs(w, sa, g, it.t0, it.t1, acc[(g-it.g0)*rows*hd:])
+	}
+}
+
+// rowProducts runs, over the n keys (values) of the view from offset o on, kernel.RowDots: the
+// scores of rows query rows x (ldx apart) into dst (row r at dst[r*ldd:]), one FMA chain over d
+// each — or, for values, kernel.AccumulateRows: the rows probability rows x weighting the values
+// added into the rows of dst (ldd apart), per value element one chain over the keys, carried on
+// from what dst holds. Bfloat16 rows are widened inside the kernels, FP8 ones into sc first.
+func (v *headView) rowProducts(sc *attnScratch, values bool, dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int) {
+	f32, f16, x32, x16 := kernel.RowDots, kernel.RowDotsBF16, v.k, v.k16
+	if values {
+		f32, f16, x32, x16 = kernel.AccumulateRows, kernel.AccumulateRowsBF16, v.v, v.v16
+	}
+	switch {
+	case v.k8 != nil:
+		f32(dst, ldd, x, ldx, rows, v.widenRows(sc, values, o, n, hd), hd, n, hd)
+	case x16 != nil:
+		f16(dst, ldd, x, ldx, rows, x16[o:], v.stride, n, hd)
+	default:
+		f32(dst, ldd, x, ldx, rows, x32[o:], v.stride, n, hd)
 	}
 }
 

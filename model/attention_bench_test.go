@@ -1,8 +1,11 @@
 package model
 
 import (
+	"cmp"
 	"fmt"
 	"math/rand/v2"
+	"os"
+	"slices"
 	"testing"
 	"time"
 )
@@ -79,4 +82,45 @@ func BenchmarkBatchDecode(b *testing.B) {
 		best = min(best, time.Since(t0))
 	}
 	b.ReportMetric(float64(best.Microseconds())/1000, "min-ms")
+}
+
+// BenchmarkAttentionSplitPaired runs a lone sequence's decode step at contexts 128 and 1024
+// alternately with its attention split by KV heads (itemHeads 2: the items headSpan gives one
+// sequence on two workers) and by positions (attention_split.go; not at context 128, below
+// splitMinChunks: there it measures the pairing's own bias), so that a load change on a shared
+// machine hits both alike, and reports the median over the pairs of the split step's speed ÷ the
+// other's (positions/heads). The model is KVBRIDGE_BENCH_MODEL (default kvbridge/small, e.g.
+// /tmp/qwen3-0.6b), in bfloat16 with a bfloat16 KV cache.
+func BenchmarkAttentionSplitPaired(b *testing.B) {
+	name := cmp.Or(os.Getenv("KVBRIDGE_BENCH_MODEL"), Small)
+	m, err := Open(b.Context(), name, OpenOptions{DType: "bfloat16"})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	const bs = 16
+	for _, ctx := range []int{128, 1024} {
+		b.Run(fmt.Sprintf("ctx-%d", ctx), func(b *testing.B) {
+			nb := ctx/bs + 1
+			kv := newTestKVFor(m, bs, nb, false)
+			s := []Seq{{Tokens: []int32{7}, Start: ctx, Blocks: blockRange(0, nb), Logits: make([]float32, m.cfg.VocabSize)}}
+			var ratios []float64
+			for k := 0; b.Loop(); k++ {
+				var took [2]time.Duration
+				for j := range 2 {
+					i := (j + k) % 2 // which way goes first alternates
+					m.itemHeads = 2 * i
+					t0 := time.Now()
+					if err := m.Forward(b.Context(), kv, bs, s); err != nil {
+						b.Fatal(err)
+					}
+					took[i] = time.Since(t0)
+				}
+				ratios = append(ratios, took[1].Seconds()/took[0].Seconds())
+			}
+			m.itemHeads = 0
+			slices.Sort(ratios)
+			b.ReportMetric(ratios[len(ratios)/2], "positions/heads")
+		})
+	}
 }

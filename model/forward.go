@@ -56,6 +56,8 @@ type workspace struct {
 	seqAttn                        []seqAttn
 	items                          []attnItem
 	packItems                      []packItem
+	splits                         []splitAttn // decoding sequences split by positions (attention_split.go)
+	posItems                       []posItem
 	// packs holds the chunks packed once per step (keys, values) of the sequences whose
 	// attention work items share them; the Linears and their memory are reused across layers
 	// and steps.
@@ -66,7 +68,7 @@ type workspace struct {
 // does not keep them alive.
 func (w *workspace) release() {
 	clear(w.views)
-	w.items, w.packItems = w.items[:0], w.packItems[:0]
+	w.items, w.packItems, w.posItems = w.items[:0], w.packItems[:0], w.posItems[:0]
 }
 
 // headView is one (layer, block, KV head) view of the KV store: float32 values (k, v),

@@ -11,6 +11,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"math/rand/v2"
 	"os"
 	"runtime"
@@ -64,6 +65,13 @@ type Options struct {
 	BlockSize int
 	// PeakDuration is how long each compute peak is measured (default 1s).
 	PeakDuration time.Duration
+	// ProbeBytes is the buffer the read-bandwidth probe reads (default 256 MiB, eight times the
+	// 32 MiB last-level cache of docs/performance.md's machine: keep it far above the
+	// last-level cache), ProbeWindow how long the probe before a repetition's first step reads
+	// it (default 10ms; at least a pass in each of its patterns). The probe runs before the
+	// first and after every timed decode step (kernel.ReadProbe, Rep).
+	ProbeBytes  int
+	ProbeWindow time.Duration
 	// Repeat is how many times each measurement runs; the fastest is reported (default 3), as
 	// the machine may be shared.
 	Repeat int
@@ -112,6 +120,12 @@ func (o *Options) defaults() {
 	if o.PeakDuration <= 0 {
 		o.PeakDuration = time.Second
 	}
+	if o.ProbeBytes <= 0 {
+		o.ProbeBytes = 256 << 20
+	}
+	if o.ProbeWindow <= 0 {
+		o.ProbeWindow = 10 * time.Millisecond
+	}
 	if o.Repeat <= 0 {
 		o.Repeat = 3
 	}
@@ -134,6 +148,8 @@ type Result struct {
 	DecodeTokens int    `json:"decode_tokens"`
 	DecodeSteps  int    `json:"decode_steps"`
 	Repeat       int    `json:"repeat"`
+	// ProbeBytes is the read-bandwidth probe's buffer (Options.ProbeBytes).
+	ProbeBytes int `json:"probe_bytes"`
 	// CheckpointBytes is the size of the model's safetensors files (0 for a built-in model).
 	CheckpointBytes int64 `json:"checkpoint_bytes"`
 	// PeakGFLOPS and PeakBF16GFLOPS are the measured float32 FMA and VDPBF16PS peaks of all
@@ -141,8 +157,10 @@ type Result struct {
 	// a measurement before and one after the model runs.
 	PeakGFLOPS     float64 `json:"peak_gflops"`
 	PeakBF16GFLOPS float64 `json:"peak_bf16_gflops"`
-	// ReadGBps is the all-core memory read bandwidth (kernel.ReadGBps); MemcpyGBps one
-	// goroutine's copy bandwidth (kernel.MemcpyGBps); each the higher of two measurements.
+	// ReadGBps is the all-core memory read bandwidth (kernel.ReadProbe), the highest of the
+	// probes before and after the model runs; MemcpyGBps one goroutine's copy bandwidth
+	// (kernel.MemcpyGBps), the higher of two measurements. Each decode repetition is also
+	// divided by the bandwidth probed right beside it (Rep).
 	ReadGBps   float64 `json:"read_gbps"`
 	MemcpyGBps float64 `json:"memcpy_gbps"`
 	// Runs are the measurements of each dtype.
@@ -176,9 +194,13 @@ type DTypeResult struct {
 	// the weights and the context's KV once.
 	DecodeTokensPerS            float64 `json:"decode_tokens_per_s"`
 	DecodeBoundWithKVTokensPerS float64 `json:"decode_bound_with_kv_tokens_per_s"`
-	// DecodeBoundRatio is DecodeTokensPerS ÷ DecodeBoundWithKVTokensPerS: batch-1 decode's
-	// figure of merit.
+	// DecodeBoundRatio is DecodeTokensPerS ÷ DecodeBoundWithKVTokensPerS, the bound at the run's
+	// best bandwidth (ReadGBps).
 	DecodeBoundRatio float64 `json:"decode_bound_ratio"`
+	// DecodeReps are that decode's repetitions, each with the bandwidth probed right beside it;
+	// DecodeProbedRatio is the median of their ratios: batch-1 decode's figure of merit.
+	DecodeReps        []Rep   `json:"decode_reps"`
+	DecodeProbedRatio float64 `json:"decode_probed_ratio"`
 	// DecodeCPUCores is the CPU time the process used per second of that decode (its fastest
 	// run): GOMAXPROCS on a quiet machine, less when other work took the cores (0: not read).
 	DecodeCPUCores float64 `json:"decode_cpu_cores"`
@@ -215,9 +237,91 @@ type BatchResult struct {
 	// StepBoundTokensPerS ÷ batch 1's measured tokens/s: the most OverBatch1 can be.
 	OverBatch1          float64 `json:"over_batch1"`
 	StepBoundOverBatch1 float64 `json:"step_bound_over_batch1"`
+	// Reps are the repetitions, each with the bandwidth probed right beside it, and ProbedRatio
+	// the median of their ratios to the bound the summary quotes: at batch 1 the weights+KV
+	// bound, above it the step bound (with the run's compute peaks).
+	Reps        []Rep   `json:"reps"`
+	ProbedRatio float64 `json:"probed_ratio"`
 	// productFLOPs and attnFLOPs are one step's FLOPs (averaged over the steps), kvBytes its
 	// KV reads.
 	productFLOPs, attnFLOPs, kvBytes float64
+}
+
+// Rep is one timed repetition of a decode figure, its steps timed one by one and the read
+// bandwidth probed between them (kernel.ReadProbe, on GOMAXPROCS threads, as many as the
+// decode's products run on): before the first step for Options.ProbeWindow, after each step
+// for as long as that step took. The probes thus sample the machine for about as long as the
+// steps, interleaved with them, and the repetition has the ceiling of its own moments.
+type Rep struct {
+	// TokensPerS is the tokens of all steps ÷ the steps' time (the probes' time left out).
+	TokensPerS float64 `json:"tokens_per_s"`
+	// ReadGBps is the probes' rates averaged over their time; ReadGBpsMin and ReadGBpsMax are
+	// the lowest and highest probe.
+	ReadGBps    float64 `json:"read_gbps"`
+	ReadGBpsMin float64 `json:"read_gbps_min"`
+	ReadGBpsMax float64 `json:"read_gbps_max"`
+	// Ratio is TokensPerS ÷ the figure's bound at ReadGBps.
+	Ratio float64 `json:"ratio"`
+}
+
+// probedRatios sets each repetition's Ratio, bound(its bandwidth in bytes a second) being the
+// figure's bound in tokens/s, and returns their median.
+func probedRatios(reps []Rep, bound func(bw float64) float64) float64 {
+	ratios := make([]float64, len(reps))
+	for i := range reps {
+		reps[i].Ratio = reps[i].TokensPerS / bound(reps[i].ReadGBps*1e9)
+		ratios[i] = reps[i].Ratio
+	}
+	return median(ratios)
+}
+
+// median returns the median of x (0 for none), sorting x.
+func median(x []float64) float64 {
+	if len(x) == 0 {
+		return 0
+	}
+	slices.Sort(x)
+	if n := len(x); n%2 == 0 {
+		return (x[n/2-1] + x[n/2]) / 2
+	}
+	return x[len(x)/2]
+}
+
+// probedSteps runs steps decode steps (step(i) runs the i-th, generating tokens tokens)
+// interleaved with probes of the read bandwidth (see Rep), timing each step alone, and returns
+// the repetition with the CPU time the process used per second of the steps (0 if it cannot be
+// read).
+func probedSteps(probe *kernel.ReadProbe, window time.Duration, steps, tokens int, step func(i int) error) (Rep, float64, error) {
+	r := Rep{ReadGBpsMin: math.Inf(1)}
+	var probeSec float64
+	sample := func(d time.Duration) {
+		t0 := time.Now()
+		gbps := probe.GBps(d)
+		sec := time.Since(t0).Seconds()
+		r.ReadGBps += gbps * sec
+		probeSec += sec
+		r.ReadGBpsMin, r.ReadGBpsMax = min(r.ReadGBpsMin, gbps), max(r.ReadGBpsMax, gbps)
+	}
+	sample(window)
+	var sec, cpu float64
+	cpuOK := true
+	for i := range steps {
+		cpu0, ok0 := cpuTime()
+		t0 := time.Now()
+		if err := step(i); err != nil {
+			return Rep{}, 0, err
+		}
+		d := time.Since(t0)
+		cpu1, ok1 := cpuTime()
+		cpuOK = cpuOK && ok0 && ok1
+		sec, cpu = sec+d.Seconds(), cpu+(cpu1-cpu0).Seconds()
+		sample(d)
+	}
+	r.TokensPerS, r.ReadGBps = float64(steps*tokens)/sec, r.ReadGBps/probeSec
+	if !cpuOK {
+		return r, 0, nil
+	}
+	return r, cpu / sec, nil
 }
 
 // Run loads the model in each dtype, measures the ceilings, prefills a random prompt into a
@@ -229,17 +333,20 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 		Kernel: kernel.Implementation(), GOMAXPROCS: runtime.GOMAXPROCS(0), BF16Products: kernel.BF16Products(),
 		Int8Products: kernel.Int8Products(),
 		PromptLen:    opts.PromptLen, PrefillChunk: opts.Chunk, DecodeTokens: opts.DecodeTokens, DecodeSteps: opts.DecodeSteps, Repeat: opts.Repeat,
+		ProbeBytes: opts.ProbeBytes,
 	}
 	if r.PrefillChunk <= 0 || r.PrefillChunk > opts.PromptLen {
 		r.PrefillChunk = opts.PromptLen
 	}
+	progress("faulting in the bandwidth probe's %d MiB", opts.ProbeBytes>>20)
+	probe := kernel.NewReadProbe(opts.ProbeBytes, 0)
 	progress("measuring ceilings (float32 and bfloat16 peaks for %v each, memory bandwidth)", opts.PeakDuration/2)
-	r.measureCeilings(opts.PeakDuration / 2)
+	r.measureCeilings(opts.PeakDuration/2, probe)
 	for _, dt := range opts.DTypes {
 		for _, kvdt := range opts.KVCacheDTypes {
 			for _, q := range opts.Quantizations {
 				for _, tp := range opts.TensorParallelSizes {
-					d, err := runDType(ctx, opts, r, model.OpenOptions{DType: dt, KVCacheDType: kvdt, Quantization: q, TensorParallelSize: tp}, progress)
+					d, err := runDType(ctx, opts, r, probe, model.OpenOptions{DType: dt, KVCacheDType: kvdt, Quantization: q, TensorParallelSize: tp}, progress)
 					if err != nil {
 						return nil, err
 					}
@@ -249,7 +356,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 		}
 	}
 	progress("measuring ceilings again")
-	r.measureCeilings(opts.PeakDuration / 2)
+	r.measureCeilings(opts.PeakDuration/2, probe)
 	for i := range r.Runs {
 		r.Runs[i].ratios(r)
 	}
@@ -257,7 +364,7 @@ func Run(ctx context.Context, opts Options) (*Result, error) {
 }
 
 // runDType measures one dtype with one KV cache dtype and one quantization (those of open).
-func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptions, progress func(string, ...any)) (*DTypeResult, error) {
+func runDType(ctx context.Context, opts Options, r *Result, probe *kernel.ReadProbe, open model.OpenOptions, progress func(string, ...any)) (*DTypeResult, error) {
 	progress("loading %s (dtype %s, KV cache %s, quantization %q, tensor parallel size %d)", opts.Model, open.DType, open.KVCacheDType, open.Quantization, max(1, open.TensorParallelSize))
 	// Return the previous dtype's model and pool to the OS, so the resident figure is this
 	// one's: the first collection empties the sync.Pools still holding the closed model's
@@ -334,15 +441,23 @@ func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptio
 	}
 	for rep := range opts.Repeat {
 		progress("%s run %d/%d: prefilling %d tokens (chunks of %d), decoding %d", d.name(), rep+1, opts.Repeat, opts.PromptLen, r.PrefillChunk, opts.DecodeTokens)
-		prefill, decode, cores, err := runOnce(ctx, m, kv, opts, r.PrefillChunk, blocks, prompt, logits)
+		prefill, err := prefillOnce(ctx, m, kv, opts, r.PrefillChunk, blocks, prompt, logits)
 		if err != nil {
 			return nil, err
 		}
 		if rep == 0 || prefill < d.PrefillSeconds {
 			d.PrefillSeconds = prefill
 		}
-		if opts.DecodeTokens > 0 && (rep == 0 || float64(opts.DecodeTokens)/decode > d.DecodeTokensPerS) {
-			d.DecodeTokensPerS, d.DecodeCPUCores = float64(opts.DecodeTokens)/decode, cores
+		if opts.DecodeTokens <= 0 {
+			continue
+		}
+		decode, cores, err := decodeOnce(ctx, m, kv, opts, probe, blocks, logits)
+		if err != nil {
+			return nil, err
+		}
+		d.DecodeReps = append(d.DecodeReps, decode)
+		if decode.TokensPerS > d.DecodeTokensPerS {
+			d.DecodeTokensPerS, d.DecodeCPUCores = decode.TokensPerS, cores
 		}
 	}
 	// Only the last chunk computes lm_head, as PrefillFLOPs assumes.
@@ -364,18 +479,20 @@ func runDType(ctx context.Context, opts Options, r *Result, open model.OpenOptio
 	// machine in each state a shared machine passes through: their ratios compare like with like.
 	for _, context := range opts.DecodeContexts {
 		best := make([]float64, len(opts.Batches))
+		reps := make([][]Rep, len(opts.Batches))
 		for rep := range opts.Repeat {
 			for i, b := range opts.Batches {
 				progress("%s run %d/%d: decoding %d steps at batch %d (context %d)", d.name(), rep+1, opts.Repeat, opts.DecodeSteps, b, context)
-				sec, err := decodeBatch(ctx, m, kv, opts, seqs[:b], context)
+				r, err := decodeBatch(ctx, m, kv, opts, probe, seqs[:b], context)
 				if err != nil {
 					return nil, err
 				}
-				best[i] = max(best[i], float64(b*opts.DecodeSteps)/sec)
+				best[i] = max(best[i], r.TokensPerS)
+				reps[i] = append(reps[i], r)
 			}
 		}
 		for i, b := range opts.Batches {
-			br := BatchResult{Batch: b, Context: context, TokensPerS: best[i]}
+			br := BatchResult{Batch: b, Context: context, TokensPerS: best[i], Reps: reps[i]}
 			for s := range opts.DecodeSteps {
 				n := context + s + 1 // positions attended to
 				br.productFLOPs += float64(b) * (m.FLOPsPerToken(n) - m.AttentionFLOPsPerToken(n))
@@ -431,6 +548,7 @@ func (d *DTypeResult) ratios(r *Result) {
 	meanCtx := float64(r.PromptLen) + float64(r.DecodeTokens)/2
 	d.DecodeBoundWithKVTokensPerS = bw / (w + meanCtx*float64(d.KVBytesPerTok))
 	d.DecodeBoundRatio = d.DecodeTokensPerS / d.DecodeBoundWithKVTokensPerS
+	d.DecodeProbedRatio = probedRatios(d.DecodeReps, func(bw float64) float64 { return bw / (w + meanCtx*float64(d.KVBytesPerTok)) })
 	one := map[int]float64{} // batch 1's tokens/s by context
 	for _, b := range d.Batched {
 		if b.Batch == 1 {
@@ -443,8 +561,15 @@ func (d *DTypeResult) ratios(r *Result) {
 		b.BoundTokensPerS = n * bw / w
 		b.BoundRatio = b.TokensPerS / b.BoundTokensPerS
 		b.BoundWithKVTokensPerS = n * bw / (w + b.kvBytes)
-		step := max(w/bw, b.productFLOPs/(peak*1e9)) + max(b.kvBytes/bw, b.attnFLOPs/(r.PeakGFLOPS*1e9))
-		b.StepBoundTokensPerS = n / step
+		stepBound := func(bw float64) float64 {
+			return n / (max(w/bw, b.productFLOPs/(peak*1e9)) + max(b.kvBytes/bw, b.attnFLOPs/(r.PeakGFLOPS*1e9)))
+		}
+		b.StepBoundTokensPerS = stepBound(bw)
+		if b.Batch == 1 {
+			b.ProbedRatio = probedRatios(b.Reps, func(bw float64) float64 { return n * bw / (w + b.kvBytes) })
+		} else {
+			b.ProbedRatio = probedRatios(b.Reps, stepBound)
+		}
 		b.StepBoundRatio = b.TokensPerS / b.StepBoundTokensPerS
 		b.RooflineTokensPerS = n / max((w+b.kvBytes)/bw, b.productFLOPs/(peak*1e9)+b.attnFLOPs/(r.PeakGFLOPS*1e9))
 		b.PeakRatio = b.GFLOPS / peak
@@ -455,19 +580,22 @@ func (d *DTypeResult) ratios(r *Result) {
 	}
 }
 
-// measureCeilings measures the compute peaks (for about d each) and the memory bandwidths,
-// keeping the highest figures seen in this run: the machine is shared, and a ceiling measured
-// while other work runs would flatter the ratios.
-func (r *Result) measureCeilings(d time.Duration) {
+// ceilingWindow is how long the read bandwidth of the run's ceilings (Result.ReadGBps) is probed.
+const ceilingWindow = 100 * time.Millisecond
+
+// measureCeilings measures the compute peaks (for about d each) and the memory bandwidths (the
+// read bandwidth with probe for about ceilingWindow), keeping the highest figures seen in this run:
+// the machine is shared, and a ceiling measured while other work runs would flatter the ratios.
+func (r *Result) measureCeilings(d time.Duration, probe *kernel.ReadProbe) {
 	r.PeakGFLOPS = max(r.PeakGFLOPS, kernel.PeakGFLOPS(d))
 	r.PeakBF16GFLOPS = max(r.PeakBF16GFLOPS, kernel.PeakBF16GFLOPS(d))
-	r.ReadGBps = max(r.ReadGBps, kernel.ReadGBps(256<<20))
+	r.ReadGBps = max(r.ReadGBps, probe.GBps(ceilingWindow))
 	r.MemcpyGBps = max(r.MemcpyGBps, kernel.MemcpyGBps(64<<20))
 }
 
-// runOnce prefills prompt (in chunks, into kv: each rank's KV store) and decodes greedily from it, returning both durations and
-// the CPU time the process used per second of the decode (0 if it cannot be read).
-func runOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, chunk int, blocks, prompt []int32, logits []float32) (prefill, decode, cores float64, err error) {
+// prefillOnce prefills prompt (in chunks, into kv: each rank's KV store), leaving the last
+// token's logits in logits, and returns the seconds it took.
+func prefillOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, chunk int, blocks, prompt []int32, logits []float32) (float64, error) {
 	t0 := time.Now()
 	for start := 0; start < opts.PromptLen; start += chunk {
 		end := min(opts.PromptLen, start+chunk)
@@ -476,31 +604,29 @@ func runOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Opti
 			s.Logits = logits
 		}
 		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{s}); err != nil {
-			return 0, 0, 0, err
+			return 0, err
 		}
 	}
-	prefill = time.Since(t0).Seconds()
-	cpu0, cpuOK := cpuTime()
-	t0 = time.Now()
-	for i := range opts.DecodeTokens {
+	return time.Since(t0).Seconds(), nil
+}
+
+// decodeOnce decodes DecodeTokens tokens greedily after the prompt prefillOnce left in kv and
+// logits, a step at a time between probes of the read bandwidth (probedSteps), and returns the
+// repetition and the CPU time the process used per second of its steps (0 if it cannot be read).
+func decodeOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, probe *kernel.ReadProbe, blocks []int32, logits []float32) (Rep, float64, error) {
+	return probedSteps(probe, opts.ProbeWindow, opts.DecodeTokens, 1, func(i int) error {
 		next := model.Argmax(logits)
 		s := model.Seq{Tokens: []int32{next}, Start: opts.PromptLen + i, Blocks: blocks, Logits: logits}
-		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{s}); err != nil {
-			return 0, 0, 0, err
-		}
-	}
-	decode = time.Since(t0).Seconds()
-	if cpu1, ok := cpuTime(); ok && cpuOK && decode > 0 {
-		cores = (cpu1 - cpu0).Seconds() / decode
-	}
-	return prefill, decode, cores, nil
+		return m.ForwardRanks(ctx, kv, opts.BlockSize, []model.Seq{s})
+	})
 }
 
 // decodeBatch decodes DecodeSteps greedy steps of every sequence of seqs together from
 // position context on (their KV holds at least context positions; their Logits hold logits
-// to sample the first tokens from) and returns the seconds. The sequences are left as they
-// were, so every repetition decodes the same steps.
-func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, seqs []model.Seq, context int) (float64, error) {
+// to sample the first tokens from), a step at a time between probes of the read bandwidth
+// (probedSteps), and returns the repetition. The sequences are left as they were, so every
+// repetition decodes the same steps.
+func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, probe *kernel.ReadProbe, seqs []model.Seq, context int) (Rep, error) {
 	step := make([]model.Seq, len(seqs))
 	toks := make([]int32, len(seqs))
 	last := make([][]float32, len(seqs))
@@ -508,20 +634,20 @@ func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts 
 		last[i] = slices.Clone(s.Logits)
 		step[i] = model.Seq{Blocks: s.Blocks, Logits: make([]float32, len(s.Logits))}
 	}
-	t0 := time.Now()
-	for k := range opts.DecodeSteps {
+	r, _, err := probedSteps(probe, opts.ProbeWindow, opts.DecodeSteps, len(seqs), func(k int) error {
 		kernel.Parallel(len(step), func(i int) { // greedy sampling of every sequence, on every core
 			toks[i] = model.Argmax(last[i])
 			step[i].Tokens, step[i].Start = toks[i:i+1], context+k
 		})
 		if err := m.ForwardRanks(ctx, kv, opts.BlockSize, step); err != nil {
-			return 0, err
+			return err
 		}
 		for i := range step {
 			last[i], step[i].Logits = step[i].Logits, last[i]
 		}
-	}
-	return time.Since(t0).Seconds(), nil
+		return nil
+	})
+	return r, err
 }
 
 // WriteTable prints the result as tables with ratios to the ceilings.
@@ -547,6 +673,7 @@ func (r *Result) WriteTable(w io.Writer) error {
 		if r.DecodeTokens > 0 {
 			fmt.Fprintf(tw, "decode after the prompt (context %d+)\t%s\t%.1f tok/s\t%.1f tok/s (weights+KV)÷bandwidth\t%.2f\t\n",
 				r.PromptLen, name, d.DecodeTokensPerS, d.DecodeBoundWithKVTokensPerS, d.DecodeTokensPerS/d.DecodeBoundWithKVTokensPerS)
+			writeProbed(tw, name, "(weights+KV)÷bandwidth", d.DecodeReps, d.DecodeProbedRatio)
 		}
 		for _, b := range d.Batched {
 			fmt.Fprintf(tw, "decode batch %d (context %d)\t%s\t%.1f tok/s (%.1f× batch 1)\t%.1f tok/s weights÷bandwidth\t%.2f\t\n",
@@ -556,21 +683,42 @@ func (r *Result) WriteTable(w io.Writer) error {
 			fmt.Fprintf(tw, "  weights, KV and compute\t%s\t\t%.1f tok/s step bound (%.1f× batch 1)\t%.2f\t\n",
 				name, b.StepBoundTokensPerS, b.StepBoundOverBatch1, b.StepBoundRatio)
 			fmt.Fprintf(tw, "  all overlapped\t%s\t\t%.1f tok/s roofline\t%.2f\t\n", name, b.RooflineTokensPerS, b.TokensPerS/b.RooflineTokensPerS)
+			if b.Batch == 1 {
+				writeProbed(tw, name, "(weights+KV)÷bandwidth", b.Reps, b.ProbedRatio)
+			} else {
+				writeProbed(tw, name, "step bound", b.Reps, b.ProbedRatio)
+			}
 		}
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	r.writeTargets(w)
-	_, err := fmt.Fprintf(w, "peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2) or VDPBF16PS (× lanes × 4)\n"+
+	_, err := fmt.Fprintf(w, "probed beside each run: a run's tok/s (its steps' time) ÷ its bound at the read bandwidth probed between its steps, after each step for as long\n"+
+		"  as the step took (the probes' rates averaged over their time); a probe: %d goroutines, each reading its share of a %d MiB buffer as one stream\n"+
+		"  and as two, the faster of the two; the ratio is the median of the runs' ratios\n"+
+		"peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2) or VDPBF16PS (× lanes × 4)\n"+
 		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step and sequence\n"+
 		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch (int8 weights: a byte each plus a float32 scale per 32)\n"+
 		"int8 weights' compute is compared with the float32 FMA peak (no VPDPBUSD peak is measured)\n"+
 		"step bound = batch ÷ (max(weight bytes ÷ bandwidth, product FLOPs ÷ dtype peak) + max(KV bytes ÷ bandwidth, attention FLOPs ÷ float32 peak)):\n"+
 		"  each layer's attention waits for its products and its next products for attention; × batch 1 = the step bound ÷ batch 1's measured tok/s\n"+
 		"roofline = batch ÷ max((weight + KV bytes) ÷ bandwidth, all FLOPs ÷ peak): memory and compute fully overlapped\n",
-		r.GOMAXPROCS, vectorWord(r.Kernel))
+		r.GOMAXPROCS, r.ProbeBytes>>20, r.GOMAXPROCS, vectorWord(r.Kernel))
 	return err
+}
+
+// writeProbed prints a decode figure's row against its bound at the bandwidth probed beside each
+// step of each repetition: the range of the probes and the median ratio.
+func writeProbed(tw io.Writer, name, bound string, reps []Rep, ratio float64) {
+	if len(reps) == 0 {
+		return
+	}
+	lo, hi := reps[0].ReadGBpsMin, reps[0].ReadGBpsMax
+	for _, r := range reps[1:] {
+		lo, hi = min(lo, r.ReadGBpsMin), max(hi, r.ReadGBpsMax)
+	}
+	fmt.Fprintf(tw, "  probed beside each run\t%s\t\t%s at %.1f–%.1f GB/s\t%.2f\t\n", name, bound, lo, hi, ratio)
 }
 
 // The targets (docs/performance.md) the summary under the table checks each figure against.
@@ -585,7 +733,9 @@ const (
 // step bound, each with its target, and the CPU the process had while decoding after the prompt
 // (below GOMAXPROCS: other work shared the cores, and the ratios understate the engine).
 func (r *Result) writeTargets(w io.Writer) {
-	fmt.Fprintf(w, "summary: batch-1 decode ÷ (weights+KV)÷bandwidth (target ≥ %.2f); batched decode ÷ step bound (target ≥ %.2f)\n", batch1Target, batchedTarget)
+	fmt.Fprintf(w, "summary: batch-1 decode ÷ (weights+KV)÷bandwidth (target ≥ %.2f); batched decode ÷ step bound (target ≥ %.2f);\n"+
+		"  each the median over the runs of a run ÷ its bound at the bandwidth probed beside it [in brackets: the best run ÷ the bound at the run's best probe]\n",
+		batch1Target, batchedTarget)
 	mark := func(ratio, target float64) string {
 		if ratio >= target {
 			return "ok"
@@ -595,18 +745,18 @@ func (r *Result) writeTargets(w io.Writer) {
 	for _, d := range r.Runs {
 		line := fmt.Sprintf("  %-22s", d.name())
 		if r.DecodeTokens > 0 {
-			line += fmt.Sprintf(" batch 1 after the prompt %.2f (%s", d.DecodeBoundRatio, mark(d.DecodeBoundRatio, batch1Target))
+			line += fmt.Sprintf(" batch 1 after the prompt %.2f [%.2f] (%s", d.DecodeProbedRatio, d.DecodeBoundRatio, mark(d.DecodeProbedRatio, batch1Target))
 			if d.DecodeCPUCores > 0 {
 				line += fmt.Sprintf(", CPU %.2f of %d cores", d.DecodeCPUCores, r.GOMAXPROCS)
 			}
 			line += ")"
 		}
 		for _, b := range d.Batched {
-			ratio, target := b.StepBoundRatio, batchedTarget
+			old, target := b.StepBoundRatio, batchedTarget
 			if b.Batch == 1 {
-				ratio, target = b.TokensPerS/b.BoundWithKVTokensPerS, batch1Target
+				old, target = b.TokensPerS/b.BoundWithKVTokensPerS, batch1Target
 			}
-			line += fmt.Sprintf("; batch %d ctx %d %.2f (%s)", b.Batch, b.Context, ratio, mark(ratio, target))
+			line += fmt.Sprintf("; batch %d ctx %d %.2f [%.2f] (%s)", b.Batch, b.Context, b.ProbedRatio, old, mark(b.ProbedRatio, target))
 		}
 		fmt.Fprintln(w, line)
 	}

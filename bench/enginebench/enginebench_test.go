@@ -3,6 +3,7 @@ package enginebench
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"math"
 	"os"
 	"path/filepath"
@@ -16,7 +17,8 @@ import (
 
 func TestRunTiny(t *testing.T) {
 	r, err := Run(t.Context(), Options{Model: "kvbridge/tiny", PromptLen: 40, DecodeTokens: 3, Chunk: 16, Batches: []int{1, 3},
-		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"float32", "bfloat16", "fp8"}, DecodeSteps: 2, Repeat: 1, PeakDuration: 10 * time.Millisecond})
+		DecodeContexts: []int{8, 20}, KVCacheDTypes: []string{"float32", "bfloat16", "fp8"}, DecodeSteps: 2, Repeat: 3, PeakDuration: 10 * time.Millisecond,
+		ProbeBytes: 4 << 20, ProbeWindow: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -45,7 +47,7 @@ func TestRunTiny(t *testing.T) {
 	}
 	for _, want := range []string{"prefill compute", "decode batch 3 (context 8)", "decode batch 3 (context 20)", "VDPBF16PS peak", "bf16 peak",
 		"float32, KV bfloat16", "bfloat16, KV float32", "bfloat16, KV fp8_e4m3", "step bound", "roofline",
-		"summary: batch-1 decode", "batch 1 after the prompt", "batch 3 ctx 20"} {
+		"summary: batch-1 decode", "batch 1 after the prompt", "batch 3 ctx 20", "probed beside each run"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
 		}
@@ -123,6 +125,51 @@ func checkRunFigures(t *testing.T, r *Result, d DTypeResult, c model.Config) {
 	}
 	if d.DecodeBoundRatio <= 0 || math.Abs(d.DecodeBoundRatio-d.DecodeTokensPerS/d.DecodeBoundWithKVTokensPerS) > 1e-9 {
 		t.Fatalf("%s: batch-1 decode ratio %g, want %g ÷ %g", d.name(), d.DecodeBoundRatio, d.DecodeTokensPerS, d.DecodeBoundWithKVTokensPerS)
+	}
+	// Each repetition is divided by the bound at the mean of the bandwidths probed beside it,
+	// the figure is the median of those ratios, and the best repetition is the best-of figure.
+	meanCtx := float64(r.PromptLen) + float64(r.DecodeTokens)/2
+	checkProbed(t, d.name()+" after the prompt", d.DecodeReps, d.DecodeProbedRatio, d.DecodeTokensPerS, r.Repeat,
+		func(bw float64) float64 { return bw / (float64(d.WeightBytes) + meanCtx*float64(d.KVBytesPerTok)) })
+	for _, b := range d.Batched {
+		n := float64(b.Batch)
+		bound := func(bw float64) float64 { return n * bw / (float64(d.WeightBytes) + b.kvBytes) }
+		if b.Batch > 1 {
+			bound = func(bw float64) float64 {
+				return n / (max(float64(d.WeightBytes)/bw, b.productFLOPs/peak) + max(b.kvBytes/bw, b.attnFLOPs/(r.PeakGFLOPS*1e9)))
+			}
+		}
+		checkProbed(t, fmt.Sprintf("%s batch %d ctx %d", d.name(), b.Batch, b.Context), b.Reps, b.ProbedRatio, b.TokensPerS, r.Repeat, bound)
+	}
+}
+
+// checkProbed checks a decode figure's repetitions against bound (tokens/s at a bandwidth in
+// bytes a second): one per run, each with its probes' mean inside their range, each ratio
+// against the bound at that mean, ratio their median, best the fastest repetition.
+func checkProbed(t *testing.T, name string, reps []Rep, ratio, best float64, repeat int, bound func(bw float64) float64) {
+	t.Helper()
+	if len(reps) != repeat {
+		t.Fatalf("%s: %d repetitions, want %d", name, len(reps), repeat)
+	}
+	var ratios []float64
+	fastest := 0.0
+	for _, rep := range reps {
+		if !(rep.ReadGBpsMin > 0 && rep.ReadGBpsMin <= rep.ReadGBps*(1+1e-12) && rep.ReadGBps <= rep.ReadGBpsMax*(1+1e-12) && rep.TokensPerS > 0) {
+			t.Fatalf("%s: repetition %+v", name, rep)
+		}
+		want := rep.TokensPerS / bound(rep.ReadGBps*1e9)
+		if math.Abs(rep.Ratio-want) > 1e-9*want {
+			t.Fatalf("%s: repetition %+v: ratio %g, want %g", name, rep, rep.Ratio, want)
+		}
+		ratios = append(ratios, want)
+		fastest = max(fastest, rep.TokensPerS)
+	}
+	slices.Sort(ratios)
+	if want := ratios[len(ratios)/2]; math.Abs(ratio-want) > 1e-9*want {
+		t.Fatalf("%s: probed ratio %g, want the median %g of %v", name, ratio, want, ratios)
+	}
+	if fastest != best {
+		t.Fatalf("%s: best %g tok/s, want the fastest repetition's %g", name, best, fastest)
 	}
 }
 

@@ -29,7 +29,8 @@ Prints prefill tokens/s and GFLOP/s against the measured float32 FMA or VDPBF16P
 decode tokens/s at each batch size and context against the bound set by batch × memory read
 bandwidth ÷ weight bytes, the one that adds the context's KV reads, and the step bound that
 counts weights, KV reads and compute (each layer's products, then its attention), with what
-that bound allows over batch 1. Ceilings are measured in the same run; quote ratios.`,
+that bound allows over batch 1. Ceilings are measured in the same run, and each decode
+repetition is divided by the read bandwidth probed between its own steps; quote ratios.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) (err error) {
 			opts.Progress = cmd.ErrOrStderr()

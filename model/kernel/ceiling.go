@@ -100,44 +100,88 @@ func MemcpyGBps(bytes int) float64 {
 	return best
 }
 
-// ReadGBps measures read bandwidth with every core: a buffer of bytes bytes (default 256 MiB)
-// is split between GOMAXPROCS goroutines, which start together and each read their share over
-// and over with vector loads for about 100ms; the result is the sum of their rates in GB/s
+// ReadGBps measures read bandwidth with every core: a [ReadProbe] over a buffer of bytes bytes
+// (default 256 MiB), allocated for the call, reads for about 100ms; the result is in GB/s
 // (10^9 bytes read per second). With bytes several times the last-level cache (32 MiB L3 here)
 // it is the memory bandwidth that bounds decoding, where every weight byte is read once per
 // token:
 //
 //	decode tokens/s ≤ ReadGBps(max(weightBytes, 256<<20))·10^9 / weightBytes
 //
-// With a smaller buffer it measures the cache level the buffer fits in.
+// With a smaller buffer it measures the cache level the buffer fits in. To measure again and
+// again beside what the bandwidth bounds, keep a ReadProbe: a fresh buffer faults in far slower
+// than it reads.
 func ReadGBps(bytes int) float64 {
+	return NewReadProbe(bytes, 0).GBps(100 * time.Millisecond)
+}
+
+// ReadProbe measures all-core memory read bandwidth as a batch-1 decode step reads its weights
+// — every worker streaming its own stretch of memory at once — over a buffer it allocates and
+// faults in once, so that it can measure right beside each measurement it bounds.
+//
+// [ReadProbe.GBps] runs one goroutine per worker, each locked to its OS thread and reading its
+// share of the buffer. It reads the shares in two patterns, one after the other, and returns
+// the faster one's rate: one sequential stream (the share start to end), and two streams side
+// by side (its halves, [probeChunk] bytes of each in turn). A one-row product keeps several
+// panels' streams in flight per core (schedule.widePanels), which can read faster than a single
+// stream; the better of the two patterns is the ceiling the products are held to.
+//
+// A ReadProbe is not safe for concurrent use.
+type ReadProbe struct {
+	buf     []float32
+	workers int
+}
+
+// probeChunk is how many bytes of one stream the two-stream pattern of [ReadProbe] reads before
+// turning to the other: 8 KB, two 4 KB pages, long enough that the calls cost nothing beside the
+// reads (shorter turns measured slower).
+const probeChunk = 8 << 10
+
+// NewReadProbe returns a probe over a buffer of bytes bytes (≤ 0: 256 MiB; make it several
+// times the last-level cache to measure memory, not a cache) read by workers goroutines (≤ 0:
+// GOMAXPROCS — as many as a decode step's products run on).
+func NewReadProbe(bytes, workers int) *ReadProbe {
 	if bytes <= 0 {
 		bytes = 256 << 20
+	}
+	if workers <= 0 {
+		workers = runtime.GOMAXPROCS(0)
 	}
 	buf := make([]float32, bytes/4)
 	for i := range buf {
 		buf[i] = 1 // fault the pages in
 	}
-	workers := runtime.GOMAXPROCS(0)
-	n := len(buf) / workers
+	return &ReadProbe{buf: buf, workers: workers}
+}
+
+// GBps reads for about window, half of it in each pattern (at least a pass of each), and returns
+// the faster pattern's rate in GB/s (10^9 bytes a second).
+func (p *ReadProbe) GBps(window time.Duration) float64 {
+	return max(p.rate(1, window/2), p.rate(2, window/2))
+}
+
+// rate reads the buffer in streams streams a worker for about window — the workers start
+// together and each reads at least one whole pass — and returns
+// the sum of the workers' rates in GB/s, each its bytes over its passes' time (as a decode's
+// figure is the time of all its steps).
+func (p *ReadProbe) rate(streams int, window time.Duration) float64 {
+	n := len(p.buf) / p.workers
 	if n == 0 {
 		return 0
 	}
-	const window = 100 * time.Millisecond
-	rates := make([]float64, workers)
+	rates := make([]float64, p.workers)
 	var wg sync.WaitGroup
 	start := make(chan struct{})
-	for w := range workers {
+	for w := range p.workers {
 		wg.Go(func() {
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
-			share := buf[w*n : (w+1)*n]
+			share := p.buf[w*n : (w+1)*n]
 			<-start
-			defaultImpl.readSum(share) // warm-up pass
 			t0 := time.Now()
 			passes := 0
-			for passes < 2 || time.Since(t0) < window {
-				runtime.KeepAlive(defaultImpl.readSum(share))
+			for passes < 1 || time.Since(t0) < window {
+				runtime.KeepAlive(readStreams(share, streams))
 				passes++
 			}
 			rates[w] = float64(passes*n*4) / time.Since(t0).Seconds()
@@ -150,4 +194,22 @@ func ReadGBps(bytes int) float64 {
 		total += r
 	}
 	return total / 1e9
+}
+
+// readStreams reads all of x as streams sequential streams side by side: its equal stretches,
+// probeChunk bytes of each in turn (the tail past the last whole stretch is read last).
+func readStreams(x []float32, streams int) float32 {
+	if streams <= 1 {
+		return defaultImpl.readSum(x)
+	}
+	per := len(x) / streams
+	const chunk = probeChunk / 4
+	var sum float32
+	for off := 0; off < per; off += chunk {
+		end := min(per, off+chunk)
+		for s := range streams {
+			sum += defaultImpl.readSum(x[s*per+off : s*per+end])
+		}
+	}
+	return sum + defaultImpl.readSum(x[streams*per:])
 }
