@@ -1099,32 +1099,7 @@ func transpose512() {
 		p("MOVQ %d(SI), R10", 8*i)
 		p("VMOVUPS (R10)(AX*1), Z%d", i)
 	}
-	// Stage 1: pairs of rows interleaved within 128-bit lanes.
-	for i := range 8 {
-		p("VUNPCKLPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 16+2*i)
-		p("VUNPCKHPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 17+2*i)
-	}
-	// Stage 2: Z(4g+c) lane L holds rows 4g..4g+3 of column 4L+c.
-	for g := range 4 {
-		t := 16 + 4*g
-		p("VUNPCKLPD Z%d, Z%d, Z%d", t+2, t, 4*g)
-		p("VUNPCKHPD Z%d, Z%d, Z%d", t+2, t, 4*g+1)
-		p("VUNPCKLPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+2)
-		p("VUNPCKHPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+3)
-	}
-	// Stages 3 and 4: gather lane L of Z(c), Z(4+c), Z(8+c), Z(12+c) into column 4L+c.
-	for c := range 4 {
-		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 4+c, c, 16+c)
-		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 4+c, c, 20+c)
-		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 12+c, 8+c, 24+c)
-		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 12+c, 8+c, 28+c)
-	}
-	for c := range 4 {
-		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 24+c, 16+c, c)
-		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 24+c, 16+c, 4+c)
-		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 28+c, 20+c, 8+c)
-		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 28+c, 20+c, 12+c)
-	}
+	transposeRegs16()
 	for j := range 16 {
 		p("VMOVUPS Z%d, (DI)", j)
 		p("ADDQ R8, DI")
@@ -1265,30 +1240,7 @@ func rowDots512(bf16 bool) {
 	if bf16 {
 		name, kt, ksh = "rowDotsBF16x512", "uint16", 1
 	}
-	text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *"+kt+", ldk int, nk int, dim int, tmp *float32)", "$0-80")
-	p("MOVQ q+16(FP), BX")
-	p("MOVQ ldq+24(FP), R11")
-	p("SHLQ $2, R11")
-	p("MOVQ k+40(FP), SI")
-	p("MOVQ ldk+48(FP), R9")
-	p("SHLQ $%d, R9", ksh)
-	p("MOVQ nk+56(FP), R12")
-	p("MOVQ dim+64(FP), DX")
-	p("SHLQ $2, DX")
-	p("MOVQ tmp+72(FP), R13")
-	// Zero the running sums.
-	p("VPXORD Z16, Z16, Z16")
-	p("MOVQ R13, R14")
-	p("MOVQ rows+32(FP), CX")
-	label(name + "_zero")
-	p("VMOVUPS Z16, (R14)")
-	p("ADDQ $64, R14")
-	p("DECQ CX")
-	p("JNZ " + name + "_zero")
-	p("XORQ AX, AX")
-	if bf16 {
-		p("XORQ R8, R8")
-	}
+	rowDotsEntry(name, kt, ksh, bf16)
 	label(name + "_block")
 	p("MOVQ SI, R10")
 	for i := range 16 {
@@ -1304,29 +1256,7 @@ func rowDots512(bf16 bool) {
 			p("CMOVQGT R14, R10")
 		}
 	}
-	for i := range 8 {
-		p("VUNPCKLPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 16+2*i)
-		p("VUNPCKHPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 17+2*i)
-	}
-	for g := range 4 {
-		t := 16 + 4*g
-		p("VUNPCKLPD Z%d, Z%d, Z%d", t+2, t, 4*g)
-		p("VUNPCKHPD Z%d, Z%d, Z%d", t+2, t, 4*g+1)
-		p("VUNPCKLPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+2)
-		p("VUNPCKHPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+3)
-	}
-	for c := range 4 {
-		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 4+c, c, 16+c)
-		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 4+c, c, 20+c)
-		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 12+c, 8+c, 24+c)
-		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 12+c, 8+c, 28+c)
-	}
-	for c := range 4 {
-		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 24+c, 16+c, c)
-		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 24+c, 16+c, 4+c)
-		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 28+c, 20+c, 8+c)
-		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 28+c, 20+c, 12+c)
-	}
+	transposeRegs16()
 	// Z(d) lane j = key_j[16b+d]. One FMA per d for every row, two rows at a time.
 	p("LEAQ (BX)(AX*1), R15")
 	p("MOVQ R13, R14")
@@ -1362,7 +1292,139 @@ func rowDots512(bf16 bool) {
 	}
 	p("CMPQ AX, DX")
 	p("JLT " + name + "_block")
-	// Store the nk valid lanes of every row.
+	rowDotsStore(name)
+}
+
+// rowDotsBF16p512 is rowDotsBF16x512 for dim a multiple of 32, transposing the keys' bfloat16
+// values in pairs: for every 32 dimensions the 16 keys are loaded 64 bytes each (32 values) and
+// transposed as 32-bit elements, so lane j of Z(p) holds the pair key_j[2p], key_j[2p+1]; each
+// pair is then widened exactly — the even value shifted into the upper half (VPSLLD $16), the
+// odd one with the lower half cleared (VPANDD) — just before its two FMAs per row. The chains
+// are rowDotsBF16x512's (d ascending, from zero, the same widened values), with half its
+// transposing and widening per dimension: with few query rows (decode's 2 per KV head) those,
+// not the FMAs, were what the kernel spent its time on.
+func rowDotsBF16p512() {
+	name := "rowDotsBF16p512"
+	rowDotsEntry(name, "uint16", 1, true)
+	label(name + "_block")
+	p("MOVQ SI, R10")
+	for i := range 16 {
+		p("VMOVDQU32 (R10)(R8*1), Z%d", i)
+		if i < 15 {
+			p("LEAQ (R10)(R9*1), R14")
+			p("CMPQ R12, $%d", i+1)
+			p("CMOVQGT R14, R10")
+		}
+	}
+	transposeRegs16()
+	// Z(p) lane j = key_j[32b+2p] | key_j[32b+2p+1]<<16. Z20 = the odd values' mask.
+	p("MOVL $0xffff0000, R14")
+	p("VPBROADCASTD R14, Z20")
+	p("LEAQ (BX)(AX*1), R15")
+	p("MOVQ R13, R14")
+	p("MOVQ rows+32(FP), CX")
+	p("CMPQ CX, $2")
+	p("JLT " + name + "_row1")
+	label(name + "_row2")
+	p("VMOVUPS (R14), Z16")
+	p("VMOVUPS 64(R14), Z17")
+	for d := range 16 {
+		p("VPSLLD $16, Z%d, Z18", d)
+		p("VFMADD231PS.BCST %d(R15), Z18, Z16", 8*d)
+		p("VFMADD231PS.BCST %d(R15)(R11*1), Z18, Z17", 8*d)
+		p("VPANDD Z20, Z%d, Z19", d)
+		p("VFMADD231PS.BCST %d(R15), Z19, Z16", 8*d+4)
+		p("VFMADD231PS.BCST %d(R15)(R11*1), Z19, Z17", 8*d+4)
+	}
+	p("VMOVUPS Z16, (R14)")
+	p("VMOVUPS Z17, 64(R14)")
+	p("ADDQ $128, R14")
+	p("LEAQ (R15)(R11*2), R15")
+	p("SUBQ $2, CX")
+	p("CMPQ CX, $2")
+	p("JGE " + name + "_row2")
+	label(name + "_row1")
+	p("TESTQ CX, CX")
+	p("JEQ " + name + "_next")
+	p("VMOVUPS (R14), Z16")
+	for d := range 16 {
+		p("VPSLLD $16, Z%d, Z18", d)
+		p("VFMADD231PS.BCST %d(R15), Z18, Z16", 8*d)
+		p("VPANDD Z20, Z%d, Z19", d)
+		p("VFMADD231PS.BCST %d(R15), Z19, Z16", 8*d+4)
+	}
+	p("VMOVUPS Z16, (R14)")
+	label(name + "_next")
+	p("ADDQ $128, AX")
+	p("ADDQ $64, R8")
+	p("CMPQ AX, DX")
+	p("JLT " + name + "_block")
+	rowDotsStore(name)
+}
+
+// rowDotsEntry starts a row-dots kernel: it loads the arguments (BX q, R11 ldq bytes, SI k, R9
+// ldk << ksh bytes, R12 nk, DX dim bytes of q, R13 tmp), zeroes the rows' running sums in tmp
+// and AX (the queries' offset) and, for bfloat16 keys, R8 (the keys' offset).
+func rowDotsEntry(name, kt string, ksh int, bf16 bool) {
+	text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *"+kt+", ldk int, nk int, dim int, tmp *float32)", "$0-80")
+	p("MOVQ q+16(FP), BX")
+	p("MOVQ ldq+24(FP), R11")
+	p("SHLQ $2, R11")
+	p("MOVQ k+40(FP), SI")
+	p("MOVQ ldk+48(FP), R9")
+	p("SHLQ $%d, R9", ksh)
+	p("MOVQ nk+56(FP), R12")
+	p("MOVQ dim+64(FP), DX")
+	p("SHLQ $2, DX")
+	p("MOVQ tmp+72(FP), R13")
+	p("VPXORD Z16, Z16, Z16")
+	p("MOVQ R13, R14")
+	p("MOVQ rows+32(FP), CX")
+	label(name + "_zero")
+	p("VMOVUPS Z16, (R14)")
+	p("ADDQ $64, R14")
+	p("DECQ CX")
+	p("JNZ " + name + "_zero")
+	p("XORQ AX, AX")
+	if bf16 {
+		p("XORQ R8, R8")
+	}
+}
+
+// transposeRegs16 transposes the 16×16 32-bit elements of Z0–Z15 in place, Z16–Z31 scratch:
+// afterwards lane j of Z(d) holds what lane d of Z(j) held.
+func transposeRegs16() {
+	// Stage 1: pairs of rows interleaved within 128-bit lanes.
+	for i := range 8 {
+		p("VUNPCKLPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 16+2*i)
+		p("VUNPCKHPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 17+2*i)
+	}
+	// Stage 2: Z(4g+c) lane L holds rows 4g..4g+3 of column 4L+c.
+	for g := range 4 {
+		t := 16 + 4*g
+		p("VUNPCKLPD Z%d, Z%d, Z%d", t+2, t, 4*g)
+		p("VUNPCKHPD Z%d, Z%d, Z%d", t+2, t, 4*g+1)
+		p("VUNPCKLPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+2)
+		p("VUNPCKHPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+3)
+	}
+	// Stages 3 and 4: gather lane L of Z(c), Z(4+c), Z(8+c), Z(12+c) into column 4L+c.
+	for c := range 4 {
+		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 4+c, c, 16+c)
+		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 4+c, c, 20+c)
+		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 12+c, 8+c, 24+c)
+		p("VSHUFF32X4 $0xee, Z%d, Z%d, Z%d", 12+c, 8+c, 28+c)
+	}
+	for c := range 4 {
+		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 24+c, 16+c, c)
+		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 24+c, 16+c, 4+c)
+		p("VSHUFF32X4 $0x88, Z%d, Z%d, Z%d", 28+c, 20+c, 8+c)
+		p("VSHUFF32X4 $0xdd, Z%d, Z%d, Z%d", 28+c, 20+c, 12+c)
+	}
+}
+
+// rowDotsStore ends a row-dots kernel: it stores the nk valid lanes of every row's running sums
+// (tmp, R13) into dst.
+func rowDotsStore(name string) {
 	p("MOVQ $1, AX")
 	p("MOVQ R12, CX")
 	p("SHLQ CX, AX")
@@ -1807,6 +1869,7 @@ func main() {
 	transpose256()
 	rowDots512(false)
 	rowDots512(true)
+	rowDotsBF16p512()
 	touchLines()
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4, 4)

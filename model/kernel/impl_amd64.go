@@ -34,12 +34,12 @@ var avx512Impl = &impl{
 	transpose: transpose512,
 	tgroup:    16,
 	readSum:   readSumAVX512,
-	rowDots:   rowDotsWith(rowDots512),
+	rowDots:   rowDotsAVX512,
 	accRows:   accRowsWith(&tileAcc512Kernels),
 	rowDim:    16,
 	touch:     touchLines,
 
-	rowDotsBF16: rowDotsWith(rowDotsBF16x512),
+	rowDotsBF16: rowDotsBF16AVX512,
 	accRowsBF16: accRowsWith(&tileAccBF16x512Kernels),
 }
 
@@ -280,6 +280,9 @@ func rowDots512(dst *float32, ldd int, q *float32, ldq int, rows int, k *float32
 //go:noescape
 func rowDotsBF16x512(dst *float32, ldd int, q *float32, ldq int, rows int, k *uint16, ldk int, nk int, dim int, tmp *float32)
 
+//go:noescape
+func rowDotsBF16p512(dst *float32, ldd int, q *float32, ldq int, rows int, k *uint16, ldk int, nk int, dim int, tmp *float32)
+
 func tile256x1(a *float32, lda int, w *float32, k int, c *float32, ldc int)
 func tile256x2(a *float32, lda int, w *float32, k int, c *float32, ldc int)
 func tile256x3(a *float32, lda int, w *float32, k int, c *float32, ldc int)
@@ -354,17 +357,37 @@ func tile256(mr int, a *float32, lda int, w *float32, k int, c *float32, ldc int
 	}
 }
 
-// rowDotsWith returns the strided-row dot products of the keys of type T (float32, or bfloat16
-// bits widened by the kernel): kernel runs on groups of 16 keys, at most rowDotsRows query rows
-// at a time (the size of its stack buffer of running sums). Arguments are checked by RowDots.
-func rowDotsWith[T float32 | uint16](kernel func(dst *float32, ldd int, q *float32, ldq int, rows int, k *T, ldk int, nk int, dim int, tmp *float32)) func(dst []float32, ldd int, q []float32, ldq, rows int, k []T, ldk, n, dim int) {
-	return func(dst []float32, ldd int, q []float32, ldq, rows int, k []T, ldk, n, dim int) {
-		const rowDotsRows = 32
-		var tmp [rowDotsRows * 16]float32
-		for r0 := 0; r0 < rows; r0 += rowDotsRows {
-			nr := min(rowDotsRows, rows-r0)
-			for j := 0; j < n; j += 16 {
-				kernel(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
+// rowDotsRows is the most query rows a row-dots kernel call takes (the size of its stack
+// buffer of running sums).
+const rowDotsRows = 32
+
+// rowDotsAVX512 is RowDots with zmm registers: rowDots512 on groups of 16 keys, at most
+// rowDotsRows query rows at a time. Arguments are checked by RowDots. The kernels are called
+// directly, not through a func value, so that tmp stays on the stack (an indirect call makes
+// its argument escape: a heap allocation per call).
+func rowDotsAVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
+	var tmp [rowDotsRows * 16]float32
+	for r0 := 0; r0 < rows; r0 += rowDotsRows {
+		nr := min(rowDotsRows, rows-r0)
+		for j := 0; j < n; j += 16 {
+			rowDots512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
+		}
+	}
+}
+
+// rowDotsBF16AVX512 is RowDotsBF16 with zmm registers, as rowDotsAVX512: rowDotsBF16p512, which
+// transposes the keys in pairs of values, when dim is a multiple of 32, else rowDotsBF16x512
+// (the same chains).
+func rowDotsBF16AVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
+	var tmp [rowDotsRows * 16]float32
+	pairs := dim%32 == 0
+	for r0 := 0; r0 < rows; r0 += rowDotsRows {
+		nr := min(rowDotsRows, rows-r0)
+		for j := 0; j < n; j += 16 {
+			if pairs {
+				rowDotsBF16p512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
+			} else {
+				rowDotsBF16x512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
 			}
 		}
 	}

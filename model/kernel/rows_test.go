@@ -19,7 +19,7 @@ func TestRowKernelsMatchPackedLinear(t *testing.T) {
 		if im.rowDim == 0 {
 			continue
 		}
-		for _, dim := range []int{16, 64, 80, 128} {
+		for _, dim := range []int{16, 32, 64, 80, 128} {
 			if dim%im.rowDim != 0 {
 				continue
 			}

@@ -1,0 +1,91 @@
+package model
+
+import (
+	"fmt"
+	"os"
+	"runtime/pprof"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// processCPU returns the CPU seconds (user + system) the process has used so far.
+func processCPU(b *testing.B) float64 {
+	b.Helper()
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return float64(ru.Utime.Nano()+ru.Stime.Nano()) / 1e9
+}
+
+// BenchmarkDecodeSteps times batched decode steps alone — no load, no prefill — of the model
+// at $KVBRIDGE_BENCH_MODEL (skipped without it; e.g. /tmp/qwen3-0.6b) in the dtype of
+// $KVBRIDGE_BENCH_DTYPE (default bfloat16), at the batch sizes of $KVBRIDGE_BENCH_BATCH
+// (default 8 and 32) over 128 positions of random KV each. It reports the wall and the process
+// CPU milliseconds of a step; with $KVBRIDGE_BENCH_CPUPROFILE set it writes a CPU profile of
+// the timed steps only (so pprof shows a decode step's parts without the load's), one file per
+// batch size (the name gets "-b<batch>").
+func BenchmarkDecodeSteps(b *testing.B) {
+	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
+	if path == "" {
+		b.Skip("KVBRIDGE_BENCH_MODEL is not set")
+	}
+	dtype := os.Getenv("KVBRIDGE_BENCH_DTYPE")
+	if dtype == "" {
+		dtype = "bfloat16"
+	}
+	batches := []int{8, 32}
+	if s := os.Getenv("KVBRIDGE_BENCH_BATCH"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil {
+			b.Fatalf("KVBRIDGE_BENCH_BATCH: %v", err)
+		}
+		batches = []int{n}
+	}
+	m, err := Open(b.Context(), path, OpenOptions{DType: dtype})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer m.Close()
+	const blockSize, ctx = 16, 128
+	per := ctx / blockSize
+	for _, nseq := range batches {
+		b.Run(fmt.Sprintf("%s/batch%d", dtype, nseq), func(b *testing.B) {
+			kv := newTestKVFor(m, blockSize, per*nseq, false)
+			seqs := make([]Seq, nseq)
+			for i := range seqs {
+				seqs[i] = Seq{Tokens: []int32{int32(i + 1)}, Start: ctx - 1, Blocks: blockRange(i*per, per), Logits: make([]float32, m.cfg.VocabSize)}
+			}
+			for range 3 {
+				if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
+					b.Fatal(err)
+				}
+			}
+			if f := os.Getenv("KVBRIDGE_BENCH_CPUPROFILE"); f != "" {
+				out, err := os.Create(fmt.Sprintf("%s-b%d", f, nseq))
+				if err != nil {
+					b.Fatal(err)
+				}
+				defer out.Close()
+				if err := pprof.StartCPUProfile(out); err != nil {
+					b.Fatal(err)
+				}
+				defer pprof.StopCPUProfile()
+			}
+			var cpu float64
+			var wall time.Duration
+			for b.Loop() {
+				c0, t0 := processCPU(b), time.Now()
+				if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
+					b.Fatal(err)
+				}
+				wall += time.Since(t0)
+				cpu += processCPU(b) - c0
+			}
+			b.ReportMetric(float64(wall.Microseconds())/1000/float64(b.N), "wall-ms/step")
+			b.ReportMetric(cpu*1000/float64(b.N), "cpu-ms/step")
+		})
+	}
+}
