@@ -496,12 +496,12 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 // added into the rows of dst (ldd apart), per value element one chain over the keys, carried on
 // from what dst holds. Bfloat16 rows are widened inside the kernels, FP8 ones into sc first.
 func (v *headView) rowProducts(sc *attnScratch, values bool, dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int) {
-	f32, f16, x32, x16 := kernel.RowDots, kernel.RowDotsBF16, v.k, v.k16
+	f32, f16, x32, x16, x8 := kernel.RowDots, kernel.RowDotsBF16, v.k, v.k16, v.k8
 	if values {
-		f32, f16, x32, x16 = kernel.AccumulateRows, kernel.AccumulateRowsBF16, v.v, v.v16
+		f32, f16, x32, x16, x8 = kernel.AccumulateRows, kernel.AccumulateRowsBF16, v.v, v.v16, v.v8
 	}
 	switch {
-	case v.k8 != nil:
+	case x8 != nil:
 		f32(dst, ldd, x, ldx, rows, v.widenRows(sc, values, o, n, hd), hd, n, hd)
 	case x16 != nil:
 		f16(dst, ldd, x, ldx, rows, x16[o:], v.stride, n, hd)
