@@ -178,3 +178,26 @@ func TestRunRejectsTooLong(t *testing.T) {
 		t.Fatal("no error for a prompt beyond max_position_embeddings")
 	}
 }
+
+// TestVerdictDistrustsStarvedProbes: a batch-1 figure whose probes read less than the decode
+// itself moved (probed ratio above 1) is judged by its bracketed ratio, so a starved probe
+// cannot make a cell pass; a batched step bound, whose compute terms can be beaten, keeps its
+// probed ratio.
+func TestVerdictDistrustsStarvedProbes(t *testing.T) {
+	for _, c := range []struct {
+		probed, old, target float64
+		memory              bool
+		want                string
+	}{
+		{0.95, 0.80, 0.9, true, "ok"},
+		{0.85, 0.95, 0.9, true, "below"},
+		{1.12, 0.54, 0.9, true, "below, by the bracket: probe starved"},
+		{1.12, 0.93, 0.9, true, "ok, by the bracket: probe starved"},
+		{1.24, 1.16, 0.8, false, "ok"},
+		{0.76, 0.72, 0.8, false, "below"},
+	} {
+		if got := verdict(c.probed, c.old, c.target, c.memory); got != c.want {
+			t.Errorf("verdict(%v, %v, %v, %v) = %q, want %q", c.probed, c.old, c.target, c.memory, got, c.want)
+		}
+	}
+}
