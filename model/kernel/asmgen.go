@@ -1128,17 +1128,7 @@ func transpose256() {
 		p("MOVQ %d(SI), R10", 8*i)
 		p("VMOVUPS (R10)(AX*1), Y%d", i)
 	}
-	for i := range 4 {
-		p("VUNPCKLPS Y%d, Y%d, Y%d", 2*i+1, 2*i, 8+2*i)
-		p("VUNPCKHPS Y%d, Y%d, Y%d", 2*i+1, 2*i, 9+2*i)
-	}
-	for g := range 2 {
-		t := 8 + 4*g
-		p("VUNPCKLPD Y%d, Y%d, Y%d", t+2, t, 4*g)
-		p("VUNPCKHPD Y%d, Y%d, Y%d", t+2, t, 4*g+1)
-		p("VUNPCKLPD Y%d, Y%d, Y%d", t+3, t+1, 4*g+2)
-		p("VUNPCKHPD Y%d, Y%d, Y%d", t+3, t+1, 4*g+3)
-	}
+	unpackStages("Y", 8, 8)
 	for c := range 4 {
 		p("VPERM2F128 $0x20, Y%d, Y%d, Y%d", 4+c, c, 8+c)
 		p("VPERM2F128 $0x31, Y%d, Y%d, Y%d", 4+c, c, 12+c)
@@ -1391,22 +1381,30 @@ func rowDotsEntry(name, kt string, ksh int, bf16 bool) {
 	}
 }
 
+// unpackStages emits the first two stages of a transpose of the n rows of 32-bit elements in
+// registers r0..r(n-1) (r: "Y" or "Z"), with scratch registers from r(s) on: stage 1 interleaves
+// pairs of rows within 128-bit lanes into the scratch; stage 2 interleaves pairs of those pairs
+// back into r0..r(n-1), so that r(4g+c) holds, in each 128-bit lane L, rows 4g..4g+3 of the
+// lane's column c.
+func unpackStages(r string, n, s int) {
+	for i := range n / 2 {
+		p("VUNPCKLPS %s%d, %s%d, %s%d", r, 2*i+1, r, 2*i, r, s+2*i)
+		p("VUNPCKHPS %s%d, %s%d, %s%d", r, 2*i+1, r, 2*i, r, s+2*i+1)
+	}
+	for g := range n / 4 {
+		t := s + 4*g
+		p("VUNPCKLPD %s%d, %s%d, %s%d", r, t+2, r, t, r, 4*g)
+		p("VUNPCKHPD %s%d, %s%d, %s%d", r, t+2, r, t, r, 4*g+1)
+		p("VUNPCKLPD %s%d, %s%d, %s%d", r, t+3, r, t+1, r, 4*g+2)
+		p("VUNPCKHPD %s%d, %s%d, %s%d", r, t+3, r, t+1, r, 4*g+3)
+	}
+}
+
 // transposeRegs16 transposes the 16×16 32-bit elements of Z0–Z15 in place, Z16–Z31 scratch:
 // afterwards lane j of Z(d) holds what lane d of Z(j) held.
 func transposeRegs16() {
-	// Stage 1: pairs of rows interleaved within 128-bit lanes.
-	for i := range 8 {
-		p("VUNPCKLPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 16+2*i)
-		p("VUNPCKHPS Z%d, Z%d, Z%d", 2*i+1, 2*i, 17+2*i)
-	}
-	// Stage 2: Z(4g+c) lane L holds rows 4g..4g+3 of column 4L+c.
-	for g := range 4 {
-		t := 16 + 4*g
-		p("VUNPCKLPD Z%d, Z%d, Z%d", t+2, t, 4*g)
-		p("VUNPCKHPD Z%d, Z%d, Z%d", t+2, t, 4*g+1)
-		p("VUNPCKLPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+2)
-		p("VUNPCKHPD Z%d, Z%d, Z%d", t+3, t+1, 4*g+3)
-	}
+	// Stages 1 and 2: Z(4g+c) lane L holds rows 4g..4g+3 of column 4L+c.
+	unpackStages("Z", 16, 16)
 	// Stages 3 and 4: gather lane L of Z(c), Z(4+c), Z(8+c), Z(12+c) into column 4L+c.
 	for c := range 4 {
 		p("VSHUFF32X4 $0x44, Z%d, Z%d, Z%d", 4+c, c, 16+c)
