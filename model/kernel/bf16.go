@@ -179,8 +179,11 @@ func (l *Linear) dotTask(dst []float32, ldc int, a []uint32, kp int, rows int, s
 			p0 += np
 		}
 	}
-	if s.halves == 2 {
+	switch {
+	case s.halves == 2:
 		tile = l.impl.tileDotHalf
+	case s.mr > l.impl.mr:
+		tile = l.impl.tileDotTall
 	}
 	l.blockTask(rows, s.tiles, s.halves, t0, t1, p0, p1, kp, 2*panelWidth, func(m0, m1, p, h, k0, kn int, pf []uint16, cont bool) {
 		col, ncols := halfColumns(p, h, s.halves, l.out)

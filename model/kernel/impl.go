@@ -41,6 +41,10 @@ type impl struct {
 	// Linear.scheduleDot).
 	tileDotHalf func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool)
 	halfRows    int
+	// tileDotTall is tileDot for more rows than mr, up to tallRows, over a whole panel in one
+	// call (each line of the panel read once, in order); nil: none (see Linear.scheduleDot).
+	tileDotTall func(c []float32, ldc int, a []uint32, lda int, w []uint16, kp, mr, ncols int, pf []uint16, cont bool)
+	tallRows    int
 
 	// widenBF16 widens bfloat16 values to float32 (nil: portable Go).
 	widenBF16 func(dst []float32, src []uint16)

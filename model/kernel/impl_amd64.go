@@ -68,6 +68,7 @@ var avx512BF16Impl = func() *impl {
 	im := *avx512Impl
 	im.tileDot, im.toPairs, im.dpLoop = tileDotAVX512, toPairsAVX512, dpLoopAVX512
 	im.tileDotWide, im.tileDotHalf, im.halfRows = tileDotWideAVX512, tileDotHalfAVX512, maxHalfRows
+	im.tileDotTall, im.tallRows = tileDotTallAVX512, tallRows
 	return &im
 }()
 
