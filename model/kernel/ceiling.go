@@ -31,6 +31,24 @@ func PeakBF16GFLOPS(d time.Duration) float64 {
 	return peak(d, defaultImpl.dpLoop)
 }
 
+// PeakInt8GOPS is [PeakGFLOPS] for int8 products: one goroutine per GOMAXPROCS runs a loop of
+// independent VPDPBUSD (each 16 lanes × 4 byte multiply-adds = 64 multiply-adds on a zmm
+// register), and the result is
+//
+//	GOP/s = Σ over goroutines (instructions × 64 multiply-adds × 2 operations) / elapsed ns
+//
+// counted as the float peaks count FLOPs (a multiply-add is 2), so that an int8 product's
+// operations, 2 × its multiply-adds, compare with it as a float product's FLOPs compare with
+// the float peaks. It returns 0 when this process computes int8 products without the
+// instruction (see [Int8Products]).
+func PeakInt8GOPS(d time.Duration) float64 {
+	loop := int8PeakLoop()
+	if loop == nil {
+		return 0
+	}
+	return peak(d, loop)
+}
+
 // peak runs loop on every core for about d and returns the GFLOP/s they achieved together.
 func peak(d time.Duration, loop func(n int) float64) float64 {
 	if d <= 0 {

@@ -10,6 +10,9 @@ func TestCeilingsArePositive(t *testing.T) {
 	if g := PeakGFLOPS(5 * time.Millisecond); !(g > 0) {
 		t.Fatalf("PeakGFLOPS = %v", g)
 	}
+	if g := PeakInt8GOPS(5 * time.Millisecond); !(g > 0) && Int8Products() == "VPDPBUSD" || g != 0 && Int8Products() != "VPDPBUSD" {
+		t.Fatalf("PeakInt8GOPS = %v with int8 products in %s", g, Int8Products())
+	}
 	if g := MemcpyGBps(1 << 20); !(g > 0) {
 		t.Fatalf("MemcpyGBps = %v", g)
 	}
