@@ -709,7 +709,7 @@ func (r *Result) WriteTable(w io.Writer) error {
 	r.writeTargets(w)
 	_, err := fmt.Fprintf(w, "probed beside each run: a run's tok/s (its steps' time) ÷ its bound at the read bandwidth probed between its steps, after each step for as long\n"+
 		"  as the step took (the probes' rates averaged over their time); a probe: %d goroutines, each reading its share of a %d MiB buffer as one stream\n"+
-		"  and as two, the faster of the two; the ratio is the median of the runs' ratios\n"+
+		"  and as four side by side, the faster of the two; the ratio is the median of the runs' ratios\n"+
 		"peaks: %d goroutines each running independent %s FMAs (FLOPs = instructions × lanes × 2), VDPBF16PS (× lanes × 4) or VPDPBUSD (× lanes × 8)\n"+
 		"FLOPs counted: 2 × multiply-adds of every projection, attention scores and weighted values, lm_head once per step and sequence\n"+
 		"decode bound = batch × read bandwidth ÷ weight bytes: a step reads the weights once for the whole batch (int8 weights: a byte each plus a float32 scale per 32)\n"+

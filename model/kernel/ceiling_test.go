@@ -35,9 +35,14 @@ func TestReadProbe(t *testing.T) {
 	for i := range x {
 		x[i] = 1
 	}
-	for _, streams := range []int{1, 2} {
+	for _, streams := range []int{1, 2, probeStreams} {
 		if got := readStreams(x, streams); got != float32(len(x)) {
 			t.Errorf("readStreams(%d streams) of %d ones = %v", streams, len(x), got)
+		}
+		if streams > 1 {
+			if got := readInTurns(x, streams); got != float32(len(x)) {
+				t.Errorf("readInTurns(%d streams) of %d ones = %v", streams, len(x), got)
+			}
 		}
 	}
 }
