@@ -23,7 +23,8 @@ func processCPU(b *testing.B) float64 {
 // BenchmarkDecodeSteps times batched decode steps alone — no load, no prefill — of the model
 // at $KVBRIDGE_BENCH_MODEL (skipped without it; e.g. /tmp/qwen3-0.6b) in the dtype of
 // $KVBRIDGE_BENCH_DTYPE (default bfloat16), at the batch sizes of $KVBRIDGE_BENCH_BATCH
-// (default 8 and 32) over 128 positions of random KV each. It reports the wall and the process
+// (default 8 and 32) over 128 positions of random KV each, with the weights quantized as
+// $KVBRIDGE_BENCH_QUANT says (default none; "int8"). It reports the wall and the process
 // CPU milliseconds of a step; with $KVBRIDGE_BENCH_CPUPROFILE set it writes a CPU profile of
 // the timed steps only (so pprof shows a decode step's parts without the load's), one file per
 // batch size (the name gets "-b<batch>").
@@ -44,7 +45,7 @@ func BenchmarkDecodeSteps(b *testing.B) {
 		}
 		batches = []int{n}
 	}
-	m, err := Open(b.Context(), path, OpenOptions{DType: dtype})
+	m, err := Open(b.Context(), path, OpenOptions{DType: dtype, Quantization: os.Getenv("KVBRIDGE_BENCH_QUANT")})
 	if err != nil {
 		b.Fatal(err)
 	}

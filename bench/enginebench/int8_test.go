@@ -53,4 +53,11 @@ func TestRunTinyInt8(t *testing.T) {
 	if !strings.Contains(table.String(), "float32, int8 weights") || !strings.Contains(table.String(), "int8 products: "+r.Int8Products) {
 		t.Errorf("table lacks the int8 run:\n%s", table.String())
 	}
+	// The int8 run's products are held to the VPDPBUSD peak where the instruction runs them.
+	if peak, name := r.productPeak(&r.Runs[1]); r.Int8Products == "VPDPBUSD" && (r.PeakInt8GOPS <= 0 || peak != r.PeakInt8GOPS || name != "int8 peak") {
+		t.Errorf("int8 products held to %s %g GOP/s; VPDPBUSD peak measured %g", name, peak, r.PeakInt8GOPS)
+	}
+	if !strings.Contains(table.String(), "VPDPBUSD peak") {
+		t.Errorf("table lacks the VPDPBUSD peak:\n%s", table.String())
+	}
 }

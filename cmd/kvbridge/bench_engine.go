@@ -25,7 +25,8 @@ func newBenchEngineCmd() *cobra.Command {
 		Long: `Prefills a random prompt into a paged KV pool and decodes greedily from it, then decodes
 batches of sequences (one pass over the weights per step for the whole batch), for each --dtype
 (and each --kv-cache-dtype and --quantization).
-Prints prefill tokens/s and GFLOP/s against the measured float32 FMA or VDPBF16PS peak, and
+Prints prefill tokens/s and GFLOP/s against the measured float32 FMA, VDPBF16PS or (int8
+weights) VPDPBUSD peak, and
 decode tokens/s at each batch size and context against the bound set by batch × memory read
 bandwidth ÷ weight bytes, the one that adds the context's KV reads, and the step bound that
 counts weights, KV reads and compute (each layer's products, then its attention), with what

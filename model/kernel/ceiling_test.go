@@ -10,6 +10,9 @@ func TestCeilingsArePositive(t *testing.T) {
 	if g := PeakGFLOPS(5 * time.Millisecond); !(g > 0) {
 		t.Fatalf("PeakGFLOPS = %v", g)
 	}
+	if g := PeakInt8GOPS(5 * time.Millisecond); !(g > 0) && Int8Products() == "VPDPBUSD" || g != 0 && Int8Products() != "VPDPBUSD" {
+		t.Fatalf("PeakInt8GOPS = %v with int8 products in %s", g, Int8Products())
+	}
 	if g := MemcpyGBps(1 << 20); !(g > 0) {
 		t.Fatalf("MemcpyGBps = %v", g)
 	}
@@ -32,9 +35,14 @@ func TestReadProbe(t *testing.T) {
 	for i := range x {
 		x[i] = 1
 	}
-	for _, streams := range []int{1, 2} {
+	for _, streams := range []int{1, 2, probeStreams} {
 		if got := readStreams(x, streams); got != float32(len(x)) {
 			t.Errorf("readStreams(%d streams) of %d ones = %v", streams, len(x), got)
+		}
+		if streams > 1 {
+			if got := readInTurns(x, streams); got != float32(len(x)) {
+				t.Errorf("readInTurns(%d streams) of %d ones = %v", streams, len(x), got)
+			}
 		}
 	}
 }
