@@ -130,7 +130,8 @@ func (a *stepAccount) String() string {
 // $KVBRIDGE_BENCH_MODEL (skipped without it; e.g. /tmp/qwen3-0.6b), in the dtypes of
 // $KVBRIDGE_BENCH_DTYPE (default bfloat16 and float32), at contexts 128 and 1024, between the
 // step's parts and, within each, the pool's busy and idle time (stepAccount), and logs the table
-// (-v). Between steps it reads memory for as long as the step took, as `kvbridge bench engine`'s
+// (-v), for the former structure of the step (splitOnCaller) and the current one, alternated step
+// by step. Between steps it reads memory for as long as the step took, as `kvbridge bench engine`'s
 // bandwidth probe does, so that the pool's workers park between steps as they do there.
 func BenchmarkStepAccounting(b *testing.B) {
 	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
@@ -165,11 +166,18 @@ func BenchmarkStepAccounting(b *testing.B) {
 						b.Fatal(err)
 					}
 				}
-				var a stepAccount
-				a.observe(m)
-				defer func() { m.mark = nil; m.pool.Observe(nil) }()
+				// Steps alternate between the step's former structure (old: splitOnCaller) and
+				// its current one, each with its own account.
+				var acc [2]stepAccount
+				defer func() { m.mark, m.splitOnCaller = nil, false; m.pool.Observe(nil) }()
 				var wall time.Duration
+				i := 0
 				for b.Loop() {
+					old := i%2 == 0
+					i++
+					a := &acc[i%2]
+					m.splitOnCaller = old
+					a.observe(m)
 					t0 := time.Now()
 					seqs[0].Tokens[0] = Argmax(logits)
 					t1 := time.Now()
@@ -183,7 +191,8 @@ func BenchmarkStepAccounting(b *testing.B) {
 					probe.GBps(d)
 				}
 				b.ReportMetric(float64(wall.Microseconds())/float64(b.N), "µs/step")
-				b.Logf("%s context %d, %d steps, %d workers:\n%s", dtype, ctx, a.steps, a.workers, &a)
+				b.Logf("%s context %d, %d workers, old structure (%d steps):\n%s", dtype, ctx, acc[1].workers, acc[1].steps, &acc[1])
+				b.Logf("%s context %d, %d workers, new structure (%d steps):\n%s", dtype, ctx, acc[0].workers, acc[0].steps, &acc[0])
 			})
 		}
 		m.Close()
