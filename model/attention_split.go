@@ -21,11 +21,14 @@ import (
 // Such a sequence ("split"), if it attends over splitMinChunks chunks or more, is instead divided
 // by positions: each work item covers all KV heads of one of its 64-key chunks. The items compute
 // the scores of their chunks (one FMA chain over d each, so which item computes a score changes
-// nothing), beside the step's other attention items; then, every score being known, the caller
-// turns each row into probabilities (kernel.Softmax over all positions, as ever); then the items
-// compute, per chunk, its value sums from zero (per value element one chain over the chunk's
-// keys, carried from block to block); then the caller adds the chunks' sums in chunk order
-// (part_0 + part_1 + …, attention.go's definition). Every number is the one an item of one KV
+// nothing), beside the step's other attention items; then, every score being known, items of the
+// same Parallel call turn each row into probabilities (kernel.Softmax over all positions, as
+// ever; one row an item); then the items of a second call compute, per chunk, its value sums
+// from zero (per value element one chain over the chunk's keys, carried from block to block);
+// then, every chunk's sums being known, items of that call add the chunks' sums in chunk order
+// (part_0 + part_1 + …, attention.go's definition; one KV head's elements an item). A phase's
+// items come after the ones they need in their call and wait for them there (splitGate), so the
+// workers share them without a hand-off of their own. Every number is the one an item of one KV
 // head over all positions computes, whichever worker computes it, so the bits depend neither on
 // the batch nor on the workers (TestAttentionPositionSplit). It costs one hand-off a layer more
 // (the value sums) than one Parallel call of items split by heads.
