@@ -185,9 +185,9 @@ func (m *Model) attention(w *workspace, seqs []Seq, blockSize int) {
 	}
 	slices.SortStableFunc(w.items, func(a, b attnItem) int { return cmp.Compare(b.cost, a.cost) })
 	n := len(w.items)
-	m.pool.Parallel(n+len(w.posItems), func(i int) {
+	m.pool.Parallel(n+m.scoreItems(w), func(i int) {
 		if i >= n {
-			m.splitItem(w, seqs, blockSize, w.posItems[i-n], false)
+			m.splitScoreItem(w, seqs, blockSize, i-n)
 		} else if it := w.items[i]; it.sa.packs < 0 && m.inPlace {
 			m.attendInPlace(w, seqs, blockSize, it)
 		} else {

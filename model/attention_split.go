@@ -1,6 +1,12 @@
 package model
 
-import "github.com/kvbridge/kvbridge/model/kernel"
+import (
+	"runtime"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvbridge/kvbridge/model/kernel"
+)
 
 // Decode attention split by positions.
 //
@@ -15,11 +21,14 @@ import "github.com/kvbridge/kvbridge/model/kernel"
 // Such a sequence ("split"), if it attends over splitMinChunks chunks or more, is instead divided
 // by positions: each work item covers all KV heads of one of its 64-key chunks. The items compute
 // the scores of their chunks (one FMA chain over d each, so which item computes a score changes
-// nothing), beside the step's other attention items; then, every score being known, the caller
-// turns each row into probabilities (kernel.Softmax over all positions, as ever); then the items
-// compute, per chunk, its value sums from zero (per value element one chain over the chunk's
-// keys, carried from block to block); then the caller adds the chunks' sums in chunk order
-// (part_0 + part_1 + …, attention.go's definition). Every number is the one an item of one KV
+// nothing), beside the step's other attention items; then, every score being known, items of the
+// same Parallel call turn each row into probabilities (kernel.Softmax over all positions, as
+// ever; one row an item); then the items of a second call compute, per chunk, its value sums
+// from zero (per value element one chain over the chunk's keys, carried from block to block);
+// then, every chunk's sums being known, items of that call add the chunks' sums in chunk order
+// (part_0 + part_1 + …, attention.go's definition; one KV head's elements an item). A phase's
+// items come after the ones they need in their call and wait for them there (splitGate), so the
+// workers share them without a hand-off of their own. Every number is the one an item of one KV
 // head over all positions computes, whichever worker computes it, so the bits depend neither on
 // the batch nor on the workers (TestAttentionPositionSplit). It costs one hand-off a layer more
 // (the value sums) than one Parallel call of items split by heads.
@@ -121,27 +130,118 @@ func (m *Model) splitItem(w *workspace, seqs []Seq, blockSize int, it posItem, v
 	}
 }
 
-// finishSplits completes the split sequences' attention once their scores are in: the
-// probabilities (on the caller: a sequence's rows are a few, and a hand-off between the workers
-// costs more), the value sums (a Parallel call over the work items), and, on the caller, the
-// sums of the chunks in chunk order into the attention rows.
+// finishSplits completes the split sequences' attention once their scores and probabilities are
+// in (splitScoreItem): one Parallel call computes the value sums of every chunk (splitItem), then,
+// in the same call, as soon as every chunk's sums are in, the sums of the chunks in chunk order
+// into the attention rows, one item per split sequence and KV head.
 func (m *Model) finishSplits(w *workspace, seqs []Seq, blockSize int) {
 	c := m.cfg
 	nkv, hd, group := c.NumKVHeads, c.HeadDim, c.NumHeads/c.NumKVHeads
-	for i := range w.splits {
-		sp := &w.splits[i]
-		m.softmaxRows(sp.scores, sp.stride, nkv*group, sp.sa.start, nkv*group)
-	}
-	m.pool.Parallel(len(w.posItems), func(i int) { m.splitItem(w, seqs, blockSize, w.posItems[i], true) })
 	all := nkv * group * hd
-	for i := range w.splits {
-		sp := &w.splits[i]
-		acc := sp.parts[:all]
-		for ch := 1; ch < sp.sa.nch; ch++ {
-			kernel.Add(acc, acc, sp.parts[ch*all:(ch+1)*all])
+	if m.splitOnCaller {
+		m.at(partSoftmax)
+		for i := range w.splits {
+			sp := &w.splits[i]
+			m.softmaxRows(sp.scores, sp.stride, nkv*group, sp.sa.start, nkv*group)
 		}
-		for g := range nkv {
-			m.scatterOutputs(w, sp.sa, g, 0, 1, acc[g*group*hd:])
+		m.at(partValues)
+		m.pool.Parallel(len(w.posItems), func(i int) { m.splitItem(w, seqs, blockSize, w.posItems[i], true) })
+		m.at(partChunkSums)
+		for i := range w.splits {
+			sp := &w.splits[i]
+			acc := sp.parts[:all]
+			for ch := 1; ch < sp.sa.nch; ch++ {
+				kernel.Add(acc, acc, sp.parts[ch*all:(ch+1)*all])
+			}
+			for g := range nkv {
+				m.scatterOutputs(w, sp.sa, g, 0, 1, acc[g*group*hd:])
+			}
 		}
+		return
 	}
+	m.at(partValues)
+	np := len(w.posItems)
+	w.splitGate.add(np)
+	m.pool.Parallel(np+len(w.splits)*nkv, func(i int) {
+		if i < np {
+			defer w.splitGate.done()
+			m.splitItem(w, seqs, blockSize, w.posItems[i], true)
+			return
+		}
+		w.splitGate.wait()
+		sp, g := &w.splits[(i-np)/nkv], (i-np)%nkv
+		acc := sp.parts[g*group*hd : (g+1)*group*hd]
+		for ch := 1; ch < sp.sa.nch; ch++ {
+			kernel.Add(acc, acc, sp.parts[ch*all+g*group*hd:ch*all+(g+1)*group*hd])
+		}
+		m.scatterOutputs(w, sp.sa, g, 0, 1, acc)
+	})
 }
+
+// scoreItems returns how many items of attention's Parallel call (after its items of the other
+// sequences) the split sequences have — their chunks' scores, then their rows' probabilities
+// (splitScoreItem) — and readies the gate the probabilities wait at.
+func (m *Model) scoreItems(w *workspace) int {
+	if len(w.splits) == 0 {
+		return 0
+	}
+	if m.splitOnCaller {
+		return len(w.posItems)
+	}
+	w.splitGate.add(len(w.posItems))
+	return len(w.posItems) + len(w.splits)*m.cfg.NumHeads
+}
+
+// splitScoreItem runs item i of the split sequences' share of attention's Parallel call: the
+// scores of a run of chunks (posItems[i]), or, once every chunk's scores are in, one score row's
+// probabilities (kernel.Softmax over all its positions: the same call, so the same bits, as over
+// all rows on one goroutine). The probability items come last, so when one is claimed every
+// score item has been claimed by a goroutine running it, and the wait ends.
+func (m *Model) splitScoreItem(w *workspace, seqs []Seq, blockSize, i int) {
+	np := len(w.posItems)
+	if i < np {
+		if !m.splitOnCaller {
+			defer w.splitGate.done()
+		}
+		m.splitItem(w, seqs, blockSize, w.posItems[i], false)
+		return
+	}
+	i -= np
+	w.splitGate.wait()
+	rows := m.cfg.NumHeads
+	sp := &w.splits[i/rows]
+	r := i % rows
+	m.softmaxRows(sp.scores[r*sp.stride:], sp.stride, 1, sp.sa.start, 1)
+}
+
+// splitGate lets the items of one phase of a Parallel call (the split sequences' probabilities,
+// or their chunk sums) wait, inside the call, for those of the phase before it (the scores, or
+// the value sums), which come first in the call: it counts the earlier items still running.
+type splitGate struct {
+	left    atomic.Int64
+	running sync.WaitGroup
+}
+
+// add readies the gate for n items of the earlier phase.
+func (g *splitGate) add(n int) {
+	g.left.Store(int64(n))
+	g.running.Add(n)
+}
+
+// done marks one item of the earlier phase finished.
+func (g *splitGate) done() {
+	g.left.Add(-1)
+	g.running.Done()
+}
+
+// wait returns when every item of the earlier phase has finished: it polls for a while (the
+// last of them is a chunk's work, microseconds), then blocks.
+func (g *splitGate) wait() {
+	for i := 0; g.left.Load() > 0 && i < gatePolls; i++ {
+		runtime.Gosched()
+	}
+	g.running.Wait()
+}
+
+// gatePolls is how many times splitGate.wait polls before it blocks.
+const gatePolls = 256

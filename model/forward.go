@@ -58,6 +58,7 @@ type workspace struct {
 	packItems                      []packItem
 	splits                         []splitAttn // decoding sequences split by positions (attention_split.go)
 	posItems                       []posItem
+	splitGate                      splitGate // the split sequences' phases within a Parallel call
 	// packs holds the chunks packed once per step (keys, values) of the sequences whose
 	// attention work items share them; the Linears and their memory are reused across layers
 	// and steps.
@@ -139,6 +140,8 @@ func (m *Model) ForwardRanks(ctx context.Context, kvs []KVBlocks, blockSize int,
 		w = new(workspace)
 	}
 	defer m.work.Put(w)
+	m.at(partEmbed)
+	defer m.at(partEnd)
 	m.embedStep(w, seqs, total)
 	if m.tp != nil {
 		return m.tp.forward(ctx, m, w, kvs, blockSize, seqs, total)
@@ -153,6 +156,7 @@ func (m *Model) ForwardRanks(ctx context.Context, kvs []KVBlocks, blockSize int,
 		if err = ctx.Err(); err != nil {
 			return err
 		}
+		m.at(partViews)
 		m.resolveViews(w, kvs[0], l, blockSize, seqs)
 		m.layerStep(w, &m.layer[l], seqs, blockSize, total)
 		if obs != nil {
@@ -160,6 +164,7 @@ func (m *Model) ForwardRanks(ctx context.Context, kvs []KVBlocks, blockSize int,
 		}
 	}
 	m.logitsStep(w, seqs, func(rows []logitRow, logits []float32) {
+		m.at(partLMHead)
 		m.normRows(w.h, w.x, rows)
 		m.head.Apply(logits, w.h, len(rows))
 	})
@@ -290,23 +295,34 @@ func (m *Model) layerStep(w *workspace, ly *decoderLayer, seqs []Seq, blockSize,
 	eps := float32(c.RMSNormEps)
 
 	// Attention block.
+	m.at(partNorm)
 	m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.inNorm, eps) })
+	m.at(partQKV)
 	ly.qkv.Apply(w.qkv, w.h, total)
+	m.at(partPrepare)
 	m.pool.Parallel(total, func(r int) { m.prepareToken(w, ly, seqs, blockSize, r) })
+	m.at(partAttention)
 	m.attention(w, seqs, blockSize)
+	m.at(partO)
 	ly.o.Apply(w.proj, w.attn, total)
+	m.at(partResidual)
 	m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
 
 	// MLP block.
+	m.at(partNorm)
 	m.eachRows(total, h, func(r0, r1 int) { kernel.RMSNorm(w.h[r0*h:r1*h], w.x[r0*h:r1*h], ly.postNorm, eps) })
+	m.at(partGateUp)
 	ly.gateUp.Apply(w.gu, w.h, total)
+	m.at(partSiLU)
 	m.eachRows(total, in, func(r0, r1 int) {
 		for r := r0; r < r1; r++ {
 			g := w.gu[r*2*in : (r+1)*2*in]
 			kernel.SiLUMul(w.act[r*in:(r+1)*in], g[:in], g[in:])
 		}
 	})
+	m.at(partDown)
 	ly.down.Apply(w.proj, w.act, total)
+	m.at(partResidual)
 	m.eachRows(total, h, func(r0, r1 int) { kernel.Add(w.x[r0*h:r1*h], w.x[r0*h:r1*h], w.proj[r0*h:r1*h]) })
 }
 
@@ -321,9 +337,15 @@ func (m *Model) logitsStep(w *workspace, seqs []Seq, compute func(rows []logitRo
 	v := m.cfg.VocabSize
 	w.logits = grow(w.logits, min(n, logitRowGroup)*v)
 	logits := w.logits
+	if r := w.logitRows[0]; n == 1 && seqs[r.seq].RowLogits == nil {
+		// One row whose logits go to its sequence's Logits: computed there, not copied there.
+		compute(w.logitRows, seqs[r.seq].Logits)
+		return
+	}
 	for g := 0; g < n; g += logitRowGroup {
 		rows := w.logitRows[g:min(n, g+logitRowGroup)]
 		compute(rows, logits)
+		m.at(partLogitsOut)
 		for k, r := range rows {
 			if s := seqs[r.seq]; s.RowLogits != nil {
 				s.RowLogits(r.tok, logits[k*v:(k+1)*v])
@@ -365,26 +387,29 @@ func (m *Model) eachRows(rows, width int, fn func(r0, r1 int)) {
 // resolveViews fills the view table of layer l: for every sequence, KV head and block index.
 func (m *Model) resolveViews(w *workspace, kv KVBlocks, l, blockSize int, seqs []Seq) {
 	nkv := m.cfg.NumKVHeads
+	// The store's typed views, asserted once per layer rather than once per view.
+	kv8, _ := kv.(KVBlocksFP8)
+	kv16, _ := kv.(KVBlocksBF16)
 	for i, s := range seqs {
 		if len(s.Tokens) == 0 {
 			continue
 		}
 		nb := (s.Start + len(s.Tokens) + blockSize - 1) / blockSize
-		base := w.viewBase[i]
+		views := w.views[w.viewBase[i] : w.viewBase[i]+nkv*nb]
 		for g := range nkv {
-			for b := range nb {
-				if m.kvFP8 {
-					k, v, stride := kv.(KVBlocksFP8).HeadViewFP8(l, int(s.Blocks[b]), g)
-					w.views[base+g*nb+b] = headView{k8: k, v8: v, fp8: &m.fp8Layers[l], stride: stride}
-					continue
+			for b, blk := range s.Blocks[:nb] {
+				v := &views[g*nb+b]
+				switch {
+				case m.kvFP8:
+					k, val, stride := kv8.HeadViewFP8(l, int(blk), g)
+					*v = headView{k8: k, v8: val, fp8: &m.fp8Layers[l], stride: stride}
+				case m.kvBF16:
+					k, val, stride := kv16.HeadViewBF16(l, int(blk), g)
+					*v = headView{k16: k, v16: val, stride: stride}
+				default:
+					k, val, stride := kv.HeadView(l, int(blk), g)
+					*v = headView{k: k, v: val, stride: stride}
 				}
-				if m.kvBF16 {
-					k, v, stride := kv.(KVBlocksBF16).HeadViewBF16(l, int(s.Blocks[b]), g)
-					w.views[base+g*nb+b] = headView{k16: k, v16: v, stride: stride}
-					continue
-				}
-				k, v, stride := kv.HeadView(l, int(s.Blocks[b]), g)
-				w.views[base+g*nb+b] = headView{k: k, v: v, stride: stride}
 			}
 		}
 	}

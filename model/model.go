@@ -196,6 +196,13 @@ type Model struct {
 	// itemHeads, if positive, caps the KV heads of an in-place work item (tests change it; 0:
 	// as many as headSpan allows).
 	itemHeads int
+	// splitOnCaller: a split sequence's probabilities and chunk sums run on the goroutine that
+	// called Forward, as they did before they were shared by the workers (tests change it, to
+	// compare the two).
+	splitOnCaller bool
+	// mark, if set (by a measurement), is called at the start of each part of a step
+	// (steppart.go) on the goroutine that called Forward.
+	mark func(stepPart)
 	// weightBytes is the weight bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
 	// checkpointBytes is the size of the safetensors files loaded (0 for built-in models).

@@ -234,18 +234,65 @@ func keepMinP(c []candidate, minP float64) []candidate {
 
 // Argmax returns the index of the largest logit, the lowest index on ties; NaN counts as -Inf.
 // It returns 0 for an empty slice.
+//
+// It finds the largest value in eight independent lanes, then the first index holding it (a
+// scan of a vocabulary's logits is a decode step's own work outside the forward pass: 152K of
+// them took 104 µs in one compare chain, 49 µs so).
 func Argmax(logits []float32) int32 {
-	best, bestV := 0, float32(math.Inf(-1))
-	found := false
-	for i, v := range logits {
-		if v != v { // NaN
-			continue
+	inf := float32(math.Inf(-1))
+	m0, m1, m2, m3, m4, m5, m6, m7 := inf, inf, inf, inf, inf, inf, inf, inf
+	n := len(logits) &^ 7
+	for i := 0; i < n; i += 8 {
+		s := logits[i : i+8 : i+8]
+		// A NaN compares false, so it never becomes a lane's largest.
+		if s[0] > m0 {
+			m0 = s[0]
 		}
-		if !found || v > bestV {
-			best, bestV, found = i, v, true
+		if s[1] > m1 {
+			m1 = s[1]
+		}
+		if s[2] > m2 {
+			m2 = s[2]
+		}
+		if s[3] > m3 {
+			m3 = s[3]
+		}
+		if s[4] > m4 {
+			m4 = s[4]
+		}
+		if s[5] > m5 {
+			m5 = s[5]
+		}
+		if s[6] > m6 {
+			m6 = s[6]
+		}
+		if s[7] > m7 {
+			m7 = s[7]
 		}
 	}
-	return int32(best)
+	m := inf
+	for _, v := range [...]float32{m0, m1, m2, m3, m4, m5, m6, m7} {
+		m = max32(m, v)
+	}
+	for _, v := range logits[n:] {
+		m = max32(m, v)
+	}
+	// The first index holding m (−0 == +0, as the ordering above has them equal; NaN never
+	// matches): the lowest index on ties. All NaN: none, so 0.
+	for i, v := range logits {
+		if v == m {
+			return int32(i)
+		}
+	}
+	return 0
+}
+
+// max32 returns v if it is larger than m (not NaN), else m.
+func max32(m, v float32) float32 {
+	if v > m {
+		return v
+	}
+	return m
 }
 
 // Process applies the request's logit processors to logits in place, in vLLM's order: tokens

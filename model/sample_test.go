@@ -2,6 +2,7 @@ package model
 
 import (
 	"math"
+	"math/rand/v2"
 	"slices"
 	"testing"
 )
@@ -200,6 +201,53 @@ func TestSamplerSkipAndFingerprint(t *testing.T) {
 	} {
 		if fp(other) == fp(base) {
 			t.Errorf("%+v has the fingerprint of %+v", other, base)
+		}
+	}
+}
+
+// argmaxChain is Argmax's definition: one pass, the first index whose value exceeds every
+// earlier one, NaN skipped (all NaN or empty: 0).
+func argmaxChain(logits []float32) int32 {
+	best, bestV, found := 0, float32(0), false
+	for i, v := range logits {
+		if v == v && (!found || v > bestV) {
+			best, bestV, found = i, v, true
+		}
+	}
+	return int32(best)
+}
+
+func TestArgmaxMatchesOneChain(t *testing.T) {
+	nan, inf := float32(math.NaN()), float32(math.Inf(1))
+	negZero := float32(math.Copysign(0, -1))
+	cases := [][]float32{
+		nil, {nan}, {nan, nan, nan}, {-inf}, {nan, -inf, -inf}, {-inf, nan, 3},
+		{1, 2, 3, 3, 2}, {negZero, 0, negZero}, {0, negZero}, {inf, inf, nan, 5},
+		{1, 1, 1, 1, 1, 1, 1, 1, 1, 1}, {2, nan, 2, 7, nan, 7, 1, 0, 7, 6, 5, 4, 3, 7, nan, 7, 9},
+	}
+	r := rand.New(rand.NewPCG(1, 2))
+	for n := range 40 {
+		x := make([]float32, n)
+		for i := range x {
+			switch r.IntN(8) {
+			case 0:
+				x[i] = nan
+			case 1:
+				x[i] = -inf
+			default:
+				x[i] = float32(r.IntN(5)) // many ties
+			}
+		}
+		cases = append(cases, x)
+	}
+	big := make([]float32, 151936)
+	for i := range big {
+		big[i] = r.Float32()
+	}
+	cases = append(cases, big)
+	for _, c := range cases {
+		if got, want := Argmax(c), argmaxChain(c); got != want {
+			t.Errorf("Argmax(%v) = %d, want %d", c[:min(len(c), 20)], got, want)
 		}
 	}
 }

@@ -29,6 +29,32 @@ type Pool struct {
 	parked  atomic.Int32   // workers blocked in a channel receive
 
 	pairs sync.Pool // *[]uint32: activation pairs of bfloat16 products, reused across calls
+
+	observe func(ParallelSpan) // Observe; nil: no timing is taken
+}
+
+// ParallelSpan is the timing of one [Pool.Parallel] call, as an observer ([Pool.Observe]) gets
+// it: when the call began and returned on its caller, and, for each goroutine that ran items of
+// it, when it claimed its first item and when it finished its last.
+type ParallelSpan struct {
+	Start, End time.Time
+	Items      int
+	Shares     []ShareSpan
+}
+
+// ShareSpan is one goroutine's share of a Parallel call (ParallelSpan).
+type ShareSpan struct {
+	First, Last time.Time
+	Items       int
+	Caller      bool // the goroutine that called Parallel
+}
+
+// Observe makes every later Parallel call of p report its timing to fn (nil: stop), on the
+// calling goroutine after the call's items have finished. It is for measurements (how a step's
+// wall time divides between work and hand-offs); without an observer a call takes no timing.
+// Call it while no Parallel call runs.
+func (p *Pool) Observe(fn func(ParallelSpan)) {
+	p.observe = fn
 }
 
 // pairBuffer returns a buffer of n uint32s (from the pool's free list when p is not nil) and the
@@ -103,6 +129,11 @@ func (p *Pool) Parallel(n int, fn func(i int)) {
 	}
 	helpers := min(n, p.goroutines()) - 1
 	j := &job{n: int64(n), fn: fn}
+	var start time.Time
+	if p != nil && p.observe != nil {
+		start = time.Now()
+		j.shares = make([]ShareSpan, p.Workers()+1)
+	}
 	j.pending.Add(n)
 	j.left.Store(int64(n))
 	// A shared pool's call (not a nested or concurrent one: one job is published at a time) is
@@ -110,7 +141,7 @@ func (p *Pool) Parallel(n int, fn func(i int)) {
 	published := p != nil && p.shared && p.current.CompareAndSwap(nil, j)
 	switch {
 	case helpers <= 0:
-		j.work()
+		j.workAs(true)
 	case p == nil:
 		var exited sync.WaitGroup
 		for range helpers {
@@ -121,15 +152,29 @@ func (p *Pool) Parallel(n int, fn func(i int)) {
 		exited.Wait()
 	default:
 		p.post(j, helpers)
-		j.work()
+		j.workAs(true)
 	}
 	if published {
 		p.current.CompareAndSwap(j, nil)
 	}
 	j.wait()
+	if j.shares != nil {
+		j.report(p.observe, start)
+	}
 	if j.panicked.Load() {
 		panic(j.panicVal)
 	}
+}
+
+// report gives an observed call's timing to fn.
+func (j *job) report(fn func(ParallelSpan), start time.Time) {
+	sp := ParallelSpan{Start: start, End: time.Now(), Items: int(j.n)}
+	for _, sh := range j.shares[:min(len(j.shares), int(j.nshares.Load()))] {
+		if sh.Items > 0 {
+			sp.Shares = append(sp.Shares, sh)
+		}
+	}
+	fn(sp)
 }
 
 // Close stops the workers and waits for them to exit. It is idempotent and safe to call
@@ -261,15 +306,29 @@ type job struct {
 	left     atomic.Int64   // the same count, for polling
 	panicked atomic.Bool
 	panicVal any
+	// shares, for an observed call (Pool.Observe), holds each participant's timing; nshares
+	// counts the slots taken.
+	shares  []ShareSpan
+	nshares atomic.Int32
 }
 
-func (j *job) work() {
+func (j *job) work() { j.workAs(false) }
+
+// workAs runs items until none is left; caller says whether the goroutine is the call's caller.
+func (j *job) workAs(caller bool) {
+	var sh *ShareSpan
 	for j.next.Load() < j.n {
 		i := j.next.Add(1) - 1
 		if i >= j.n {
 			return
 		}
-		j.do(int(i))
+		if j.shares != nil && sh == nil {
+			if k := int(j.nshares.Add(1)) - 1; k < len(j.shares) {
+				sh = &j.shares[k]
+				sh.First, sh.Caller = time.Now(), caller
+			}
+		}
+		j.do(int(i), sh)
 	}
 }
 
@@ -282,7 +341,9 @@ func (j *job) wait() {
 	j.pending.Wait()
 }
 
-func (j *job) do(i int) {
+// do runs item i; sh, if not nil, is the running goroutine's share of an observed call, whose
+// end it records before the item counts as finished.
+func (j *job) do(i int, sh *ShareSpan) {
 	defer j.pending.Done()
 	defer j.left.Add(-1)
 	defer func() {
@@ -293,4 +354,8 @@ func (j *job) do(i int) {
 		}
 	}()
 	j.fn(i)
+	if sh != nil {
+		sh.Last = time.Now()
+		sh.Items++
+	}
 }

@@ -154,3 +154,34 @@ func TestPoolHelp(t *testing.T) {
 		}
 	})
 }
+
+func TestPoolObserveReportsEveryItem(t *testing.T) {
+	p := NewPool(3)
+	defer p.Close()
+	var spans []ParallelSpan
+	p.Observe(func(sp ParallelSpan) { spans = append(spans, sp) })
+	for _, n := range []int{1, 2, 7, 100} {
+		p.Parallel(n, func(int) {})
+	}
+	p.Observe(nil)
+	p.Parallel(5, func(int) {})
+	if len(spans) != 4 {
+		t.Fatalf("%d spans, want 4 (one per observed call)", len(spans))
+	}
+	for k, n := range []int{1, 2, 7, 100} {
+		sp := spans[k]
+		items, callers := 0, 0
+		for _, sh := range sp.Shares {
+			items += sh.Items
+			if sh.Caller {
+				callers++
+			}
+			if sh.First.Before(sp.Start) || sh.Last.Before(sh.First) || sp.End.Before(sh.Last) {
+				t.Errorf("call of %d items: share %+v outside the call [%v, %v]", n, sh, sp.Start, sp.End)
+			}
+		}
+		if sp.Items != n || items != n || callers > 1 {
+			t.Errorf("call of %d items: span says %d, shares ran %d, %d of them the caller's", n, sp.Items, items, callers)
+		}
+	}
+}
