@@ -344,9 +344,9 @@ func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo
 	}
 }
 
-// touchesAhead reports whether the scores of this view's rows are computed by a kernel that
-// reads the next stretch meanwhile (scoresAhead): float32 and bfloat16 keys, not FP8 ones
-// (widened into scratch first).
+// touchesAhead reports whether in-place scores are computed by a kernel that reads the next
+// stretch meanwhile (scoresAhead): with float32 and bfloat16 keys, not FP8 ones (widened into
+// scratch first), unless a benchmark asks for the old way (touchFirst).
 func (m *Model) touchesAhead() bool { return !m.touchFirst && !m.kvFP8 }
 
 // scoresAhead is rowProducts' scores (kernel.RowDotsTouching or kernel.RowDotsBF16Touching)
