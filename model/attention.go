@@ -295,19 +295,14 @@ func (it *positionIter) next() (k, v []float32) {
 // stretches calls fn for each stretch of the positions [lo, lo+n) of sa that lies in one block,
 // in position order, and in each for the KV heads [g0,g1) in order: j0 is the stretch's offset
 // from lo, cnt its length, view the head's view of the block and o the offset in it of the
-// stretch's first key (value); next is the head's view of the pass's next stretch (nil if this
-// is its last: the pass reads positions up to end), no its offset there and ncnt its length.
-//
-// Before the heads of a stretch are computed, the stretch's rows of all of them are read in
-// address order (kernel.Touch) — the keys in the scores pass (and, with ahead, the values as
-// well: adjacent in the block, read next), the values in the values pass unless read ahead. The
-// kernels' strided reads then find them in the caches, and the sequential reads let the hardware
-// prefetchers stream the next rows meanwhile; prefetching the same rows instead (a burst that
-// waits for miss buffers) measured 20% slower, reading nothing ahead 40% slower. Except (inKernel)
-// in a scores pass whose fn reads the next stretch itself while it computes this one
-// (kernel.RowDotsTouching: bfloat16 and float32 keys): there only the pass's first stretch (at
-// from) is read beforehand.
-func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo, n, from, end int, values, ahead, inKernel bool, fn func(g, j0, cnt int, view *headView, o int, next *headView, no, ncnt int)) {
+// stretch's first key (value). Before the heads of a stretch are computed, the stretch's rows
+// of all of them are read in address order (kernel.Touch) — the keys in the scores pass (and,
+// with ahead, the values as well: adjacent in the block, read next), the values in the values
+// pass unless read ahead. The kernels' strided reads then find them in the caches, and the
+// sequential reads let the hardware prefetchers stream the next rows meanwhile; prefetching the
+// same rows instead (a burst that waits for miss buffers) measured 20% slower, reading nothing
+// ahead 40% slower.
+func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo, n int, values, ahead bool, fn func(g, j0, cnt int, view *headView, o int)) {
 	s := seqs[sa.seq]
 	nb := (s.Start + len(s.Tokens) + blockSize - 1) / blockSize
 	base := w.viewBase[sa.seq]
@@ -316,63 +311,22 @@ func (w *workspace) stretches(seqs []Seq, blockSize int, sa *seqAttn, g0, g1, lo
 		p := lo + j0
 		b, slot := p/blockSize, p%blockSize
 		cnt := min(n-j0, blockSize-slot)
-		if !inKernel || p == from {
-			if !values || !ahead {
-				for g := g0; g < g1; g++ {
-					views[g*nb+b].touch(slot, cnt, values)
-				}
-			}
-			if !values && ahead {
-				for g := g0; g < g1; g++ {
-					views[g*nb+b].touch(slot, cnt, true)
-				}
+		if !values || !ahead {
+			for g := g0; g < g1; g++ {
+				views[g*nb+b].touch(slot, cnt, values)
 			}
 		}
-		q := p + cnt
-		nbk, nslot := q/blockSize, q%blockSize
-		ncnt := min(end-q, blockSize-nslot)
+		if !values && ahead {
+			for g := g0; g < g1; g++ {
+				views[g*nb+b].touch(slot, cnt, true)
+			}
+		}
 		for g := g0; g < g1; g++ {
 			view := &views[g*nb+b]
-			if ncnt > 0 {
-				next := &views[g*nb+nbk]
-				fn(g, j0, cnt, view, slot*view.stride, next, nslot*next.stride, ncnt)
-			} else {
-				fn(g, j0, cnt, view, slot*view.stride, nil, 0, 0)
-			}
+			fn(g, j0, cnt, view, slot*view.stride)
 		}
 		j0 += cnt
 	}
-}
-
-// touchesAhead reports whether in-place scores are computed by a kernel that reads the next
-// stretch meanwhile (scoresAhead): with float32 and bfloat16 keys, not FP8 ones (widened into
-// scratch first), unless a benchmark asks for the old way (touchFirst).
-func (m *Model) touchesAhead() bool { return !m.touchFirst && !m.kvFP8 }
-
-// scoresAhead is rowProducts' scores (kernel.RowDotsTouching or kernel.RowDotsBF16Touching)
-// reading meanwhile the keys of the next stretch — ncnt rows of next from offset no — and, with
-// values, its values as well (nothing when next is nil).
-func (v *headView) scoresAhead(dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int, next *headView, no, ncnt int, values bool) {
-	span := func(l int) int { return min(l, no+(ncnt-1)*next.stride+hd) }
-	if v.k16 != nil {
-		var ak, av []uint16
-		if next != nil {
-			ak = next.k16[no:span(len(next.k16))]
-			if values {
-				av = next.v16[no:span(len(next.v16))]
-			}
-		}
-		kernel.RowDotsBF16Touching(dst, ldd, x, ldx, rows, v.k16[o:], v.stride, n, hd, ak, av)
-		return
-	}
-	var ak, av []float32
-	if next != nil {
-		ak = next.k[no:span(len(next.k))]
-		if values {
-			av = next.v[no:span(len(next.v))]
-		}
-	}
-	kernel.RowDotsTouching(dst, ldd, x, ldx, rows, v.k[o:], v.stride, n, hd, ak, av)
 }
 
 // touch reads the keys (or values) of rows slots from slot on in address order.
@@ -491,17 +445,12 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 	// The values are read with the keys when the item's keys and values fit a core's L2 (so they
 	// are still there for the values pass), else just before use.
 	ahead := (it.g1-it.g0)*(maxPos+1)*hd*2*m.kvValueBytes() <= touchAheadBytes
-	inKernel := m.touchesAhead()
 	// Scores, chunk by chunk, for the rows that reach the chunk (up to the tile's last position,
 	// as a packed chunk holds), straight into the score rows.
 	for ch := range nch {
 		r0, lo := firstRow(ch), ch*attnChunk
-		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), 0, maxPos+1, false, ahead, inKernel, func(g, j0, n int, v *headView, o int, next *headView, no, ncnt int) {
+		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, ahead, func(g, j0, n int, v *headView, o int) {
 			r := (g-it.g0)*rows + r0
-			if inKernel {
-				v.scoresAhead(scores[r*stride+lo+j0:], stride, xq[r*hd:], hd, rows-r0, o, n, hd, next, no, ncnt, ahead)
-				return
-			}
 			v.rowProducts(sc, false, scores[r*stride+lo+j0:], stride, xq[r*hd:], hd, rows-r0, o, n, hd)
 		})
 	}
@@ -525,7 +474,7 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		for g := range it.g1 - it.g0 {
 			clear(dst[g*rows*hd : (g*rows+nr)*hd])
 		}
-		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), 0, maxPos+1, true, ahead, false, func(g, j0, n int, v *headView, o int, _ *headView, _, _ int) {
+		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), true, ahead, func(g, j0, n int, v *headView, o int) {
 			gi := g - it.g0
 			v.rowProducts(sc, true, dst[gi*rows*hd:], hd, scores[(gi*rows+r0)*stride+lo+j0:], stride, nr, o, n, hd)
 		})

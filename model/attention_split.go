@@ -110,13 +110,8 @@ func (m *Model) splitItem(w *workspace, seqs []Seq, blockSize int, it posItem, v
 		if values {
 			clear(part)
 		}
-		inKernel := !values && m.touchesAhead()
-		w.stretches(seqs, blockSize, sp.sa, 0, m.cfg.NumKVHeads, lo, sp.chunkLen(ch), lo, lo+sp.chunkLen(ch), values, false, inKernel, func(g, j0, n int, v *headView, o int, next *headView, no, ncnt int) {
+		w.stretches(seqs, blockSize, sp.sa, 0, m.cfg.NumKVHeads, lo, sp.chunkLen(ch), values, false, func(g, j0, n int, v *headView, o int) {
 			r := g * group
-			if inKernel {
-				v.scoresAhead(sp.scores[r*sp.stride+lo+j0:], sp.stride, sp.xq[r*hd:], hd, group, o, n, hd, next, no, ncnt, false)
-				return
-			}
 			if values {
 				v.rowProducts(sc, true, part[r*hd:], hd, sp.scores[r*sp.stride+lo+j0:], sp.stride, group, o, n, hd)
 			} else {

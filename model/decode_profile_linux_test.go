@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"runtime/pprof"
-	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -61,8 +60,7 @@ func hugePageKV(b *testing.B, n int) []uint16 {
 // CPU milliseconds of a step; with $KVBRIDGE_BENCH_CPUPROFILE set it writes a CPU profile of
 // the timed steps only (so pprof shows a decode step's parts without the load's), one file per
 // batch size (the name gets "-b<batch>"). With $KVBRIDGE_BENCH_THP=1 a bfloat16 KV store is in
-// transparent huge pages (hugePageKV); with $KVBRIDGE_BENCH_TOUCHFIRST=1 in-place attention
-// reads each stretch before computing on it, as before RowDotsTouching (Model.touchFirst).
+// transparent huge pages (hugePageKV).
 func BenchmarkDecodeSteps(b *testing.B) {
 	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
 	if path == "" {
@@ -85,7 +83,6 @@ func BenchmarkDecodeSteps(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer m.Close()
-	m.touchFirst = os.Getenv("KVBRIDGE_BENCH_TOUCHFIRST") == "1"
 	const blockSize, ctx = 16, 128
 	per := ctx / blockSize
 	for _, nseq := range batches {
@@ -128,76 +125,4 @@ func BenchmarkDecodeSteps(b *testing.B) {
 			b.ReportMetric(cpu*1000/float64(b.N), "cpu-ms/step")
 		})
 	}
-}
-
-// BenchmarkReadAheadPaired alternates decode steps whose in-place attention reads each stretch
-// of keys before computing on it (touchFirst, as before) and whose scores kernels read the next
-// stretch while computing (kernel.RowDotsTouching), at batch $KVBRIDGE_BENCH_BATCH (default 1)
-// and context $KVBRIDGE_BENCH_CTX (default 1024) of the model at $KVBRIDGE_BENCH_MODEL (skipped
-// without it) in $KVBRIDGE_BENCH_DTYPE (default bfloat16). Which way goes first alternates, so a
-// load change on a shared machine hits both alike. It reports the median over the pairs of the
-// new way's speed ÷ the old's, wall and process CPU, and each way's mean milliseconds a step.
-func BenchmarkReadAheadPaired(b *testing.B) {
-	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
-	if path == "" {
-		b.Skip("KVBRIDGE_BENCH_MODEL is not set")
-	}
-	env := func(k, def string) string {
-		if v := os.Getenv(k); v != "" {
-			return v
-		}
-		return def
-	}
-	nseq, err := strconv.Atoi(env("KVBRIDGE_BENCH_BATCH", "1"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	ctx, err := strconv.Atoi(env("KVBRIDGE_BENCH_CTX", "1024"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	m, err := Open(b.Context(), path, OpenOptions{DType: env("KVBRIDGE_BENCH_DTYPE", "bfloat16")})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer m.Close()
-	const blockSize = 16
-	per := ctx/blockSize + 1
-	kv := newTestKVFor(m, blockSize, per*nseq, false)
-	seqs := make([]Seq, nseq)
-	for i := range seqs {
-		seqs[i] = Seq{Tokens: []int32{int32(i + 1)}, Start: ctx, Blocks: blockRange(i*per, per), Logits: make([]float32, m.cfg.VocabSize)}
-	}
-	for range 3 {
-		if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
-			b.Fatal(err)
-		}
-	}
-	var wr, cr []float64
-	var wall, cpu [2]float64 // old, new
-	for k := 0; b.Loop(); k++ {
-		var tw, tc [2]float64
-		for j := range 2 {
-			i := (j + k) % 2
-			m.touchFirst = i == 0
-			c0, t0 := processCPU(b), time.Now()
-			if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
-				b.Fatal(err)
-			}
-			tw[i], tc[i] = time.Since(t0).Seconds(), processCPU(b)-c0
-			wall[i] += tw[i]
-			cpu[i] += tc[i]
-		}
-		wr = append(wr, tw[0]/tw[1])
-		cr = append(cr, tc[0]/max(tc[1], 1e-6))
-	}
-	m.touchFirst = false
-	slices.Sort(wr)
-	slices.Sort(cr)
-	b.ReportMetric(wr[len(wr)/2], "new/old-wall")
-	b.ReportMetric(cr[len(cr)/2], "new/old-cpu")
-	b.ReportMetric(wall[0]*1000/float64(b.N), "old-wall-ms")
-	b.ReportMetric(wall[1]*1000/float64(b.N), "new-wall-ms")
-	b.ReportMetric(cpu[0]*1000/float64(b.N), "old-cpu-ms")
-	b.ReportMetric(cpu[1]*1000/float64(b.N), "new-cpu-ms")
 }

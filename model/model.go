@@ -196,10 +196,6 @@ type Model struct {
 	// itemHeads, if positive, caps the KV heads of an in-place work item (tests change it; 0:
 	// as many as headSpan allows).
 	itemHeads int
-	// touchFirst: in-place attention reads each stretch of keys in a pass of its own before
-	// computing on it (kernel.Touch), as it did before the scores kernels read the next stretch
-	// while computing (benchmarks compare the two).
-	touchFirst bool
 	// weightBytes is the weight bytes streamed per decode step (see WeightBytes).
 	weightBytes int64
 	// checkpointBytes is the size of the safetensors files loaded (0 for built-in models).

@@ -1225,17 +1225,12 @@ func tileAcc512(bf16 bool, mr, unroll int) {
 // exactly as it is loaded (zero-extended and shifted into the upper half of a float32), so the
 // chains are those of the same keys widened beforehand. R8 then walks the keys' bytes (half of
 // AX, which walks the queries').
-//
-// With touch set (rowDots512t, float32 keys), the kernel also reads lines ahead (rowDotsTouch).
-func rowDots512(bf16, touch bool) {
+func rowDots512(bf16 bool) {
 	name, kt, ksh := "rowDots512", "float32", 2
 	if bf16 {
 		name, kt, ksh = "rowDotsBF16x512", "uint16", 1
 	}
-	if touch {
-		name += "t"
-	}
-	rowDotsEntry(name, kt, ksh, bf16, touch)
+	rowDotsEntry(name, kt, ksh, bf16)
 	label(name + "_block")
 	p("MOVQ SI, R10")
 	for i := range 16 {
@@ -1244,9 +1239,6 @@ func rowDots512(bf16, touch bool) {
 			p("VPSLLD $16, Z%d, Z%d", i, i)
 		} else {
 			p("VMOVUPS (R10)(AX*1), Z%d", i)
-		}
-		if touch {
-			rowDotsTouch()
 		}
 		if i < 15 {
 			p("LEAQ (R10)(R9*1), R14")
@@ -1301,21 +1293,13 @@ func rowDots512(bf16, touch bool) {
 // are rowDotsBF16x512's (d ascending, from zero, the same widened values), with half its
 // transposing and widening per dimension: with few query rows (decode's 2 per KV head) those,
 // not the FMAs, were what the kernel spent its time on.
-//
-// With touch set (rowDotsBF16pt512), the kernel also reads lines ahead (rowDotsTouch).
-func rowDotsBF16p512(touch bool) {
+func rowDotsBF16p512() {
 	name := "rowDotsBF16p512"
-	if touch {
-		name = "rowDotsBF16pt512"
-	}
-	rowDotsEntry(name, "uint16", 1, true, touch)
+	rowDotsEntry(name, "uint16", 1, true)
 	label(name + "_block")
 	p("MOVQ SI, R10")
 	for i := range 16 {
 		p("VMOVDQU32 (R10)(R8*1), Z%d", i)
-		if touch {
-			rowDotsTouch()
-		}
 		if i < 15 {
 			p("LEAQ (R10)(R9*1), R14")
 			p("CMPQ R12, $%d", i+1)
@@ -1370,15 +1354,9 @@ func rowDotsBF16p512(touch bool) {
 
 // rowDotsEntry starts a row-dots kernel: it loads the arguments (BX q, R11 ldq bytes, SI k, R9
 // ldk << ksh bytes, R12 nk, DX dim bytes of q, R13 tmp), zeroes the rows' running sums in tmp
-// and AX (the queries' offset) and, for bfloat16 keys, R8 (the keys' offset). With touch, the
-// kernel takes three more arguments (see rowDotsTouch), and DI starts at the first line to read.
-func rowDotsEntry(name, kt string, ksh int, bf16, touch bool) {
-	if touch {
-		text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *"+kt+", ldk int, nk int, dim int, tmp *float32, ahead uintptr, dv int, last uintptr)", "$0-104")
-		p("MOVQ ahead+80(FP), DI")
-	} else {
-		text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *"+kt+", ldk int, nk int, dim int, tmp *float32)", "$0-80")
-	}
+// and AX (the queries' offset) and, for bfloat16 keys, R8 (the keys' offset).
+func rowDotsEntry(name, kt string, ksh int, bf16 bool) {
+	text(name+"(dst *float32, ldd int, q *float32, ldq int, rows int, k *"+kt+", ldk int, nk int, dim int, tmp *float32)", "$0-80")
 	p("MOVQ q+16(FP), BX")
 	p("MOVQ ldq+24(FP), R11")
 	p("SHLQ $2, R11")
@@ -1401,22 +1379,6 @@ func rowDotsEntry(name, kt string, ksh int, bf16, touch bool) {
 	if bf16 {
 		p("XORQ R8, R8")
 	}
-}
-
-// rowDotsTouch emits, after each key line a row-dots kernel with touch loads, two demand loads
-// of lines ahead: the line at DI and the one dv bytes further on (the next stretch's keys, and
-// its values or the same line again), then DI moves to the next line, up to last (where it
-// stays: reading it again is a cache hit). So the kernel reads the next stretch in address order
-// — which the hardware prefetchers follow — spread through its own work, one or two lines per
-// key line it computes on, instead of a separate pass that stalls before any compute starts.
-// The loads' values are discarded (R14, free at that point); nothing else changes.
-func rowDotsTouch() {
-	p("MOVBLZX (DI), R14")
-	p("MOVQ dv+88(FP), R14")
-	p("MOVBLZX (DI)(R14*1), R14")
-	p("ADDQ $64, DI")
-	p("CMPQ DI, last+96(FP)")
-	p("CMOVQGT last+96(FP), DI")
 }
 
 // unpackStages emits the first two stages of a transpose of the n rows of 32-bit elements in
@@ -1903,11 +1865,9 @@ func main() {
 	expShift256()
 	transpose512()
 	transpose256()
-	rowDots512(false, false)
-	rowDots512(true, false)
-	rowDots512(false, true)
-	rowDotsBF16p512(false)
-	rowDotsBF16p512(true)
+	rowDots512(false)
+	rowDots512(true)
+	rowDotsBF16p512()
 	touchLines()
 	for mr := 1; mr <= maxRows; mr++ {
 		tileDot512(mr, 4, 4)
