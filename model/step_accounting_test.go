@@ -134,69 +134,42 @@ func (a *stepAccount) String() string {
 // by step. Between steps it reads memory for as long as the step took, as `kvbridge bench engine`'s
 // bandwidth probe does, so that the pool's workers park between steps as they do there.
 func BenchmarkStepAccounting(b *testing.B) {
-	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
-	if path == "" {
-		b.Skip("KVBRIDGE_BENCH_MODEL is not set")
-	}
-	dtypes := []string{"bfloat16", "float32"}
-	if s := os.Getenv("KVBRIDGE_BENCH_DTYPE"); s != "" {
-		dtypes = strings.Split(s, ",")
-	}
-	probe := kernel.NewReadProbe(64<<20, 0)
-	for _, dtype := range dtypes {
-		m, err := Open(b.Context(), path, OpenOptions{DType: dtype})
-		if err != nil {
-			b.Fatal(err)
+	eachBatch1(b, func(b *testing.B, m *Model, kv *testKV, seqs []Seq, probe *kernel.ReadProbe, dtype string, ctx int) {
+		const blockSize = batch1BlockSize
+		logits := seqs[0].Logits
+		for range 3 {
+			if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
+				b.Fatal(err)
+			}
 		}
-		const blockSize = 16
-		for _, ctx := range []int{128, 1024} {
-			b.Run(fmt.Sprintf("%s/ctx%d", dtype, ctx), func(b *testing.B) {
-				per := ctx / blockSize
-				kv := newTestKVFor(m, blockSize, per, false)
-				for i := range kv.mem {
-					kv.mem[i] = 0.01 * float32(i%7)
-				}
-				for i := range kv.mem16 {
-					kv.mem16[i] = kernel.F32ToBF16(0.01 * float32(i%7))
-				}
-				logits := make([]float32, m.cfg.VocabSize)
-				seqs := []Seq{{Tokens: []int32{1}, Start: ctx - 1, Blocks: blockRange(0, per), Logits: logits}}
-				for range 3 {
-					if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
-						b.Fatal(err)
-					}
-				}
-				// Steps alternate between the step's former structure (old: splitOnCaller) and
-				// its current one, each with its own account.
-				var acc [2]stepAccount
-				defer func() { m.mark, m.splitOnCaller = nil, false; m.pool.Observe(nil) }()
-				var wall time.Duration
-				i := 0
-				for b.Loop() {
-					old := i%2 == 0
-					i++
-					a := &acc[i%2]
-					m.splitOnCaller = old
-					a.observe(m)
-					t0 := time.Now()
-					seqs[0].Tokens[0] = Argmax(logits)
-					t1 := time.Now()
-					if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
-						b.Fatal(err)
-					}
-					d := time.Since(t0)
-					wall += d
-					a.outside += t1.Sub(t0)
-					a.close()
-					probe.GBps(d)
-				}
-				b.ReportMetric(float64(wall.Microseconds())/float64(b.N), "µs/step")
-				b.Logf("%s context %d, %d workers, old structure (%d steps):\n%s", dtype, ctx, acc[1].workers, acc[1].steps, &acc[1])
-				b.Logf("%s context %d, %d workers, new structure (%d steps):\n%s", dtype, ctx, acc[0].workers, acc[0].steps, &acc[0])
-			})
+		// Steps alternate between the step's former structure (old: splitOnCaller) and
+		// its current one, each with its own account.
+		var acc [2]stepAccount
+		defer func() { m.mark, m.splitOnCaller = nil, false; m.pool.Observe(nil) }()
+		var wall time.Duration
+		i := 0
+		for b.Loop() {
+			old := i%2 == 0
+			i++
+			a := &acc[i%2]
+			m.splitOnCaller = old
+			a.observe(m)
+			t0 := time.Now()
+			seqs[0].Tokens[0] = Argmax(logits)
+			t1 := time.Now()
+			if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
+				b.Fatal(err)
+			}
+			d := time.Since(t0)
+			wall += d
+			a.outside += t1.Sub(t0)
+			a.close()
+			probe.GBps(d)
 		}
-		m.Close()
-	}
+		b.ReportMetric(float64(wall.Microseconds())/float64(b.N), "µs/step")
+		b.Logf("%s context %d, %d workers, old structure (%d steps):\n%s", dtype, ctx, acc[1].workers, acc[1].steps, &acc[1])
+		b.Logf("%s context %d, %d workers, new structure (%d steps):\n%s", dtype, ctx, acc[0].workers, acc[0].steps, &acc[0])
+	})
 }
 
 // BenchmarkBatch1Paired runs batch-1 decode steps of the model at $KVBRIDGE_BENCH_MODEL
@@ -206,6 +179,52 @@ func BenchmarkStepAccounting(b *testing.B) {
 // as in BenchmarkStepAccounting, and reports the median of the pairs' speed ratios (new÷old: old
 // step time ÷ new step time) and each form's median step time.
 func BenchmarkBatch1Paired(b *testing.B) {
+	eachBatch1(b, func(b *testing.B, m *Model, kv *testKV, seqs []Seq, probe *kernel.ReadProbe, dtype string, ctx int) {
+		const blockSize = batch1BlockSize
+		logits := seqs[0].Logits
+		step := func(old bool) time.Duration {
+			m.splitOnCaller = old
+			t0 := time.Now()
+			seqs[0].Tokens[0] = Argmax(logits)
+			if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
+				b.Fatal(err)
+			}
+			d := time.Since(t0)
+			probe.GBps(d)
+			return d
+		}
+		defer func() { m.splitOnCaller = false }()
+		step(true)
+		step(false)
+		var ratios, olds, news []float64
+		i := 0
+		for b.Loop() {
+			// Old first in even pairs, new first in odd ones.
+			var o, n time.Duration
+			if i%2 == 0 {
+				o, n = step(true), step(false)
+			} else {
+				n, o = step(false), step(true)
+			}
+			i++
+			ratios = append(ratios, o.Seconds()/n.Seconds())
+			olds, news = append(olds, o.Seconds()*1e3), append(news, n.Seconds()*1e3)
+		}
+		med := func(x []float64) float64 { slices.Sort(x); return x[len(x)/2] }
+		b.ReportMetric(med(ratios), "new/old")
+		b.ReportMetric(med(olds), "old-ms")
+		b.ReportMetric(med(news), "new-ms")
+	})
+}
+
+// batch1BlockSize is the block size of eachBatch1's KV stores.
+const batch1BlockSize = 16
+
+// eachBatch1 runs fn as a sub-benchmark for each dtype of $KVBRIDGE_BENCH_DTYPE (default
+// bfloat16 and float32) of the model at $KVBRIDGE_BENCH_MODEL (skipped without it) and contexts
+// 128 and 1024: a KV store of one sequence's blocks filled with small values, the sequence
+// decoding its last position (Logits set), and a bandwidth probe to read between steps.
+func eachBatch1(b *testing.B, fn func(b *testing.B, m *Model, kv *testKV, seqs []Seq, probe *kernel.ReadProbe, dtype string, ctx int)) {
 	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
 	if path == "" {
 		b.Skip("KVBRIDGE_BENCH_MODEL is not set")
@@ -220,11 +239,10 @@ func BenchmarkBatch1Paired(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
-		const blockSize = 16
 		for _, ctx := range []int{128, 1024} {
 			b.Run(fmt.Sprintf("%s/ctx%d", dtype, ctx), func(b *testing.B) {
-				per := ctx / blockSize
-				kv := newTestKVFor(m, blockSize, per, false)
+				per := ctx / batch1BlockSize
+				kv := newTestKVFor(m, batch1BlockSize, per, false)
 				for i := range kv.mem {
 					kv.mem[i] = 0.01 * float32(i%7)
 				}
@@ -233,38 +251,7 @@ func BenchmarkBatch1Paired(b *testing.B) {
 				}
 				logits := make([]float32, m.cfg.VocabSize)
 				seqs := []Seq{{Tokens: []int32{1}, Start: ctx - 1, Blocks: blockRange(0, per), Logits: logits}}
-				step := func(old bool) time.Duration {
-					m.splitOnCaller = old
-					t0 := time.Now()
-					seqs[0].Tokens[0] = Argmax(logits)
-					if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
-						b.Fatal(err)
-					}
-					d := time.Since(t0)
-					probe.GBps(d)
-					return d
-				}
-				defer func() { m.splitOnCaller = false }()
-				step(true)
-				step(false)
-				var ratios, olds, news []float64
-				i := 0
-				for b.Loop() {
-					// Old first in even pairs, new first in odd ones.
-					var o, n time.Duration
-					if i%2 == 0 {
-						o, n = step(true), step(false)
-					} else {
-						n, o = step(false), step(true)
-					}
-					i++
-					ratios = append(ratios, o.Seconds()/n.Seconds())
-					olds, news = append(olds, o.Seconds()*1e3), append(news, n.Seconds()*1e3)
-				}
-				med := func(x []float64) float64 { slices.Sort(x); return x[len(x)/2] }
-				b.ReportMetric(med(ratios), "new/old")
-				b.ReportMetric(med(olds), "old-ms")
-				b.ReportMetric(med(news), "new-ms")
+				fn(b, m, kv, seqs, probe, dtype, ctx)
 			})
 		}
 		m.Close()
