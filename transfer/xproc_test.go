@@ -567,15 +567,23 @@ func TestStalledPeerTimeout(t *testing.T) {
 	stalledPeerTimeout(t, peer, Config{Backends: []string{"TCP"}})
 }
 
-// stalledPeerTimeout READs 4 MiB from a stopped peer with a 300 ms deadline (ErrTimeout),
-// resumes the peer and posts the same request again, which must bring the peer's pattern
-// (seed 5). It returns the initiator.
+// stalledPeerTimeout READs 4 MiB from a stopped peer with a 300 ms deadline, its post's
+// context's (ErrTimeout), resumes the peer and posts the same request again, which must bring
+// the peer's pattern (seed 5). It returns the initiator.
 func stalledPeerTimeout(t *testing.T, peer *testPeer, cfg Config) *Agent {
 	t.Helper()
 	const size = 4 << 20
-	ini, ar, req := peerRead(t, peer, cfg, size, 300*time.Millisecond)
+	// The request's own deadline is long: the 300 ms are the first post's context's, so that the
+	// second post's do not have to cover the resumed peer's getting the CPU back and a new link's
+	// hello on a loaded machine (a context's deadline fails a post as the request's does).
+	ini, ar, req := peerRead(t, peer, cfg, size, time.Minute)
 	peer.stop()
-	wantKind(t, postWait(t, req, nil), ErrTimeout)
+	short, cancel := context.WithTimeout(testCtx(t), 300*time.Millisecond)
+	defer cancel()
+	if err := req.Post(short, nil); err != nil {
+		t.Fatal(err)
+	}
+	wantKind(t, req.Wait(testCtx(t)), ErrTimeout)
 	peer.signal(syscall.SIGCONT)
 	if err := postWait(t, req, nil); err != nil {
 		t.Fatal(err)
