@@ -31,7 +31,6 @@ func BenchmarkTallStreamTiles(b *testing.B) {
 			x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
 			old := *defaultImpl
 			old.tileDotTall = nil
-			impls := []*impl{&old, defaultImpl}
 			pass := func(im *impl) float64 {
 				t0 := threadCPU(b)
 				for _, l := range ls {
@@ -40,21 +39,7 @@ func BenchmarkTallStreamTiles(b *testing.B) {
 				}
 				return threadCPU(b) - t0
 			}
-			pass(&old)
-			pass(defaultImpl)
-			var cpu [2]float64
-			n := 0
-			for b.Loop() {
-				for j := range impls { // old first on even passes, new first on odd ones
-					i := (j + n) % 2
-					cpu[i] += pass(impls[i])
-				}
-				n++
-			}
-			gb := float64(bytes) * float64(b.N) / 1e9
-			b.ReportMetric(gb/cpu[0], "oldGB/cpu-s")
-			b.ReportMetric(gb/cpu[1], "newGB/cpu-s")
-			b.ReportMetric(cpu[0]/cpu[1], "new/old")
+			alternateImpls(b, "old", &old, float64(bytes)/1e9, pass)
 		})
 	}
 }
@@ -78,7 +63,6 @@ func BenchmarkTallL2Tiles(b *testing.B) {
 			x, dst := randSlice(r, rows*1024), make([]float32, rows*256)
 			old := *defaultImpl
 			old.tileDotTall = nil
-			impls := []*impl{&old, defaultImpl}
 			pass := func(im *impl) float64 {
 				l.impl = im
 				t0 := threadCPU(b)
@@ -87,21 +71,7 @@ func BenchmarkTallL2Tiles(b *testing.B) {
 				}
 				return threadCPU(b) - t0
 			}
-			pass(&old)
-			pass(defaultImpl)
-			var cpu [2]float64
-			n := 0
-			for b.Loop() {
-				for j := range impls {
-					i := (j + n) % 2
-					cpu[i] += pass(impls[i])
-				}
-				n++
-			}
-			gb := float64(l.Bytes()) * 200 * float64(b.N) / 1e9
-			b.ReportMetric(gb/cpu[0], "oldGB/cpu-s")
-			b.ReportMetric(gb/cpu[1], "newGB/cpu-s")
-			b.ReportMetric(cpu[0]/cpu[1], "new/old")
+			alternateImpls(b, "old", &old, float64(l.Bytes())*200/1e9, pass)
 		})
 	}
 }

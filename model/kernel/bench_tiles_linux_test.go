@@ -20,6 +20,30 @@ func threadCPU(b *testing.B) float64 {
 	return float64(ts.Nano()) / 1e9
 }
 
+// alternateImpls runs pass (a pass of products with an implementation; its thread CPU seconds)
+// with base and with defaultImpl, one of each to warm up, then alternately, base first on even
+// iterations of b.Loop and defaultImpl first on odd ones, and reports each one's GB of weights
+// (gbPerPass a pass) per CPU second as name+"GB/cpu-s" and "newGB/cpu-s", and new ÷ base as
+// "new/"+name.
+func alternateImpls(b *testing.B, name string, base *impl, gbPerPass float64, pass func(im *impl) float64) {
+	pass(base)
+	pass(defaultImpl)
+	impls := []*impl{base, defaultImpl}
+	var cpu [2]float64
+	n := 0
+	for b.Loop() {
+		for j := range impls {
+			i := (j + n) % 2
+			cpu[i] += pass(impls[i])
+		}
+		n++
+	}
+	gb := gbPerPass * float64(b.N)
+	b.ReportMetric(gb/cpu[0], name+"GB/cpu-s")
+	b.ReportMetric(gb/cpu[1], "newGB/cpu-s")
+	b.ReportMetric(cpu[0]/cpu[1], "new/"+name)
+}
+
 // BenchmarkBatchStreamTiles is batched decode's bfloat16 products (rows × about 160 MB of
 // Qwen3-0.6B-shaped weights, far larger than the last-level cache, each read once a pass) on one
 // thread, with the whole-panel tiles (whole) and this implementation's schedule (scheduleDot:
@@ -42,7 +66,6 @@ func BenchmarkBatchStreamTiles(b *testing.B) {
 			x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
 			whole := *defaultImpl
 			whole.tileDotHalf = nil
-			impls := []*impl{&whole, defaultImpl}
 			pass := func(im *impl) float64 {
 				t0 := threadCPU(b)
 				for _, l := range ls {
@@ -51,21 +74,7 @@ func BenchmarkBatchStreamTiles(b *testing.B) {
 				}
 				return threadCPU(b) - t0
 			}
-			pass(&whole)
-			pass(defaultImpl)
-			var cpu [2]float64
-			n := 0
-			for b.Loop() {
-				for j := range impls { // whole first on even passes, new first on odd ones
-					i := (j + n) % 2
-					cpu[i] += pass(impls[i])
-				}
-				n++
-			}
-			gb := float64(bytes) * float64(b.N) / 1e9
-			b.ReportMetric(gb/cpu[0], "wholeGB/cpu-s")
-			b.ReportMetric(gb/cpu[1], "newGB/cpu-s")
-			b.ReportMetric(cpu[0]/cpu[1], "new/whole")
+			alternateImpls(b, "whole", &whole, float64(bytes)/1e9, pass)
 		})
 	}
 }
