@@ -87,6 +87,20 @@ func dotChainRef(x, w []float32) float32 {
 	return acc
 }
 
+// randTileInputs returns mr rows of random bfloat16 pairs (lda apart) and a panel of kp pairs
+// of random bfloat16 weights, the inputs of a tile's equality test.
+func randTileInputs(r *rand.Rand, mr, lda, kp int) ([]uint32, []uint16) {
+	a := make([]uint32, mr*lda)
+	w := make([]uint16, kp*2*panelWidth)
+	for i := range a {
+		a[i] = uint32(BF16Round(randBF16Value(r))) | uint32(BF16Round(randBF16Value(r)))<<16
+	}
+	for i := range w {
+		w[i] = F32ToBF16(randBF16Value(r))
+	}
+	return a, w
+}
+
 // TestTileDotHalfMatchesChain runs each half-panel tile (every height, both halves of a panel,
 // whole and partial halves, pair counts around the kernels' unrolling) against the portable
 // chain over the whole panel, in one call and in two that continue the chains through c, with a
@@ -100,14 +114,7 @@ func TestTileDotHalfMatchesChain(t *testing.T) {
 		for mr := 1; mr <= im.halfRows; mr++ {
 			for _, kp := range []int{1, 3, 4, 5, 9, 70} {
 				const lda, ldc = 75, 70 // strides past a row's pairs and the panel's columns
-				a := make([]uint32, mr*lda)
-				w := make([]uint16, kp*2*panelWidth)
-				for i := range a {
-					a[i] = uint32(BF16Round(randBF16Value(r))) | uint32(BF16Round(randBF16Value(r)))<<16
-				}
-				for i := range w {
-					w[i] = F32ToBF16(randBF16Value(r))
-				}
+				a, w := randTileInputs(r, mr, lda, kp)
 				want := make([]float32, mr*ldc)
 				tileDotGeneric(want, ldc, a, lda, w, kp, mr, panelWidth, nil, false)
 				for h := range 2 {

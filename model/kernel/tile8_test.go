@@ -18,14 +18,7 @@ func TestTileDotTallMatchesChain(t *testing.T) {
 		for mr := im.mr + 1; mr <= im.tallRows; mr++ {
 			for _, kp := range []int{1, 3, 4, 5, 9, 70} {
 				const lda, ldc = 75, 70 // strides past a row's pairs and the panel's columns
-				a := make([]uint32, mr*lda)
-				w := make([]uint16, kp*2*panelWidth)
-				for i := range a {
-					a[i] = uint32(BF16Round(randBF16Value(r))) | uint32(BF16Round(randBF16Value(r)))<<16
-				}
-				for i := range w {
-					w[i] = F32ToBF16(randBF16Value(r))
-				}
+				a, w := randTileInputs(r, mr, lda, kp)
 				want := make([]float32, mr*ldc)
 				tileDotGeneric(want, ldc, a, lda, w, kp, mr, panelWidth, nil, false)
 				for _, ncols := range []int{64, 49, 17, 1} {
