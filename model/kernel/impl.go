@@ -79,6 +79,10 @@ type impl struct {
 	// exactly on the way ([RowDotsBF16], [AccumulateRowsBF16]; nil: portable Go).
 	rowDotsBF16 func(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int)
 	accRowsBF16 func(acc []float32, ldacc int, p []float32, ldp, rows int, v []uint16, ldv, n, dim int)
+	// rowDotsSet and rowDotsBF16Set are rowDots and rowDotsBF16 over several sets of operands
+	// at once ([RowDotsSet], [RowDotsBF16Set]; nil: one rowDots call a set).
+	rowDotsSet     func(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int)
+	rowDotsBF16Set func(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int)
 	// touch reads the cache lines of the n bytes at p in order (nil: no-op).
 	touch func(p unsafe.Pointer, n int)
 

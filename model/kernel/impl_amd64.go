@@ -41,6 +41,9 @@ var avx512Impl = &impl{
 
 	rowDotsBF16: rowDotsBF16AVX512,
 	accRowsBF16: accRowsWith(&tileAccBF16x512Kernels),
+
+	rowDotsSet:     rowDotsSetAVX512,
+	rowDotsBF16Set: rowDotsBF16SetAVX512,
 }
 
 // avx2Impl uses ymm registers: 6×16 Linear tiles (12 accumulators), four per panel. Scale, Add
@@ -358,39 +361,63 @@ func tile256(mr int, a *float32, lda int, w *float32, k int, c *float32, ldc int
 	}
 }
 
-// rowDotsRows is the most query rows a row-dots kernel call takes (the size of its stack
-// buffer of running sums).
-const rowDotsRows = 32
-
-// rowDotsAVX512 is RowDots with zmm registers: rowDots512 on groups of 16 keys, at most
-// rowDotsRows query rows at a time. Arguments are checked by RowDots. The kernels are called
-// directly, not through a func value, so that tmp stays on the stack (an indirect call makes
-// its argument escape: a heap allocation per call).
+// rowDotsAVX512 is RowDots with zmm registers: the keys in groups of 16, several whole groups a
+// kernel call (rowDotsBatch), at most rowDotsRows query rows at a time. Arguments are checked by
+// RowDots.
 func rowDotsAVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
-	var tmp [rowDotsRows * 16]float32
+	var b rowDotsBatch
+	b.start(false, ldd, ldq, ldk, dim)
 	for r0 := 0; r0 < rows; r0 += rowDotsRows {
-		nr := min(rowDotsRows, rows-r0)
+		b.rows = min(rowDotsRows, rows-r0)
 		for j := 0; j < n; j += 16 {
-			rowDots512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
+			b.add(&dst[r0*ldd+j], &q[r0*ldq], unsafe.Pointer(&k[j*ldk]), min(16, n-j))
 		}
+		b.flush()
 	}
 }
 
-// rowDotsBF16AVX512 is RowDotsBF16 with zmm registers, as rowDotsAVX512: rowDotsBF16p512, which
-// transposes the keys in pairs of values, when dim is a multiple of 32, else rowDotsBF16x512
-// (the same chains).
+// rowDotsBF16AVX512 is RowDotsBF16 with zmm registers, as rowDotsAVX512.
 func rowDotsBF16AVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
-	var tmp [rowDotsRows * 16]float32
-	pairs := dim%32 == 0
+	var b rowDotsBatch
+	b.start(true, ldd, ldq, ldk, dim)
 	for r0 := 0; r0 < rows; r0 += rowDotsRows {
-		nr := min(rowDotsRows, rows-r0)
+		b.rows = min(rowDotsRows, rows-r0)
 		for j := 0; j < n; j += 16 {
-			if pairs {
-				rowDotsBF16p512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
-			} else {
-				rowDotsBF16x512(&dst[r0*ldd+j], ldd, &q[r0*ldq], ldq, nr, &k[j*ldk], ldk, min(16, n-j), dim, &tmp[0])
+			b.add(&dst[r0*ldd+j], &q[r0*ldq], unsafe.Pointer(&k[j*ldk]), min(16, n-j))
+		}
+		b.flush()
+	}
+}
+
+// rowDotsSetAVX512 is RowDotsSet with zmm registers: every set's groups of 16 keys through one
+// rowDotsBatch, so that the sets' groups share kernel calls. Arguments are checked by
+// RowDotsSet.
+func rowDotsSetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
+	var b rowDotsBatch
+	b.start(false, ldd, ldq, ldk, dim)
+	for r0 := 0; r0 < rows; r0 += rowDotsRows {
+		b.rows = min(rowDotsRows, rows-r0)
+		for j := 0; j < n; j += 16 {
+			for i := range k {
+				b.add(&dst[i][r0*ldd+j], &q[i][r0*ldq], unsafe.Pointer(&k[i][j*ldk]), min(16, n-j))
 			}
 		}
+		b.flush()
+	}
+}
+
+// rowDotsBF16SetAVX512 is RowDotsBF16Set with zmm registers, as rowDotsSetAVX512.
+func rowDotsBF16SetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
+	var b rowDotsBatch
+	b.start(true, ldd, ldq, ldk, dim)
+	for r0 := 0; r0 < rows; r0 += rowDotsRows {
+		b.rows = min(rowDotsRows, rows-r0)
+		for j := 0; j < n; j += 16 {
+			for i := range k {
+				b.add(&dst[i][r0*ldd+j], &q[i][r0*ldq], unsafe.Pointer(&k[i][j*ldk]), min(16, n-j))
+			}
+		}
+		b.flush()
 	}
 }
 

@@ -92,6 +92,60 @@ func AccumulateRowsBF16(acc []float32, ldacc int, p []float32, ldp, rows int, v 
 	}
 }
 
+// RowDotsSet computes [RowDots] for each of len(k) sets of operands that share rows, n, dim and
+// the strides: the scores of query rows q[i] against key rows k[i] into dst[i]. Each element is
+// computed exactly — bit for bit — as RowDots computes it; the AVX-512 kernels take several
+// sets' keys a call, so that a few query rows (decode's) keep more independent chains in
+// flight. dst, q and k must have the same length. It panics where RowDots would for a set.
+func RowDotsSet(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
+	if !checkRowDotsSet("RowDotsSet", len(dst), len(q), len(k)) {
+		return
+	}
+	work := false
+	for i := range k {
+		work = checkRowDots("RowDotsSet", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim)
+	}
+	switch {
+	case !work:
+	case defaultImpl.rowDotsSet != nil:
+		defaultImpl.rowDotsSet(dst, ldd, q, ldq, rows, k, ldk, n, dim)
+	default:
+		for i := range k {
+			defaultImpl.rowDots(dst[i], ldd, q[i], ldq, rows, k[i], ldk, n, dim)
+		}
+	}
+}
+
+// RowDotsBF16Set is [RowDotsSet] for keys stored as bfloat16, each set's scores bit-identical to
+// [RowDotsBF16]'s.
+func RowDotsBF16Set(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
+	if !checkRowDotsSet("RowDotsBF16Set", len(dst), len(q), len(k)) {
+		return
+	}
+	work := false
+	for i := range k {
+		work = checkRowDots("RowDotsBF16Set", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim)
+	}
+	switch {
+	case !work:
+	case defaultImpl.rowDotsBF16Set != nil:
+		defaultImpl.rowDotsBF16Set(dst, ldd, q, ldq, rows, k, ldk, n, dim)
+	default:
+		for i := range k {
+			defaultImpl.rowDotsBF16(dst[i], ldd, q[i], ldq, rows, k[i], ldk, n, dim)
+		}
+	}
+}
+
+// checkRowDotsSet reports whether a set call (op) has sets, and panics if its dst, q and k
+// differ in length.
+func checkRowDotsSet(op string, nd, nq, nk int) bool {
+	if nd != nk || nq != nk {
+		panic(fmt.Sprintf("kernel.%s: %d score sets, %d query sets, %d key sets", op, nd, nq, nk))
+	}
+	return nk > 0
+}
+
 // Touch reads every cache line of x in order, discarding what it reads, so that x is in the
 // caches when the row kernels read it in another order (attention's next keys or values, float32
 // or bfloat16 bits). Demand loads in address order let the hardware prefetchers run ahead of
