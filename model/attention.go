@@ -98,6 +98,7 @@ type attnScratch struct {
 	xq, scores, acc, part []float32
 	kl, vl                kernel.Linear // chunks packed for this item only
 	wide                  []float32     // FP8 rows widened for the in-place kernels (kvfp8.go)
+	set                   scoreSet      // a stretch's scores calls of several KV heads
 }
 
 // tileTokens returns the number of a sequence's tokens in one attention work item.
@@ -451,7 +452,10 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 		r0, lo := firstRow(ch), ch*attnChunk
 		w.stretches(seqs, blockSize, sa, it.g0, it.g1, lo, chunkLen(ch), false, ahead, func(g, j0, n int, v *headView, o int) {
 			r := (g-it.g0)*rows + r0
-			v.rowProducts(sc, false, scores[r*stride+lo+j0:], stride, xq[r*hd:], hd, rows-r0, o, n, hd)
+			sc.set.add(sc, v, scores[r*stride+lo+j0:], stride, xq[r*hd:], hd, rows-r0, o, n, hd)
+			if g == it.g1-1 {
+				sc.set.flush()
+			}
 		})
 	}
 	for g := range it.g1 - it.g0 {

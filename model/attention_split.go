@@ -124,7 +124,10 @@ func (m *Model) splitItem(w *workspace, seqs []Seq, blockSize int, it posItem, v
 			if values {
 				v.rowProducts(sc, true, part[r*hd:], hd, sp.scores[r*sp.stride+lo+j0:], sp.stride, group, o, n, hd)
 			} else {
-				v.rowProducts(sc, false, sp.scores[r*sp.stride+lo+j0:], sp.stride, sp.xq[r*hd:], hd, group, o, n, hd)
+				sc.set.add(sc, v, sp.scores[r*sp.stride+lo+j0:], sp.stride, sp.xq[r*hd:], hd, group, o, n, hd)
+				if g == m.cfg.NumKVHeads-1 {
+					sc.set.flush()
+				}
 			}
 		})
 	}

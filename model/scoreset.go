@@ -1,0 +1,53 @@
+package model
+
+import "github.com/kvbridge/kvbridge/model/kernel"
+
+// scoreSet gathers the scores calls of one stretch of keys — the same positions of a block for
+// several KV heads, each with its own query and score rows — and runs them as one
+// kernel.RowDotsSet (kernel.RowDotsBF16Set) call, whose AVX-512 kernels take several heads' keys
+// at once: decode's two query rows a KV head then keep 4–8 independent FMA chains in flight
+// instead of 2. Every score is the one kernel.RowDots computes (one FMA chain over d), so
+// nothing of the results changes. FP8 keys, widened per call, are not gathered.
+type scoreSet struct {
+	dst, q [][]float32
+	k      [][]float32
+	k16    [][]uint16
+	// The shapes the gathered calls share.
+	ldd, ldq, rows, ldk, n, hd int
+}
+
+// add gathers the scores of rows query rows x (ldx apart) against the n keys of view v from
+// offset o on, into dst (ldd apart), as v.rowProducts computes them; FP8 keys are run now. A
+// call of other shapes than the gathered ones runs those first.
+func (s *scoreSet) add(sc *attnScratch, v *headView, dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int) {
+	if v.k8 != nil {
+		v.rowProducts(sc, false, dst, ldd, x, ldx, rows, o, n, hd)
+		return
+	}
+	bf16 := v.k16 != nil
+	if len(s.dst) > 0 && (ldd != s.ldd || ldx != s.ldq || rows != s.rows || v.stride != s.ldk || n != s.n || hd != s.hd || bf16 != (len(s.k16) > 0)) {
+		s.flush()
+	}
+	s.ldd, s.ldq, s.rows, s.ldk, s.n, s.hd = ldd, ldx, rows, v.stride, n, hd
+	s.dst, s.q = append(s.dst, dst), append(s.q, x)
+	if bf16 {
+		s.k16 = append(s.k16, v.k16[o:])
+	} else {
+		s.k = append(s.k, v.k[o:])
+	}
+}
+
+// flush runs the gathered calls and forgets them (keeping the slices' room).
+func (s *scoreSet) flush() {
+	switch {
+	case len(s.k16) > 0:
+		kernel.RowDotsBF16Set(s.dst, s.ldd, s.q, s.ldq, s.rows, s.k16, s.ldk, s.n, s.hd)
+	case len(s.k) > 0:
+		kernel.RowDotsSet(s.dst, s.ldd, s.q, s.ldq, s.rows, s.k, s.ldk, s.n, s.hd)
+	}
+	clear(s.dst)
+	clear(s.q)
+	clear(s.k)
+	clear(s.k16)
+	s.dst, s.q, s.k, s.k16 = s.dst[:0], s.q[:0], s.k[:0], s.k16[:0]
+}
