@@ -85,3 +85,84 @@ func BenchmarkRowDotsGroups(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkScoresStretches is decode attention's scores pass at batch 32, context 128, on a
+// bfloat16 (or float32) KV store larger than L2 (Qwen3-0.6B's shape: 8 KV heads of 128
+// dimensions, blocks of 16 tokens, 2 query rows a KV head): per sequence and block, the block's
+// keys of all heads read in order (Touch, as the model does), then the 8 heads' scores — one
+// RowDots(BF16) call a head with the single-group kernels (g1) against one RowDots(BF16)Set
+// call with the grouped ones as exported (gN: 4 groups a call for bfloat16, 2 for float32) —
+// alternated pass by pass, each first in turn. It reports each one's thread CPU ms a pass and
+// g1 ÷ gN.
+func BenchmarkScoresStretches(b *testing.B) {
+	if !RowKernels(128) || defaultImpl.rowDim != 16 {
+		b.Skip("no AVX-512 row kernels")
+	}
+	const seqs, blocks, heads, bs, dim, rows = 32, 8, 8, 16, 128, 2
+	const stride = heads * dim // a token's keys of all heads
+	r := rand.New(rand.NewPCG(7, 8))
+	keys := randSlice(r, seqs*blocks*bs*stride)
+	keys16, _ := to16(keys, BF16)
+	q := randSlice(r, seqs*heads*rows*dim)
+	scores := make([]float32, seqs*heads*rows*blocks*bs)
+	ldd := blocks * bs
+	ks, ks16 := make([][]float32, heads), make([][]uint16, heads)
+	qs, dsts := make([][]float32, heads), make([][]float32, heads)
+	for _, bf16 := range []bool{true, false} {
+		name := "f32"
+		if bf16 {
+			name = "bf16"
+		}
+		pass := func(most int) float64 {
+			t0 := threadCPU(b)
+			for s := range seqs {
+				for blk := range blocks {
+					o := (s*blocks + blk) * bs * stride
+					if bf16 {
+						Touch(keys16[o : o+bs*stride])
+					} else {
+						Touch(keys[o : o+bs*stride])
+					}
+					for h := range heads {
+						ks[h], ks16[h] = keys[o+h*dim:], keys16[o+h*dim:]
+						qs[h] = q[(s*heads+h)*rows*dim:]
+						dsts[h] = scores[(s*heads+h)*rows*ldd+blk*bs:]
+					}
+					switch {
+					case most > 1 && bf16:
+						RowDotsBF16Set(dsts, ldd, qs, dim, rows, ks16, stride, bs, dim)
+					case most > 1:
+						RowDotsSet(dsts, ldd, qs, dim, rows, ks, stride, bs, dim)
+					default:
+						for h := range heads {
+							if bf16 {
+								rowDotsBF16With(1, dsts[h], ldd, qs[h], dim, rows, ks16[h], stride, bs, dim)
+							} else {
+								rowDotsWith(1, dsts[h], ldd, qs[h], dim, rows, ks[h], stride, bs, dim)
+							}
+						}
+					}
+				}
+			}
+			return threadCPU(b) - t0
+		}
+		b.Run(name, func(b *testing.B) {
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			pass(1)
+			pass(4)
+			var cpu [2]float64
+			it := 0
+			for b.Loop() {
+				for o := range 2 {
+					i := (o + it) % 2
+					cpu[i] += pass([]int{1, 4}[i])
+				}
+				it++
+			}
+			b.ReportMetric(cpu[0]*1e3/float64(b.N), "g1cpu-ms")
+			b.ReportMetric(cpu[1]*1e3/float64(b.N), "gNcpu-ms")
+			b.ReportMetric(cpu[0]/cpu[1], "g1/gN")
+		})
+	}
+}

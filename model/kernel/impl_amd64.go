@@ -361,25 +361,31 @@ func tile256(mr int, a *float32, lda int, w *float32, k int, c *float32, ldc int
 	}
 }
 
-// rowDotsAVX512 is RowDots with zmm registers: the keys in groups of 16, several whole groups a
-// kernel call (rowDotsBatch), at most rowDotsRows query rows at a time. Arguments are checked by
-// RowDots.
+// rowDotsAVX512, rowDotsBF16AVX512, rowDotsSetAVX512 and rowDotsBF16SetAVX512 are RowDots,
+// RowDotsBF16, RowDotsSet and RowDotsBF16Set with zmm registers (rowDotsWith and the others,
+// the grouped kernels taking as many groups as measured fastest). Arguments are checked by the
+// exported functions.
 func rowDotsAVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
-	var b rowDotsBatch
-	b.start(false, ldd, ldq, ldk, dim)
-	for r0 := 0; r0 < rows; r0 += rowDotsRows {
-		b.rows = min(rowDotsRows, rows-r0)
-		for j := 0; j < n; j += 16 {
-			b.add(&dst[r0*ldd+j], &q[r0*ldq], unsafe.Pointer(&k[j*ldk]), min(16, n-j))
-		}
-		b.flush()
-	}
+	rowDotsWith(rowDotsGroupsF32, dst, ldd, q, ldq, rows, k, ldk, n, dim)
 }
 
-// rowDotsBF16AVX512 is RowDotsBF16 with zmm registers, as rowDotsAVX512.
 func rowDotsBF16AVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
+	rowDotsBF16With(rowDotsGroupsBF16, dst, ldd, q, ldq, rows, k, ldk, n, dim)
+}
+
+func rowDotsSetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
+	rowDotsSetWith(rowDotsGroupsF32, dst, ldd, q, ldq, rows, k, ldk, n, dim)
+}
+
+func rowDotsBF16SetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
+	rowDotsBF16SetWith(rowDotsGroupsBF16, dst, ldd, q, ldq, rows, k, ldk, n, dim)
+}
+
+// rowDotsWith is RowDots with zmm registers: the keys in groups of 16, up to most whole groups a
+// kernel call (rowDotsBatch), at most rowDotsRows query rows at a time.
+func rowDotsWith(most int, dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
 	var b rowDotsBatch
-	b.start(true, ldd, ldq, ldk, dim)
+	b.start(false, most, ldd, ldq, ldk, dim)
 	for r0 := 0; r0 < rows; r0 += rowDotsRows {
 		b.rows = min(rowDotsRows, rows-r0)
 		for j := 0; j < n; j += 16 {
@@ -389,12 +395,24 @@ func rowDotsBF16AVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []u
 	}
 }
 
-// rowDotsSetAVX512 is RowDotsSet with zmm registers: every set's groups of 16 keys through one
-// rowDotsBatch, so that the sets' groups share kernel calls. Arguments are checked by
-// RowDotsSet.
-func rowDotsSetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
+// rowDotsBF16With is RowDotsBF16 with zmm registers, as rowDotsWith.
+func rowDotsBF16With(most int, dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
 	var b rowDotsBatch
-	b.start(false, ldd, ldq, ldk, dim)
+	b.start(true, most, ldd, ldq, ldk, dim)
+	for r0 := 0; r0 < rows; r0 += rowDotsRows {
+		b.rows = min(rowDotsRows, rows-r0)
+		for j := 0; j < n; j += 16 {
+			b.add(&dst[r0*ldd+j], &q[r0*ldq], unsafe.Pointer(&k[j*ldk]), min(16, n-j))
+		}
+		b.flush()
+	}
+}
+
+// rowDotsSetWith is RowDotsSet with zmm registers: every set's groups of 16 keys through one
+// rowDotsBatch, so that the sets' groups share kernel calls, up to most a call.
+func rowDotsSetWith(most int, dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
+	var b rowDotsBatch
+	b.start(false, most, ldd, ldq, ldk, dim)
 	for r0 := 0; r0 < rows; r0 += rowDotsRows {
 		b.rows = min(rowDotsRows, rows-r0)
 		for j := 0; j < n; j += 16 {
@@ -406,10 +424,10 @@ func rowDotsSetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k 
 	}
 }
 
-// rowDotsBF16SetAVX512 is RowDotsBF16Set with zmm registers, as rowDotsSetAVX512.
-func rowDotsBF16SetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
+// rowDotsBF16SetWith is RowDotsBF16Set with zmm registers, as rowDotsSetWith.
+func rowDotsBF16SetWith(most int, dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
 	var b rowDotsBatch
-	b.start(true, ldd, ldq, ldk, dim)
+	b.start(true, most, ldd, ldq, ldk, dim)
 	for r0 := 0; r0 < rows; r0 += rowDotsRows {
 		b.rows = min(rowDotsRows, rows-r0)
 		for j := 0; j < n; j += 16 {

@@ -15,9 +15,14 @@ const rowDotsRows = 32
 // rowDotsRows rows (16 floats a row and group).
 const rowDotsTmp = 3*256 + rowDotsRows*16*4
 
-// RowDotsGroups is a TEMPORARY measuring toggle: the most groups of 16 keys a scores kernel
-// call takes (1: the single-group kernels; 2; 4).
-var RowDotsGroups = 4
+// rowDotsGroupsBF16 and rowDotsGroupsF32 are the most groups of 16 keys a scores kernel call
+// takes for bfloat16 and float32 keys: with 2 query rows (decode's) the 4-group bfloat16 kernel
+// ran 1.8× the single-group one's keys a CPU second in L1, the 2-group one 1.5×; for float32,
+// twice the transposing per dimension, 4 groups ran no faster than 2 (1.4–1.5×).
+const (
+	rowDotsGroupsBF16 = 4
+	rowDotsGroupsF32  = 2
+)
 
 // rowDotsGroupArgs holds the pointers of a grouped scores kernel's groups (rows_amd64.s): keys,
 // query rows and score rows, in that order.
@@ -33,18 +38,18 @@ type rowDotsGroupArgs struct {
 type rowDotsBatch struct {
 	args                     rowDotsGroupArgs
 	n                        int // groups in args
-	most                     int // the groups a call takes (RowDotsGroups)
+	most                     int // the most groups a call takes (1, 2 or 4)
 	bf16, pairs              bool
 	ldd, ldq, rows, ldk, dim int
 	tmp                      [rowDotsTmp]float32
 }
 
-// start readies b for problems of bfloat16 (bf16) or float32 keys with these strides and dim;
-// b.rows is set by the caller before it adds problems.
-func (b *rowDotsBatch) start(bf16 bool, ldd, ldq, ldk, dim int) {
-	b.bf16, b.pairs = bf16, dim%32 == 0
+// start readies b for problems of bfloat16 (bf16) or float32 keys with these strides and dim, at
+// most most (1, 2 or 4) groups a kernel call; b.rows is set by the caller before it adds
+// problems.
+func (b *rowDotsBatch) start(bf16 bool, most, ldd, ldq, ldk, dim int) {
+	b.bf16, b.pairs, b.most = bf16, dim%32 == 0, most
 	b.ldd, b.ldq, b.ldk, b.dim = ldd, ldq, ldk, dim
-	b.most = RowDotsGroups
 	if bf16 && !b.pairs {
 		b.most = 1 // no grouped kernel of single bfloat16 values
 	}

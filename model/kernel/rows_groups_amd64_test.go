@@ -118,24 +118,23 @@ func testRowDotsGroups(t *testing.T, r *rand.Rand, tmp *[rowDotsTmp]float32, gro
 
 // TestRowDotsSetMatchRowDots checks RowDots, RowDotsBF16 (whole groups of 16 keys through the
 // grouped kernels, the rest through the single-group ones) and RowDotsSet, RowDotsBF16Set on
-// AVX-512 against the chains computed in Go (fma32) bit for bit, for key counts around the
-// groups (n not a multiple of 16, 32 or 64), numbers of sets around the kernels' 2 and 4, more
-// query rows than one kernel call takes, and the model's strides (keys a KV head apart in a
-// block; score rows a chunk wide); scores outside the rows' n are not written.
+// AVX-512, with at most 1, 2 or 4 groups a kernel call and as exported, against the chains
+// computed in Go (fma32) bit for bit, for key counts around the groups (n not a multiple of 16,
+// 32 or 64), numbers of sets around the kernels' 2 and 4, more query rows than one kernel call
+// takes, and the model's strides (keys a KV head apart in a block; score rows wider than n);
+// scores outside the rows' n are not written.
 func TestRowDotsSetMatchRowDots(t *testing.T) {
 	if !RowKernels(128) || defaultImpl.rowDim != 16 {
 		t.Skip("no AVX-512 row kernels")
 	}
-	defer func(g int) { RowDotsGroups = g }(RowDotsGroups)
 	r := rand.New(rand.NewPCG(43, 44))
-	for _, most := range []int{1, 2, 4} {
-		RowDotsGroups = most
+	for _, most := range []int{0, 1, 2, 4} { // 0: the exported functions
 		for _, dim := range []int{48, 128} {
 			for _, n := range []int{1, 15, 16, 17, 32, 33, 47, 64, 65, 100} {
 				for _, sets := range []int{1, 2, 3, 5, 8} {
 					for _, rows := range []int{1, 2, 3, 33} {
 						t.Run(fmt.Sprintf("most%d/dim%d/n%d/sets%d/rows%d", most, dim, n, sets, rows), func(t *testing.T) {
-							testRowDotsSet(t, r, dim, n, sets, rows)
+							testRowDotsSet(t, r, most, dim, n, sets, rows)
 						})
 					}
 				}
@@ -145,7 +144,7 @@ func TestRowDotsSetMatchRowDots(t *testing.T) {
 }
 
 // testRowDotsSet is one case of TestRowDotsSetMatchRowDots.
-func testRowDotsSet(t *testing.T, r *rand.Rand, dim, n, sets, rows int) {
+func testRowDotsSet(t *testing.T, r *rand.Rand, most, dim, n, sets, rows int) {
 	ldk, ldq, ldd := 8*dim, dim, n+9
 	keys := randSlice(r, (n-1)*ldk+dim+sets*dim)
 	keys16, keysW := to16(keys, BF16)
@@ -162,8 +161,13 @@ func testRowDotsSet(t *testing.T, r *rand.Rand, dim, n, sets, rows int) {
 		fusedRowDots(want[i*rows*ldd:], ldd, qs[i], ldq, rows, ks[i], ldk, n, dim)
 		fusedRowDots(want16[i*rows*ldd:], ldd, qs[i], ldq, rows, kws[i], ldk, n, dim)
 	}
-	RowDotsSet(dsts, ldd, qs, ldq, rows, ks, ldk, n, dim)
-	RowDotsBF16Set(dsts16, ldd, qs, ldq, rows, ks16, ldk, n, dim)
+	if most == 0 {
+		RowDotsSet(dsts, ldd, qs, ldq, rows, ks, ldk, n, dim)
+		RowDotsBF16Set(dsts16, ldd, qs, ldq, rows, ks16, ldk, n, dim)
+	} else {
+		rowDotsSetWith(most, dsts, ldd, qs, ldq, rows, ks, ldk, n, dim)
+		rowDotsBF16SetWith(most, dsts16, ldd, qs, ldq, rows, ks16, ldk, n, dim)
+	}
 	if !slices.Equal(bits(got), bits(want)) {
 		t.Fatal("RowDotsSet differs from the chains computed in Go")
 	}
@@ -174,8 +178,13 @@ func testRowDotsSet(t *testing.T, r *rand.Rand, dim, n, sets, rows int) {
 	want, want16 = slices.Clone(got), slices.Clone(got16)
 	fusedRowDots(want, ldd, q, ldq, rows, keys, ldk, n, dim)
 	fusedRowDots(want16, ldd, q, ldq, rows, keysW, ldk, n, dim)
-	RowDots(got, ldd, q, ldq, rows, keys, ldk, n, dim)
-	RowDotsBF16(got16, ldd, q, ldq, rows, keys16, ldk, n, dim)
+	if most == 0 {
+		RowDots(got, ldd, q, ldq, rows, keys, ldk, n, dim)
+		RowDotsBF16(got16, ldd, q, ldq, rows, keys16, ldk, n, dim)
+	} else {
+		rowDotsWith(most, got, ldd, q, ldq, rows, keys, ldk, n, dim)
+		rowDotsBF16With(most, got16, ldd, q, ldq, rows, keys16, ldk, n, dim)
+	}
 	if !slices.Equal(bits(got), bits(want)) {
 		t.Fatal("RowDots differs from the chains computed in Go")
 	}
