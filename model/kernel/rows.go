@@ -101,12 +101,12 @@ func RowDotsSet(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]fl
 	if !checkRowDotsSet("RowDotsSet", len(dst), len(q), len(k)) {
 		return
 	}
-	work := false
 	for i := range k {
-		work = checkRowDots("RowDotsSet", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim)
+		if !checkRowDots("RowDotsSet", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim) {
+			return // no rows or no keys: no set has work
+		}
 	}
 	switch {
-	case !work:
 	case defaultImpl.rowDotsSet != nil:
 		defaultImpl.rowDotsSet(dst, ldd, q, ldq, rows, k, ldk, n, dim)
 	default:
@@ -122,12 +122,12 @@ func RowDotsBF16Set(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k []
 	if !checkRowDotsSet("RowDotsBF16Set", len(dst), len(q), len(k)) {
 		return
 	}
-	work := false
 	for i := range k {
-		work = checkRowDots("RowDotsBF16Set", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim)
+		if !checkRowDots("RowDotsBF16Set", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim) {
+			return // no rows or no keys: no set has work
+		}
 	}
 	switch {
-	case !work:
 	case defaultImpl.rowDotsBF16Set != nil:
 		defaultImpl.rowDotsBF16Set(dst, ldd, q, ldq, rows, k, ldk, n, dim)
 	default:

@@ -110,3 +110,38 @@ func TestTouchReadsOnlyItsSlice(t *testing.T) {
 		Touch(unsafe.Slice((*float32)(unsafe.Add(end, 1-4*n)), n))
 	}
 }
+
+// TestRowDotsSetMatchesRowDots checks RowDotsSet and RowDotsBF16Set against one RowDots
+// (RowDotsBF16) call a set, bit for bit, in this process's implementation: several KV heads'
+// keys of the same block positions, each with its own query and score rows.
+func TestRowDotsSetMatchesRowDots(t *testing.T) {
+	if !RowKernels(64) {
+		t.Skip("no row kernels")
+	}
+	r := rand.New(rand.NewPCG(47, 48))
+	const dim, sets, rows = 64, 5, 2
+	for _, n := range []int{1, 16, 37, 64} {
+		ldk, ldd := sets*dim, n+3
+		keys := randSlice(r, (n-1)*ldk+sets*dim)
+		keys16, _ := to16(keys, BF16)
+		q := randSlice(r, sets*rows*dim)
+		got, got16 := randSlice(r, sets*rows*ldd), randSlice(r, sets*rows*ldd)
+		want, want16 := slices.Clone(got), slices.Clone(got16)
+		ks, ks16, qs := make([][]float32, sets), make([][]uint16, sets), make([][]float32, sets)
+		dsts, dsts16 := make([][]float32, sets), make([][]float32, sets)
+		for i := range sets {
+			ks[i], ks16[i], qs[i] = keys[i*dim:], keys16[i*dim:], q[i*rows*dim:]
+			dsts[i], dsts16[i] = got[i*rows*ldd:], got16[i*rows*ldd:]
+			RowDots(want[i*rows*ldd:], ldd, qs[i], dim, rows, ks[i], ldk, n, dim)
+			RowDotsBF16(want16[i*rows*ldd:], ldd, qs[i], dim, rows, ks16[i], ldk, n, dim)
+		}
+		RowDotsSet(dsts, ldd, qs, dim, rows, ks, ldk, n, dim)
+		RowDotsBF16Set(dsts16, ldd, qs, dim, rows, ks16, ldk, n, dim)
+		if !slices.Equal(bits(got), bits(want)) {
+			t.Fatalf("n=%d: RowDotsSet differs from RowDots", n)
+		}
+		if !slices.Equal(bits(got16), bits(want16)) {
+			t.Fatalf("n=%d: RowDotsBF16Set differs from RowDotsBF16", n)
+		}
+	}
+}
