@@ -2,8 +2,8 @@
 """table.py: prints compare.sh's results as a Markdown table, a row per cell and round.
 
 Reads OUT/r<round>-<dtype>-{kvb.json,pp.json,tg.json,bb.jsonl} (compare.sh writes them).
-Columns: tok/s of each engine (best of the 2 repetitions of llama-bench and of
-kvbridge; llama-batched-bench runs once), kvbridge ÷ llama.cpp, the read bandwidth
+Columns: tok/s of each engine (best of the 2 repetitions of kvbridge and of
+llama-bench's decode; llama.cpp's prefill and llama-batched-bench run once), kvbridge ÷ llama.cpp, the read bandwidth
 kvbridge probed beside the cell (mean over its repetitions), and each engine's ratio:
 - kvbridge: its own probed ratio (bench engine's summary line; prefill: ÷ its compute peak).
 - llama.cpp, batch 1: (GGUF tensor bytes + KV bytes of the mean context) × tok/s ÷ the
