@@ -42,7 +42,7 @@ llamacpp() { # dtype round
 	case $1 in
 	bfloat16) m=$GGUF-bf16.gguf kv="-ctk f16 -ctv f16" ;;
 	int8) m=$GGUF-q8_0.gguf kv="-ctk f16 -ctv f16" ;;
-	float32) m=$GGUF-f32.gguf kv="-ctk f32 -ctv f32" ;;
+	float32) m=$GGUF-f32.gguf kv="-ctk f16 -ctv f16" ;; # llama-bench has no f32 KV
 	esac
 	"$BIN/llama-bench" -m "$m" -t "$THREADS" -r 1 $kv -p 1024 -n 0 -o json >"$OUT/r$2-$1-pp.json" 2>/dev/null
 	"$BIN/llama-bench" -m "$m" -t "$THREADS" -r 2 $kv -p 0 -n 32 -d 128,1024 -o json >"$OUT/r$2-$1-tg.json" 2>/dev/null
