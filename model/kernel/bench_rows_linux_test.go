@@ -136,7 +136,7 @@ func BenchmarkScoresStretches(b *testing.B) {
 					default:
 						for h := range heads {
 							if bf16 {
-								rowDotsBF16With(1, dsts[h], ldd, qs[h], dim, rows, ks16[h], stride, bs, dim)
+								rowDotsWith(1, dsts[h], ldd, qs[h], dim, rows, ks16[h], stride, bs, dim)
 							} else {
 								rowDotsWith(1, dsts[h], ldd, qs[h], dim, rows, ks[h], stride, bs, dim)
 							}

@@ -362,7 +362,7 @@ func tile256(mr int, a *float32, lda int, w *float32, k int, c *float32, ldc int
 }
 
 // rowDotsAVX512, rowDotsBF16AVX512, rowDotsSetAVX512 and rowDotsBF16SetAVX512 are RowDots,
-// RowDotsBF16, RowDotsSet and RowDotsBF16Set with zmm registers (rowDotsWith and the others,
+// RowDotsBF16, RowDotsSet and RowDotsBF16Set with zmm registers (rowDotsWith and rowDotsSetWith,
 // the grouped kernels taking as many groups as measured fastest). Arguments are checked by the
 // exported functions.
 func rowDotsAVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
@@ -370,7 +370,7 @@ func rowDotsAVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []float
 }
 
 func rowDotsBF16AVX512(dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
-	rowDotsBF16With(rowDotsGroupsBF16, dst, ldd, q, ldq, rows, k, ldk, n, dim)
+	rowDotsWith(rowDotsGroupsBF16, dst, ldd, q, ldq, rows, k, ldk, n, dim)
 }
 
 func rowDotsSetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
@@ -378,14 +378,15 @@ func rowDotsSetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k 
 }
 
 func rowDotsBF16SetAVX512(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
-	rowDotsBF16SetWith(rowDotsGroupsBF16, dst, ldd, q, ldq, rows, k, ldk, n, dim)
+	rowDotsSetWith(rowDotsGroupsBF16, dst, ldd, q, ldq, rows, k, ldk, n, dim)
 }
 
-// rowDotsWith is RowDots with zmm registers: the keys in groups of 16, up to most whole groups a
-// kernel call (rowDotsBatch), at most rowDotsRows query rows at a time.
-func rowDotsWith(most int, dst []float32, ldd int, q []float32, ldq, rows int, k []float32, ldk, n, dim int) {
+// rowDotsWith is RowDots (float32 keys) or RowDotsBF16 (bfloat16 bits, T uint16) with zmm
+// registers: the keys in groups of 16, up to most whole groups a kernel call (rowDotsBatch), at
+// most rowDotsRows query rows at a time.
+func rowDotsWith[T float32 | uint16](most int, dst []float32, ldd int, q []float32, ldq, rows int, k []T, ldk, n, dim int) {
 	var b rowDotsBatch
-	b.start(false, most, ldd, ldq, ldk, dim)
+	b.start(isBF16[T](), most, ldd, ldq, ldk, dim)
 	for r0 := 0; r0 < rows; r0 += rowDotsRows {
 		b.rows = min(rowDotsRows, rows-r0)
 		for j := 0; j < n; j += 16 {
@@ -395,24 +396,12 @@ func rowDotsWith(most int, dst []float32, ldd int, q []float32, ldq, rows int, k
 	}
 }
 
-// rowDotsBF16With is RowDotsBF16 with zmm registers, as rowDotsWith.
-func rowDotsBF16With(most int, dst []float32, ldd int, q []float32, ldq, rows int, k []uint16, ldk, n, dim int) {
+// rowDotsSetWith is RowDotsSet (float32 keys) or RowDotsBF16Set (T uint16) with zmm registers:
+// every set's groups of 16 keys through one rowDotsBatch, so that the sets' groups share kernel
+// calls, up to most a call.
+func rowDotsSetWith[T float32 | uint16](most int, dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]T, ldk, n, dim int) {
 	var b rowDotsBatch
-	b.start(true, most, ldd, ldq, ldk, dim)
-	for r0 := 0; r0 < rows; r0 += rowDotsRows {
-		b.rows = min(rowDotsRows, rows-r0)
-		for j := 0; j < n; j += 16 {
-			b.add(&dst[r0*ldd+j], &q[r0*ldq], unsafe.Pointer(&k[j*ldk]), min(16, n-j))
-		}
-		b.flush()
-	}
-}
-
-// rowDotsSetWith is RowDotsSet with zmm registers: every set's groups of 16 keys through one
-// rowDotsBatch, so that the sets' groups share kernel calls, up to most a call.
-func rowDotsSetWith(most int, dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
-	var b rowDotsBatch
-	b.start(false, most, ldd, ldq, ldk, dim)
+	b.start(isBF16[T](), most, ldd, ldq, ldk, dim)
 	for r0 := 0; r0 < rows; r0 += rowDotsRows {
 		b.rows = min(rowDotsRows, rows-r0)
 		for j := 0; j < n; j += 16 {
@@ -424,19 +413,11 @@ func rowDotsSetWith(most int, dst [][]float32, ldd int, q [][]float32, ldq, rows
 	}
 }
 
-// rowDotsBF16SetWith is RowDotsBF16Set with zmm registers, as rowDotsSetWith.
-func rowDotsBF16SetWith(most int, dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
-	var b rowDotsBatch
-	b.start(true, most, ldd, ldq, ldk, dim)
-	for r0 := 0; r0 < rows; r0 += rowDotsRows {
-		b.rows = min(rowDotsRows, rows-r0)
-		for j := 0; j < n; j += 16 {
-			for i := range k {
-				b.add(&dst[i][r0*ldd+j], &q[i][r0*ldq], unsafe.Pointer(&k[i][j*ldk]), min(16, n-j))
-			}
-		}
-		b.flush()
-	}
+// isBF16 reports whether keys of type T are bfloat16 bits (uint16) rather than float32.
+func isBF16[T float32 | uint16]() bool {
+	var z T
+	_, ok := any(z).(uint16)
+	return ok
 }
 
 // tileAcc512Kernels and tileAccBF16x512Kernels are the accumulating tile kernels for float32

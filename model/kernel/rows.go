@@ -98,52 +98,40 @@ func AccumulateRowsBF16(acc []float32, ldacc int, p []float32, ldp, rows int, v 
 // sets' keys a call, so that a few query rows (decode's) keep more independent chains in
 // flight. dst, q and k must have the same length. It panics where RowDots would for a set.
 func RowDotsSet(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]float32, ldk, n, dim int) {
-	if !checkRowDotsSet("RowDotsSet", len(dst), len(q), len(k)) {
-		return
-	}
-	for i := range k {
-		if !checkRowDots("RowDotsSet", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim) {
-			return // no rows or no keys: no set has work
-		}
-	}
-	switch {
-	case defaultImpl.rowDotsSet != nil:
-		defaultImpl.rowDotsSet(dst, ldd, q, ldq, rows, k, ldk, n, dim)
-	default:
-		for i := range k {
-			defaultImpl.rowDots(dst[i], ldd, q[i], ldq, rows, k[i], ldk, n, dim)
-		}
-	}
+	rowDotsSet("RowDotsSet", defaultImpl.rowDotsSet, defaultImpl.rowDots, dst, ldd, q, ldq, rows, k, ldk, n, dim)
 }
 
 // RowDotsBF16Set is [RowDotsSet] for keys stored as bfloat16, each set's scores bit-identical to
 // [RowDotsBF16]'s.
 func RowDotsBF16Set(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]uint16, ldk, n, dim int) {
-	if !checkRowDotsSet("RowDotsBF16Set", len(dst), len(q), len(k)) {
+	rowDotsSet("RowDotsBF16Set", defaultImpl.rowDotsBF16Set, defaultImpl.rowDotsBF16, dst, ldd, q, ldq, rows, k, ldk, n, dim)
+}
+
+// rowDotsSet checks the arguments of a set call (op), panicking if dst, q and k differ in length
+// or a set's would make RowDots panic, and runs it: with set, or, where the implementation has
+// none (nil), one call of one a set.
+func rowDotsSet[T float32 | uint16](op string,
+	set func(dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]T, ldk, n, dim int),
+	one func(dst []float32, ldd int, q []float32, ldq, rows int, k []T, ldk, n, dim int),
+	dst [][]float32, ldd int, q [][]float32, ldq, rows int, k [][]T, ldk, n, dim int) {
+	if len(dst) != len(k) || len(q) != len(k) {
+		panic(fmt.Sprintf("kernel.%s: %d score sets, %d query sets, %d key sets", op, len(dst), len(q), len(k)))
+	}
+	if len(k) == 0 {
 		return
 	}
 	for i := range k {
-		if !checkRowDots("RowDotsBF16Set", dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim) {
+		if !checkRowDots(op, dst[i], ldd, q[i], ldq, rows, len(k[i]), ldk, n, dim) {
 			return // no rows or no keys: no set has work
 		}
 	}
-	switch {
-	case defaultImpl.rowDotsBF16Set != nil:
-		defaultImpl.rowDotsBF16Set(dst, ldd, q, ldq, rows, k, ldk, n, dim)
-	default:
-		for i := range k {
-			defaultImpl.rowDotsBF16(dst[i], ldd, q[i], ldq, rows, k[i], ldk, n, dim)
-		}
+	if set != nil {
+		set(dst, ldd, q, ldq, rows, k, ldk, n, dim)
+		return
 	}
-}
-
-// checkRowDotsSet reports whether a set call (op) has sets, and panics if its dst, q and k
-// differ in length.
-func checkRowDotsSet(op string, nd, nq, nk int) bool {
-	if nd != nk || nq != nk {
-		panic(fmt.Sprintf("kernel.%s: %d score sets, %d query sets, %d key sets", op, nd, nq, nk))
+	for i := range k {
+		one(dst[i], ldd, q[i], ldq, rows, k[i], ldk, n, dim)
 	}
-	return nk > 0
 }
 
 // Touch reads every cache line of x in order, discarding what it reads, so that x is in the

@@ -166,7 +166,7 @@ func testRowDotsSet(t *testing.T, r *rand.Rand, most, dim, n, sets, rows int) {
 		RowDotsBF16Set(dsts16, ldd, qs, ldq, rows, ks16, ldk, n, dim)
 	} else {
 		rowDotsSetWith(most, dsts, ldd, qs, ldq, rows, ks, ldk, n, dim)
-		rowDotsBF16SetWith(most, dsts16, ldd, qs, ldq, rows, ks16, ldk, n, dim)
+		rowDotsSetWith(most, dsts16, ldd, qs, ldq, rows, ks16, ldk, n, dim)
 	}
 	if !slices.Equal(bits(got), bits(want)) {
 		t.Fatal("RowDotsSet differs from the chains computed in Go")
@@ -183,7 +183,7 @@ func testRowDotsSet(t *testing.T, r *rand.Rand, most, dim, n, sets, rows int) {
 		RowDotsBF16(got16, ldd, q, ldq, rows, keys16, ldk, n, dim)
 	} else {
 		rowDotsWith(most, got, ldd, q, ldq, rows, keys, ldk, n, dim)
-		rowDotsBF16With(most, got16, ldd, q, ldq, rows, keys16, ldk, n, dim)
+		rowDotsWith(most, got16, ldd, q, ldq, rows, keys16, ldk, n, dim)
 	}
 	if !slices.Equal(bits(got), bits(want)) {
 		t.Fatal("RowDots differs from the chains computed in Go")
