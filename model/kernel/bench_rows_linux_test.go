@@ -47,14 +47,8 @@ func BenchmarkRowDotsGroups(b *testing.B) {
 						rowDotsBF16p512(&dst[j], n, &q[0], dim, rows, &keys16[j*dim], dim, 16, dim, &tmp[0])
 					case g == 1:
 						rowDots512(&dst[j], n, &q[0], dim, rows, &keys[j*dim], dim, 16, dim, &tmp[0])
-					case g == 2 && bf16:
-						rowDotsBF16p512g2(&args, n, dim, rows, dim, dim, &tmp[0])
-					case g == 2:
-						rowDots512g2(&args, n, dim, rows, dim, dim, &tmp[0])
-					case bf16:
-						rowDotsBF16p512g4(&args, n, dim, rows, dim, dim, &tmp[0])
 					default:
-						rowDots512g4(&args, n, dim, rows, dim, dim, &tmp[0])
+						rowDotsGroups(g, bf16, &args, n, dim, rows, dim, dim, &tmp[0])
 					}
 				}
 			}

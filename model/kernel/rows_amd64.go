@@ -67,16 +67,7 @@ func (b *rowDotsBatch) add(dst, q *float32, k unsafe.Pointer, nk int) {
 	if b.n < b.most {
 		return
 	}
-	switch {
-	case b.most == 2 && b.bf16:
-		rowDotsBF16p512g2(&b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
-	case b.most == 2:
-		rowDots512g2(&b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
-	case b.bf16:
-		rowDotsBF16p512g4(&b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
-	default:
-		rowDots512g4(&b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
-	}
+	rowDotsGroups(b.most, b.bf16, &b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
 	b.n = 0
 }
 
@@ -84,11 +75,7 @@ func (b *rowDotsBatch) add(dst, q *float32, k unsafe.Pointer, nk int) {
 func (b *rowDotsBatch) flush() {
 	i := 0
 	if b.n-i >= 2 {
-		if b.bf16 {
-			rowDotsBF16p512g2(&b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
-		} else {
-			rowDots512g2(&b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
-		}
+		rowDotsGroups(2, b.bf16, &b.args, b.ldd, b.ldq, b.rows, b.ldk, b.dim, &b.tmp[0])
 		i = 2
 	}
 	if i < b.n {
@@ -106,6 +93,24 @@ func (b *rowDotsBatch) single(dst, q *float32, k unsafe.Pointer, nk int) {
 		rowDotsBF16p512(dst, b.ldd, q, b.ldq, b.rows, (*uint16)(k), b.ldk, nk, b.dim, &b.tmp[0])
 	default:
 		rowDotsBF16x512(dst, b.ldd, q, b.ldq, b.rows, (*uint16)(k), b.ldk, nk, b.dim, &b.tmp[0])
+	}
+}
+
+// rowDotsGroups runs the grouped scores kernel of groups (2 or 4) groups of 16 keys of bfloat16
+// (bf16) or float32 keys on args' first groups. The kernels are called directly, not through a
+// func value, so that args and tmp stay on the caller's stack.
+func rowDotsGroups(groups int, bf16 bool, args *rowDotsGroupArgs, ldd, ldq, rows, ldk, dim int, tmp *float32) {
+	switch {
+	case groups == 2 && bf16:
+		rowDotsBF16p512g2(args, ldd, ldq, rows, ldk, dim, tmp)
+	case groups == 2:
+		rowDots512g2(args, ldd, ldq, rows, ldk, dim, tmp)
+	case groups == 4 && bf16:
+		rowDotsBF16p512g4(args, ldd, ldq, rows, ldk, dim, tmp)
+	case groups == 4:
+		rowDots512g4(args, ldd, ldq, rows, ldk, dim, tmp)
+	default:
+		panic("kernel: bad number of score groups")
 	}
 }
 

@@ -97,16 +97,7 @@ func testRowDotsGroups(t *testing.T, r *rand.Rand, tmp *[rowDotsTmp]float32, gro
 				rowDots512(&old[o], ldd, &qs[g][0], ldq, rows, &keys[g][0], ldk, 16, dim, &tmp[0])
 			}
 		}
-		switch {
-		case groups == 2 && bf16:
-			rowDotsBF16p512g2(&args, ldd, ldq, rows, ldk, dim, &tmp[0])
-		case groups == 2:
-			rowDots512g2(&args, ldd, ldq, rows, ldk, dim, &tmp[0])
-		case bf16:
-			rowDotsBF16p512g4(&args, ldd, ldq, rows, ldk, dim, &tmp[0])
-		default:
-			rowDots512g4(&args, ldd, ldq, rows, ldk, dim, &tmp[0])
-		}
+		rowDotsGroups(groups, bf16, &args, ldd, ldq, rows, ldk, dim, &tmp[0])
 		if !slices.Equal(bits(dst), bits(want)) {
 			t.Fatalf("bf16=%v: the grouped kernel differs from the chains computed in Go", bf16)
 		}
