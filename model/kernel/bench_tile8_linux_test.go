@@ -20,28 +20,7 @@ func BenchmarkTallStreamTiles(b *testing.B) {
 	if defaultImpl.tileDotTall == nil {
 		b.Skip("no tall tiles")
 	}
-	for _, rows := range []int{1, 7, 8} {
-		b.Run(fmt.Sprintf("rows%d", rows), func(b *testing.B) {
-			runtime.LockOSThread()
-			defer runtime.UnlockOSThread()
-			pool := NewPool(1)
-			defer pool.Close()
-			ls, bytes := streamLinearsBF16(pool, true, 320<<20)
-			r := rand.New(rand.NewPCG(1, 1))
-			x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
-			old := *defaultImpl
-			old.tileDotTall = nil
-			pass := func(im *impl) float64 {
-				t0 := threadCPU(b)
-				for _, l := range ls {
-					l.impl = im
-					l.Apply(dst, x, rows)
-				}
-				return threadCPU(b) - t0
-			}
-			alternateImpls(b, "old", &old, float64(bytes)/1e9, pass)
-		})
-	}
+	alternateStreamImpls(b, []int{1, 7, 8}, 320<<20, "old", func(im *impl) { im.tileDotTall = nil })
 }
 
 // BenchmarkTallL2Tiles is BenchmarkTallStreamTiles over one 256 × 1024 matrix read over and

@@ -55,17 +55,24 @@ func BenchmarkBatchStreamTiles(b *testing.B) {
 	if defaultImpl.tileDotHalf == nil {
 		b.Skip("no half-panel tiles")
 	}
-	for _, rows := range []int{8, 16, 32} {
+	alternateStreamImpls(b, []int{8, 16, 32}, 160<<20, "whole", func(im *impl) { im.tileDotHalf = nil })
+}
+
+// alternateStreamImpls runs alternateImpls, on one thread, for each row count of rowCounts, over
+// streamLinearsBF16's matrices of about limit bytes of weights, each read once a pass: the
+// current implementation against base (name), which is the current one changed by without.
+func alternateStreamImpls(b *testing.B, rowCounts []int, limit int64, name string, without func(im *impl)) {
+	for _, rows := range rowCounts {
 		b.Run(fmt.Sprintf("rows%d", rows), func(b *testing.B) {
 			runtime.LockOSThread()
 			defer runtime.UnlockOSThread()
 			pool := NewPool(1)
 			defer pool.Close()
-			ls, bytes := streamLinearsBF16(pool, true, 160<<20)
+			ls, bytes := streamLinearsBF16(pool, true, limit)
 			r := rand.New(rand.NewPCG(1, 1))
 			x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
-			whole := *defaultImpl
-			whole.tileDotHalf = nil
+			base := *defaultImpl
+			without(&base)
 			pass := func(im *impl) float64 {
 				t0 := threadCPU(b)
 				for _, l := range ls {
@@ -74,7 +81,7 @@ func BenchmarkBatchStreamTiles(b *testing.B) {
 				}
 				return threadCPU(b) - t0
 			}
-			alternateImpls(b, "whole", &whole, float64(bytes)/1e9, pass)
+			alternateImpls(b, name, &base, float64(bytes)/1e9, pass)
 		})
 	}
 }
