@@ -60,6 +60,16 @@ func rowAddr(m, disp int) string {
 	}[m%4]
 }
 
+// rowPointers loads the matrix argument arg (at frame offset off) and its row stride ld (at
+// ldOff, in 4-byte elements) into the registers rowAddr addresses rows by.
+func rowPointers(arg string, off int, ld string, ldOff int) {
+	p("MOVQ %s+%d(FP), DI", arg, off)
+	p("MOVQ %s+%d(FP), R8", ld, ldOff)
+	p("SHLQ $2, R8")
+	p("LEAQ (R8)(R8*2), R9")
+	p("LEAQ (DI)(R8*4), SI")
+}
+
 // columnMasks loads the column mask argument into K1..K4, 16 columns each.
 func columnMasks() {
 	p("MOVQ mask+48(FP), AX")
@@ -96,22 +106,14 @@ func tileDot512t7(unroll int) {
 	p("JMP %s_start", name)
 	label(name + "_cont")
 	columnMasks()
-	p("MOVQ c+32(FP), DI")
-	p("MOVQ ldc+40(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
+	rowPointers("c", 32, "ldc", 40)
 	for m := range mr {
 		for v := range 4 {
 			p("VMOVUPS.Z %s, K%d, Z%d", rowAddr(m, 64*v), v+1, 4*m+v)
 		}
 	}
 	label(name + "_start")
-	p("MOVQ a+0(FP), DI")
-	p("MOVQ lda+8(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
+	rowPointers("a", 0, "lda", 8)
 	p("MOVQ w+16(FP), BX")
 	p("MOVQ kp+24(FP), CX")
 	step := func(j int) {
@@ -149,11 +151,7 @@ func tileDot512t7(unroll int) {
 	p("JMP %s_tail", name)
 	label(name + "_store")
 	columnMasks()
-	p("MOVQ c+32(FP), DI")
-	p("MOVQ ldc+40(FP), R8")
-	p("SHLQ $2, R8")
-	p("LEAQ (R8)(R8*2), R9")
-	p("LEAQ (DI)(R8*4), SI")
+	rowPointers("c", 32, "ldc", 40)
 	for m := range mr {
 		for v := range 4 {
 			p("VMOVUPS Z%d, K%d, %s", 4*m+v, v+1, rowAddr(m, 64*v))
