@@ -52,6 +52,7 @@ type workspace struct {
 	tokPos                         []int32   // position of each token
 	views                          []headView
 	viewBase                       []int      // views index of (seq, head 0, block 0)
+	headDim                        int        // the model's, for the views (touchHeads)
 	logitRows                      []logitRow // token rows whose logits are wanted
 	seqAttn                        []seqAttn
 	items                          []attnItem
@@ -286,6 +287,7 @@ func (m *Model) planViews(w *workspace, seqs []Seq, blockSize int) {
 		}
 	}
 	w.views = grow(w.views, nviews)
+	w.headDim = m.cfg.HeadDim
 }
 
 // layerStep runs decoder layer ly over the step's total token rows (w.views shows its KV).

@@ -128,11 +128,3 @@ func (view *headView) widenRows(sc *attnScratch, values bool, o, n, hd int) []fl
 	return sc.wide
 }
 
-// touchFP8 reads the keys (or values) of rows slots from offset o on in address order.
-func (view *headView) touchFP8(o, rows int, values bool) {
-	x := view.k8
-	if values {
-		x = view.v8
-	}
-	kernel.Touch(x[o:min(len(x), o+rows*view.stride)])
-}

@@ -3,7 +3,7 @@ package kernel
 import (
 	"fmt"
 	"math/rand/v2"
-	"sync"
+	"slices"
 	"testing"
 	"time"
 )
@@ -179,25 +179,17 @@ func BenchmarkRepack(b *testing.B) {
 // stream benchmarks repeat to about 320 MB of weights.
 var streamShapes = [][2]int{{4096, 1024}, {1024, 2048}, {6144, 1024}, {1024, 3072}}
 
-// bandwidthBuffer returns a 256 MB buffer with its pages faulted in, for the read-bandwidth
-// measurements the stream benchmarks take right after their passes.
-func bandwidthBuffer() []float32 {
-	buf := make([]float32, 64<<20)
-	for i := range buf {
-		buf[i] = 1
-	}
-	return buf
-}
-
 // BenchmarkGEMVStream is batch-1 decode's weight stream: one-row products over a stack of
 // matrices far larger than the last-level cache (Qwen3-0.6B's fused qkv, o_proj, fused gate/up
 // and down_proj, repeated to about 320 MB of weights), each read once per pass as a decode step
-// reads its layers. It reports the weight bytes read per second and their ratio to the all-core
-// read bandwidth measured right after over a buffer allocated beforehand (so the two share the
-// machine's load): the fraction of the memory bound the products reach.
+// reads its layers. After each pass the bandwidth probe that `kvbridge bench engine` divides by
+// (ReadProbe) reads for as long as the pass took, so the two share the machine's load; it reports
+// the medians of the passes' weight bytes a second and of their ratio to the probe's: what the
+// products alone reach of the ceiling, which no whole step (the products plus attention, norms
+// and hand-offs) can exceed.
 func BenchmarkGEMVStream(b *testing.B) {
 	shapes := streamShapes
-	buf := bandwidthBuffer()
+	probe := NewReadProbe(0, 0)
 	for _, kind := range []string{"bfloat16", "bf16dot", "int8"} {
 		b.Run(kind, func(b *testing.B) {
 			if kind == "bf16dot" && BF16Products() != "VDPBF16PS" {
@@ -223,54 +215,38 @@ func BenchmarkGEMVStream(b *testing.B) {
 			}
 			x, dst := randSlice(r, 3072), make([]float32, 6144)
 			b.SetBytes(bytes)
-			b.ResetTimer()
+			var rates, ratios []float64
 			for b.Loop() {
+				t0 := time.Now()
 				for _, l := range ls {
 					l.Apply(dst, x, 1)
 				}
+				d := time.Since(t0)
+				b.StopTimer()
+				gbps := float64(bytes) / d.Seconds() / 1e9
+				rates, ratios = append(rates, gbps), append(ratios, gbps/probe.GBps(d))
+				b.StartTimer()
 			}
-			gbps := float64(bytes) * float64(b.N) / b.Elapsed().Seconds() / 1e9
-			bw := readShares(buf, pool.Workers())
-			b.ReportMetric(bw, "readGB/s")
-			b.ReportMetric(gbps/bw, "ofReadBW")
+			b.ReportMetric(median(rates), "GB/s")
+			b.ReportMetric(median(ratios), "ofProbe")
 		})
 	}
 }
 
-// readShares is [ReadGBps] over buf, already faulted in: workers goroutines each read their
-// share for about 200ms; it returns their summed rate in GB/s.
-func readShares(buf []float32, workers int) float64 {
-	n := len(buf) / workers
-	rates := make([]float64, workers)
-	var wg sync.WaitGroup
-	for w := range workers {
-		wg.Go(func() {
-			share := buf[w*n : (w+1)*n]
-			t0 := time.Now()
-			for passes := 1; ; passes++ {
-				defaultImpl.readSum(share)
-				if el := time.Since(t0); passes >= 2 && el >= 200*time.Millisecond {
-					rates[w] = float64(passes*n*4) / el.Seconds()
-					return
-				}
-			}
-		})
-	}
-	wg.Wait()
-	var total float64
-	for _, r := range rates {
-		total += r
-	}
-	return total / 1e9
+// median returns the median of x (reordering it).
+func median(x []float64) float64 {
+	slices.Sort(x)
+	return x[len(x)/2]
 }
 
 // BenchmarkBatchStream is batched decode's products: rows (8 or 32) × the matrices of
 // BenchmarkGEMVStream (about 320 MB of weights, far larger than the last-level cache), each read
-// once per pass. It reports the pass's ratio to its bound, max(weight bytes ÷ read bandwidth,
-// FLOPs ÷ the dtype's peak), both measured right after the passes (so they share the machine's
-// load): the fraction of the step bound's product term the kernels reach.
+// once per pass. It reports the median of the passes' ratios to their bound, max(weight bytes ÷
+// read bandwidth, FLOPs ÷ the dtype's peak): the bandwidth probed after each pass for as long
+// as it took (ReadProbe, as `kvbridge bench engine` probes), the peak measured once after the
+// passes. That is the fraction of the step bound's product term the kernels reach alone.
 func BenchmarkBatchStream(b *testing.B) {
-	buf := bandwidthBuffer()
+	probe := NewReadProbe(0, 0)
 	for _, kind := range []string{"bfloat16", "bf16dot"} {
 		for _, rows := range []int{8, 32} {
 			b.Run(fmt.Sprintf("%s/rows%d", kind, rows), func(b *testing.B) {
@@ -284,23 +260,29 @@ func BenchmarkBatchStream(b *testing.B) {
 				flops := float64(rows) * float64(bytes) // 2·rows FLOPs a weight of 2 bytes
 				x, dst := randSlice(r, rows*3072), make([]float32, rows*6144)
 				b.SetBytes(bytes)
-				b.ResetTimer()
+				var secs, bws []float64
 				for b.Loop() {
+					t0 := time.Now()
 					for _, l := range ls {
 						l.Apply(dst, x, rows)
 					}
+					d := time.Since(t0)
+					b.StopTimer()
+					secs, bws = append(secs, d.Seconds()), append(bws, probe.GBps(d))
+					b.StartTimer()
 				}
-				sec := b.Elapsed().Seconds() / float64(b.N)
-				bw := readShares(buf, pool.Workers())
 				peak := PeakGFLOPS(100 * time.Millisecond)
 				if kind == "bf16dot" {
 					peak = PeakBF16GFLOPS(100 * time.Millisecond)
 				}
-				bound := max(float64(bytes)/(bw*1e9), flops/(peak*1e9))
-				b.ReportMetric(flops/sec/1e9, "GFLOP/s")
+				ratios := make([]float64, len(secs))
+				for i, sec := range secs {
+					ratios[i] = max(float64(bytes)/(bws[i]*1e9), flops/(peak*1e9)) / sec
+				}
+				b.ReportMetric(flops/median(secs)/1e9, "GFLOP/s")
 				b.ReportMetric(peak, "peakGFLOP/s")
-				b.ReportMetric(bw, "readGB/s")
-				b.ReportMetric(bound/sec, "ofBound")
+				b.ReportMetric(median(bws), "readGB/s")
+				b.ReportMetric(median(ratios), "ofBound")
 			})
 		}
 	}

@@ -154,6 +154,7 @@ func (l *Linear) applyBF16Dot(dst []float32, ldc int, x []float32, lda int, rows
 	s.streamPanels(rows*kp*4, l.pool.Workers())
 	if rows == 1 && l.impl.tileDotWide != nil {
 		s.widePanels()
+		s.endWithSingles(l.pool.Workers())
 	}
 	if s.tasks() == 1 {
 		l.dotTask(dst, ldc, pairs, kp, rows, s, 0)

@@ -24,8 +24,9 @@ const int8KBlockGroups = 8
 type int8Plan struct {
 	rows, tiles             int // row tile t holds rows [t·rows/tiles, (t+1)·rows/tiles)
 	tileGroup, tileGroups   int // row tiles per task, and groups of them
-	panelGroup, panelGroups int // panels per task, and runs of them
+	panelGroup, panelGroups int // panels per task, and runs of them (the last tail of two panels)
 	kb                      int // groups of K per block
+	tail                    int // two-panel runs that end a one-row product
 }
 
 // tasks returns the number of tasks.
@@ -34,7 +35,8 @@ func (s int8Plan) tasks() int { return s.tileGroups * s.panelGroups }
 // ranges returns task t's row tiles [t0, t1) and panels [p0, p1) of panels panels.
 func (s int8Plan) ranges(t, panels int) (t0, t1, p0, p1 int) {
 	tg, pg := t/s.panelGroups, t%s.panelGroups
-	return tg * s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup), pg * s.panelGroup, min(panels, (pg+1)*s.panelGroup)
+	p0, p1 = panelRun(pg, s.panelGroup, s.panelGroups, panels, s.tail, 2)
+	return tg * s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup), p0, p1
 }
 
 // tileRows returns row tile t's first row and its height.
@@ -48,10 +50,18 @@ func (l *Linear) int8Plan(rows, workers int) int8Plan {
 	groups := l.i8.groups
 	s := int8Plan{rows: rows, tiles: (rows + int8TileRows - 1) / int8TileRows, kb: groups}
 	if rows == 1 { // the one-row path pairs whole panels (see applyInt8)
+		// 2·workers long runs, then (with panels enough) 2·workers pairs, so that the workers
+		// finish within a pair of one another (Linear.endWithSingles).
 		tasks := min(l.panels, 2*workers)
+		head := l.panels
+		if l.panels >= 8*workers {
+			s.tail = 2 * workers
+			head -= 2 * s.tail
+		}
 		s.tileGroup, s.tileGroups = 1, 1
-		s.panelGroup = (l.panels + tasks - 1) / tasks
-		s.panelGroups = (l.panels + s.panelGroup - 1) / s.panelGroup
+		s.panelGroup = (head + tasks - 1) / tasks
+		s.panelGroup += s.panelGroup % 2 // the runs start on a pair
+		s.panelGroups = (head+s.panelGroup-1)/s.panelGroup + s.tail
 		return s
 	}
 	tileBytes := int8TileRows * groups * (Int8Group + 8) // a full tile's values, scales and corrections

@@ -242,6 +242,7 @@ func (l *Linear) ApplyStrided(dst []float32, ldc int, x []float32, lda int, rows
 	s := l.schedule(rows)
 	if rows == 1 && l.dtype == BF16 && l.impl.tileBF16Wide != nil {
 		s.widePanels()
+		s.endWithSingles(l.pool.Workers())
 	}
 	if s.tasks() == 1 {
 		l.task(dst, ldc, x, lda, rows, s, 0)
@@ -258,10 +259,34 @@ type schedule struct {
 	tiles, panels         int
 	tileGroup, panelGroup int
 	tileGroups            int
-	panelGroups           int
+	panelGroups           int // runs of panels: panelGroup each, then tail single panels
+	tail                  int // single-panel runs that end a one-row product (endWithSingles)
 }
 
 func (s schedule) tasks() int { return s.tileGroups * s.panelGroups }
+
+// endWithSingles ends a one-row product's runs of several panels with 2·workers single-panel
+// runs. The workers claim tasks in order, so they finish within about a panel of one another
+// instead of a run: down_proj's 16 panels were 4 runs of 4, and the worker that finished first
+// waited for most of a run (a quarter of the product) while the other streamed alone.
+func (s *schedule) endWithSingles(workers int) {
+	tail := 2 * workers
+	if s.tileGroups != 1 || s.panelGroup == 1 || s.panels < tail+s.panelGroup {
+		return
+	}
+	s.tail = tail
+	s.panelGroups = (s.panels-tail+s.panelGroup-1)/s.panelGroup + tail
+}
+
+// panelRun returns the panels [p0, p1) of run pg of a product's panels split into groups runs:
+// runs of group panels, the last tail of them width panels each from the end.
+func panelRun(pg, group, groups, panels, tail, width int) (p0, p1 int) {
+	if pg >= groups-tail {
+		p0 = panels - (groups-pg)*width
+		return p0, p0 + width
+	}
+	return pg * group, min(panels-tail*width, (pg+1)*group)
+}
 
 // l2Budget is the number of bytes of weights plus inputs one task aims to keep in a core's L2.
 const l2Budget = 512 << 10
@@ -337,7 +362,8 @@ func (s *schedule) streamPanels(actBytes, workers int) {
 // ranges returns task t's row tiles [t0, t1) and panels [p0, p1).
 func (s schedule) ranges(t int) (t0, t1, p0, p1 int) {
 	tg, pg := t/s.panelGroups, t%s.panelGroups
-	return tg * s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup), pg * s.panelGroup, min(s.panels, (pg+1)*s.panelGroup)
+	p0, p1 = panelRun(pg, s.panelGroup, s.panelGroups, s.panels, s.tail, 1)
+	return tg * s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup), p0, p1
 }
 
 // kBlockSteps returns the steps of k (pairs for BF16 panels, single k for F16) a task of tiles
@@ -464,9 +490,7 @@ func (s schedule) count() int {
 // task computes one block of tiles × panels: panel-major, so a panel stays in cache while the
 // block's row tiles stream past it.
 func (l *Linear) task(dst []float32, ldc int, x []float32, lda int, rows int, s schedule, t int) {
-	tg, pg := t/s.panelGroups, t%s.panelGroups
-	t0, t1 := tg*s.tileGroup, min(s.tiles, (tg+1)*s.tileGroup)
-	p0, p1 := pg*s.panelGroup, min(s.panels, (pg+1)*s.panelGroup)
+	t0, t1, p0, p1 := s.ranges(t)
 	in, out := l.in, l.out
 	if rows == 1 && l.dtype == BF16 && l.impl.tileBF16Wide != nil {
 		// Four (or two) whole panels at a time: as many weight streams and independent chains.
