@@ -43,7 +43,8 @@ type Config struct {
 	UCX map[string]string
 	// UCXWorkers is the number of UCX workers, each with a progress goroutine on its own
 	// locked OS thread and an endpoint to every peer; large requests are spread over them.
-	// Default GOMAXPROCS/2, from 1 to 4; at most 64.
+	// Default GOMAXPROCS/2, from 1 to 4; at most 64. The agent runs one more worker of its
+	// own, which only answers peers that connected to it (see SendNotif).
 	UCXWorkers int
 	// Workers is the number of SHM copy goroutines. Default GOMAXPROCS.
 	Workers int

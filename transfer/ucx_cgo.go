@@ -47,11 +47,24 @@ const maxUCXInbound = 4096
 
 // ucxEngine is an agent's UCX state: the context, the workers and their goroutines, the
 // arenas registered with UCX, and the routes back to peers that connected to this agent.
+//
+// The last worker, answer, is not published: it only opens the answer routes to peers that
+// connected to this agent (see sendInbound), and nobody opens an endpoint to it. UCX 1.13
+// pairs endpoints that two workers create towards each other: a worker's k-th ucp_ep_create
+// to a remote worker is joined to the endpoint the remote worker created k-th towards it
+// (ucp_ep_create_api_to_worker_addr takes it from the "unexpected" queue of the connection
+// matching by sequence number), whether or not that endpoint is still open on the remote
+// side — UCX does not tell the other side when an endpoint to a worker address is closed. An
+// answer route opened from a link worker would be joined to an endpoint of one of the peer's
+// links, perhaps one it closed long ago (a timeout tears links down): its hello would go
+// nowhere. The answer worker has no such endpoints waiting, so its routes are always new
+// connections of their own.
 type ucxEngine struct {
 	a       *Agent
 	ctx     C.ucp_context_h
-	workers []*ucxWorker
-	addrs   [][]byte
+	workers []*ucxWorker // the link workers, then the answer worker
+	nlink   int          // link workers: workers[:nlink], published in the metadata
+	addrs   [][]byte     // the link workers' addresses
 	nextID  atomic.Uint64
 
 	mapMu sync.Mutex
@@ -105,7 +118,8 @@ func newUCXEngine(a *Agent) (*ucxEngine, error) {
 	if st := C.kvb_context_create(kvp, C.int(len(kv)), &e.ctx, &errbuf[0], C.size_t(len(errbuf))); st != C.UCS_OK {
 		return nil, newErr("agent", "", ErrBackend, "UCX: "+C.GoString(&errbuf[0]), nil)
 	}
-	for i := range a.cfg.UCXWorkers {
+	e.nlink = a.cfg.UCXWorkers
+	for i := range e.nlink + 1 { // the link workers and the answer worker
 		w := &ucxWorker{e: e, idx: i, links: map[uint64]*ucxLink{}, done: make(chan struct{})}
 		ready := make(chan error, 1)
 		go w.run(ready)
@@ -115,7 +129,9 @@ func newUCXEngine(a *Agent) (*ucxEngine, error) {
 			return nil, err
 		}
 		e.workers = append(e.workers, w)
-		e.addrs = append(e.addrs, w.addr)
+		if i < e.nlink {
+			e.addrs = append(e.addrs, w.addr)
+		}
 	}
 	return e, nil
 }
@@ -123,8 +139,11 @@ func newUCXEngine(a *Agent) (*ucxEngine, error) {
 // workerAddrs returns the packed worker addresses published in the metadata.
 func (e *ucxEngine) workerAddrs() [][]byte { return e.addrs }
 
-// numWorkers returns the number of workers.
-func (e *ucxEngine) numWorkers() int { return len(e.workers) }
+// numWorkers returns the number of link workers, the workers that requests are spread over.
+func (e *ucxEngine) numWorkers() int { return e.nlink }
+
+// answerWorker returns the index of the answer worker (see ucxEngine).
+func (e *ucxEngine) answerWorker() int { return e.nlink }
 
 // close stops the workers, all at once (each closes every endpoint: flushed for at most
 // ucxCloseGrace, then forcibly, canceling what is still in flight), unregisters the arenas and
@@ -198,9 +217,10 @@ func (e *ucxEngine) unmapArena(m *ucxMapping) {
 	C.kvb_mem_unmap(e.ctx, C.ucp_mem_h(m.memh))
 }
 
-// newLink returns a link to agent name (p nil: an answer route to an inbound peer).
-func (e *ucxEngine) newLink(name string, p *peer) *ucxLink {
-	return &ucxLink{e: e, id: e.nextID.Add(1), peer: name, p: p, eps: make([]*ucxEP, len(e.workers)), acked: make(chan struct{}, len(e.workers))}
+// newLink returns a link to agent name (p nil: an answer route to an inbound peer) whose
+// notifications leave on worker home.
+func (e *ucxEngine) newLink(name string, p *peer, home int) *ucxLink {
+	return &ucxLink{e: e, id: e.nextID.Add(1), peer: name, p: p, home: home, eps: make([]*ucxEP, len(e.workers)), acked: make(chan struct{}, len(e.workers))}
 }
 
 // connect opens an endpoint on every worker to the peer's workers and waits until UCX has
@@ -208,22 +228,32 @@ func (e *ucxEngine) newLink(name string, p *peer) *ucxLink {
 // unreachable peer is ErrRemoteDisconnect.
 func (e *ucxEngine) connect(ctx context.Context, p *peer) (*ucxLink, error) {
 	m := p.meta.Load()
-	l := e.newLink(p.name, p)
-	if err := e.open(ctx, l, len(e.workers), func(i int) []byte { return m.UCXWorkers[i%len(m.UCXWorkers)] }); err != nil {
+	l := e.newLink(p.name, p, 0)
+	if err := e.open(ctx, l, e.linkWorkers(), func(i int) []byte { return m.UCXWorkers[i%len(m.UCXWorkers)] }); err != nil {
 		return nil, err
 	}
 	return l, nil
 }
 
-// open opens the endpoints of workers [0, n) of l (worker i to addr(i)), then says hello on
-// each — on worker 0 first on the link, before any notification — and waits for the peer's
+// linkWorkers returns the indices of the link workers.
+func (e *ucxEngine) linkWorkers() []int {
+	idx := make([]int, e.nlink)
+	for i := range idx {
+		idx[i] = i
+	}
+	return idx
+}
+
+// open opens the endpoints of l on the given workers (worker i to addr(i)), then says hello on
+// each — on the link's home worker first, before any notification — and waits for the peer's
 // acknowledgements: the hello tells the peer how to answer, and an acknowledgement, sent
 // after the peer's own wire-up messages on that endpoint, means none of them is still
 // pending there (UCX 1.13 aborts a process whose endpoint fails with one pending, as when
 // this agent closes the link abruptly).
-func (e *ucxEngine) open(ctx context.Context, l *ucxLink, n int, addr func(int) []byte) error {
+func (e *ucxEngine) open(ctx context.Context, l *ucxLink, workers []int, addr func(int) []byte) error {
+	n := len(workers)
 	results := make(chan error, n)
-	for i := range n {
+	for _, i := range workers {
 		w, a := e.workers[i], addr(i)
 		if !w.submit(func() { w.openEP(l, a, func(err error) { results <- err }) }) {
 			results <- newErr("connect", l.peer, ErrClosed, "agent closed", nil)
@@ -255,7 +285,7 @@ func (e *ucxEngine) open(ctx context.Context, l *ucxLink, n int, addr func(int) 
 		return first
 	}
 	sent := make(chan error, n)
-	for i := range n {
+	for _, i := range workers {
 		w := e.workers[i]
 		if !w.submit(func() { w.sendAM(l, C.KVB_AM_HELLO, e.addrs[0], func(err error) { sent <- err }) }) {
 			sent <- newErr("connect", l.peer, ErrClosed, "agent closed", nil)
@@ -322,9 +352,11 @@ func (e *ucxEngine) sendInbound(ctx context.Context, name string, msg []byte, de
 		return false, nil
 	}
 	if l == nil {
-		// Opening the link waits for UCX: no lock is held.
-		nl := e.newLink(name, nil)
-		if err := e.open(ctx, nl, 1, func(int) []byte { return in.addr }); err != nil {
+		// Opening the link waits for UCX: no lock is held. The link leaves from the answer
+		// worker, so that UCX makes it a connection of its own (see ucxEngine).
+		aw := e.answerWorker()
+		nl := e.newLink(name, nil, aw)
+		if err := e.open(ctx, nl, []int{aw}, func(int) []byte { return in.addr }); err != nil {
 			return true, err
 		}
 		var err error
@@ -379,9 +411,10 @@ type ucxLink struct {
 	id     uint64
 	peer   string
 	p      *peer         // nil for an answer route to an inbound peer
+	home   int           // the worker notifications leave on: 0, or the answer worker for an answer route
 	eps    []*ucxEP      // eps[i] is touched only by worker i's goroutine
-	seq    uint64        // notifications sent (worker 0's goroutine only)
-	lanes  []string      // worker 0's endpoint's lanes, set before the link is in use
+	seq    uint64        // notifications sent (the home worker's goroutine only)
+	lanes  []string      // the home worker's endpoint's lanes, set before the link is in use
 	acked  chan struct{} // one value per endpoint whose hello the peer acknowledged
 	closed atomic.Bool
 	// aborted: the link failed or a request was abandoned in flight: close its endpoints at
@@ -446,8 +479,8 @@ func (l *ucxLink) send(msg []byte, deadline time.Time) error {
 	return <-ch
 }
 
-// sendAsync sends a notification on worker 0 and calls done once it completed or failed. A
-// send still pending at the deadline tears the link down.
+// sendAsync sends a notification on the link's home worker and calls done once it completed
+// or failed. A send still pending at the deadline tears the link down.
 func (l *ucxLink) sendAsync(msg []byte, deadline time.Time, done func(error)) {
 	msg = bytes.Clone(msg)
 	var once sync.Once
@@ -471,7 +504,7 @@ func (l *ucxLink) sendAsync(msg []byte, deadline time.Time, done func(error)) {
 		defer tmu.Unlock()
 		timer = time.AfterFunc(time.Until(deadline), func() { l.abort("notification not sent before its deadline") })
 	}()
-	w := l.e.workers[0]
+	w := l.e.workers[l.home]
 	if !w.submit(func() { w.sendAM(l, C.KVB_AM_MSG, msg, fin) }) {
 		fin(newErr("notify", l.peer, ErrClosed, "agent closed", nil))
 	}
@@ -884,7 +917,7 @@ func (w *ucxWorker) openEP(l *ucxLink, addr []byte, done func(error)) {
 			done(ucsErr("connect", st, "UCX wire-up").withPeer(l.peer))
 			return
 		}
-		if w.idx == 0 {
+		if w.idx == l.home {
 			if info := C.kvb_ep_info(ep); info != nil {
 				l.lanes = parseUCXLanes(C.GoString(info))
 				C.free(unsafe.Pointer(info))

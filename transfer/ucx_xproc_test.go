@@ -233,3 +233,23 @@ func TestUCXInitiatorKilledMidTransfer(t *testing.T) {
 		})
 	}
 }
+
+// TestUCXStalledPeerNotif: after a READ timed out against a stopped peer (which tears the link
+// down), a notification sent alone once the peer runs again reaches it over a new link, and
+// the peer's echo comes back, whether or not the peer had an answer route open before the
+// stall. Cold, UCX 1.13 used to join the peer's new answer route to this agent's first
+// link's endpoint, closed by the timeout (see ucxEngine), so that the route's hello, and
+// then the echo, went nowhere.
+func TestUCXStalledPeerNotif(t *testing.T) {
+	for _, tls := range ucxTransports {
+		for _, warm := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/warm=%v", tls, warm), func(t *testing.T) {
+				peer := startUCXPeer(t, "xstallnotif", 5, 4<<20, tls)
+				ini := stalledPeerNotif(t, peer, ucxConfig(tls), warm)
+				if st := ini.Stats(); st.Connects != 2 {
+					t.Fatalf("%d connects, want 2 (the timeout closes the link)", st.Connects)
+				}
+			})
+		}
+	}
+}

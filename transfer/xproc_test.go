@@ -618,3 +618,56 @@ func peerRead(t *testing.T, peer *testPeer, cfg Config, size int64, timeout time
 	t.Cleanup(req.Release)
 	return ini, ar, req
 }
+
+// stalledPeerNotif stops the peer, posts a READ to it with a 300 ms context deadline, resumes
+// the peer and then sends a notification alone (no request first): SendNotif must either
+// deliver it (the peer's echo comes back) or fail; it must never succeed while the message or
+// its echo is lost. Where the READ needs the peer (TCP, UCX) it ends in ErrTimeout, which
+// tears the connection down, so the notification goes over a new one; an SHM READ copies
+// without the peer and completes. warm: a notification's echo came back before the stall
+// (the peer's route back is open), else the peer's first answer comes after the teardown. It
+// returns the initiator.
+func stalledPeerNotif(t *testing.T, peer *testPeer, cfg Config, warm bool) *Agent {
+	t.Helper()
+	ini, _, req := peerRead(t, peer, cfg, 4<<20, time.Minute)
+	name := req.peer.name
+	if warm {
+		if err := postWait(t, req, []byte("before")); err != nil {
+			t.Fatal(err)
+		}
+		if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:before" {
+			t.Fatalf("echo %q, want ECHO:before", nt.Msg)
+		}
+	}
+	peer.stop()
+	short, cancel := context.WithTimeout(testCtx(t), 300*time.Millisecond)
+	defer cancel()
+	if err := req.Post(short, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := req.Wait(testCtx(t)); req.backend != BackendSHM || err != nil {
+		wantKind(t, err, ErrTimeout)
+	}
+	peer.signal(syscall.SIGCONT)
+	if err := ini.SendNotif(testCtx(t), name, []byte("alone")); err != nil {
+		t.Fatalf("SendNotif to the resumed peer: %v", err)
+	}
+	if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:alone" || nt.Peer != name {
+		t.Fatalf("echo %+v, want ECHO:alone from %s", nt, name)
+	}
+	return ini
+}
+
+// TestStalledPeerNotif: once a stopped peer runs again, a notification sent alone reaches it
+// and its echo comes back, over TCP (after a READ timed out and tore the connection down) and
+// over SHM's Unix socket, whether or not the peer had answered before the stall.
+func TestStalledPeerNotif(t *testing.T) {
+	for _, be := range []string{"TCP", "SHM"} {
+		for _, warm := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/warm=%v", be, warm), func(t *testing.T) {
+				peer := startTestPeer(t, "xstallnotif", 5, 4<<20)
+				stalledPeerNotif(t, peer, Config{Backends: []string{be}}, warm)
+			})
+		}
+	}
+}
