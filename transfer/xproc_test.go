@@ -102,6 +102,14 @@ func runTestPeer(name string) error {
 			if err := pull(a, reg, f[1], out); err != nil {
 				return err
 			}
+		case "notify":
+			// notify <base64 metadata> <msg>: load that agent's metadata (once) and send it
+			// msg over this agent's own route to it, within 10 s; "SENT", or "ERR <error>".
+			if err := notifyLoaded(a, f[1], f[2]); err != nil {
+				fmt.Fprintf(out, "ERR %v\n", err)
+			} else {
+				fmt.Fprintln(out, "SENT")
+			}
 		case "quit":
 			return nil
 		}
@@ -138,6 +146,21 @@ func pull(a *Agent, reg *Region, meta string, out *bufio.Writer) error {
 			out.Flush()
 		}
 	}
+}
+
+// notifyLoaded is the peer's "notify" command.
+func notifyLoaded(a *Agent, meta, msg string) error {
+	blob, err := base64.StdEncoding.DecodeString(meta)
+	if err != nil {
+		return err
+	}
+	name, err := a.LoadRemote(blob)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return a.SendNotif(ctx, name, []byte(msg))
 }
 
 // testPeer is a running peer process.
