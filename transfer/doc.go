@@ -51,7 +51,7 @@
 // published worker could go to a closed endpoint and be lost. Two agents that have each
 // loaded the other's metadata still have their links joined that way; a notification whose
 // endpoint UCX joined to a closed one fails (ErrRemoteDisconnect, after DialTimeout or the
-// notification's deadline) rather than vanish, and the next one gets an endpoint of its own.
+// notification's deadline) rather than vanish (TestUCXStalledPeerOwnLink).
 // Endpoints use UCX's peer error handling, so a dead peer fails
 // the requests in flight with ErrRemoteDisconnect; a peer on this host is also watched
 // through a pidfd. UCX 1.13 selects only transports with peer-failure support for such
