@@ -643,13 +643,14 @@ func peerRead(t *testing.T, peer *testPeer, cfg Config, size int64, timeout time
 }
 
 // stalledPeerNotif stops the peer, posts a READ to it with a 300 ms context deadline, resumes
-// the peer and then sends a notification alone (no request first): SendNotif must either
-// deliver it (the peer's echo comes back) or fail; it must never succeed while the message or
-// its echo is lost. Where the READ needs the peer (TCP, UCX) it ends in ErrTimeout, which
-// tears the connection down, so the notification goes over a new one; an SHM READ copies
-// without the peer and completes. warm: a notification's echo came back before the stall
-// (the peer's route back is open), else the peer's first answer comes after the teardown. It
-// returns the initiator.
+// the peer and then sends a notification alone (no request first), which must arrive: SendNotif
+// succeeds and the peer's echo comes back (an error would at least not be a silent loss, but
+// the peer is running again and reachable). Where the READ needs the peer it ends in
+// ErrTimeout, which closes the TCP data connections (the notification takes the control
+// connection) or the UCX link (the notification connects a new one, as a request would); an
+// SHM READ copies without the peer and completes. warm: an echo came back before the stall
+// (the peer's route back is open), else the peer's first answer comes after it. It returns
+// the initiator.
 func stalledPeerNotif(t *testing.T, peer *testPeer, cfg Config, warm bool) *Agent {
 	t.Helper()
 	ini, _, req := peerRead(t, peer, cfg, 4<<20, time.Minute)
