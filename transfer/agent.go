@@ -43,7 +43,9 @@ type Config struct {
 	UCX map[string]string
 	// UCXWorkers is the number of UCX workers, each with a progress goroutine on its own
 	// locked OS thread and an endpoint to every peer; large requests are spread over them.
-	// Default GOMAXPROCS/2, from 1 to 4; at most 64.
+	// Default GOMAXPROCS/2, from 1 to 4; at most 64. The first time the agent answers a peer
+	// that connected to it over UCX (see SendNotif), it starts one more worker, for answers
+	// only.
 	UCXWorkers int
 	// Workers is the number of SHM copy goroutines. Default GOMAXPROCS.
 	Workers int

@@ -44,7 +44,15 @@
 // addresses in the metadata (format 3). Workers are driven by goroutines of their own that
 // park in the network poller when there is nothing to do; a request's pieces are posted back
 // to back with one endpoint flush per worker, and its notification is an active message sent
-// after the flush completed. Endpoints use UCX's peer error handling, so a dead peer fails
+// after the flush completed. An agent answers a peer that connected to it over UCX (SendNotif
+// without its metadata loaded) from one more, unpublished worker started on first use:
+// UCX 1.13 joins an endpoint a worker creates to a worker that created endpoints towards it
+// to one of those, open or long closed (a timeout closes a link), and an answer from a
+// published worker could go to a closed endpoint and be lost. Two agents that have each
+// loaded the other's metadata still have their links joined that way; a notification whose
+// endpoint UCX joined to a closed one fails (ErrRemoteDisconnect, after DialTimeout or the
+// notification's deadline) rather than vanish (TestUCXStalledPeerOwnLink).
+// Endpoints use UCX's peer error handling, so a dead peer fails
 // the requests in flight with ErrRemoteDisconnect; a peer on this host is also watched
 // through a pidfd. UCX 1.13 selects only transports with peer-failure support for such
 // endpoints, which on TCP and shared memory means UCX emulates gets and puts with active

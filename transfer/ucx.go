@@ -30,6 +30,11 @@ import (
 // whose completion means every piece completed (for puts: remotely). The notification is an
 // active message sent on worker 0 after every unit completed, so the peer sees it only after
 // the data. Messages to one peer all leave on worker 0's endpoint and so arrive in order.
+// One more worker, the answer worker, is not published and starts on first use: it carries the
+// answers to peers that connected to this agent without this agent having loaded their
+// metadata (SendNotif to an inbound peer), over a one-endpoint link to the address the peer's
+// hello gave, so that UCX never joins such a route to an endpoint of the peer's own links (see
+// ucxEngine in ucx_cgo.go).
 
 // ucxMinVersion is the oldest UCX the backend builds against (checked at compile time by
 // ucx_shim.h and at start-up against the loaded library).

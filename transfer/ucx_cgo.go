@@ -47,12 +47,29 @@ const maxUCXInbound = 4096
 
 // ucxEngine is an agent's UCX state: the context, the workers and their goroutines, the
 // arenas registered with UCX, and the routes back to peers that connected to this agent.
+//
+// One more worker, the answer worker, is not published: started on first use, it only opens
+// the answer routes to peers that connected to this agent (see sendInbound), and nobody opens
+// an endpoint to it. UCX 1.13 pairs the endpoints two workers create towards each other: a
+// worker's k-th ucp_ep_create to a remote worker is joined to the endpoint the remote worker
+// created k-th towards it, if there is one (ucp_ep_create_api_to_worker_addr takes it from
+// the "unexpected" queue of its connection matching, by sequence number), whether or not that
+// endpoint is still open on the remote side: UCX does not tell the other side when an
+// endpoint to a worker address is closed. An answer route opened from a link worker would be
+// joined to an endpoint of one of the peer's links, perhaps one it closed long ago (a timeout
+// tears links down), and its hello would go nowhere (TestUCXStalledPeerNotif). The answer
+// worker has no such endpoints waiting, so its routes are always connections of their own.
 type ucxEngine struct {
 	a       *Agent
 	ctx     C.ucp_context_h
-	workers []*ucxWorker
-	addrs   [][]byte
+	workers []*ucxWorker // the link workers, published in the metadata
+	addrs   [][]byte     // their addresses
 	nextID  atomic.Uint64
+
+	ansMu sync.Mutex
+	// guarded by ansMu
+	answer  *ucxWorker // the answer worker, nil until first used
+	stopped bool       // no answer worker may start any more
 
 	mapMu sync.Mutex
 	// guarded by mapMu
@@ -123,8 +140,38 @@ func newUCXEngine(a *Agent) (*ucxEngine, error) {
 // workerAddrs returns the packed worker addresses published in the metadata.
 func (e *ucxEngine) workerAddrs() [][]byte { return e.addrs }
 
-// numWorkers returns the number of workers.
+// numWorkers returns the number of link workers, the workers that requests are spread over.
 func (e *ucxEngine) numWorkers() int { return len(e.workers) }
+
+// answerWorker returns the answer worker (see ucxEngine), starting it on first use. Its index
+// follows the link workers'.
+func (e *ucxEngine) answerWorker() (*ucxWorker, error) {
+	e.ansMu.Lock()
+	defer e.ansMu.Unlock()
+	if e.stopped {
+		return nil, newErr("notify", "", ErrClosed, "agent closed", nil)
+	}
+	if e.answer != nil {
+		return e.answer, nil
+	}
+	w := &ucxWorker{e: e, idx: len(e.workers), links: map[uint64]*ucxLink{}, done: make(chan struct{})}
+	ready := make(chan error, 1)
+	go w.run(ready)
+	if err := <-ready; err != nil {
+		<-w.done
+		return nil, err
+	}
+	e.answer = w
+	return w, nil
+}
+
+// stopAnswer makes answerWorker fail from now on and returns the answer worker, if it started.
+func (e *ucxEngine) stopAnswer() *ucxWorker {
+	e.ansMu.Lock()
+	defer e.ansMu.Unlock()
+	e.stopped = true
+	return e.answer
+}
 
 // close stops the workers, all at once (each closes every endpoint: flushed for at most
 // ucxCloseGrace, then forcibly, canceling what is still in flight), unregisters the arenas and
@@ -132,10 +179,14 @@ func (e *ucxEngine) numWorkers() int { return len(e.workers) }
 func (e *ucxEngine) close() {
 	e.closeOnce.Do(func() {
 		e.closeInbound()
-		for _, w := range e.workers {
+		workers := e.workers
+		if w := e.stopAnswer(); w != nil {
+			workers = append(workers[:len(workers):len(workers)], w)
+		}
+		for _, w := range workers {
 			w.beginStop()
 		}
-		for _, w := range e.workers {
+		for _, w := range workers {
 			w.stop()
 		}
 		e.unmapAll()
@@ -198,9 +249,10 @@ func (e *ucxEngine) unmapArena(m *ucxMapping) {
 	C.kvb_mem_unmap(e.ctx, C.ucp_mem_h(m.memh))
 }
 
-// newLink returns a link to agent name (p nil: an answer route to an inbound peer).
-func (e *ucxEngine) newLink(name string, p *peer) *ucxLink {
-	return &ucxLink{e: e, id: e.nextID.Add(1), peer: name, p: p, eps: make([]*ucxEP, len(e.workers)), acked: make(chan struct{}, len(e.workers))}
+// newLink returns a link to agent name (p nil: an answer route to an inbound peer) with
+// endpoints on the workers ws; notifications leave on ws[0].
+func (e *ucxEngine) newLink(name string, p *peer, ws []*ucxWorker) *ucxLink {
+	return &ucxLink{e: e, id: e.nextID.Add(1), peer: name, p: p, ws: ws, eps: make([]*ucxEP, len(e.workers)+1), acked: make(chan struct{}, len(ws))}
 }
 
 // connect opens an endpoint on every worker to the peer's workers and waits until UCX has
@@ -208,23 +260,24 @@ func (e *ucxEngine) newLink(name string, p *peer) *ucxLink {
 // unreachable peer is ErrRemoteDisconnect.
 func (e *ucxEngine) connect(ctx context.Context, p *peer) (*ucxLink, error) {
 	m := p.meta.Load()
-	l := e.newLink(p.name, p)
-	if err := e.open(ctx, l, len(e.workers), func(i int) []byte { return m.UCXWorkers[i%len(m.UCXWorkers)] }); err != nil {
+	l := e.newLink(p.name, p, e.workers)
+	if err := e.open(ctx, l, func(i int) []byte { return m.UCXWorkers[i%len(m.UCXWorkers)] }); err != nil {
 		return nil, err
 	}
 	return l, nil
 }
 
-// open opens the endpoints of workers [0, n) of l (worker i to addr(i)), then says hello on
-// each — on worker 0 first on the link, before any notification — and waits for the peer's
-// acknowledgements: the hello tells the peer how to answer, and an acknowledgement, sent
-// after the peer's own wire-up messages on that endpoint, means none of them is still
-// pending there (UCX 1.13 aborts a process whose endpoint fails with one pending, as when
-// this agent closes the link abruptly).
-func (e *ucxEngine) open(ctx context.Context, l *ucxLink, n int, addr func(int) []byte) error {
+// open opens the endpoints of l on its workers (worker i to addr(i)), then says hello on
+// each — on the worker that carries its notifications first, before any notification — and
+// waits for the peer's acknowledgements: the hello tells the peer how to answer, and an
+// acknowledgement, sent after the peer's own wire-up messages on that endpoint, means none of
+// them is still pending there (UCX 1.13 aborts a process whose endpoint fails with one
+// pending, as when this agent closes the link abruptly).
+func (e *ucxEngine) open(ctx context.Context, l *ucxLink, addr func(int) []byte) error {
+	n := len(l.ws)
 	results := make(chan error, n)
-	for i := range n {
-		w, a := e.workers[i], addr(i)
+	for _, w := range l.ws {
+		a := addr(w.idx)
 		if !w.submit(func() { w.openEP(l, a, func(err error) { results <- err }) }) {
 			results <- newErr("connect", l.peer, ErrClosed, "agent closed", nil)
 		}
@@ -255,8 +308,7 @@ func (e *ucxEngine) open(ctx context.Context, l *ucxLink, n int, addr func(int) 
 		return first
 	}
 	sent := make(chan error, n)
-	for i := range n {
-		w := e.workers[i]
+	for _, w := range l.ws {
 		if !w.submit(func() { w.sendAM(l, C.KVB_AM_HELLO, e.addrs[0], func(err error) { sent <- err }) }) {
 			sent <- newErr("connect", l.peer, ErrClosed, "agent closed", nil)
 		}
@@ -322,12 +374,16 @@ func (e *ucxEngine) sendInbound(ctx context.Context, name string, msg []byte, de
 		return false, nil
 	}
 	if l == nil {
-		// Opening the link waits for UCX: no lock is held.
-		nl := e.newLink(name, nil)
-		if err := e.open(ctx, nl, 1, func(int) []byte { return in.addr }); err != nil {
+		// Opening the link waits for UCX: no lock is held. The link leaves from the answer
+		// worker, so that UCX makes it a connection of its own (see ucxEngine).
+		aw, err := e.answerWorker()
+		if err != nil {
 			return true, err
 		}
-		var err error
+		nl := e.newLink(name, nil, []*ucxWorker{aw})
+		if err := e.open(ctx, nl, func(int) []byte { return in.addr }); err != nil {
+			return true, err
+		}
 		if l, err = e.installInbound(name, in, nl); err != nil {
 			return true, err
 		}
@@ -379,9 +435,10 @@ type ucxLink struct {
 	id     uint64
 	peer   string
 	p      *peer         // nil for an answer route to an inbound peer
-	eps    []*ucxEP      // eps[i] is touched only by worker i's goroutine
-	seq    uint64        // notifications sent (worker 0's goroutine only)
-	lanes  []string      // worker 0's endpoint's lanes, set before the link is in use
+	ws     []*ucxWorker  // the link workers, or the answer worker; notifications leave on ws[0]
+	eps    []*ucxEP      // eps[i] is touched only by the goroutine of the worker of index i
+	seq    uint64        // notifications sent (ws[0]'s goroutine only)
+	lanes  []string      // ws[0]'s endpoint's lanes, set before the link is in use
 	acked  chan struct{} // one value per endpoint whose hello the peer acknowledged
 	closed atomic.Bool
 	// aborted: the link failed or a request was abandoned in flight: close its endpoints at
@@ -413,7 +470,7 @@ func (l *ucxLink) close() {
 		return
 	}
 	// Again after an abort: endpoints still being flushed are closed at once.
-	for _, w := range l.e.workers {
+	for _, w := range l.ws {
 		w.submit(func() { w.closeEP(l) })
 	}
 }
@@ -446,8 +503,8 @@ func (l *ucxLink) send(msg []byte, deadline time.Time) error {
 	return <-ch
 }
 
-// sendAsync sends a notification on worker 0 and calls done once it completed or failed. A
-// send still pending at the deadline tears the link down.
+// sendAsync sends a notification on the link's first worker and calls done once it completed
+// or failed. A send still pending at the deadline tears the link down.
 func (l *ucxLink) sendAsync(msg []byte, deadline time.Time, done func(error)) {
 	msg = bytes.Clone(msg)
 	var once sync.Once
@@ -471,7 +528,7 @@ func (l *ucxLink) sendAsync(msg []byte, deadline time.Time, done func(error)) {
 		defer tmu.Unlock()
 		timer = time.AfterFunc(time.Until(deadline), func() { l.abort("notification not sent before its deadline") })
 	}()
-	w := l.e.workers[0]
+	w := l.ws[0]
 	if !w.submit(func() { w.sendAM(l, C.KVB_AM_MSG, msg, fin) }) {
 		fin(newErr("notify", l.peer, ErrClosed, "agent closed", nil))
 	}
@@ -884,7 +941,7 @@ func (w *ucxWorker) openEP(l *ucxLink, addr []byte, done func(error)) {
 			done(ucsErr("connect", st, "UCX wire-up").withPeer(l.peer))
 			return
 		}
-		if w.idx == 0 {
+		if w == l.ws[0] {
 			if info := C.kvb_ep_info(ep); info != nil {
 				l.lanes = parseUCXLanes(C.GoString(info))
 				C.free(unsafe.Pointer(info))

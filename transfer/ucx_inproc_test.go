@@ -131,12 +131,28 @@ func TestUCXFallback(t *testing.T) {
 }
 
 // TestUCXCloseInFlight: closing the agents while UCX transfers are in flight ends them, every
-// goroutine of the package exits, and Close stays idempotent.
+// goroutine of the package exits (the target's answer worker's too), and Close stays
+// idempotent.
 func TestUCXCloseInFlight(t *testing.T) {
 	cfg := ucxConfig("tcp")
 	cfg.UCXWorkers = 3
 	p := newPair(t, cfg, cfg, 16<<20, PermReadWrite)
 	ll, rl := p.lists(t, 1<<20, nil)
+	// The target answers the initiator, whose metadata it has not loaded, from its answer
+	// worker, which starts now.
+	if err := p.tgt.SendNotif(testCtx(t), "initiator", []byte("back")); err != nil {
+		t.Fatal(err)
+	}
+	if nt := recvNotif(t, p.ini); string(nt.Msg) != "back" {
+		t.Fatalf("notification %q", nt.Msg)
+	}
+	e := p.tgt.ucx
+	e.ansMu.Lock()
+	started := e.answer != nil
+	e.ansMu.Unlock()
+	if !started {
+		t.Fatal("the target's answer worker did not start")
+	}
 	var reqs []*Request
 	for _, op := range []Op{Read, Write} {
 		r, err := p.ini.MakeRequest(op, ll, seq(8), rl, seq(8), nil)

@@ -102,6 +102,14 @@ func runTestPeer(name string) error {
 			if err := pull(a, reg, f[1], out); err != nil {
 				return err
 			}
+		case "notify":
+			// notify <base64 metadata> <msg>: load that agent's metadata (once) and send it
+			// msg over this agent's own route to it, within 10 s; "SENT", or "ERR <error>".
+			if err := notifyLoaded(a, f[1], f[2]); err != nil {
+				fmt.Fprintf(out, "ERR %v\n", err)
+			} else {
+				fmt.Fprintln(out, "SENT")
+			}
 		case "quit":
 			return nil
 		}
@@ -138,6 +146,21 @@ func pull(a *Agent, reg *Region, meta string, out *bufio.Writer) error {
 			out.Flush()
 		}
 	}
+}
+
+// notifyLoaded is the peer's "notify" command.
+func notifyLoaded(a *Agent, meta, msg string) error {
+	blob, err := base64.StdEncoding.DecodeString(meta)
+	if err != nil {
+		return err
+	}
+	name, err := a.LoadRemote(blob)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	return a.SendNotif(ctx, name, []byte(msg))
 }
 
 // testPeer is a running peer process.
@@ -617,4 +640,58 @@ func peerRead(t *testing.T, peer *testPeer, cfg Config, size int64, timeout time
 	}
 	t.Cleanup(req.Release)
 	return ini, ar, req
+}
+
+// stalledPeerNotif stops the peer, posts a READ to it with a 300 ms context deadline, resumes
+// the peer and then sends a notification alone (no request first), which must arrive: SendNotif
+// succeeds and the peer's echo comes back (an error would at least not be a silent loss, but
+// the peer is running again and reachable). Where the READ needs the peer it ends in
+// ErrTimeout, which closes the TCP data connections (the notification takes the control
+// connection) or the UCX link (the notification connects a new one, as a request would); an
+// SHM READ copies without the peer and completes. warm: an echo came back before the stall
+// (the peer's route back is open), else the peer's first answer comes after it. It returns
+// the initiator.
+func stalledPeerNotif(t *testing.T, peer *testPeer, cfg Config, warm bool) *Agent {
+	t.Helper()
+	ini, _, req := peerRead(t, peer, cfg, 4<<20, time.Minute)
+	name := req.peer.name
+	if warm {
+		if err := postWait(t, req, []byte("before")); err != nil {
+			t.Fatal(err)
+		}
+		if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:before" {
+			t.Fatalf("echo %q, want ECHO:before", nt.Msg)
+		}
+	}
+	peer.stop()
+	short, cancel := context.WithTimeout(testCtx(t), 300*time.Millisecond)
+	defer cancel()
+	if err := req.Post(short, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := req.Wait(testCtx(t)); req.backend != BackendSHM || err != nil {
+		wantKind(t, err, ErrTimeout)
+	}
+	peer.signal(syscall.SIGCONT)
+	if err := ini.SendNotif(testCtx(t), name, []byte("alone")); err != nil {
+		t.Fatalf("SendNotif to the resumed peer: %v", err)
+	}
+	if nt := recvNotif(t, ini); string(nt.Msg) != "ECHO:alone" || nt.Peer != name {
+		t.Fatalf("echo %+v, want ECHO:alone from %s", nt, name)
+	}
+	return ini
+}
+
+// TestStalledPeerNotif: once a stopped peer runs again, a notification sent alone reaches it
+// and its echo comes back, over TCP (after a READ timed out and tore the connection down) and
+// over SHM's Unix socket, whether or not the peer had answered before the stall.
+func TestStalledPeerNotif(t *testing.T) {
+	for _, be := range []string{"TCP", "SHM"} {
+		for _, warm := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s/warm=%v", be, warm), func(t *testing.T) {
+				peer := startTestPeer(t, "xstallnotif", 5, 4<<20)
+				stalledPeerNotif(t, peer, Config{Backends: []string{be}}, warm)
+			})
+		}
+	}
 }
