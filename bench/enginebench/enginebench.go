@@ -247,6 +247,10 @@ type BatchResult struct {
 	// bound, above it the step bound (with the run's compute peaks).
 	Reps        []Rep   `json:"reps"`
 	ProbedRatio float64 `json:"probed_ratio"`
+	// CPUCores is the CPU time the process used per second of the fastest repetition's steps
+	// (Rep.CPUCores; 0: not read), as DecodeCPUCores is for the decode after the prompt: below
+	// GOMAXPROCS, other work shared the cores while this figure ran.
+	CPUCores float64 `json:"cpu_cores"`
 	// productFLOPs and attnFLOPs are one step's FLOPs (averaged over the steps), kvBytes its
 	// KV reads.
 	productFLOPs, attnFLOPs, kvBytes float64
@@ -267,6 +271,11 @@ type Rep struct {
 	ReadGBpsMax float64 `json:"read_gbps_max"`
 	// Ratio is TokensPerS ÷ the figure's bound at ReadGBps.
 	Ratio float64 `json:"ratio"`
+	// CPUCores is the CPU time the process used per second of the steps (the probes' time left
+	// out): GOMAXPROCS when the steps had the cores to themselves, less when other work took
+	// them (0: not read). TokensPerS ÷ CPUCores is the tokens a CPU second, which the machine's
+	// load moves far less than TokensPerS.
+	CPUCores float64 `json:"cpu_cores,omitempty"`
 }
 
 // probedRatios sets each repetition's Ratio, bound(its bandwidth in bytes a second) being the
@@ -294,9 +303,8 @@ func median(x []float64) float64 {
 
 // probedSteps runs steps decode steps (step(i) runs the i-th, generating tokens tokens)
 // interleaved with probes of the read bandwidth (see Rep), timing each step alone, and returns
-// the repetition with the CPU time the process used per second of the steps (0 if it cannot be
-// read).
-func probedSteps(probe *kernel.ReadProbe, window time.Duration, steps, tokens int, step func(i int) error) (Rep, float64, error) {
+// the repetition, with the CPU time the process used per second of the steps (Rep.CPUCores).
+func probedSteps(probe *kernel.ReadProbe, window time.Duration, steps, tokens int, step func(i int) error) (Rep, error) {
 	r := Rep{ReadGBpsMin: math.Inf(1)}
 	var probeSec float64
 	sample := func(d time.Duration) {
@@ -314,7 +322,7 @@ func probedSteps(probe *kernel.ReadProbe, window time.Duration, steps, tokens in
 		cpu0, ok0 := cpuTime()
 		t0 := time.Now()
 		if err := step(i); err != nil {
-			return Rep{}, 0, err
+			return Rep{}, err
 		}
 		d := time.Since(t0)
 		cpu1, ok1 := cpuTime()
@@ -323,10 +331,10 @@ func probedSteps(probe *kernel.ReadProbe, window time.Duration, steps, tokens in
 		sample(d)
 	}
 	r.TokensPerS, r.ReadGBps = float64(steps*tokens)/sec, r.ReadGBps/probeSec
-	if !cpuOK {
-		return r, 0, nil
+	if cpuOK {
+		r.CPUCores = cpu / sec
 	}
-	return r, cpu / sec, nil
+	return r, nil
 }
 
 // Run loads the model in each dtype, measures the ceilings, prefills a random prompt into a
@@ -456,13 +464,13 @@ func runDType(ctx context.Context, opts Options, r *Result, probe *kernel.ReadPr
 		if opts.DecodeTokens <= 0 {
 			continue
 		}
-		decode, cores, err := decodeOnce(ctx, m, kv, opts, probe, blocks, logits)
+		decode, err := decodeOnce(ctx, m, kv, opts, probe, blocks, logits)
 		if err != nil {
 			return nil, err
 		}
 		d.DecodeReps = append(d.DecodeReps, decode)
 		if decode.TokensPerS > d.DecodeTokensPerS {
-			d.DecodeTokensPerS, d.DecodeCPUCores = decode.TokensPerS, cores
+			d.DecodeTokensPerS, d.DecodeCPUCores = decode.TokensPerS, decode.CPUCores
 		}
 	}
 	// Only the last chunk computes lm_head, as PrefillFLOPs assumes.
@@ -483,7 +491,7 @@ func runDType(ctx context.Context, opts Options, r *Result, probe *kernel.ReadPr
 	// The repetitions take turns across the batch sizes, so that every batch size sees the
 	// machine in each state a shared machine passes through: their ratios compare like with like.
 	for _, context := range opts.DecodeContexts {
-		best := make([]float64, len(opts.Batches))
+		best := make([]Rep, len(opts.Batches))
 		reps := make([][]Rep, len(opts.Batches))
 		for rep := range opts.Repeat {
 			for i, b := range opts.Batches {
@@ -492,12 +500,14 @@ func runDType(ctx context.Context, opts Options, r *Result, probe *kernel.ReadPr
 				if err != nil {
 					return nil, err
 				}
-				best[i] = max(best[i], r.TokensPerS)
+				if r.TokensPerS > best[i].TokensPerS {
+					best[i] = r
+				}
 				reps[i] = append(reps[i], r)
 			}
 		}
 		for i, b := range opts.Batches {
-			br := BatchResult{Batch: b, Context: context, TokensPerS: best[i], Reps: reps[i]}
+			br := BatchResult{Batch: b, Context: context, TokensPerS: best[i].TokensPerS, Reps: reps[i], CPUCores: best[i].CPUCores}
 			for s := range opts.DecodeSteps {
 				n := context + s + 1 // positions attended to
 				br.productFLOPs += float64(b) * (m.FLOPsPerToken(n) - m.AttentionFLOPsPerToken(n))
@@ -506,7 +516,7 @@ func runDType(ctx context.Context, opts Options, r *Result, probe *kernel.ReadPr
 			}
 			steps := float64(opts.DecodeSteps)
 			br.productFLOPs, br.attnFLOPs, br.kvBytes = br.productFLOPs/steps, br.attnFLOPs/steps, br.kvBytes/steps
-			br.GFLOPS = (br.productFLOPs + br.attnFLOPs) * best[i] / float64(b) / 1e9
+			br.GFLOPS = (br.productFLOPs + br.attnFLOPs) * br.TokensPerS / float64(b) / 1e9
 			d.Batched = append(d.Batched, br)
 		}
 	}
@@ -628,8 +638,8 @@ func prefillOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts 
 
 // decodeOnce decodes DecodeTokens tokens greedily after the prompt prefillOnce left in kv and
 // logits, a step at a time between probes of the read bandwidth (probedSteps), and returns the
-// repetition and the CPU time the process used per second of its steps (0 if it cannot be read).
-func decodeOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, probe *kernel.ReadProbe, blocks []int32, logits []float32) (Rep, float64, error) {
+// repetition.
+func decodeOnce(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts Options, probe *kernel.ReadProbe, blocks []int32, logits []float32) (Rep, error) {
 	return probedSteps(probe, opts.ProbeWindow, opts.DecodeTokens, 1, func(i int) error {
 		next := model.Argmax(logits)
 		s := model.Seq{Tokens: []int32{next}, Start: opts.PromptLen + i, Blocks: blocks, Logits: logits}
@@ -650,7 +660,7 @@ func decodeBatch(ctx context.Context, m *model.Model, kv []model.KVBlocks, opts 
 		last[i] = slices.Clone(s.Logits)
 		step[i] = model.Seq{Blocks: s.Blocks, Logits: make([]float32, len(s.Logits))}
 	}
-	r, _, err := probedSteps(probe, opts.ProbeWindow, opts.DecodeSteps, len(seqs), func(k int) error {
+	r, err := probedSteps(probe, opts.ProbeWindow, opts.DecodeSteps, len(seqs), func(k int) error {
 		kernel.Parallel(len(step), func(i int) { // greedy sampling of every sequence, on every core
 			toks[i] = model.Argmax(last[i])
 			step[i].Tokens, step[i].Start = toks[i:i+1], context+k
@@ -747,8 +757,9 @@ const (
 )
 
 // writeTargets prints, per run, batch-1 decode against its bound and batched decode against its
-// step bound, each with its target, and the CPU the process had while decoding after the prompt
-// (below GOMAXPROCS: other work shared the cores, and the ratios understate the engine).
+// step bound, each with its target and the CPU the process had during its fastest run (below
+// GOMAXPROCS: other work shared the cores, and the figure understates the engine; figures of
+// one run compare only at like CPU).
 func (r *Result) writeTargets(w io.Writer) {
 	fmt.Fprintf(w, "summary: batch-1 decode ÷ (weights+KV)÷bandwidth (target ≥ %.2f); batched decode ÷ step bound (target ≥ %.2f);\n"+
 		"  each the median over the runs of a run ÷ its bound at the bandwidth probed beside it [in brackets: the best run ÷ the bound at the run's best probe]\n",
@@ -768,7 +779,11 @@ func (r *Result) writeTargets(w io.Writer) {
 			if b.Batch == 1 {
 				old, target = b.TokensPerS/b.BoundWithKVTokensPerS, batch1Target
 			}
-			line += fmt.Sprintf("; batch %d ctx %d %.2f [%.2f] (%s)", b.Batch, b.Context, b.ProbedRatio, old, verdict(b.ProbedRatio, old, target, b.Batch == 1))
+			line += fmt.Sprintf("; batch %d ctx %d %.2f [%.2f] (%s", b.Batch, b.Context, b.ProbedRatio, old, verdict(b.ProbedRatio, old, target, b.Batch == 1))
+			if b.CPUCores > 0 {
+				line += fmt.Sprintf(", CPU %.2f", b.CPUCores)
+			}
+			line += ")"
 		}
 		fmt.Fprintln(w, line)
 	}

@@ -7,6 +7,8 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"regexp"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -50,6 +52,19 @@ func TestRunTiny(t *testing.T) {
 		"summary: batch-1 decode", "batch 1 after the prompt", "batch 3 ctx 20", "probed beside each run"} {
 		if !strings.Contains(table.String(), want) {
 			t.Errorf("table lacks %q:\n%s", want, table.String())
+		}
+	}
+	// Every figure of the summary says how much CPU the process had while it ran, so that
+	// figures of one run are compared at like CPU (docs/performance.md, "kvbridge at one thread").
+	if runtime.GOOS == "linux" {
+		cell := regexp.MustCompile(`(after the prompt|ctx \d+) \d+\.\d\d \[\d+\.\d\d\] \([^)]*CPU \d+\.\d\d[^)]*\)`)
+		for _, line := range strings.Split(table.String(), "\n") {
+			if !strings.Contains(line, "batch 1 after the prompt ") {
+				continue
+			}
+			if n := len(cell.FindAllString(line, -1)); n != 5 {
+				t.Errorf("summary line has %d cells with their CPU, want 5 (after the prompt, 2 contexts × 2 batches):\n%s", n, line)
+			}
 		}
 	}
 	path := filepath.Join(t.TempDir(), "r.json")
@@ -129,7 +144,7 @@ func checkRunFigures(t *testing.T, r *Result, d DTypeResult, c model.Config) {
 	// Each repetition is divided by the bound at the mean of the bandwidths probed beside it,
 	// the figure is the median of those ratios, and the best repetition is the best-of figure.
 	meanCtx := float64(r.PromptLen) + float64(r.DecodeTokens)/2
-	checkProbed(t, d.name()+" after the prompt", d.DecodeReps, d.DecodeProbedRatio, d.DecodeTokensPerS, r.Repeat,
+	checkProbed(t, d.name()+" after the prompt", d.DecodeReps, d.DecodeProbedRatio, d.DecodeTokensPerS, d.DecodeCPUCores, r.Repeat,
 		func(bw float64) float64 { return bw / (float64(d.WeightBytes) + meanCtx*float64(d.KVBytesPerTok)) })
 	for _, b := range d.Batched {
 		n := float64(b.Batch)
@@ -139,20 +154,21 @@ func checkRunFigures(t *testing.T, r *Result, d DTypeResult, c model.Config) {
 				return n / (max(float64(d.WeightBytes)/bw, b.productFLOPs/peak) + max(b.kvBytes/bw, b.attnFLOPs/(r.PeakGFLOPS*1e9)))
 			}
 		}
-		checkProbed(t, fmt.Sprintf("%s batch %d ctx %d", d.name(), b.Batch, b.Context), b.Reps, b.ProbedRatio, b.TokensPerS, r.Repeat, bound)
+		checkProbed(t, fmt.Sprintf("%s batch %d ctx %d", d.name(), b.Batch, b.Context), b.Reps, b.ProbedRatio, b.TokensPerS, b.CPUCores, r.Repeat, bound)
 	}
 }
 
 // checkProbed checks a decode figure's repetitions against bound (tokens/s at a bandwidth in
 // bytes a second): one per run, each with its probes' mean inside their range, each ratio
-// against the bound at that mean, ratio their median, best the fastest repetition.
-func checkProbed(t *testing.T, name string, reps []Rep, ratio, best float64, repeat int, bound func(bw float64) float64) {
+// against the bound at that mean, ratio their median, best the fastest repetition and cores its
+// CPU (read on Linux).
+func checkProbed(t *testing.T, name string, reps []Rep, ratio, best, cores float64, repeat int, bound func(bw float64) float64) {
 	t.Helper()
 	if len(reps) != repeat {
 		t.Fatalf("%s: %d repetitions, want %d", name, len(reps), repeat)
 	}
 	var ratios []float64
-	fastest := 0.0
+	var fastest Rep
 	for _, rep := range reps {
 		if !(rep.ReadGBpsMin > 0 && rep.ReadGBpsMin <= rep.ReadGBps*(1+1e-12) && rep.ReadGBps <= rep.ReadGBpsMax*(1+1e-12) && rep.TokensPerS > 0) {
 			t.Fatalf("%s: repetition %+v", name, rep)
@@ -162,14 +178,19 @@ func checkProbed(t *testing.T, name string, reps []Rep, ratio, best float64, rep
 			t.Fatalf("%s: repetition %+v: ratio %g, want %g", name, rep, rep.Ratio, want)
 		}
 		ratios = append(ratios, want)
-		fastest = max(fastest, rep.TokensPerS)
+		if rep.TokensPerS > fastest.TokensPerS {
+			fastest = rep
+		}
 	}
 	slices.Sort(ratios)
 	if want := ratios[len(ratios)/2]; math.Abs(ratio-want) > 1e-9*want {
 		t.Fatalf("%s: probed ratio %g, want the median %g of %v", name, ratio, want, ratios)
 	}
-	if fastest != best {
-		t.Fatalf("%s: best %g tok/s, want the fastest repetition's %g", name, best, fastest)
+	if fastest.TokensPerS != best || fastest.CPUCores != cores {
+		t.Fatalf("%s: best %g tok/s at CPU %g, want the fastest repetition's %+v", name, best, cores, fastest)
+	}
+	if runtime.GOOS == "linux" && cores <= 0 {
+		t.Fatalf("%s: no CPU figure on Linux", name)
 	}
 }
 
