@@ -22,9 +22,13 @@ import (
 //     offered: scales that depend on the first request would make a prefill and a decode engine
 //     quantize the same KV differently.
 //
-// Everything else is as for bfloat16 KV: attention widens each key and value row to float32
-// before its products, which stay the same FMA chains, so the forward pass stays batch-invariant
-// and P/D gives a single engine's bits.
+// Everything else is as for bfloat16 KV: attention widens each key and value row before its
+// products, which stay the same FMA chains, so the forward pass stays batch-invariant and P/D
+// gives a single engine's bits. Where a layer's table is bfloat16-exact (every code times the
+// scale a bfloat16 value: scale 1, or a power of two — kernel.FP8Table.BF16), the in-place
+// kernels get the rows widened to bfloat16 (half the scratch bytes) and run the bfloat16 row
+// kernels, which widen each element to float32 exactly before the same chains: the bits of the
+// float32 kernels on rows widened to float32, which the other tables take.
 
 // KVBlocksFP8 is a KV store of FP8 values, which a model with an FP8 KV cache needs:
 // HeadViewFP8 is HeadView for the values' codes (one byte each).
@@ -126,6 +130,34 @@ func (view *headView) widenRows(sc *attnScratch, values bool, o, n, hd int) []fl
 		kernel.WidenFP8(sc.wide[r*hd:(r+1)*hd], src[o+r*view.stride:o+r*view.stride+hd], tab)
 	}
 	return sc.wide
+}
+
+// fp8BF16 reports whether the view's keys (or values) go to the bfloat16 row kernels, widened
+// to bfloat16: their table is bfloat16-exact, and no test asks for the float32 kernels.
+func (view *headView) fp8BF16(values bool) bool {
+	tab := view.fp8.kTab
+	if values {
+		tab = view.fp8.vTab
+	}
+	return tab.BF16() && !view.fp8F32
+}
+
+// widenRowsBF16 is widenRows for a bfloat16-exact table (fp8BF16): the rows widened to bfloat16
+// into dst (len ≥ n·hd), which it returns, for the bfloat16 in-place kernels.
+func (view *headView) widenRowsBF16(dst []uint16, values bool, o, n, hd int) []uint16 {
+	src, tab := view.k8, view.fp8.kTab
+	if values {
+		src, tab = view.v8, view.fp8.vTab
+	}
+	dst = dst[:n*hd]
+	if view.stride == hd { // HND: the rows are adjacent
+		kernel.WidenFP8BF16(dst, src[o:o+n*hd], tab)
+		return dst
+	}
+	for r := range n {
+		kernel.WidenFP8BF16(dst[r*hd:(r+1)*hd], src[o+r*view.stride:o+r*view.stride+hd], tab)
+	}
+	return dst
 }
 
 // touchFP8 reads the keys (or values) of rows slots from offset o on in address order.
