@@ -1,6 +1,10 @@
 package model
 
-import "github.com/kvbridge/kvbridge/model/kernel"
+import (
+	"slices"
+
+	"github.com/kvbridge/kvbridge/model/kernel"
+)
 
 // scoreSet gathers the scores calls of one stretch of keys — the same positions of a block for
 // several KV heads, each with its own query and score rows — and runs them as one
@@ -43,7 +47,7 @@ func (s *scoreSet) add(sc *attnScratch, v *headView, dst []float32, ldd int, x [
 	switch {
 	case fp8:
 		i := len(s.k16) * n * hd
-		s.wide = append(s.wide[:i], make([]uint16, n*hd)...)
+		s.wide = slices.Grow(s.wide[:i], n*hd)[:i+n*hd] // no clearing: every value is written
 		v.widenRowsBF16(s.wide[i:], false, o, n, hd)
 		s.k16 = append(s.k16, nil)
 	case bf16:

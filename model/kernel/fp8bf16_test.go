@@ -1,6 +1,7 @@
 package kernel
 
 import (
+	"fmt"
 	"math"
 	"math/rand/v2"
 	"testing"
@@ -148,6 +149,39 @@ func TestFP8BF16RowKernels(t *testing.T) {
 			same("RowDotsBF16Set 0", set16[0], s32)
 			RowDots(s32, n, q, dim, rows, wide[n*dim:], dim, n, dim)
 			same("RowDotsBF16Set 1", set16[1], s32)
+		}
+	}
+}
+
+// BenchmarkWidenFP8BF16 is BenchmarkWidenFP8 for WidenFP8BF16 (scale 1), beside WidenFP8 with
+// the same table: one 16-slot block of 128-value heads (2048 codes) and one head's row (128).
+func BenchmarkWidenFP8BF16(b *testing.B) {
+	r := rand.New(rand.NewPCG(3, 4))
+	src := make([]uint8, 2048)
+	for i := range src {
+		src[i] = uint8(r.Uint32())
+	}
+	dst32, dst16 := make([]float32, len(src)), make([]uint16, len(src))
+	for _, format := range []FP8{E4M3, E5M2} {
+		tab := NewFP8Table(format, 1)
+		for _, n := range []int{2048, 128} {
+			for _, bf16 := range []bool{false, true} {
+				name := "float32"
+				if bf16 {
+					name = "bfloat16"
+				}
+				b.Run(fmt.Sprintf("%v/%d/%s", format, n, name), func(b *testing.B) {
+					b.SetBytes(int64(n))
+					for b.Loop() {
+						if bf16 {
+							WidenFP8BF16(dst16, src[:n], tab)
+						} else {
+							WidenFP8(dst32, src[:n], tab)
+						}
+					}
+					b.ReportMetric(b.Elapsed().Seconds()*1e9/float64(b.N)/float64(n), "ns/value")
+				})
+			}
 		}
 	}
 }
