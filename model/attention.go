@@ -98,7 +98,6 @@ type attnScratch struct {
 	xq, scores, acc, part []float32
 	kl, vl                kernel.Linear // chunks packed for this item only
 	wide                  []float32     // FP8 rows widened for the in-place kernels (kvfp8.go)
-	wide16                []uint16      // the same as bfloat16, where that is exact
 	set                   scoreSet      // a stretch's scores calls of several KV heads
 }
 
@@ -499,17 +498,14 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 // scores of rows query rows x (ldx apart) into dst (row r at dst[r*ldd:]), one FMA chain over d
 // each — or, for values, kernel.AccumulateRows: the rows probability rows x weighting the values
 // added into the rows of dst (ldd apart), per value element one chain over the keys, carried on
-// from what dst holds. Bfloat16 rows are widened inside the kernels, FP8 ones into sc first: to
-// bfloat16 for the bfloat16 kernels where the layer's table makes that exact, else to float32.
+// from what dst holds. Bfloat16 rows are widened inside the kernels, FP8 ones into sc first (FP8
+// keys of a bfloat16-exact table go through scoreSet instead: widened to bfloat16).
 func (v *headView) rowProducts(sc *attnScratch, values bool, dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int) {
 	f32, f16, x32, x16, x8 := kernel.RowDots, kernel.RowDotsBF16, v.k, v.k16, v.k8
 	if values {
 		f32, f16, x32, x16, x8 = kernel.AccumulateRows, kernel.AccumulateRowsBF16, v.v, v.v16, v.v8
 	}
 	switch {
-	case x8 != nil && v.fp8BF16(values):
-		sc.wide16 = grow(sc.wide16, n*hd)
-		f16(dst, ldd, x, ldx, rows, v.widenRowsBF16(sc.wide16, values, o, n, hd), hd, n, hd)
 	case x8 != nil:
 		f32(dst, ldd, x, ldx, rows, v.widenRows(sc, values, o, n, hd), hd, n, hd)
 	case x16 != nil:

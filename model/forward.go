@@ -80,7 +80,7 @@ type headView struct {
 	k8, v8   []uint8
 	fp8      *fp8Layer
 	stride   int
-	// fp8F32: the FP8 rows go to the float32 kernels even if bfloat16-exact (Model.fp8F32).
+	// fp8F32: the FP8 keys go to the float32 kernels even if bfloat16-exact (Model.fp8F32).
 	fp8F32 bool
 }
 

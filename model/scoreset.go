@@ -31,7 +31,7 @@ type scoreSet struct {
 // bfloat16-exact are run now. A call of other shapes than the gathered ones runs those first.
 func (s *scoreSet) add(sc *attnScratch, v *headView, dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int) {
 	fp8 := v.k8 != nil
-	if fp8 && !v.fp8BF16(false) {
+	if fp8 && !v.keysBF16() {
 		v.rowProducts(sc, false, dst, ldd, x, ldx, rows, o, n, hd)
 		return
 	}
@@ -48,7 +48,7 @@ func (s *scoreSet) add(sc *attnScratch, v *headView, dst []float32, ldd int, x [
 	case fp8:
 		i := len(s.k16) * n * hd
 		s.wide = slices.Grow(s.wide[:i], n*hd)[:i+n*hd] // no clearing: every value is written
-		v.widenRowsBF16(s.wide[i:], false, o, n, hd)
+		v.widenKeysBF16(s.wide[i:], o, n, hd)
 		s.k16 = append(s.k16, nil)
 	case bf16:
 		s.k16 = append(s.k16, v.k16[o:])

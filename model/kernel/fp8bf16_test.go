@@ -185,3 +185,46 @@ func BenchmarkWidenFP8BF16(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkFP8BlockProducts times what FP8 attention does with one KV head's block of 16 keys
+// (or values) of 128 dimensions for decode's 2 query rows, in L1: widen the codes to float32 and
+// run RowDots (AccumulateRows), or widen them to bfloat16 and run RowDotsBF16
+// (AccumulateRowsBF16). It reports ns a block.
+func BenchmarkFP8BlockProducts(b *testing.B) {
+	const dim, n, rows = 128, 16, 2
+	if !RowKernels(dim) {
+		b.Skip("no row kernels for dim 128 here")
+	}
+	r := rand.New(rand.NewPCG(15, 16))
+	tab := NewFP8Table(E4M3, 1)
+	codes := make([]uint8, n*dim)
+	for i := range codes {
+		codes[i] = E4M3.FromF32(float32(r.NormFloat64()))
+	}
+	q, p := randSlice(r, rows*dim), randSlice(r, rows*n)
+	dst, acc := make([]float32, rows*n), make([]float32, rows*dim)
+	wide, half := make([]float32, n*dim), make([]uint16, n*dim)
+	cases := map[string]func(){
+		"keys/float32": func() { WidenFP8(wide, codes, tab); RowDots(dst, n, q, dim, rows, wide, dim, n, dim) },
+		"keys/bfloat16": func() {
+			WidenFP8BF16(half, codes, tab)
+			RowDotsBF16(dst, n, q, dim, rows, half, dim, n, dim)
+		},
+		"values/float32": func() {
+			WidenFP8(wide, codes, tab)
+			AccumulateRows(acc, dim, p, n, rows, wide, dim, n, dim)
+		},
+		"values/bfloat16": func() {
+			WidenFP8BF16(half, codes, tab)
+			AccumulateRowsBF16(acc, dim, p, n, rows, half, dim, n, dim)
+		},
+	}
+	for _, name := range []string{"keys/float32", "keys/bfloat16", "values/float32", "values/bfloat16"} {
+		b.Run(name, func(b *testing.B) {
+			f := cases[name]
+			for b.Loop() {
+				f()
+			}
+		})
+	}
+}
