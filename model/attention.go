@@ -531,7 +531,8 @@ func (m *Model) attendInPlace(w *workspace, seqs []Seq, blockSize int, it attnIt
 // scores of rows query rows x (ldx apart) into dst (row r at dst[r*ldd:]), one FMA chain over d
 // each — or, for values, kernel.AccumulateRows: the rows probability rows x weighting the values
 // added into the rows of dst (ldd apart), per value element one chain over the keys, carried on
-// from what dst holds. Bfloat16 rows are widened inside the kernels, FP8 ones into sc first.
+// from what dst holds. Bfloat16 rows are widened inside the kernels, FP8 ones into sc first (FP8
+// keys of a bfloat16-exact table go through scoreSet instead: widened to bfloat16).
 func (v *headView) rowProducts(sc *attnScratch, values bool, dst []float32, ldd int, x []float32, ldx, rows, o, n, hd int) {
 	f32, f16, x32, x16, x8 := kernel.RowDots, kernel.RowDotsBF16, v.k, v.k16, v.k8
 	if values {

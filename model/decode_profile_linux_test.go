@@ -61,7 +61,9 @@ func hugePageKV(b *testing.B, n int) []uint16 {
 // CPU milliseconds of a step; with $KVBRIDGE_BENCH_CPUPROFILE set it writes a CPU profile of
 // the timed steps only (so pprof shows a decode step's parts without the load's), one file per
 // batch size (the name gets "-b<batch>"). With $KVBRIDGE_BENCH_THP=1 a bfloat16 KV store is in
-// transparent huge pages (hugePageKV).
+// transparent huge pages (hugePageKV). $KVBRIDGE_BENCH_KV is the KV cache dtype (default the
+// dtype's); with $KVBRIDGE_BENCH_FP8F32=1 FP8 attention runs the float32 row kernels where it
+// would run the bfloat16 ones (Model.fp8F32), to compare the two in alternated runs.
 func BenchmarkDecodeSteps(b *testing.B) {
 	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
 	if path == "" {
@@ -79,10 +81,11 @@ func BenchmarkDecodeSteps(b *testing.B) {
 		}
 		batches = []int{n}
 	}
-	m, err := Open(b.Context(), path, OpenOptions{DType: dtype, Quantization: os.Getenv("KVBRIDGE_BENCH_QUANT")})
+	m, err := Open(b.Context(), path, OpenOptions{DType: dtype, Quantization: os.Getenv("KVBRIDGE_BENCH_QUANT"), KVCacheDType: os.Getenv("KVBRIDGE_BENCH_KV")})
 	if err != nil {
 		b.Fatal(err)
 	}
+	m.fp8F32 = os.Getenv("KVBRIDGE_BENCH_FP8F32") == "1"
 	defer m.Close()
 	const blockSize, ctx = 16, 128
 	per := ctx / blockSize

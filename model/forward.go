@@ -81,6 +81,8 @@ type headView struct {
 	k8, v8   []uint8
 	fp8      *fp8Layer
 	stride   int
+	// fp8F32: the FP8 keys go to the float32 kernels even if bfloat16-exact (Model.fp8F32).
+	fp8F32 bool
 }
 
 // grow returns s resized to n, reallocating only when its capacity is too small.
@@ -408,7 +410,7 @@ func (m *Model) resolveViews(w *workspace, kv KVBlocks, l, blockSize int, seqs [
 				switch {
 				case m.kvFP8:
 					v.k8, v.v8, v.stride = kv8.HeadViewFP8(l, int(blk), g)
-					v.fp8 = &m.fp8Layers[l]
+					v.fp8, v.fp8F32 = &m.fp8Layers[l], m.fp8F32
 				case m.kvBF16:
 					v.k16, v.v16, v.stride = kv16.HeadViewBF16(l, int(blk), g)
 				default:

@@ -22,9 +22,14 @@ import (
 //     offered: scales that depend on the first request would make a prefill and a decode engine
 //     quantize the same KV differently.
 //
-// Everything else is as for bfloat16 KV: attention widens each key and value row to float32
-// before its products, which stay the same FMA chains, so the forward pass stays batch-invariant
-// and P/D gives a single engine's bits.
+// Everything else is as for bfloat16 KV: attention widens each key and value row before its
+// products, which stay the same FMA chains, so the forward pass stays batch-invariant and P/D
+// gives a single engine's bits. Where a layer's key table is bfloat16-exact (every code times the
+// scale a bfloat16 value: scale 1, or a power of two — kernel.FP8Table.BF16), the in-place scores
+// get the keys widened to bfloat16 (half the scratch bytes) and run the bfloat16 kernels,
+// gathered over the KV heads as bfloat16 KV's are (scoreSet), which widen each element to float32
+// exactly before the same chains: the bits of the float32 kernels on keys widened to float32,
+// which the other tables (and the values, where the float32 kernel is the faster) take.
 
 // KVBlocksFP8 is a KV store of FP8 values, which a model with an FP8 KV cache needs:
 // HeadViewFP8 is HeadView for the values' codes (one byte each).
@@ -128,3 +133,24 @@ func (view *headView) widenRows(sc *attnScratch, values bool, o, n, hd int) []fl
 	return sc.wide
 }
 
+// keysBF16 reports whether the view's keys go to the bfloat16 scores kernels, widened to
+// bfloat16 (scoreSet): their table is bfloat16-exact, and no test asks for the float32 kernels.
+// The values stay on the float32 kernels: from L1, widening them to float32 and running
+// AccumulateRows costs 0.78 of widening them to bfloat16 and running AccumulateRowsBF16
+// (kernel.BenchmarkFP8BlockProducts: 121 ns a block of 16 against 155), where the bfloat16
+// scores kernels gathered over several heads cost half the float32 ones.
+func (view *headView) keysBF16() bool { return view.fp8.kTab.BF16() && !view.fp8F32 }
+
+// widenKeysBF16 is widenRows for the keys of a bfloat16-exact table (keysBF16): the n keys from
+// offset o widened to bfloat16 into dst (len ≥ n·hd), hd apart, for the bfloat16 kernels.
+func (view *headView) widenKeysBF16(dst []uint16, o, n, hd int) {
+	src, tab := view.k8, view.fp8.kTab
+	dst = dst[:n*hd]
+	if view.stride == hd { // HND: the rows are adjacent
+		kernel.WidenFP8BF16(dst, src[o:o+n*hd], tab)
+		return
+	}
+	for r := range n {
+		kernel.WidenFP8BF16(dst[r*hd:(r+1)*hd], src[o+r*view.stride:o+r*view.stride+hd], tab)
+	}
+}

@@ -200,6 +200,10 @@ type Model struct {
 	// called Forward, as they did before they were shared by the workers (tests change it, to
 	// compare the two).
 	splitOnCaller bool
+	// fp8F32: FP8 attention widens the keys to float32 for the float32 scores kernels even where
+	// the layer's key table is bfloat16-exact (kvfp8.go), as it did before it used the bfloat16
+	// kernels there (tests change it, to compare the two; not passed on to TP ranks).
+	fp8F32 bool
 	// mark, if set (by a measurement), is called at the start of each part of a step
 	// (steppart.go) on the goroutine that called Forward.
 	mark func(stepPart)

@@ -173,17 +173,28 @@ func BenchmarkStepAccounting(b *testing.B) {
 }
 
 // BenchmarkBatch1Paired runs batch-1 decode steps of the model at $KVBRIDGE_BENCH_MODEL
-// (skipped without it) at contexts 128 and 1024 (dtypes as BenchmarkStepAccounting), alternating
-// step by step between the step's former structure (old: the split sequence's probabilities and
-// chunk sums on the caller) and its current one, with the bandwidth probe's read between steps
-// as in BenchmarkStepAccounting, and reports the median of the pairs' speed ratios (new÷old: old
-// step time ÷ new step time) and each form's median step time.
+// (skipped without it) at contexts 128 and 1024 (dtypes and KV cache dtype as
+// BenchmarkStepAccounting), alternating step by step between an old and a new form of the step,
+// with the bandwidth probe's read between steps as in BenchmarkStepAccounting, and reports the
+// median of the pairs' speed ratios (new÷old: old step time ÷ new step time) and each form's
+// median step time. $KVBRIDGE_BENCH_PAIR chooses the forms: "split" (default) the step's former
+// structure (old: the split sequence's probabilities and chunk sums on the caller) and its
+// current one; "fp8f32" FP8 attention on the float32 row kernels (old: Model.fp8F32) and on the
+// bfloat16 ones (with KVBRIDGE_BENCH_KV=fp8).
 func BenchmarkBatch1Paired(b *testing.B) {
+	pair := os.Getenv("KVBRIDGE_BENCH_PAIR")
+	if pair != "" && pair != "split" && pair != "fp8f32" {
+		b.Fatalf("KVBRIDGE_BENCH_PAIR %q (want split or fp8f32)", pair)
+	}
 	eachBatch1(b, func(b *testing.B, m *Model, kv *testKV, seqs []Seq, probe *kernel.ReadProbe, dtype string, ctx int) {
 		const blockSize = batch1BlockSize
 		logits := seqs[0].Logits
 		step := func(old bool) time.Duration {
-			m.splitOnCaller = old
+			if pair == "fp8f32" {
+				m.fp8F32 = old
+			} else {
+				m.splitOnCaller = old
+			}
 			t0 := time.Now()
 			seqs[0].Tokens[0] = Argmax(logits)
 			if err := m.Forward(b.Context(), kv, blockSize, seqs); err != nil {
@@ -193,7 +204,7 @@ func BenchmarkBatch1Paired(b *testing.B) {
 			probe.GBps(d)
 			return d
 		}
-		defer func() { m.splitOnCaller = false }()
+		defer func() { m.splitOnCaller, m.fp8F32 = false, false }()
 		step(true)
 		step(false)
 		var ratios, olds, news []float64
@@ -221,8 +232,8 @@ func BenchmarkBatch1Paired(b *testing.B) {
 const batch1BlockSize = 16
 
 // eachBatch1 runs fn as a sub-benchmark for each dtype of $KVBRIDGE_BENCH_DTYPE (default
-// bfloat16 and float32) of the model at $KVBRIDGE_BENCH_MODEL (skipped without it) and contexts
-// 128 and 1024: a KV store of one sequence's blocks filled with small values, the sequence
+// bfloat16 and float32) of the model at $KVBRIDGE_BENCH_MODEL (skipped without it), with the KV
+// cache dtype of $KVBRIDGE_BENCH_KV (default the dtype's), and contexts 128 and 1024: a KV store of one sequence's blocks filled with small values, the sequence
 // decoding its last position (Logits set), and a bandwidth probe to read between steps.
 func eachBatch1(b *testing.B, fn func(b *testing.B, m *Model, kv *testKV, seqs []Seq, probe *kernel.ReadProbe, dtype string, ctx int)) {
 	path := os.Getenv("KVBRIDGE_BENCH_MODEL")
@@ -235,7 +246,7 @@ func eachBatch1(b *testing.B, fn func(b *testing.B, m *Model, kv *testKV, seqs [
 	}
 	probe := kernel.NewReadProbe(64<<20, 0)
 	for _, dtype := range dtypes {
-		m, err := Open(b.Context(), path, OpenOptions{DType: dtype})
+		m, err := Open(b.Context(), path, OpenOptions{DType: dtype, KVCacheDType: os.Getenv("KVBRIDGE_BENCH_KV")})
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -248,6 +259,9 @@ func eachBatch1(b *testing.B, fn func(b *testing.B, m *Model, kv *testKV, seqs [
 				}
 				for i := range kv.mem16 {
 					kv.mem16[i] = kernel.F32ToBF16(0.01 * float32(i%7))
+				}
+				for i := range kv.mem8 {
+					kv.mem8[i] = m.fp8.FromF32(0.01 * float32(i%7))
 				}
 				logits := make([]float32, m.cfg.VocabSize)
 				seqs := []Seq{{Tokens: []int32{1}, Start: ctx - 1, Blocks: blockRange(0, per), Logits: logits}}

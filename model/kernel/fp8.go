@@ -102,13 +102,22 @@ type FP8Table struct {
 	// scale is a NaN: then the planes are not used.
 	planes   [4][128]uint8
 	mirrored bool
+	// bf16 reports that every value of vals is a bfloat16 value (the low 16 bits of its float32
+	// bits zero), vals16 their upper halves: the values WidenFP8BF16 writes.
+	bf16   bool
+	vals16 [256]uint16
 }
 
 // NewFP8Table returns the table of format f with scale.
 func NewFP8Table(f FP8, scale float32) *FP8Table {
-	t := &FP8Table{format: f, scale: scale, mirrored: true}
+	t := &FP8Table{format: f, scale: scale, mirrored: true, bf16: true}
 	for b := range t.vals {
 		t.vals[b] = f.ToF32(uint8(b)) * scale
+		bits := math.Float32bits(t.vals[b])
+		t.vals16[b] = uint16(bits >> 16)
+		if uint16(bits) != 0 {
+			t.bf16 = false
+		}
 	}
 	for b := range 128 {
 		bits := math.Float32bits(t.vals[b])
