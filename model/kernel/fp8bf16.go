@@ -1,7 +1,6 @@
 package kernel
 
 import (
-	"encoding/binary"
 	"fmt"
 )
 
@@ -31,18 +30,5 @@ func WidenFP8BF16(dst []uint16, src []uint8, t *FP8Table) {
 	widenFP8BF16(dst[:len(src)], src, t)
 }
 
-// widenFP8BF16Generic is WidenFP8BF16 in portable Go, eight codes a load.
-func widenFP8BF16Generic(dst []uint16, src []uint8, t *FP8Table) {
-	dst = dst[:len(src)]
-	v := &t.vals16
-	i := 0
-	for ; i+8 <= len(src); i += 8 {
-		w := binary.LittleEndian.Uint64(src[i:])
-		d := dst[i : i+8 : i+8]
-		d[0], d[1], d[2], d[3] = v[uint8(w)], v[uint8(w>>8)], v[uint8(w>>16)], v[uint8(w>>24)]
-		d[4], d[5], d[6], d[7] = v[uint8(w>>32)], v[uint8(w>>40)], v[uint8(w>>48)], v[uint8(w>>56)]
-	}
-	for ; i < len(src); i++ {
-		dst[i] = v[src[i]]
-	}
-}
+// widenFP8BF16Generic is WidenFP8BF16 in portable Go.
+func widenFP8BF16Generic(dst []uint16, src []uint8, t *FP8Table) { lookupCodes(dst, src, &t.vals16) }
