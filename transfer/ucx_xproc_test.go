@@ -4,12 +4,10 @@ package transfer
 
 import (
 	"bytes"
-	"context"
 	"encoding/base64"
 	"fmt"
 	"os"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 )
@@ -308,14 +306,7 @@ func TestUCXStalledPeerOwnLink(t *testing.T) {
 				if warm {
 					notify("one")
 				}
-				peer.stop()
-				short, cancel := context.WithTimeout(testCtx(t), 300*time.Millisecond)
-				defer cancel()
-				if err := req.Post(short, nil); err != nil {
-					t.Fatal(err)
-				}
-				wantKind(t, req.Wait(testCtx(t)), ErrTimeout)
-				peer.signal(syscall.SIGCONT)
+				stallRead(t, peer, req)
 				notify("two")
 				notify("three")
 			})

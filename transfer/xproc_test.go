@@ -590,6 +590,23 @@ func TestStalledPeerTimeout(t *testing.T) {
 	stalledPeerTimeout(t, peer, Config{Backends: []string{"TCP"}})
 }
 
+// stallRead stops peer, posts req with a 300 ms context (the request's own deadline is longer)
+// and waits: the READ ends in ErrTimeout (an SHM READ, which copies without the peer, may
+// complete instead); then it resumes the peer.
+func stallRead(t *testing.T, peer *testPeer, req *Request) {
+	t.Helper()
+	peer.stop()
+	short, cancel := context.WithTimeout(testCtx(t), 300*time.Millisecond)
+	defer cancel()
+	if err := req.Post(short, nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := req.Wait(testCtx(t)); req.backend != BackendSHM || err != nil {
+		wantKind(t, err, ErrTimeout)
+	}
+	peer.signal(syscall.SIGCONT)
+}
+
 // stalledPeerTimeout READs 4 MiB from a stopped peer with a 300 ms deadline, its post's
 // context's (ErrTimeout), resumes the peer and posts the same request again, which must bring
 // the peer's pattern (seed 5). It returns the initiator.
@@ -600,14 +617,7 @@ func stalledPeerTimeout(t *testing.T, peer *testPeer, cfg Config) *Agent {
 	// second post's do not have to cover the resumed peer's getting the CPU back and a new link's
 	// hello on a loaded machine (a context's deadline fails a post as the request's does).
 	ini, ar, req := peerRead(t, peer, cfg, size, time.Minute)
-	peer.stop()
-	short, cancel := context.WithTimeout(testCtx(t), 300*time.Millisecond)
-	defer cancel()
-	if err := req.Post(short, nil); err != nil {
-		t.Fatal(err)
-	}
-	wantKind(t, req.Wait(testCtx(t)), ErrTimeout)
-	peer.signal(syscall.SIGCONT)
+	stallRead(t, peer, req)
 	if err := postWait(t, req, nil); err != nil {
 		t.Fatal(err)
 	}
@@ -663,16 +673,7 @@ func stalledPeerNotif(t *testing.T, peer *testPeer, cfg Config, warm bool) *Agen
 			t.Fatalf("echo %q, want ECHO:before", nt.Msg)
 		}
 	}
-	peer.stop()
-	short, cancel := context.WithTimeout(testCtx(t), 300*time.Millisecond)
-	defer cancel()
-	if err := req.Post(short, nil); err != nil {
-		t.Fatal(err)
-	}
-	if err := req.Wait(testCtx(t)); req.backend != BackendSHM || err != nil {
-		wantKind(t, err, ErrTimeout)
-	}
-	peer.signal(syscall.SIGCONT)
+	stallRead(t, peer, req)
 	if err := ini.SendNotif(testCtx(t), name, []byte("alone")); err != nil {
 		t.Fatalf("SendNotif to the resumed peer: %v", err)
 	}
