@@ -2,8 +2,8 @@
 
 package kernel
 
-//go:generate go run fp8bf16gen.go
-
+// widenFP8BF16VBMI is in fp8_amd64.s (fp8gen.go's widenPlanes).
+//
 //go:noescape
 func widenFP8BF16VBMI(dst *uint16, src *uint8, n int, planes *[4][128]uint8)
 

@@ -1,11 +1,12 @@
 //go:build ignore
 
 // fp8gen writes fp8_amd64.s, the AVX-512 conversions between FP8 KV codes and float32 (see
-// fp8.go). Run it with `go generate` (see fp8_amd64.go) after changing it; the generated file is
+// fp8.go), and the widening to bfloat16 of bfloat16-exact tables (see fp8bf16.go). Run it with `go generate` (see fp8_amd64.go) after changing it; the generated file is
 // checked in.
 //
 // Widening with AVX-512 VBMI looks the codes up in the FP8Table's own bits, 64 codes a step (see
-// widenPlanes): exact by construction, and 10 times as fast as the table lookup in Go.
+// widenPlanes): exact by construction, and 10 times as fast as the table lookup in Go. To
+// bfloat16 it looks up only the upper two bytes.
 //
 // Without VBMI, widening computes 16 codes a step: VPMOVZXBD, the magnitude's exponent and
 // mantissa shifted into float32's place and rebiased with one integer add (exact for every
@@ -212,45 +213,57 @@ func narrow(f format) {
 	p("RET")
 }
 
-// widenPlanes writes widenFP8VBMI: n codes from src into dst, looked up in an FP8Table's byte
+// widenPlanes writes a widening of n codes from src into dst looked up in an FP8Table's byte
 // planes (plane k holds byte k of the float32 of each code below 0x80; a code with bit 7 set is
-// the same value negated, its sign bit flipped). Per 64 codes: VPERMB puts them in the order the
-// unpacking below undoes, VPERMI2B looks up each of the four bytes of their values (128-entry
-// tables, the code's low 7 bits), VPTERNLOGD flips the top bytes' sign bits by the codes' bit
-// 7, and byte then word unpacks interleave the planes into 64 float32s, stored in order.
-func widenPlanes() {
-	// Unpacking lane L (16 bytes) of the planes yields the dwords of plane positions 16L+4r+i
-	// (i < 4) in register r at lane L, stored as values 16r+4L+i: so plane position 16L+4r+i
-	// must hold code 16r+4L+i.
-	var perm [64]byte
+// the same value negated, its sign bit flipped): planes 4, widenFP8VBMI, the whole float32s;
+// planes 2, widenFP8BF16VBMI, their upper halves (planes 2 and 3), which are the bfloat16 bits of
+// a bfloat16-exact table's values (fp8bf16.go). Per 64 codes: VPERMB puts them in the order the
+// unpacking below undoes, VPERMI2B looks up each byte of their values (128-entry tables, the
+// code's low 7 bits), VPTERNLOGD flips the top bytes' sign bits by the codes' bit 7, and byte
+// (then, for float32, word) unpacks interleave the planes into 64 values, stored in order.
+func widenPlanes(planes int) {
+	name, perm, dstType, store := "widenFP8VBMI", "fp8perm", "float32", "VMOVDQU32"
+	if planes == 2 {
+		name, perm, dstType, store = "widenFP8BF16VBMI", "fp8bf16perm", "uint16", "VMOVDQU16"
+	}
+	// Unpacking lane L (16 bytes) of the planes yields the values of plane positions 16L+e·r+i
+	// (i < e, e = 16/planes values a lane) in stored register r at lane L, stored as values
+	// (64/planes)·r + e·L + i: so plane position 16L+e·r+i must hold that code.
+	e := 16 / planes
+	var order [64]byte
 	for l := range 4 {
-		for r := range 4 {
-			for i := range 4 {
-				perm[16*l+4*r+i] = byte(16*r + 4*l + i)
+		for r := range planes {
+			for i := range e {
+				order[16*l+e*r+i] = byte(64/planes*r + e*l + i)
 			}
 		}
 	}
 	for j := 0; j < 64; j += 8 {
 		var v uint64
 		for b := range 8 {
-			v |= uint64(perm[j+b]) << (8 * b)
+			v |= uint64(order[j+b]) << (8 * b)
 		}
-		fmt.Fprintf(&out, "DATA fp8perm<>+%d(SB)/8, $0x%016x\n", j, v)
+		fmt.Fprintf(&out, "DATA %s<>+%d(SB)/8, $0x%016x\n", perm, j, v)
 	}
-	out.WriteString("GLOBL fp8perm<>(SB), RODATA|NOPTR, $64\n")
-	const name = "widenFP8VBMI"
-	fmt.Fprintf(&out, "\n// func %s(dst *float32, src *uint8, n int, planes *[4][128]uint8)\n", name)
+	fmt.Fprintf(&out, "GLOBL %s<>(SB), RODATA|NOPTR, $64\n", perm)
+	fmt.Fprintf(&out, "\n// func %s(dst *%s, src *uint8, n int, planes *[4][128]uint8)\n", name, dstType)
 	fmt.Fprintf(&out, "TEXT ·%s(SB), NOSPLIT, $0-32\n", name)
 	p("MOVQ dst+0(FP), DI")
 	p("MOVQ src+8(FP), SI")
 	p("MOVQ n+16(FP), CX")
 	p("MOVQ planes+24(FP), AX")
-	for z := range 8 {
-		p("VMOVDQU64 %d(AX), Z%d", 64*z, 8+z)
+	// The planes used (the last ones): two registers of 64 bytes each, from Z8 on.
+	for z := range 2 * planes {
+		p("VMOVDQU64 %d(AX), Z%d", 128*(4-planes)+64*z, 8+z)
 	}
-	p("VMOVDQU64 fp8perm<>(SB), Z16")
+	p("VMOVDQU64 %s<>(SB), Z16", perm)
 	p("MOVL $0x80808080, AX")
 	p("VPBROADCASTD AX, Z17")
+	// The registers stored: the byte unpacks' for two planes, the word unpacks' for four.
+	stored := []int{3, 4}
+	if planes == 4 {
+		stored = []int{19, 20, 21, 22}
+	}
 	step := func(masked bool) {
 		if masked {
 			p("VMOVDQU8.Z (SI), K1, Z0")
@@ -258,24 +271,29 @@ func widenPlanes() {
 			p("VMOVDQU64 (SI), Z0")
 		}
 		p("VPERMB Z0, Z16, Z0")
-		for k := range 4 {
+		for k := range planes {
 			p("VMOVDQA64 Z0, Z%d", 1+k)
 			p("VPERMI2B Z%d, Z%d, Z%d", 9+2*k, 8+2*k, 1+k)
 		}
-		p("VPTERNLOGD $0x78, Z17, Z0, Z4") // Z4 ^= Z0 & 0x80…: the sign
-		p("VPUNPCKLBW Z2, Z1, Z5")
-		p("VPUNPCKHBW Z2, Z1, Z6")
-		p("VPUNPCKLBW Z4, Z3, Z7")
-		p("VPUNPCKHBW Z4, Z3, Z18")
-		p("VPUNPCKLWD Z7, Z5, Z19")
-		p("VPUNPCKHWD Z7, Z5, Z20")
-		p("VPUNPCKLWD Z18, Z6, Z21")
-		p("VPUNPCKHWD Z18, Z6, Z22")
-		for r := range 4 {
+		p("VPTERNLOGD $0x78, Z17, Z0, Z%d", planes) // the top plane ^= Z0 & 0x80…: the sign
+		if planes == 2 {
+			p("VPUNPCKLBW Z2, Z1, Z3")
+			p("VPUNPCKHBW Z2, Z1, Z4")
+		} else {
+			p("VPUNPCKLBW Z2, Z1, Z5")
+			p("VPUNPCKHBW Z2, Z1, Z6")
+			p("VPUNPCKLBW Z4, Z3, Z7")
+			p("VPUNPCKHBW Z4, Z3, Z18")
+			p("VPUNPCKLWD Z7, Z5, Z19")
+			p("VPUNPCKHWD Z7, Z5, Z20")
+			p("VPUNPCKLWD Z18, Z6, Z21")
+			p("VPUNPCKHWD Z18, Z6, Z22")
+		}
+		for r, z := range stored {
 			if masked {
-				p("VMOVDQU32 Z%d, K%d, %d(DI)", 19+r, 2+r, 64*r)
+				p("%s Z%d, K%d, %d(DI)", store, z, 2+r, 64*r)
 			} else {
-				p("VMOVDQU32 Z%d, %d(DI)", 19+r, 64*r)
+				p("%s Z%d, %d(DI)", store, z, 64*r)
 			}
 		}
 	}
@@ -284,7 +302,7 @@ func widenPlanes() {
 	p("JLT %s_tail", name)
 	step(false)
 	p("ADDQ $64, SI")
-	p("ADDQ $256, DI")
+	p("ADDQ $%d, DI", 64*planes)
 	p("SUBQ $64, CX")
 	p("JMP %s_loop", name)
 	fmt.Fprintf(&out, "%s_tail:\n", name)
@@ -294,10 +312,12 @@ func widenPlanes() {
 	p("SHLQ CX, AX")
 	p("DECQ AX")
 	p("KMOVQ AX, K1")
-	for r := range 4 {
-		p("KMOVW AX, K%d", 2+r)
-		if r < 3 {
-			p("SHRQ $16, AX")
+	// Each store's mask: 64/planes bits of the codes' mask in turn.
+	kmov := map[int]string{2: "KMOVD", 4: "KMOVW"}[planes]
+	for r := range planes {
+		p("%s AX, K%d", kmov, 2+r)
+		if r < planes-1 {
+			p("SHRQ $%d, AX", 64/planes)
 		}
 	}
 	step(true)
@@ -308,7 +328,8 @@ func widenPlanes() {
 
 func main() {
 	out.WriteString("// Code generated by fp8gen.go; DO NOT EDIT.\n\n//go:build amd64 && !purego\n\n#include \"textflag.h\"\n\n")
-	widenPlanes()
+	widenPlanes(4)
+	widenPlanes(2)
 	for _, f := range formats {
 		widen(f)
 		narrow(f)
