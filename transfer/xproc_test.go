@@ -118,13 +118,18 @@ func runTestPeer(name string) error {
 	return nil
 }
 
-// pull is the peer's "pull" command.
-func pull(a *Agent, reg *Region, meta string, out *bufio.Writer) error {
+// loadMeta loads the base64 metadata meta into a and returns the remote agent's name.
+func loadMeta(a *Agent, meta string) (string, error) {
 	blob, err := base64.StdEncoding.DecodeString(meta)
 	if err != nil {
-		return err
+		return "", err
 	}
-	name, err := a.LoadRemote(blob)
+	return a.LoadRemote(blob)
+}
+
+// pull is the peer's "pull" command.
+func pull(a *Agent, reg *Region, meta string, out *bufio.Writer) error {
+	name, err := loadMeta(a, meta)
 	if err != nil {
 		return err
 	}
@@ -150,11 +155,7 @@ func pull(a *Agent, reg *Region, meta string, out *bufio.Writer) error {
 
 // notifyLoaded is the peer's "notify" command.
 func notifyLoaded(a *Agent, meta, msg string) error {
-	blob, err := base64.StdEncoding.DecodeString(meta)
-	if err != nil {
-		return err
-	}
-	name, err := a.LoadRemote(blob)
+	name, err := loadMeta(a, meta)
 	if err != nil {
 		return err
 	}
