@@ -98,10 +98,6 @@ func TestWidenFP8Kernels(t *testing.T) {
 	ks["WidenFP8"] = WidenFP8
 	t.Logf("kernels: %d (generic, WidenFP8 and those of this CPU)", len(ks))
 	r := rand.New(rand.NewPCG(7, 8))
-	all := make([]uint8, 256)
-	for i := range all {
-		all[i] = uint8(i)
-	}
 	check := func(format FP8, scale float32, src []uint8) {
 		t.Helper()
 		tab := NewFP8Table(format, scale)
@@ -127,11 +123,21 @@ func TestWidenFP8Kernels(t *testing.T) {
 			}
 		}
 	}
+	forCodeRuns(r, fp8Scales, 71, check)
+}
+
+// forCodeRuns calls check for both formats and each scale with all 256 codes, all but the first
+// (unaligned), and random codes of every length below lengths.
+func forCodeRuns(r *rand.Rand, scales []float32, lengths int, check func(format FP8, scale float32, src []uint8)) {
+	all := make([]uint8, 256)
+	for i := range all {
+		all[i] = uint8(i)
+	}
 	for _, format := range []FP8{E4M3, E5M2} {
-		for _, scale := range fp8Scales {
+		for _, scale := range scales {
 			check(format, scale, all)
-			check(format, scale, all[1:]) // unaligned
-			for n := range 71 {
+			check(format, scale, all[1:])
+			for n := range lengths {
 				src := make([]uint8, n)
 				for i := range src {
 					src[i] = uint8(r.Uint32())
