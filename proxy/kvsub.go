@@ -27,6 +27,10 @@ const (
 	kvDialTimeout   = 2 * time.Second
 	kvReplayTimeout = 10 * time.Second
 	kvMaxBackoff    = 2 * time.Second
+	// Until the first live message, the replay socket is asked again after kvCatchUpFirst,
+	// then at doubling intervals up to kvCatchUpMax.
+	kvCatchUpFirst = 50 * time.Millisecond
+	kvCatchUpMax   = 5 * time.Second
 	// kvMaxReplay bounds the batches one replay may ask for; a larger gap marks the source stale.
 	kvMaxReplay = 100_000
 )
@@ -57,12 +61,17 @@ type kvSeqAction struct {
 	from  uint64 // the first missed batch
 }
 
-// replayed records that batches [from, next) were applied from a replay made on connecting.
+// replayed records that batches [from, next) were applied from a replay made while no live
+// batch had come yet. Successive catch-ups replay successive ranges (each from the last one's
+// next): the window grows to cover them all.
 func (s *kvSeq) replayed(from, next uint64) {
 	if next <= from {
 		return
 	}
-	s.dupLo, s.dupHi, s.dups = from, next-1, true
+	if !s.dups || from != s.dupHi+1 {
+		s.dupLo = from
+	}
+	s.dupHi, s.dups = next-1, true
 	s.started, s.next = true, max(s.next, next)
 }
 
@@ -126,6 +135,12 @@ func (s *kvSubscriber) run(ctx context.Context) {
 }
 
 // session dials the source once and applies its messages until the connection fails.
+//
+// A SUB socket's subscription takes effect at the publisher some time after the dial, and what
+// is published before then is dropped. So until the first message arrives, the replay socket
+// is asked again, with backoff, for what was published since: otherwise a batch that fell in
+// that window would be missed until a later one showed the gap, and there may be none for a
+// long while. Any message proves the subscription in effect, and ends the catch-up.
 func (s *kvSubscriber) session(ctx context.Context) error {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -139,18 +154,63 @@ func (s *kvSubscriber) session(ctx context.Context) error {
 	}
 	s.connected.Store(true)
 	s.resume(ctx)
-	for {
-		msg, err := sock.Recv()
-		if err != nil {
-			return err
+
+	live := make(chan kvRecv)
+	received := make(chan struct{})
+	go func() { // exits when the socket's Recv fails, or ctx ends
+		defer close(received)
+		for {
+			msg, err := sock.Recv()
+			select {
+			case live <- kvRecv{msg, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
 		}
-		if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
-			s.malformed.Add(1)
-			s.log.Debug("KV events: a message that is not [topic, seq, payload]", "endpoint", s.cfg.endpoint, "frames", len(msg.Frames))
-			continue
-		}
-		s.handle(ctx, binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2])
+	}()
+	defer func() { cancel(); <-received }() // cancel ends the socket's Recv (its context is ctx's child)
+
+	wait := kvCatchUpFirst
+	catchUp := time.NewTimer(wait)
+	defer catchUp.Stop()
+	if s.cfg.replay == "" {
+		catchUp.Stop()
 	}
+	for {
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case r := <-live:
+			if r.err != nil {
+				return r.err
+			}
+			catchUp.Stop()
+			s.receive(ctx, r.msg)
+		case <-catchUp.C:
+			s.catchUp(ctx)
+			wait = min(2*wait, kvCatchUpMax)
+			catchUp.Reset(wait)
+		}
+	}
+}
+
+// kvRecv is one Recv's result, handed from the socket's reader to the session.
+type kvRecv struct {
+	msg zmq4.Msg
+	err error
+}
+
+// receive applies one live message: [topic, seq, payload].
+func (s *kvSubscriber) receive(ctx context.Context, msg zmq4.Msg) {
+	if len(msg.Frames) != 3 || len(msg.Frames[1]) != 8 {
+		s.malformed.Add(1)
+		s.log.Debug("KV events: a message that is not [topic, seq, payload]", "endpoint", s.cfg.endpoint, "frames", len(msg.Frames))
+		return
+	}
+	s.handle(ctx, binary.BigEndian.Uint64(msg.Frames[1]), msg.Frames[2])
 }
 
 // resume runs when the subscriber (re)connects. After a lost connection it first tells whether
@@ -177,6 +237,12 @@ func (s *kvSubscriber) resume(ctx context.Context) {
 			s.restarted("reconnected to a new incarnation")
 		}
 	}
+	s.catchUp(ctx)
+}
+
+// catchUp applies what the replay socket keeps past the last batch applied: what was published
+// before the subscription took effect.
+func (s *kvSubscriber) catchUp(ctx context.Context) {
 	from := s.seq.next
 	next, err := s.replay(ctx, from, replayToEnd)
 	s.seq.replayed(from, next)

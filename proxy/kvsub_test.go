@@ -6,6 +6,7 @@ import (
 	"errors"
 	"log/slog"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -160,6 +161,16 @@ func TestKVSeq(t *testing.T) {
 	if got := r.observe(3); got != (kvSeqAction{reset: true, gap: true}) {
 		t.Errorf("seq 3 after 5: %+v, want a new incarnation", got)
 	}
+	// Catch-ups before the first live batch replay successive ranges: the window covers them all.
+	var c kvSeq
+	c.replayed(0, 2)
+	c.replayed(2, 2) // nothing new
+	c.replayed(2, 4)
+	for seq, want := range []kvSeqAction{{dup: true}, {dup: true}, {dup: true}, {dup: true}, {}} {
+		if got := c.observe(uint64(seq)); got != want {
+			t.Errorf("after catch-ups of 0–1 and 2–3, seq %d: %+v, want %+v", seq, got, want)
+		}
+	}
 	var again kvSeq
 	again.replayed(10, 10) // nothing replayed: no window
 	if got := again.observe(10); got != (kvSeqAction{gap: true}) {
@@ -230,6 +241,90 @@ func TestKVSubscriberGapAndRestart(t *testing.T) {
 		func() { send(pub2, 0, 1000) })
 	if got := ix.longestPrefix([]uint64{3}); got[0].blocks != 0 {
 		t.Fatalf("after the restart the index still holds the old incarnation's block: %+v", got)
+	}
+}
+
+// TestKVSubscriberCatchesUp: a batch the engine published while the subscription had not yet
+// taken effect at its PUB socket (so it never arrives live) reaches the index from the replay
+// socket, although no later batch shows the gap. The PUB socket here never sends; the replay
+// socket is the test's ROUTER, answering as an engine's does ([empty, seq, payload] per batch
+// kept from the one asked for, then seq -1).
+func TestKVSubscriberCatchesUp(t *testing.T) {
+	pub := zmq4.NewPub(t.Context())
+	defer pub.Close()
+	rep := zmq4.NewRouter(t.Context())
+	defer rep.Close()
+	for _, s := range []zmq4.Socket{pub, rep} {
+		if err := s.Listen("tcp://127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var mu sync.Mutex
+	var kept [][]byte // the engine's replay buffer, batch i at i
+	asked := make(chan uint64, 1)
+	quit, served := make(chan struct{}), make(chan struct{})
+	go func() { // ends when the ROUTER closes or quit
+		defer close(served)
+		for {
+			msg, err := rep.Recv()
+			if err != nil {
+				return
+			}
+			f := msg.Frames // [identity, empty, from]
+			if len(f) != 3 || len(f[2]) != 8 {
+				t.Errorf("a replay request of %d frames", len(f))
+				return
+			}
+			from := binary.BigEndian.Uint64(f[2])
+			mu.Lock()
+			batches := slices.Clone(kept[min(from, uint64(len(kept))):])
+			mu.Unlock()
+			for i, b := range batches {
+				_ = rep.Send(zmq4.NewMsgFrom(f[0], nil, binary.BigEndian.AppendUint64(nil, from+uint64(i)), b))
+			}
+			_ = rep.Send(zmq4.NewMsgFrom(f[0], nil, binary.BigEndian.AppendUint64(nil, ^uint64(0)), nil))
+			select {
+			case asked <- from:
+			case <-quit:
+				return
+			}
+		}
+	}()
+	defer func() { close(quit); rep.Close(); <-served }()
+
+	ix := newKVIndex([]int{0}, 1, 1000)
+	sub := &kvSubscriber{cfg: kvSourceConfig{endpoint: "tcp://" + pub.Addr().String(), replay: "tcp://" + rep.Addr().String()},
+		ix: ix, log: slog.New(slog.DiscardHandler)}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() { defer close(done); sub.run(ctx) }()
+	defer func() { cancel(); <-done }()
+
+	deadline := time.After(time.Minute)
+	next := func(what string) uint64 {
+		t.Helper()
+		select {
+		case from := <-asked:
+			return from
+		case <-deadline:
+			t.Fatalf("%s: no replay request within a minute (index %d blocks)", what, ix.len(0))
+			return 0
+		}
+	}
+	if from := next("on connecting"); from != 0 {
+		t.Fatalf("the first replay asked from %d, want 0", from)
+	}
+	// Published after that replay was answered, and dropped by the PUB socket.
+	mu.Lock()
+	kept = append(kept, vllmBatch(t, 0, stored([]any{7}, 16)))
+	mu.Unlock()
+	for next("catching up") != 1 { // asking from 1: batch 0 was applied
+	}
+	if got := ix.longestPrefix([]uint64{7}); got[0].blocks != 1 {
+		t.Fatalf("caught up batch 0, yet the index holds %+v", got)
+	}
+	if sub.gaps.Load() != 0 || sub.replayed.Load() != 1 || ix.isStale(0) {
+		t.Errorf("gaps %d, replays %d, stale %v; want 0, 1, false", sub.gaps.Load(), sub.replayed.Load(), ix.isStale(0))
 	}
 }
 
