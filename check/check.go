@@ -83,16 +83,19 @@ type engine struct {
 
 // kvInfo is GET /v1/kv_transfer (connector.Info, read over HTTP).
 type kvInfo struct {
-	Connector          *string  `json:"kv_connector"`
-	Role               string   `json:"kv_role"`
-	EngineID           string   `json:"engine_id"`
-	Bidirectional      bool     `json:"bidirectional_kv_xfer"`
-	AuthToken          bool     `json:"auth_token"`
-	CompatibilityHash  string   `json:"compatibility_hash"`
-	Backends           []string `json:"backends"`
-	MappedBytes        int64    `json:"mapped_bytes"`
-	ServedTCPReadBytes int64    `json:"served_tcp_read_bytes"`
-	BytesRead          int64    `json:"bytes_read"`
+	Connector         *string `json:"kv_connector"`
+	Role              string  `json:"kv_role"`
+	EngineID          string  `json:"engine_id"`
+	Bidirectional     bool    `json:"bidirectional_kv_xfer"`
+	AuthToken         bool    `json:"auth_token"`
+	CompatibilityHash string  `json:"compatibility_hash"`
+	// Compatibility is what the hash covers, by factor (absent from engines before kvbridge
+	// reported it).
+	Compatibility      map[string]any `json:"compatibility"`
+	Backends           []string       `json:"backends"`
+	MappedBytes        int64          `json:"mapped_bytes"`
+	ServedTCPReadBytes int64          `json:"served_tcp_read_bytes"`
+	BytesRead          int64          `json:"bytes_read"`
 	// BytesWritten and ServedTCPWriteBytes are push mode's: P's writes, and those D took over TCP.
 	BytesWritten        int64 `json:"bytes_written"`
 	ServedTCPWriteBytes int64 `json:"served_tcp_write_bytes"`

@@ -2,6 +2,7 @@ package check
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -82,6 +83,7 @@ func (r *Report) Print(w io.Writer) {
 // configuration judges what the engines say of their connectors.
 func (r *Report) configuration(engines []*engine) {
 	var tokens, hashes = map[bool][]string{}, map[string][]string{}
+	var reported []*engine // with a connector
 	for _, e := range engines {
 		switch {
 		case e.err != nil:
@@ -104,6 +106,7 @@ func (r *Report) configuration(engines []*engine) {
 		}
 		tokens[in.AuthToken] = append(tokens[in.AuthToken], e.url)
 		hashes[in.CompatibilityHash] = append(hashes[in.CompatibilityHash], e.url)
+		reported = append(reported, e)
 	}
 	switch {
 	case len(tokens[true]) > 0 && len(tokens[false]) == 0:
@@ -121,13 +124,59 @@ func (r *Report) configuration(engines []*engine) {
 			strings.Join(tokens[true], ", "), strings.Join(tokens[false], ", "))
 	}
 	if len(hashes) > 1 {
-		var parts []string
-		for h, us := range hashes {
-			parts = append(parts, fmt.Sprintf("%s on %s", h, strings.Join(us, ", ")))
+		parts := compatDiff(reported)
+		if len(parts) == 0 { // engines that do not say what their hashes cover
+			for h, us := range hashes {
+				parts = append(parts, fmt.Sprintf("%s on %s", h, strings.Join(us, ", ")))
+			}
+			slices.Sort(parts)
 		}
-		slices.Sort(parts)
 		r.problem(ProblemCompat, "the engines' compatibility hashes differ (%s): they serve different models, dtypes or KV geometry, so every handshake fails", strings.Join(parts, "; "))
 	}
+}
+
+// compatDiff names each factor of the compatibility hash on which engines differ, with each
+// value and the engines that have it, in the engines' order: `cache_dtype "float32"
+// (http://p:8100) vs "bfloat16" (http://d:8200)`. Engines that do not report the factors are
+// left out.
+func compatDiff(engines []*engine) []string {
+	var keys []string
+	for _, e := range engines {
+		for k := range e.info.Compatibility {
+			if !slices.Contains(keys, k) {
+				keys = append(keys, k)
+			}
+		}
+	}
+	slices.Sort(keys)
+	var parts []string
+	for _, k := range keys {
+		var values []string         // distinct, in order of first appearance
+		on := map[string][]string{} // value → engines
+		for _, e := range engines {
+			if e.info.Compatibility == nil {
+				continue
+			}
+			v, ok := e.info.Compatibility[k]
+			raw := "(none)"
+			if b, err := json.Marshal(v); ok && err == nil {
+				raw = string(b)
+			}
+			if _, seen := on[raw]; !seen {
+				values = append(values, raw)
+			}
+			on[raw] = append(on[raw], e.url)
+		}
+		if len(values) < 2 {
+			continue
+		}
+		var each []string
+		for _, v := range values {
+			each = append(each, v+" ("+strings.Join(on[v], ", ")+")")
+		}
+		parts = append(parts, k+" "+strings.Join(each, " vs "))
+	}
+	return parts
 }
 
 func wantRole(leg string) string {

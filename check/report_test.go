@@ -45,3 +45,30 @@ func TestTokensPreferBySource(t *testing.T) {
 		t.Errorf("problems %+v, want %q: D computed all 303 tokens", r.Problems, ProblemNotPulled)
 	}
 }
+
+// TestCompatDiffNamesTheFactors: with three engines, one of which does not report what its hash
+// covers, the factors that differ are named with each value and its engines; those that agree
+// are not; without any engine reporting them, the hashes themselves are listed.
+func TestCompatDiffNamesTheFactors(t *testing.T) {
+	conn := "NixlConnector"
+	eng := func(url, hash string, compat map[string]any) *engine {
+		return &engine{leg: "decode", url: url, info: &kvInfo{Connector: &conn, Role: "kv_consumer", CompatibilityHash: hash, Compatibility: compat}}
+	}
+	p := eng("http://p", "h1", map[string]any{"model": "m", "cache_dtype": "fp8", "num_kv_heads": 8.0})
+	p.leg, p.info.Role = "prefill", "kv_producer"
+	d1 := eng("http://d1", "h2", map[string]any{"model": "m", "cache_dtype": "bfloat16", "num_kv_heads": 8.0, "quantization": "int8"})
+	old := eng("http://old", "h3", nil)
+	d2 := eng("http://d2", "h2", map[string]any{"model": "m", "cache_dtype": "bfloat16", "num_kv_heads": 8.0, "quantization": "int8"})
+	var r Report
+	r.configuration([]*engine{p, d1, old, d2})
+	want := `(cache_dtype "fp8" (http://p) vs "bfloat16" (http://d1, http://d2); quantization (none) (http://p) vs "int8" (http://d1, http://d2))`
+	if !r.Has(ProblemCompat) || !strings.Contains(r.Problems[0].Detail, want) {
+		t.Errorf("problems %+v, want one saying %s", r.Problems, want)
+	}
+
+	var hashesOnly Report
+	hashesOnly.configuration([]*engine{eng("http://a", "h1", nil), eng("http://b", "h2", nil)})
+	if want := "(h1 on http://a; h2 on http://b)"; !hashesOnly.Has(ProblemCompat) || !strings.Contains(hashesOnly.Problems[0].Detail, want) {
+		t.Errorf("problems %+v, want one saying %s", hashesOnly.Problems, want)
+	}
+}

@@ -84,7 +84,8 @@ type Connector struct {
 	log     *slog.Logger
 	metrics *metrics.NixlMetrics
 	now     func() time.Time
-	hash    string
+	compat  CompatFactors // with the transfer mode
+	hash    string        // CompatibilityHash(compat)
 	agent   *transfer.Agent
 	kvReg   *transfer.Region
 	metaReg *transfer.Region
@@ -134,12 +135,13 @@ func New(opts Options) (*Connector, error) {
 		log:        opts.Logger,
 		metrics:    opts.Metrics,
 		now:        opts.Now,
-		hash:       CompatibilityHash(withMode(opts.Compat, cfg.TransferMode())),
+		compat:     withMode(opts.Compat, cfg.TransferMode()),
 		localLists: map[localListKey]*transfer.PreparedList{},
 		flights:    map[remoteKey]*flight{},
 		streams:    map[string]*stream{},
 		tick:       opts.Tick,
 	}
+	c.hash = CompatibilityHash(c.compat)
 	c.totalKVHeads = opts.Compat.NumKVHeads
 	if c.totalKVHeads == 0 {
 		c.totalKVHeads = c.geo.NumKVHeads * opts.Pool.TensorParallelSize()

@@ -24,8 +24,11 @@ type Info struct {
 	Bidirectional bool `json:"bidirectional_kv_xfer"`
 	// AuthToken says whether an auth token is set (the config key or KVBRIDGE_KV_AUTH_TOKEN).
 	AuthToken bool `json:"auth_token"`
-	// CompatibilityHash is the hash the handshake compares (model, dtypes, geometry).
-	CompatibilityHash string `json:"compatibility_hash"`
+	// CompatibilityHash is the hash the handshake compares (model, dtypes, geometry), and
+	// Compatibility what it hashes (CompatFactors.Fields), so that two engines whose hashes
+	// differ show in what.
+	CompatibilityHash string         `json:"compatibility_hash"`
+	Compatibility     map[string]any `json:"compatibility"`
 	// EnforceHandshakeCompat is enforce_handshake_compat.
 	EnforceHandshakeCompat bool `json:"enforce_handshake_compat"`
 	// Backends is kv_connector_extra_config.backends; empty means automatic (SHM, then TCP).
@@ -55,7 +58,7 @@ func (c *Connector) Info() Info {
 	return Info{
 		Connector: c.cfg.Connector, Role: c.cfg.Role, EngineID: c.cfg.EngineID, Bidirectional: c.cfg.Bidirectional,
 		RemoteHost: c.core.host, RemotePort: c.core.port, TPSize: c.pool.TensorParallelSize(), TransferMode: c.cfg.TransferMode(),
-		AuthToken: c.auth != nil, CompatibilityHash: c.hash, EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
+		AuthToken: c.auth != nil, CompatibilityHash: c.hash, Compatibility: c.compat.Fields(), EnforceHandshakeCompat: c.cfg.EnforceHandshakeCompat,
 		Backends: c.cfg.Backends, MappedBytes: st.MappedBytes, ServedTCPReadBytes: st.ServedReadBytes, BytesRead: st.BytesRead, BytesWritten: st.BytesWritten, ServedTCPWriteBytes: st.ServedWriteBytes,
 		Refusals: c.AuthRefusals(), ParamsAuthMismatch: c.counts.paramsMAC.Load(), PushParked: parked,
 	}

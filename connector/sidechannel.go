@@ -140,11 +140,11 @@ type CompatFactors struct {
 	TransferMode string
 }
 
-// CompatibilityHash returns the SHA-256 hex of the canonical JSON of the factors, the connector
-// version and the transfer mode. The block size is not part of it (heterogeneous block sizes are
-// allowed).
-func CompatibilityHash(f CompatFactors) string {
-	m := map[string]any{
+// Fields returns what CompatibilityHash hashes: the factors, the connector version and the
+// transfer mode, keyed as in the hashed JSON. GET /v1/kv_transfer reports them, so that a
+// mismatch can be explained by the factor that differs.
+func (f CompatFactors) Fields() map[string]any {
+	return map[string]any{
 		"kvbridge_connector_version": ConnectorVersion,
 		"model":                      f.Model,
 		"dtype":                      f.DType,
@@ -155,7 +155,12 @@ func CompatibilityHash(f CompatFactors) string {
 		"quantization":               f.Quantization,
 		"transfer_mode":              cmp.Or(f.TransferMode, "pull"),
 	}
-	data, _ := json.Marshal(m) // map keys are sorted
+}
+
+// CompatibilityHash returns the SHA-256 hex of the canonical JSON of f.Fields(). The block size
+// is not part of it (heterogeneous block sizes are allowed).
+func CompatibilityHash(f CompatFactors) string {
+	data, _ := json.Marshal(f.Fields()) // map keys are sorted
 	sum := sha256.Sum256(data)
 	return hex.EncodeToString(sum[:])
 }
