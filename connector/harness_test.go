@@ -265,7 +265,9 @@ func startProxy(t *testing.T, p, d *node) *httptest.Server {
 }
 
 // post sends a JSON body and returns the status and the decoded body (or, for SSE, the
-// assembled text and the final usage).
+// assembled text and the final usage). Tests call it from goroutines of their own too, so a
+// failure is t.Errorf and status 0 (with the error in Raw), never t.Fatal: that would end only
+// the calling goroutine, and leave the test waiting for what it was to send.
 func post(t testing.TB, url string, body map[string]any) (int, result) {
 	t.Helper()
 	data, _ := json.Marshal(body)
@@ -275,12 +277,14 @@ func post(t testing.TB, url string, body map[string]any) (int, result) {
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
-		t.Fatal(err)
+		t.Errorf("POST %s: %v", url, err)
+		return 0, result{Raw: err.Error()}
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(resp.Body)
 	if err != nil {
-		t.Fatal(err)
+		t.Errorf("POST %s: reading the body: %v", url, err)
+		return 0, result{Raw: err.Error()}
 	}
 	return resp.StatusCode, parseResult(t, raw, strings.HasPrefix(resp.Header.Get("Content-Type"), "text/event-stream"))
 }
@@ -295,6 +299,7 @@ type result struct {
 	Raw          string
 }
 
+// parseResult decodes a response body; like post, it fails the test with t.Errorf.
 func parseResult(t testing.TB, raw []byte, sse bool) result {
 	t.Helper()
 	r := result{Raw: string(raw)}
@@ -329,7 +334,8 @@ func parseResult(t testing.TB, raw []byte, sse bool) result {
 	if !sse {
 		var m map[string]any
 		if err := json.Unmarshal(raw, &m); err != nil {
-			t.Fatalf("response is not JSON: %v: %s", err, raw)
+			t.Errorf("response is not JSON: %v: %s", err, raw)
+			return r
 		}
 		apply(m)
 		return r
@@ -341,7 +347,8 @@ func parseResult(t testing.TB, raw []byte, sse bool) result {
 		}
 		var m map[string]any
 		if err := json.Unmarshal([]byte(data), &m); err != nil {
-			t.Fatalf("SSE event is not JSON: %v: %s", err, data)
+			t.Errorf("SSE event is not JSON: %v: %s", err, data)
+			continue
 		}
 		apply(m)
 	}
