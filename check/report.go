@@ -157,10 +157,11 @@ func compatDiff(engines []*engine) []string {
 			if e.info.Compatibility == nil {
 				continue
 			}
-			v, ok := e.info.Compatibility[k]
 			raw := "(none)"
-			if b, err := json.Marshal(v); ok && err == nil {
-				raw = string(b)
+			if v, ok := e.info.Compatibility[k]; ok {
+				if b, err := json.Marshal(v); err == nil {
+					raw = string(b)
+				}
 			}
 			if _, seen := on[raw]; !seen {
 				values = append(values, raw)

@@ -173,11 +173,11 @@ func (s *kvSubscriber) session(ctx context.Context) error {
 	}()
 	defer func() { cancel(); <-received }() // cancel ends the socket's Recv (its context is ctx's child)
 
+	// catchUp fires while no live message has come; nil without a replay socket, and after one.
 	wait := kvCatchUpFirst
-	catchUp := time.NewTimer(wait)
-	defer catchUp.Stop()
-	if s.cfg.replay == "" {
-		catchUp.Stop()
+	var catchUp <-chan time.Time
+	if s.cfg.replay != "" {
+		catchUp = time.After(wait)
 	}
 	for {
 		select {
@@ -187,12 +187,12 @@ func (s *kvSubscriber) session(ctx context.Context) error {
 			if r.err != nil {
 				return r.err
 			}
-			catchUp.Stop()
+			catchUp = nil
 			s.receive(ctx, r.msg)
-		case <-catchUp.C:
+		case <-catchUp:
 			s.catchUp(ctx)
 			wait = min(2*wait, kvCatchUpMax)
-			catchUp.Reset(wait)
+			catchUp = time.After(wait)
 		}
 	}
 }
@@ -253,7 +253,7 @@ func (s *kvSubscriber) catchUp(ctx context.Context) {
 		s.ix.setStale(s.src, true)
 		s.log.Warn("KV events: batches missed and no longer kept; routing uses this engine's index as it is (stale)", "endpoint", s.cfg.endpoint, "err", err)
 	} else if err != nil {
-		s.log.Debug("KV events: no replay on connecting", "endpoint", s.cfg.replay, "err", err)
+		s.log.Debug("KV events: no replay of what came before the subscription", "endpoint", s.cfg.replay, "err", err)
 	}
 }
 
